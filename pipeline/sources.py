@@ -1,0 +1,165 @@
+"""Where samples come from before they become shards.
+
+Every source is a small object with `name`, `split`, `classes`, `shape` (C, H, W),
+`len()` and `image(i)` / `label(i)`; images are uint8 numpy arrays in CHW order.
+The torchvision data sets are loaded by torchvision itself; we only read its
+already-decoded arrays instead of going through PIL one sample at a time.
+"""
+import os
+
+import numpy as np
+
+SPLIT_SIZES = {"mnist": {"train": 60000, "test": 10000}, "cifar10": {"train": 50000, "test": 10000}}
+SHAPES = {"mnist": (1, 28, 28), "cifar10": (3, 32, 32)}
+CLASSES = {
+    "mnist": [str(d) for d in range(10)],
+    "cifar10": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"],
+}
+
+
+class SourceError(ValueError):
+    """Bad input data: the message says what is wrong and how to fix it."""
+
+
+class ArraySource:
+    """Samples held as one uint8 array (N, C, H, W) and a label array."""
+
+    def __init__(self, name, split, images, labels, classes):
+        self.name, self.split, self.classes = name, split, list(classes)
+        self.images = images
+        self.labels = np.asarray(labels, dtype=np.int64)
+        self.shape = tuple(images.shape[1:])
+
+    def __len__(self):
+        return len(self.labels)
+
+    def image(self, i):
+        return self.images[i]
+
+    def label(self, i):
+        return int(self.labels[i])
+
+
+def torchvision_source(name, split, root, download=False):
+    """MNIST or CIFAR10 through torchvision; raises SourceError when the files are missing."""
+    import torchvision
+
+    cls = {"mnist": torchvision.datasets.MNIST, "cifar10": torchvision.datasets.CIFAR10}[name]
+    try:
+        ds = cls(root=root, train=(split == "train"), download=download)
+    except RuntimeError as e:  # torchvision's "Dataset not found or corrupted"
+        hint = "" if download else " (pass --download to fetch it, or --synthetic for look-alike data)"
+        raise SourceError(f"{name} {split}: no usable data under {root!r}{hint}: {e}") from None
+    except OSError as e:  # download failed: no network
+        raise SourceError(f"{name} {split}: could not download to {root!r}: {e}") from None
+    data = np.asarray(ds.data)
+    images = data[:, None] if data.ndim == 3 else data.transpose(0, 3, 1, 2)  # MNIST NHW, CIFAR NHWC
+    return ArraySource(name, split, np.ascontiguousarray(images), np.asarray(ds.targets), CLASSES[name])
+
+
+class ImageFolderSource:
+    """A torchvision ImageFolder tree; every image must match the first in size and mode."""
+
+    def __init__(self, name, split, root):
+        import torchvision
+
+        if not os.path.isdir(root):
+            raise SourceError(f"{name} {split}: {root!r} is not a directory")
+        try:
+            self.folder = torchvision.datasets.ImageFolder(root)
+        except (FileNotFoundError, RuntimeError) as e:
+            raise SourceError(f"{name} {split}: {root!r} holds no images in ImageFolder layout: {e}") from None
+        self.name, self.split, self.classes = name, split, list(self.folder.classes)
+        self.samples = self.folder.samples
+        first = self._open(0)
+        self.mode, self.size = first.mode, first.size
+        if self.mode not in ("L", "RGB"):
+            raise SourceError(f"{self.samples[0][0]}: image mode {self.mode}; only L (grey) and RGB are supported")
+        self.shape = (1 if self.mode == "L" else 3, self.size[1], self.size[0])
+
+    def _open(self, i):
+        from PIL import Image
+
+        path = self.samples[i][0]
+        try:
+            img = Image.open(path)
+            img.load()
+        except OSError as e:
+            raise SourceError(f"{path}: not a readable image: {e}") from None
+        return img
+
+    def __len__(self):
+        return len(self.samples)
+
+    def image(self, i):
+        img = self._open(i)
+        if img.mode != self.mode or img.size != self.size:
+            raise SourceError(
+                f"{self.samples[i][0]}: {img.mode} {img.size[0]}x{img.size[1]}, expected "
+                f"{self.mode} {self.size[0]}x{self.size[1]} like the rest of {self.name} {self.split}")
+        a = np.asarray(img, dtype=np.uint8)
+        return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
+
+    def label(self, i):
+        return self.samples[i][1]
+
+
+class SyntheticSource:
+    """Look-alike data made offline: ten classes, each a fixed blurry pattern seen
+    through noise and a random shift, so a small CNN learns it well above chance
+    but not perfectly. Sample i depends only on (seed, name, split, i)."""
+
+    def __init__(self, name, split, n, shape, seed=0):
+        self.name, self.split, self.shape = name, split, tuple(shape)
+        self.classes = CLASSES.get(name, [f"class{i}" for i in range(10)])
+        self.n, self.seed = n, seed
+        self._tag = sum(map(ord, name))  # stable across processes, unlike hash()
+        rng = np.random.default_rng((seed, self._tag))
+        c, h, w = self.shape
+        coarse = rng.uniform(0, 1, size=(10, c, h // 4 + 1, w // 4 + 1))
+        self.templates = np.kron(coarse, np.ones((1, 1, 4, 4)))[:, :, :h, :w]
+        self.labels = np.random.default_rng((seed, self._tag, split == "train")).integers(0, 10, n)
+
+    def __len__(self):
+        return self.n
+
+    def image(self, i):
+        rng = np.random.default_rng((self.seed, self._tag, self.split == "train", i))
+        dy, dx = rng.integers(-2, 3, size=2)
+        t = np.roll(self.templates[self.labels[i]], (dy, dx), axis=(1, 2))
+        x = 0.6 * t + 0.4 * rng.uniform(0, 1, size=self.shape)
+        return (x * 255).astype(np.uint8)
+
+    def label(self, i):
+        return int(self.labels[i])
+
+
+def synthetic_source(name, split, limit=None, seed=0):
+    """Synthetic stand-in for a named data set, with its real shape and split size."""
+    n = SPLIT_SIZES.get(name, {}).get(split, 10000)
+    return SyntheticSource(name, split, min(n, limit) if limit else n, SHAPES.get(name, (3, 32, 32)), seed)
+
+
+class Subset:
+    """Part of another source under another split name (e.g. a held-out test split)."""
+
+    def __init__(self, base, indices, split):
+        self.base, self.indices, self.split = base, list(indices), split
+        self.name, self.classes, self.shape = base.name, base.classes, base.shape
+
+    def __len__(self):
+        return len(self.indices)
+
+    def image(self, i):
+        return self.base.image(self.indices[i])
+
+    def label(self, i):
+        return self.base.label(self.indices[i])
+
+
+def holdout(source, n, seed=0):
+    """Split a source into (train, test) subsets with n seeded random samples held out."""
+    if not 0 < n < len(source):
+        raise SourceError(f"--holdout {n}: must be between 1 and {len(source) - 1} for {source.name}")
+    order = np.random.default_rng((seed, 1)).permutation(len(source))
+    return Subset(source, sorted(order[n:]), "train"), Subset(source, sorted(order[:n]), "test")
