@@ -1,0 +1,69 @@
+"""Process-group set-up and the "who am I" value passed into every stage.
+
+Nothing below `train` reads RANK or WORLD_SIZE itself: the stream is handed a
+`Topology`, so sharding logic can be tested in one process for any world size.
+"""
+import datetime
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"rank {self.rank} outside world size {self.world}")
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls):
+        """Read torchrun's variables; a plain `python` run is rank 0 of 1."""
+        env = os.environ
+        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+
+
+def device_for(topo):
+    """cuda:LOCAL_RANK when CUDA is there, else CPU. LOCAL_RANK, not the global rank:
+    on the second node rank 8 still drives GPU 0..7 of its own machine."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(topo.local_rank)
+        return torch.device("cuda", topo.local_rank)
+    return torch.device("cpu")
+
+
+@contextmanager
+def distributed(timeout_s=600):
+    """Initialise the process group from torchrun's environment, always tear it down.
+
+    Yields (topology, device). A single process runs without a process group.
+    `timeout_s` bounds how long a rank waits in a collective for the others.
+    """
+    topo = Topology.from_env()
+    device = device_for(topo)
+    if topo.world > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                **({"device_id": device} if device.type == "cuda" else {}))
+    try:
+        yield topo, device
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def all_reduce_sum(tensor):
+    """Sum a tensor over ranks in place (a no-op in a single process); returns it."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor)
+    return tensor
