@@ -67,3 +67,9 @@ def all_reduce_sum(tensor):
     if dist.is_initialized():
         dist.all_reduce(tensor)
     return tensor
+
+
+def barrier():
+    """Wait for every rank (a no-op in a single process)."""
+    if dist.is_initialized():
+        dist.barrier()

@@ -137,8 +137,10 @@ def build(source, out, *, encoding="png", maxcount=500, seed=0, limit=None, work
         raise ShardError(f"{source.name} {source.split}: no samples")
     os.makedirs(out, exist_ok=True)
     final = os.path.join(out, _manifest_file(source.name, source.split, part))
-    if os.path.exists(final):
-        os.remove(final)
+    whole = os.path.join(out, manifest_name(source.name, source.split))
+    for old in {final, whole}:  # a part rewrites shards that a whole manifest may list
+        if os.path.exists(old):
+            os.remove(old)
     plan = plan_shards(len(source), maxcount, seed, limit, part)
     tasks = [(os.path.join(out, shard_name(source.name, source.split, k)), idx, encoding) for k, idx in plan]
     entries = _run_tasks(source, tasks, workers, progress, f"{source.name}-{source.split}")
@@ -265,16 +267,16 @@ def iter_members(stream, chunk=1 << 20, max_member=MAX_MEMBER):
     A lean USTAR parser: 512-byte header, name, octal size, skip padding. Python's
     tarfile costs ~100 us a member; this is what makes the loader fast. Directories,
     links and PAX/GNU extension records are skipped. Raises ShardError on a header
-    that is not USTAR, a size over `max_member`, or a truncated member.
+    that is not USTAR, a bad size or one over `max_member`, or a stream that ends
+    before the end-of-archive block (a truncated shard).
     """
     buf, pos = b"", 0
     while True:
         if len(buf) - pos < 512:
             buf, pos = buf[pos:] + _read(stream, chunk), 0
-            if len(buf) < 512:
-                if buf.strip(b"\0"):
-                    raise ShardError("truncated tar header")
-                return
+            if len(buf) < 512:  # a tar ends with a zero block; ending elsewhere, even between members, is truncation
+                raise ShardError("truncated tar header" if buf.strip(b"\0") else
+                                 "tar ends without its end-of-archive block (truncated)")
         header = buf[pos:pos + 512]
         if header == ZERO_BLOCK:
             return
@@ -287,7 +289,9 @@ def iter_members(stream, chunk=1 << 20, max_member=MAX_MEMBER):
         try:
             size = max_member + 1 if field[0] & 0x80 else int(field.strip(b"\0 ") or b"0", 8)
         except ValueError:
-            raise ShardError(f"bad size field {field!r} for member {name!r}") from None
+            size = -1
+        if size < 0:  # a negative size would step the parser backwards, looping forever
+            raise ShardError(f"bad size field {field!r} for member {name!r}")
         if size > max_member:
             raise ShardError(f"member {name.decode(errors='replace')!r} claims {size} bytes (limit {max_member})")
         end = pos + 512 + ((size + 511) & ~511)

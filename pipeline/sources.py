@@ -105,9 +105,10 @@ class ImageFolderSource:
 
 
 class SyntheticSource:
-    """Look-alike data made offline: ten classes, each a fixed blurry pattern seen
-    through noise and a random shift, so a small CNN learns it well above chance
-    but not perfectly. Sample i depends only on (seed, name, split, i)."""
+    """Look-alike data made offline: ten classes, each a faint blurry pattern over a
+    shared background, seen through strong noise and a random shift, so a small CNN
+    learns it well above chance but not at once. Sample i depends only on
+    (seed, name, split, i)."""
 
     def __init__(self, name, split, n, shape, seed=0):
         self.name, self.split, self.shape = name, split, tuple(shape)
@@ -118,6 +119,7 @@ class SyntheticSource:
         c, h, w = self.shape
         coarse = rng.uniform(0, 1, size=(10, c, h // 4 + 1, w // 4 + 1))
         self.templates = np.kron(coarse, np.ones((1, 1, 4, 4)))[:, :, :h, :w]
+        self.common = self.templates.mean(0)  # what all classes share; only the rest tells them apart
         self.labels = np.random.default_rng((seed, self._tag, split == "train")).integers(0, 10, n)
 
     def __len__(self):
@@ -125,9 +127,9 @@ class SyntheticSource:
 
     def image(self, i):
         rng = np.random.default_rng((self.seed, self._tag, self.split == "train", i))
-        dy, dx = rng.integers(-2, 3, size=2)
+        dy, dx = rng.integers(-3, 4, size=2)
         t = np.roll(self.templates[self.labels[i]], (dy, dx), axis=(1, 2))
-        x = 0.6 * t + 0.4 * rng.uniform(0, 1, size=self.shape)
+        x = 0.2 * t + 0.3 * self.common + 0.5 * rng.uniform(0, 1, size=self.shape)
         return (x * 255).astype(np.uint8)
 
     def label(self, i):
