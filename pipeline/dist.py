@@ -73,3 +73,15 @@ def barrier():
     """Wait for every rank (a no-op in a single process)."""
     if dist.is_initialized():
         dist.barrier()
+
+
+def sync_buffers(module, src=0):
+    """Copy rank src's buffers (BatchNorm running stats) to every rank.
+
+    DDP broadcasts buffers at the start of each forward, so after the last training
+    step every rank holds slightly different running stats; evaluation and the
+    checkpoint must use one set.
+    """
+    if dist.is_initialized():
+        for b in module.buffers():
+            dist.broadcast(b, src)

@@ -22,6 +22,7 @@ rank and worker) against ~0.1 us for one seeded draw per batch. Shards are split
 """
 import io
 import json
+import math
 import os
 import random
 import re
@@ -148,7 +149,7 @@ def check_weights(weights, names):
     if unknown:
         raise ValueError(f"weights name unknown source(s) {', '.join(unknown)}; sources are {', '.join(names)}")
     w = [float(weights.get(n, 0.0)) for n in names]
-    if any(x < 0 or x != x for x in w) or sum(w) <= 0:
+    if any(not 0 <= x < math.inf for x in w) or sum(w) <= 0:  # also NaN and inf (inf/inf is NaN)
         raise ValueError(f"weights must be >= 0 with a positive sum, got {weights}")
     return [x / sum(w) for x in w]
 
@@ -337,7 +338,7 @@ class Layout:
             idx = np.flatnonzero(src == i)
             if len(idx) == 0:
                 continue
-            if s.encoding == "raw":
+            if isinstance(items[idx[0]][2], bytes):  # raw, by the items: a test split may differ from train
                 arr = np.frombuffer(b"".join(items[j][2] for j in idx), np.uint8).reshape(len(idx), *s.shape)
             else:
                 arr = np.stack([items[j][2] for j in idx])
@@ -453,6 +454,9 @@ class EvalStream(torch.utils.data.IterableDataset):
                  normalize=True):
         self.layout, self.source, self.batch_size, self.topo = layout, source, batch_size, topo
         self.index = layout.index(source.name)
+        if tuple(source.shape) != tuple(layout.sources[self.index].shape):
+            raise ShardError(f"{source.name}: test shards are {tuple(source.shape)}, training shards "
+                             f"{tuple(layout.sources[self.index].shape)}")
         self.strict, self.cache_dir, self.retries, self.normalize = strict, cache_dir, retries, normalize
 
     def __iter__(self):

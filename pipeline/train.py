@@ -22,14 +22,15 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import dist, stream
+from .cli import Parser
 from .model import Net, augment
-from .shards import ShardError
+from .shards import ShardError, write_json_atomic
 
 CHECKPOINT_VERSION = 1
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="pipeline.train", description=__doc__,
+    p = Parser(prog="pipeline.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--train", action="append", default=[], metavar="NAME=SPEC", required=True,
                    help="a training source: SPEC is a manifest, a folder or base URL (ending in /) holding "
@@ -185,6 +186,7 @@ def evaluate(model, train_stream, sources, args, device):
     plain module (DDP's forward can broadcast buffers, a collective) and only the
     final sums are all-reduced, once.
     """
+    dist.sync_buffers(model)
     model.eval()
     sums = torch.zeros(len(sources), 4, dtype=torch.float64, device=device)  # count, correct, loss, skipped
     with torch.no_grad():
@@ -221,9 +223,9 @@ def peak_rss_mb():
 
 
 def train(args, topo, device):
-    ckpt_path = os.path.join(args.out, "checkpoint.pt") if args.eval_only else prepare_out(args, topo)
     train_sources = [stream.resolve(n, spec, "train") for n, spec in args.train.items()]
     eval_sources = [stream.resolve(n, spec, "test") for n, spec in args.eval.items()]
+    ckpt_path = os.path.join(args.out, "checkpoint.pt") if args.eval_only else prepare_out(args, topo)
     mixed = stream.MixedStream(train_sources, weights_at(args, 0), args.batch_size, topo, seed=args.seed,
                                epoch_samples=args.epoch_samples, shuffle_buffer=args.shuffle_buffer,
                                resample=args.resample, strict=args.strict, cache_dir=args.cache_dir,
@@ -245,7 +247,7 @@ def train(args, topo, device):
         model.load_state_dict(load_checkpoint(ckpt_path, device)["model"])
         evals = evaluate(model, mixed, eval_sources, args, device)
         if topo.is_main:
-            write_json(os.path.join(args.out, "eval.json"), {"eval": evals, "world_size": topo.world})
+            write_json_atomic(os.path.join(args.out, "eval.json"), {"eval": evals, "world_size": topo.world})
             print(", ".join(f"{k} {v['accuracy']:.4f} ({v['count']} samples)" for k, v in evals.items()))
         return evals
     if ckpt_path:
@@ -362,14 +364,8 @@ def train(args, topo, device):
         "config": vars(args),
     }
     if topo.is_main:
-        write_json(os.path.join(args.out, "summary.json"), summary)
+        write_json_atomic(os.path.join(args.out, "summary.json"), summary)
     return summary
-
-
-def write_json(path, obj):
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(path + ".tmp", path)
 
 
 def truncate_lines(path, n):

@@ -1,0 +1,158 @@
+"""The trainer under real torchrun processes (gloo, CPU) on tiny synthetic shards."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import build_shards, free_port, serve
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT = 240  # a hang fails the test, not the CI run
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Two sources of different shapes; 13 train shards for mnist, 11 for cifar10 (uneven on purpose)."""
+    out = tmp_path_factory.mktemp("shards")
+    build_shards(out, "mnist", "train", 640, shape=(1, 28, 28), encoding="png", maxcount=50)
+    build_shards(out, "cifar10", "train", 520, shape=(3, 32, 32), encoding="raw", maxcount=50)
+    build_shards(out, "mnist", "test", 230, shape=(1, 28, 28), encoding="png", maxcount=50)
+    build_shards(out, "cifar10", "test", 170, shape=(3, 32, 32), encoding="raw", maxcount=50)
+    return out
+
+
+def sources(base):
+    sep = "" if str(base).endswith("/") else "/"
+    return ["--train", f"mnist={base}{sep}mnist-train.json", "--train", f"cifar10={base}{sep}",
+            "--eval", f"mnist={base}{sep}mnist-test.json", "--eval", f"cifar10={base}{sep}"]
+
+
+COMMON = ["--epochs", "2", "--batch-size", "32", "--workers", "2", "--width", "8", "--log-every", "5",
+          "--record-keys", "--shuffle-buffer", "100"]
+
+
+def run(args, nproc=2, check=True):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    if nproc:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={free_port()}", "-m", "pipeline.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "pipeline.train", *args]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    if check:
+        assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+def read(out, name):
+    with open(os.path.join(out, name)) as f:
+        return json.load(f)
+
+
+def keys(out, rank):
+    with open(os.path.join(out, f"keys-rank{rank}.txt")) as f:
+        return f.read().split()
+
+
+def metrics(out):
+    """metrics.jsonl without the timing field, which differs from run to run."""
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        lines = [json.loads(ln) for ln in f]
+    for ln in lines:
+        ln.pop("samples_per_s", None)
+    return lines
+
+
+@pytest.fixture(scope="module")
+def ddp_run(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "ddp"
+    run([*sources(data), *COMMON, "--out", str(out)])
+    return out
+
+
+@pytest.mark.slow
+def test_ddp_run_equal_batches_disjoint_keys(ddp_run):
+    s = read(ddp_run, "summary.json")
+    assert s["epochs_done"] == 2 and s["world_size"] == 2
+    # epoch = 640 + 520 samples over 2 ranks x 32 -> 18 batches on every rank, every epoch
+    assert s["batches_per_rank_per_epoch"] == [[18, 18], [18, 18]]
+    k0, k1 = keys(ddp_run, 0), keys(ddp_run, 1)
+    assert len(k0) == len(k1) == 2 * 18 * 32
+    per_epoch = 18 * 32
+    for e in range(2):
+        a, b = set(k0[e * per_epoch:(e + 1) * per_epoch]), set(k1[e * per_epoch:(e + 1) * per_epoch])
+        assert not a & b, "two ranks read the same sample in one epoch"
+    assert k0[:per_epoch] != k0[per_epoch:], "epoch 2 repeated epoch 1's order"
+    # every consumed sample is counted per source per rank
+    for e, per_source in enumerate(s["samples_per_source_per_rank"]):
+        assert [per_source["mnist"][r] + per_source["cifar10"][r] for r in (0, 1)] == [per_epoch, per_epoch]
+    assert os.path.exists(os.path.join(ddp_run, "checkpoint.pt"))
+
+
+@pytest.mark.slow
+def test_eval_counts_every_test_sample_once_with_1_and_2_processes(ddp_run, data):
+    s = read(ddp_run, "summary.json")
+    assert {k: v["count"] for k, v in s["eval"].items()} == {"mnist": 230, "cifar10": 170}
+    results = {}
+    for nproc in (0, 2):
+        run([*sources(data), "--workers", "2", "--batch-size", "32", "--width", "8", "--eval-only",
+             "--out", str(ddp_run)], nproc=nproc)
+        results[nproc] = read(ddp_run, "eval.json")["eval"]
+        assert {k: v["count"] for k, v in results[nproc].items()} == {"mnist": 230, "cifar10": 170}
+    assert {k: v["correct"] for k, v in results[0].items()} == {k: v["correct"] for k, v in results[2].items()}
+    assert {k: v["correct"] for k, v in results[2].items()} == {k: v["correct"] for k, v in s["eval"].items()}
+
+
+@pytest.mark.slow
+def test_resume_after_interrupted_epoch_matches_uninterrupted(ddp_run, data, tmp_path):
+    out = tmp_path / "resumed"
+    run([*sources(data), *COMMON, "--out", str(out), "--stop-after", "1"])
+    assert read(out, "summary.json")["epochs_done"] == 1
+    p = run([*sources(data), *COMMON, "--out", str(out)], check=False)
+    assert p.returncode != 0 and "--resume" in p.stderr, "a previous run was silently overwritten"
+    run([*sources(data), *COMMON, "--out", str(out), "--resume"])
+    assert metrics(out) == metrics(ddp_run)
+    assert read(out, "summary.json")["eval"] == read(ddp_run, "summary.json")["eval"]
+    assert keys(out, 0) == keys(ddp_run, 0) and keys(out, 1) == keys(ddp_run, 1)
+
+
+@pytest.mark.slow
+def test_same_run_over_http_matches_local(ddp_run, data, tmp_path):
+    out = tmp_path / "http"
+    with serve(data) as url:
+        run([*sources(url), *COMMON, "--out", str(out)])
+    assert keys(out, 0) == keys(ddp_run, 0) and keys(out, 1) == keys(ddp_run, 1)
+    assert read(out, "summary.json")["eval"] == read(ddp_run, "summary.json")["eval"]
+
+
+@pytest.mark.slow
+def test_synthetic_data_is_learned_far_above_chance(tmp_path):
+    build_shards(tmp_path, "mnist", "train", 2000, shape=(1, 28, 28), encoding="raw", maxcount=200)
+    build_shards(tmp_path, "cifar10", "train", 2000, shape=(3, 32, 32), encoding="raw", maxcount=200)
+    build_shards(tmp_path, "mnist", "test", 500, shape=(1, 28, 28), encoding="raw", maxcount=200)
+    build_shards(tmp_path, "cifar10", "test", 500, shape=(3, 32, 32), encoding="raw", maxcount=200)
+    run([*sources(tmp_path), "--epochs", "3", "--batch-size", "64", "--workers", "0", "--width", "16",
+         "--out", str(tmp_path / "run")], nproc=0)
+    acc = read(tmp_path / "run", "summary.json")["accuracy"]
+    assert acc["mnist"] > 0.5 and acc["cifar10"] > 0.5, acc  # chance is 0.1 (0.05 over the 20-way head)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--weights", "mnist=-1,cifar10=1"], "weights"),
+    (["--weights", "mnist=0,cifar10=0"], "weights"),
+    (["--weights", "mnist=1,imagenet=1"], "imagenet"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--eval", "svhn=x"], "svhn"),
+])
+def test_bad_command_lines_fail_in_one_line(data, tmp_path, bad, message):
+    p = run([*sources(data), *bad, "--out", str(tmp_path / "o")], nproc=0, check=False)
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_missing_test_shards_fail_before_training(data, tmp_path):
+    p = run(["--train", f"mnist={data}/mnist-train.json", "--eval", f"mnist={tmp_path}/nothing-here.json",
+             "--out", str(tmp_path / "o")], nproc=0, check=False)
+    assert p.returncode == 2 and "nothing-here.json" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not os.path.exists(tmp_path / "o" / "metrics.jsonl")
