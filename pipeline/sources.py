@@ -47,7 +47,7 @@ def torchvision_source(name, split, root, download=False):
     cls = {"mnist": torchvision.datasets.MNIST, "cifar10": torchvision.datasets.CIFAR10}[name]
     try:
         ds = cls(root=root, train=(split == "train"), download=download)
-    except RuntimeError as e:  # torchvision's "Dataset not found or corrupted"
+    except (RuntimeError, AssertionError, ValueError) as e:  # not found, or a damaged file torchvision asserts on
         hint = "" if download else " (pass --download to fetch it, or --synthetic for look-alike data)"
         raise SourceError(f"{name} {split}: no usable data under {root!r}{hint}: {e}") from None
     except OSError as e:  # download failed: no network

@@ -1,0 +1,40 @@
+"""Helpers shared by the shard tests: read shards with Python's tarfile (independent of
+pipeline.shards' own reader) and decode a sample the way a consumer would."""
+import io
+import tarfile
+
+import numpy as np
+import pytest
+
+
+def tar_samples(path):
+    """[(key, {ext: bytes})] in file order, grouped at the first dot of each member name."""
+    out = []
+    with tarfile.open(path) as tar:
+        for m in tar.getmembers():
+            key, _, ext = m.name.partition(".")
+            if not out or out[-1][0] != key:
+                out.append((key, {}))
+            assert ext not in out[-1][1], f"{path}: member {m.name} repeated"
+            out[-1][1][ext] = tar.extractfile(m).read()
+    return out
+
+
+def decode(data, encoding, shape):
+    """Image bytes -> uint8 CHW array: PIL for png, frombuffer + manifest shape for raw."""
+    if encoding == "raw":
+        return np.frombuffer(data, dtype=np.uint8).reshape(shape)
+    from PIL import Image
+
+    a = np.asarray(Image.open(io.BytesIO(data)))
+    return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
+
+
+@pytest.fixture
+def read_tar():
+    return tar_samples
+
+
+@pytest.fixture
+def decode_image():
+    return decode

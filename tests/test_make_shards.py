@@ -1,0 +1,335 @@
+"""tools/make_shards.py end to end on tiny files in the real formats, and its answers to bad input.
+
+Runs that import torchvision cost seconds each in a fresh process, so the few checks that
+need the real command line (exit code, stderr) run it as a subprocess and the rest call
+main(argv) in-process.
+"""
+import collections
+import importlib.util
+import json
+import os
+import pickle
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline import shards, sources
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "make_shards.py"
+
+
+def cli(cwd, *args):
+    """Run the tool as a user would; cwd is a scratch folder so defaults never touch the repo."""
+    return subprocess.run([sys.executable, str(TOOL), *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("make_shards_under_test", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def main(tool, capsys):
+    """main(*argv) in-process -> (exit code, stdout, stderr); an uncaught exception fails the test."""
+    def run(*argv):
+        try:
+            code = tool.main([str(a) for a in argv])
+        except SystemExit as e:
+            code = e.code
+        out, err = capsys.readouterr()
+        return code, out, err
+    return run
+
+
+def assert_one_error_line(code, err, *fragments):
+    assert code == 2
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("make_shards: error:"), err
+    for f in fragments:
+        assert f in lines[0], err
+
+
+def manifests(folder):
+    return {f[:-5]: json.loads((folder / f).read_text()) for f in os.listdir(folder) if f.endswith(".json")}
+
+
+def decoded_samples(folder, m, read_tar, decode_image):
+    """{index in the source: (CHW image, label)} for every sample of a manifest, read with tarfile."""
+    out = {}
+    for s in m["shards"]:
+        for key, sample in read_tar(folder / s["name"]):
+            assert set(sample) == {m["encoding"], "cls"}
+            i = int(key.rsplit("-", 1)[1])
+            assert i not in out
+            out[i] = (decode_image(sample[m["encoding"]], m["encoding"], m["shape"]), int(sample["cls"]))
+    assert len(out) == m["total"] == sum(s["samples"] for s in m["shards"])
+    return out
+
+
+def save_images(folder, images, mode=None):
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, a in enumerate(images):
+        Image.fromarray(a, mode).save(folder / f"{i:02d}.png")
+
+
+# ---------------------------------------------------------------- data sets
+
+
+def test_synthetic_writes_both_datasets_and_splits(tmp_path, read_tar, decode_image):
+    p = cli(tmp_path, "--synthetic", "--limit", 12, "--maxcount", 5, "--workers", 2, "--quiet", "--out", "out")
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == ""
+    out = tmp_path / "out"
+    ms = manifests(out)
+    assert sorted(ms) == ["cifar10-test", "cifar10-train", "mnist-test", "mnist-train"]
+    for name, m in ms.items():
+        dataset = name.split("-")[0]
+        assert m["shape"] == {"mnist": [1, 28, 28], "cifar10": [3, 32, 32]}[dataset]
+        assert m["classes"] == sources.CLASSES[dataset] and len(m["classes"]) == 10
+        assert [s["samples"] for s in m["shards"]] == [5, 5, 2]
+        assert name in p.stdout
+        for image, label in decoded_samples(out, m, read_tar, decode_image).values():
+            assert image.shape == tuple(m["shape"]) and 0 <= label < 10
+    assert shards.verify(str(out)) == []
+
+
+def write_idx(path, array):
+    """The MNIST IDX format: big-endian magic 0x0803 (uint8, 3 dims) or 0x0801, dims, then the bytes."""
+    magic = {3: 2051, 1: 2049}[array.ndim]
+    path.write_bytes(struct.pack(f">I{array.ndim}I", magic, *array.shape) + array.astype(np.uint8).tobytes())
+
+
+def test_mnist_from_idx_files(tmp_path, read_tar, decode_image):
+    rng = np.random.default_rng(0)
+    raw = tmp_path / "root" / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    data = {}
+    for split, prefix, n in (("train", "train", 7), ("test", "t10k", 4)):
+        images, labels = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8), rng.integers(0, 10, n, dtype=np.uint8)
+        write_idx(raw / f"{prefix}-images-idx3-ubyte", images)
+        write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels)
+        data[split] = images, labels
+
+    p = cli(tmp_path, "--datasets", "mnist", "--root", "root", "--out", "out", "--maxcount", 3, "--workers", 1,
+            "--quiet")
+    assert p.returncode == 0, p.stderr
+    ms = manifests(tmp_path / "out")
+    assert sorted(ms) == ["mnist-test", "mnist-train"]
+    for split, (images, labels) in data.items():
+        m = ms[f"mnist-{split}"]
+        assert m["shape"] == [1, 28, 28] and m["classes"] == [str(d) for d in range(10)]
+        got = decoded_samples(tmp_path / "out", m, read_tar, decode_image)
+        assert sorted(got) == list(range(len(images)))
+        for i, (image, label) in got.items():
+            np.testing.assert_array_equal(image, images[i][None])
+            assert label == labels[i]
+
+
+def write_cifar(root, rng, sizes):
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rows = {}
+    for name, n in sizes.items():
+        rows[name] = rng.integers(0, 256, (n, 3072), dtype=np.uint8), rng.integers(0, 10, n).tolist()
+        batch = {"batch_label": name, "data": rows[name][0], "labels": rows[name][1],
+                 "filenames": [f"{name}_{i}.png" for i in range(n)]}
+        (folder / name).write_bytes(pickle.dumps(batch, protocol=2))
+    meta = {"label_names": sources.CLASSES["cifar10"], "num_cases_per_batch": 2, "num_vis": 3072}
+    (folder / "batches.meta").write_bytes(pickle.dumps(meta, protocol=2))
+    return rows
+
+
+def test_cifar10_from_pickle_batches(tmp_path, monkeypatch, read_tar, decode_image):
+    import torchvision
+
+    sizes = {**{f"data_batch_{k}": 2 for k in range(1, 6)}, "test_batch": 3}
+    rows = write_cifar(tmp_path / "root", np.random.default_rng(1), sizes)
+    with pytest.raises(sources.SourceError, match="no usable data"):  # our fake files fail the md5 check
+        sources.torchvision_source("cifar10", "test", str(tmp_path / "root"))
+
+    monkeypatch.setattr(torchvision.datasets.CIFAR10, "_check_integrity", lambda self: True)
+    monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda *a, **k: True)  # batches.meta
+    for split, names in (("train", [f"data_batch_{k}" for k in range(1, 6)]), ("test", ["test_batch"])):
+        src = sources.torchvision_source("cifar10", split, str(tmp_path / "root"))
+        assert (len(src), src.shape) == (sum(sizes[n] for n in names), (3, 32, 32))
+        m = shards.build(src, str(tmp_path / "out"), maxcount=4, progress=False)
+        # a CIFAR row is planar: 1024 red, 1024 green, 1024 blue bytes
+        images = np.concatenate([rows[n][0] for n in names]).reshape(-1, 3, 32, 32)
+        labels = sum((rows[n][1] for n in names), [])
+        got = decoded_samples(tmp_path / "out", m, read_tar, decode_image)
+        assert sorted(got) == list(range(len(images)))
+        for i, (image, label) in got.items():
+            np.testing.assert_array_equal(image, images[i])
+            assert label == labels[i]
+
+
+def test_imagefolder_with_holdout(tmp_path, main, read_tar, decode_image):
+    rng = np.random.default_rng(2)
+    expected = collections.Counter()
+    for label, cls in enumerate(["cat", "dog", "emu"]):
+        images = rng.integers(0, 256, (4, 5, 6, 3), dtype=np.uint8)  # 6 wide, 5 high
+        save_images(tmp_path / "pets" / cls, images)
+        expected.update((a.transpose(2, 0, 1).tobytes(), label) for a in images)
+
+    code, out, err = main("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--holdout", 3,
+                          "--out", tmp_path / "out", "--maxcount", 4, "--workers", 1, "--quiet")
+    assert code == 0, err
+    assert "pets-train" in out and "pets-test" in out
+    ms = manifests(tmp_path / "out")
+    assert sorted(ms) == ["pets-test", "pets-train"]
+    assert (ms["pets-train"]["total"], ms["pets-test"]["total"]) == (9, 3)
+    got = {}
+    for name, m in ms.items():
+        assert m["shape"] == [3, 5, 6] and m["classes"] == ["cat", "dog", "emu"]
+        got[name] = collections.Counter((image.tobytes(), label) for image, label in
+                                        decoded_samples(tmp_path / "out", m, read_tar, decode_image).values())
+    assert got["pets-train"] + got["pets-test"] == expected
+    assert not got["pets-train"] & got["pets-test"]
+
+
+def test_imagefolder_grey(tmp_path, main, read_tar, decode_image):
+    rng = np.random.default_rng(3)
+    for cls in ("a", "b"):
+        save_images(tmp_path / "in" / cls, rng.integers(0, 256, (3, 4, 7), dtype=np.uint8), "L")
+    code, out, err = main("--imagefolder", f"digits:train={tmp_path / 'in'}", "--encoding", "raw",
+                          "--out", tmp_path / "out", "--workers", 1, "--quiet")
+    assert code == 0, err
+    m = manifests(tmp_path / "out")["digits-train"]
+    assert (m["shape"], m["classes"], m["total"]) == ([1, 4, 7], ["a", "b"], 6)
+    folder = sources.ImageFolderSource("digits", "train", str(tmp_path / "in"))
+    for i, (image, label) in decoded_samples(tmp_path / "out", m, read_tar, decode_image).items():
+        path, want = folder.samples[i]
+        np.testing.assert_array_equal(image, np.asarray(Image.open(path))[None])
+        assert label == want
+
+
+def test_part_then_merge_equals_single_build(tmp_path):
+    common = ("--synthetic", "--datasets", "mnist", "--splits", "test", "--limit", 23, "--maxcount", 5,
+              "--seed", 3, "--encoding", "raw", "--workers", 1, "--quiet")
+    assert cli(tmp_path, *common, "--out", "whole").returncode == 0
+    for i in range(2):
+        p = cli(tmp_path, *common, "--out", "parts", "--part", f"{i}/3")
+        assert p.returncode == 0, p.stderr
+    p = cli(tmp_path, "--merge", "--datasets", "mnist", "--splits", "test", "--out", "parts")
+    assert_one_error_line(p.returncode, p.stderr, "need 0..2 of 3")
+    p = cli(tmp_path, *common, "--out", "parts", "--part", "2/3")
+    assert p.returncode == 0, p.stderr
+    p = cli(tmp_path, "--merge", "--datasets", "mnist", "--splits", "test", "--out", "parts")
+    assert p.returncode == 0, p.stderr
+    assert "merged mnist-test: 5 shards, 23 samples" in p.stdout
+
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert sorted(os.listdir(parts)) == sorted(os.listdir(whole))  # no part manifests left
+    m, w = manifests(parts)["mnist-test"], manifests(whole)["mnist-test"]
+    assert [(s["name"], s["samples"], s["sha256"]) for s in m["shards"]] == \
+        [(s["name"], s["samples"], s["sha256"]) for s in w["shards"]]
+    assert m == w and m["total"] == 23
+    for f in os.listdir(whole):
+        assert (parts / f).read_bytes() == (whole / f).read_bytes(), f
+
+
+def test_verify_cli(tmp_path):
+    assert cli(tmp_path, "--synthetic", "--datasets", "mnist", "--splits", "test", "--limit", 6, "--maxcount", 3,
+               "--workers", 1, "--quiet", "--out", "out").returncode == 0
+    p = cli(tmp_path, "--verify", "--out", "out")
+    assert p.returncode == 0 and "FAIL" not in p.stdout and "OK" in p.stdout
+    shard = tmp_path / "out" / "mnist-test-000001.tar"
+    data = bytearray(shard.read_bytes())
+    data[600] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    p = cli(tmp_path, "--verify", "--out", "out")
+    assert p.returncode == 1
+    assert "FAIL mnist-test-000001.tar: sha256 differs from the manifest" in p.stdout.splitlines()
+    assert "1 problem(s)" in p.stdout and "Traceback" not in p.stderr
+
+
+def test_fallback_synthetic(tmp_path, main):
+    (tmp_path / "empty").mkdir()
+    code, out, err = main("--datasets", "mnist", "--splits", "test", "--root", tmp_path / "empty",
+                          "--fallback-synthetic", "--limit", 5, "--out", tmp_path / "out", "--workers", 1, "--quiet")
+    assert code == 0, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and "mnist test" in lines[0] and "synthetic" in lines[0], err
+    m = manifests(tmp_path / "out")["mnist-test"]
+    assert (m["total"], m["shape"]) == (5, [1, 28, 28])
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_missing_data_without_download(tmp_path):
+    (tmp_path / "empty").mkdir()
+    p = cli(tmp_path, "--datasets", "mnist", "--splits", "test", "--root", "empty", "--out", "out", "--quiet")
+    assert_one_error_line(p.returncode, p.stderr, "mnist test", "--download")
+    assert not [f for f in os.listdir(tmp_path / "out") if f.endswith(".json")]
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--datasets", "imagenet"], "unknown dataset 'imagenet'"),
+    (["--part", "3/3"], "need 0 <= I < N"),
+    (["--part", "two"], "expected I/N"),
+    (["--limit", "0"], "--limit must be at least 1"),
+    (["--imagefolder", "pets=dir"], "expected NAME:SPLIT=DIR"),
+    (["--imagefolder", "my.pets:train=dir"], "letters, digits and _ only"),
+])
+def test_bad_arguments(tmp_path, args, fragment):
+    p = cli(tmp_path, "--synthetic", *args)
+    assert_one_error_line(p.returncode, p.stderr, fragment)
+    assert os.listdir(tmp_path) == []
+
+
+def test_unwritable_output_folder(tmp_path):
+    (tmp_path / "afile").write_text("not a folder")
+    p = cli(tmp_path, "--synthetic", "--datasets", "mnist", "--splits", "test", "--limit", 3, "--quiet",
+            "--out", "afile/sub")
+    assert_one_error_line(p.returncode, p.stderr, "afile/sub")
+
+
+@pytest.mark.parametrize("layout", ["empty", "no_images", "absent"])
+def test_empty_imagefolder(tmp_path, main, layout):
+    folder = tmp_path / "pets"
+    if layout != "absent":
+        folder.mkdir()
+    if layout == "no_images":
+        (folder / "cat").mkdir()
+        (folder / "cat" / "notes.txt").write_text("no images here")
+    code, _, err = main("--imagefolder", f"pets:train={folder}", "--out", tmp_path / "out", "--workers", 1,
+                        "--quiet")
+    assert_one_error_line(code, err, str(folder))
+
+
+def odd_imagefolder(root, odd):
+    """RGB 6x5 images in classes a and b; `odd` replaces one of them."""
+    rng = np.random.default_rng(4)
+    for cls in ("a", "b"):
+        save_images(root / cls, rng.integers(0, 256, (4, 5, 6, 3), dtype=np.uint8))
+    if odd == "size":  # last in sorted order, so found while writing, in a writer process
+        Image.fromarray(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8)).save(root / "b" / "99.png")
+    elif odd == "rgba":
+        Image.fromarray(rng.integers(0, 256, (5, 6, 4), dtype=np.uint8), "RGBA").save(root / "b" / "99.png")
+    elif odd == "palette_first":  # first in sorted order, so it decides the mode
+        Image.fromarray(rng.integers(0, 256, (5, 6), dtype=np.uint8), "L").convert("P").save(root / "a" / "00.png")
+
+
+@pytest.mark.parametrize("odd,fragments", [
+    ("size", ["99.png", "RGB 6x6", "expected RGB 6x5"]),
+    ("rgba", ["99.png", "RGBA 6x5", "expected RGB 6x5"]),
+    ("palette_first", ["00.png", "image mode P"]),
+])
+def test_imagefolder_with_an_odd_image(tmp_path, main, odd, fragments):
+    odd_imagefolder(tmp_path / "pets", odd)
+    code, _, err = main("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--out", tmp_path / "out",
+                        "--maxcount", 2, "--workers", 2, "--quiet")
+    assert_one_error_line(code, err, *fragments)
+    assert not [f for f in os.listdir(tmp_path / "out") if f.endswith(".json")]

@@ -1,0 +1,401 @@
+"""pipeline.shards on tiny synthetic data: format, reader, determinism, rebuilds, parts, verify."""
+import hashlib
+import io
+import itertools
+import json
+import os
+import re
+import tarfile
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline import shards, sources
+
+CLASSES = [str(i) for i in range(10)]
+
+
+def array_source(n, shape=(1, 8, 8), name="toy", split="train", seed=0):
+    rng = np.random.default_rng(seed)
+    images = rng.integers(0, 256, size=(n, *shape), dtype=np.uint8)
+    return sources.ArraySource(name, split, images, rng.integers(0, 10, n), CLASSES)
+
+
+def build(src, out, **kw):
+    kw.setdefault("maxcount", 5)
+    return shards.build(src, str(out), progress=False, **kw)
+
+
+def tar_files(folder):
+    return sorted(f for f in os.listdir(folder) if ".tar" in f)
+
+
+def folder_bytes(folder):
+    return {f: (folder / f).read_bytes() for f in sorted(os.listdir(folder))}
+
+
+def project_samples(path, stream=None, **kw):
+    """[(key, {ext: bytes})] as pipeline.shards reads them, from `path` or an open stream."""
+    with (stream or open(path, "rb")) as f:
+        return [(s.pop("__key__"), {k: v for k, v in s.items() if k != "__url__"})
+                for s in shards.iter_samples(shards.iter_members(f, **kw))]
+
+
+def check_plain_ustar(path):
+    """Every header is a plain USTAR regular-file header with mtime 0, members back to back."""
+    raw = path.read_bytes()
+    with tarfile.open(path) as tar:
+        members = tar.getmembers()
+        assert tar.pax_headers == {}
+    assert members
+    offset = 0
+    for m in members:
+        assert m.type == tarfile.REGTYPE
+        assert m.mtime == 0 and type(m.mtime) is int
+        # tarfile points a PAX member's offset at its 'x' header: a plain member's data follows its own header
+        assert m.offset == offset and m.offset_data == offset + 512
+        header = raw[m.offset:m.offset + 512]
+        assert header[257:265] == b"ustar\x0000"
+        assert header[156:157] == b"0"
+        assert header[136:148] == b"00000000000\x00"  # mtime field
+        offset = m.offset_data + (m.size + 511) // 512 * 512
+    assert raw[offset:offset + 1024] == bytes(1024)  # end-of-archive blocks
+    assert not raw[offset:].strip(b"\0")
+
+
+# ---------------------------------------------------------------- round trip
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 8), (3, 5, 7)])
+@pytest.mark.parametrize("encoding", shards.ENCODINGS)
+def test_round_trip(tmp_path, read_tar, decode_image, encoding, shape):
+    n = 23
+    src = array_source(n, shape, name="toy_set", split="train")
+    m = build(src, tmp_path, encoding=encoding, maxcount=5, seed=1)
+
+    assert json.loads((tmp_path / "toy_set-train.json").read_text()) == m
+    assert sorted(os.listdir(tmp_path)) == sorted([s["name"] for s in m["shards"]] + ["toy_set-train.json"])
+    assert [s["name"] for s in m["shards"]] == [f"toy_set-train-{k:06d}.tar" for k in range(5)]
+    assert [s["samples"] for s in m["shards"]] == [5, 5, 5, 5, 3]
+    assert (m["total"], m["shape"], m["encoding"], m["classes"]) == (n, list(shape), encoding, CLASSES)
+
+    seen = set()
+    for entry in m["shards"]:
+        path = tmp_path / entry["name"]
+        data = path.read_bytes()
+        assert entry["bytes"] == len(data)
+        assert entry["sha256"] == hashlib.sha256(data).hexdigest()
+        check_plain_ustar(path)
+        samples = read_tar(path)
+        assert len(samples) == entry["samples"]
+        with tarfile.open(path) as tar:
+            assert len(tar.getmembers()) == 2 * entry["samples"]
+        for key, sample in samples:
+            assert re.fullmatch(r"toy_set-train-\d{7}", key), key
+            assert set(sample) == {encoding, "cls"}
+            i = int(key.rsplit("-", 1)[1])
+            assert i not in seen
+            seen.add(i)
+            np.testing.assert_array_equal(decode_image(sample[encoding], encoding, m["shape"]), src.images[i])
+            assert sample["cls"] == str(src.labels[i]).encode()
+    assert seen == set(range(n))
+
+    x = src.images.reshape(n, shape[0], -1).transpose(1, 0, 2).reshape(shape[0], -1) / 255.0
+    np.testing.assert_allclose(m["mean"], x.mean(1), atol=1e-5)
+    np.testing.assert_allclose(m["std"], x.std(1), atol=1e-5)
+
+
+def test_build_rejects_bad_settings(tmp_path):
+    with pytest.raises(shards.ShardError, match="encoding"):
+        build(array_source(3), tmp_path, encoding="jpg")
+    with pytest.raises(shards.ShardError, match="dataset name"):
+        build(array_source(3, name="a.b"), tmp_path)
+    with pytest.raises(shards.ShardError, match="maxcount"):
+        build(array_source(3), tmp_path, maxcount=0)
+    with pytest.raises(shards.ShardError, match="no samples"):
+        build(array_source(0), tmp_path)
+    assert os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------- the project's reader
+
+
+class Trickle(io.RawIOBase):
+    """A pipe-like stream: short reads of at most `step` bytes; records the largest request."""
+
+    def __init__(self, data, step=7):
+        self.f, self.step, self.largest = io.BytesIO(data), step, 0
+
+    def read(self, n=-1):
+        self.largest = max(self.largest, n)
+        return self.f.read(min(n, self.step) if n >= 0 else self.step)
+
+
+@pytest.mark.parametrize("encoding", shards.ENCODINGS)
+def test_reader_matches_tarfile(tmp_path, read_tar, encoding):
+    m = build(array_source(12, (3, 9, 9)), tmp_path, encoding=encoding, maxcount=12)
+    path = tmp_path / m["shards"][0]["name"]
+    expected = read_tar(path)
+    assert len(expected) == 12
+    for chunk in (512, 700, 1 << 20):  # header and member boundaries fall inside and across chunks
+        assert project_samples(path, chunk=chunk) == expected
+    assert project_samples(None, Trickle(path.read_bytes()), chunk=1000) == expected  # short reads
+
+
+def test_reader_reads_webdataset_pax_shards(tmp_path, read_tar):
+    import webdataset as wds
+
+    path = tmp_path / "wds.tar"
+    rng = np.random.default_rng(0)
+    with wds.TarWriter(str(path)) as w:
+        for i in range(6):
+            buf = io.BytesIO()
+            Image.fromarray(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8)).save(buf, format="PNG")
+            w.write({"__key__": f"d/sample-{i:03d}", "png": buf.getvalue(), "cls": str(i % 3).encode()})
+    raw = path.read_bytes()
+    typeflags = [raw[o + 156:o + 157] for o in range(0, len(raw), 512) if raw[o + 257:o + 262] == b"ustar"]
+    assert b"x" in typeflags  # the file really has PAX headers, so the test covers them
+    expected = read_tar(path)
+    assert [k for k, _ in expected] == [f"d/sample-{i:03d}" for i in range(6)]
+    assert project_samples(path) == expected
+    assert project_samples(path, chunk=512) == expected
+
+
+def small_shard(tmp_path):
+    m = build(array_source(4, (1, 20, 20)), tmp_path, encoding="raw", maxcount=4)
+    path = tmp_path / m["shards"][0]["name"]
+    with tarfile.open(path) as tar:
+        return path.read_bytes(), tar.getmembers()
+
+
+@pytest.mark.parametrize("where", ["mid_data", "mid_header", "member_boundary", "sample_boundary",
+                                   "before_end_blocks", "empty"])
+def test_reader_rejects_truncated_shard(tmp_path, where):
+    raw, members = small_shard(tmp_path)
+    end = members[-1].offset_data + (members[-1].size + 511) // 512 * 512
+    cut = {"mid_data": members[2].offset_data + 100, "mid_header": members[3].offset + 200,
+           "member_boundary": members[3].offset, "sample_boundary": members[4].offset,
+           "before_end_blocks": end, "empty": 0}[where]
+    with pytest.raises(shards.ShardError):
+        list(shards.iter_members(io.BytesIO(raw[:cut])))
+
+
+@pytest.mark.parametrize("n", [100, 5000])
+def test_reader_rejects_garbage(tmp_path, n):
+    garbage = np.random.default_rng(n).integers(1, 256, n, dtype=np.uint8).tobytes()
+    with pytest.raises(shards.ShardError):
+        list(shards.iter_members(io.BytesIO(garbage)))
+    raw, members = small_shard(tmp_path)  # a good first member followed by garbage
+    with pytest.raises(shards.ShardError):
+        list(shards.iter_members(io.BytesIO(raw[:members[1].offset] + garbage)))
+
+
+def header(name, size, fmt=tarfile.USTAR_FORMAT):
+    info = tarfile.TarInfo(name)
+    info.size = size
+    return info.tobuf(format=fmt)
+
+
+@pytest.mark.parametrize("size,fmt,limit", [
+    (8 ** 11 - 1, tarfile.USTAR_FORMAT, shards.MAX_MEMBER),  # 8 GiB in octal
+    (1 << 40, tarfile.GNU_FORMAT, shards.MAX_MEMBER),        # base-256 size field
+    (5000, tarfile.USTAR_FORMAT, 4096),                      # just over a caller's limit
+])
+def test_reader_rejects_oversized_member_without_reading_it(size, fmt, limit):
+    hdr = header("big.raw", size, fmt)
+    assert len(hdr) == 512 and hdr[257:262] == b"ustar"
+    stream = Trickle(hdr + bytes(range(256)) * 64, step=1 << 20)
+    with pytest.raises(shards.ShardError, match="claims"):
+        list(shards.iter_members(stream, chunk=4096, max_member=limit))
+    assert stream.largest <= 4096  # it never asked for the claimed size
+
+
+def test_reader_rejects_negative_size_field():
+    hdr = bytearray(header("neg.raw", 0))
+    hdr[124:136] = b"-0000001750\0"  # -1000: would step the parser backwards forever
+    hdr[148:156] = b"        "
+    hdr[148:156] = b"%06o\0 " % sum(hdr)
+    stream = io.BytesIO(bytes(hdr) + bytes(4096))
+    with pytest.raises(shards.ShardError):
+        list(itertools.islice(shards.iter_members(stream), 10))
+
+
+def test_reader_skips_directories_and_links():
+    long_name = "d/" + "a" * 60 + "/" + "k" * 60 + ".cls"
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        d = tarfile.TarInfo("d")
+        d.type = tarfile.DIRTYPE
+        tar.addfile(d)
+        link = tarfile.TarInfo("d/l.cls")
+        link.type, link.linkname = tarfile.SYMTYPE, "x"
+        tar.addfile(link)
+        f = tarfile.TarInfo(long_name)  # over 100 characters: split into USTAR's prefix field
+        f.size = 1
+        tar.addfile(f, io.BytesIO(b"7"))
+    assert buf.getvalue()[1024 + 345:1024 + 350] == b"d/aaa"  # third header's prefix
+    assert list(shards.iter_members(io.BytesIO(buf.getvalue()))) == [(long_name, b"7")]
+
+
+# ---------------------------------------------------------------- determinism and shuffling
+
+
+def test_same_seed_gives_identical_bytes(tmp_path):
+    src = array_source(40, (3, 6, 6))
+    build(src, tmp_path / "a", maxcount=8, seed=5)
+    build(src, tmp_path / "b", maxcount=8, seed=5)
+    build(src, tmp_path / "c", maxcount=8, seed=5, workers=2)
+    a = folder_bytes(tmp_path / "a")
+    assert len(a) == 6
+    assert folder_bytes(tmp_path / "b") == a
+    assert folder_bytes(tmp_path / "c") == a
+
+
+def test_different_seed_gives_different_order(tmp_path, read_tar):
+    src = array_source(40, (1, 4, 4))
+    keys = {}
+    for seed in (0, 1):
+        m = build(src, tmp_path / str(seed), maxcount=8, seed=seed)
+        keys[seed] = [k for s in m["shards"] for k, _ in read_tar(tmp_path / str(seed) / s["name"])]
+    assert keys[0] != keys[1]
+    assert sorted(keys[0]) == sorted(keys[1])
+
+
+def test_class_sorted_imagefolder_is_shuffled_across_shards(tmp_path, read_tar):
+    rng = np.random.default_rng(0)
+    for c in "abc":
+        (tmp_path / "in" / c).mkdir(parents=True)
+        for i in range(12):
+            Image.fromarray(rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)).save(tmp_path / "in" / c / f"{i}.png")
+    src = sources.ImageFolderSource("pets", "train", str(tmp_path / "in"))
+    labels = [src.label(i) for i in range(len(src))]
+    assert labels == sorted(labels)  # the source really is class-sorted
+    m = build(src, tmp_path / "out", maxcount=6)
+    assert len(m["shards"]) == 6
+    for s in m["shards"]:
+        shard_labels = {x["cls"] for _, x in read_tar(tmp_path / "out" / s["name"])}
+        assert len(shard_labels) >= 2, f"{s['name']} holds one class only"
+
+
+# ---------------------------------------------------------------- rebuilds
+
+
+def test_rebuild_with_fewer_samples_removes_stale_shards(tmp_path):
+    src = array_source(50)
+    build(src, tmp_path, maxcount=10)
+    other = build(array_source(10, split="test"), tmp_path, maxcount=10)
+    (tmp_path / "toy-train-000009.tar.tmp").write_bytes(b"left over")
+    assert len(tar_files(tmp_path)) == 7
+    m = build(src, tmp_path, maxcount=10, limit=15)
+    assert m["total"] == 15
+    listed = {s["name"] for s in m["shards"]} | {s["name"] for s in other["shards"]}
+    assert set(tar_files(tmp_path)) == listed  # other splits' shards are kept
+    assert len(listed) == 3
+    assert shards.verify(str(tmp_path)) == []
+
+
+class FailingSource:
+    """Wraps a source; image(bad) raises, as a crash or Ctrl-C mid-build would."""
+
+    def __init__(self, base, bad):
+        self.base, self.bad = base, bad
+        self.name, self.split, self.classes, self.shape = base.name, base.split, base.classes, base.shape
+
+    def __len__(self):
+        return len(self.base)
+
+    def image(self, i):
+        if i == self.bad:
+            raise RuntimeError("disk on fire")
+        return self.base.image(i)
+
+    def label(self, i):
+        return self.base.label(i)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_interrupted_build_leaves_no_manifest_and_no_partial_shard(tmp_path, workers):
+    src = array_source(30)
+    old = build(src, tmp_path, maxcount=10, seed=0)
+    old_bytes = folder_bytes(tmp_path)
+    bad = shards.plan_shards(30, 10, 7)[1][1][4]  # 5th sample of the second shard in the new order
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        build(FailingSource(src, bad), tmp_path, maxcount=10, seed=7, workers=workers)
+
+    assert not (tmp_path / "toy-train.json").exists()  # the old manifest no longer vouches for the set
+    for f in tar_files(tmp_path):
+        if f.endswith(".tar"):
+            assert f in {s["name"] for s in old["shards"]}
+            # whatever is under a final name is a complete shard: the old one or a finished new one
+            samples = project_samples(tmp_path / f)
+            assert len(samples) == 10 and all(set(s) == {"png", "cls"} for _, s in samples)
+    assert (tmp_path / "toy-train-000001.tar").read_bytes() == old_bytes["toy-train-000001.tar"]
+
+    m = build(src, tmp_path, maxcount=10, seed=7)  # a rerun cleans up
+    assert tar_files(tmp_path) == [s["name"] for s in m["shards"]]
+    assert shards.verify(str(tmp_path)) == []
+
+
+# ---------------------------------------------------------------- parts and merge
+
+
+def test_parts_merge_to_the_whole_build(tmp_path):
+    src = array_source(47, (3, 4, 4))
+    whole = build(src, tmp_path / "whole", maxcount=5, seed=3)
+    for i in range(3):
+        p = build(src, tmp_path / "parts", maxcount=5, seed=3, part=(i, 3))
+        assert p["part"] == [i, 3] and [int(s["name"][-10:-4]) % 3 for s in p["shards"]] == [i] * len(p["shards"])
+    assert not (tmp_path / "parts" / "toy-train.json").exists()
+    merged = shards.merge_parts(str(tmp_path / "parts"), "toy", "train")
+    assert merged == whole
+    assert folder_bytes(tmp_path / "parts") == folder_bytes(tmp_path / "whole")
+
+
+def test_merge_needs_every_part(tmp_path):
+    src = array_source(20)
+    for i in (0, 2):
+        build(src, tmp_path, maxcount=5, part=(i, 3))
+    with pytest.raises(shards.ShardError, match="need 0..2 of 3"):
+        shards.merge_parts(str(tmp_path), "toy", "train")
+    build(src, tmp_path, maxcount=5, seed=9, part=(1, 3))
+    with pytest.raises(shards.ShardError, match="different settings"):
+        shards.merge_parts(str(tmp_path), "toy", "train")
+    assert not (tmp_path / "toy-train.json").exists()
+
+
+def test_part_build_removes_the_whole_manifest(tmp_path):
+    src = array_source(20)
+    build(src, tmp_path, maxcount=5, seed=0)
+    build(src, tmp_path, maxcount=5, seed=1, part=(0, 2))  # rewrites shards 0 and 2 in another order
+    assert not (tmp_path / "toy-train.json").exists()  # else it would list shards it no longer matches
+
+
+# ---------------------------------------------------------------- verify
+
+
+def test_verify(tmp_path):
+    m = build(array_source(20), tmp_path, maxcount=5)
+    build(array_source(6, split="test"), tmp_path, maxcount=5)
+    assert shards.verify(str(tmp_path)) == []
+
+    first, second = (tmp_path / s["name"] for s in m["shards"][:2])
+    data = bytearray(first.read_bytes())
+    data[700] ^= 1  # one bit of pixel data, same size
+    first.write_bytes(bytes(data))
+    second.unlink()
+    problems = shards.verify(str(tmp_path))
+    assert len(problems) == 2
+    assert f"{first.name}: sha256 differs from the manifest" in problems
+    assert f"{second.name}: missing" in problems
+
+
+def test_verify_reports_size_and_empty_folder(tmp_path):
+    m = build(array_source(10), tmp_path, maxcount=5)
+    path = tmp_path / m["shards"][1]["name"]
+    path.write_bytes(path.read_bytes()[:-512])
+    assert shards.verify(str(tmp_path)) == [f"{path.name}: {m['shards'][1]['bytes'] - 512} bytes, "
+                                            f"manifest says {m['shards'][1]['bytes']}"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert len(shards.verify(str(empty))) == 1
