@@ -12,10 +12,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipeline import shards, sources  # noqa: E402
+from pipeline.cli import Parser  # noqa: E402
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="make_shards", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--datasets", nargs="+", metavar="NAME",
                    help="built-in data sets to convert: mnist, cifar10 (default: both, unless --imagefolder is given)")
     p.add_argument("--splits", nargs="+", default=["train", "test"], choices=["train", "test"])
