@@ -63,9 +63,17 @@ def distributed(timeout_s=600):
 
 
 def all_reduce_sum(tensor):
-    """Sum a tensor over ranks in place (a no-op in a single process); returns it."""
+    """Sum a tensor over ranks in place (a no-op in a single process); returns it.
+
+    NCCL reduces only CUDA tensors, so CPU bookkeeping tensors take a round trip.
+    """
     if dist.is_initialized():
-        dist.all_reduce(tensor)
+        if dist.get_backend() == "nccl" and tensor.device.type != "cuda":
+            on_gpu = tensor.cuda()
+            dist.all_reduce(on_gpu)
+            tensor.copy_(on_gpu.cpu())
+        else:
+            dist.all_reduce(tensor)
     return tensor
 
 

@@ -27,7 +27,9 @@ import os
 import random
 import re
 import time
+import urllib.request
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from hashlib import sha256
 
@@ -102,10 +104,23 @@ def resolve(name, spec, split):
     if not urls:
         raise ShardError(f"{name}={spec}: no shards")
     missing = [u for u in urls if not is_remote(u) and not os.path.exists(u)]
+    missing += unreachable([u for u in urls if u.startswith(("http://", "https://"))])
     if missing:
         raise ShardError(f"{name}={spec}: {len(missing)} shard(s) missing, e.g. {missing[0]}")
     return Source(name, urls, [listed[n] for n in names], manifest["encoding"], tuple(manifest["shape"]),
                   manifest["classes"], manifest["mean"], manifest["std"])
+
+
+def unreachable(urls, timeout=10):
+    """HTTP shards that fail a HEAD request, with the reason: a 404 is reported
+    before training starts rather than by one rank in the middle of an epoch."""
+    def check(url):
+        try:
+            urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
+        except OSError as e:
+            return f"{url} ({e})"
+    with ThreadPoolExecutor(16) as pool:
+        return [r for r in pool.map(check, urls) if r]
 
 
 def load_manifest(url):
@@ -180,19 +195,28 @@ def shard_schedule(urls, *, seed, epoch, source, slot, slots, resample=False):
         rng.shuffle(mine)
 
 
-def fetch(url, retries=3, delay=1.0):
-    """All bytes of a remote URL, with `retries` bounded retries and doubling delays."""
+def fetch(url, retries=3, delay=1.0, timeout=30):
+    """All bytes of a remote URL, with `retries` bounded retries and doubling delays.
+
+    http(s) goes through urllib rather than webdataset's curl pipe: a stalled server
+    then fails after `timeout` seconds instead of hanging a rank, and the error says
+    "HTTP Error 404" rather than "curl exit 22". pipe: and other schemes use wds.gopen.
+    """
     for attempt in range(retries + 1):
         try:
+            if url.startswith(("http://", "https://")):
+                with urllib.request.urlopen(url, timeout=timeout) as r:
+                    return r.read()
             stream = wds.gopen(url)
             try:
                 data = stream.read()
             finally:
-                stream.close()  # curl's exit status is checked here
+                stream.close()  # a pipe's exit status is checked here
             return data
-        except OSError as e:  # IOError from curl's exit status, or a failed pipe
+        except OSError as e:  # URLError, socket timeout, a pipe's non-zero exit
             if attempt == retries:
                 raise OSError(f"{url}: failed after {retries + 1} attempts: {e}") from None
+            warnings.warn(f"{url}: {e}; retrying in {delay * 2 ** attempt:g} s", stacklevel=2)
             time.sleep(delay * 2 ** attempt)
 
 

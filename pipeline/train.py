@@ -117,14 +117,19 @@ def weights_at(args, epoch):
 
 
 def prepare_out(args, topo):
-    """Refuse to overwrite a previous run unless told; returns the checkpoint to resume, if any."""
+    """Refuse to overwrite a previous run unless told; returns the checkpoint to resume, if any.
+
+    After torchrun restarts a failed job (--max-restarts), the run in --out is this
+    job's own: continue from its checkpoint, or start over if it never wrote one.
+    """
     ckpt = os.path.join(args.out, "checkpoint.pt")
     previous = os.path.exists(os.path.join(args.out, "metrics.jsonl")) or os.path.exists(ckpt)
-    if args.resume:
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    if args.resume or (restarted and os.path.exists(ckpt)):
         if not os.path.exists(ckpt):
             raise ValueError(f"--resume: no checkpoint at {ckpt}")
         return ckpt
-    if previous and not args.overwrite:
+    if previous and not (args.overwrite or restarted):
         raise ValueError(f"{args.out} holds a previous run; pass --resume to continue it or --overwrite to replace it")
     dist.barrier()  # every rank has looked before rank 0 clears the folder
     if topo.is_main:
@@ -147,7 +152,8 @@ def load_checkpoint(path, device):
     try:
         state = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # a truncated or foreign file: say which
-        raise ValueError(f"{path}: not a loadable checkpoint ({e.__class__.__name__}: {e})") from None
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"{path}: not a loadable checkpoint ({e.__class__.__name__}: {first})") from None
     if state.get("version") != CHECKPOINT_VERSION:
         raise ValueError(f"{path}: checkpoint version {state.get('version')}, expected {CHECKPOINT_VERSION}")
     return state
@@ -277,7 +283,7 @@ def train(args, topo, device):
         gen = torch.Generator().manual_seed(args.seed * 100003 + epoch * 1009 + topo.rank)
         per_rank = torch.zeros(topo.world, len(names), dtype=torch.float64)
         log_sum = torch.zeros(len(names), 2, dtype=torch.float64, device=device)  # loss sum, count
-        keys, skipped, batches, t_log = [], 0, 0, time.perf_counter()
+        keys, skipped, skipped_logged, batches, t_log = [], 0, 0, 0, time.perf_counter()
         loader = stream.make_loader(mixed, args.workers, pin_memory=device.type == "cuda")
         bar = progress(topo, steps_per_epoch, f"epoch {epoch + 1}/{args.epochs}")
         t0 = time.perf_counter()
@@ -302,6 +308,8 @@ def train(args, topo, device):
             if keys_file:
                 keys.extend(batch["key"])
             if step % args.log_every == 0 or batches == steps_per_epoch:
+                skipped_now = dist.all_reduce_sum(torch.tensor([skipped - skipped_logged], dtype=torch.float64))
+                skipped_logged = skipped
                 dist.all_reduce_sum(log_sum)
                 loss = (log_sum[:, 0] / log_sum[:, 1].clamp(min=1)).tolist()
                 n = log_sum[:, 1].tolist()
@@ -309,7 +317,7 @@ def train(args, topo, device):
                 metrics.log(kind="train", epoch=epoch, step=step, lr=sched.get_last_lr()[0],
                             loss=dict(zip(names, loss)), samples_per_s=round(sum(n) / dt, 1),
                             share=dict(zip(names, [c / max(sum(n), 1) for c in n])),
-                            weights=weights)
+                            weights=weights, skipped=int(skipped_now))
                 if bar is not None:
                     bar.set_postfix(loss=f"{sum(a * c for a, c in zip(loss, n)) / max(sum(n), 1):.3f}")
                 log_sum.zero_()
@@ -393,7 +401,8 @@ def main(argv=None):
         with dist.distributed(timeout_s=args.timeout) as (topo, device):
             train(args, topo, device)
     except (ValueError, ShardError, OSError) as e:
-        print(f"pipeline.train: error: {e}", file=sys.stderr)
+        # errors re-raised from a DataLoader worker carry its whole traceback: keep the last line
+        print(f"pipeline.train: error: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("pipeline.train: interrupted; the last complete checkpoint stays in --out", file=sys.stderr)

@@ -1,0 +1,235 @@
+"""Failures a multi-process job meets: corrupt shards, HTTP outages, killed ranks, Ctrl-C.
+
+Each case runs real processes with a bounded timeout: a hang fails the test.
+"""
+import functools
+import http.server
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from helpers import build_shards, free_port, serve
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shards")
+    build_shards(out, "mnist", "train", 400, shape=(1, 28, 28), encoding="raw", maxcount=20)
+    build_shards(out, "cifar10", "train", 400, shape=(3, 32, 32), encoding="png", maxcount=20)
+    build_shards(out, "mnist", "test", 100, shape=(1, 28, 28), encoding="raw", maxcount=20)
+    return out
+
+
+def args_for(base, out, *extra):
+    base = str(base).rstrip("/") + "/"
+    return ["--train", f"mnist={base}", "--train", f"cifar10={base}", "--batch-size", "16", "--workers", "1",
+            "--width", "8", "--epochs", "2", "--log-every", "10", "--out", str(out), *extra]
+
+
+def launch(args, nproc=2, extra_launcher=()):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.path.join(ROOT, "tests"), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={free_port()}", *extra_launcher, "-m", "pipeline.train", *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def finish(proc, timeout=180):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"still running after {timeout} s: a hang")
+    return proc.returncode, err
+
+
+def summary(out):
+    with open(os.path.join(out, "summary.json")) as f:
+        return json.load(f)
+
+
+def children(pid):
+    """Direct child pids of a process, from /proc."""
+    kids = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(p))
+            except (OSError, IndexError, ValueError):
+                pass
+    return kids
+
+
+def wait_for(path, proc, timeout=120):
+    t0 = time.time()
+    while not os.path.exists(path):
+        assert proc.poll() is None, f"exited early: {proc.communicate()[1][-2000:]}"
+        assert time.time() - t0 < timeout, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def corrupt_copy(data, tmp_path):
+    """A copy of the shards with one mnist shard cut in the middle of a member."""
+    dst = tmp_path / "corrupt"
+    dst.mkdir()
+    for f in os.listdir(data):
+        if f != "mnist-train-000003.tar":
+            os.link(data / f, dst / f)
+    src = (data / "mnist-train-000003.tar").read_bytes()
+    (dst / "mnist-train-000003.tar").write_bytes(src[:len(src) // 2 + 700])
+    return dst
+
+
+def test_corrupt_shard_is_skipped_and_counted(data, tmp_path):
+    bad = corrupt_copy(data, tmp_path)
+    out = tmp_path / "run"
+    rc, err = finish(launch(args_for(bad, out)))
+    assert rc == 0, err[-2000:]
+    assert "mnist-train-000003.tar" in err  # the warning names the shard
+    s = summary(out)
+    assert s["skipped_samples"] > 0
+    assert s["batches_per_rank_per_epoch"][0][0] == s["batches_per_rank_per_epoch"][0][1]
+    with open(out / "metrics.jsonl") as f:
+        assert sum(json.loads(ln).get("skipped", 0) for ln in f) == s["skipped_samples"]
+
+
+def test_corrupt_shard_stops_the_run_under_strict(data, tmp_path):
+    bad = corrupt_copy(data, tmp_path)
+    rc, err = finish(launch(args_for(bad, tmp_path / "run", "--strict")))
+    assert rc != 0
+    assert "mnist-train-000003.tar" in err and "truncated" in err
+
+
+class Server:
+    """An http.server on a fixed port that can be stopped and started again."""
+
+    def __init__(self, folder):
+        self.folder, self.port, self.httpd = str(folder), free_port(), None
+
+    def start(self):
+        handler = functools.partial(_Quiet, directory=self.folder)
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}/"
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def test_http_server_outage_mid_run_is_retried(data, tmp_path):
+    server = Server(data)
+    server.start()
+    out = tmp_path / "run"
+    proc = launch(args_for(server.url, out, "--epochs", "3"))
+    try:
+        wait_for(out / "checkpoint.pt", proc)  # epoch 1 done: the stream is mid-run
+        server.stop()
+        time.sleep(2.5)
+        server.start()
+        rc, err = finish(proc)
+    finally:
+        server.stop()
+    assert rc == 0, err[-2000:]
+    assert "retrying" in err
+    assert summary(out)["epochs_done"] == 3
+
+
+def test_http_server_gone_for_good_stops_every_rank_with_one_error(data, tmp_path):
+    server = Server(data)
+    server.start()
+    out = tmp_path / "run"
+    proc = launch(args_for(server.url, out, "--epochs", "50"))
+    wait_for(out / "checkpoint.pt", proc)
+    server.stop()
+    t0 = time.time()
+    rc, err = finish(proc, timeout=120)
+    assert rc != 0
+    assert "failed after 4 attempts" in err
+    assert time.time() - t0 < 90
+
+
+def test_unreachable_server_fails_fast(tmp_path):
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-m", "pipeline.train",
+                        *args_for(f"http://127.0.0.1:{free_port()}", tmp_path / "run")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "cannot read manifest" in p.stderr and "Traceback" not in p.stderr
+    assert time.time() - t0 < 60
+
+
+def test_missing_http_shard_is_reported_before_training(data, tmp_path):
+    folder = tmp_path / "served"
+    folder.mkdir()
+    for f in os.listdir(data):
+        if f != "cifar10-train-000005.tar":
+            os.link(data / f, folder / f)
+    with serve(folder) as url:
+        p = subprocess.run([sys.executable, "-m", "pipeline.train", *args_for(url, tmp_path / "run")],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "cifar10-train-000005.tar" in p.stderr and "404" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_killed_rank_restarts_from_checkpoint_and_finishes(data, tmp_path):
+    out = tmp_path / "run"
+    proc = launch(args_for(data, out, "--epochs", "3", "--epoch-samples", "4000"),
+                  extra_launcher=["--max-restarts=1"])
+    wait_for(out / "checkpoint.pt", proc)
+    victims = children(proc.pid)
+    assert victims, "no trainer processes found"
+    os.kill(victims[-1], signal.SIGKILL)
+    rc, err = finish(proc)
+    assert rc == 0, err[-2000:]
+    s = summary(out)
+    assert s["restarts"] == 1 and s["resumed_from_epoch"] >= 1
+    assert s["epochs_done"] == 3 and all(len(set(b)) == 1 for b in s["batches_per_rank_per_epoch"])
+    torch.load(out / "checkpoint.pt", weights_only=True)
+
+
+def test_ctrl_c_on_the_launcher_ends_every_process(data, tmp_path):
+    out = tmp_path / "run"
+    proc = launch(args_for(data, out, "--epochs", "50"))
+    wait_for(out / "checkpoint.pt", proc)
+    tree = children(proc.pid)
+    tree += [g for c in tree for g in children(c)]
+    proc.send_signal(signal.SIGINT)
+    t0 = time.time()
+    finish(proc, timeout=60)
+    assert time.time() - t0 < 30
+    time.sleep(1)
+    assert [p for p in tree if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]] \
+        == [], "processes left running"
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+    torch.load(out / "checkpoint.pt", weights_only=True)
+
+
+def test_unloadable_checkpoint_is_one_line_error(data, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    p = subprocess.run([sys.executable, "-m", "pipeline.train", *args_for(data, out, "--resume")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "not a loadable checkpoint" in p.stderr and "Traceback" not in p.stderr
