@@ -1,0 +1,96 @@
+"""Beyond one machine: two torchrun "nodes" over HTTP, endless resampled streams, weight schedules."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import build_shards, free_port, serve
+from pipeline import stream
+from pipeline.dist import Topology
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shards")
+    build_shards(out, "mnist", "train", 600, shape=(1, 28, 28), encoding="raw", maxcount=25)
+    build_shards(out, "cifar10", "train", 300, shape=(3, 32, 32), encoding="raw", maxcount=25)
+    build_shards(out, "mnist", "test", 100, shape=(1, 28, 28), encoding="raw", maxcount=25)
+    return out
+
+
+def env():
+    return dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+
+
+@pytest.mark.slow
+def test_two_nodes_over_http_train_on_disjoint_samples(data, tmp_path):
+    out = tmp_path / "run"
+    port = free_port()
+    with serve(data) as url:
+        args = ["--train", f"mnist={url}", "--train", f"cifar10={url}", "--eval", f"mnist={url}",
+                "--epochs", "2", "--batch-size", "16", "--workers", "2", "--width", "8", "--record-keys",
+                "--out", str(out)]
+        nodes = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test", f"--node-rank={n}",
+             "-m", "pipeline.train", *args],
+            cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (0, 1)]
+        try:
+            results = [p.communicate(timeout=240) for p in nodes]
+        finally:
+            for p in nodes:
+                p.kill()
+    assert [p.returncode for p in nodes] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
+    with open(out / "summary.json") as f:
+        s = json.load(f)
+    assert s["world_size"] == 2
+    assert s["batches_per_rank_per_epoch"] == [[28, 28], [28, 28]]  # 900 // (2 x 16)
+    assert s["eval"]["mnist"]["count"] == 100
+    keys = [(out / f"keys-rank{r}.txt").read_text().split() for r in (0, 1)]
+    per_epoch = 28 * 16
+    for e in range(2):
+        a, b = (set(k[e * per_epoch:(e + 1) * per_epoch]) for k in keys)
+        assert not a & b, "the two nodes trained on the same sample in one epoch"
+
+
+def count(stream_, workers):
+    batches, shares = 0, {}
+    for b in stream.make_loader(stream_, workers):
+        batches += 1
+        for s in b["source"].tolist():
+            shares[s] = shares.get(s, 0) + 1
+    return batches, shares
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resampled_stream_keeps_equal_batches_and_mixture(data, workers):
+    sources = [stream.resolve("mnist", str(data), "train"), stream.resolve("cifar10", str(data), "train")]
+    results = []
+    for rank in (0, 1):
+        s = stream.MixedStream(sources, {"mnist": 0.3, "cifar10": 0.7}, 50, Topology(rank, 2), resample=True,
+                               epoch_samples=24000, shuffle_buffer=50)
+        results.append(count(s, workers))
+    assert [r[0] for r in results] == [240, 240]  # fixed epoch length, not a pass over the data
+    for batches, shares in results:
+        total = batches * 50
+        assert abs(shares[0] / total - 0.3) < 0.02 and abs(shares[1] / total - 0.7) < 0.02
+
+
+def test_weight_schedule_moves_the_mixture_and_is_recorded(data, tmp_path):
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "pipeline.train", "--train", f"mnist={data}", "--train",
+                        f"cifar10={data}", "--weights", "mnist=0.9,cifar10=0.1",
+                        "--final-weights", "mnist=0.1,cifar10=0.9", "--epochs", "3", "--epoch-samples", "1600",
+                        "--batch-size", "32", "--workers", "0", "--width", "8", "--log-every", "1000",
+                        "--out", str(out)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    by_epoch = {ln["epoch"]: ln for ln in lines if ln["kind"] == "train"}
+    assert by_epoch[0]["weights"]["mnist"] == pytest.approx(0.9)
+    assert by_epoch[1]["weights"]["mnist"] == pytest.approx(0.5)
+    assert by_epoch[2]["weights"]["mnist"] == pytest.approx(0.1)
+    assert by_epoch[0]["share"]["mnist"] > 0.8 and by_epoch[2]["share"]["mnist"] < 0.2
