@@ -373,6 +373,9 @@ def train(args, topo, device):
     }
     if topo.is_main:
         write_json_atomic(os.path.join(args.out, "summary.json"), summary)
+        acc = ", ".join(f"{k} {v:.4f}" for k, v in summary["accuracy"].items()) or "no --eval sources"
+        print(f"done in {summary['wall_time_s']:.0f} s: test accuracy {acc}; "
+              f"metrics.jsonl, summary.json and checkpoint.pt are in {args.out}/", flush=True)
     return summary
 
 
