@@ -53,6 +53,7 @@ class Source:
     name: str
     urls: list
     counts: list
+    digests: list
     encoding: str
     shape: tuple
     classes: list
@@ -90,6 +91,7 @@ def resolve(name, spec, split):
         manifest_url = patterned[0][:m.start()] + manifest_name(name, split) + patterned[0][m.end():]
     manifest = load_manifest(manifest_url)
     listed = {s["name"]: s["samples"] for s in manifest["shards"]}
+    digests = {s["name"]: s.get("sha256") for s in manifest["shards"]}
     base = re.findall(r"[^/\s]+\.json", manifest_url)[-1]
     head, _, tail = manifest_url.rpartition(base)
     if patterned is None:
@@ -107,7 +109,8 @@ def resolve(name, spec, split):
     missing += unreachable([u for u in urls if u.startswith(("http://", "https://"))])
     if missing:
         raise ShardError(f"{name}={spec}: {len(missing)} shard(s) missing, e.g. {missing[0]}")
-    return Source(name, urls, [listed[n] for n in names], manifest["encoding"], tuple(manifest["shape"]),
+    return Source(name, urls, [listed[n] for n in names], [digests[n] for n in names], manifest["encoding"],
+                  tuple(manifest["shape"]),
                   manifest["classes"], manifest["mean"], manifest["std"])
 
 
@@ -226,31 +229,41 @@ def cache_path(cache_dir, url):
     return os.path.join(cache_dir, f"{sha256(url.encode()).hexdigest()[:16]}-{tail}")
 
 
-def open_shard(url, cache_dir=None, retries=3):
-    """A readable binary stream over one shard: local file, cached copy, or fetched bytes."""
+def open_shard(url, cache_dir=None, retries=3, digest=None):
+    """A readable binary stream over one shard: local file, cached copy, or fetched bytes.
+
+    Remote shards are fetched whole, so their sha256 is checked against the manifest
+    (cheap next to the transfer) before anything is read or cached. Local files are
+    not hashed on every read: `make_shards.py --verify` checks them.
+    """
     if not is_remote(url):
         return open(url, "rb")
-    if cache_dir is None:
-        return io.BytesIO(fetch(url, retries))
-    path = cache_path(cache_dir, url)
-    if not os.path.exists(path):
-        os.makedirs(cache_dir, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(fetch(url, retries))
-        os.replace(tmp, path)
+    path = cache_path(cache_dir, url) if cache_dir else None
+    if path and os.path.exists(path):
+        return open(path, "rb")
+    data = fetch(url, retries)
+    if digest and sha256(data).hexdigest() != digest:
+        raise ShardError("sha256 differs from the manifest")
+    if path is None:
+        return io.BytesIO(data)
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
     return open(path, "rb")
 
 
-def read_shards(urls, counts, stats, *, strict=False, cache_dir=None, retries=3):
+def read_shards(urls, source, stats, *, strict=False, cache_dir=None, retries=3):
     """Sample dicts from each shard in turn. A malformed shard is skipped from the
     point of damage with a warning (its unread samples counted in stats['skipped']),
     or raises under `strict`. I/O errors that outlast the retries always raise."""
+    counts, digests = dict(zip(source.urls, source.counts)), dict(zip(source.urls, source.digests))
     yielded_any = False
     for n, url in enumerate(urls, 1):
         got = 0
         try:
-            with open_shard(url, cache_dir, retries) as stream:
+            with open_shard(url, cache_dir, retries, digests.get(url)) as stream:
                 for sample in iter_samples(iter_members(stream), url):
                     got += 1
                     yield sample
@@ -437,8 +450,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         s = self.layout.sources[i]
         urls = shard_schedule(s.urls, seed=self.seed, epoch=self.epoch, source=i, slot=slot, slots=slots,
                               resample=self.resample)
-        counts = dict(zip(s.urls, s.counts))
-        samples = read_shards(urls, counts, stats, strict=self.strict, cache_dir=self.cache_dir,
+        samples = read_shards(urls, s, stats, strict=self.strict, cache_dir=self.cache_dir,
                               retries=self.retries)
         rng = random.Random(f"{self.seed}/{self.epoch}/{i}/{self.topo.rank}/{worker}/buffer")
         samples = wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(samples)
@@ -489,8 +501,7 @@ class EvalStream(torch.utils.data.IterableDataset):
         urls = self.source.urls[slot::slots]
         if not urls:
             return
-        counts = dict(zip(self.source.urls, self.source.counts))
-        samples = read_shards(urls, counts, stats, strict=self.strict, cache_dir=self.cache_dir,
+        samples = read_shards(urls, self.source, stats, strict=self.strict, cache_dir=self.cache_dir,
                               retries=self.retries)
         items, reported = [], 0
         for key, img, label in decode_samples(samples, self.source, stats, strict=self.strict):

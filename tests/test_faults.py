@@ -233,3 +233,26 @@ def test_unloadable_checkpoint_is_one_line_error(data, tmp_path):
     p = subprocess.run([sys.executable, "-m", "pipeline.train", *args_for(data, out, "--resume")],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "not a loadable checkpoint" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_remote_shard_with_wrong_sha256_is_reported_and_skipped(data, tmp_path):
+    from pipeline import stream
+    from pipeline.shards import ShardError
+
+    folder = tmp_path / "served"
+    folder.mkdir()
+    for f in os.listdir(data):
+        if f != "mnist-train-000002.tar":
+            os.link(data / f, folder / f)
+    blob = bytearray((data / "mnist-train-000002.tar").read_bytes())
+    blob[-1] ^= 1  # a flipped bit in the end-of-archive padding: still a readable tar
+    (folder / "mnist-train-000002.tar").write_bytes(bytes(blob))
+    with serve(folder) as url:
+        src = stream.resolve("mnist", url, "train")
+        mixed = stream.MixedStream([src], {"mnist": 1}, 20, epoch_samples=400, shuffle_buffer=10)
+        with pytest.warns(UserWarning, match="mnist-train-000002.tar: sha256 differs"):
+            skipped = sum(b["skipped"] for b in mixed)
+        assert skipped == 20  # the shard's 20 samples
+        strict = stream.MixedStream([src], {"mnist": 1}, 20, epoch_samples=400, shuffle_buffer=10, strict=True)
+        with pytest.raises(ShardError, match="sha256"):
+            list(strict)
