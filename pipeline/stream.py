@@ -2,7 +2,7 @@
 
 Per source and DataLoader worker the stages are plain generators, in this order:
 
-    shard_schedule   shard URLs for this epoch and this (rank, worker) slot, forever
+    shard_passes     passes over this epoch's shards of one (rank, worker) slot, forever
     read_shards      open (local, http(s) via curl, pipe:), parse USTAR, group members
     wds.shuffle      a seeded sample shuffle buffer
     decode_samples   check and decode only the members make_shards writes
@@ -21,12 +21,14 @@ rank and worker) against ~0.1 us for one seeded draw per batch. Shards are split
 `wds.split_by_node` + `wds.split_by_worker`, without reading the environment.
 """
 import io
+import itertools
 import json
 import math
 import os
 import random
 import re
 import time
+import urllib.error
 import urllib.request
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -152,6 +154,8 @@ def parse_weights(text):
     weights = {}
     for part in filter(None, text.split(",")):
         name, sep, value = part.partition("=")
+        if name.strip() in weights:
+            raise ValueError(f"weights {text!r}: {name.strip()} given twice")
         try:
             weights[name.strip()] = float(value)
         except ValueError:
@@ -175,26 +179,26 @@ def check_weights(weights, names):
 # ---------------------------------------------------------------- stages
 
 
-def shard_schedule(urls, *, seed, epoch, source, slot, slots, resample=False):
-    """Shard URLs for one (rank, worker) slot, forever.
+def shard_passes(urls, *, seed, epoch, source, slot, slots, resample=False):
+    """Passes over the shards of one (rank, worker) slot, forever: each a list of URLs.
 
     The epoch's shard order is the same on every rank (seeded by seed, epoch and
     source); slot k takes every slots-th shard, so slots read disjoint shards. When
     its shards run out the slot rereads its own shards in a new order: samples then
     repeat within a worker, never across workers. With fewer shards than slots, or
-    `resample`, each slot draws shards with replacement instead of idling.
+    `resample`, the one endless pass draws shards with replacement instead of idling.
     """
     tag = f"{seed}/{epoch}/{source}"
     if resample or len(urls) < slots:
         rng = random.Random(f"{tag}/{slot}/resample")
-        while True:
-            yield urls[rng.randrange(len(urls))]
+        yield (urls[rng.randrange(len(urls))] for _ in itertools.count())
+        return
     order = list(range(len(urls)))
     random.Random(tag).shuffle(order)
     mine = [urls[i] for i in order[slot::slots]]
     rng = random.Random(f"{tag}/{slot}")
     while True:
-        yield from mine
+        yield list(mine)
         rng.shuffle(mine)
 
 
@@ -217,6 +221,9 @@ def fetch(url, retries=3, delay=1.0, timeout=30):
                 stream.close()  # a pipe's exit status is checked here
             return data
         except OSError as e:  # URLError, socket timeout, a pipe's non-zero exit
+            permanent = isinstance(e, urllib.error.HTTPError) and 400 <= e.code < 500 and e.code not in (408, 429)
+            if permanent:  # a 404 won't go away by waiting
+                raise OSError(f"{url}: {e}") from None
             if attempt == retries:
                 raise OSError(f"{url}: failed after {retries + 1} attempts: {e}") from None
             warnings.warn(f"{url}: {e}; retrying in {delay * 2 ** attempt:g} s", stacklevel=2)
@@ -447,14 +454,25 @@ class MixedStream(torch.utils.data.IterableDataset):
         return [s.name for s in self.layout.sources if len(s.urls) < slots]
 
     def _samples(self, i, slot, slots, worker, stats):
+        """(key, image, label) of source i for this slot, forever.
+
+        The shuffle buffer drains at the end of each pass over the slot's shards, so
+        it never reads ahead into the next pass: within an epoch a sample repeats only
+        after every sample of the slot has been seen.
+        """
         s = self.layout.sources[i]
-        urls = shard_schedule(s.urls, seed=self.seed, epoch=self.epoch, source=i, slot=slot, slots=slots,
+        passes = shard_passes(s.urls, seed=self.seed, epoch=self.epoch, source=i, slot=slot, slots=slots,
                               resample=self.resample)
-        samples = read_shards(urls, s, stats, strict=self.strict, cache_dir=self.cache_dir,
-                              retries=self.retries)
-        rng = random.Random(f"{self.seed}/{self.epoch}/{i}/{self.topo.rank}/{worker}/buffer")
-        samples = wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(samples)
-        return decode_samples(samples, s, stats, strict=self.strict)
+        for n, urls in enumerate(passes):
+            samples = read_shards(urls, s, stats, strict=self.strict, cache_dir=self.cache_dir,
+                                  retries=self.retries)
+            rng = random.Random(f"{self.seed}/{self.epoch}/{i}/{self.topo.rank}/{worker}/{n}")
+            samples = wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(samples)
+            got = 0
+            for got, sample in enumerate(decode_samples(samples, s, stats, strict=self.strict), 1):
+                yield sample
+            if got == 0:
+                raise ShardError(f"{s.name}: no readable samples in this worker's shards, e.g. {urls[0]}")
 
     def __iter__(self):
         slot, slots, worker, workers = worker_slot(self.topo)
