@@ -228,131 +228,175 @@ def peak_rss_mb():
     return round((own + kids) / 1024, 1)
 
 
+class Run:
+    """Everything one training run holds: stream, model, optimiser, schedule."""
+
+    def __init__(self, args, topo, device, train_sources):
+        self.args, self.topo, self.device = args, topo, device
+        self.stream = stream.MixedStream(
+            train_sources, weights_at(args, 0), args.batch_size, topo, seed=args.seed,
+            epoch_samples=args.epoch_samples, shuffle_buffer=args.shuffle_buffer, resample=args.resample,
+            strict=args.strict, cache_dir=args.cache_dir, normalize=False)
+        self.layout = self.stream.layout
+        self.names = self.layout.names
+        self.flip_ids = [self.layout.index(n) for n in args.flip if n in self.names]
+        torch.manual_seed(args.seed)
+        self.model = Net(self.layout.num_classes, args.width).to(device)
+        self.ddp = (DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+                    if topo.world > 1 else self.model)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
+                                   weight_decay=args.weight_decay)
+        self.steps_per_epoch = self.stream.batches_per_epoch
+        total = self.steps_per_epoch * args.epochs
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(total, min(500, max(1, total // 10))))
+
+    def state(self, epoch, history):
+        return {"version": CHECKPOINT_VERSION, "world": self.topo.world, "model": self.model.state_dict(),
+                "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
+                "stream": {"epoch": epoch, "seed": self.args.seed}, "rng": torch.get_rng_state(),
+                "history": json.dumps(history), "config": json.dumps(vars(self.args))}
+
+    def load(self, state):
+        """Restore from a checkpoint; returns (next epoch, history)."""
+        if state["world"] != self.topo.world or state["stream"]["seed"] != self.args.seed:
+            raise ValueError(f"the checkpoint was written with world size {state['world']} and seed "
+                             f"{state['stream']['seed']}; resume with the same to continue the same stream")
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"].cpu())
+        return state["stream"]["epoch"], json.loads(state["history"])
+
+    def step(self, batch, gen):
+        """One optimiser step; returns per-sample losses (detached) and source ids on the device."""
+        x, y, s = (batch[k].to(self.device, non_blocking=True) for k in ("image", "label", "source"))
+        x = augment(self.layout.normalize(x, s), s, self.flip_ids, gen)
+        with autocast(self.device):
+            losses = F.cross_entropy(self.ddp(x).float(), y, reduction="none")
+        self.opt.zero_grad(set_to_none=True)
+        losses.mean().backward()
+        self.opt.step()
+        self.sched.step()
+        return losses.detach(), s
+
+
+class StepLog:
+    """Per-source loss, sample counts and skipped samples between two metrics lines.
+
+    Sums stay on the device (no sync per step) and are all-reduced once per line.
+    """
+
+    def __init__(self, names, device):
+        self.names, self.device = names, device
+        self.sums = torch.zeros(len(names) + 1, 2, dtype=torch.float64, device=device)  # last row: skipped
+        self.t = time.perf_counter()
+
+    def add(self, losses, source, skipped):
+        n = len(self.names)
+        self.sums[:n, 0].index_add_(0, source, losses.double())
+        self.sums[:n, 1] += torch.bincount(source, minlength=n)
+        self.sums[n, 0] += skipped
+
+    def flush(self):
+        """All-reduce and reset; returns the fields of one metrics line."""
+        dist.all_reduce_sum(self.sums)
+        n = len(self.names)
+        loss_sum, count = self.sums[:n, 0].tolist(), self.sums[:n, 1].tolist()
+        skipped, total = int(self.sums[n, 0]), sum(count)
+        dt = time.perf_counter() - self.t
+        self.sums.zero_()
+        self.t = time.perf_counter()
+        return {"loss": {k: a / max(c, 1) for k, a, c in zip(self.names, loss_sum, count)},
+                "samples_per_s": round(total / dt, 1),
+                "share": {k: c / max(total, 1) for k, c in zip(self.names, count)}, "skipped": skipped}
+
+
+def train_epoch(run, epoch, step, metrics, record_keys):
+    """One epoch over the mixed stream; returns (step, per-rank facts of this epoch)."""
+    args, topo = run.args, run.topo
+    weights = weights_at(args, epoch)
+    run.stream.set_epoch(epoch, weights)
+    gen = torch.Generator().manual_seed(args.seed * 100003 + epoch * 1009 + topo.rank)
+    log = StepLog(run.names, run.device)
+    per_source = torch.zeros(len(run.names), dtype=torch.int64, device=run.device)
+    keys, skipped, batches, wait, busy = [], 0, 0, 0.0, 0.0
+    bar = progress(topo, run.steps_per_epoch, f"epoch {epoch + 1}/{args.epochs}")
+    t0 = time.perf_counter()
+    for batch in stream.make_loader(run.stream, args.workers, pin_memory=run.device.type == "cuda"):
+        t1 = time.perf_counter()
+        wait += t1 - t0
+        losses, source = run.step(batch, gen)
+        step, batches, skipped = step + 1, batches + 1, skipped + batch["skipped"]
+        per_source += torch.bincount(source, minlength=len(run.names))
+        log.add(losses, source, batch["skipped"])
+        if record_keys:
+            keys.extend(batch["key"])
+        if step % args.log_every == 0 or batches == run.steps_per_epoch:
+            line = log.flush()
+            if bar is not None:
+                bar.set_postfix(loss=f"{sum(line['loss'][k] * line['share'][k] for k in run.names):.3f}")
+            metrics.log(kind="train", epoch=epoch, step=step, lr=run.sched.get_last_lr()[0], weights=weights, **line)
+        if bar is not None:
+            bar.update(1)
+        t0 = time.perf_counter()
+        busy += t0 - t1
+    if bar is not None:
+        bar.close()
+    return step, {"batches": batches, "per_source": per_source.cpu(), "skipped": skipped, "keys": keys,
+                  "wait": wait, "busy": busy}
+
+
+def gather_epoch(topo, names, facts, history):
+    """Add one epoch's batches and samples per rank (and skipped samples) to the history."""
+    table = torch.zeros(topo.world, len(names) + 2, dtype=torch.float64)  # batches, skipped, per source
+    table[topo.rank, 0], table[topo.rank, 1] = facts["batches"], facts["skipped"]
+    table[topo.rank, 2:] = facts["per_source"].double()
+    dist.all_reduce_sum(table)
+    history["batches_per_rank"].append([int(b) for b in table[:, 0].tolist()])
+    history["samples_per_rank"].append({n: [int(v) for v in table[:, 2 + i].tolist()] for i, n in enumerate(names)})
+    history["skipped"] = history.get("skipped", 0) + int(table[:, 1].sum())
+
+
 def train(args, topo, device):
     train_sources = [stream.resolve(n, spec, "train") for n, spec in args.train.items()]
     eval_sources = [stream.resolve(n, spec, "test") for n, spec in args.eval.items()]
     ckpt_path = os.path.join(args.out, "checkpoint.pt") if args.eval_only else prepare_out(args, topo)
-    mixed = stream.MixedStream(train_sources, weights_at(args, 0), args.batch_size, topo, seed=args.seed,
-                               epoch_samples=args.epoch_samples, shuffle_buffer=args.shuffle_buffer,
-                               resample=args.resample, strict=args.strict, cache_dir=args.cache_dir,
-                               normalize=False)
-    layout, names = mixed.layout, mixed.layout.names
-    flip_ids = [layout.index(n) for n in args.flip if n in names]
-
-    torch.manual_seed(args.seed)
-    model = Net(layout.num_classes, args.width).to(device)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if topo.world > 1 else model
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
-                          weight_decay=args.weight_decay)
-    steps_per_epoch = mixed.batches_per_epoch
-    total = steps_per_epoch * args.epochs
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, warmup=min(500, max(1, total // 10))))
-
-    start_epoch, history = 0, {"batches_per_rank": [], "samples_per_rank": []}
+    run = Run(args, topo, device, train_sources)
     if args.eval_only:
-        model.load_state_dict(load_checkpoint(ckpt_path, device)["model"])
-        evals = evaluate(model, mixed, eval_sources, args, device)
+        run.model.load_state_dict(load_checkpoint(ckpt_path, device)["model"])
+        evals = evaluate(run.model, run.stream, eval_sources, args, device)
         if topo.is_main:
             write_json_atomic(os.path.join(args.out, "eval.json"), {"eval": evals, "world_size": topo.world})
             print(", ".join(f"{k} {v['accuracy']:.4f} ({v['count']} samples)" for k, v in evals.items()))
         return evals
+
+    start_epoch, history = 0, {"batches_per_rank": [], "samples_per_rank": []}
     if ckpt_path:
-        state = load_checkpoint(ckpt_path, device)
-        if state["world"] != topo.world or state["stream"]["seed"] != args.seed:
-            raise ValueError(f"{ckpt_path} was written with world size {state['world']} and seed "
-                             f"{state['stream']['seed']}; resume with the same to continue the same stream")
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"].cpu())
-        start_epoch, history = state["stream"]["epoch"], json.loads(state["history"])
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        start_epoch, history = run.load(load_checkpoint(ckpt_path, device))
     metrics = Metrics(os.path.join(args.out, "metrics.jsonl"), topo.is_main,
                       keep_before_epoch=start_epoch if ckpt_path else None)
     keys_file = os.path.join(args.out, f"keys-rank{topo.rank}.txt") if args.record_keys else None
     if keys_file:
-        truncate_lines(keys_file, start_epoch * steps_per_epoch * args.batch_size)
+        truncate_lines(keys_file, start_epoch * run.steps_per_epoch * args.batch_size)
 
     t_start, evals, wait, busy = time.time(), {}, 0.0, 0.0
-    step = start_epoch * steps_per_epoch
-    for epoch in range(start_epoch, args.epochs):
-        if args.stop_after is not None and epoch - start_epoch >= args.stop_after:
-            break
-        weights = weights_at(args, epoch)
-        mixed.set_epoch(epoch, weights)
-        gen = torch.Generator().manual_seed(args.seed * 100003 + epoch * 1009 + topo.rank)
-        per_rank = torch.zeros(topo.world, len(names), dtype=torch.float64)
-        log_sum = torch.zeros(len(names), 2, dtype=torch.float64, device=device)  # loss sum, count
-        keys, skipped, skipped_logged, batches, t_log = [], 0, 0, 0, time.perf_counter()
-        loader = stream.make_loader(mixed, args.workers, pin_memory=device.type == "cuda")
-        bar = progress(topo, steps_per_epoch, f"epoch {epoch + 1}/{args.epochs}")
-        t0 = time.perf_counter()
-        for batch in loader:
-            t1 = time.perf_counter()
-            wait += t1 - t0
-            x, y, s = (batch[k].to(device, non_blocking=True) for k in ("image", "label", "source"))
-            x = augment(layout.normalize(x, s), s, flip_ids, gen)
-            with autocast(device):
-                losses = F.cross_entropy(ddp(x).float(), y, reduction="none")
-            opt.zero_grad(set_to_none=True)
-            losses.mean().backward()
-            opt.step()
-            sched.step()
-            step, batches = step + 1, batches + 1
-            counts = torch.bincount(s, minlength=len(names))
-            per_rank[topo.rank] += counts.cpu().double()
-            log_sum[:, 0] += torch.zeros(len(names), device=device, dtype=torch.float64).index_add_(
-                0, s, losses.detach().double())
-            log_sum[:, 1] += counts
-            skipped += batch["skipped"]
-            if keys_file:
-                keys.extend(batch["key"])
-            if step % args.log_every == 0 or batches == steps_per_epoch:
-                skipped_now = dist.all_reduce_sum(torch.tensor([skipped - skipped_logged], dtype=torch.float64))
-                skipped_logged = skipped
-                dist.all_reduce_sum(log_sum)
-                loss = (log_sum[:, 0] / log_sum[:, 1].clamp(min=1)).tolist()
-                n = log_sum[:, 1].tolist()
-                dt = time.perf_counter() - t_log
-                metrics.log(kind="train", epoch=epoch, step=step, lr=sched.get_last_lr()[0],
-                            loss=dict(zip(names, loss)), samples_per_s=round(sum(n) / dt, 1),
-                            share=dict(zip(names, [c / max(sum(n), 1) for c in n])),
-                            weights=weights, skipped=int(skipped_now))
-                if bar is not None:
-                    bar.set_postfix(loss=f"{sum(a * c for a, c in zip(loss, n)) / max(sum(n), 1):.3f}")
-                log_sum.zero_()
-                t_log = time.perf_counter()
-            if bar is not None:
-                bar.update(1)
-            t0 = time.perf_counter()
-            busy += t0 - t1
-        if bar is not None:
-            bar.close()
-        dist.all_reduce_sum(per_rank)
-        totals = torch.tensor([batches, skipped], dtype=torch.float64)
-        all_batches = torch.zeros(topo.world, dtype=torch.float64)
-        all_batches[topo.rank] = batches
-        dist.all_reduce_sum(all_batches)
-        dist.all_reduce_sum(totals)
-        history["batches_per_rank"].append([int(b) for b in all_batches.tolist()])
-        history["samples_per_rank"].append({n: [int(v) for v in per_rank[:, i].tolist()] for i, n in enumerate(names)})
-        history["skipped"] = history.get("skipped", 0) + int(totals[1])
+    step = start_epoch * run.steps_per_epoch
+    last = args.epochs if args.stop_after is None else min(args.epochs, start_epoch + args.stop_after)
+    for epoch in range(start_epoch, last):
+        step, facts = train_epoch(run, epoch, step, metrics, keys_file is not None)
+        wait, busy = wait + facts["wait"], busy + facts["busy"]
+        gather_epoch(topo, run.names, facts, history)
         if keys_file:
             with open(keys_file, "a") as f:
-                f.write("\n".join(keys) + "\n")
+                f.write("\n".join(facts["keys"]) + "\n")
         if eval_sources:
-            evals = evaluate(model, mixed, eval_sources, args, device)
-            metrics.log(kind="eval", epoch=epoch, step=step, **{"eval": evals})
+            evals = evaluate(run.model, run.stream, eval_sources, args, device)
+            metrics.log(kind="eval", epoch=epoch, step=step, eval=evals)
             if topo.is_main:
                 print(f"epoch {epoch + 1}: " + ", ".join(f"{k} {v['accuracy']:.4f}" for k, v in evals.items()),
                       flush=True)
         if topo.is_main:
-            save_checkpoint(os.path.join(args.out, "checkpoint.pt"), {
-                "version": CHECKPOINT_VERSION, "world": topo.world, "model": model.state_dict(),
-                "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "stream": {"epoch": epoch + 1, "seed": args.seed}, "rng": torch.get_rng_state(),
-                "history": json.dumps(history),
-                "config": json.dumps(vars(args))})
+            save_checkpoint(os.path.join(args.out, "checkpoint.pt"), run.state(epoch + 1, history))
         dist.barrier()
 
     summary = {
@@ -365,7 +409,7 @@ def train(args, topo, device):
         "wall_time_s": round(time.time() - t_start, 2),
         "data_wait_share": round(wait / max(wait + busy, 1e-9), 4),
         "peak_rss_mb_rank0": peak_rss_mb(),
-        "restarts": restarts,
+        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         "resumed_from_epoch": start_epoch if ckpt_path else None,
         "world_size": topo.world,
         "device": str(device),
