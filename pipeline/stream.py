@@ -23,6 +23,7 @@ rank and worker) against ~0.1 us for one seeded draw per batch. Shards are split
 import io
 import itertools
 import json
+import multiprocessing
 import math
 import os
 import random
@@ -531,8 +532,13 @@ class EvalStream(torch.utils.data.IterableDataset):
             yield self.layout.collate(items, stats["skipped"] - reported, self.normalize)
 
 
-def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=4):
-    """A WebLoader over a stream; warns when shards are too few for every slot."""
+def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=4, start_method="forkserver"):
+    """A WebLoader over a stream; warns when shards are too few for every slot.
+
+    Workers start from a forkserver (see `worker_context`), so a script that builds a
+    loader with workers needs the usual `if __name__ == "__main__":` guard; pass
+    start_method="fork" to fork the calling process instead.
+    """
     short = stream.short_sources(num_workers) if isinstance(stream, MixedStream) else []
     if short:
         warnings.warn(f"{', '.join(short)}: fewer shards than ranks x workers "
@@ -541,4 +547,20 @@ def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=4):
                       stacklevel=2)
     return wds.WebLoader(stream, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
                          prefetch_factor=prefetch_factor if num_workers else None,
-                         persistent_workers=False)
+                         persistent_workers=False,
+                         multiprocessing_context=worker_context(start_method) if num_workers else None)
+
+
+def worker_context(start_method="forkserver"):
+    """Start DataLoader workers from a forkserver, not by forking the trainer.
+
+    The trainer has threads (gloo, tqdm's monitor, the previous loader's queue
+    feeders); forking it while one of them holds an interpreter lock deadlocks the
+    child inside os.fork() (seen here after 8 epochs, Python 3.11). The forkserver is
+    single-threaded and has torch and this module preloaded, so each epoch's workers
+    still start in milliseconds.
+    """
+    ctx = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "pipeline.stream"])
+    return ctx

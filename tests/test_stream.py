@@ -609,19 +609,25 @@ import torch
 from pipeline.dist import Topology, all_reduce_sum, distributed
 from pipeline.stream import MixedStream, make_loader, resolve
 
-data, out = sys.argv[1], sys.argv[2]
-with distributed(timeout_s=60) as (topo, device):
-    assert topo == Topology.from_env() and topo.world == 2
-    sources = [resolve("mnist", data, "train"), resolve("cifar10", data, "train")]
-    stream = MixedStream(sources, {"mnist": 0.5, "cifar10": 0.5}, 8, topo, shuffle_buffer=16)
-    keys, batches = [], 0
-    for batch in make_loader(stream, num_workers=2):
-        all_reduce_sum(torch.ones(1))  # what a DDP step does: a short rank would leave the other hanging
-        batches += 1
-        keys += batch["key"]
-    total = all_reduce_sum(torch.tensor([batches])).item()
-with open(os.path.join(out, f"rank{topo.rank}.json"), "w") as f:
-    json.dump({"rank": topo.rank, "batches": batches, "total": total, "expected": len(stream), "keys": keys}, f)
+
+
+def main(data, out):
+    with distributed(timeout_s=60) as (topo, device):
+        assert topo == Topology.from_env() and topo.world == 2
+        sources = [resolve("mnist", data, "train"), resolve("cifar10", data, "train")]
+        stream = MixedStream(sources, {"mnist": 0.5, "cifar10": 0.5}, 8, topo, shuffle_buffer=16)
+        keys, batches = [], 0
+        for batch in make_loader(stream, num_workers=2):
+            all_reduce_sum(torch.ones(1))  # what a DDP step does: a short rank would leave the other hanging
+            batches += 1
+            keys += batch["key"]
+        total = all_reduce_sum(torch.tensor([batches])).item()
+    with open(os.path.join(out, f"rank{topo.rank}.json"), "w") as f:
+        json.dump({"rank": topo.rank, "batches": batches, "total": total, "expected": len(stream), "keys": keys}, f)
+
+
+if __name__ == "__main__":  # DataLoader workers start from a forkserver, which imports this script
+    main(sys.argv[1], sys.argv[2])
 '''
 
 
