@@ -317,18 +317,12 @@ def _read(stream, n):
     return b"".join(parts)
 
 
-def split_key(name):
-    """'dir/a-b-1.png' -> ('dir/a-b-1', 'png'), splitting at the first dot of the basename."""
-    slash = name.rfind("/") + 1
-    dot = name.find(".", slash)
-    return (name, "") if dot < 0 else (name[:dot], name[dot + 1:])
-
-
 def iter_samples(members, url=None):
     """Group consecutive members with the same key into sample dicts (webdataset's layout)."""
     sample = None
     for name, data in members:
-        key, ext = split_key(name)
+        dot = name.find(".", name.rfind("/") + 1)  # 'dir/a-b-1.png' -> key 'dir/a-b-1', ext 'png'
+        key, ext = (name, "") if dot < 0 else (name[:dot], name[dot + 1:])
         if sample is None or sample["__key__"] != key:
             if sample is not None:
                 yield sample

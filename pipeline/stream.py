@@ -286,6 +286,25 @@ def read_shards(urls, source, stats, *, strict=False, cache_dir=None, retries=3)
             raise ShardError(f"no readable samples in {len(counts)} shard(s), e.g. {url}")
 
 
+def shuffle(samples, bufsize, rng):
+    """A shuffle buffer: each incoming sample swaps with a random one in the buffer.
+
+    The same idea as `wds.shuffle(bufsize, initial=bufsize)`, which costs ~4 us a
+    sample here in `rng.randint`; one `rng.random()` costs ~0.1 us. The buffer drains
+    (shuffled) when the input ends.
+    """
+    buf = []
+    for sample in samples:
+        if len(buf) < bufsize:
+            buf.append(sample)
+            continue
+        i = int(rng.random() * bufsize)
+        buf[i], sample = sample, buf[i]
+        yield sample
+    rng.shuffle(buf)
+    yield from buf
+
+
 def decode_samples(samples, source, stats, *, strict=False):
     """(key, image, label) from sample dicts, touching only `.cls` and the image member.
 
@@ -468,7 +487,7 @@ class MixedStream(torch.utils.data.IterableDataset):
             samples = read_shards(urls, s, stats, strict=self.strict, cache_dir=self.cache_dir,
                                   retries=self.retries)
             rng = random.Random(f"{self.seed}/{self.epoch}/{i}/{self.topo.rank}/{worker}/{n}")
-            samples = wds.shuffle(self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)(samples)
+            samples = shuffle(samples, self.shuffle_buffer, rng)
             got = 0
             for got, sample in enumerate(decode_samples(samples, s, stats, strict=self.strict), 1):
                 yield sample
@@ -545,10 +564,16 @@ def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=4, star
                       f"({stream.topo.world} x {max(1, num_workers)}); those sources draw shards with "
                       f"replacement, so samples may repeat across workers. Write more, smaller shards.",
                       stacklevel=2)
-    return wds.WebLoader(stream, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
-                         prefetch_factor=prefetch_factor if num_workers else None,
+    return wds.WebLoader(stream, batch_size=None, collate_fn=_as_is, num_workers=num_workers,
+                         pin_memory=pin_memory, prefetch_factor=prefetch_factor if num_workers else None,
                          persistent_workers=False,
                          multiprocessing_context=worker_context(start_method) if num_workers else None)
+
+
+def _as_is(batch):
+    """Batches are already collated; DataLoader's default_convert would walk every key
+    string of every batch (13% of the loader's time in a profile)."""
+    return batch
 
 
 def worker_context(start_method="forkserver"):
