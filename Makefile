@@ -7,6 +7,8 @@ DATA ?= data
 NPROC ?= 2
 DOWNLOAD ?=
 SHARDS ?= shards
+MNIST_ROOT ?= data
+CIFAR_FOLDER ?= data/cifar10-jpg/train
 
 .PHONY: setup demo test bench clean
 
@@ -26,6 +28,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# make bench MNIST_ROOT=../shared/data CIFAR_FOLDER=/tmp/cifar10-jpg/train
+bench: setup
+	$(PY) tools/bench_loader.py --mnist-root $(MNIST_ROOT) --cifar-folder $(CIFAR_FOLDER) --profile
 
 clean:
 	rm -rf $(VENV) runs

@@ -1,0 +1,851 @@
+"""Benchmark three ways of feeding MNIST + CIFAR10 to one model, on the same data, in one run.
+
+    python tools/bench_loader.py --mnist-root ../shared/data --cifar-folder /tmp/cifar10-jpg/train \\
+        --shards /tmp/shraw --shards /tmp/sh2 --json bench-out/bench.json
+
+  A  the seed tutorial: torchvision's map-style MNIST and (CIFAR10's pickles being unavailable
+     here) an ImageFolder of the CIFAR10 JPEGs, ToTensor + Normalize per sample, one
+     DistributedSampler and DataLoader each, the two loaders zipped.
+  B  stock webdataset over the same shards as C: WebDataset per source (tarfile reading,
+     .decode("pil"), .to_tuple, .map(transform)), wds.RandomMix, wds.batched, wds.WebLoader.
+  C  this project: pipeline.stream.resolve + MixedStream(normalize=True) + make_loader.
+
+Every run delivers the same number of samples (--samples, rounded down to whole batches)
+and then ends: each loader is made finite at exactly that count, so DataLoader workers run
+out and exit, and no prefetched batch is computed for nothing. CPU time is that of the
+whole process tree: getrusage(RUSAGE_SELF) + getrusage(RUSAGE_CHILDREN) for this process
+and the children it has reaped, plus /proc/<pid>/stat (own + reaped children's time) of
+every descendant still there, such as a forkserver that starts and reaps the workers
+(see `tree_cpu`). "samples/cpu-s" is samples per second of that CPU time, i.e. samples/s
+per busy core. Ratios to A pair runs of the same repeat, so drift on a shared machine hits
+both sides of a ratio alike.
+
+Peak memory is the largest sum over the process tree (main + DataLoader workers) of VmRSS,
+sampled every 50 ms from outside, in a fresh process per measurement. Forked workers share
+the parent's pages, which VmRSS counts once per process; the sum of Pss (shared pages split
+between their users) is reported beside it. The 10x corpus for B and C is the 1x shard set
+listed ten times under new shard names (symlinks to the same files, manifest totals x10);
+for A it is ten separately loaded copies of each torchvision dataset in a ConcatDataset.
+
+--synthetic makes tiny inputs in the real formats (MNIST IDX files, a JPEG ImageFolder tree,
+shards built from them) in a temporary folder, so the test suite can run everything in seconds.
+"""
+import argparse
+import cProfile
+import gc
+import glob
+import itertools
+import json
+import os
+import pstats
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from pipeline import shards, sources, stream  # noqa: E402
+from pipeline.cli import Parser  # noqa: E402
+from pipeline.dist import Topology  # noqa: E402
+
+NAMES = ("mnist", "cifar10")
+# The tutorial's constants (the usual published per-channel statistics).
+TUTORIAL_NORM = {"mnist": ((0.1307,), (0.3081,)),
+                 "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))}
+
+
+@dataclass
+class Setup:
+    """Everything a loader needs; plain values, so a child process can get it as JSON."""
+
+    mnist_root: str
+    cifar_folder: str
+    shards: dict                      # encoding -> folder with mnist-train.json, cifar10-train.json
+    corpus10x: dict = field(default_factory=dict)  # encoding -> folder of the 10x corpus
+    batch_size: int = 256
+    batches: int = 78                 # per run and rank
+    world: int = 1
+    rank: int = 0
+    seed: int = 0
+    shuffle_buffer: int = 1000
+
+    @property
+    def samples(self):
+        return self.batches * self.batch_size
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def make_synthetic_inputs(folder, n_mnist=1200, n_cifar=1000):
+    """Tiny MNIST IDX files (torchvision layout) and a CIFAR10-like JPEG ImageFolder tree.
+
+    The pixels are noise: only the formats and the per-sample work matter here.
+    """
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    raw = os.path.join(folder, "MNIST", "raw")
+    os.makedirs(raw)
+    for prefix, n in (("train", n_mnist), ("t10k", 100)):
+        images = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
+        labels = rng.integers(0, 10, n, dtype=np.uint8)
+        with open(os.path.join(raw, f"{prefix}-images-idx3-ubyte"), "wb") as f:
+            f.write((0x803).to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in (n, 28, 28)))
+            f.write(images.tobytes())
+        with open(os.path.join(raw, f"{prefix}-labels-idx1-ubyte"), "wb") as f:
+            f.write((0x801).to_bytes(4, "big") + n.to_bytes(4, "big") + labels.tobytes())
+    cifar = os.path.join(folder, "cifar10-jpg", "train")
+    for name in sources.CLASSES["cifar10"]:
+        os.makedirs(os.path.join(cifar, name))
+        for i in range(n_cifar // 10):
+            pixels = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(os.path.join(cifar, name, f"{i:04d}.jpg"), quality=90)
+    return folder, cifar
+
+
+def shard_encoding(folder):
+    """The encoding of the train shards in `folder`, or None if it lacks either manifest."""
+    try:
+        found = {stream.load_manifest(os.path.join(folder, shards.manifest_name(n, "train")))["encoding"]
+                 for n in NAMES}
+    except shards.ShardError:
+        return None
+    return found.pop() if len(found) == 1 else None
+
+
+def build_shards(mnist_root, cifar_folder, out, encoding, maxcount):
+    """Shard MNIST train and the CIFAR10 JPEG tree with pipeline.shards (as tools/make_shards.py does)."""
+    for src in (sources.torchvision_source("mnist", "train", mnist_root),
+                sources.ImageFolderSource("cifar10", "train", cifar_folder)):
+        shards.build(src, out, encoding=encoding, maxcount=maxcount, workers=os.cpu_count() or 1, progress=False)
+    return out
+
+
+def make_corpus_10x(folder, out):
+    """The 1x train shards listed ten times: symlinks under new shard names plus a manifest.
+
+    Streaming memory must not depend on how big the corpus is, only the shard list does;
+    repeating the files gives a 10x corpus without writing 10x the bytes.
+    """
+    if shard_encoding(out):
+        return out
+    os.makedirs(out, exist_ok=True)
+    for name in NAMES:
+        m = stream.load_manifest(os.path.join(folder, shards.manifest_name(name, "train")))
+        entries = []
+        for k in range(10 * len(m["shards"])):
+            entry = dict(m["shards"][k % len(m["shards"])])
+            target = os.path.abspath(os.path.join(folder, entry["name"]))
+            entry["name"] = shards.shard_name(name, "train", k)
+            link = os.path.join(out, entry["name"])
+            if os.path.lexists(link):
+                os.remove(link)
+            os.symlink(target, link)
+            entries.append(entry)
+        m = dict(m, shards=entries, total=sum(e["samples"] for e in entries))
+        shards.write_json_atomic(os.path.join(out, shards.manifest_name(name, "train")), m)
+    return out
+
+
+def warm_page_cache(paths):
+    """Read files once so the first timed run doesn't pay for the disk."""
+    for path in paths:
+        with open(path, "rb") as f:
+            while f.read(1 << 22):
+                pass
+
+
+# ---------------------------------------------------------------- the three loaders
+# Each `batches_*` function is a generator of per-batch sample counts for one run that
+# ends exactly after setup.batches batches, with its DataLoader workers shut down.
+
+
+class Take(torch.utils.data.Sampler):
+    """The first n indices of another sampler: the harness's cut-off for A's epoch, so its
+    loaders end (and their workers exit) exactly at the benchmark's sample count."""
+
+    def __init__(self, sampler, n):
+        self.sampler, self.n = sampler, n
+
+    def __iter__(self):
+        return itertools.islice(iter(self.sampler), self.n)
+
+    def __len__(self):
+        return min(self.n, len(self.sampler))
+
+
+def tutorial_datasets(setup, copies=1):
+    """A's datasets as the tutorial builds them; copies > 1 concatenates separately loaded copies."""
+    import torchvision
+    from torchvision import transforms as T
+
+    def tf(name):
+        return T.Compose([T.ToTensor(), T.Normalize(*TUTORIAL_NORM[name])])
+
+    def mnist():
+        return torchvision.datasets.MNIST(setup.mnist_root, train=True, transform=tf("mnist"))
+
+    def cifar():
+        return torchvision.datasets.ImageFolder(setup.cifar_folder, transform=tf("cifar10"))
+
+    if copies == 1:
+        return [mnist(), cifar()]
+    return [torch.utils.data.ConcatDataset([make() for _ in range(copies)]) for make in (mnist, cifar)]
+
+
+def batches_a(datasets, setup, workers, epoch):
+    """A: one DistributedSampler + DataLoader per dataset, half a batch each, zipped.
+
+    MNIST stays 1x28x28 as in the tutorial (no padding to CIFAR's shape), which spares A
+    work that B and C do.
+    """
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    half = setup.batch_size // 2
+    iters = []
+    for ds in datasets:
+        sampler = DistributedSampler(ds, num_replicas=setup.world, rank=setup.rank, shuffle=True, seed=setup.seed)
+        sampler.set_epoch(epoch)
+        loader = DataLoader(ds, batch_size=half, sampler=Take(sampler, setup.batches * half), num_workers=workers)
+        iters.append(iter(loader))
+    for (xm, _), (xc, _) in zip(*iters):
+        yield len(xm) + len(xc)
+    for it in iters:  # zip stops at the first loader to end; end the other so its workers exit
+        for x, _ in it:
+            yield len(x)
+
+
+def stock_transform(source, offset, hw):
+    """B's per-sample map: ToTensor + Normalize (PNG via PIL; raw bytes via frombuffer), then
+    grey -> 3 channels and zero padding to the common size, so `wds.batched` can stack a mix."""
+    from torchvision import transforms as T
+
+    normalize = T.Normalize(source.mean, source.std)
+    to_tensor = T.ToTensor()
+    c, h, w = source.shape
+    top, left = (hw[0] - h) // 2, (hw[1] - w) // 2
+
+    def transform(sample):
+        img, cls = sample
+        if isinstance(img, (bytes, bytearray)):
+            x = torch.from_numpy(np.frombuffer(img, np.uint8).reshape(c, h, w).copy()).float().div_(255)
+        else:
+            x = to_tensor(img)
+        x = normalize(x)
+        if c == 1:
+            x = x.expand(3, h, w)
+        if (h, w) != hw:
+            x = torch.nn.functional.pad(x, (left, hw[1] - w - left, top, hw[0] - h - top))
+        return x, cls + offset
+
+    return transform
+
+
+def take_share(n):
+    """Pipeline stage: this DataLoader worker's share of n batches (what with_epoch can't do,
+    as it counts per worker); the shares add up to n over the workers."""
+
+    def stage(src):
+        info = torch.utils.data.get_worker_info()
+        k, w = (info.id, info.num_workers) if info else (0, 1)
+        yield from itertools.islice(src, n // w + (k < n % w))
+
+    return stage
+
+
+def batches_b(srcs, setup, workers, epoch):
+    """B: stock webdataset over the same shard URLs C reads."""
+    import webdataset as wds
+
+    hw = (max(s.shape[1] for s in srcs), max(s.shape[2] for s in srcs))
+    datasets, offset = [], 0
+    for s in srcs:
+        ds = (wds.WebDataset(s.urls, shardshuffle=100, nodesplitter=wds.split_by_node,
+                             workersplitter=wds.split_by_worker, seed=setup.seed + epoch)
+              .repeat()  # never run dry (RandomMix stops at the first exhausted source)
+              .shuffle(setup.shuffle_buffer)
+              .decode("pil")
+              .to_tuple(s.encoding, "cls")
+              .map(stock_transform(s, offset, hw)))
+        datasets.append(ds)
+        offset += len(s.classes)
+    mix = wds.RandomMix(datasets, [1.0] * len(datasets))
+    pipe = wds.DataPipeline(mix, wds.batched(setup.batch_size, partial=False), take_share(setup.batches))
+    # split_by_node reads RANK / WORLD_SIZE (no process group here); forked workers inherit them
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
+    os.environ.update(RANK=str(setup.rank), WORLD_SIZE=str(setup.world))
+    try:
+        for images, _ in wds.WebLoader(pipe, batch_size=None, num_workers=workers):
+            yield len(images)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def project_sources(folder):
+    return [stream.resolve(name, folder, "train") for name in NAMES]
+
+
+def batches_c(srcs, setup, workers, epoch):
+    """C: this project's stream, equal weights, normalised float batches like A and B."""
+    ms = stream.MixedStream(srcs, {s.name: 1.0 for s in srcs}, setup.batch_size, Topology(setup.rank, setup.world),
+                            seed=setup.seed, epoch_samples=setup.samples * setup.world,
+                            shuffle_buffer=setup.shuffle_buffer, normalize=True)
+    ms.set_epoch(epoch)
+    for batch in stream.make_loader(ms, num_workers=workers):
+        yield len(batch["image"])
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def cpu_seconds():
+    """(this process, all threads; its children that have been waited for) user + system CPU."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_stat(pid):
+    """(state, utime + stime + cutime + cstime in seconds) from /proc/<pid>/stat; None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return fields[0], sum(int(x) for x in fields[11:15]) / CLK_TCK
+
+
+def tree_cpu():
+    """(this process, the rest of its tree): CPU seconds used so far by the whole process tree.
+
+    A process that exits and is waited for adds its own and its reaped children's time to
+    its parent's "children" counters. So this process's getrusage(SELF) + getrusage(CHILDREN),
+    plus, for every descendant still present (zombies included), its own time and its reaped
+    children's, counts every process exactly once, whoever starts the DataLoader workers:
+    forked from here (we reap them) or from a forkserver (it reaps them and lives on).
+    """
+    (me, kids), rest = cpu_seconds(), 0.0
+    for pid in tree_pids(os.getpid())[1:]:
+        st = proc_stat(pid)
+        rest += st[1] if st else 0.0
+    return me, kids + rest
+
+
+def settle(timeout=10.0):
+    """Wait while any descendant is a zombie (exited, not yet reaped); returns the descendants.
+
+    A zombie's time has not yet moved to its parent's counters; reading the tree while it
+    is reaped could count it twice or not at all. DataLoader has joined its workers when a
+    run ends (the forkserver reaps before it reports the exit), so this returns at once.
+    """
+    deadline = time.time() + timeout
+    while True:
+        pids = tree_pids(os.getpid())[1:]
+        if all((proc_stat(p) or ("X",))[0] != "Z" for p in pids) or time.time() > deadline:
+            return pids
+        time.sleep(0.02)
+
+
+def child_pids(pid):
+    """Direct children of pid, zombies included, from /proc/<pid>/task/*/children."""
+    kids = []
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            with open(path) as f:
+                kids += [int(x) for x in f.read().split()]
+        except OSError:
+            pass
+    return kids
+
+
+def tree_pids(pid):
+    """pid and all its descendants, parents before children."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo += child_pids(p)
+    return out
+
+
+def measure(batches, expected):
+    """Run one generator of batch sizes to its end; wall time, CPU time of the tree, samples/s."""
+    gc.collect()
+    settle()
+    (m0, r0), t0 = tree_cpu(), time.perf_counter()
+    n = sum(batches)
+    wall = time.perf_counter() - t0
+    helpers = settle()  # what outlives the run, e.g. a forkserver or multiprocessing's resource tracker
+    m1, r1 = tree_cpu()
+    if n != expected:
+        raise RuntimeError(f"run delivered {n} samples, expected {expected}")
+    cpu = (m1 - m0) + (r1 - r0)
+    return {"samples": n, "wall_s": round(wall, 4), "cpu_s": round(cpu, 4), "cpu_main_s": round(m1 - m0, 4),
+            "cpu_workers_s": round(r1 - r0, 4), "samples_per_s": n / wall, "samples_per_cpu_s": n / cpu,
+            "busy_cores": cpu / wall, "processes_left": len(helpers)}
+
+
+def spread(values):
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def throughput(setup, encodings, worker_counts, repeats):
+    """All A/B/C runs, interleaved by repeat so drift affects every method alike.
+
+    One short untimed run of each configuration comes first: it pays for one-off costs
+    (lazy imports, PIL plugins, starting a forkserver) that an epoch of training doesn't.
+    """
+    a_data = tutorial_datasets(setup)
+    srcs = {enc: project_sources(setup.shards[enc]) for enc in encodings}
+
+    def plan(st, w, rep):
+        out = [("A", None, lambda: batches_a(a_data, st, w, rep))]
+        for enc in encodings:
+            out.append(("B", enc, lambda enc=enc: batches_b(srcs[enc], st, w, rep)))
+            out.append(("C", enc, lambda enc=enc: batches_c(srcs[enc], st, w, rep)))
+        return out
+
+    warm = replace(setup, batches=max(2, max(worker_counts)))
+    for w in worker_counts:
+        for _, _, make in plan(warm, w, 0):
+            measure(make(), warm.samples)
+    runs = {}  # (method, encoding, workers) -> [run]
+    for rep in range(repeats):
+        for w in worker_counts:
+            for method, enc, make in plan(setup, w, rep):
+                r = measure(make(), setup.samples)
+                runs.setdefault((method, enc, w), []).append(r)
+                log(f"  repeat {rep + 1}/{repeats} workers {w} {method}{'/' + enc if enc else ''}: "
+                    f"{r['samples_per_s']:9.0f} samples/s {r['samples_per_cpu_s']:9.0f} samples/cpu-s "
+                    f"({r['busy_cores']:.2f} cores)")
+    entries = []
+    for (method, enc, w), rs in runs.items():
+        entry = {"method": method, "encoding": enc, "workers": w, "runs": rs,
+                 "samples_per_s": spread([r["samples_per_s"] for r in rs]),
+                 "samples_per_cpu_s": spread([r["samples_per_cpu_s"] for r in rs]), "ratios": {}}
+        for base in ("A", "B"):
+            key = (base, None if base == "A" else enc, w)
+            if key in runs and method != base:
+                pairs = list(zip(rs, runs[key]))
+                entry["ratios"][f"vs_{base}"] = {
+                    m: spread([x[m] / y[m] for x, y in pairs]) for m in ("samples_per_s", "samples_per_cpu_s")}
+        entries.append(entry)
+    return entries
+
+
+# ---------------------------------------------------------------- memory
+
+
+def peak_memory(setup, method, encoding, scale, workers):
+    """Run one loader in a fresh process; the largest sum of VmRSS (and of Pss) over its tree."""
+    spec = {"setup": asdict(setup), "method": method, "encoding": encoding, "scale": scale, "workers": workers}
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak_rss = peak_pss = 0
+    while proc.poll() is None:
+        rss = pss = 0
+        for pid in tree_pids(proc.pid):
+            rss += proc_kib(f"/proc/{pid}/status", "VmRSS:")
+            pss += proc_kib(f"/proc/{pid}/smaps_rollup", "Pss:")
+        peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
+        time.sleep(0.05)
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory run {method} {encoding} x{scale} failed:\n{err[-3000:]}")
+    result = json.loads(out.strip().splitlines()[-1])
+    return {"peak_rss_mib": peak_rss / 1024, "peak_pss_mib": peak_pss / 1024, **result}
+
+
+def proc_kib(path, key):
+    """A 'Key:   123 kB' value from a /proc file, 0 if the process is gone."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def child_main(spec):
+    """Inside the fresh process: build the method's data at the given scale, stream, report."""
+    setup = Setup(**spec["setup"])
+    method, scale, workers = spec["method"], spec["scale"], spec["workers"]
+    t0 = time.perf_counter()
+    if method == "baseline":  # imports only: what every process tree starts from
+        import torchvision  # noqa: F401
+        import webdataset  # noqa: F401
+        n = 0
+    elif method == "A":
+        n = sum(batches_a(tutorial_datasets(setup, copies=scale), setup, workers, 0))
+    else:
+        folder = setup.shards[spec["encoding"]] if scale == 1 else setup.corpus10x[spec["encoding"]]
+        srcs = project_sources(folder)
+        make = batches_b if method == "B" else batches_c
+        n = sum(make(srcs, setup, workers, 0))
+    print(json.dumps({"samples": n, "seconds": round(time.perf_counter() - t0, 2)}))
+    return 0
+
+
+def memory(setup, encoding, workers):
+    entries = []
+    base = peak_memory(setup, "baseline", None, 1, 0)
+    log(f"  baseline (imports only): {base['peak_rss_mib']:.0f} MiB RSS")
+    for method in ("A", "B", "C"):
+        enc = None if method == "A" else encoding
+        one, ten = (peak_memory(setup, method, enc, s, workers) for s in (1, 10))
+        entry = {"method": method, "encoding": enc, "workers": workers, "scale_1x": one, "scale_10x": ten,
+                 "ratio_10x_1x": ten["peak_rss_mib"] / one["peak_rss_mib"],
+                 "ratio_10x_1x_pss": ten["peak_pss_mib"] / one["peak_pss_mib"] if one["peak_pss_mib"] else None}
+        log(f"  {method}: 1x {one['peak_rss_mib']:.0f} MiB, 10x {ten['peak_rss_mib']:.0f} MiB RSS "
+            f"(x{entry['ratio_10x_1x']:.2f})")
+        entries.append(entry)
+    return {"baseline": base, "entries": entries}
+
+
+# ---------------------------------------------------------------- profile and ceiling
+
+
+def profile_c(setup, encoding, top=15):
+    """cProfile of one C run in this process (workers=0): the functions holding the time."""
+    srcs = project_sources(setup.shards[encoding])
+    prof = cProfile.Profile()
+    prof.enable()
+    n = sum(batches_c(srcs, setup, 0, 0))
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = []
+    for (path, line, func), (cc, nc, tt, ct, _) in stats.stats.items():
+        if path == "~":
+            where = func
+        else:
+            where = f"{os.path.relpath(path, ROOT) if path.startswith(ROOT) else short(path)}:{line}({func})"
+        rows.append({"function": where, "calls": nc, "tottime_s": round(tt, 4), "cumtime_s": round(ct, 4)})
+    rows.sort(key=lambda r: -r["tottime_s"])
+    return {"encoding": encoding, "samples": n, "total_s": round(stats.total_tt, 3), "top": rows[:top]}
+
+
+def short(path):
+    parts = path.split(os.sep)
+    return os.sep.join(parts[-2:]) if "site-packages" in parts or "lib" in parts else path
+
+
+def read_ceiling(setup, encoding, repeats=3):
+    """Samples/s of nothing but reading every train shard's bytes (page cache); counts from manifests."""
+    srcs = project_sources(setup.shards[encoding])
+    paths = [u for s in srcs for u in s.urls]
+    total = sum(s.total for s in srcs)
+    nbytes = sum(os.path.getsize(p) for p in paths)
+    warm_page_cache(paths)
+    runs = []
+    for _ in range(repeats):
+        c0, t0 = sum(tree_cpu()), time.perf_counter()
+        warm_page_cache(paths)
+        wall, cpu = time.perf_counter() - t0, sum(tree_cpu()) - c0
+        runs.append({"wall_s": wall, "cpu_s": cpu, "samples_per_s": total / wall})
+    return {"encoding": encoding, "samples": total, "bytes": nbytes, "runs": runs,
+            "samples_per_s": spread([r["samples_per_s"] for r in runs]),
+            "mb_per_s": statistics.median(nbytes / 1e6 / r["wall_s"] for r in runs)}
+
+
+def tar_format(mnist_root, n=10000, repeats=3):
+    """The same MNIST samples (png) as webdataset's TarWriter writes them (a PAX header per
+    member, float mtimes) and as pipeline.shards writes them (plain USTAR): file size, and
+    samples/s read by stock webdataset (tarfile) and by `shards.iter_members`, no decoding."""
+    import webdataset as wds
+
+    src = sources.torchvision_source("mnist", "train", mnist_root)
+    n = min(n, len(src))
+    tmp = tempfile.mkdtemp(prefix="bench-tar-")
+    try:
+        ustar = os.path.join(tmp, "ustar.tar")
+        shards.write_shard(ustar, src, range(n), "png")
+        pax = os.path.join(tmp, "pax.tar")
+        with wds.TarWriter(pax) as w:
+            for i in range(n):
+                w.write({"__key__": f"mnist-train-{i:07d}", "png": shards.encode_image(src.image(i), "png"),
+                         "cls": str(src.label(i)).encode()})
+
+        def stock(path):
+            return sum(1 for _ in wds.WebDataset(path, shardshuffle=False, empty_check=False))
+
+        def lean(path):
+            with open(path, "rb") as f:
+                return sum(1 for _ in shards.iter_samples(shards.iter_members(f)))
+
+        rows = []
+        for fmt, path in (("pax (wds.TarWriter)", pax), ("ustar (pipeline.shards)", ustar)):
+            row = {"format": fmt, "samples": n, "bytes": os.path.getsize(path)}
+            warm_page_cache([path])
+            for reader, read in (("webdataset", stock), ("iter_members", lean)):
+                rates = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    got = read(path)
+                    rates.append(got / (time.perf_counter() - t0))
+                    if got != n:
+                        raise RuntimeError(f"{fmt}: {reader} read {got} samples, expected {n}")
+                row[f"{reader}_samples_per_s"] = spread(rates)
+            rows.append(row)
+        return rows
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- report
+
+
+def fmt_spread(s, digits=0):
+    return f"{s['median']:,.{digits}f} [{s['min']:,.{digits}f}-{s['max']:,.{digits}f}]"
+
+
+def table(entries):
+    """One row per loader and worker count: medians with [min-max] over the repeats."""
+    def ratio(e, base, metric):
+        r = e["ratios"].get(f"vs_{base}", {}).get(metric)
+        return fmt_spread(r, 2) if r else "-"
+
+    head = (f"{'workers':>7} {'loader':<6} {'samples/s':>24} {'x A':>17} {'samples/cpu-s':>24} {'x A':>17}"
+            f" {'x B':>17}  cores")
+    lines = [head, f"{'':>7} {'':<6} {'':>24} {'(samples/s)':>17} {'(per busy core)':>24} {'(per core)':>17}"
+                   f" {'(per core)':>17}"]
+    order = {"A": 0, "B": 1, "C": 2}
+    for e in sorted(entries, key=lambda e: (e["workers"], e["encoding"] or "", order[e["method"]])):
+        name = e["method"] + (f"/{e['encoding']}" if e["encoding"] else "")
+        cores = statistics.median(r["busy_cores"] for r in e["runs"])
+        lines.append(f"{e['workers']:>7} {name:<6} {fmt_spread(e['samples_per_s']):>24} "
+                     f"{ratio(e, 'A', 'samples_per_s'):>17} {fmt_spread(e['samples_per_cpu_s']):>24} "
+                     f"{ratio(e, 'A', 'samples_per_cpu_s'):>17} {ratio(e, 'B', 'samples_per_cpu_s'):>17}  {cores:.2f}")
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    p = Parser(prog="bench_loader", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mnist-root", help="torchvision root holding MNIST/raw (e.g. ../shared/data)")
+    p.add_argument("--cifar-folder", help="ImageFolder tree of CIFAR10 JPEGs (e.g. /tmp/cifar10-jpg/train)")
+    p.add_argument("--shards", action="append", default=[], metavar="DIR",
+                   help="folder with mnist-train.json and cifar10-train.json shards (repeatable, one per encoding); "
+                        "encodings with no folder are built from the inputs under --work-dir")
+    p.add_argument("--encoding", nargs="+", choices=shards.ENCODINGS, default=["raw", "png"],
+                   help="shard encodings for B and C (default: raw png; the first is used for memory and --profile)")
+    p.add_argument("--synthetic", action="store_true",
+                   help="tiny generated inputs in a temporary folder; no data needed")
+    p.add_argument("--samples", type=int, default=20000,
+                   help="samples per run, rounded down to whole batches (default: 20000)")
+    p.add_argument("--batch-size", type=int, default=256,
+                   help="samples per batch; A loads half from each loader (default: 256)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each configuration (default: 3)")
+    p.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="DataLoader worker counts (default: 0 2)")
+    p.add_argument("--world", type=int, default=1, help="simulated world size (default: 1)")
+    p.add_argument("--rank", type=int, default=0, help="simulated rank (default: 0)")
+    p.add_argument("--shuffle-buffer", type=int, default=1000, help="sample shuffle buffer of B and C (default: 1000)")
+    p.add_argument("--skip-memory", action="store_true", help="skip the peak-memory measurements")
+    p.add_argument("--profile", action="store_true", help="also cProfile C (workers=0) and measure the read ceiling")
+    p.add_argument("--tar-format", action="store_true",
+                   help="only compare PAX (wds.TarWriter) and USTAR (pipeline.shards) tars of 10,000 MNIST samples")
+    p.add_argument("--torch-threads", type=int, metavar="N",
+                   help="torch.set_num_threads(N) in the benchmarking process (default: torch's own choice; "
+                        "C normalises whole batches, which torch spreads over its threads)")
+    p.add_argument("--work-dir", default="bench-out",
+                   help="built shards and the 10x corpus go here (default: bench-out)")
+    p.add_argument("--json", default="bench-out/bench.json", help="where to write the JSON record")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return args
+    if args.batch_size < 2 or args.batch_size % 2:
+        p.error("--batch-size must be even and at least 2 (A loads half a batch from each data set)")
+    if args.samples < args.batch_size:
+        p.error(f"--samples must be at least one batch ({args.batch_size})")
+    if args.repeats < 1 or any(w < 0 for w in args.workers):
+        p.error("--repeats must be >= 1 and --workers >= 0")
+    if not 0 <= args.rank < args.world:
+        p.error(f"--rank {args.rank} outside --world {args.world}")
+    if not args.synthetic and not (args.mnist_root and (args.cifar_folder or args.tar_format)):
+        p.error("give --mnist-root and --cifar-folder, or --synthetic")
+    if args.torch_threads is not None and args.torch_threads < 1:
+        p.error("--torch-threads must be at least 1")
+    return args
+
+
+def find_shards(args, mnist_root, cifar_folder, work, maxcount):
+    """encoding -> shard folder: the --shards folders, else shards built under `work`."""
+    found = {}
+    for folder in args.shards:
+        enc = shard_encoding(folder)
+        if enc is None:
+            log(f"bench_loader: {folder}: no mnist-train.json + cifar10-train.json of one encoding; ignored")
+        else:
+            found.setdefault(enc, folder)
+    shard_dirs = {}
+    for enc in args.encoding:
+        if enc not in found:
+            found[enc] = os.path.join(work, f"shards-{enc}")
+            if shard_encoding(found[enc]) != enc:
+                log(f"building {enc} shards from the inputs in {found[enc]} ...")
+                build_shards(mnist_root, cifar_folder, found[enc], enc, maxcount)
+        shard_dirs[enc] = found[enc]
+    return shard_dirs
+
+
+def describe(setup, synthetic):
+    """What the figures were measured on, for the output and the record."""
+    import torchvision
+
+    mnist_n = len(tutorial_datasets(setup)[0])
+    cifar_n = len(torchvision.datasets.ImageFolder(setup.cifar_folder))
+    totals = ", ".join(f"{enc}: {d} {({s.name: s.total for s in project_sources(d)})}"
+                       for enc, d in setup.shards.items())
+    notes = [
+        f"A: torchvision MNIST ({mnist_n} train samples, {setup.mnist_root}) and, because the real CIFAR10 pickles "
+        f"are not available here, torchvision ImageFolder over CIFAR10 JPEGs ({cifar_n} files, {setup.cifar_folder}).",
+        f"B and C read the same shards: {totals}.",
+        "A keeps MNIST at 1x28x28 and draws two half batches (tutorial style); B and C pad it to 3x32x32 "
+        "and mix both sources in every batch.",
+        "CPU = the whole process tree's user+system time around each run (getrusage SELF+CHILDREN plus /proc of "
+        "live descendants); every run ends with its workers exited and reaped.",
+    ]
+    if synthetic:
+        notes.append("--synthetic: tiny generated inputs; figures only check that the benchmark runs.")
+    return notes
+
+
+def all_input_files(setup):
+    raw = os.path.join(setup.mnist_root, "MNIST", "raw")
+    import torchvision
+
+    return ([os.path.join(raw, f) for f in os.listdir(raw)]
+            + [p for p, _ in torchvision.datasets.ImageFolder(setup.cifar_folder).samples]
+            + [u for d in setup.shards.values() for s in project_sources(d) for u in s.urls])
+
+
+def write_record(path, record):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    shards.write_json_atomic(path, record)
+    log(f"wrote {path}")
+
+
+def run_tar_format(args, mnist_root):
+    rows = tar_format(mnist_root)
+    log(f"{'tar format':<24}{'samples':>8}{'MB':>7}{'webdataset samples/s':>26}{'iter_members samples/s':>30}")
+    for r in rows:
+        log(f"{r['format']:<24}{r['samples']:>8}{r['bytes'] / 1e6:>7.1f}"
+            f"{fmt_spread(r['webdataset_samples_per_s']):>26}{fmt_spread(r['iter_members_samples_per_s']):>30}")
+    write_record(args.json, {"command": [os.path.basename(sys.executable), *sys.argv], "git": git_state(),
+                             "tar_format": rows})
+    return 0
+
+
+def run(args, work):
+    if args.synthetic:
+        mnist_root, cifar_folder = make_synthetic_inputs(work)
+    else:
+        mnist_root, cifar_folder = args.mnist_root, args.cifar_folder
+    if args.tar_format:
+        return run_tar_format(args, mnist_root)
+    shard_dirs = find_shards(args, mnist_root, cifar_folder, work, maxcount=50 if args.synthetic else 500)
+    setup = Setup(mnist_root, cifar_folder, shard_dirs, batch_size=args.batch_size,
+                  batches=args.samples // args.batch_size, world=args.world, rank=args.rank,
+                  shuffle_buffer=args.shuffle_buffer)
+    notes = describe(setup, args.synthetic)
+    for n in notes:
+        log("note: " + n)
+    warm_page_cache(all_input_files(setup))
+    record = {"command": [os.path.basename(sys.executable), *sys.argv], "notes": notes, "git": git_state(),
+              "config": {**asdict(setup), "samples": setup.samples, "repeats": args.repeats,
+                         "workers": args.workers, "encodings": args.encoding, "synthetic": args.synthetic,
+                         "torch_threads": torch.get_num_threads()},
+              "host": {"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg(),
+                       "torch": torch.__version__, "python": sys.version.split()[0]}}
+    log(f"throughput: {setup.samples} samples per run, batch {setup.batch_size}, rank {setup.rank} of "
+        f"{setup.world}, {args.repeats} repeat(s)")
+    t0 = time.perf_counter()
+    record["throughput"] = throughput(setup, args.encoding, args.workers, args.repeats)
+    record["throughput_seconds"] = round(time.perf_counter() - t0, 1)
+    primary = args.encoding[0]
+    if not args.skip_memory:
+        setup.corpus10x = {primary: make_corpus_10x(shard_dirs[primary], os.path.join(work, f"corpus10x-{primary}"))}
+        w = max(args.workers)
+        log(f"memory: peak of the process tree, fresh process each, workers={w}, encoding {primary}")
+        record["memory"] = memory(setup, primary, w)
+    if args.profile:
+        record["profile"] = profile_c(setup, primary)
+        record["read_ceiling"] = [read_ceiling(setup, enc) for enc in args.encoding]
+    record["loadavg_at_end"] = os.getloadavg()
+    report(record)
+    write_record(args.json, record)
+    return 0
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.child:
+        return child_main(json.loads(args.child))
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    if not args.synthetic:
+        return run(args, args.work_dir)
+    tmp = tempfile.mkdtemp(prefix="bench-loader-")
+    try:
+        return run(args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def git_state():
+    """The commit and any uncommitted change under pipeline/: the figures belong to that code."""
+    def git(*a):
+        try:
+            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except OSError:
+            return ""
+    return {"commit": git("rev-parse", "HEAD"), "dirty": git("status", "--porcelain", "--", "pipeline").splitlines()}
+
+
+def report(record):
+    """The table, then memory, profile and ceiling as far as they were measured."""
+    log("\n" + table(record["throughput"]))
+    if "memory" in record:
+        base = record["memory"]["baseline"]["peak_rss_mib"]
+        log(f"\npeak memory of the process tree (MiB; baseline imports-only {base:.0f} RSS)")
+        log(f"{'loader':<8}{'RSS 1x':>9}{'RSS 10x':>9}{'10x/1x':>8}{'PSS 1x':>9}{'PSS 10x':>9}{'10x/1x':>8}")
+        for e in record["memory"]["entries"]:
+            name = e["method"] + (f"/{e['encoding']}" if e["encoding"] else "")
+            one, ten = e["scale_1x"], e["scale_10x"]
+            pss_ratio = f"{e['ratio_10x_1x_pss']:.2f}" if e["ratio_10x_1x_pss"] else "-"
+            log(f"{name:<8}{one['peak_rss_mib']:>9.0f}{ten['peak_rss_mib']:>9.0f}{e['ratio_10x_1x']:>8.2f}"
+                f"{one['peak_pss_mib']:>9.0f}{ten['peak_pss_mib']:>9.0f}{pss_ratio:>8}")
+    if "profile" in record:
+        prof = record["profile"]
+        log(f"\nprofile of C/{prof['encoding']}, workers=0, {prof['samples']} samples, {prof['total_s']} s "
+            f"(under cProfile)\n{'tottime':>8} {'cumtime':>8} {'calls':>9}  function")
+        for r in prof["top"]:
+            log(f"{r['tottime_s']:>8.3f} {r['cumtime_s']:>8.3f} {r['calls']:>9}  {r['function']}")
+        for c in record["read_ceiling"]:
+            log(f"read ceiling ({c['encoding']} shards, page cache): {fmt_spread(c['samples_per_s'])} samples/s, "
+                f"{c['mb_per_s']:,.0f} MB/s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
