@@ -20,6 +20,7 @@ rank and worker) against ~0.1 us for one seeded draw per batch. Shards are split
 (rank, worker) slot from the `Topology` we are handed, the same slicing as
 `wds.split_by_node` + `wds.split_by_worker`, without reading the environment.
 """
+import functools
 import io
 import itertools
 import json
@@ -28,6 +29,7 @@ import math
 import os
 import random
 import re
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -388,6 +390,19 @@ class Layout:
         scale, shift = self.scale.to(image.device), self.shift.to(image.device)
         return image.float().mul_(scale[source]).sub_(shift[source])
 
+    def _normalize_np(self, u8, src):
+        """`normalize` for a batch being collated, in numpy: one thread (torch would
+        spread this small job over every core of the loading process), written straight
+        into shared memory inside a DataLoader worker so the batch reaches the main
+        process without another 3 MB copy."""
+        out = torch.empty(u8.shape, dtype=torch.float32)
+        if torch.utils.data.get_worker_info() is not None:
+            out.share_memory_()
+        o = out.numpy()
+        np.multiply(u8, self.scale.numpy()[src], out=o)
+        np.subtract(o, self.shift.numpy()[src], out=o)
+        return out
+
     def collate(self, items, skipped=0, normalize=True):
         """[(source index, key, image, label)] -> batch dict; see the class docstring.
 
@@ -409,9 +424,7 @@ class Layout:
             top, left = (h - s.shape[1]) // 2, (w - s.shape[2]) // 2
             u8[idx, :, top:top + s.shape[1], left:left + s.shape[2]] = arr
         source = torch.from_numpy(src)
-        image = torch.from_numpy(u8)
-        if normalize:
-            image = self.normalize(image, source)
+        image = self._normalize_np(u8, src) if normalize else torch.from_numpy(u8)
         offsets = torch.tensor(self.offsets, dtype=torch.int64)
         label = torch.tensor([it[3] for it in items], dtype=torch.int64) + offsets[source]
         return {"image": image, "label": label, "source": source, "key": [it[1] for it in items],
@@ -453,6 +466,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         self.shuffle_buffer, self.resample, self.strict = shuffle_buffer, resample, strict
         self.cache_dir, self.retries, self.normalize = cache_dir, retries, normalize
         self.epoch = 0
+        self._shared = None  # (epoch, probs) in shared memory once persistent workers hold copies
 
     def set_epoch(self, epoch, weights=None):
         """Select the epoch (and optionally new weights, e.g. from a schedule)."""
@@ -460,6 +474,15 @@ class MixedStream(torch.utils.data.IterableDataset):
         if weights is not None:
             self.probs = check_weights(weights, self.layout.names)
             self.weights = dict(zip(self.layout.names, self.probs))
+        if self._shared is not None:
+            self._shared[0].value = epoch
+            self._shared[1][:] = self.probs
+
+    def share(self, ctx):
+        """Keep epoch and weights in shared memory, so that persistent DataLoader workers
+        (each holding a pickled copy of this stream) see every later `set_epoch`."""
+        if self._shared is None:
+            self._shared = (ctx.Value("q", self.epoch, lock=False), ctx.Array("d", self.probs, lock=False))
 
     @property
     def batches_per_epoch(self):
@@ -495,6 +518,8 @@ class MixedStream(torch.utils.data.IterableDataset):
                 raise ShardError(f"{s.name}: no readable samples in this worker's shards, e.g. {urls[0]}")
 
     def __iter__(self):
+        if self._shared is not None:  # a persistent worker: take the epoch the main process set
+            self.epoch, self.probs = self._shared[0].value, list(self._shared[1])
         slot, slots, worker, workers = worker_slot(self.topo)
         n = self.batches_per_epoch
         count = n // workers + (worker < n % workers)
@@ -551,23 +576,32 @@ class EvalStream(torch.utils.data.IterableDataset):
             yield self.layout.collate(items, stats["skipped"] - reported, self.normalize)
 
 
-def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=4, start_method="forkserver"):
+def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=4, start_method="fork"):
     """A WebLoader over a stream; warns when shards are too few for every slot.
 
-    Workers start from a forkserver (see `worker_context`), so a script that builds a
-    loader with workers needs the usual `if __name__ == "__main__":` guard; pass
-    start_method="fork" to fork the calling process instead.
+    Workers persist across epochs: make the loader once and call `set_epoch` before
+    each pass. Forking a process that has threads (gloo, tqdm's monitor, a finished
+    loader's queue feeders) can deadlock the child inside os.fork() while another
+    thread holds an interpreter lock; it happened here once, when an evaluation loader
+    forked right after a training epoch's loader shut down. Persistent workers fork
+    once, at their loader's first pass. start_method="forkserver" avoids forking the
+    caller at all, at ~300 MiB for the server and a re-import of the main script per
+    worker (the script then needs an `if __name__ == "__main__":` guard).
     """
-    short = stream.short_sources(num_workers) if isinstance(stream, MixedStream) else []
+    mixed = isinstance(stream, MixedStream)
+    short = stream.short_sources(num_workers) if mixed else []
     if short:
         warnings.warn(f"{', '.join(short)}: fewer shards than ranks x workers "
                       f"({stream.topo.world} x {max(1, num_workers)}); those sources draw shards with "
                       f"replacement, so samples may repeat across workers. Write more, smaller shards.",
                       stacklevel=2)
+    ctx = worker_context(start_method) if num_workers else None
+    if ctx and mixed:
+        stream.share(ctx)
     return wds.WebLoader(stream, batch_size=None, collate_fn=_as_is, num_workers=num_workers,
                          pin_memory=pin_memory, prefetch_factor=prefetch_factor if num_workers else None,
-                         persistent_workers=False,
-                         multiprocessing_context=worker_context(start_method) if num_workers else None)
+                         persistent_workers=bool(ctx), multiprocessing_context=ctx,
+                         worker_init_fn=functools.partial(_exit_with, os.getpid()) if ctx else None)
 
 
 def _as_is(batch):
@@ -576,15 +610,25 @@ def _as_is(batch):
     return batch
 
 
-def worker_context(start_method="forkserver"):
-    """Start DataLoader workers from a forkserver, not by forking the trainer.
+def _exit_with(parent, worker_id):
+    """End this worker when the process that made its loader is gone.
 
-    The trainer has threads (gloo, tqdm's monitor, the previous loader's queue
-    feeders); forking it while one of them holds an interpreter lock deadlocks the
-    child inside os.fork() (seen here after 8 epochs, Python 3.11). The forkserver is
-    single-threaded and has torch and this module preloaded, so each epoch's workers
-    still start in milliseconds.
+    DataLoader's own watchdog watches the worker's parent, which for forkserver workers
+    is the forkserver, and the forkserver lives while any worker does: a trainer killed
+    without cleanup would leave both behind, holding the job's stdout open.
     """
+    def watch():
+        while True:
+            time.sleep(1)
+            try:
+                os.kill(parent, 0)
+            except ProcessLookupError:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-trainer").start()
+
+
+def worker_context(start_method="fork"):
     ctx = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(["torch", "pipeline.stream"])

@@ -185,7 +185,7 @@ class Metrics:
                 f.write(json.dumps(record) + "\n")
 
 
-def evaluate(model, train_stream, sources, args, device):
+def evaluate(model, train_stream, sources, eval_loaders, device):
     """Exact per-source accuracy: every test sample counted once over all ranks.
 
     Ranks may hold different numbers of test batches, so the forward pass uses the
@@ -197,7 +197,7 @@ def evaluate(model, train_stream, sources, args, device):
     sums = torch.zeros(len(sources), 4, dtype=torch.float64, device=device)  # count, correct, loss, skipped
     with torch.no_grad():
         for i, src in enumerate(sources):
-            for batch in stream.make_loader(train_stream.eval_stream(src), args.workers):
+            for batch in eval_loaders[i]:
                 sums[i, 3] += batch["skipped"]
                 if len(batch["label"]) == 0:
                     continue
@@ -215,6 +215,12 @@ def evaluate(model, train_stream, sources, args, device):
         out[src.name] = {"count": int(n), "correct": int(correct), "accuracy": correct / max(n, 1),
                          "loss": loss / max(n, 1), "skipped": int(skipped)}
     return out
+
+
+def eval_loaders(run, sources):
+    """One loader per test source, made once: their workers persist between evaluations
+    (at most 2 each, idle while training runs)."""
+    return [stream.make_loader(run.stream.eval_stream(src), min(run.args.workers, 2)) for src in sources]
 
 
 def autocast(device):
@@ -237,6 +243,7 @@ class Run:
             train_sources, weights_at(args, 0), args.batch_size, topo, seed=args.seed,
             epoch_samples=args.epoch_samples, shuffle_buffer=args.shuffle_buffer, resample=args.resample,
             strict=args.strict, cache_dir=args.cache_dir, normalize=False)
+        self.loader = stream.make_loader(self.stream, args.workers, pin_memory=device.type == "cuda")
         self.layout = self.stream.layout
         self.names = self.layout.names
         self.flip_ids = [self.layout.index(n) for n in args.flip if n in self.names]
@@ -322,7 +329,7 @@ def train_epoch(run, epoch, step, metrics, record_keys):
     keys, skipped, batches, wait, busy = [], 0, 0, 0.0, 0.0
     bar = progress(topo, run.steps_per_epoch, f"epoch {epoch + 1}/{args.epochs}")
     t0 = time.perf_counter()
-    for batch in stream.make_loader(run.stream, args.workers, pin_memory=run.device.type == "cuda"):
+    for batch in run.loader:  # its workers persist across epochs and pick up set_epoch
         t1 = time.perf_counter()
         wait += t1 - t0
         losses, source = run.step(batch, gen)
@@ -364,7 +371,7 @@ def train(args, topo, device):
     run = Run(args, topo, device, train_sources)
     if args.eval_only:
         run.model.load_state_dict(load_checkpoint(ckpt_path, device)["model"])
-        evals = evaluate(run.model, run.stream, eval_sources, args, device)
+        evals = evaluate(run.model, run.stream, eval_sources, eval_loaders(run, eval_sources), device)
         if topo.is_main:
             write_json_atomic(os.path.join(args.out, "eval.json"), {"eval": evals, "world_size": topo.world})
             print(", ".join(f"{k} {v['accuracy']:.4f} ({v['count']} samples)" for k, v in evals.items()))
@@ -379,6 +386,7 @@ def train(args, topo, device):
     if keys_file:
         truncate_lines(keys_file, start_epoch * run.steps_per_epoch * args.batch_size)
 
+    evals_from = eval_loaders(run, eval_sources)
     t_start, evals, wait, busy = time.time(), {}, 0.0, 0.0
     step = start_epoch * run.steps_per_epoch
     last = args.epochs if args.stop_after is None else min(args.epochs, start_epoch + args.stop_after)
@@ -390,7 +398,7 @@ def train(args, topo, device):
             with open(keys_file, "a") as f:
                 f.write("\n".join(facts["keys"]) + "\n")
         if eval_sources:
-            evals = evaluate(run.model, run.stream, eval_sources, args, device)
+            evals = evaluate(run.model, run.stream, eval_sources, evals_from, device)
             metrics.log(kind="eval", epoch=epoch, step=step, eval=evals)
             if topo.is_main:
                 print(f"epoch {epoch + 1}: " + ", ".join(f"{k} {v['accuracy']:.4f}" for k, v in evals.items()),

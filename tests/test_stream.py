@@ -694,3 +694,21 @@ def test_shuffle_buffer_never_reads_ahead_into_the_next_pass(data):
         s = MixedStream(src, {"mnist": 1}, 10, epoch_samples=epoch_samples, shuffle_buffer=1000)
         counts = collections.Counter(keys_of(run_epoch(s)))
         assert len(counts) == min(epoch_samples, 230) and set(counts.values()) == {times}
+
+
+def test_persistent_workers_follow_set_epoch_and_weights(even):
+    """One loader for several epochs: its workers must see each set_epoch (and new weights)."""
+    def fresh(epoch, weights):
+        s = MixedStream(train_sources(even), weights, 8, seed=3, shuffle_buffer=8)
+        s.set_epoch(epoch, weights)
+        return keys_of(run_epoch(s, workers=2))
+
+    s = MixedStream(train_sources(even), HALF, 8, seed=3, shuffle_buffer=8)
+    loader = make_loader(s, 2)
+    seen = []
+    for epoch, weights in ((0, HALF), (1, HALF), (2, {"mnist": 1.0, "cifar10": 0.0})):
+        s.set_epoch(epoch, weights)
+        seen.append([k for b in loader for k in b["key"]])
+        assert seen[-1] == fresh(epoch, weights)
+    assert seen[0] != seen[1]
+    assert all(k.startswith("mnist") for k in seen[2])

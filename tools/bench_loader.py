@@ -9,6 +9,8 @@
   B  stock webdataset over the same shards as C: WebDataset per source (tarfile reading,
      .decode("pil"), .to_tuple, .map(transform)), wds.RandomMix, wds.batched, wds.WebLoader.
   C  this project: pipeline.stream.resolve + MixedStream(normalize=True) + make_loader.
+  C8 the same with normalize=False: uint8 batches, as the trainer takes them (it normalises
+     on its device).
 
 Every run delivers the same number of samples (--samples, rounded down to whole batches)
 and then ends: each loader is made finite at exactly that count, so DataLoader workers run
@@ -303,11 +305,12 @@ def project_sources(folder):
     return [stream.resolve(name, folder, "train") for name in NAMES]
 
 
-def batches_c(srcs, setup, workers, epoch):
-    """C: this project's stream, equal weights, normalised float batches like A and B."""
+def batches_c(srcs, setup, workers, epoch, normalize=True):
+    """C: this project's stream, equal weights, normalised float batches like A and B.
+    With normalize=False (C8), the uint8 batches the trainer takes and normalises on its device."""
     ms = stream.MixedStream(srcs, {s.name: 1.0 for s in srcs}, setup.batch_size, Topology(setup.rank, setup.world),
                             seed=setup.seed, epoch_samples=setup.samples * setup.world,
-                            shuffle_buffer=setup.shuffle_buffer, normalize=True)
+                            shuffle_buffer=setup.shuffle_buffer, normalize=normalize)
     ms.set_epoch(epoch)
     for batch in stream.make_loader(ms, num_workers=workers):
         yield len(batch["image"])
@@ -423,6 +426,7 @@ def throughput(setup, encodings, worker_counts, repeats):
         for enc in encodings:
             out.append(("B", enc, lambda enc=enc: batches_b(srcs[enc], st, w, rep)))
             out.append(("C", enc, lambda enc=enc: batches_c(srcs[enc], st, w, rep)))
+            out.append(("C8", enc, lambda enc=enc: batches_c(srcs[enc], st, w, rep, normalize=False)))
         return out
 
     warm = replace(setup, batches=max(2, max(worker_counts)))
@@ -630,7 +634,7 @@ def table(entries):
             f" {'x B':>17}  cores")
     lines = [head, f"{'':>7} {'':<6} {'':>24} {'(samples/s)':>17} {'(per busy core)':>24} {'(per core)':>17}"
                    f" {'(per core)':>17}"]
-    order = {"A": 0, "B": 1, "C": 2}
+    order = {"A": 0, "B": 1, "C": 2, "C8": 3}
     for e in sorted(entries, key=lambda e: (e["workers"], e["encoding"] or "", order[e["method"]])):
         name = e["method"] + (f"/{e['encoding']}" if e["encoding"] else "")
         cores = statistics.median(r["busy_cores"] for r in e["runs"])
@@ -651,8 +655,9 @@ def parse_args(argv):
                    help="shard encodings for B and C (default: raw png; the first is used for memory and --profile)")
     p.add_argument("--synthetic", action="store_true",
                    help="tiny generated inputs in a temporary folder; no data needed")
-    p.add_argument("--samples", type=int, default=20000,
-                   help="samples per run, rounded down to whole batches (default: 20000)")
+    p.add_argument("--samples", type=int, default=60000,
+                   help="samples per run, rounded down to whole batches (default: 60000, about half an epoch of "
+                        "MNIST + CIFAR10, so per-epoch worker start-up counts as in training)")
     p.add_argument("--batch-size", type=int, default=256,
                    help="samples per batch; A loads half from each loader (default: 256)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each configuration (default: 3)")
