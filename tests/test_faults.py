@@ -81,13 +81,18 @@ def wait_for(path, proc, timeout=120):
         time.sleep(0.05)
 
 
-def corrupt_copy(data, tmp_path):
-    """A copy of the shards with one mnist shard cut in the middle of a member."""
-    dst = tmp_path / "corrupt"
+def linked_copy(data, dst, leave_out):
+    """`dst` holding hard links to every file of `data` but `leave_out`."""
     dst.mkdir()
     for f in os.listdir(data):
-        if f != "mnist-train-000003.tar":
+        if f != leave_out:
             os.link(data / f, dst / f)
+    return dst
+
+
+def corrupt_copy(data, tmp_path):
+    """A copy of the shards with one mnist shard cut in the middle of a member."""
+    dst = linked_copy(data, tmp_path / "corrupt", "mnist-train-000003.tar")
     src = (data / "mnist-train-000003.tar").read_bytes()
     (dst / "mnist-train-000003.tar").write_bytes(src[:len(src) // 2 + 700])
     return dst
@@ -180,11 +185,7 @@ def test_unreachable_server_fails_fast(tmp_path):
 
 
 def test_missing_http_shard_is_reported_before_training(data, tmp_path):
-    folder = tmp_path / "served"
-    folder.mkdir()
-    for f in os.listdir(data):
-        if f != "cifar10-train-000005.tar":
-            os.link(data / f, folder / f)
+    folder = linked_copy(data, tmp_path / "served", "cifar10-train-000005.tar")
     with serve(folder) as url:
         p = subprocess.run([sys.executable, "-m", "pipeline.train", *args_for(url, tmp_path / "run")],
                            cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -245,11 +246,7 @@ def test_remote_shard_with_wrong_sha256_is_reported_and_skipped(data, tmp_path):
     from pipeline import stream
     from pipeline.shards import ShardError
 
-    folder = tmp_path / "served"
-    folder.mkdir()
-    for f in os.listdir(data):
-        if f != "mnist-train-000002.tar":
-            os.link(data / f, folder / f)
+    folder = linked_copy(data, tmp_path / "served", "mnist-train-000002.tar")
     blob = bytearray((data / "mnist-train-000002.tar").read_bytes())
     blob[-1] ^= 1  # a flipped bit in the end-of-archive padding: still a readable tar
     (folder / "mnist-train-000002.tar").write_bytes(bytes(blob))
