@@ -378,6 +378,10 @@ class Layout:
         mean = torch.tensor([_rgb(s.mean) for s in sources]).view(-1, 3, 1, 1)
         std = torch.tensor([_rgb(s.std) for s in sources]).view(-1, 3, 1, 1)
         self.scale, self.shift = 1.0 / (255.0 * std), mean / std
+        self._on_device = {}
+
+    def __getstate__(self):  # workers get the CPU stats only, never a GPU copy
+        return dict(self.__dict__, _on_device={})
 
     def index(self, name):
         try:
@@ -387,7 +391,9 @@ class Layout:
 
     def normalize(self, image, source):
         """uint8 (B, 3, H, W) images -> normalised float32, on whatever device they are."""
-        scale, shift = self.scale.to(image.device), self.shift.to(image.device)
+        if image.device not in self._on_device:  # copy the stats to a GPU once, not every step
+            self._on_device[image.device] = (self.scale.to(image.device), self.shift.to(image.device))
+        scale, shift = self._on_device[image.device]
         return image.float().mul_(scale[source]).sub_(shift[source])
 
     def _normalize_np(self, u8, src):
