@@ -53,13 +53,35 @@ def distributed(timeout_s=600):
     device = device_for(topo)
     if topo.world > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = restart_store(timeout)
+        dist.init_process_group(backend, timeout=timeout,
+                                **({"store": store, "rank": topo.rank, "world_size": topo.world} if store else {}),
                                 **({"device_id": device} if device.type == "cuda" else {}))
     try:
         yield topo, device
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def restart_store(timeout):
+    """A key space of its own for a restarted attempt on one node, else None (torch's default).
+
+    torchrun keeps one TCPStore for the whole job, and the process group's keys
+    carry no attempt number. After `--max-restarts` restarts the killed
+    attempt's keys are still there, so a new rank can read a dead peer's
+    address and fail in gloo/NCCL set-up ("Connection refused"). One agent
+    gives all its workers the same TORCHELASTIC_RESTART_COUNT; across nodes the
+    counts can differ, so there use `--rdzv-backend=c10d` with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store per round).
+    """
+    env = os.environ
+    attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if attempt == 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("GROUP_WORLD_SIZE", "1") != "1":
+        return None
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"pipeline/attempt-{attempt}", store)
 
 
 def all_reduce_sum(tensor):
