@@ -258,7 +258,8 @@ def test_shard_order_depends_on_seed_and_epoch():
 # ---------------------------------------------------------------- 5. batch format
 
 
-def test_batch_format_shapes_labels_and_normalize(data):
+@pytest.mark.parametrize("workers", [0, 2])  # workers collate into fresh shared memory, unzeroed by us
+def test_batch_format_shapes_labels_and_normalize(data, workers):
     sources = train_sources(data.dir)
     mnist_m, cifar_m = data.manifests["mnist", "train"], data.manifests["cifar10", "train"]
     floats = MixedStream(sources, HALF, 16, seed=5, epoch_samples=64)
@@ -266,11 +267,11 @@ def test_batch_format_shapes_labels_and_normalize(data):
     layout = bytes_.layout
     assert layout.num_classes == 20 and list(layout.offsets) == [0, 10]
     seen_sources = set()
-    for fb, ub in zip(make_loader(floats), make_loader(bytes_)):
+    for fb, ub in zip(make_loader(floats, workers), make_loader(bytes_, workers)):
         assert fb["key"] == ub["key"]
         assert fb["image"].dtype == torch.float32 and fb["image"].shape == (16, 3, 32, 32)
         assert ub["image"].dtype == torch.uint8 and ub["image"].shape == (16, 3, 32, 32)
-        assert fb["label"].dtype == torch.int64
+        assert fb["label"].dtype == ub["source"].dtype == torch.int64 and isinstance(ub["source"], torch.Tensor)
         assert torch.allclose(layout.normalize(ub["image"], ub["source"]), fb["image"], atol=1e-5)
         for i, (key, src, label) in enumerate(zip(ub["key"], ub["source"].tolist(), ub["label"].tolist())):
             seen_sources.add(src)
