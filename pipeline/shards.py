@@ -22,6 +22,8 @@ import tarfile
 
 import numpy as np
 
+from . import png
+
 FORMAT = "pipeline-shards/1"
 ENCODINGS = ("png", "raw")
 NAME_RE = re.compile(r"^[A-Za-z0-9_]+$")
@@ -39,12 +41,7 @@ def encode_image(image, encoding):
     """uint8 CHW array -> bytes in the given encoding."""
     if encoding == "raw":
         return np.ascontiguousarray(image, dtype=np.uint8).tobytes()
-    from PIL import Image
-
-    hwc = image[0] if image.shape[0] == 1 else image.transpose(1, 2, 0)
-    buf = io.BytesIO()
-    Image.fromarray(np.ascontiguousarray(hwc)).save(buf, format="PNG")
-    return buf.getvalue()
+    return png.encode(image)
 
 
 def _add_member(tar, name, data):

@@ -43,12 +43,12 @@ import torch
 import webdataset as wds
 from braceexpand import braceexpand
 
+from . import png
 from .dist import Topology
 from .shards import ShardError, iter_members, iter_samples, manifest_name
 
 REMOTE_RE = re.compile(r"^(https?|pipe|s3|gs|ftps?|sftp|scp):")
 SHARD_RE = re.compile(r"[A-Za-z0-9_]+-[A-Za-z0-9_]+-\d+\.tar")
-MAX_PIXELS = 4096 * 4096  # a PNG claiming more is a decompression bomb, not a sample
 
 
 @dataclass
@@ -329,7 +329,7 @@ def decode_samples(samples, source, stats, *, strict=False):
                 if len(img) != nbytes:
                     raise ValueError(f"{len(img)} raw bytes, expected {nbytes} for shape {shape}")
             else:
-                img = decode_png(img, shape)
+                img = png.decode(img, shape)
         except ValueError as e:
             if strict:
                 raise ShardError(f"{s.get('__url__')}: sample {s.get('__key__')}: {e}") from None
@@ -337,24 +337,6 @@ def decode_samples(samples, source, stats, *, strict=False):
             warnings.warn(f"{s.get('__url__')}: skipped sample {s.get('__key__')}: {e}", stacklevel=2)
             continue
         yield s["__key__"], img, label
-
-
-def decode_png(data, shape):
-    """PNG bytes -> uint8 CHW array of exactly `shape`; raises ValueError otherwise."""
-    from PIL import Image
-
-    try:
-        img = Image.open(io.BytesIO(data))
-        w, h = img.size  # from the header: check before decoding any pixels
-        if w * h > MAX_PIXELS or (len(shape) == 3 and (h, w) != tuple(shape[1:])):
-            raise ValueError(f"image is {w}x{h}, expected {shape[2]}x{shape[1]}")
-        mode = "L" if shape[0] == 1 else "RGB"
-        if img.mode != mode:
-            raise ValueError(f"image mode {img.mode}, expected {mode}")
-        a = np.asarray(img, dtype=np.uint8)
-    except (OSError, SyntaxError, Image.DecompressionBombError) as e:
-        raise ValueError(f"undecodable image: {e}") from None
-    return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
 
 
 # ---------------------------------------------------------------- batches
