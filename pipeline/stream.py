@@ -381,7 +381,7 @@ class Layout:
     def _normalize_np(self, u8, src):
         """`normalize` for a batch being collated, in numpy: one thread (torch would
         spread this small job over every core of the loading process)."""
-        out = _batch_tensor(u8.shape, torch.float32)
+        out = _batch_tensor(u8.shape, np.float32)
         o = out.numpy()
         np.multiply(u8, self.scale.numpy()[src], out=o)
         np.subtract(o, self.shift.numpy()[src], out=o)
@@ -397,7 +397,9 @@ class Layout:
         """
         b = len(items)
         h, w = self.hw
-        u8 = np.zeros((b, 3, h, w), np.uint8) if normalize else _batch_tensor((b, 3, h, w), torch.uint8).numpy()
+        shape = (b, 3, h, w)
+        canvas = torch.from_numpy(np.zeros(shape, np.uint8)) if normalize else _batch_tensor(shape, np.uint8)
+        u8 = canvas.numpy()  # a view: torch.from_numpy(u8) would lose the shared-memory flag and be copied
         src = np.fromiter((it[0] for it in items), np.int64, b)
         for i, s in enumerate(self.sources):
             idx = np.flatnonzero(src == i)
@@ -409,7 +411,7 @@ class Layout:
                 arr = np.stack([items[j][2] for j in idx])
             top, left = (h - s.shape[1]) // 2, (w - s.shape[2]) // 2
             u8[idx, :, top:top + s.shape[1], left:left + s.shape[2]] = arr
-        image = self._normalize_np(u8, src) if normalize else torch.from_numpy(u8)
+        image = self._normalize_np(u8, src) if normalize else canvas
         label = np.fromiter((it[3] for it in items), np.int64, b) + np.asarray(self.offsets, np.int64)[src]
         batch = {"image": image, "label": label, "source": src, "key": [it[1] for it in items], "skipped": skipped}
         return batch if _in_worker() else _as_tensors(batch)
@@ -427,9 +429,9 @@ def _batch_tensor(shape, dtype):
     batch is written once (default_collate does the same).
     """
     if not _in_worker():  # numpy, as torch.zeros would fill a large tensor with every core
-        return torch.from_numpy(np.zeros(shape, torch.empty(0, dtype=dtype).numpy().dtype))
-    storage = torch.empty(0, dtype=dtype)._typed_storage()._new_shared(math.prod(shape))
-    return torch.empty(0, dtype=dtype).new(storage).view(shape)  # a new shared file reads as zeros
+        return torch.from_numpy(np.zeros(shape, dtype))
+    like = torch.from_numpy(np.empty(0, dtype))
+    return like.new(like._typed_storage()._new_shared(math.prod(shape))).view(shape)  # a new shared file reads as zeros
 
 
 def _as_tensors(batch):

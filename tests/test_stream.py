@@ -297,6 +297,26 @@ def test_batch_format_shapes_labels_and_normalize(data, workers):
     assert seen_sources == {0, 1}
 
 
+class _SharedFlags(torch.utils.data.IterableDataset):
+    """Each batch's image, tagged inside the worker with whether it is in shared memory yet."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __iter__(self):
+        for b in self.stream:
+            yield b["image"].is_shared()
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_worker_batches_are_made_in_shared_memory(data, normalize):
+    """A batch not made in shared memory is copied there when a worker sends it (3 MB float,
+    768 KB uint8 a batch of 256): the loader's main cost with workers."""
+    stream = MixedStream(train_sources(data.dir), HALF, 16, epoch_samples=64, normalize=normalize)
+    flags = list(torch.utils.data.DataLoader(_SharedFlags(stream), batch_size=None, num_workers=1))
+    assert flags and all(flags)
+
+
 def test_eval_batches_decode_png_like_training(data):
     """Test splits are PNG: decoded pixels and labels match the originals, in the
     training stream's layout (label offset 10 for cifar10)."""
