@@ -28,9 +28,13 @@ def encode(image):
     filtered[:, 0] = _UP
     filtered[0, 1:] = rows[0]
     np.subtract(rows[1:], rows[:-1], out=filtered[1:, 1:])  # uint8: wraps modulo 256, as PNG wants
-    header = struct.pack(">IIBBBBB", w, h, 8, _COLOUR_TYPE[c], 0, 0, 0)
-    return SIGNATURE + _chunk(b"IHDR", header) + _chunk(b"IDAT", zlib.compress(filtered.tobytes())) \
+    return SIGNATURE + _chunk(b"IHDR", _header(c, h, w)) + _chunk(b"IDAT", zlib.compress(filtered.tobytes())) \
         + _chunk(b"IEND", b"")
+
+
+def _header(c, h, w):
+    """IHDR: 8 bits a sample, grey or RGB, no interlacing."""
+    return struct.pack(">IIBBBBB", w, h, 8, _COLOUR_TYPE[c], 0, 0, 0)
 
 
 def _chunk(kind, data):
@@ -48,7 +52,7 @@ def _decode_up(data, shape):
     c, h, w = shape
     if c not in _COLOUR_TYPE or data[:8] != SIGNATURE:
         return None
-    header = struct.pack(">IIBBBBB", w, h, 8, _COLOUR_TYPE[c], 0, 0, 0)
+    header = _header(c, h, w)
     pos, idat, seen_header = 8, [], False
     while pos + 12 <= len(data):
         n, kind = struct.unpack(">I4s", data[pos:pos + 8])
