@@ -297,24 +297,25 @@ def test_batch_format_shapes_labels_and_normalize(data, workers):
     assert seen_sources == {0, 1}
 
 
-class _SharedFlags(torch.utils.data.IterableDataset):
-    """Each batch's image, tagged inside the worker with whether it is in shared memory yet."""
+class _AsSent(torch.utils.data.IterableDataset):
+    """Each batch's image as a worker sends it: (in shared memory yet, dtype)."""
 
     def __init__(self, stream):
         self.stream = stream
 
     def __iter__(self):
         for b in self.stream:
-            yield b["image"].is_shared()
+            yield b["image"].is_shared(), b["image"].dtype
 
 
 @pytest.mark.parametrize("normalize", [True, False])
-def test_worker_batches_are_made_in_shared_memory(data, normalize):
-    """A batch not made in shared memory is copied there when a worker sends it (3 MB float,
-    768 KB uint8 a batch of 256): the loader's main cost with workers."""
+def test_worker_batches_are_uint8_made_in_shared_memory(data, normalize):
+    """A batch not made in shared memory is copied there when a worker sends it, and float
+    images are 4x the bytes of uint8 (3 MB against 768 KB a batch of 256): the loader's
+    main cost with workers. make_loader normalises on arrival (test above)."""
     stream = MixedStream(train_sources(data.dir), HALF, 16, epoch_samples=64, normalize=normalize)
-    flags = list(torch.utils.data.DataLoader(_SharedFlags(stream), batch_size=None, num_workers=1))
-    assert flags and all(flags)
+    sent = list(torch.utils.data.DataLoader(_AsSent(stream), batch_size=None, num_workers=1))
+    assert sent and all(list(s) == [True, torch.uint8] for s in sent)
 
 
 def test_eval_batches_decode_png_like_training(data):
