@@ -311,9 +311,9 @@ def decode_samples(samples, source, stats, *, strict=False):
     """(key, image, label) from sample dicts, touching only `.cls` and the image member.
 
     Nothing is unpickled or torch.load-ed: a shard from an untrusted server can hold
-    `.pyd` or `.pth` members, and those stay unread bytes. A raw image stays bytes
-    (it is decoded a batch at a time in `collate`); a PNG is checked for size and
-    mode before its pixels are decoded.
+    `.pyd` or `.pth` members, and those stay unread bytes. Images stay bytes until
+    `collate` turns a batch of them into pixels at once: raw ones as they are, a PNG
+    inflated to its filtered rows (`png.rows`, which checks size and mode first).
     """
     ext, shape, nclasses = source.encoding, tuple(source.shape), len(source.classes)
     nbytes = int(np.prod(shape))
@@ -329,7 +329,7 @@ def decode_samples(samples, source, stats, *, strict=False):
                 if len(img) != nbytes:
                     raise ValueError(f"{len(img)} raw bytes, expected {nbytes} for shape {shape}")
             else:
-                img = png.decode(img, shape)
+                img = png.rows(img, shape)
         except ValueError as e:
             if strict:
                 raise ShardError(f"{s.get('__url__')}: sample {s.get('__key__')}: {e}") from None
@@ -357,6 +357,7 @@ class Layout:
         self.offsets = list(np.cumsum([0] + [len(s.classes) for s in sources[:-1]]))
         self.num_classes = sum(len(s.classes) for s in sources)
         self.hw = (max(s.shape[1] for s in sources), max(s.shape[2] for s in sources))
+        self.encodings = [s.encoding for s in sources]
         mean = torch.tensor([_rgb(s.mean) for s in sources]).view(-1, 3, 1, 1)
         std = torch.tensor([_rgb(s.std) for s in sources]).view(-1, 3, 1, 1)
         self.scale, self.shift = 1.0 / (255.0 * std), mean / std
@@ -389,8 +390,11 @@ class Layout:
         scale, shift = self._on_device[image.device]
         return image.float().mul_(scale[source]).sub_(shift[source])
 
-    def collate(self, items, skipped=0, normalize=True):
+    def collate(self, items, skipped=0, normalize=True, encodings=None):
         """[(source index, key, image, label)] -> batch dict; see the class docstring.
+
+        Images are bytes from `decode_samples`, in each source's encoding (`encodings`,
+        by source index; the training sources' by default).
 
         With normalize=False the images stay uint8: 4x less to move to the GPU; call
         `normalize` where they land. Inside a DataLoader worker the images always stay
@@ -408,10 +412,11 @@ class Layout:
             idx = np.flatnonzero(src == i)
             if len(idx) == 0:
                 continue
-            if isinstance(items[idx[0]][2], bytes):  # raw, by the items: a test split may differ from train
-                arr = np.frombuffer(b"".join(items[j][2] for j in idx), np.uint8).reshape(len(idx), *s.shape)
+            data = b"".join(items[j][2] for j in idx)
+            if (encodings or self.encodings)[i] == "raw":
+                arr = np.frombuffer(data, np.uint8).reshape(len(idx), *s.shape)
             else:
-                arr = np.stack([items[j][2] for j in idx])
+                arr = png.unfilter(data, len(idx), s.shape)
             top, left = (h - s.shape[1]) // 2, (w - s.shape[2]) // 2
             u8[idx, :, top:top + s.shape[1], left:left + s.shape[2]] = arr
         label = np.fromiter((it[3] for it in items), np.int64, b) + np.asarray(self.offsets, np.int64)[src]
@@ -582,6 +587,8 @@ class EvalStream(torch.utils.data.IterableDataset):
             raise ShardError(f"{source.name}: test shards are {tuple(source.shape)}, training shards "
                              f"{tuple(layout.sources[self.index].shape)}")
         self.strict, self.cache_dir, self.retries, self.normalize = strict, cache_dir, retries, normalize
+        self.encodings = list(layout.encodings)
+        self.encodings[self.index] = source.encoding  # a test split may be encoded unlike its training split
 
     def __iter__(self):
         slot, slots, _, _ = worker_slot(self.topo)
@@ -595,10 +602,10 @@ class EvalStream(torch.utils.data.IterableDataset):
         for key, img, label in decode_samples(samples, self.source, stats, strict=self.strict):
             items.append((self.index, key, img, label))
             if len(items) == self.batch_size:
-                yield self.layout.collate(items, stats["skipped"] - reported, self.normalize)
+                yield self.layout.collate(items, stats["skipped"] - reported, self.normalize, self.encodings)
                 items, reported = [], stats["skipped"]
         if items or stats["skipped"] > reported:
-            yield self.layout.collate(items, stats["skipped"] - reported, self.normalize)
+            yield self.layout.collate(items, stats["skipped"] - reported, self.normalize, self.encodings)
 
 
 def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=4, start_method="fork"):

@@ -40,8 +40,8 @@ def handmade_png(a, filter_type):
 def test_encode_round_trips_on_the_fast_path_and_pil_agrees(shape):
     a = pixels(shape)
     data = png.encode(a)
-    fast = png._decode_up(data, shape)
-    assert fast is not None and (fast == a).all()
+    assert png._inflate_up(data, shape) is not None
+    assert (png.decode(data, shape) == a).all()
     assert (png._decode_pil(data, shape) == a).all()  # a standard PNG, not a private format
 
 
@@ -49,9 +49,18 @@ def test_encode_round_trips_on_the_fast_path_and_pil_agrees(shape):
 def test_pngs_written_by_others_decode_identically(shape):
     a = pixels(shape, seed=1)
     for data in (pil_png(a), pil_png(a, optimize=True), handmade_png(a, 0), handmade_png(a, 1)):
+        assert png._inflate_up(data, shape) is None  # not what encode writes: PIL's job
         assert (png.decode(data, shape) == a).all()
-    assert png._decode_up(handmade_png(a, 0), shape) is not None  # all-None rows: fast too
-    assert png._decode_up(handmade_png(a, 1), shape) is None  # Sub rows: PIL's job
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_batch_unfilters_at_once_whichever_path_each_image_took(shape):
+    """The stream keeps each image as `rows` and unfilters a batch in one call: images from
+    the fast path and from PIL must come out identical to their originals, in order."""
+    images = [pixels(shape, seed=s) for s in range(4)]
+    encoders = [png.encode, pil_png, png.encode, lambda a: handmade_png(a, 1)]
+    data = b"".join(png.rows(enc(a), shape) for enc, a in zip(encoders, images))
+    assert (png.unfilter(data, 4, shape) == np.stack(images)).all()
 
 
 def test_damaged_pngs_raise_value_error():
@@ -62,7 +71,7 @@ def test_damaged_pngs_raise_value_error():
     cases = {"truncated": good[:len(good) // 2], "flipped": bytes(flipped), "garbage": b"not a png at all",
              "empty": b""}
     for name, data in cases.items():
-        assert png._decode_up(data, shape) is None, name
+        assert png._inflate_up(data, shape) is None, name
         with pytest.raises(ValueError):
             png.decode(data, shape)
 
