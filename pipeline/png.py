@@ -83,7 +83,7 @@ def _inflate_up(data, shape):
         return None
     head = _head(c, h, w)
     start, n = len(head) + 8, len(data) - len(head) - 24  # IDAT's data: after its length and type
-    if n < 0 or not data.startswith(head) or not data.endswith(_IEND) \
+    if not 0 <= n < 1 << 31 or not data.startswith(head) or not data.endswith(_IEND) \
             or data[start - 8:start] != struct.pack(">I4s", n, b"IDAT") \
             or data[start + n:start + n + 4] != struct.pack(">I", zlib.crc32(data[start - 4:start + n])):
         return None
@@ -102,7 +102,7 @@ def _decode_pil(data, shape):
     from PIL import Image
 
     try:
-        img = Image.open(io.BytesIO(data))
+        img = Image.open(io.BytesIO(data), formats=["PNG"])  # not whatever PIL can open: EPS runs Ghostscript
         w, h = img.size  # from the header: checked before any pixel is decoded
         if w * h > MAX_PIXELS or (h, w) != tuple(shape[1:]):
             raise ValueError(f"image is {w}x{h}, expected {shape[2]}x{shape[1]}")

@@ -379,12 +379,13 @@ class Layout:
         over every core, and its idle threads then spin, so the in-process loader used
         1.95 cores for the work of one (tools/bench_loader.py, C/raw, workers 0).
         """
-        if image.device.type == "cpu":
-            src = source.numpy()
-            out = image.numpy().astype(np.float32)
-            out *= self.scale.numpy()[src]
-            out -= self.shift.numpy()[src]
-            return torch.from_numpy(out)
+        if image.device.type == "cpu":  # pinned in, pinned out: a loader's pin_memory=True still holds
+            out = torch.empty(image.shape, dtype=torch.float32, pin_memory=image.is_pinned())
+            o, src = out.numpy(), source.numpy()
+            o[...] = image.numpy()
+            o *= self.scale.numpy()[src]
+            o -= self.shift.numpy()[src]
+            return out
         if image.device not in self._on_device:  # copy the stats to a GPU once, not every step
             self._on_device[image.device] = (self.scale.to(image.device), self.shift.to(image.device))
         scale, shift = self._on_device[image.device]
@@ -454,10 +455,7 @@ def _arrive(layout, batch):
     """
     batch["label"], batch["source"] = torch.from_numpy(batch["label"]), torch.from_numpy(batch["source"])
     if layout is not None:
-        image = batch["image"]
-        batch["image"] = layout.normalize(image, batch["source"])
-        if image.is_pinned():  # pin_memory=True pinned the uint8 images; keep the promise for the floats
-            batch["image"] = batch["image"].pin_memory()
+        batch["image"] = layout.normalize(batch["image"], batch["source"])
     return batch
 
 

@@ -48,8 +48,10 @@ def test_encode_round_trips_on_the_fast_path_and_pil_agrees(shape):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_pngs_written_by_others_decode_identically(shape):
     a = pixels(shape, seed=1)
+    c, h, w = shape
     for data in (pil_png(a), pil_png(a, optimize=True), handmade_png(a, 0), handmade_png(a, 1)):
         assert png._inflate_up(data, shape) is None  # not what encode writes: PIL's job
+        assert len(png.rows(data, shape)) == h * (1 + w * c)
         assert (png.decode(data, shape) == a).all()
 
 
@@ -73,7 +75,17 @@ def test_damaged_pngs_raise_value_error():
     for name, data in cases.items():
         assert png._inflate_up(data, shape) is None, name
         with pytest.raises(ValueError):
-            png.decode(data, shape)
+            png.rows(data, shape)  # not bytes of another length, which would break a whole batch
+
+
+@pytest.mark.parametrize("fmt", ["BMP", "TIFF", "GIF"])
+def test_other_image_formats_named_png_are_refused(fmt):
+    """PIL opens dozens of formats (EPS through Ghostscript); a .png member must be a PNG."""
+    a = pixels((3, 32, 32))
+    buf = io.BytesIO()
+    Image.fromarray(a.transpose(1, 2, 0)).save(buf, format=fmt)
+    with pytest.raises(ValueError, match="undecodable"):
+        png.rows(buf.getvalue(), (3, 32, 32))
 
 
 def test_wrong_size_or_mode_is_refused():
