@@ -31,6 +31,7 @@ import random
 import re
 import threading
 import time
+import typing
 import urllib.error
 import urllib.request
 import warnings
@@ -372,15 +373,17 @@ class Layout:
         except ValueError:
             raise ValueError(f"unknown source {name!r}; sources are {', '.join(self.names)}") from None
 
-    def normalize(self, image, source):
+    def normalize(self, image, source, pin_memory=None):
         """uint8 (B, 3, H, W) images -> normalised float32, on whatever device they are.
 
         On the CPU this runs in numpy, in one thread: torch spreads a batch this small
         over every core, and its idle threads then spin, so the in-process loader used
         1.95 cores for the work of one (tools/bench_loader.py, C/raw, workers 0).
+        The result is pinned if `pin_memory`, by default if the images are.
         """
-        if image.device.type == "cpu":  # pinned in, pinned out: a loader's pin_memory=True still holds
-            out = torch.empty(image.shape, dtype=torch.float32, pin_memory=image.is_pinned())
+        if image.device.type == "cpu":
+            pin = image.is_pinned() if pin_memory is None else pin_memory
+            out = torch.empty(image.shape, dtype=torch.float32, pin_memory=pin)
             o, src = out.numpy(), source.numpy()
             o[...] = image.numpy()
             o *= self.scale.numpy()[src]
@@ -391,11 +394,13 @@ class Layout:
         scale, shift = self._on_device[image.device]
         return image.float().mul_(scale[source]).sub_(shift[source])
 
-    def collate(self, items, skipped=0, normalize=True, encodings=None):
+    def collate(self, items, skipped=0, normalize=True, encodings=None, take=None):
         """[(source index, key, image, label)] -> batch dict; see the class docstring.
 
         Images are bytes from `decode_samples`, in each source's encoding (`encodings`,
-        by source index; the training sources' by default).
+        by source index; the training sources' by default). In a worker, `take(n)` may
+        lend a zeroed buffer from the loader's `BatchRing`: the batch then carries its
+        `RingBuffer` in place of the images.
 
         With normalize=False the images stay uint8: 4x less to move to the GPU; call
         `normalize` where they land. Inside a DataLoader worker the images always stay
@@ -406,7 +411,9 @@ class Layout:
         b = len(items)
         h, w = self.hw
         shape = (b, 3, h, w)
-        canvas = _batch_tensor(shape, np.uint8)
+        lent, canvas = take(b) if take else (None, None)
+        if canvas is None:
+            canvas = _batch_tensor(shape, np.uint8)
         u8 = canvas.numpy()  # a view: torch.from_numpy(u8) would lose the shared-memory flag and be copied
         src = np.fromiter((it[0] for it in items), np.int64, b)
         for i, s in enumerate(self.sources):
@@ -421,8 +428,9 @@ class Layout:
             top, left = (h - s.shape[1]) // 2, (w - s.shape[2]) // 2
             u8[idx, :, top:top + s.shape[1], left:left + s.shape[2]] = arr
         label = np.fromiter((it[3] for it in items), np.int64, b) + np.asarray(self.offsets, np.int64)[src]
-        batch = {"image": canvas, "label": label, "source": src, "key": [it[1] for it in items], "skipped": skipped}
-        return batch if _in_worker() else _arrive(self if normalize else None, batch)
+        batch = {"image": lent or canvas, "label": label, "source": src, "key": [it[1] for it in items],
+                 "skipped": skipped}
+        return batch if _in_worker() else _arrive(self if normalize else None, None, False, batch)
 
 
 def _in_worker():
@@ -438,24 +446,94 @@ def _batch_tensor(shape, dtype):
     """
     if not _in_worker():  # numpy, as torch.zeros would fill a large tensor with every core
         return torch.from_numpy(np.zeros(shape, dtype))
+    return _shared_zeros(shape, dtype)
+
+
+def _shared_zeros(shape, dtype):
+    """A tensor in a new shared-memory file: it reads as zeros, and its pages cost
+    nothing until written (torch.zeros(...).share_memory_() would write them twice)."""
     like = torch.from_numpy(np.empty(0, dtype))
-    return like.new(like._typed_storage()._new_shared(math.prod(shape))).view(shape)  # a new shared file reads as zeros
+    return like.new(like._typed_storage()._new_shared(math.prod(shape))).view(shape)
 
 
-def _arrive(layout, batch):
-    """Finish a batch where it is consumed: label and source become int64 tensors, and the
-    images are normalised when `layout` is given.
+class RingBuffer(typing.NamedTuple):
+    """Which `BatchRing` buffer holds a batch's images (a named tuple survives pin_memory)."""
+    worker: int
+    index: int
 
-    A worker sends uint8 images and numpy labels. Each tensor sent costs a shared-memory
-    file and a file-descriptor hand-over through multiprocessing's resource sharer, and
-    its pages are faulted in twice, once by each process; arrays travel inside the pickle.
-    Float images are 4x the bytes, and normalising on arrival (0.9 ms a batch of 256)
-    costs less CPU than sending them. DataLoader's default_convert would also have
-    made the arrays tensors.
+
+class BatchRing:
+    """Shared-memory buffers that a loader's workers collate uint8 images into, so that
+    only a `RingBuffer` travels through the DataLoader's queue.
+
+    A tensor sent from a worker costs a new shared-memory file for every batch, its
+    pages faulted in by both processes, and a file-descriptor hand-over through
+    multiprocessing's resource sharer (a socket handshake with HMAC authentication).
+    These buffers are made once, before the workers start, and stay mapped; the main
+    process copies or normalises each batch out of its buffer and frees it at once
+    (`_arrive`). Each worker has `depth` of them, more than it can have batches in
+    flight (the loader's prefetch_factor, plus the one being finished); should none be
+    free all the same, the worker falls back to a new shared tensor.
+    """
+
+    def __init__(self, workers, depth, batch_shape):
+        self.images = _shared_zeros((workers, depth, *batch_shape), np.uint8)
+        self.busy = _shared_zeros((workers, depth), np.uint8)
+
+    def take(self, worker, n):
+        """(RingBuffer, its first n images zeroed) for a worker; (None, None) if all are busy."""
+        busy = self.busy[worker].numpy()
+        free = np.flatnonzero(busy == 0)
+        if len(free) == 0:
+            return None, None
+        k = int(free[0])
+        busy[k] = 1
+        images = self.images[worker, k, :n]
+        images.numpy().fill(0)  # padding around smaller images must read as zeros
+        return RingBuffer(worker, k), images
+
+    def free(self, worker):
+        """All of a worker's buffers, as it starts a pass: batches of an abandoned pass
+        were discarded unread by the DataLoader."""
+        self.busy[worker].numpy().fill(0)
+
+
+class _RingFed(torch.utils.data.IterableDataset):
+    """A stream whose worker batches leave through a `BatchRing`."""
+
+    def __init__(self, stream, ring):
+        self.stream, self.ring = stream, ring
+
+    def __len__(self):
+        return len(self.stream)
+
+    def __iter__(self):
+        worker = torch.utils.data.get_worker_info().id
+        self.ring.free(worker)
+        return self.stream.batches(functools.partial(self.ring.take, worker))
+
+
+def _arrive(layout, ring, pin, batch):
+    """Finish a batch in the process that consumes it: label and source become int64
+    tensors, images come out of their `BatchRing` buffer (which is then freed), and
+    they are normalised when `layout` is given.
+
+    Workers send uint8 images: float32 would be 4x the bytes, and normalising here
+    (0.9 ms a batch of 256) cost less CPU than sending floats. Labels travel as numpy
+    arrays inside the pickle, where a tensor would cost its own shared-memory file.
     """
     batch["label"], batch["source"] = torch.from_numpy(batch["label"]), torch.from_numpy(batch["source"])
-    if layout is not None:
-        batch["image"] = layout.normalize(batch["image"], batch["source"])
+    image = batch["image"]
+    if isinstance(image, RingBuffer):
+        lent = ring.images[image][:len(batch["label"])]
+        if layout is not None:
+            batch["image"] = layout.normalize(lent, batch["source"], pin)
+        else:
+            batch["image"] = torch.empty(lent.shape, dtype=torch.uint8, pin_memory=pin)
+            batch["image"].numpy()[...] = lent.numpy()
+        ring.busy[image] = 0
+    elif layout is not None:
+        batch["image"] = layout.normalize(image, batch["source"])
     return batch
 
 
@@ -546,6 +624,10 @@ class MixedStream(torch.utils.data.IterableDataset):
                 raise ShardError(f"{s.name}: no readable samples in this worker's shards, e.g. {urls[0]}")
 
     def __iter__(self):
+        return self.batches()
+
+    def batches(self, take=None):
+        """This epoch's batches for the calling rank and worker (`take`: see `Layout.collate`)."""
         if self._shared is not None:  # a persistent worker: take the epoch the main process set
             self.epoch, self.probs = self._shared[0].value, list(self._shared[1])
         slot, slots, worker, workers = worker_slot(self.topo)
@@ -560,7 +642,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         for _ in range(count):
             choice = rng.choice(len(streams), size=self.batch_size, p=self.probs).tolist()
             items = [(c, *next(streams[c])) for c in choice]
-            yield self.layout.collate(items, skipped=stats["skipped"] - reported, normalize=self.normalize)
+            yield self.layout.collate(items, stats["skipped"] - reported, self.normalize, take=take)
             reported = stats["skipped"]
 
     def eval_stream(self, source, batch_size=None):
@@ -589,6 +671,10 @@ class EvalStream(torch.utils.data.IterableDataset):
         self.encodings[self.index] = source.encoding  # a test split may be encoded unlike its training split
 
     def __iter__(self):
+        return self.batches()
+
+    def batches(self, take=None):
+        """This worker's share of the test batches (`take`: see `Layout.collate`)."""
         slot, slots, _, _ = worker_slot(self.topo)
         stats = {"skipped": 0}
         urls = self.source.urls[slot::slots]
@@ -600,10 +686,10 @@ class EvalStream(torch.utils.data.IterableDataset):
         for key, img, label in decode_samples(samples, self.source, stats, strict=self.strict):
             items.append((self.index, key, img, label))
             if len(items) == self.batch_size:
-                yield self.layout.collate(items, stats["skipped"] - reported, self.normalize, self.encodings)
+                yield self.layout.collate(items, stats["skipped"] - reported, self.normalize, self.encodings, take)
                 items, reported = [], stats["skipped"]
         if items or stats["skipped"] > reported:
-            yield self.layout.collate(items, stats["skipped"] - reported, self.normalize, self.encodings)
+            yield self.layout.collate(items, stats["skipped"] - reported, self.normalize, self.encodings, take)
 
 
 def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=4, start_method="fork"):
@@ -625,16 +711,17 @@ def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=4, star
                       f"({stream.topo.world} x {max(1, num_workers)}); those sources draw shards with "
                       f"replacement, so samples may repeat across workers. Write more, smaller shards.",
                       stacklevel=2)
-    ctx = worker_context(start_method) if num_workers else None
-    if ctx and mixed:
-        stream.share(ctx)
-    loader = wds.WebLoader(stream, batch_size=None, collate_fn=_as_is, num_workers=num_workers,
-                           pin_memory=pin_memory, prefetch_factor=prefetch_factor if num_workers else None,
-                           persistent_workers=bool(ctx), multiprocessing_context=ctx,
-                           worker_init_fn=functools.partial(_exit_with, os.getpid()) if ctx else None)
     if not num_workers:
-        return loader
-    return loader.map(functools.partial(_arrive, stream.layout if stream.normalize else None))
+        return wds.WebLoader(stream, batch_size=None, collate_fn=_as_is, num_workers=0, pin_memory=pin_memory)
+    ctx = worker_context(start_method)
+    if mixed:
+        stream.share(ctx)
+    ring = BatchRing(num_workers, prefetch_factor + 2, (stream.batch_size, 3, *stream.layout.hw))
+    loader = wds.WebLoader(_RingFed(stream, ring), batch_size=None, collate_fn=_as_is, num_workers=num_workers,
+                           pin_memory=pin_memory, prefetch_factor=prefetch_factor, persistent_workers=True,
+                           multiprocessing_context=ctx, worker_init_fn=functools.partial(_exit_with, os.getpid()))
+    pin = pin_memory and torch.cuda.is_available()
+    return loader.map(functools.partial(_arrive, stream.layout if stream.normalize else None, ring, pin))
 
 
 def _as_is(batch):

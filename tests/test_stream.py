@@ -26,8 +26,8 @@ from helpers import (build_shards, free_port, key_index, read_members, sample_ke
                      write_tar)
 from pipeline.dist import Topology
 from pipeline.shards import ShardError
-from pipeline.stream import (EvalStream, MixedStream, cache_path, check_weights, make_loader, parse_weights,
-                             resolve, shard_passes)
+from pipeline.stream import (BatchRing, EvalStream, MixedStream, RingBuffer, _as_is, _RingFed, cache_path,
+                             check_weights, make_loader, parse_weights, resolve, shard_passes)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HALF = {"mnist": 0.5, "cifar10": 0.5}
@@ -316,6 +316,55 @@ def test_worker_batches_are_uint8_made_in_shared_memory(data, normalize):
     stream = MixedStream(train_sources(data.dir), HALF, 16, epoch_samples=64, normalize=normalize)
     sent = list(torch.utils.data.DataLoader(_AsSent(stream), batch_size=None, num_workers=1))
     assert sent and all(list(s) == [True, torch.uint8] for s in sent)
+
+
+def _check_pixels(data, batch):
+    """Every image of a uint8 batch equals its original, MNIST's zero border included."""
+    for i, (key, src) in enumerate(zip(batch["key"], batch["source"].tolist())):
+        name = ("mnist", "cifar10")[src]
+        original = data.synth[name, "train"].image(key_index(key))
+        img = batch["image"][i].numpy()
+        if src == 0:
+            expect = np.zeros((3, 32, 32), np.uint8)
+            expect[:, 2:30, 2:30] = original[0]
+            assert (img == expect).all(), key
+        else:
+            assert (img == original).all(), key
+
+
+def test_worker_batches_leave_through_the_ring_and_reused_buffers_start_clean(data):
+    """40 batches over 2 workers reuse each of a worker's 6 ring buffers 3 times or more: a
+    CIFAR10 image left in a buffer must not show through the border of a later MNIST one.
+    Batches copied out of the ring are ordinary tensors; a batch sent as a new shared-memory
+    file would arrive shared."""
+    stream = MixedStream(train_sources(data.dir), HALF, 8, epoch_samples=8 * 40, normalize=False)
+    batches = list(make_loader(stream, 2))
+    assert len(batches) == 40
+    for b in batches:
+        assert not b["image"].is_shared()
+        _check_pixels(data, b)
+
+
+def test_a_full_ring_falls_back_to_new_shared_tensors():
+    ring = BatchRing(workers=1, depth=2, batch_shape=(4, 3, 8, 8))
+    taken = [ring.take(0, 4) for _ in range(3)]
+    assert [t[0] for t in taken] == [RingBuffer(0, 0), RingBuffer(0, 1), None]
+    assert taken[0][1].shape == (4, 3, 8, 8) and taken[2][1] is None
+    ring.busy[RingBuffer(0, 0)] = 0  # what the main process does once it has copied the batch out
+    assert ring.take(0, 2)[0] == RingBuffer(0, 0)
+
+
+def test_a_new_pass_frees_buffers_an_abandoned_pass_left_busy(data):
+    """Batches of a pass the consumer abandons are discarded unread, so nothing frees
+    their buffers; each worker frees its own as it starts a pass."""
+    stream = MixedStream(train_sources(data.dir), HALF, 8, epoch_samples=32, normalize=False)
+    ring = BatchRing(workers=1, depth=2, batch_shape=(8, 3, 32, 32))
+    ring.busy.fill_(1)
+    sent = list(torch.utils.data.DataLoader(_RingFed(stream, ring), batch_size=None, num_workers=1,
+                                            collate_fn=_as_is))
+    # two buffers, freed as the pass starts; nothing here frees them again, so the last two
+    # batches take the fallback: new shared tensors
+    assert [isinstance(b["image"], RingBuffer) for b in sent] == [True, True, False, False]
 
 
 def test_eval_batches_decode_png_like_training(data):
