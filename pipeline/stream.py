@@ -702,7 +702,8 @@ def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=4, star
     forked right after a training epoch's loader shut down. Persistent workers fork
     once, at their loader's first pass. start_method="forkserver" avoids forking the
     caller at all, at ~300 MiB for the server and a re-import of the main script per
-    worker (the script then needs an `if __name__ == "__main__":` guard).
+    worker (the script then needs an `if __name__ == "__main__":` guard). Batches
+    leave the workers through a `BatchRing` of prefetch_factor + 2 buffers a worker.
     """
     mixed = isinstance(stream, MixedStream)
     short = stream.short_sources(num_workers) if mixed else []
