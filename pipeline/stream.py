@@ -407,7 +407,6 @@ class Layout:
         uint8 and `label` and `source` numpy arrays; `make_loader` finishes the batch in
         the main process (see `_arrive`).
         """
-        normalize = normalize and not _in_worker()
         b = len(items)
         h, w = self.hw
         shape = (b, 3, h, w)
@@ -492,6 +491,10 @@ class BatchRing:
         images.numpy().fill(0)  # padding around smaller images must read as zeros
         return RingBuffer(worker, k), images
 
+    def release(self, buffer):
+        """A buffer whose batch the main process has copied out."""
+        self.busy[buffer] = 0
+
     def free(self, worker):
         """All of a worker's buffers, as it starts a pass: batches of an abandoned pass
         were discarded unread by the DataLoader."""
@@ -531,7 +534,7 @@ def _arrive(layout, ring, pin, batch):
         else:
             batch["image"] = torch.empty(lent.shape, dtype=torch.uint8, pin_memory=pin)
             batch["image"].numpy()[...] = lent.numpy()
-        ring.busy[image] = 0
+        ring.release(image)
     elif layout is not None:
         batch["image"] = layout.normalize(image, batch["source"])
     return batch

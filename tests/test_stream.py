@@ -258,7 +258,7 @@ def test_shard_order_depends_on_seed_and_epoch():
 # ---------------------------------------------------------------- 5. batch format
 
 
-@pytest.mark.parametrize("workers", [0, 2])  # workers collate into fresh shared memory, unzeroed by us
+@pytest.mark.parametrize("workers", [0, 2])  # workers collate into reused ring buffers, zeroed by `take`
 def test_batch_format_shapes_labels_and_normalize(data, workers):
     sources = train_sources(data.dir)
     mnist_m, cifar_m = data.manifests["mnist", "train"], data.manifests["cifar10", "train"]
@@ -350,7 +350,7 @@ def test_a_full_ring_falls_back_to_new_shared_tensors():
     taken = [ring.take(0, 4) for _ in range(3)]
     assert [t[0] for t in taken] == [RingBuffer(0, 0), RingBuffer(0, 1), None]
     assert taken[0][1].shape == (4, 3, 8, 8) and taken[2][1] is None
-    ring.busy[RingBuffer(0, 0)] = 0  # what the main process does once it has copied the batch out
+    ring.release(RingBuffer(0, 0))  # what the main process does once it has copied the batch out
     assert ring.take(0, 2)[0] == RingBuffer(0, 0)
 
 
@@ -697,7 +697,7 @@ def main(data, out):
         json.dump({"rank": topo.rank, "batches": batches, "total": total, "expected": len(stream), "keys": keys}, f)
 
 
-if __name__ == "__main__":  # DataLoader workers start from a forkserver, which imports this script
+if __name__ == "__main__":  # the guard make_loader(start_method="forkserver") would need
     main(sys.argv[1], sys.argv[2])
 '''
 
