@@ -3,16 +3,15 @@
 PIL's PNG decoder costs ~120 us a CIFAR10 or MNIST image here, most of it
 per-call overhead, which made png shards 10x slower to stream than raw ones.
 `encode` writes 8-bit grey or RGB with the PNG "Up" filter on every row
-(each row stored as its difference from the row above). `rows` inflates one
-image with a single zlib call and leaves the filter in place; `unfilter` undoes
-it for a whole batch with one numpy cumsum, since per image numpy's call
+(each row stored as its difference from the row above). `fast_rows` inflates
+one image with a single zlib call and leaves the filter in place; `unfilter`
+undoes it for a whole batch with one numpy cumsum, since per image numpy's call
 overhead cost more than zlib itself for MNIST. Sizes against PIL's adaptive
 filters: MNIST -16%, CIFAR10 +5%. Any other PNG (more chunks, other filters,
-palettes, interlacing, 16-bit, a bad checksum) goes to PIL, which also gives
-the error messages.
+palettes, interlacing, 16-bit, a bad checksum) is decoded by PIL in
+`pipeline.decode`, which also gives the error messages.
 """
 import functools
-import io
 import struct
 import zlib
 
@@ -31,15 +30,11 @@ def encode(image):
 
 
 def decode(data, shape):
-    """PNG bytes -> uint8 CHW array of exactly `shape` (C, H, W); ValueError otherwise."""
-    return unfilter(rows(data, shape), 1, shape)[0]
-
-
-def rows(data, shape):
-    """PNG bytes -> the image's rows, each behind an Up filter byte (H * (1 + W * C) bytes),
-    ready for `unfilter`; ValueError if it is not a PNG of exactly `shape`."""
-    inflated = _inflate_up(data, shape)
-    return inflated if inflated is not None else _up_filter(_decode_pil(data, shape))
+    """PNG bytes written by `encode` -> uint8 CHW array of exactly `shape`; ValueError otherwise."""
+    rows = fast_rows(data, shape)
+    if rows is None:
+        raise ValueError("not a PNG as encode writes it for this shape")
+    return unfilter(rows, 1, shape)[0]
 
 
 def unfilter(data, n, shape):
@@ -75,9 +70,11 @@ def _chunk(kind, data):
 _IEND = _chunk(b"IEND", b"")
 
 
-def _inflate_up(data, shape):
+def fast_rows(data, shape):
     """The fast path, for exactly what `encode` writes: this shape's header, one IDAT
-    chunk, IEND, and the Up filter on every row. None for anything else."""
+    chunk, IEND, and the Up filter on every row. Returns the inflated rows, each behind
+    its filter byte (H * (1 + W * C) bytes) for `unfilter`; None for anything else, which
+    `pipeline.decode` hands to PIL."""
     c, h, w = shape
     if c not in _COLOUR_TYPE:
         return None
@@ -96,20 +93,3 @@ def _inflate_up(data, shape):
     if len(raw) != h * stride or not inflater.eof or raw[::stride] != bytes((_UP,)) * h:
         return None
     return raw
-
-
-def _decode_pil(data, shape):
-    from PIL import Image
-
-    try:
-        img = Image.open(io.BytesIO(data), formats=["PNG"])  # not whatever PIL can open: EPS runs Ghostscript
-        w, h = img.size  # from the header: checked before any pixel is decoded
-        if w * h > MAX_PIXELS or (h, w) != tuple(shape[1:]):
-            raise ValueError(f"image is {w}x{h}, expected {shape[2]}x{shape[1]}")
-        mode = "L" if shape[0] == 1 else "RGB"
-        if img.mode != mode:
-            raise ValueError(f"image mode {img.mode}, expected {mode}")
-        a = np.asarray(img, dtype=np.uint8)
-    except (OSError, SyntaxError, Image.DecompressionBombError) as e:
-        raise ValueError(f"undecodable image: {e}") from None
-    return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)

@@ -1,4 +1,4 @@
-"""The shard format: writing USTAR tar shards with a manifest, reading them back, verifying.
+"""Writing shards: USTAR tar files plus the manifest, merging parts, verifying.
 
 A sample is two tar members, `<key>.png` (or `<key>.raw`, uint8 CHW pixels whose
 shape the manifest records) and `<key>.cls` (the label as ASCII digits). Keys are
@@ -6,15 +6,13 @@ shape the manifest records) and `<key>.cls` (the label as ASCII digits). Keys ar
 
 Shards are plain USTAR with integer mtimes. webdataset's own TarWriter writes a PAX
 header per member because it passes float mtimes; every member then costs an extra
-header, and reading it goes through tarfile's slow PAX path (see ../shared/NOTES.md).
+header, and reading it through tarfile costs twice as much (README, "Tar format").
 
-A manifest `<dataset>-<split>.json` lists every shard with its sample count, byte
-size, sha256 and pixel sums. It is written last and atomically, and removed before a
-rebuild starts, so its presence means the shard set is complete.
+The manifest (see pipeline.manifest) is written last and atomically, and removed
+before a rebuild starts, so its presence means the shard set is complete.
 """
 import hashlib
 import io
-import json
 import multiprocessing
 import os
 import re
@@ -23,15 +21,12 @@ import tarfile
 import numpy as np
 
 from . import png
+from .errors import ShardError
+from .files import read_json, write_json_atomic
+from .manifest import FORMAT, NAME_RE, check, manifest_name, shard_name
+from .read import iter_samples
 
-FORMAT = "pipeline-shards/1"
 ENCODINGS = ("png", "raw")
-NAME_RE = re.compile(r"^[A-Za-z0-9_]+$")
-MAX_MEMBER = 64 << 20  # a member claiming more is corrupt or hostile, not an image
-
-
-class ShardError(ValueError):
-    """A shard or manifest is missing, malformed or disagrees with its manifest."""
 
 
 # ---------------------------------------------------------------- writing
@@ -49,14 +44,6 @@ def _add_member(tar, name, data):
     info.size, info.mtime, info.mode = len(data), 0, 0o644
     info.uname = info.gname = ""
     tar.addfile(info, io.BytesIO(data))
-
-
-def shard_name(dataset, split, index):
-    return f"{dataset}-{split}-{index:06d}.tar"
-
-
-def manifest_name(dataset, split):
-    return f"{dataset}-{split}.json"
 
 
 def write_shard(path, source, indices, encoding):
@@ -143,6 +130,7 @@ def build(source, out, *, encoding="png", maxcount=500, seed=0, limit=None, work
     entries = _run_tasks(source, tasks, workers, progress, f"{source.name}-{source.split}")
     manifest = {
         "format": FORMAT, "dataset": source.name, "split": source.split, "encoding": encoding,
+        "image_exts": [encoding], "label": "cls", "origin": dict(getattr(source, "origin", None) or {"kind": "unknown"}),
         "shape": list(source.shape), "classes": source.classes, "seed": seed, "maxcount": maxcount,
         "part": list(part) if part[1] > 1 else None,
         "shards": entries,
@@ -235,128 +223,55 @@ def remove_stale(out, manifest):
             os.remove(os.path.join(out, f))
 
 
-def write_json_atomic(path, obj):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise ShardError(f"{path}: no such manifest") from None
-    except json.JSONDecodeError as e:
-        raise ShardError(f"{path}: not valid JSON ({e})") from None
-
-
-# ---------------------------------------------------------------- reading
-
-ZERO_BLOCK = bytes(512)
-
-
-def iter_members(stream, chunk=1 << 20, max_member=MAX_MEMBER):
-    """Yield (name, data) for each regular file in a tar stream.
-
-    A lean USTAR parser: 512-byte header, name, octal size, skip padding. Python's
-    tarfile costs ~100 us a member; this is what makes the loader fast. Directories,
-    links and PAX/GNU extension records are skipped. Raises ShardError on a header
-    that is not USTAR, a bad size or one over `max_member`, or a stream that ends
-    before the end-of-archive block (a truncated shard).
-    """
-    buf, pos = b"", 0
-    while True:
-        if len(buf) - pos < 512:
-            buf, pos = buf[pos:] + _read(stream, chunk), 0
-            if len(buf) < 512:  # a tar ends with a zero block; ending elsewhere, even between members, is truncation
-                raise ShardError("truncated tar header" if buf.strip(b"\0") else
-                                 "tar ends without its end-of-archive block (truncated)")
-        header = buf[pos:pos + 512]
-        if header == ZERO_BLOCK:
-            return
-        if header[257:262] != b"ustar":
-            raise ShardError(f"not a USTAR tar header at byte offset {pos}")
-        name = header[:100].split(b"\0", 1)[0]
-        if header[345] != 0:
-            name = header[345:500].split(b"\0", 1)[0] + b"/" + name
-        field = header[124:136]
-        try:
-            size = max_member + 1 if field[0] & 0x80 else int(field.strip(b"\0 ") or b"0", 8)
-        except ValueError:
-            size = -1
-        if size < 0:  # a negative size would step the parser backwards, looping forever
-            raise ShardError(f"bad size field {field!r} for member {name!r}")
-        if size > max_member:
-            raise ShardError(f"member {name.decode(errors='replace')!r} claims {size} bytes (limit {max_member})")
-        end = pos + 512 + ((size + 511) & ~511)
-        while len(buf) < end:
-            more = _read(stream, max(chunk, end - len(buf)))
-            if not more:
-                raise ShardError(f"truncated member {name.decode(errors='replace')!r}")
-            buf, end, pos = buf[pos:] + more, end - pos, 0
-        if header[156] in (48, 0):  # b"0" or NUL: regular file
-            yield name.decode("utf-8", "replace"), buf[pos + 512:pos + 512 + size]
-        pos = end
-
-
-def _read(stream, n):
-    """Read up to n bytes, looping over short reads from pipes."""
-    parts, got = [], 0
-    while got < n:
-        b = stream.read(n - got)
-        if not b:
-            break
-        parts.append(b)
-        got += len(b)
-    return b"".join(parts)
-
-
-def iter_samples(members, url=None):
-    """Group consecutive members with the same key into sample dicts (webdataset's layout)."""
-    sample = None
-    for name, data in members:
-        dot = name.find(".", name.rfind("/") + 1)  # 'dir/a-b-1.png' -> key 'dir/a-b-1', ext 'png'
-        key, ext = (name, "") if dot < 0 else (name[:dot], name[dot + 1:])
-        if sample is None or sample["__key__"] != key:
-            if sample is not None:
-                yield sample
-            sample = {"__key__": key, "__url__": url}
-        sample[ext] = data
-    if sample is not None:
-        yield sample
-
-
 # ---------------------------------------------------------------- verifying
 
 
-def verify(folder):
-    """Re-check every manifest in `folder` against its shards; returns a list of problems."""
+def verify(folder, policy=None):
+    """Re-check every manifest in `folder` against its shards: the manifest's fields, and
+    each shard's presence, size, sha256 and sample count. Returns every problem found,
+    one line each, across all manifests (an empty list: all is well)."""
+    from . import remote
+    from .manifest import locate
+
     problems = []
     manifests = sorted(f for f in os.listdir(folder) if f.endswith(".json") and ".part" not in f)
     if not manifests:
         return [f"{folder}: no manifests (*.json) found"]
     for mf in manifests:
-        m = read_json(os.path.join(folder, mf))
-        if m.get("format") != FORMAT:
-            problems.append(f"{mf}: not a {FORMAT} manifest")
+        path = os.path.join(folder, mf)
+        try:
+            m = check(read_json(path), path)
+        except ShardError as e:
+            problems.append(str(e))
             continue
         for s in m["shards"]:
-            path = os.path.join(folder, s["name"])
-            if not os.path.exists(path):
-                problems.append(f"{s['name']}: missing")
-            elif os.path.getsize(path) != s["bytes"]:
-                problems.append(f"{s['name']}: {os.path.getsize(path)} bytes, manifest says {s['bytes']}")
-            elif file_sha256(path) != s["sha256"]:
-                problems.append(f"{s['name']}: sha256 differs from the manifest")
-            else:
-                try:
-                    with open(path, "rb") as f:
-                        n = sum(1 for _ in iter_samples(iter_members(f)))
-                except ShardError as e:
-                    n = f"unreadable ({e})"
-                if n != s["samples"]:
-                    problems.append(f"{s['name']}: {n} samples, manifest says {s['samples']}")
+            try:
+                url = locate(path, s["name"])
+            except ShardError as e:
+                problems.append(str(e))
+                continue
+            problem = _verify_shard(url, s, policy or remote.Policy())
+            if problem:
+                problems.append(f"{mf}: {s['name']}: {problem}")
     return problems
+
+
+def _verify_shard(url, entry, policy):
+    from . import remote
+
+    local = remote.kind(url) == "file"
+    if local:
+        if not os.path.exists(url):
+            return "missing"
+        if os.path.getsize(url) != entry["bytes"]:
+            return f"{os.path.getsize(url)} bytes, the manifest says {entry['bytes']}"
+        if entry.get("sha256") and file_sha256(url) != entry["sha256"]:
+            return "sha256 differs from the manifest"
+    try:
+        n = remote.read_url(url, lambda f: sum(1 for _ in iter_samples(f, set())), policy=policy,
+                            nbytes=None if local else entry["bytes"], digest=None if local else entry.get("sha256"))
+    except (ShardError, OSError) as e:
+        return f"unreadable ({e})"
+    if n != entry["samples"]:
+        return f"{n} samples, the manifest says {entry['samples']}"
+    return None

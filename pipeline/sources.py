@@ -1,7 +1,8 @@
 """Where samples come from before they become shards.
 
 Every source is a small object with `name`, `split`, `classes`, `shape` (C, H, W),
-`len()` and `image(i)` / `label(i)`; images are uint8 numpy arrays in CHW order.
+`origin` (where its data came from, recorded in the manifest), `len()` and
+`image(i)` / `label(i)`; images are uint8 numpy arrays in CHW order.
 The torchvision data sets are loaded by torchvision itself; we only read its
 already-decoded arrays instead of going through PIL one sample at a time.
 """
@@ -24,8 +25,9 @@ class SourceError(ValueError):
 class ArraySource:
     """Samples held as one uint8 array (N, C, H, W) and a label array."""
 
-    def __init__(self, name, split, images, labels, classes):
+    def __init__(self, name, split, images, labels, classes, origin=None):
         self.name, self.split, self.classes = name, split, list(classes)
+        self.origin = origin or {"kind": "arrays"}
         self.images = images
         self.labels = np.asarray(labels, dtype=np.int64)
         self.shape = tuple(images.shape[1:])
@@ -54,7 +56,9 @@ def torchvision_source(name, split, root, download=False):
         raise SourceError(f"{name} {split}: could not download to {root!r}: {e}") from None
     data = np.asarray(ds.data)
     images = data[:, None] if data.ndim == 3 else data.transpose(0, 3, 1, 2)  # MNIST NHW, CIFAR NHWC
-    return ArraySource(name, split, np.ascontiguousarray(images), np.asarray(ds.targets), CLASSES[name])
+    origin = {"kind": "torchvision", "dataset": cls.__name__, "root": os.path.abspath(root),
+              "note": f"real {cls.__name__} {split} split, read by torchvision"}
+    return ArraySource(name, split, np.ascontiguousarray(images), np.asarray(ds.targets), CLASSES[name], origin)
 
 
 class ImageFolderSource:
@@ -71,6 +75,8 @@ class ImageFolderSource:
             raise SourceError(f"{name} {split}: {root!r} holds no images in ImageFolder layout: {e}") from None
         self.name, self.split, self.classes = name, split, list(self.folder.classes)
         self.samples = self.folder.samples
+        self.origin = {"kind": "imagefolder", "root": os.path.abspath(root),
+                       "note": f"images from an ImageFolder tree of {len(self.samples)} files"}
         first = self._open(0)
         self.mode, self.size = first.mode, first.size
         if self.mode not in ("L", "RGB"):
@@ -113,6 +119,7 @@ class SyntheticSource:
     def __init__(self, name, split, n, shape, seed=0):
         self.name, self.split, self.shape = name, split, tuple(shape)
         self.classes = CLASSES.get(name, [f"class{i}" for i in range(10)])
+        self.origin = {"kind": "synthetic", "note": "synthetic look-alike data made offline, not real images"}
         self.n, self.seed = n, seed
         self._tag = sum(map(ord, name))  # stable across processes, unlike hash()
         rng = np.random.default_rng((seed, self._tag))
@@ -148,6 +155,7 @@ class Subset:
     def __init__(self, base, indices, split):
         self.base, self.indices, self.split = base, list(indices), split
         self.name, self.classes, self.shape = base.name, base.classes, base.shape
+        self.origin = dict(base.origin, subset=f"{len(self.indices)} of {len(base)} samples, as split {split}")
 
     def __len__(self):
         return len(self.indices)

@@ -80,3 +80,98 @@ def serve(folder):
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+# ---------------------------------------------------------------- other writers' WebDatasets
+
+
+def foreign_image(label, size, seed, mode="RGB"):
+    """A learnable synthetic image: class `label` sets which quadrant is bright, noise on top."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    h, w = size
+    a = rng.integers(0, 90, (h, w, 3), dtype=np.uint8)
+    qy, qx = divmod(label % 4, 2)
+    a[qy * h // 2:(qy + 1) * h // 2, qx * w // 2:(qx + 1) * w // 2] += 150
+    img = Image.fromarray(a)
+    return img.convert(mode) if mode != "RGB" else img
+
+
+def encode_pil(img, fmt, **kw):
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def write_shardwriter(folder, n, *, classes=4, per_shard=20, seed=0):
+    """`wds.ShardWriter` shards (a PAX header per member): JPEGs of mixed sizes and modes,
+    keys with directories in them (`train/c2/000123`), labels in .cls. Returns the keys."""
+    import os
+
+    import webdataset as wds
+
+    os.makedirs(folder, exist_ok=True)
+    keys = []
+    with wds.ShardWriter(os.path.join(str(folder), "wds-%06d.tar"), maxcount=per_shard, verbose=0) as sink:
+        for i in range(n):
+            label = i % classes
+            size = [(32, 32), (40, 56), (64, 48)][i % 3]
+            img = foreign_image(label, size, seed * 100003 + i, "L" if i % 7 == 0 else "RGB")
+            key = f"train/c{label}/{i:06d}"
+            sink.write({"__key__": key, "jpg": encode_pil(img, "JPEG", quality=90), "cls": str(label).encode()})
+            keys.append(key)
+    return keys
+
+
+def write_gnu_tar(folder, n, *, classes=4, per_shard=25, seed=1):
+    """GNU `tar` over a folder of name.png + name.cls (long names included). Returns the keys."""
+    import os
+    import shutil
+    import subprocess
+
+    os.makedirs(folder, exist_ok=True)
+    keys = []
+    for s in range(0, n, per_shard):
+        src = os.path.join(str(folder), f"src{s}")
+        os.makedirs(src)
+        members = []
+        for i in range(s, min(n, s + per_shard)):
+            label = i % classes
+            name = f"sample_{i:05d}" + ("_with_a_rather_long_file_name" * 3 if i % 5 == 0 else "")
+            with open(os.path.join(src, name + ".png"), "wb") as f:
+                f.write(encode_pil(foreign_image(label, (32, 32), seed * 100003 + i), "PNG"))
+            with open(os.path.join(src, name + ".cls"), "w") as f:
+                f.write(f"{label}\n")
+            members += [name + ".png", name + ".cls"]
+            keys.append(name)
+        subprocess.run(["tar", "--format=gnu", "-cf", os.path.join(str(folder), f"gnu-{s // per_shard:04d}.tar"),
+                        "-C", src, *members], check=True)
+        shutil.rmtree(src)
+    return keys
+
+
+def write_img2dataset(folder, n, *, classes=4, per_shard=20, seed=2, gz=False):
+    """img2dataset's layout: 000012345.jpg, .json (label in a field), .txt caption; plain
+    USTAR written by tarfile, optionally gzip-compressed. Returns the keys."""
+    import json
+    import os
+
+    os.makedirs(folder, exist_ok=True)
+    keys = []
+    for s in range(0, n, per_shard):
+        path = os.path.join(str(folder), f"{s // per_shard:05d}.tar" + (".gz" if gz else ""))
+        with tarfile.open(path, "w:gz" if gz else "w", format=tarfile.USTAR_FORMAT) as tar:
+            for i in range(s, min(n, s + per_shard)):
+                label = i % classes
+                key = f"{s // per_shard:05d}{i:04d}"
+                body = {"jpg": encode_pil(foreign_image(label, (48, 48), seed * 100003 + i), "JPEG", quality=90),
+                        "json": json.dumps({"key": key, "label": label, "width": 48}).encode(),
+                        "txt": f"a picture of class {label}".encode()}
+                for ext, data in body.items():
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+                keys.append(key)
+    return keys

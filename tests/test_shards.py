@@ -1,7 +1,6 @@
 """pipeline.shards on tiny synthetic data: format, reader, determinism, rebuilds, parts, verify."""
 import hashlib
 import io
-import itertools
 import json
 import os
 import re
@@ -36,10 +35,12 @@ def folder_bytes(folder):
 
 
 def project_samples(path, stream=None, **kw):
-    """[(key, {ext: bytes})] as pipeline.shards reads them, from `path` or an open stream."""
+    """[(key, {ext: bytes})] as pipeline.read reads them, from `path` or an open stream."""
+    from pipeline import read
+
     with (stream or open(path, "rb")) as f:
         return [(s.pop("__key__"), {k: v for k, v in s.items() if k != "__url__"})
-                for s in shards.iter_samples(shards.iter_members(f, **kw))]
+                for s in read.iter_samples(f, **kw)]
 
 
 def check_plain_ustar(path):
@@ -116,126 +117,6 @@ def test_build_rejects_bad_settings(tmp_path):
     with pytest.raises(shards.ShardError, match="no samples"):
         build(array_source(0), tmp_path)
     assert os.listdir(tmp_path) == []
-
-
-# ---------------------------------------------------------------- the project's reader
-
-
-class Trickle(io.RawIOBase):
-    """A pipe-like stream: short reads of at most `step` bytes; records the largest request."""
-
-    def __init__(self, data, step=7):
-        self.f, self.step, self.largest = io.BytesIO(data), step, 0
-
-    def read(self, n=-1):
-        self.largest = max(self.largest, n)
-        return self.f.read(min(n, self.step) if n >= 0 else self.step)
-
-
-@pytest.mark.parametrize("encoding", shards.ENCODINGS)
-def test_reader_matches_tarfile(tmp_path, read_tar, encoding):
-    m = build(array_source(12, (3, 9, 9)), tmp_path, encoding=encoding, maxcount=12)
-    path = tmp_path / m["shards"][0]["name"]
-    expected = read_tar(path)
-    assert len(expected) == 12
-    for chunk in (512, 700, 1 << 20):  # header and member boundaries fall inside and across chunks
-        assert project_samples(path, chunk=chunk) == expected
-    assert project_samples(None, Trickle(path.read_bytes()), chunk=1000) == expected  # short reads
-
-
-def test_reader_reads_webdataset_pax_shards(tmp_path, read_tar):
-    import webdataset as wds
-
-    path = tmp_path / "wds.tar"
-    rng = np.random.default_rng(0)
-    with wds.TarWriter(str(path)) as w:
-        for i in range(6):
-            buf = io.BytesIO()
-            Image.fromarray(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8)).save(buf, format="PNG")
-            w.write({"__key__": f"d/sample-{i:03d}", "png": buf.getvalue(), "cls": str(i % 3).encode()})
-    raw = path.read_bytes()
-    typeflags = [raw[o + 156:o + 157] for o in range(0, len(raw), 512) if raw[o + 257:o + 262] == b"ustar"]
-    assert b"x" in typeflags  # the file really has PAX headers, so the test covers them
-    expected = read_tar(path)
-    assert [k for k, _ in expected] == [f"d/sample-{i:03d}" for i in range(6)]
-    assert project_samples(path) == expected
-    assert project_samples(path, chunk=512) == expected
-
-
-def small_shard(tmp_path):
-    m = build(array_source(4, (1, 20, 20)), tmp_path, encoding="raw", maxcount=4)
-    path = tmp_path / m["shards"][0]["name"]
-    with tarfile.open(path) as tar:
-        return path.read_bytes(), tar.getmembers()
-
-
-@pytest.mark.parametrize("where", ["mid_data", "mid_header", "member_boundary", "sample_boundary",
-                                   "before_end_blocks", "empty"])
-def test_reader_rejects_truncated_shard(tmp_path, where):
-    raw, members = small_shard(tmp_path)
-    end = members[-1].offset_data + (members[-1].size + 511) // 512 * 512
-    cut = {"mid_data": members[2].offset_data + 100, "mid_header": members[3].offset + 200,
-           "member_boundary": members[3].offset, "sample_boundary": members[4].offset,
-           "before_end_blocks": end, "empty": 0}[where]
-    with pytest.raises(shards.ShardError):
-        list(shards.iter_members(io.BytesIO(raw[:cut])))
-
-
-@pytest.mark.parametrize("n", [100, 5000])
-def test_reader_rejects_garbage(tmp_path, n):
-    garbage = np.random.default_rng(n).integers(1, 256, n, dtype=np.uint8).tobytes()
-    with pytest.raises(shards.ShardError):
-        list(shards.iter_members(io.BytesIO(garbage)))
-    raw, members = small_shard(tmp_path)  # a good first member followed by garbage
-    with pytest.raises(shards.ShardError):
-        list(shards.iter_members(io.BytesIO(raw[:members[1].offset] + garbage)))
-
-
-def header(name, size, fmt=tarfile.USTAR_FORMAT):
-    info = tarfile.TarInfo(name)
-    info.size = size
-    return info.tobuf(format=fmt)
-
-
-@pytest.mark.parametrize("size,fmt,limit", [
-    (8 ** 11 - 1, tarfile.USTAR_FORMAT, shards.MAX_MEMBER),  # 8 GiB in octal
-    (1 << 40, tarfile.GNU_FORMAT, shards.MAX_MEMBER),        # base-256 size field
-    (5000, tarfile.USTAR_FORMAT, 4096),                      # just over a caller's limit
-])
-def test_reader_rejects_oversized_member_without_reading_it(size, fmt, limit):
-    hdr = header("big.raw", size, fmt)
-    assert len(hdr) == 512 and hdr[257:262] == b"ustar"
-    stream = Trickle(hdr + bytes(range(256)) * 64, step=1 << 20)
-    with pytest.raises(shards.ShardError, match="claims"):
-        list(shards.iter_members(stream, chunk=4096, max_member=limit))
-    assert stream.largest <= 4096  # it never asked for the claimed size
-
-
-def test_reader_rejects_negative_size_field():
-    hdr = bytearray(header("neg.raw", 0))
-    hdr[124:136] = b"-0000001750\0"  # -1000: would step the parser backwards forever
-    hdr[148:156] = b"        "
-    hdr[148:156] = b"%06o\0 " % sum(hdr)
-    stream = io.BytesIO(bytes(hdr) + bytes(4096))
-    with pytest.raises(shards.ShardError):
-        list(itertools.islice(shards.iter_members(stream), 10))
-
-
-def test_reader_skips_directories_and_links():
-    long_name = "d/" + "a" * 60 + "/" + "k" * 60 + ".cls"
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        d = tarfile.TarInfo("d")
-        d.type = tarfile.DIRTYPE
-        tar.addfile(d)
-        link = tarfile.TarInfo("d/l.cls")
-        link.type, link.linkname = tarfile.SYMTYPE, "x"
-        tar.addfile(link)
-        f = tarfile.TarInfo(long_name)  # over 100 characters: split into USTAR's prefix field
-        f.size = 1
-        tar.addfile(f, io.BytesIO(b"7"))
-    assert buf.getvalue()[1024 + 345:1024 + 350] == b"d/aaa"  # third header's prefix
-    assert list(shards.iter_members(io.BytesIO(buf.getvalue()))) == [(long_name, b"7")]
 
 
 # ---------------------------------------------------------------- determinism and shuffling
@@ -386,16 +267,16 @@ def test_verify(tmp_path):
     second.unlink()
     problems = shards.verify(str(tmp_path))
     assert len(problems) == 2
-    assert f"{first.name}: sha256 differs from the manifest" in problems
-    assert f"{second.name}: missing" in problems
+    assert f"toy-train.json: {first.name}: sha256 differs from the manifest" in problems
+    assert f"toy-train.json: {second.name}: missing" in problems
 
 
 def test_verify_reports_size_and_empty_folder(tmp_path):
     m = build(array_source(10), tmp_path, maxcount=5)
     path = tmp_path / m["shards"][1]["name"]
     path.write_bytes(path.read_bytes()[:-512])
-    assert shards.verify(str(tmp_path)) == [f"{path.name}: {m['shards'][1]['bytes'] - 512} bytes, "
-                                            f"manifest says {m['shards'][1]['bytes']}"]
+    assert shards.verify(str(tmp_path)) == [f"toy-train.json: {path.name}: {m['shards'][1]['bytes'] - 512} bytes, "
+                                            f"the manifest says {m['shards'][1]['bytes']}"]
     empty = tmp_path / "empty"
     empty.mkdir()
     assert len(shards.verify(str(empty))) == 1

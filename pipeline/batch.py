@@ -1,0 +1,96 @@
+"""The batch format shared by every source, and the one place images are normalised.
+
+A batch is a dict: `image` (B, 3, H, W) with H, W the largest over the sources
+(smaller images zero-padded around the centre, grey ones repeated to 3
+channels), `label` int64 with each source's classes offset (MNIST 0-9, CIFAR10
+10-19 when listed in that order, so classes never collide), `source` the source
+index of each sample, `key` the sample keys, `skipped` the malformed samples
+skipped while making it, and, from a training stream, `state` (where the
+worker that made it stands; see MixedStream.state_dict).
+
+Images stay uint8 until `Layout.normalize`, with each source's own mean and std
+from its manifest: a quarter of the bytes through shared memory and to the GPU.
+"""
+import numpy as np
+import torch
+
+
+def _rgb(values):
+    return list(values) * 3 if len(values) == 1 else list(values)
+
+
+class Layout:
+    """Where each source's images and labels go in a batch, and how they are normalised."""
+
+    def __init__(self, sources):
+        self.sources = list(sources)
+        self.names = [s.name for s in sources]
+        sizes = [len(s.classes) for s in sources]
+        self.offsets = np.cumsum([0] + sizes[:-1]).astype(np.int64)
+        self.num_classes = sum(sizes)
+        self.hw = (max(s.shape[1] for s in sources), max(s.shape[2] for s in sources))
+        mean = torch.tensor([_rgb(s.mean) for s in sources], dtype=torch.float32).view(-1, 3, 1, 1)
+        std = torch.tensor([_rgb(s.std) for s in sources], dtype=torch.float32).view(-1, 3, 1, 1)
+        self.scale, self.shift = 1.0 / (255.0 * std), mean / std
+        self._on_device = {}
+
+    def __getstate__(self):  # workers get the CPU stats only, never a GPU copy
+        return dict(self.__dict__, _on_device={})
+
+    def index(self, name):
+        try:
+            return self.names.index(name)
+        except ValueError:
+            raise ValueError(f"unknown source {name!r}; sources are {', '.join(self.names)}") from None
+
+    def batch_shape(self, batch_size):
+        return (batch_size, 3, *self.hw)
+
+    def collate(self, choice, parts, skipped=0, canvas=None):
+        """One batch from each source's taken samples.
+
+        choice: the source index of each position; parts[s]: (keys, uint8 images, labels)
+        of source s, as many as choice names it; canvas: a zeroed uint8 array of the batch
+        shape to fill (a BatchRing buffer), else one is made. Images stay uint8, label and
+        source numpy arrays: `pipeline.loader` turns them into tensors where they arrive.
+        """
+        b = len(choice)
+        h, w = self.hw
+        u8 = np.zeros((b, 3, h, w), np.uint8) if canvas is None else canvas
+        keys = np.empty(b, object)
+        label = np.empty(b, np.int64)
+        for s, (k, pixels, labels) in enumerate(parts):
+            if not len(k):
+                continue
+            idx = np.flatnonzero(choice == s)
+            _, sh, sw = pixels.shape[1:]
+            top, left = (h - sh) // 2, (w - sw) // 2
+            u8[idx, :, top:top + sh, left:left + sw] = pixels  # a grey image broadcasts to 3 channels
+            keys[idx] = k
+            label[idx] = labels + self.offsets[s]
+        return {"image": u8, "label": label, "source": np.asarray(choice, np.int64), "key": keys.tolist(),
+                "skipped": skipped}
+
+    def normalize(self, image, source, pin_memory=None):
+        """uint8 (B, 3, H, W) images -> normalised float32, on whatever device they are.
+
+        On the CPU this runs in numpy, in one thread: torch spreads a batch this small
+        over every core, and its idle threads then spin, so the in-process loader used
+        1.95 cores for the work of one (tools/bench_loader.py, C/raw, workers 0).
+        The result is pinned if `pin_memory`, by default if the images are.
+        """
+        if isinstance(image, np.ndarray):
+            image = torch.from_numpy(image)
+        if isinstance(source, np.ndarray):
+            source = torch.from_numpy(source)
+        if image.device.type == "cpu":
+            pin = image.is_pinned() if pin_memory is None else pin_memory
+            out = torch.empty(image.shape, dtype=torch.float32, pin_memory=pin)
+            o, src = out.numpy(), source.numpy()
+            np.multiply(image.numpy(), self.scale.numpy()[src], out=o)
+            o -= self.shift.numpy()[src]
+            return out
+        if image.device not in self._on_device:  # copy the stats to a GPU once, not every step
+            self._on_device[image.device] = (self.scale.to(image.device), self.shift.to(image.device))
+        scale, shift = self._on_device[image.device]
+        return image.float().mul_(scale[source]).sub_(shift[source])

@@ -1,0 +1,268 @@
+"""From a sample's members to what the model takes: a uint8 C,H,W image of its source's
+shape and an integer class index.
+
+Only image and label members are ever decoded, each by a decoder chosen by its
+extension: nothing is unpickled or torch.load-ed (webdataset's default decoders
+do both for .pyd/.pickle/.pth), and PIL is only asked to open the one format
+an extension names (an .png member that is really EPS would make PIL run
+Ghostscript). An image's size is checked from its header before its pixels
+are decoded.
+
+Images of another size or mode are brought to the source's shape here, inside
+the DataLoader workers: grey/RGB/RGBA to the source's channel count, the
+shorter side resized to fit, then a crop (random for training, centred for
+evaluation). JPEG goes through torchvision.io.decode_jpeg (libjpeg-turbo),
+about 2.5x PIL's speed on 32x32 images here; a JPEG at least twice the target
+size in both directions goes through PIL's draft mode instead, which decodes
+at 1/2, 1/4 or 1/8 scale for free. Exactly what make_shards writes (raw
+pixels, or a PNG with the Up filter on every row) takes the fast paths in
+`pipeline/png.py`, one numpy operation a batch.
+"""
+import io
+import json
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import png
+
+IMAGE_EXTS = ("raw", "png", "jpg", "jpeg", "webp", "ppm", "pgm", "bmp")
+LABEL_EXTS = ("cls", "txt", "index")
+MAX_PIXELS = png.MAX_PIXELS
+_PIL_FORMATS = {"png": "PNG", "jpg": "JPEG", "jpeg": "JPEG", "webp": "WEBP", "ppm": "PPM", "pgm": "PPM",
+                "bmp": "BMP"}
+
+
+@dataclass(frozen=True)
+class Target:
+    """What one source's samples decode to.
+
+    shape: (C, H, W) with C 1 or 3; image_exts: the image extensions to look for, in
+    order; label: "cls", "txt", "index" or "json:FIELD" (FIELD may be dotted: a.b);
+    classes: how many classes the model has for this source; label_values: the raw
+    label of each class index when a data set's labels are not 0..classes-1.
+    """
+
+    shape: tuple
+    image_exts: tuple = ("png",)
+    label: str = "cls"
+    classes: int = 10
+    label_values: tuple = None
+
+    def __post_init__(self):
+        bad = [e for e in self.image_exts if e not in IMAGE_EXTS]
+        if bad or not self.image_exts:
+            raise ValueError(f"image extensions {list(self.image_exts)}: choose from {', '.join(IMAGE_EXTS)}")
+        parse_label_key(self.label)
+
+    @property
+    def members(self):
+        """The extensions a sample is read for: everything else is dropped unread."""
+        return set(self.image_exts) | {self.label.partition(":")[0]}
+
+    def lookup(self):
+        return {v: i for i, v in enumerate(self.label_values)} if self.label_values else None
+
+
+def parse_label_key(text):
+    """'cls' -> ('cls', None); 'json:label' -> ('json', ['label']). Raises ValueError."""
+    ext, _, field = text.partition(":")
+    if ext in LABEL_EXTS and not field:
+        return ext, None
+    if ext == "json" and field and all(field.split(".")):
+        return ext, field.split(".")
+    raise ValueError(f"label key {text!r}: use cls, txt, index, or json:FIELD (e.g. json:label)")
+
+
+def label_of(sample, target, lookup=None):
+    """The class index of a sample; ValueError saying what is missing or wrong."""
+    ext, path = parse_label_key(target.label)
+    data = sample.get(ext)
+    if data is None:
+        raise ValueError(f"no .{ext} member")
+    if path is None:
+        try:
+            value = int(data)
+        except ValueError:
+            raise ValueError(f".{ext} holds {bytes(data[:20])!r}, not an integer") from None
+    else:
+        try:
+            value = json.loads(data)
+            for part in path:
+                value = value[part]
+        except (ValueError, KeyError, TypeError, IndexError):
+            raise ValueError(f".json has no {'.'.join(path)} field") from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f".json {'.'.join(path)} is {value!r}, not an integer")
+    if lookup is not None:
+        if value not in lookup:
+            raise ValueError(f"label {value} is not one of the source's {len(lookup)} label values")
+        return lookup[value]
+    if not 0 <= value < target.classes:
+        raise ValueError(f"label {value} outside 0..{target.classes - 1}")
+    return value
+
+
+def image_of(sample, target):
+    """(ext, bytes) of the sample's image member; ValueError if it has none."""
+    for ext in target.image_exts:
+        data = sample.get(ext)
+        if data is not None:
+            return ext, data
+    have = sorted(k for k in sample if not k.startswith("__"))
+    raise ValueError(f"no {'/'.join('.' + e for e in target.image_exts)} member (has {have or 'nothing'})")
+
+
+def decode_batch(images, exts, target, crops=None):
+    """Decode k images to one uint8 array (k', C, H, W) of the target's shape.
+
+    `exts` gives each image's extension; `crops` an (k, 2) array of uniform numbers
+    placing a random crop, None for centred crops. Returns (pixels, kept, errors):
+    kept lists the positions decoded, in order; errors pairs each other position
+    with the reason.
+    """
+    shape = tuple(target.shape)
+    if exts and all(e == "raw" for e in exts):
+        return _raw(images, shape)
+    if exts and all(e == "png" for e in exts):
+        return _png_fast(images, exts, target, crops)
+    return _each(images, exts, target, crops, range(len(images)))
+
+
+def _raw(images, shape):
+    nbytes = int(np.prod(shape))
+    kept = [i for i, d in enumerate(images) if len(d) == nbytes]
+    errors = [(i, f"{len(d)} raw bytes, expected {nbytes} for shape {shape}")
+              for i, d in enumerate(images) if len(d) != nbytes]
+    data = b"".join(images) if not errors else b"".join(images[i] for i in kept)
+    return np.frombuffer(data, np.uint8).reshape(len(kept), *shape), kept, errors
+
+
+def _png_fast(images, exts, target, crops):
+    """PNGs exactly as make_shards writes them: one inflate each, one cumsum for all."""
+    shape = tuple(target.shape)
+    rows, kept, other = [], [], []
+    for i, d in enumerate(images):
+        r = png.fast_rows(d, shape)
+        if r is None:
+            other.append(i)
+        else:
+            rows.append(r)
+            kept.append(i)
+    pixels = png.unfilter(b"".join(rows), len(rows), shape)
+    if not other:
+        return pixels, kept, []
+    more, more_kept, errors = _each(images, exts, target, crops, other)
+    order = np.argsort(np.array(kept + more_kept), kind="stable")
+    return np.concatenate([pixels, more])[order], sorted(kept + more_kept), errors
+
+
+def _each(images, exts, target, crops, positions):
+    c, h, w = target.shape
+    out, kept, errors = [], [], []
+    for i in positions:
+        try:
+            out.append(decode_image(images[i], exts[i], target.shape, None if crops is None else crops[i]))
+            kept.append(i)
+        except ValueError as e:
+            errors.append((i, str(e)))
+    return (np.stack(out) if out else np.zeros((0, c, h, w), np.uint8)), kept, errors
+
+
+def decode_image(data, ext, shape, crop=None):
+    """One image member -> uint8 array of exactly `shape` (C, H, W); ValueError otherwise."""
+    c, h, w = shape
+    if ext == "raw":
+        if len(data) != c * h * w:
+            raise ValueError(f"{len(data)} raw bytes, expected {c * h * w} for shape {tuple(shape)}")
+        return np.frombuffer(data, np.uint8).reshape(shape)
+    if ext == "png":
+        fast = png.fast_rows(data, shape)
+        if fast is not None:
+            return png.unfilter(fast, 1, shape)[0]
+    if ext in ("jpg", "jpeg"):
+        size = jpeg_size(data)
+        if size is not None and not (size[0] >= 2 * h and size[1] >= 2 * w):
+            pixels = _torchvision_jpeg(data, c, size)
+            if pixels is not None:
+                return fit(pixels, shape, crop)
+    return fit(_pil(data, ext, shape), shape, crop)
+
+
+def _torchvision_jpeg(data, c, size):
+    """HWC uint8 from libjpeg-turbo, or None where it can't (CMYK, damage: PIL then says why)."""
+    if size[0] * size[1] > MAX_PIXELS:
+        return None
+    import torch
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    # torchvision 0.29 says its decoders will move to torchcodec; until they do, they are the fastest here
+    warnings.filterwarnings("ignore", "The image decoding and encoding capabilities of TorchVision",
+                            DeprecationWarning)
+
+    try:
+        t = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                        mode=ImageReadMode.GRAY if c == 1 else ImageReadMode.RGB)
+    except RuntimeError:
+        return None
+    return t.permute(1, 2, 0).numpy()
+
+
+def _pil(data, ext, shape):
+    """HWC uint8 through PIL, opening only the format the extension names."""
+    from PIL import Image
+
+    c, h, w = shape
+    try:
+        img = Image.open(io.BytesIO(data), formats=[_PIL_FORMATS[ext]])
+        iw, ih = img.size  # from the header: checked before any pixel is decoded
+        if iw * ih > MAX_PIXELS:
+            raise ValueError(f"image is {iw}x{ih}, more than {MAX_PIXELS} pixels")
+        if ext in ("jpg", "jpeg"):
+            img.draft("L" if c == 1 else "RGB", (w, h))  # DCT scaling: decode at 1/2..1/8 size, still >= the target
+        img = img.convert("L" if c == 1 else "RGB")
+        return np.asarray(img, dtype=np.uint8).reshape(img.size[1], img.size[0], c)
+    except (OSError, SyntaxError, Image.DecompressionBombError, KeyError) as e:
+        raise ValueError(f"undecodable image: {e}") from None
+
+
+def fit(pixels, shape, crop=None):
+    """HWC uint8 of any size -> CHW of exactly `shape`: the shorter side resized to fit, then
+    a crop placed by `crop` (two numbers in [0, 1)) or centred."""
+    c, h, w = shape
+    ih, iw = pixels.shape[:2]
+    if (ih, iw) != (h, w):
+        scale = max(h / ih, w / iw)
+        nh, nw = max(h, round(ih * scale)), max(w, round(iw * scale))
+        if (nh, nw) != (ih, iw):
+            from PIL import Image
+
+            img = Image.fromarray(pixels[:, :, 0] if c == 1 else pixels)
+            pixels = np.asarray(img.resize((nw, nh), Image.BILINEAR, reducing_gap=3.0)).reshape(nh, nw, c)
+        if crop is None:
+            top, left = (nh - h) // 2, (nw - w) // 2
+        else:
+            top, left = int(crop[0] * (nh - h + 1)), int(crop[1] * (nw - w + 1))
+        pixels = pixels[top:top + h, left:left + w]
+    return np.ascontiguousarray(pixels.transpose(2, 0, 1))
+
+
+def jpeg_size(data):
+    """(height, width) from a JPEG's start-of-frame marker, or None if none is found."""
+    if data[:2] != b"\xff\xd8":
+        return None
+    i, n = 2, len(data)
+    for _ in range(256):  # a real JPEG reaches its frame header within a few markers
+        while i < n and data[i] == 0xFF:
+            i += 1
+        if i + 7 >= n:
+            return None
+        marker = data[i]
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            return int.from_bytes(data[i + 4:i + 6], "big"), int.from_bytes(data[i + 6:i + 8], "big")
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
+            i += 1
+            continue
+        i += 1 + int.from_bytes(data[i + 1:i + 3], "big")
+    return None

@@ -1,0 +1,71 @@
+"""Writing files so that a crash or a full disk never leaves half of one behind."""
+import json
+import os
+
+from .errors import ShardError
+
+
+def write_atomic(path, data):
+    """Write bytes to a temporary name and rename it over `path` when complete.
+
+    On any error (ENOSPC included) the temporary file is removed and `path` keeps
+    its previous content; the OSError propagates with the path in its message.
+    """
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise OSError(e.errno, f"could not write {path}: {e.strerror or e}") from None
+
+
+def write_json_atomic(path, obj):
+    write_atomic(path, (json.dumps(obj, indent=1) + "\n").encode())
+
+
+def read_json(path):
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except FileNotFoundError:
+        raise ShardError(f"{path}: no such file") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ShardError(f"{path}: not valid JSON ({e})") from None
+
+
+def append_line(path, text):
+    """Append one line whole, or nothing: a failed write (disk full) is cut back off."""
+    data = (text.rstrip("\n") + "\n").encode()
+    with open(path, "ab") as f:
+        start = f.tell()
+        try:
+            f.write(data)
+            f.flush()
+        except OSError:
+            f.truncate(start)
+            raise
+
+
+def cut_to_complete_lines(path):
+    """Drop a torn last line (a write cut short by a crash); returns the complete lines."""
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as f:
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    if end != len(data):
+        with open(path, "r+b") as f:
+            f.truncate(end)
+    return data[:end].decode("utf-8", "replace").splitlines()
+
+
+def keep_lines(path, lines):
+    """Rewrite a text file to hold exactly `lines` (atomically)."""
+    write_atomic(path, "".join(ln + "\n" for ln in lines).encode())

@@ -1,0 +1,290 @@
+"""Manifests: what a shard set holds, where its shards are, and how to decode them.
+
+A manifest `<dataset>-<split>.json` lists every shard (name, sample count, byte
+size, sha256) with the image shape, class names, per-channel mean and std, how
+samples decode (image extensions, label key) and where the data came from
+(`origin`). make_shards writes them for shards it builds and for existing
+WebDatasets it indexes in place; the stream sizes epochs and normalises images
+from them.
+
+A manifest is data, never code, and may come from anyone. Every field is
+checked for type and range before use, and one rule says where a listed shard
+may be:
+- a plain relative name (`mnist-train-000001.tar`, `part/00012.tar`): a file
+  beside the manifest, wherever the manifest is (a folder, a URL, or a file
+  that a pipe: command prints, with the name substituted into that command);
+  no `..`, no hidden segments, only letters, digits and `._+-` in each segment,
+  and for local manifests nothing that resolves (through links) outside the
+  manifest's folder;
+- an absolute http(s) URL, for a manifest that points at shards elsewhere;
+- an absolute path, in a local manifest only.
+Anything else (`pipe:...`, `file:`, other schemes, `..`) is refused with one
+line naming the manifest and the shard, before anything is opened or run.
+"""
+import math
+import os
+import re
+import shlex
+import urllib.parse
+import warnings
+from dataclasses import dataclass, field
+
+from braceexpand import braceexpand
+
+from . import remote
+from .decode import IMAGE_EXTS, Target, parse_label_key
+from .errors import ShardError
+from .files import read_json
+
+FORMAT = "pipeline-shards/2"
+FORMATS = ("pipeline-shards/1", FORMAT)  # /1: make_shards before origins and label keys; same fields otherwise
+NAME_RE = re.compile(r"^[A-Za-z0-9_]+$")
+_SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
+_URL_SAFE = re.compile(r"^https?://[^\s\x00-\x1f\x7f]+$")
+MAX_SIDE = 4096
+MAX_CLASSES = 1 << 20
+
+
+def manifest_name(dataset, split):
+    return f"{dataset}-{split}.json"
+
+
+def shard_name(dataset, split, index):
+    return f"{dataset}-{split}-{index:06d}.tar"
+
+
+@dataclass
+class Source:
+    """One data set split as the stream sees it: where its shards are, and what they hold."""
+
+    name: str
+    urls: list
+    counts: list
+    target: Target
+    classes: list
+    mean: list
+    std: list
+    sizes: list = None
+    digests: list = None
+    origin: dict = field(default_factory=dict)
+    manifest: str = ""
+    dataset: str = ""
+    split: str = ""
+
+    @property
+    def total(self):
+        return sum(self.counts)
+
+    @property
+    def shape(self):
+        return tuple(self.target.shape)
+
+    @property
+    def synthetic(self):
+        return self.origin.get("kind") == "synthetic"
+
+
+# ---------------------------------------------------------------- checking
+
+
+def check(m, where):
+    """Raise ShardError naming `where` and the field unless `m` is a well-formed manifest."""
+    def bad(path, problem):
+        raise ShardError(f"{where}: field {path}: {problem}")
+
+    def integer(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not isinstance(m, dict):
+        raise ShardError(f"{where}: not a shard manifest (a JSON object is expected)")
+    if m.get("format") not in FORMATS:
+        bad("format", f"{m.get('format')!r}; expected {FORMAT!r} (build or index the shards with tools/make_shards.py)")
+    for key in ("dataset", "split"):
+        if not isinstance(m.get(key), str) or not NAME_RE.match(m[key]):
+            bad(key, "letters, digits and _ expected")
+    shards = m.get("shards")
+    if not isinstance(shards, list) or not shards:
+        bad("shards", "a non-empty list of {name, samples, bytes} objects expected")
+    for i, s in enumerate(shards):
+        if not isinstance(s, dict):
+            bad(f"shards[{i}]", "an object expected")
+        if not isinstance(s.get("name"), str) or not s["name"]:
+            bad(f"shards[{i}].name", "a shard name expected")
+        if not integer(s.get("samples")) or s["samples"] < 1:
+            bad(f"shards[{i}].samples", f"{s.get('samples')!r}; a positive integer expected")
+        if not integer(s.get("bytes")) or s["bytes"] < 1:
+            bad(f"shards[{i}].bytes", f"{s.get('bytes')!r}; a positive integer expected")
+        if s["samples"] * 1024 > s["bytes"]:  # a sample is at least two members, each behind a 512-byte header
+            bad(f"shards[{i}].samples", f"{s['samples']} samples cannot fit in {s['bytes']} bytes")
+        if s.get("sha256") is not None and not (isinstance(s["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", s["sha256"])):
+            bad(f"shards[{i}].sha256", "64 lowercase hex digits expected")
+    shape = m.get("shape")
+    if not (isinstance(shape, list) and len(shape) == 3 and all(integer(x) for x in shape)
+            and shape[0] in (1, 3) and all(1 <= x <= MAX_SIDE for x in shape[1:])):
+        bad("shape", f"{shape!r}; [C, H, W] expected with C 1 or 3 and sides 1..{MAX_SIDE}")
+    classes = m.get("classes")
+    if not (isinstance(classes, list) and 0 < len(classes) <= MAX_CLASSES and all(isinstance(c, str) for c in classes)):
+        bad("classes", "a non-empty list of class names expected")
+    for key in ("mean", "std"):
+        v = m.get(key)
+        if not (isinstance(v, list) and len(v) == shape[0] and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                                   and math.isfinite(x) for x in v)):
+            bad(key, f"{v!r}; {shape[0]} finite numbers expected")
+    if not all(x > 0 for x in m["std"]):
+        bad("std", f"{m['std']}; every channel's std must be > 0")
+    exts = m.get("image_exts", [m.get("encoding")])
+    if not (isinstance(exts, list) and exts and all(e in IMAGE_EXTS for e in exts)):
+        bad("image_exts" if "image_exts" in m else "encoding", f"{exts!r}; choose from {', '.join(IMAGE_EXTS)}")
+    try:
+        parse_label_key(m.get("label", "cls"))
+    except (ValueError, AttributeError) as e:
+        bad("label", str(e))
+    values = m.get("label_values")
+    if values is not None and not (isinstance(values, list) and len(values) == len(classes)
+                                   and all(integer(v) for v in values) and len(set(values)) == len(values)):
+        bad("label_values", f"{len(classes)} distinct integers expected, one per class")
+    if m.get("total") is not None and m["total"] != sum(s["samples"] for s in shards):
+        bad("total", f"{m['total']!r}, but the shards add up to {sum(s['samples'] for s in shards)}")
+    if not isinstance(m.get("origin", {}), dict):
+        bad("origin", "an object expected")
+    return m
+
+
+def target_of(m):
+    return Target(tuple(m["shape"]), tuple(m.get("image_exts", [m.get("encoding")])), m.get("label", "cls"),
+                  len(m["classes"]), tuple(m["label_values"]) if m.get("label_values") else None)
+
+
+# ---------------------------------------------------------------- locating
+
+
+def locate(manifest_url, name):
+    """Where a shard that the manifest at `manifest_url` names lives (see the module docstring)."""
+    where = remote.kind(manifest_url)
+    if name.startswith(("http://", "https://")):
+        if not _URL_SAFE.match(name):
+            raise ShardError(f"{manifest_url}: shard {name!r}: a URL with spaces or control characters")
+        return name
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:", name):
+        raise ShardError(f"{manifest_url}: shard {name!r}: a manifest may name plain files, absolute paths or "
+                         f"http(s) URLs, never commands or other schemes")
+    if name.startswith("/"):
+        if where != "file":
+            raise ShardError(f"{manifest_url}: shard {name!r}: an absolute path in a remote manifest")
+        if any(p in ("..", ".") for p in name.split("/")) or "\x00" in name:
+            raise ShardError(f"{manifest_url}: shard {name!r}: '..' or '.' in the path")
+        return name
+    parts = name.split("/")
+    if not all(_SEGMENT.match(p) and p not in (".", "..") for p in parts):
+        raise ShardError(f"{manifest_url}: shard {name!r}: not a plain relative name (letters, digits and ._+- "
+                         f"in each /-separated part, no '..', nothing hidden)")
+    if where == "file":
+        folder = os.path.dirname(manifest_url) or "."
+        path = os.path.join(folder, name)
+        real, top = os.path.realpath(path), os.path.realpath(folder)
+        if os.path.exists(path) and not real.startswith(top.rstrip(os.sep) + os.sep):
+            raise ShardError(f"{manifest_url}: shard {name!r} resolves to {real}, outside the manifest's folder")
+        return path
+    head, _, tail = manifest_url.rpartition(_manifest_file(manifest_url))
+    return head + (urllib.parse.quote(name) if where == "http" else shlex.quote(name)) + tail
+
+
+def _manifest_file(url):
+    found = re.findall(r"[^/\s'\"]+\.json", url)
+    if not found:
+        raise ShardError(f"{url}: no NAME.json file name to replace with the shard names")
+    return found[-1]
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load(url, policy=remote.Policy()):
+    """Read and check the manifest at a path, URL or pipe: command."""
+    if remote.kind(url) == "file":
+        if not os.path.exists(url):
+            raise ShardError(f"no manifest at {url} (build one with tools/make_shards.py, or index existing "
+                             f"shards with make_shards.py --index)")
+        m = read_json(url)
+    else:
+        import json
+
+        try:
+            text = remote.fetch(url, policy=policy)
+        except OSError as e:
+            raise ShardError(f"cannot read manifest {url}: {e}") from None
+        try:
+            m = json.loads(text)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ShardError(f"{url}: not valid JSON ({e})") from None
+    return check(m, url)
+
+
+def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
+    """Turn a command line's NAME=SPEC into a Source. Raises ShardError naming what is wrong.
+
+    SPEC is a manifest (a path, an http(s) URL or a pipe: command printing it), a
+    folder or base URL (ending in /) holding `NAME-SPLIT.json`, or a brace pattern of
+    shards with `NAME-SPLIT.json` beside them. Shards that are local must exist;
+    http(s) shards are checked by `check_http(urls, sizes) -> (problems, resized)`
+    (default: a HEAD request each, see remote.head_check).
+    """
+    pattern = None
+    if spec.endswith(".json"):
+        url = spec
+    elif spec.endswith("/") or (remote.kind(spec) == "file" and os.path.isdir(spec)):
+        url = spec.rstrip("/") + "/" + manifest_name(name, split)
+    else:
+        pattern = list(braceexpand(spec))
+        url = _beside(pattern[0], manifest_name(name, split))
+        if remote.kind(url) == "file" and not os.path.exists(url):
+            raise ShardError(f"{name}={spec}: no manifest {url} beside these shards; index them in place with: "
+                             f"python tools/make_shards.py --index {name}:{split}={spec} --out DIR")
+    m = load(url, policy)
+    if m["dataset"] != name:
+        warnings.warn(f"{name}={spec}: the manifest describes data set {m['dataset']!r}, not {name!r}", stacklevel=2)
+    listed = {locate(url, s["name"]): s for s in m["shards"]}
+    if pattern is None:
+        chosen = list(listed)
+    else:
+        chosen = [_normal(u) for u in pattern]
+        by_normal = {_normal(u): u for u in listed}
+        unknown = [u for u in chosen if u not in by_normal]
+        if unknown:
+            raise ShardError(f"{name}={spec}: {len(unknown)} shard(s) not in {url}, e.g. {unknown[0]}")
+        chosen = [by_normal[u] for u in chosen]
+    entries = [listed[u] for u in chosen]
+    missing = [u for u in chosen if remote.kind(u) == "file" and not os.path.exists(u)]
+    if missing:
+        raise ShardError(f"{name}={spec}: {len(missing)} shard(s) missing, e.g. {missing[0]}")
+    resized = [f"{u}: {os.path.getsize(u)} bytes, the manifest says {e['bytes']}" for u, e in zip(chosen, entries)
+               if remote.kind(u) == "file" and os.path.getsize(u) != e["bytes"]]
+    http = [u for u in chosen if remote.kind(u) == "http"]
+    if http:
+        sizes = {u: e["bytes"] for u, e in zip(chosen, entries)}
+        problems, more = (check_http or (lambda us, sz: remote.head_check(us, sz, policy=policy)))(http, sizes)
+        if problems:
+            raise ShardError(f"{name}={spec}: {len(problems)} shard(s) unavailable, e.g. {problems[0]}")
+        resized += more
+    if resized:
+        warnings.warn(f"{name}={spec}: {len(resized)} shard(s) differ in size from the manifest, e.g. {resized[0]}; "
+                      f"they may be damaged (damage is skipped and counted; check with make_shards.py --verify)",
+                      stacklevel=2)
+    return Source(name, chosen, [e["samples"] for e in entries], target_of(m), list(m["classes"]),
+                  list(m["mean"]), list(m["std"]), [e["bytes"] for e in entries], [e.get("sha256") for e in entries],
+                  dict(m.get("origin") or {}), url, m["dataset"], m["split"])
+
+
+def _beside(shard_url, filename):
+    """The URL of `filename` in the same folder as a shard (path, URL or inside a pipe: command)."""
+    if remote.kind(shard_url) == "pipe":
+        found = re.findall(r"[^/\s'\"]+\.(?:tar|tar\.gz|tgz)\b", shard_url)
+        if not found:
+            raise ShardError(f"{shard_url}: no shard file name (*.tar, *.tar.gz) in the command")
+        head, _, tail = shard_url.rpartition(found[-1])
+        return head + filename + tail
+    return shard_url[:shard_url.rfind("/") + 1] + filename
+
+
+def _normal(url):
+    return os.path.normpath(url) if remote.kind(url) == "file" else url

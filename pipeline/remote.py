@@ -1,0 +1,283 @@
+"""Reading bytes from wherever shards live: local files, http(s) URLs and pipe: commands.
+
+A remote read is bounded: every transfer has a total deadline (a base plus its
+byte size at a minimum rate), so a server that drips one byte every few seconds
+fails instead of hanging a rank that no collective timeout can reach (ranks
+wait in their DataLoader, not in an all-reduce). Every transient failure
+(refused or reset connections, socket timeouts, a body shorter than its
+Content-Length, an HTTP 5xx, 408 or 429, a pipe's non-zero exit, a missed
+deadline) is retried alike with doubling delays; any other 4xx is permanent and
+fails at once. http(s) goes through urllib rather than webdataset's curl pipe
+so that these cases can be told apart; the error then says "HTTP Error 404"
+rather than "curl exit 22".
+
+A remote shard is parsed while it streams in, hashed on the way, and checked
+against its manifest's sha256 and size at the end; only then is a cached copy
+renamed into place.
+"""
+import hashlib
+import http.client
+import os
+import re
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from .errors import DigestError, FetchError, ShardError
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")
+UNKNOWN_SIZE = 16 << 20  # what the deadline assumes for a file of unknown size (a manifest)
+
+
+def kind(url):
+    """'http', 'pipe' or 'file'. Raises ShardError for any other scheme (s3:, gs:, file:, ...)."""
+    if url.startswith(("http://", "https://")):
+        return "http"
+    if url.startswith("pipe:"):
+        return "pipe"
+    m = _SCHEME.match(url)
+    if m:
+        raise ShardError(f"{url}: {m[1]}: URLs are not read directly; use http(s)://, a local path, "
+                         f"or pipe:COMMAND (e.g. 'pipe:aws s3 cp s3://bucket/x.json -')")
+    return "file"
+
+
+def is_remote(url):
+    return kind(url) != "file"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How hard to try: `retries` after the first attempt, `delay` seconds before the first
+    retry (doubling), `timeout` seconds for one socket operation, and a deadline per transfer
+    of `timeout` + its bytes at `min_rate` bytes a second."""
+
+    retries: int = 3
+    delay: float = 1.0
+    timeout: float = 30.0
+    min_rate: float = 1 << 20
+
+    def __post_init__(self):
+        if self.retries < 0 or not self.delay >= 0 or not self.timeout > 0 or not self.min_rate > 0:
+            raise ValueError(f"bad fetch policy {self}: retries >= 0, delay >= 0, timeout > 0 and min_rate > 0")
+
+    def deadline(self, nbytes=None):
+        return self.timeout + (nbytes if nbytes is not None else UNKNOWN_SIZE) / self.min_rate
+
+
+class Transient(OSError):
+    """A failure worth another attempt."""
+
+
+def permanent(error):
+    """True for an HTTP client error that waiting won't fix (404, 403, ...)."""
+    return isinstance(error, urllib.error.HTTPError) and 400 <= error.code < 500 and error.code not in (408, 429)
+
+
+def transient(error):
+    return not permanent(error) and isinstance(error, (OSError, http.client.HTTPException))
+
+
+class _HTTP:
+    def __init__(self, url, policy, nbytes):
+        self.limit = policy.deadline(nbytes)
+        self.end = time.monotonic() + self.limit
+        self.resp = urllib.request.urlopen(url, timeout=policy.timeout)
+
+    def read(self, n):
+        if time.monotonic() > self.end:
+            raise Transient(f"transfer not finished within its {self.limit:.0f} s deadline")
+        data = self.resp.read1(n)  # one socket read at most: a dripping server can't hold read(n) open
+        if not data and self.resp.length:
+            raise Transient(f"connection closed with {self.resp.length} of its announced bytes missing")
+        return data
+
+    def close(self):
+        self.resp.close()
+
+
+class _Pipe:
+    """A shell command's stdout; killed at the deadline. The command comes from the user's
+    command line, with at most a validated shard name substituted in (see manifest.locate)."""
+
+    def __init__(self, url, policy, nbytes):
+        self.limit = policy.deadline(nbytes)
+        self.proc = subprocess.Popen(url[len("pipe:"):], shell=True, stdout=subprocess.PIPE)
+        self.killed = threading.Event()
+        self.timer = threading.Timer(self.limit, self._kill)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _kill(self):
+        self.killed.set()
+        self.proc.kill()
+
+    def read(self, n):
+        data = self.proc.stdout.read(n)
+        if not data:  # end of output: a command that failed or was killed must not look like a short file
+            rc = self.proc.wait()
+            if self.killed.is_set():
+                raise Transient(f"command not finished within its {self.limit:.0f} s deadline")
+            if rc != 0:
+                raise Transient(f"command exited with status {rc}")
+        return data
+
+    def close(self):
+        self.timer.cancel()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.stdout.close()
+        self.proc.wait()
+
+
+class _Checked:
+    """A remote stream that hashes what passes through it (and copies it to a cache file);
+    `finish` drains the rest (tar padding after the end-of-archive block) and checks it."""
+
+    def __init__(self, raw, url, digest, nbytes, cache_file):
+        self.raw, self.url, self.digest, self.nbytes = raw, url, digest, nbytes
+        self.hash = hashlib.sha256() if digest else None
+        self.got = 0
+        self.cache_file, self.tmp = cache_file, None
+        if cache_file:
+            self.tmp = f"{cache_file}.{os.getpid()}.{threading.get_ident()}.tmp"
+            self.out = open(self.tmp, "wb")
+
+    def read(self, n):
+        data = self.raw.read(n)
+        self.got += len(data)
+        if self.hash:
+            self.hash.update(data)
+        if self.tmp:
+            self.out.write(data)
+        return data
+
+    def finish(self):
+        while self.read(1 << 20):
+            pass
+        if self.nbytes is not None and self.got != self.nbytes:
+            raise DigestError(f"{self.got} bytes, the manifest says {self.nbytes}")
+        if self.hash and self.hash.hexdigest() != self.digest:
+            raise DigestError("sha256 differs from the manifest")
+        if self.tmp:
+            self.out.close()
+            os.replace(self.tmp, self.cache_file)
+            self.tmp = None
+
+    def close(self):
+        self.raw.close()
+        if self.tmp:
+            self.out.close()
+            os.remove(self.tmp)
+
+
+def _open_raw(url, policy, nbytes):
+    return (_HTTP if kind(url) == "http" else _Pipe)(url, policy, nbytes)
+
+
+def read_url(url, consume, *, policy=Policy(), nbytes=None, digest=None, cache_dir=None):
+    """consume(stream) on the bytes at `url`; returns what it returns.
+
+    A remote read is retried from the start after a transient error and checked
+    against `nbytes` and `digest` (sha256) when given; a damaged copy raises
+    ShardError, a read that keeps failing FetchError. With `cache_dir`, a remote
+    file read once in full is kept there and later reads use the copy. Local
+    files are read as they are: `make_shards.py --verify` checks them.
+    """
+    if kind(url) == "file":
+        with open(url, "rb") as f:
+            return consume(f)
+    cached = cache_path(cache_dir, url) if cache_dir else None
+    if cached and os.path.exists(cached):
+        with open(cached, "rb") as f:
+            return consume(f)
+    if cached:
+        os.makedirs(cache_dir, exist_ok=True)
+    for attempt in range(policy.retries + 1):
+        stream = None
+        try:
+            stream = _Checked(_open_raw(url, policy, nbytes), url, digest, nbytes, cached)
+            result = consume(stream)
+            stream.finish()
+            return result
+        except Exception as e:  # noqa: BLE001 - sorted into permanent, transient and the rest below
+            if permanent(e):
+                raise FetchError(f"{url}: {e}") from None
+            if not transient(e):
+                raise
+            if attempt == policy.retries:
+                raise FetchError(f"{url}: failed after {policy.retries + 1} attempts: {describe(e)}") from None
+            wait = policy.delay * 2 ** attempt
+            warnings.warn(f"{url}: {describe(e)}; retrying in {wait:g} s", stacklevel=2)
+            time.sleep(wait)
+        finally:
+            if stream is not None:
+                stream.close()
+
+
+def describe(error):
+    """A one-line reason, naming the exception's class where its text alone says little."""
+    text = " ".join(str(error).split())
+    if text and isinstance(error, (Transient, urllib.error.URLError)):
+        return text
+    return f"{error.__class__.__name__}: {text}" if text else error.__class__.__name__
+
+
+def fetch(url, *, policy=Policy(), nbytes=None):
+    """All bytes at `url` (local, http(s) or pipe:), with retries and a deadline."""
+    return read_url(url, read_all, policy=policy, nbytes=nbytes)
+
+
+def read_all(stream):
+    """Everything left in a stream (local file or remote)."""
+    parts = []
+    while True:
+        b = stream.read(1 << 22)
+        if not b:
+            return b"".join(parts)
+        parts.append(b)
+
+
+def head_check(urls, sizes=None, *, policy=Policy(), threads=16):
+    """A HEAD request per http(s) shard: returns (problems, resized), one line each.
+
+    problems: shards that are missing ("missing (HTTP 404)"), fail ("server error 500"
+    once the retries are used up) or can't be reached; resized: shards whose
+    Content-Length differs from `sizes` (the manifest's), which may be damaged.
+    Transient failures are retried like any read.
+    """
+    sizes = sizes or {}
+
+    def check(url):
+        for attempt in range(policy.retries + 1):
+            try:
+                with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=policy.timeout) as r:
+                    length = r.headers.get("Content-Length")
+                if length and length.isdigit() and url in sizes and int(length) != sizes[url]:
+                    return "resized", f"{url}: the server has {int(length)} bytes, the manifest says {sizes[url]}"
+                return None
+            except Exception as e:  # noqa: BLE001
+                if permanent(e):
+                    return "problem", f"{url}: missing (HTTP 404)" if e.code == 404 else f"{url}: HTTP {e.code} {e.reason}"
+                if not transient(e):
+                    raise
+                if attempt == policy.retries:
+                    if isinstance(e, urllib.error.HTTPError):
+                        return "problem", f"{url}: server error {e.code} after {policy.retries + 1} attempts"
+                    return "problem", f"{url}: unreachable after {policy.retries + 1} attempts ({describe(e)})"
+                time.sleep(policy.delay * 2 ** attempt)
+
+    with ThreadPoolExecutor(threads) as pool:
+        found = [r for r in pool.map(check, urls) if r]
+    return [m for k, m in found if k == "problem"], [m for k, m in found if k == "resized"]
+
+
+def cache_path(cache_dir, url):
+    """A file name under cache_dir derived from the URL that can't escape the folder."""
+    tail = re.sub(r"[^A-Za-z0-9_.-]", "_", url.rstrip("/ -").split("/")[-1])[-64:].lstrip(".")
+    return os.path.join(cache_dir, f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{tail}")

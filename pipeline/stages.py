@@ -1,0 +1,416 @@
+"""The stages of one source's samples inside one (rank, DataLoader worker), in order:
+
+    epoch_order   the source's shards in this epoch's order, the same on every rank
+    split         wds.split_by_node, then wds.split_by_worker: this slot's shards
+    windows       passes over those shards, forever, cut into windows of a few shards
+    read_window   each shard of a window read once: members grouped into samples, labels
+                  parsed, members the source doesn't use dropped unread
+    shuffle       one seeded permutation of each window's samples
+    take          the next n samples decoded (`SourceStream.take`)
+
+and across sources, `RandomMix` draws which source each sample of a batch comes from.
+
+Every stage before `take` is a pure function of (seed, epoch, source, rank, worker,
+window index), so where a stream stands is two integers per source, the window and
+the position in it (`SourceStream.state`), and any such point can be reached again
+without reading what came before it.
+
+Two stages are written here rather than taken from webdataset, for measured
+reasons (README, "Why some stages are our own"): tar reading (`pipeline.read`),
+and the shuffle, a permutation per window instead of `wds.shuffle`'s buffer,
+which costs a `random.randint` per sample and holds state no checkpoint can
+reach. `RandomMix` keeps `wds.RandomMix`'s signature and adds a seed: the
+original draws from the global `random` module, so it can't be seeded per rank
+and worker, and it draws one sample at a time.
+"""
+import hashlib
+import io
+import itertools
+import random
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import webdataset as wds
+
+from . import remote, topology
+from .decode import decode_batch, image_of, label_of, parse_label_key
+from .errors import DigestError, ShardError
+from .read import iter_samples, regular
+
+
+def epoch_order(urls, seed, epoch, source):
+    """The source's shards in this epoch's order: seeded, so identical on every rank."""
+    order = list(urls)
+    random.Random(f"{seed}/{epoch}/{source}").shuffle(order)
+    return order
+
+
+def split(urls, topo, worker):
+    """This (rank, worker)'s shards: `wds.split_by_node`, then `wds.split_by_worker`, seeing
+    the topology and worker we are handed (see topology.webdataset_sees)."""
+    with topology.webdataset_sees(topo, worker):
+        return list(wds.split_by_worker(wds.split_by_node(list(urls))))
+
+
+@dataclass(frozen=True)
+class Window:
+    """A few shards read and shuffled together: `tag` seeds the shuffle, `pass_id` says which
+    pass over the slot's shards it belongs to, [start, stop) the part of its shuffled order
+    it stands for (all of it, unless an interrupted epoch was split up: see stream.leftovers)."""
+
+    urls: tuple
+    tag: str
+    pass_id: object
+    start: int = 0
+    stop: int = None
+
+
+def windows(urls, *, seed, epoch, source, topo, worker, window_shards=1, resample=False, pieces=()):
+    """The windows one slot reads, forever: `pieces` first (an interrupted epoch's share),
+    then passes over the slot's shards, reshuffled each pass. A slot repeats only its own
+    shards, so samples repeat within a worker, never across workers. With fewer shards
+    than slots, or `resample`, windows draw shards with replacement instead of idling."""
+    yield from pieces
+    ordered = epoch_order(urls, seed, epoch, source)
+    tag = f"{seed}/{epoch}/{source}/{topo.rank}.{topo.world}/{worker.id}.{worker.count}"
+    if resample or len(urls) < topology.slot(topo, worker)[1]:
+        rng = random.Random(f"{tag}/resample")
+        for k in itertools.count():
+            yield Window(tuple(rng.choice(ordered) for _ in range(window_shards)), f"{tag}/r{k}", "resample")
+    mine = split(ordered, topo, worker)
+    rng = random.Random(tag)
+    for p in itertools.count():
+        if p:
+            rng.shuffle(mine)
+        for k in range(0, len(mine), window_shards):
+            yield Window(tuple(mine[k:k + window_shards]), f"{tag}/{p}/{k}", p)
+
+
+def eval_windows(urls, topo, worker):
+    """Evaluation reads each of the slot's shards once, in order."""
+    return (Window((u,), u, 0) for u in split(urls, topo, worker))
+
+
+class WindowData:
+    """The samples of one window as columns: keys, labels (class indices), the shard each
+    came from, and images: one uint8 array (n, C*H*W) when every shard was read by
+    `read.regular` (raw pixels), else a list of encoded images with their extensions."""
+
+    def __init__(self):
+        self.keys, self.labels, self.urls, self.chunks = [], [], [], []
+
+    def add(self, keys, images, exts, labels, url):
+        """One shard's samples: images an array (exts "raw") or a list (exts a list)."""
+        self.keys += keys
+        self.labels.append(np.asarray(labels, np.int64))
+        self.urls += [url] * len(keys)
+        self.chunks.append((images, exts))
+
+    def seal(self):
+        self.labels = np.concatenate(self.labels) if self.labels else np.zeros(0, np.int64)
+        if self.chunks and all(isinstance(images, np.ndarray) for images, _ in self.chunks):
+            self.images, self.exts = np.concatenate([images for images, _ in self.chunks]), "raw"
+        else:
+            self.images, self.exts = [], []
+            for images, exts in self.chunks:
+                dense = isinstance(images, np.ndarray)
+                self.images += [row.tobytes() for row in images] if dense else images
+                self.exts += [exts] * len(images) if dense else exts
+        del self.chunks
+        return self
+
+    def __len__(self):
+        return len(self.keys)
+
+
+WHOLE_SHARD = 64 << 20  # shards up to this size are read into memory at once (see read.regular)
+
+
+class Reader:
+    """read_window for one source: reads shards with `pipeline.remote`, reports damage.
+
+    A malformed shard is skipped from the point of damage with a warning (its unread
+    samples counted in stats["skipped"]), or raises under `strict`; a sample without
+    an image or a usable label likewise. A shard whose count differs from its manifest
+    is named once. I/O errors that outlast the retries always raise.
+    """
+
+    def __init__(self, source, stats, *, strict=False, policy=remote.Policy(), cache_dir=None):
+        self.source, self.stats, self.strict, self.policy, self.cache_dir = source, stats, strict, policy, cache_dir
+        self.target = source.target
+        self.lookup = self.target.lookup()
+        self.want = self.target.members
+        label_ext, field = parse_label_key(self.target.label)
+        self.regular = (label_ext if self.target.image_exts == ("raw",) and field is None else None)
+        n = len(source.urls)
+        self.facts = {u: (c, b, d) for u, c, b, d in zip(source.urls, source.counts, source.sizes or [None] * n,
+                                                         source.digests or [None] * n)}
+        self.named = set()
+
+    def __call__(self, window):
+        out = WindowData()
+        for url in window.urls:
+            self._read_shard(url, out)
+        return out.seal()
+
+    def _read_shard(self, url, out):
+        count, nbytes, digest = self.facts.get(url, (None, None, None))
+        whole = nbytes is not None and nbytes <= WHOLE_SHARD
+        got, bad, cols = 0, [], None
+
+        def consume(stream):
+            nonlocal got, cols
+            got, cols = 0, ([], [], [], [])  # a retry starts the shard over
+            bad.clear()
+            if whole:
+                buf = remote.read_all(stream)
+                if self.regular:
+                    found = regular(buf, "raw", self.regular)
+                    if found is not None:
+                        got, cols = len(found[0]), found
+                        return
+                stream = io.BytesIO(buf)
+            keys, images, exts, labels = cols
+            for sample in iter_samples(stream, self.want, url):
+                got += 1
+                try:
+                    ext, image = image_of(sample, self.target)
+                    label = label_of(sample, self.target, self.lookup)
+                except ValueError as e:
+                    bad.append((sample["__key__"], e))
+                    continue
+                keys.append(sample["__key__"])
+                images.append(image)
+                exts.append(ext)
+                labels.append(label)
+
+        try:
+            remote.read_url(url, consume, policy=self.policy, nbytes=nbytes, digest=digest, cache_dir=self.cache_dir)
+        except ShardError as e:
+            if self.strict:
+                raise ShardError(f"{url}: {e}") from None
+            if isinstance(e, DigestError):  # the whole shard is suspect, not only its end
+                got, cols, bad = 0, None, []
+            lost = max((count or got) - got, 1)
+            self.stats["skipped"] += lost
+            warnings.warn(f"{url}: {e}; skipped {lost} sample(s)", stacklevel=2)
+        else:
+            if count is not None and got != count and url not in self.named:
+                self.named.add(url)
+                warnings.warn(f"{url}: {got} samples, the manifest says {count}", stacklevel=2)
+        if cols is not None and isinstance(cols[1], np.ndarray):
+            cols = self._check_regular(url, *cols, bad)
+        for key, error in bad:
+            self.bad(url, key, error)
+        if cols is not None and len(cols[0]):
+            out.add(*cols, url) if isinstance(cols[1], np.ndarray) else out.add(cols[0], cols[1], cols[2], cols[3], url)
+
+    def _check_regular(self, url, keys, images, labels, bad):
+        """Labels and image sizes of a shard read by read.regular, checked for all its samples at once."""
+        nbytes = int(np.prod(self.target.shape))
+        if images.shape[1] != nbytes:
+            bad += [(k, f"{images.shape[1]} raw bytes, expected {nbytes} for shape {self.target.shape}") for k in keys]
+            return [], images[:0], "raw", labels[:0]
+        if self.lookup is not None:
+            values = np.array(self.target.label_values)
+            order = np.argsort(values)
+            pos = np.clip(np.searchsorted(values[order], labels), 0, len(values) - 1)
+            ok = values[order][pos] == labels
+            labels = np.where(ok, order[pos], -1)
+        else:
+            ok = (labels >= 0) & (labels < self.target.classes)
+        if not ok.all():
+            bad += [(keys[i], f"label {int(labels[i])} outside 0..{self.target.classes - 1}")
+                    for i in np.flatnonzero(~ok)]
+            keep = np.flatnonzero(ok)
+            return [keys[i] for i in keep], images[keep], "raw", labels[keep]
+        return keys, images, "raw", labels
+
+    def bad(self, url, key, error):
+        if self.strict:
+            raise ShardError(f"{url}: sample {key}: {error}") from None
+        self.stats["skipped"] += 1
+        warnings.warn(f"{url}: skipped sample {key}: {error}", stacklevel=3)
+
+
+def _rng(tag):
+    return np.random.default_rng(int.from_bytes(hashlib.sha256(tag.encode()).digest()[:8], "little"))
+
+
+class SourceStream:
+    """One source's samples for one slot: the windows of a plan, read, shuffled, decoded.
+
+    `take(n)` returns the next n good samples as (keys, uint8 images (n, C, H, W),
+    labels); an endless plan never runs out, a finite one (evaluation) may return
+    fewer. `state()` is [window index, position in its shuffled order]; `restore`
+    goes back there without reading the windows before it. `sample_stages` are the
+    user's functions on each decoded sample (see MixedStream).
+    """
+
+    def __init__(self, plan, reader, *, shuffle=True, sample_stages=()):
+        self.plan, self.reader, self.shuffle, self.sample_stages = iter(plan), reader, shuffle, tuple(sample_stages)
+        self.target = reader.target
+        self.index, self.pos, self.order, self.data, self.labels, self.crops = -1, 0, (), None, None, None
+        self.empty, self.window_good = 0, True  # windows in a row that gave nothing usable
+        self.limit = len(reader.source.urls) + 2
+
+    def state(self):
+        return [self.index, self.pos]
+
+    def restore(self, state):
+        index, pos = state
+        if index < 0:
+            return
+        for _ in range(index):
+            next(self.plan)
+        self.index = index - 1
+        if self._open():
+            self.pos = pos
+
+    def _open(self):
+        """Read the plan's next window; False when a finite plan is done. Raises ShardError
+        when more windows in a row than the source has shards gave no usable sample."""
+        self.empty = 0 if self.window_good else self.empty + 1
+        if self.empty > self.limit:
+            raise ShardError(f"{self.reader.source.name}: no readable samples in this worker's shards "
+                             f"(e.g. {self.reader.source.urls[0]})")
+        window = next(self.plan, None)
+        if window is None:
+            return False
+        self.index += 1
+        self.data = self.reader(window)
+        self.labels = self.data.labels
+        n = len(self.data)
+        rng = _rng(window.tag)
+        order = rng.permutation(n) if self.shuffle else np.arange(n)
+        self.order = order[window.start:window.stop]
+        self.crops = rng.random((n, 2)) if self.shuffle else None
+        self.pos, self.window_good = 0, False
+        return True
+
+    def take(self, n):
+        keys, parts, labels = [], [], []
+        while n > 0:
+            if self.pos >= len(self.order):
+                if not self._open():
+                    break
+                continue
+            idx = self.order[self.pos:self.pos + n]
+            self.pos += len(idx)
+            d = self.data
+            positions = idx.tolist()
+            if isinstance(d.images, np.ndarray):
+                pixels, errors = d.images[idx].reshape(len(idx), *self.target.shape), ()
+            else:
+                pixels, kept, errors = decode_batch([d.images[i] for i in positions], [d.exts[i] for i in positions],
+                                                    self.target, None if self.crops is None else self.crops[idx])
+            for k, message in errors:
+                self.reader.bad(d.urls[positions[k]], d.keys[positions[k]], message)
+            chosen = idx[kept] if errors else idx
+            k_keys, k_labels = [d.keys[i] for i in chosen.tolist()], self.labels[chosen]
+            if self.sample_stages:
+                k_keys, pixels, k_labels = self._staged(k_keys, pixels, k_labels)
+            if k_keys:
+                self.window_good = True
+            keys += k_keys
+            parts.append(pixels)
+            labels.append(k_labels)
+            n -= len(k_keys)
+        c, h, w = self.target.shape
+        if not parts:
+            return [], np.zeros((0, c, h, w), np.uint8), np.zeros(0, np.int64)
+        return keys, parts[0] if len(parts) == 1 else np.concatenate(parts), np.concatenate(labels)
+
+    def __iter__(self):
+        """One sample at a time, as webdataset stages pass them (RandomMix's own iteration)."""
+        while True:
+            keys, pixels, labels = self.take(1)
+            if not keys:
+                return
+            yield {"__key__": keys[0], "image": pixels[0], "label": int(labels[0])}
+
+    def _staged(self, keys, pixels, labels):
+        """Each decoded sample through the user's stages; a stage returning None drops it."""
+        shape = tuple(self.target.shape)
+        out_keys, out_pixels, out_labels = [], [], []
+        for key, image, label in zip(keys, pixels, labels):
+            sample = {"__key__": key, "__source__": self.reader.source.name, "image": image.copy(),
+                      "label": int(label)}
+            for stage in self.sample_stages:
+                sample = stage(sample)
+                if sample is None:
+                    break
+            if sample is None:
+                continue
+            image = np.asarray(sample["image"])
+            if image.shape != shape or image.dtype != np.uint8:
+                raise ValueError(f"sample stage {stage!r} returned a {image.dtype} image of shape {image.shape}; "
+                                 f"it must stay uint8 {shape}")
+            out_keys.append(sample["__key__"])
+            out_pixels.append(image)
+            out_labels.append(int(sample["label"]))
+        c, h, w = shape
+        return (out_keys, np.stack(out_pixels) if out_pixels else np.zeros((0, c, h, w), np.uint8),
+                np.array(out_labels, np.int64))
+
+
+def leftovers(plan, state):
+    """The windows a slot had yet to finish in its current pass, when it stopped at `state`
+    ([window index, position]): the current window from that position on, then the rest
+    of its pass. Pure: nothing is read."""
+    index, pos = state if state else (0, 0)
+    plan = iter(plan)
+    for _ in range(max(index, 0)):
+        next(plan)
+    current = next(plan)
+    if current.pass_id == "resample":
+        return []
+    out = [Window(current.urls, current.tag, current.pass_id, current.start + max(pos, 0), current.stop)]
+    for w in plan:
+        if w.pass_id != current.pass_id:
+            break
+        out.append(w)
+    return out
+
+
+class RandomMix:
+    """Draws which source each sample comes from, by weight.
+
+    `wds.RandomMix`'s signature (datasets, probs=None, longest=False) plus a `seed`
+    (an int or a sequence of ints, e.g. (seed, epoch, rank, worker)). Iterating yields
+    samples one at a time as wds.RandomMix does; `draw(n)` gives n source indices at
+    once, which is how batches are made. With longest=False iteration stops when any
+    source is exhausted, with longest=True it goes on with the rest. `state()` and
+    `restore()` save and reload the generator.
+    """
+
+    def __init__(self, datasets, probs=None, longest=False, seed=0):
+        self.datasets = list(datasets)
+        probs = [1.0] * len(self.datasets) if probs is None else [float(p) for p in probs]
+        if len(probs) != len(self.datasets) or any(not 0 <= p < float("inf") for p in probs) or sum(probs) <= 0:
+            raise ValueError(f"probs {probs}: one weight >= 0 per dataset, with a positive sum")
+        self.probs = [p / sum(probs) for p in probs]
+        self.longest = longest
+        self.rng = np.random.default_rng(seed)
+
+    def draw(self, n):
+        return self.rng.choice(len(self.probs), size=n, p=self.probs)
+
+    def __iter__(self):
+        sources = [iter(d) for d in self.datasets]
+        probs = list(self.probs)
+        while sum(probs) > 0:
+            s = int(self.rng.choice(len(probs), p=[p / sum(probs) for p in probs]))
+            try:
+                yield next(sources[s])
+            except StopIteration:
+                if not self.longest:
+                    return
+                probs[s] = 0.0
+
+    def state(self):
+        return self.rng.bit_generator.state
+
+    def restore(self, state):
+        self.rng.bit_generator.state = state
