@@ -1,36 +1,20 @@
-"""Process-group set-up and the "who am I" value passed into every stage.
+"""Process-group set-up and teardown, and the few collectives the trainer uses.
 
 Nothing below `train` reads RANK or WORLD_SIZE itself: the stream is handed a
-`Topology`, so sharding logic can be tested in one process for any world size.
+`Topology` (pipeline.topology), so sharding logic can be tested in one process
+for any world size.
 """
+import ctypes
 import datetime
 import os
+import signal
+import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class Topology:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    def __post_init__(self):
-        if not 0 <= self.rank < self.world:
-            raise ValueError(f"rank {self.rank} outside world size {self.world}")
-
-    @property
-    def is_main(self):
-        return self.rank == 0
-
-    @classmethod
-    def from_env(cls):
-        """Read torchrun's variables; a plain `python` run is rank 0 of 1."""
-        env = os.environ
-        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+from .topology import Topology  # noqa: F401  (re-exported: the trainer's "who am I")
 
 
 def device_for(topo):
@@ -82,6 +66,34 @@ def restart_store(timeout):
         return None
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
     return dist.PrefixStore(f"pipeline/attempt-{attempt}", store)
+
+
+def all_gather(obj):
+    """Every rank's `obj` (JSON-like), in rank order; [obj] in a single process."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def exit_with_launcher():
+    """Under torchrun, end this rank when its launcher dies, even by SIGKILL.
+
+    torchrun puts every rank in a process group of its own, so killing the launcher's
+    group leaves the ranks running to the end of the job, writing into --out with no
+    one to collect them. Linux delivers SIGTERM to a process whose parent exits once
+    PR_SET_PDEATHSIG is set; elsewhere this does nothing.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the launcher died before the call
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def all_reduce_sum(tensor):

@@ -1,13 +1,14 @@
 """Train one model with DDP on the weighted mix of several shard streams.
 
-    torchrun --nproc_per_node=2 -m pipeline.train \\
-        --train mnist=shards/mnist-train.json --train cifar10=shards/cifar10-train.json \\
-        --eval mnist=shards/mnist-test.json --eval cifar10=shards/cifar10-test.json --out runs/demo
+    torchrun --nproc_per_node=2 -m pipeline.train --train mnist=shards/ --train cifar10=shards/ \\
+        --eval mnist=shards/ --eval cifar10=shards/ --out runs/mnist-cifar10
 
-The same options work under plain `python -m pipeline.train` (one process) and
-multi-node torchrun. See README.md for recipes and what lands in --out.
+Options: pipeline/options.py (`--help`). Per epoch: train on the mixed stream,
+evaluate every --eval source exactly once over all ranks, write the checkpoint
+(also every --checkpoint-every steps). A resumed run continues where the
+checkpoint stopped, inside an epoch too, and on another number of ranks.
 """
-import argparse
+import importlib
 import json
 import math
 import os
@@ -21,99 +22,179 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import dist, stream
-from .cli import Parser
+from . import checkpoint, dist, options, remote, stream
+from .errors import ShardError
+from .files import write_json_atomic
+from .metrics import KeyLog, Metrics, StepLog
 from .model import Net, augment
-from .shards import ShardError, write_json_atomic
 
-CHECKPOINT_VERSION = 1
-
-
-def parse_args(argv=None):
-    p = Parser(prog="pipeline.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--train", action="append", default=[], metavar="NAME=SPEC", required=True,
-                   help="a training source: SPEC is a manifest, a folder or base URL (ending in /) holding "
-                        "NAME-train.json, or a brace pattern of shards; local, http(s):// or pipe: (repeatable)")
-    p.add_argument("--eval", action="append", default=[], metavar="NAME=SPEC",
-                   help="test shards of a training source, evaluated after every epoch (repeatable)")
-    p.add_argument("--weights", help="mixture weights, e.g. mnist=0.5,cifar10=0.5 (default: equal)")
-    p.add_argument("--final-weights", help="weights for the last epoch; epochs in between interpolate linearly")
-    p.add_argument("--epochs", type=int, default=30, help="epochs to train (default: 30)")
-    p.add_argument("--epoch-samples", type=int,
-                   help="samples per epoch over all ranks (default: all training samples in the manifests)")
-    p.add_argument("--batch-size", type=int, default=256, help="samples per batch per rank (default: 256)")
-    p.add_argument("--workers", type=int, default=8, help="DataLoader workers per rank (default: 8)")
-    p.add_argument("--lr", type=float, default=0.1, help="peak SGD learning rate (default: 0.1)")
-    p.add_argument("--weight-decay", type=float, default=5e-4, help="(default: 5e-4)")
-    p.add_argument("--width", type=int, default=64, help="model width: 64 for GPUs, 16 for CPUs (default: 64)")
-    p.add_argument("--flip", default="cifar10", help="sources to flip horizontally when augmenting "
-                                                      "(comma-separated; default: cifar10; '' for none)")
-    p.add_argument("--seed", type=int, default=0, help="seed of data order, model and augmentation (default: 0)")
-    p.add_argument("--out", default="runs/latest", help="output folder (default: runs/latest)")
-    p.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
-    p.add_argument("--overwrite", action="store_true", help="discard a previous run in --out")
-    p.add_argument("--eval-only", action="store_true",
-                   help="evaluate --out/checkpoint.pt on the --eval sources, write --out/eval.json, exit")
-    p.add_argument("--record-keys", action="store_true",
-                   help="write keys-rank<R>.txt: every training sample's key, in the order consumed")
-    p.add_argument("--stop-after", type=int, metavar="K",
-                   help="stop after K epochs of this invocation (e.g. to fit a time-limited job; --resume later)")
-    p.add_argument("--log-every", type=int, default=50, help="steps between metrics lines (default: 50)")
-    p.add_argument("--resample", action="store_true",
-                   help="draw shards with replacement (endless-stream mode for corpora too big for full passes)")
-    p.add_argument("--cache-dir", help="keep remote shards in this folder for later epochs")
-    p.add_argument("--strict", action="store_true", help="stop at the first malformed sample instead of skipping it")
-    p.add_argument("--shuffle-buffer", type=int, default=2000, help="samples in each shuffle buffer (default: 2000)")
-    p.add_argument("--timeout", type=int, default=600,
-                   help="seconds a rank waits for the others in a collective before the job fails (default: 600)")
-    args = p.parse_args(argv)
-    for name in ("epochs", "batch_size", "log_every", "shuffle_buffer"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.workers < 0 or (args.epoch_samples is not None and args.epoch_samples < 1):
-        p.error("--workers must be >= 0 and --epoch-samples >= 1")
-    args.train = parse_specs(p, "--train", args.train)
-    args.eval = parse_specs(p, "--eval", args.eval)
-    unknown = sorted(set(args.eval) - set(args.train))
-    if unknown:
-        p.error(f"--eval {', '.join(unknown)}: no --train source of that name")
-    try:
-        names = list(args.train)
-        args.weights = stream.check_weights(stream.parse_weights(args.weights) if args.weights else
-                                            dict.fromkeys(names, 1.0), names)
-        args.final_weights = (stream.check_weights(stream.parse_weights(args.final_weights), names)
-                              if args.final_weights else None)
-    except ValueError as e:
-        p.error(str(e))
-    args.flip = [n for n in args.flip.split(",") if n]
-    if args.resume and args.overwrite:
-        p.error("--resume and --overwrite exclude each other")
-    if args.eval_only and not args.eval:
-        p.error("--eval-only needs at least one --eval source")
-    return args
+BASE_BATCH = 256  # --lr is the rate for this global batch
+ORIGINS = {"synthetic": "synthetic look-alike data", "torchvision": "real data, torchvision files",
+           "imagefolder": "real data, an ImageFolder", "index": "an indexed WebDataset"}
 
 
-def parse_specs(p, flag, items):
-    specs = {}
-    for item in items:
-        name, sep, spec = item.partition("=")
-        if not sep or not name or not spec:
-            p.error(f"{flag} {item!r}: expected NAME=SPEC, e.g. mnist=shards/mnist-train.json")
-        if name in specs:
-            p.error(f"{flag} {name} given twice")
-        specs[name] = spec
-    return specs
+def learning_rate(args, global_batch, seen, total):
+    """--lr scaled linearly to the global batch, warmed up linearly over the first 10% of
+    training (at most 500 base batches' worth of samples), then cosine decay to zero.
+    In samples, not steps, so that a resume on another world size stays on schedule."""
+    peak = args.lr * global_batch / BASE_BATCH
+    warmup = max(1, min(total // 10, 500 * BASE_BATCH))
+    if seen < warmup:
+        return peak * (seen + global_batch) / (warmup + global_batch)
+    return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, (seen - warmup) / max(1, total - warmup))))
 
 
-def weights_at(args, epoch):
-    """The mixture for an epoch: --weights, moving linearly to --final-weights."""
-    if args.final_weights is None or args.epochs == 1:
-        w = args.weights
-    else:
-        t = epoch / (args.epochs - 1)
-        w = [a + (b - a) * t for a, b in zip(args.weights, args.final_weights)]
-    return dict(zip(args.train, w))
+def origin_label(source):
+    return ORIGINS.get(source.origin.get("kind"), "origin not recorded")
+
+
+def load_stages(names):
+    """--sample-stage MODULE:FUNCTION -> the functions."""
+    out = []
+    for item in names:
+        module, _, function = item.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), function)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"--sample-stage {item}: {e}") from None
+        if not callable(fn):
+            raise ValueError(f"--sample-stage {item}: not a function")
+        out.append(fn)
+    return out
+
+
+def http_check(topo, policy):
+    """HEAD-check each http(s) shard once per job: every rank checks its share, then all
+    ranks learn every verdict (one all_gather)."""
+    def check(urls, sizes):
+        mine = remote.head_check(urls[topo.rank::topo.world], sizes, policy=policy)
+        found = dist.all_gather(mine)
+        return [p for f in found for p in f[0]], [p for f in found for p in f[1]]
+    return check
+
+
+def autocast(device):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+
+def peak_rss_mb():
+    """Peak RSS of this process and of its largest finished child (DataLoader workers)."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return round((own + kids) / 1024, 1)
+
+
+class Run:
+    """Everything one training run holds: sources, stream, model, optimiser, where it stands."""
+
+    def __init__(self, args, topo, device, train_sources, eval_sources):
+        self.args, self.topo, self.device = args, topo, device
+        self.sources = train_sources
+        policy = remote.Policy(retries=args.retries, timeout=args.io_timeout, min_rate=args.min_rate * 1e6)
+        self.stream = stream.MixedStream(
+            train_sources, options.weights_at(args, 0), args.batch_size, topo, seed=args.seed,
+            epoch_samples=args.epoch_samples, shuffle_buffer=args.shuffle_buffer, resample=args.resample,
+            strict=args.strict, cache_dir=args.cache_dir, policy=policy, normalize=False,
+            sample_stages=load_stages(args.sample_stage))
+        self.stream.set_workers(max(1, args.workers))  # before a resume: it decides same world or not
+        self.evals = [self.stream.eval_stream(src) for src in eval_sources]  # class and shape checks, before --out
+        self.layout = self.stream.layout
+        self.names = self.layout.names
+        self.flip_ids = [self.layout.index(n) for n in args.flip]
+        torch.manual_seed(args.seed)
+        self.model = Net(self.layout.num_classes, args.width).to(device)
+        self.ddp = (DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+                    if topo.world > 1 else self.model)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
+                                   weight_decay=args.weight_decay)
+        self.global_batch = topo.world * args.batch_size
+        self.total = self.stream.epoch_samples * args.epochs
+        self.fingerprint = checkpoint.fingerprint(args, train_sources)
+        self.epoch, self.step, self.seen, self.mid = 0, 0, 0, False
+        self.history = {"epochs": []}
+        self.gen_state = self.carried = self.log_sums = None
+        self.key_counts = []
+        self.facts = self.new_facts()
+
+    def new_facts(self):
+        return {"batches": 0, "samples": [0] * len(self.names), "skipped": 0, "wait": 0.0, "busy": 0.0}
+
+    def lr(self):
+        return learning_rate(self.args, self.global_batch, self.seen, self.total)
+
+    def step_once(self, batch, gen):
+        """One optimiser step; returns per-sample losses (detached) and source ids on the device."""
+        x, y, s = (batch[k].to(self.device, non_blocking=True) for k in ("image", "label", "source"))
+        x = augment(self.layout.normalize(x, s), s, self.flip_ids, gen)
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr()
+        with autocast(self.device):
+            losses = F.cross_entropy(self.ddp(x).float(), y, reduction="none")
+        self.opt.zero_grad(set_to_none=True)
+        losses.mean().backward()
+        self.opt.step()
+        self.seen += self.global_batch
+        self.step += 1
+        return losses.detach(), s
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state(self, gen, log, keys):
+        """The checkpoint's content (a collective: every rank calls it, rank 0 keeps it)."""
+        keys.flush()
+        stream_states = dist.all_gather(self.stream.state_dict() if self.mid else None)
+        gens = dist.all_gather(gen.get_state().tolist() if self.mid else None)
+        facts = dist.all_gather(self.facts if self.mid else None)
+        counts = dist.all_gather(keys.count)
+        sums = log.shared(self.topo.is_main)
+        return {"version": checkpoint.VERSION, "fingerprint": json.dumps(self.fingerprint),
+                "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                "rng": torch.get_rng_state(), "world": self.topo.world,
+                "position": json.dumps({"epoch": self.epoch, "mid": self.mid, "step": self.step, "seen": self.seen}),
+                "stream": json.dumps(stream_states), "augment": json.dumps(gens), "facts": json.dumps(facts),
+                "carried": json.dumps(self.carried), "log_sums": json.dumps(sums), "key_counts": json.dumps(counts),
+                "history": json.dumps(self.history), "config": json.dumps(vars(self.args))}
+
+    def save(self, gen, log, keys):
+        state = self.state(gen, log, keys)
+        if self.topo.is_main:
+            checkpoint.save(os.path.join(self.args.out, "checkpoint.pt"), state)
+        dist.barrier()
+
+    def resume(self, path, metrics_allowed_change):
+        """Restore from a checkpoint; returns what changed on purpose (weights), if anything."""
+        state = checkpoint.load(path, self.device)
+        saved = json.loads(state["fingerprint"])
+        checkpoint.check_resume(saved, self.fingerprint, allow_weights=self.args.change_weights)
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"].cpu())
+        pos = json.loads(state["position"])
+        self.epoch, self.mid, self.step, self.seen = pos["epoch"], pos["mid"], pos["step"], pos["seen"]
+        self.history = json.loads(state["history"])
+        self.key_counts = json.loads(state["key_counts"])
+        if self.mid:
+            streams = json.loads(state["stream"])
+            self.stream.set_epoch(self.epoch, options.weights_at(self.args, self.epoch))
+            self.stream.load_state_dict({"ranks": streams})
+            facts, gens = json.loads(state["facts"]), json.loads(state["augment"])
+            carried = json.loads(state["carried"])
+            if self.stream.segment.generation == streams[0]["generation"]:  # same world and workers
+                self.facts, self.gen_state, self.carried = facts[self.topo.rank], gens[self.topo.rank], carried
+            else:  # another world size: what the old ranks did this epoch is carried into the summary
+                self.carried = _merge_facts(facts, carried)
+            self.log_sums = json.loads(state["log_sums"])
+        changed = saved.get("weights") != self.fingerprint["weights"] or \
+            saved.get("final_weights") != self.fingerprint["final_weights"]
+        return {"from": saved.get("weights"), "to": self.fingerprint["weights"]} if changed else None
+
+
+def _merge_facts(facts, carried):
+    """Per-rank facts of the part of an epoch run on another world size, for the summary."""
+    out = dict(carried or {})
+    for r, f in enumerate(facts):
+        out[f"before_resume_rank{r}"] = f
+    return out
 
 
 def prepare_out(args, topo):
@@ -140,318 +221,230 @@ def prepare_out(args, topo):
     return None
 
 
-def save_checkpoint(path, state):
-    """Write to a temporary name, load it back, then rename: a kill mid-save leaves the old one."""
-    tmp = path + ".tmp"
-    torch.save(state, tmp)
-    torch.load(tmp, weights_only=True)
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path, device):
-    try:
-        state = torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:  # a truncated or foreign file: say which
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise ValueError(f"{path}: not a loadable checkpoint ({e.__class__.__name__}: {first})") from None
-    if state.get("version") != CHECKPOINT_VERSION:
-        raise ValueError(f"{path}: checkpoint version {state.get('version')}, expected {CHECKPOINT_VERSION}")
-    return state
-
-
-def lr_lambda(total_steps, warmup):
-    """Linear warm-up, then cosine decay to zero."""
-    def f(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
-    return f
-
-
-class Metrics:
-    """metrics.jsonl, written by rank 0 only; on resume, lines past the checkpoint are dropped."""
-
-    def __init__(self, path, enabled, keep_before_epoch=None):
-        self.path, self.enabled = path, enabled
-        if enabled and keep_before_epoch is not None and os.path.exists(path):
-            with open(path) as f:
-                lines = [ln for ln in f if json.loads(ln)["epoch"] < keep_before_epoch]
-            with open(path, "w") as f:
-                f.writelines(lines)
-
-    def log(self, **record):
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-
-def evaluate(model, train_stream, sources, eval_loaders, device):
+def evaluate(run, loaders):
     """Exact per-source accuracy: every test sample counted once over all ranks.
 
     Ranks may hold different numbers of test batches, so the forward pass uses the
     plain module (DDP's forward can broadcast buffers, a collective) and only the
     final sums are all-reduced, once.
     """
+    model, device = run.model, run.device
     dist.sync_buffers(model)
     model.eval()
-    sums = torch.zeros(len(sources), 4, dtype=torch.float64, device=device)  # count, correct, loss, skipped
+    sums = torch.zeros(len(loaders), 4, dtype=torch.float64, device=device)  # count, correct, loss, skipped
     with torch.no_grad():
-        for i, src in enumerate(sources):
-            for batch in eval_loaders[i]:
+        for i, loader in enumerate(loaders):
+            for batch in loader:
                 sums[i, 3] += batch["skipped"]
                 if len(batch["label"]) == 0:
                     continue
                 x, y, s = (batch[k].to(device, non_blocking=True) for k in ("image", "label", "source"))
                 with autocast(device):
-                    logits = model(train_stream.layout.normalize(x, s)).float()
+                    logits = model(run.layout.normalize(x, s)).float()
                 sums[i, 0] += len(y)
                 sums[i, 1] += (logits.argmax(1) == y).sum()
                 sums[i, 2] += F.cross_entropy(logits, y, reduction="sum")
     dist.all_reduce_sum(sums)
     model.train()
     out = {}
-    for i, src in enumerate(sources):
-        n, correct, loss, skipped = sums[i].tolist()
-        out[src.name] = {"count": int(n), "correct": int(correct), "accuracy": correct / max(n, 1),
-                         "loss": loss / max(n, 1), "skipped": int(skipped)}
+    for ev, row in zip(run.evals, sums.tolist()):
+        n, correct, loss, skipped = row
+        out[ev.source.name] = {"count": int(n), "correct": int(correct), "accuracy": correct / max(n, 1),
+                               "loss": loss / max(n, 1), "skipped": int(skipped), "data": origin_label(ev.source)}
     return out
 
 
-def eval_loaders(run, sources):
+def eval_loaders(run):
     """One loader per test source, made once: their workers persist between evaluations
     (at most 2 each, idle while training runs)."""
-    return [stream.make_loader(run.stream.eval_stream(src), min(run.args.workers, 2)) for src in sources]
+    return [stream.make_loader(ev, min(run.args.workers, 2)) for ev in run.evals]
 
 
-def autocast(device):
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-
-
-def peak_rss_mb():
-    """Peak RSS of this process and of its largest finished child (DataLoader workers)."""
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return round((own + kids) / 1024, 1)
-
-
-class Run:
-    """Everything one training run holds: stream, model, optimiser, schedule."""
-
-    def __init__(self, args, topo, device, train_sources):
-        self.args, self.topo, self.device = args, topo, device
-        self.stream = stream.MixedStream(
-            train_sources, weights_at(args, 0), args.batch_size, topo, seed=args.seed,
-            epoch_samples=args.epoch_samples, shuffle_buffer=args.shuffle_buffer, resample=args.resample,
-            strict=args.strict, cache_dir=args.cache_dir, normalize=False)
-        self.loader = stream.make_loader(self.stream, args.workers, pin_memory=device.type == "cuda")
-        self.layout = self.stream.layout
-        self.names = self.layout.names
-        self.flip_ids = [self.layout.index(n) for n in args.flip if n in self.names]
-        torch.manual_seed(args.seed)
-        self.model = Net(self.layout.num_classes, args.width).to(device)
-        self.ddp = (DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
-                    if topo.world > 1 else self.model)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
-                                   weight_decay=args.weight_decay)
-        self.steps_per_epoch = self.stream.batches_per_epoch
-        total = self.steps_per_epoch * args.epochs
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(total, min(500, max(1, total // 10))))
-
-    def state(self, epoch, history):
-        return {"version": CHECKPOINT_VERSION, "world": self.topo.world, "model": self.model.state_dict(),
-                "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
-                "stream": {"epoch": epoch, "seed": self.args.seed}, "rng": torch.get_rng_state(),
-                "history": json.dumps(history), "config": json.dumps(vars(self.args))}
-
-    def load(self, state):
-        """Restore from a checkpoint; returns (next epoch, history)."""
-        if state["world"] != self.topo.world or state["stream"]["seed"] != self.args.seed:
-            raise ValueError(f"the checkpoint was written with world size {state['world']} and seed "
-                             f"{state['stream']['seed']}; resume with the same to continue the same stream")
-        self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optimizer"])
-        self.sched.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"].cpu())
-        return state["stream"]["epoch"], json.loads(state["history"])
-
-    def step(self, batch, gen):
-        """One optimiser step; returns per-sample losses (detached) and source ids on the device."""
-        x, y, s = (batch[k].to(self.device, non_blocking=True) for k in ("image", "label", "source"))
-        x = augment(self.layout.normalize(x, s), s, self.flip_ids, gen)
-        with autocast(self.device):
-            losses = F.cross_entropy(self.ddp(x).float(), y, reduction="none")
-        self.opt.zero_grad(set_to_none=True)
-        losses.mean().backward()
-        self.opt.step()
-        self.sched.step()
-        return losses.detach(), s
-
-
-class StepLog:
-    """Per-source loss, sample counts and skipped samples between two metrics lines.
-
-    Sums stay on the device (no sync per step) and are all-reduced once per line.
-    """
-
-    def __init__(self, names, device):
-        self.names, self.device = names, device
-        self.sums = torch.zeros(len(names) + 1, 2, dtype=torch.float64, device=device)  # last row: skipped
-        self.t = time.perf_counter()
-
-    def add(self, losses, source, skipped):
-        n = len(self.names)
-        self.sums[:n, 0].index_add_(0, source, losses.double())
-        self.sums[:n, 1] += torch.bincount(source, minlength=n)
-        self.sums[n, 0] += skipped
-
-    def flush(self):
-        """All-reduce and reset; returns the fields of one metrics line."""
-        dist.all_reduce_sum(self.sums)
-        n = len(self.names)
-        loss_sum, count = self.sums[:n, 0].tolist(), self.sums[:n, 1].tolist()
-        skipped, total = int(self.sums[n, 0]), sum(count)
-        dt = time.perf_counter() - self.t
-        self.sums.zero_()
-        self.t = time.perf_counter()
-        return {"loss": {k: a / max(c, 1) for k, a, c in zip(self.names, loss_sum, count)},
-                "samples_per_s": round(total / dt, 1),
-                "share": {k: c / max(total, 1) for k, c in zip(self.names, count)}, "skipped": skipped}
-
-
-def train_epoch(run, epoch, step, metrics, record_keys):
-    """One epoch over the mixed stream; returns (step, per-rank facts of this epoch)."""
-    args, topo = run.args, run.topo
-    weights = weights_at(args, epoch)
-    run.stream.set_epoch(epoch, weights)
-    gen = torch.Generator().manual_seed(args.seed * 100003 + epoch * 1009 + topo.rank)
-    log = StepLog(run.names, run.device)
-    per_source = torch.zeros(len(run.names), dtype=torch.int64, device=run.device)
-    keys, skipped, batches, wait, busy = [], 0, 0, 0.0, 0.0
-    bar = progress(topo, run.steps_per_epoch, f"epoch {epoch + 1}/{args.epochs}")
-    t0 = time.perf_counter()
-    for batch in run.loader:  # its workers persist across epochs and pick up set_epoch
-        t1 = time.perf_counter()
-        wait += t1 - t0
-        losses, source = run.step(batch, gen)
-        step, batches, skipped = step + 1, batches + 1, skipped + batch["skipped"]
-        per_source += torch.bincount(source, minlength=len(run.names))
-        log.add(losses, source, batch["skipped"])
-        if record_keys:
-            keys.extend(batch["key"])
-        if step % args.log_every == 0 or batches == run.steps_per_epoch:
-            line = log.flush()
-            if bar is not None:
-                bar.set_postfix(loss=f"{sum(line['loss'][k] * line['share'][k] for k in run.names):.3f}")
-            metrics.log(kind="train", epoch=epoch, step=step, lr=run.sched.get_last_lr()[0], weights=weights, **line)
-        if bar is not None:
-            bar.update(1)
-        t0 = time.perf_counter()
-        busy += t0 - t1
-    if bar is not None:
-        bar.close()
-    return step, {"batches": batches, "per_source": per_source.cpu(), "skipped": skipped, "keys": keys,
-                  "wait": wait, "busy": busy}
-
-
-def gather_epoch(topo, names, facts, history):
-    """Add one epoch's batches and samples per rank (and skipped samples) to the history."""
-    table = torch.zeros(topo.world, len(names) + 2, dtype=torch.float64)  # batches, skipped, per source
-    table[topo.rank, 0], table[topo.rank, 1] = facts["batches"], facts["skipped"]
-    table[topo.rank, 2:] = facts["per_source"].double()
-    dist.all_reduce_sum(table)
-    history["batches_per_rank"].append([int(b) for b in table[:, 0].tolist()])
-    history["samples_per_rank"].append({n: [int(v) for v in table[:, 2 + i].tolist()] for i, n in enumerate(names)})
-    history["skipped"] = history.get("skipped", 0) + int(table[:, 1].sum())
-
-
-def train(args, topo, device):
-    train_sources = [stream.resolve(n, spec, "train") for n, spec in args.train.items()]
-    eval_sources = [stream.resolve(n, spec, "test") for n, spec in args.eval.items()]
-    ckpt_path = os.path.join(args.out, "checkpoint.pt") if args.eval_only else prepare_out(args, topo)
-    run = Run(args, topo, device, train_sources)
-    if args.eval_only:
-        run.model.load_state_dict(load_checkpoint(ckpt_path, device)["model"])
-        evals = evaluate(run.model, run.stream, eval_sources, eval_loaders(run, eval_sources), device)
-        if topo.is_main:
-            write_json_atomic(os.path.join(args.out, "eval.json"), {"eval": evals, "world_size": topo.world})
-            print(", ".join(f"{k} {v['accuracy']:.4f} ({v['count']} samples)" for k, v in evals.items()))
-        return evals
-
-    start_epoch, history = 0, {"batches_per_rank": [], "samples_per_rank": []}
-    if ckpt_path:
-        start_epoch, history = run.load(load_checkpoint(ckpt_path, device))
-    metrics = Metrics(os.path.join(args.out, "metrics.jsonl"), topo.is_main,
-                      keep_before_epoch=start_epoch if ckpt_path else None)
-    keys_file = os.path.join(args.out, f"keys-rank{topo.rank}.txt") if args.record_keys else None
-    if keys_file:
-        truncate_lines(keys_file, start_epoch * run.steps_per_epoch * args.batch_size)
-
-    evals_from = eval_loaders(run, eval_sources)
-    t_start, evals, wait, busy = time.time(), {}, 0.0, 0.0
-    step = start_epoch * run.steps_per_epoch
-    last = args.epochs if args.stop_after is None else min(args.epochs, start_epoch + args.stop_after)
-    for epoch in range(start_epoch, last):
-        step, facts = train_epoch(run, epoch, step, metrics, keys_file is not None)
-        wait, busy = wait + facts["wait"], busy + facts["busy"]
-        gather_epoch(topo, run.names, facts, history)
-        if keys_file:
-            with open(keys_file, "a") as f:
-                f.write("\n".join(facts["keys"]) + "\n")
-        if eval_sources:
-            evals = evaluate(run.model, run.stream, eval_sources, evals_from, device)
-            metrics.log(kind="eval", epoch=epoch, step=step, eval=evals)
-            if topo.is_main:
-                print(f"epoch {epoch + 1}: " + ", ".join(f"{k} {v['accuracy']:.4f}" for k, v in evals.items()),
-                      flush=True)
-        if topo.is_main:
-            save_checkpoint(os.path.join(args.out, "checkpoint.pt"), run.state(epoch + 1, history))
-        dist.barrier()
-
-    summary = {
-        "accuracy": {k: v["accuracy"] for k, v in evals.items()},
-        "eval": evals,
-        "epochs_done": len(history["batches_per_rank"]),
-        "batches_per_rank_per_epoch": history["batches_per_rank"],
-        "samples_per_source_per_rank": history["samples_per_rank"],
-        "skipped_samples": history.get("skipped", 0),
-        "wall_time_s": round(time.time() - t_start, 2),
-        "data_wait_share": round(wait / max(wait + busy, 1e-9), 4),
-        "peak_rss_mb_rank0": peak_rss_mb(),
-        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-        "resumed_from_epoch": start_epoch if ckpt_path else None,
-        "world_size": topo.world,
-        "device": str(device),
-        "config": vars(args),
-    }
-    if topo.is_main:
-        write_json_atomic(os.path.join(args.out, "summary.json"), summary)
-        acc = ", ".join(f"{k} {v:.4f}" for k, v in summary["accuracy"].items()) or "no --eval sources"
-        print(f"done in {summary['wall_time_s']:.0f} s: test accuracy {acc}; "
-              f"metrics.jsonl, summary.json and checkpoint.pt are in {args.out}/", flush=True)
-    return summary
-
-
-def truncate_lines(path, n):
-    """Keep the first n lines of a file (keys recorded past the resumed checkpoint go)."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        lines = f.readlines()[:n]
-    with open(path, "w") as f:
-        f.writelines(lines)
-
-
-def progress(topo, total, desc):
+def progress_bar(topo, total, desc, initial=0):
     """A tqdm bar on rank 0; the other ranks stay quiet."""
     if not topo.is_main:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="batch", dynamic_ncols=True, file=sys.stderr)
+    return tqdm(total=total, initial=initial, desc=desc, unit="batch", dynamic_ncols=True, file=sys.stderr)
+
+
+def train_epoch(run, loader, epoch, metrics, keys, budget):
+    """One epoch (or its rest) over the mixed stream; returns False if --stop-after-steps
+    ended it early (a checkpoint was written)."""
+    args, topo = run.args, run.topo
+    weights = options.weights_at(args, epoch)
+    resumed = run.mid
+    if not resumed:
+        run.stream.set_epoch(epoch, weights)
+        run.facts = run.new_facts()
+    gen = torch.Generator()
+    if resumed and run.gen_state is not None:
+        gen.set_state(torch.tensor(run.gen_state, dtype=torch.uint8))
+    else:
+        gen.manual_seed(args.seed * 100003 + epoch * 1009 + topo.rank + 7919 * run.stream.segment.generation)
+    log = StepLog(run.names, run.device)
+    if resumed:
+        log.restore(run.log_sums, topo.is_main)
+    run.mid = True
+    left = run.stream.remaining()
+    done_before = run.facts["batches"]
+    bar = progress_bar(topo, done_before + left, f"epoch {epoch + 1}/{args.epochs}", done_before)
+    per_source = torch.zeros(len(run.names), dtype=torch.int64, device=run.device)
+    t0 = time.perf_counter()
+    got = 0
+    for batch in loader:  # its workers persist across epochs and pick up set_epoch
+        t1 = time.perf_counter()
+        run.facts["wait"] += t1 - t0
+        losses, source = run.step_once(batch, gen)
+        got += 1
+        run.facts["batches"] += 1
+        run.facts["skipped"] += batch["skipped"]
+        per_source += torch.bincount(source, minlength=len(run.names))
+        log.add(losses, source, batch["skipped"])
+        if args.record_keys:
+            keys.add(epoch + 1, batch["key"])
+        last = got == left
+        if run.step % args.log_every == 0 or last:
+            line = log.flush()
+            if bar is not None:
+                bar.set_postfix(loss=f"{sum(line['loss'][k] * line['share'][k] for k in run.names):.3f}")
+            metrics.log(kind="train", epoch=epoch + 1, step=run.step, lr=run.opt.param_groups[0]["lr"],
+                        weights=weights, **line)
+        if bar is not None:
+            bar.update(1)
+        if not last and (args.checkpoint_every and run.step % args.checkpoint_every == 0 or budget(run.step)):
+            run.facts["samples"] = [a + b for a, b in zip(run.facts["samples"], per_source.tolist())]
+            per_source.zero_()
+            run.save(gen, log, keys)
+            if budget(run.step):
+                if bar is not None:
+                    bar.close()
+                return False
+        t0 = time.perf_counter()
+        run.facts["busy"] += t0 - t1
+    if bar is not None:
+        bar.close()
+    run.facts["samples"] = [a + b for a, b in zip(run.facts["samples"], per_source.tolist())]
+    gather_epoch(run, epoch)
+    run.mid = False
+    return True
+
+
+def gather_epoch(run, epoch):
+    """Add one epoch's batches and samples per rank (and skipped samples) to the history."""
+    facts = dist.all_gather(run.facts)
+    entry = {"epoch": epoch + 1, "batches": {f"rank{r}": f["batches"] for r, f in enumerate(facts)},
+             "samples": {n: {f"rank{r}": f["samples"][i] for r, f in enumerate(facts)} for i, n in enumerate(run.names)},
+             "skipped": sum(f["skipped"] for f in facts)}
+    if run.carried:
+        entry["before_resume"] = run.carried
+        entry["skipped"] += sum(f.get("skipped", 0) for f in run.carried.values())
+        run.carried = None
+    run.history["epochs"].append(entry)
+    run.history["wait"] = run.history.get("wait", 0.0) + facts[0]["wait"]
+    run.history["busy"] = run.history.get("busy", 0.0) + facts[0]["busy"]
+
+
+def evaluate_only(run):
+    path = os.path.join(run.args.out, "checkpoint.pt")
+    run.model.load_state_dict(checkpoint.load(path, run.device)["model"])
+    evals = evaluate(run, eval_loaders(run))
+    if run.topo.is_main:
+        write_json_atomic(os.path.join(run.args.out, "eval.json"), {"eval": evals, "world_size": run.topo.world})
+        print(", ".join(f"{k} {v['accuracy']:.4f} ({v['count']} samples, {v['data']})" for k, v in evals.items()))
+    return evals
+
+
+def train(args, topo, device):
+    policy = remote.Policy(retries=args.retries, timeout=args.io_timeout, min_rate=args.min_rate * 1e6)
+    check = http_check(topo, policy)
+    train_sources = [stream.resolve(n, spec, "train", policy=policy, check_http=check) for n, spec in args.train.items()]
+    eval_sources = [stream.resolve(n, spec, "test", policy=policy, check_http=check) for n, spec in args.eval.items()]
+    run = Run(args, topo, device, train_sources, eval_sources)
+    if args.eval_only:
+        return evaluate_only(run)
+    ckpt = prepare_out(args, topo)
+    changed = run.resume(ckpt, args.change_weights) if ckpt else None
+    metrics = Metrics(os.path.join(args.out, "metrics.jsonl"), topo.is_main, resume_step=run.step if ckpt else None)
+    if changed:
+        metrics.log(kind="weights_changed", epoch=run.epoch + 1, step=run.step, **changed)
+    keys = KeyLog(args.out, topo.rank, keep=(run.key_counts[topo.rank] if topo.rank < len(run.key_counts) else 0)
+                  if ckpt else None)
+    if ckpt and topo.is_main:
+        from .metrics import truncate_keys
+
+        for r in range(topo.world, len(run.key_counts)):  # key logs of ranks this world no longer has
+            truncate_keys(os.path.join(args.out, f"keys-rank{r}.txt"), run.key_counts[r])
+    loader = stream.make_loader(run.stream, args.workers, pin_memory=device.type == "cuda")
+    evals_from = eval_loaders(run)
+    started = run.step
+    resumed_from = {"epoch": run.epoch + 1, "step": run.step} if ckpt else None
+
+    def budget(step):
+        return args.stop_after_steps is not None and step - started >= args.stop_after_steps
+
+    t_start, evals = time.time(), {}
+    last_epoch = args.epochs if args.stop_after is None else min(args.epochs, run.epoch + args.stop_after)
+    finished = True
+    while run.epoch < last_epoch:
+        epoch = run.epoch
+        if not train_epoch(run, loader, epoch, metrics, keys, budget):
+            finished = False
+            metrics.log(kind="stopped", epoch=epoch + 1, step=run.step)
+            break
+        keys.flush()
+        if run.evals:
+            evals = evaluate(run, evals_from)
+            metrics.log(kind="eval", epoch=epoch + 1, step=run.step, eval=evals)
+            if topo.is_main:
+                print(f"epoch {epoch + 1}/{args.epochs}: " +
+                      ", ".join(f"{k} {v['accuracy']:.4f}" for k, v in evals.items()), flush=True)
+        run.epoch = epoch + 1
+        run.save(torch.Generator(), StepLog(run.names, run.device), keys)
+        if budget(run.step):
+            finished = run.epoch >= args.epochs
+            break
+    return write_summary(run, evals, t_start, resumed_from, finished, train_sources)
+
+
+def write_summary(run, evals, t_start, resumed_from, finished, sources):
+    args, topo = run.args, run.topo
+    wait, busy = run.history.get("wait", 0.0), run.history.get("busy", 0.0)
+    summary = {
+        "data": {s.name: {"origin": origin_label(s), "synthetic": s.synthetic, "manifest": s.manifest,
+                          "train_samples": s.total} for s in sources},
+        "accuracy": {k: v["accuracy"] for k, v in evals.items()},
+        "eval": evals,
+        "epochs_done": len(run.history["epochs"]),
+        "steps_done": run.step,
+        "finished": finished,
+        "epochs": run.history["epochs"],
+        "skipped_samples": sum(e["skipped"] for e in run.history["epochs"]),
+        "wall_time_s": round(time.time() - t_start, 2),
+        "data_wait_share": round(wait / max(wait + busy, 1e-9), 4),
+        "peak_rss_mb_rank0": peak_rss_mb(),
+        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        "resumed_from": resumed_from,
+        "world_size": topo.world,
+        "global_batch": run.global_batch,
+        "peak_lr": args.lr * run.global_batch / BASE_BATCH,
+        "device": str(run.device),
+        "config": vars(args),
+    }
+    if topo.is_main:
+        write_json_atomic(os.path.join(args.out, "summary.json"), summary)
+        acc = ", ".join(f"{k} {v['accuracy']:.4f} ({v['data']})" for k, v in evals.items()) or "no --eval sources"
+        state = "done" if finished else f"stopped at step {run.step} (continue with --resume)"
+        print(f"{state} in {summary['wall_time_s']:.0f} s: test accuracy {acc}\n"
+              f"metrics.jsonl, summary.json and checkpoint.pt are in {args.out}/; "
+              f"pictures: python tools/report.py {args.out}", flush=True)
+    return summary
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    args = options.parse(argv)
+    dist.exit_with_launcher()
     try:
         with dist.distributed(timeout_s=args.timeout) as (topo, device):
             train(args, topo, device)

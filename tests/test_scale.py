@@ -48,9 +48,9 @@ def test_two_nodes_over_http_train_on_disjoint_samples(data, tmp_path):
     with open(out / "summary.json") as f:
         s = json.load(f)
     assert s["world_size"] == 2
-    assert s["batches_per_rank_per_epoch"] == [[28, 28], [28, 28]]  # 900 // (2 x 16)
+    assert [e["batches"] for e in s["epochs"]] == [{"rank0": 28, "rank1": 28}] * 2  # 900 // (2 x 16)
     assert s["eval"]["mnist"]["count"] == 100
-    keys = [(out / f"keys-rank{r}.txt").read_text().split() for r in (0, 1)]
+    keys = [[ln.split("\t")[1] for ln in (out / f"keys-rank{r}.txt").read_text().splitlines()] for r in (0, 1)]
     per_epoch = 28 * 16
     for e in range(2):
         a, b = (set(k[e * per_epoch:(e + 1) * per_epoch]) for k in keys)
@@ -90,7 +90,7 @@ def test_weight_schedule_moves_the_mixture_and_is_recorded(data, tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     by_epoch = {ln["epoch"]: ln for ln in lines if ln["kind"] == "train"}
-    assert by_epoch[0]["weights"]["mnist"] == pytest.approx(0.9)
-    assert by_epoch[1]["weights"]["mnist"] == pytest.approx(0.5)
-    assert by_epoch[2]["weights"]["mnist"] == pytest.approx(0.1)
-    assert by_epoch[0]["share"]["mnist"] > 0.8 and by_epoch[2]["share"]["mnist"] < 0.2
+    assert by_epoch[1]["weights"]["mnist"] == pytest.approx(0.9)  # epochs count from 1, as on the console
+    assert by_epoch[2]["weights"]["mnist"] == pytest.approx(0.5)
+    assert by_epoch[3]["weights"]["mnist"] == pytest.approx(0.1)
+    assert by_epoch[1]["share"]["mnist"] > 0.8 and by_epoch[3]["share"]["mnist"] < 0.2

@@ -52,8 +52,9 @@ def read(out, name):
 
 
 def keys(out, rank):
+    """The keys rank `rank` trained on, in order (keys-rank<R>.txt holds "<epoch>\t<key>" lines)."""
     with open(os.path.join(out, f"keys-rank{rank}.txt")) as f:
-        return f.read().split()
+        return [ln.rstrip("\n").split("\t")[1] for ln in f]
 
 
 def metrics(out):
@@ -77,7 +78,7 @@ def test_ddp_run_equal_batches_disjoint_keys(ddp_run):
     s = read(ddp_run, "summary.json")
     assert s["epochs_done"] == 2 and s["world_size"] == 2
     # epoch = 640 + 520 samples over 2 ranks x 32 -> 18 batches on every rank, every epoch
-    assert s["batches_per_rank_per_epoch"] == [[18, 18], [18, 18]]
+    assert [e["batches"] for e in s["epochs"]] == [{"rank0": 18, "rank1": 18}] * 2
     k0, k1 = keys(ddp_run, 0), keys(ddp_run, 1)
     assert len(k0) == len(k1) == 2 * 18 * 32
     per_epoch = 18 * 32
@@ -86,8 +87,9 @@ def test_ddp_run_equal_batches_disjoint_keys(ddp_run):
         assert not a & b, "two ranks read the same sample in one epoch"
     assert k0[:per_epoch] != k0[per_epoch:], "epoch 2 repeated epoch 1's order"
     # every consumed sample is counted per source per rank
-    for e, per_source in enumerate(s["samples_per_source_per_rank"]):
-        assert [per_source["mnist"][r] + per_source["cifar10"][r] for r in (0, 1)] == [per_epoch, per_epoch]
+    for e in s["epochs"]:
+        assert [e["samples"]["mnist"][r] + e["samples"]["cifar10"][r] for r in ("rank0", "rank1")] == \
+            [per_epoch, per_epoch]
     assert os.path.exists(os.path.join(ddp_run, "checkpoint.pt"))
 
 

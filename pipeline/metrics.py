@@ -1,0 +1,114 @@
+"""What a run writes as it goes: metrics.jsonl, the per-rank key logs, and the per-step sums
+between two metrics lines.
+
+Every line is written whole (a write cut short by a full disk is cut back off), and
+on resume a torn last line is dropped and lines past the checkpoint go, so a resumed
+run's files read as if it had never stopped.
+"""
+import json
+import os
+import time
+
+import torch
+
+from . import dist
+from .files import append_line, cut_to_complete_lines, keep_lines
+
+
+class Metrics:
+    """metrics.jsonl, written by rank 0 only."""
+
+    def __init__(self, path, enabled, resume_step=None):
+        self.path, self.enabled = path, enabled
+        if enabled and resume_step is not None:
+            lines = cut_to_complete_lines(path)
+            kept = []
+            for ln in lines:
+                try:
+                    record = json.loads(ln)
+                except ValueError:
+                    break  # unreadable from here on: a file damaged by hand, not by us
+                if record.get("step", 0) > resume_step or (record.get("step") == resume_step
+                                                           and record.get("kind") == "stopped"):
+                    break
+                kept.append(ln)
+            if kept != lines:
+                keep_lines(path, kept)
+
+    def log(self, **record):
+        if self.enabled:
+            append_line(self.path, json.dumps(record))
+
+
+class KeyLog:
+    """keys-rank<R>.txt: "<epoch>\\t<key>" for every training sample this rank consumed, in order."""
+
+    def __init__(self, folder, rank, keep=None):
+        self.path = os.path.join(folder, f"keys-rank{rank}.txt")
+        self.count, self.pending = 0, []
+        if keep is not None:
+            truncate_keys(self.path, keep)
+            self.count = keep
+
+    def add(self, epoch, keys):
+        self.pending += [f"{epoch}\t{k}\n" for k in keys]
+        self.count += len(keys)
+
+    def flush(self):
+        if self.pending:
+            with open(self.path, "a") as f:
+                f.writelines(self.pending)
+            self.pending = []
+
+
+def truncate_keys(path, n):
+    """Keep the first n lines of a key log (keys consumed past a checkpoint go)."""
+    if os.path.exists(path):
+        lines = cut_to_complete_lines(path)
+        if len(lines) != n:
+            keep_lines(path, lines[:n])
+
+
+class StepLog:
+    """Per-source loss, sample counts and skipped samples between two metrics lines.
+
+    Sums stay on the device (no sync per step) and are all-reduced once per line.
+    `shared()` all-reduces the partial sums for a checkpoint; resuming puts them on
+    rank 0 only, which the next all-reduce turns into the same line on any world size.
+    """
+
+    def __init__(self, names, device):
+        self.names, self.device = names, device
+        self.sums = torch.zeros(len(names) + 1, 2, dtype=torch.float64, device=device)  # last row: skipped
+        self.t = time.perf_counter()
+
+    def add(self, losses, source, skipped):
+        n = len(self.names)
+        self.sums[:n, 0].index_add_(0, source, losses.double())
+        self.sums[:n, 1] += torch.bincount(source, minlength=n)
+        self.sums[n, 0] += skipped
+
+    def shared(self, is_main):
+        """The partial sums over all ranks (a collective); afterwards rank 0 holds them alone."""
+        dist.all_reduce_sum(self.sums)
+        total = self.sums.cpu().tolist()
+        if not is_main:
+            self.sums.zero_()
+        return total
+
+    def restore(self, sums, is_main):
+        if is_main and sums is not None:
+            self.sums.copy_(torch.tensor(sums, dtype=torch.float64))
+
+    def flush(self):
+        """All-reduce and reset; returns the fields of one metrics line."""
+        dist.all_reduce_sum(self.sums)
+        n = len(self.names)
+        loss_sum, count = self.sums[:n, 0].tolist(), self.sums[:n, 1].tolist()
+        skipped, total = int(self.sums[n, 0]), sum(count)
+        dt = time.perf_counter() - self.t
+        self.sums.zero_()
+        self.t = time.perf_counter()
+        return {"loss": {k: a / max(c, 1) for k, a, c in zip(self.names, loss_sum, count)},
+                "samples_per_s": round(total / dt, 1),
+                "share": {k: c / max(total, 1) for k, c in zip(self.names, count)}, "skipped": skipped}

@@ -1,0 +1,151 @@
+"""The trainer's command line: every option checked before anything is read or written.
+
+A bad value ends with one `pipeline.train: error: ...` line and exit code 2.
+"""
+import argparse
+import math
+
+from . import stream
+from .cli import Parser
+
+DESCRIPTION = """Train one model with DDP on the weighted mix of several shard streams.
+
+    torchrun --nproc_per_node=2 -m pipeline.train \\
+        --train mnist=shards/mnist-train.json --train cifar10=shards/cifar10-train.json \\
+        --eval mnist=shards/mnist-test.json --eval cifar10=shards/cifar10-test.json --out runs/mnist-cifar10
+
+The same options work under plain `python -m pipeline.train` (one process) and
+multi-node torchrun. See README.md for recipes and what lands in --out.
+"""
+
+
+def parse(argv=None):
+    p = Parser(prog="pipeline.train", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--train", action="append", default=[], metavar="NAME=SPEC", required=True,
+      help="a training source: SPEC is a manifest, a folder or base URL (ending in /) holding NAME-train.json, "
+           "or a brace pattern of shards with NAME-train.json beside them; local, http(s):// or pipe: (repeatable)")
+    a("--eval", action="append", default=[], metavar="NAME=SPEC",
+      help="test shards of a training source (NAME-test.json), evaluated after every epoch (repeatable)")
+    a("--weights", metavar="NAME=W,...", help="mixture weights, e.g. mnist=0.5,cifar10=0.5 (default: equal)")
+    a("--final-weights", metavar="NAME=W,...",
+      help="weights for the last epoch; the epochs in between interpolate linearly (default: --weights throughout)")
+    a("--change-weights", action="store_true",
+      help="with --resume: allow --weights/--final-weights other than the checkpoint's (recorded in metrics.jsonl)")
+    a("--epochs", type=int, default=30, metavar="N", help="epochs to train (default: 30)")
+    a("--epoch-samples", type=int, metavar="N",
+      help="samples per epoch over all ranks (default: all training samples in the manifests)")
+    a("--batch-size", type=int, default=256, metavar="N", help="samples per batch per rank (default: 256)")
+    a("--workers", type=int, default=8, metavar="N", help="DataLoader workers per rank (default: 8)")
+    a("--lr", type=float, default=0.1,
+      help="peak SGD learning rate for a global batch of 256; the rate used is LR x global batch / 256, "
+           "with global batch = ranks x --batch-size, after a linear warm-up (default: 0.1)")
+    a("--weight-decay", type=float, default=5e-4, help="L2 penalty on the weights, applied by SGD (default: 5e-4)")
+    a("--width", type=int, default=64, metavar="N", help="model width: 64 for GPUs, 16 for CPUs (default: 64)")
+    a("--flip", metavar="NAMES",
+      help="training sources to flip horizontally when augmenting, comma-separated (default: cifar10 if it is a "
+           "source; '' for none: a flipped digit is another digit)")
+    a("--seed", type=int, default=0, help="seed of data order, model and augmentation (default: 0)")
+    a("--out", default="runs/latest", metavar="DIR", help="output folder (default: runs/latest)")
+    a("--resume", action="store_true", help="continue from --out/checkpoint.pt (also on another number of ranks)")
+    a("--overwrite", action="store_true", help="discard a previous run in --out")
+    a("--eval-only", action="store_true",
+      help="evaluate --out/checkpoint.pt on the --eval sources, write --out/eval.json, exit")
+    a("--record-keys", action="store_true",
+      help="write keys-rank<R>.txt: every training sample's epoch and key, in the order consumed")
+    a("--checkpoint-every", type=int, metavar="STEPS",
+      help="also write the checkpoint every STEPS steps inside epochs (default: at the end of each epoch only)")
+    a("--stop-after", type=int, metavar="K", help="stop after K epochs of this invocation (--resume later)")
+    a("--stop-after-steps", type=int, metavar="K",
+      help="stop cleanly after K steps of this invocation, with a checkpoint (--resume later)")
+    a("--log-every", type=int, default=50, metavar="STEPS", help="steps between metrics lines (default: 50)")
+    a("--resample", action="store_true",
+      help="draw shards with replacement (endless-stream mode for corpora too big for full passes)")
+    a("--cache-dir", metavar="DIR", help="keep remote shards in this folder for later epochs")
+    a("--strict", action="store_true", help="stop at the first malformed sample instead of skipping it")
+    a("--shuffle-buffer", type=int, default=2000, metavar="N",
+      help="samples shuffled together: whole shards, at least N samples (default: 2000)")
+    a("--sample-stage", action="append", default=[], metavar="MODULE:FUNCTION",
+      help="a function of yours applied to every decoded training sample inside the workers, e.g. an "
+           "augmentation (repeatable; see README, 'Your own stage')")
+    a("--timeout", type=int, default=600, metavar="S",
+      help="seconds a rank waits for the others in a collective before the job fails (default: 600)")
+    a("--io-timeout", type=float, default=30.0, metavar="S",
+      help="seconds one network read may stall, and the base of each shard's deadline (default: 30)")
+    a("--min-rate", type=float, default=1.0, metavar="MB_PER_S",
+      help="a remote shard must arrive at this average rate or its fetch fails and is retried: its deadline is "
+           "--io-timeout + its size at this rate (default: 1 MB/s)")
+    a("--retries", type=int, default=3, metavar="N", help="retries of a failed remote read, 1, 2, 4 ... s apart "
+                                                          "(default: 3)")
+    args = p.parse_args(argv)
+    check(p, args)
+    return args
+
+
+def check(p, args):
+    """Reject out-of-range values with one line each (p.error exits)."""
+    at_least = {"epochs": 1, "batch_size": 1, "log_every": 1, "shuffle_buffer": 1, "workers": 0, "width": 1,
+                "epoch_samples": 1, "stop_after": 1, "stop_after_steps": 1, "checkpoint_every": 1, "timeout": 1,
+                "retries": 0}
+    for name, low in at_least.items():
+        value = getattr(args, name)
+        if value is not None and value < low:
+            p.error(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
+    if args.width > 1024:
+        p.error(f"--width {args.width}: at most 1024")
+    for name, positive in (("lr", True), ("weight_decay", False), ("io_timeout", True), ("min_rate", True)):
+        value = getattr(args, name)
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            p.error(f"--{name.replace('_', '-')} must be a finite number {'>' if positive else '>='} 0, got {value}")
+    args.train = specs(p, "--train", args.train)
+    args.eval = specs(p, "--eval", args.eval)
+    names = list(args.train)
+    unknown = sorted(set(args.eval) - set(names))
+    if unknown:
+        p.error(f"--eval {', '.join(unknown)}: no --train source of that name")
+    try:
+        args.weights = stream.check_weights(stream.parse_weights(args.weights) if args.weights else
+                                            dict.fromkeys(names, 1.0), names)
+        args.final_weights = (stream.check_weights(stream.parse_weights(args.final_weights), names)
+                              if args.final_weights else None)
+    except ValueError as e:
+        p.error(str(e))
+    if args.flip is None:
+        args.flip = [n for n in ("cifar10",) if n in names]
+    else:
+        args.flip = [n for n in args.flip.split(",") if n]
+        unknown = sorted(set(args.flip) - set(names))
+        if unknown:
+            p.error(f"--flip {', '.join(unknown)}: no --train source of that name; sources are {', '.join(names)}")
+    for stage in args.sample_stage:
+        module, sep, function = stage.partition(":")
+        if not (sep and module and function):
+            p.error(f"--sample-stage {stage!r}: expected MODULE:FUNCTION, e.g. my_augment:jitter")
+    if args.resume and args.overwrite:
+        p.error("--resume and --overwrite exclude each other")
+    if args.change_weights and not args.resume:
+        p.error("--change-weights only applies with --resume")
+    if args.eval_only and not args.eval:
+        p.error("--eval-only needs at least one --eval source")
+
+
+def specs(p, flag, items):
+    out = {}
+    for item in items:
+        name, sep, spec = item.partition("=")
+        if not sep or not name or not spec:
+            p.error(f"{flag} {item!r}: expected NAME=SPEC, e.g. mnist=shards/mnist-train.json")
+        if name in out:
+            p.error(f"{flag} {name} given twice")
+        out[name] = spec
+    return out
+
+
+def weights_at(args, epoch):
+    """The mixture for an epoch: --weights, moving linearly to --final-weights."""
+    if args.final_weights is None or args.epochs == 1:
+        w = args.weights
+    else:
+        t = epoch / (args.epochs - 1)
+        w = [a + (b - a) * t for a, b in zip(args.weights, args.final_weights)]
+    return dict(zip(args.train, w))
