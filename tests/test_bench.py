@@ -76,4 +76,4 @@ def test_tar_format(tmp_path):
     assert set(rows) == {"pax", "ustar"}
     assert rows["ustar"]["bytes"] < rows["pax"]["bytes"]  # no PAX header per member
     for r in rows.values():
-        assert r["webdataset_samples_per_s"]["median"] > 0 and r["iter_members_samples_per_s"]["median"] > 0
+        assert r["webdataset_samples_per_s"]["median"] > 0 and r["pipeline_read_samples_per_s"]["median"] > 0

@@ -55,7 +55,9 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from pipeline import shards, sources, stream  # noqa: E402
+from pipeline import manifest, read, shards, sources, stream  # noqa: E402
+from pipeline.errors import ShardError  # noqa: E402
+from pipeline.files import write_json_atomic  # noqa: E402
 from pipeline.cli import Parser  # noqa: E402
 from pipeline.dist import Topology  # noqa: E402
 
@@ -122,9 +124,9 @@ def make_synthetic_inputs(folder, n_mnist=1200, n_cifar=1000):
 def shard_encoding(folder):
     """The encoding of the train shards in `folder`, or None if it lacks either manifest."""
     try:
-        found = {stream.load_manifest(os.path.join(folder, shards.manifest_name(n, "train")))["encoding"]
+        found = {manifest.load(os.path.join(folder, manifest.manifest_name(n, "train")))["encoding"]
                  for n in NAMES}
-    except shards.ShardError:
+    except ShardError:
         return None
     return found.pop() if len(found) == 1 else None
 
@@ -138,28 +140,32 @@ def build_shards(mnist_root, cifar_folder, out, encoding, maxcount):
 
 
 def make_corpus_10x(folder, out):
-    """The 1x train shards listed ten times: symlinks under new shard names plus a manifest.
+    """The 1x train shards listed ten times: hard links under new shard names plus a manifest.
 
     Streaming memory must not depend on how big the corpus is, only the shard list does;
-    repeating the files gives a 10x corpus without writing 10x the bytes.
+    repeating the files gives a 10x corpus without writing 10x the bytes. (Hard links, not
+    symbolic ones: a manifest's shards may not resolve outside its folder.)
     """
     if shard_encoding(out):
         return out
     os.makedirs(out, exist_ok=True)
     for name in NAMES:
-        m = stream.load_manifest(os.path.join(folder, shards.manifest_name(name, "train")))
+        m = manifest.load(os.path.join(folder, manifest.manifest_name(name, "train")))
         entries = []
         for k in range(10 * len(m["shards"])):
             entry = dict(m["shards"][k % len(m["shards"])])
-            target = os.path.abspath(os.path.join(folder, entry["name"]))
-            entry["name"] = shards.shard_name(name, "train", k)
+            target = os.path.join(folder, entry["name"])
+            entry["name"] = manifest.shard_name(name, "train", k)
             link = os.path.join(out, entry["name"])
             if os.path.lexists(link):
                 os.remove(link)
-            os.symlink(target, link)
+            try:
+                os.link(target, link)
+            except OSError:  # another file system
+                shutil.copyfile(target, link)
             entries.append(entry)
         m = dict(m, shards=entries, total=sum(e["samples"] for e in entries))
-        shards.write_json_atomic(os.path.join(out, shards.manifest_name(name, "train")), m)
+        write_json_atomic(os.path.join(out, manifest.manifest_name(name, "train")), m)
     return out
 
 
@@ -281,7 +287,7 @@ def batches_b(srcs, setup, workers, epoch):
               .repeat()  # never run dry (RandomMix stops at the first exhausted source)
               .shuffle(setup.shuffle_buffer)
               .decode("pil")
-              .to_tuple(s.encoding, "cls")
+              .to_tuple(s.target.image_exts[0], "cls")
               .map(stock_transform(s, offset, hw)))
         datasets.append(ds)
         offset += len(s.classes)
@@ -576,7 +582,7 @@ def read_ceiling(setup, encoding, repeats=3):
 def tar_format(mnist_root, n=10000, repeats=3):
     """The same MNIST samples (png) as webdataset's TarWriter writes them (a PAX header per
     member, float mtimes) and as pipeline.shards writes them (plain USTAR): file size, and
-    samples/s read by stock webdataset (tarfile) and by `shards.iter_members`, no decoding."""
+    samples/s read by stock webdataset (tarfile) and by `read.iter_samples`, no decoding."""
     import webdataset as wds
 
     src = sources.torchvision_source("mnist", "train", mnist_root)
@@ -596,17 +602,17 @@ def tar_format(mnist_root, n=10000, repeats=3):
 
         def lean(path):
             with open(path, "rb") as f:
-                return sum(1 for _ in shards.iter_samples(shards.iter_members(f)))
+                return sum(1 for _ in read.iter_samples(f))
 
         rows = []
         for fmt, path in (("pax (wds.TarWriter)", pax), ("ustar (pipeline.shards)", ustar)):
             row = {"format": fmt, "samples": n, "bytes": os.path.getsize(path)}
             warm_page_cache([path])
-            for reader, read in (("webdataset", stock), ("iter_members", lean)):
+            for reader, count in (("webdataset", stock), ("pipeline_read", lean)):
                 rates = []
                 for _ in range(repeats):
                     t0 = time.perf_counter()
-                    got = read(path)
+                    got = count(path)
                     rates.append(got / (time.perf_counter() - t0))
                     if got != n:
                         raise RuntimeError(f"{fmt}: {reader} read {got} samples, expected {n}")
@@ -747,16 +753,16 @@ def all_input_files(setup):
 
 def write_record(path, record):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    shards.write_json_atomic(path, record)
+    write_json_atomic(path, record)
     log(f"wrote {path}")
 
 
 def run_tar_format(args, mnist_root):
     rows = tar_format(mnist_root)
-    log(f"{'tar format':<24}{'samples':>8}{'MB':>7}{'webdataset samples/s':>26}{'iter_members samples/s':>30}")
+    log(f"{'tar format':<24}{'samples':>8}{'MB':>7}{'webdataset samples/s':>26}{'pipeline.read samples/s':>30}")
     for r in rows:
         log(f"{r['format']:<24}{r['samples']:>8}{r['bytes'] / 1e6:>7.1f}"
-            f"{fmt_spread(r['webdataset_samples_per_s']):>26}{fmt_spread(r['iter_members_samples_per_s']):>30}")
+            f"{fmt_spread(r['webdataset_samples_per_s']):>26}{fmt_spread(r['pipeline_read_samples_per_s']):>30}")
     write_record(args.json, {"command": [os.path.basename(sys.executable), *sys.argv], "git": git_state(),
                              "tar_format": rows})
     return 0

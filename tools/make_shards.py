@@ -1,6 +1,8 @@
-"""Convert MNIST, CIFAR10 or any ImageFolder tree into WebDataset tar shards.
+"""Convert MNIST, CIFAR10 or any ImageFolder tree into WebDataset tar shards, or index
+WebDatasets that other tools wrote, in place.
 
     python tools/make_shards.py --datasets mnist cifar10 --splits train test --root data --out shards
+    python tools/make_shards.py --index pets:train='/data/pets/{000000..000099}.tar' --out shards
 
 See README.md for the sample format and every option.
 """
@@ -11,46 +13,97 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pipeline import shards, sources  # noqa: E402
+from pipeline import index, remote, shards, sources  # noqa: E402
 from pipeline.cli import Parser  # noqa: E402
+from pipeline.errors import ShardError  # noqa: E402
+from pipeline.manifest import NAME_RE  # noqa: E402
 
 
 def parse_args(argv):
     p = Parser(prog="make_shards", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--datasets", nargs="+", metavar="NAME",
-                   help="built-in data sets to convert: mnist, cifar10 (default: both, unless --imagefolder is given)")
-    p.add_argument("--splits", nargs="+", default=["train", "test"], choices=["train", "test"])
-    p.add_argument("--root", default="data", help="torchvision data folder (default: data)")
-    p.add_argument("--download", action="store_true", help="let torchvision download missing data sets")
-    p.add_argument("--synthetic", action="store_true", help="write look-alike synthetic data, no files needed")
-    p.add_argument("--fallback-synthetic", action="store_true",
-                   help="use synthetic data for any data set that cannot be loaded, saying so in one line")
-    p.add_argument("--imagefolder", action="append", default=[], metavar="NAME:SPLIT=DIR",
-                   help="shard an ImageFolder tree as data set NAME, split SPLIT (repeatable)")
-    p.add_argument("--holdout", type=int, metavar="N",
-                   help="split each --imagefolder into train and a test split of N held-out samples")
-    p.add_argument("--limit", type=int, help="at most N samples per split (a seeded random subset)")
-    p.add_argument("--encoding", choices=shards.ENCODINGS, default="png",
-                   help="png: lossless, small (default); raw: uint8 pixels, fastest to decode")
-    p.add_argument("--maxcount", type=int, default=500, help="samples per shard (default: 500)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sample order (default: 0)")
-    p.add_argument("--workers", type=int, default=os.cpu_count(), help="writer processes (default: all cores)")
-    p.add_argument("--part", metavar="I/N", help="write only part I of N of each split (for N machines)")
-    p.add_argument("--merge", action="store_true", help="merge the part manifests under --out into one")
-    p.add_argument("--verify", action="store_true", help="check the shards under --out against their manifests")
-    p.add_argument("--out", default="shards", help="output folder (default: shards)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    a = p.add_argument
+    a("--datasets", nargs="+", metavar="NAME",
+      help="built-in data sets to convert: mnist, cifar10 (default: both, unless --imagefolder or --index is given)")
+    a("--splits", nargs="+", default=["train", "test"], choices=["train", "test"], metavar="SPLIT",
+      help="splits of the built-in data sets to convert: train, test (default: train test)")
+    a("--root", default="data", metavar="DIR",
+      help="torchvision data folder, holding MNIST/raw/ and cifar-10-batches-py/ (default: data)")
+    a("--download", action="store_true", help="let torchvision download missing data sets into --root")
+    a("--synthetic", action="store_true", help="write look-alike synthetic data, no files needed")
+    a("--fallback-synthetic", action="store_true",
+      help="use synthetic data for any built-in data set that cannot be loaded, saying so in one line")
+    a("--cifar10-dir", metavar="DIR",
+      help="CIFAR10 as image files: DIR/train/<class>/* and DIR/test/<class>/* (used in place of torchvision's)")
+    a("--imagefolder", action="append", default=[], metavar="NAME:SPLIT=DIR",
+      help="shard an ImageFolder tree (DIR/<class>/<image>) as data set NAME, split SPLIT (repeatable)")
+    a("--holdout", type=int, metavar="N",
+      help="split each --imagefolder into train and a test split of N held-out samples")
+    a("--index", action="append", default=[], metavar="NAME:SPLIT=SPEC",
+      help="write a manifest for existing WebDataset shards without rewriting them; SPEC is a brace pattern "
+           "(path, http(s) URL or pipe: command) or a folder of *.tar (repeatable)")
+    a("--label-key", metavar="KEY", help="with --index: the label member: cls, txt, index or json:FIELD "
+                                         "(default: whichever of .cls, .txt, .index the first sample has)")
+    a("--shape", metavar="C,H,W", help="with --index: the shape images are brought to (default: the most common)")
+    a("--classes", metavar="FILE", help="with --index: class names, one a line, for labels 0..N-1 "
+                                        "(default: the sorted distinct labels)")
+    a("--limit", type=int, metavar="N", help="at most N samples per split (a seeded random subset)")
+    a("--encoding", choices=shards.ENCODINGS, default="png",
+      help="png: lossless, small (default); raw: uint8 pixels, the fastest to stream")
+    a("--maxcount", type=int, default=500, metavar="N", help="samples per shard (default: 500)")
+    a("--seed", type=int, default=0, metavar="N", help="seed of the sample order, >= 0 (default: 0)")
+    a("--workers", type=int, default=os.cpu_count(), metavar="N", help="processes (default: all cores)")
+    a("--part", metavar="I/N", help="write only part I of N of each split (for N machines)")
+    a("--merge", action="store_true", help="merge the part manifests under --out into one")
+    a("--verify", action="store_true", help="check the shards under --out against their manifests, list every problem")
+    a("--out", default="shards", metavar="DIR", help="output folder (default: shards)")
+    a("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
+    check(p, args)
+    return args
+
+
+def check(p, args):
     args.part = parse_part(p, args.part)
-    if args.limit is not None and args.limit < 1:
-        p.error("--limit must be at least 1")
+    for name, low in (("limit", 1), ("maxcount", 1), ("seed", 0), ("workers", 1), ("holdout", 1)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            p.error(f"--{name} must be at least {low}, got {value}")
+    modes = [m for m in ("verify", "merge") if getattr(args, m)]
+    if len(modes) > 1:
+        p.error("--verify and --merge exclude each other")
+    if args.holdout is not None and not args.imagefolder:
+        p.error("--holdout applies to --imagefolder sources only")
+    if (args.label_key or args.shape or args.classes) and not args.index:
+        p.error("--label-key, --shape and --classes apply to --index only")
+    if args.index and (args.merge or args.part != (0, 1)):
+        p.error("--index writes one manifest per split; --merge and --part do not apply")
     if args.datasets is None:
-        args.datasets = [] if args.imagefolder else ["mnist", "cifar10"]
+        args.datasets = [] if args.imagefolder or args.index or args.cifar10_dir else ["mnist", "cifar10"]
+        if args.cifar10_dir and not args.imagefolder and not args.index:
+            args.datasets = ["mnist"]
     for name in args.datasets:
         if name not in sources.SHAPES:
             p.error(f"unknown dataset {name!r}; built-in: mnist, cifar10 (use --imagefolder NAME:SPLIT=DIR for others)")
-    args.imagefolder = [parse_imagefolder(p, spec) for spec in args.imagefolder]
-    return args
+    if args.cifar10_dir:
+        if "cifar10" in args.datasets:
+            p.error("--cifar10-dir replaces --datasets cifar10: give one of them")
+        for split in args.splits:
+            if not os.path.isdir(os.path.join(args.cifar10_dir, split)):
+                p.error(f"--cifar10-dir {args.cifar10_dir}: no {split}/ folder of class folders in it")
+        args.imagefolder = [("cifar10", split, os.path.join(args.cifar10_dir, split)) for split in args.splits] + \
+            [parse_pair(p, "--imagefolder", spec) for spec in args.imagefolder]
+    else:
+        args.imagefolder = [parse_pair(p, "--imagefolder", spec) for spec in args.imagefolder]
+    args.index = [parse_pair(p, "--index", spec) for spec in args.index]
+    if args.shape is not None:
+        try:
+            args.shape = [int(x) for x in args.shape.split(",")]
+        except ValueError:
+            args.shape = None
+        if not args.shape or len(args.shape) != 3:
+            p.error("--shape: expected C,H,W, e.g. 3,64,64")
+    if args.classes is not None and not os.path.isfile(args.classes):
+        p.error(f"--classes {args.classes}: no such file")
 
 
 def parse_part(p, text):
@@ -65,14 +118,15 @@ def parse_part(p, text):
     return (i, n)
 
 
-def parse_imagefolder(p, spec):
+def parse_pair(p, flag, spec):
+    """NAME:SPLIT=VALUE -> (name, split, value)."""
     name, sep, rest = spec.partition(":")
-    split, sep2, folder = rest.partition("=")
-    if not (sep and sep2 and name and split and folder):
-        p.error(f"--imagefolder {spec!r}: expected NAME:SPLIT=DIR, e.g. pets:train=/data/pets/train")
-    if not shards.NAME_RE.match(name) or not shards.NAME_RE.match(split):
-        p.error(f"--imagefolder {spec!r}: NAME and SPLIT may hold letters, digits and _ only")
-    return name, split, folder
+    split, sep2, value = rest.partition("=")
+    if not (sep and sep2 and name and split and value):
+        p.error(f"{flag} {spec!r}: expected NAME:SPLIT=..., e.g. pets:train=/data/pets/train")
+    if not NAME_RE.match(name) or not NAME_RE.match(split):
+        p.error(f"{flag} {spec!r}: NAME and SPLIT may hold letters, digits and _ only")
+    return name, split, value
 
 
 def load_sources(args):
@@ -87,8 +141,8 @@ def load_sources(args):
             except sources.SourceError as e:
                 if not args.fallback_synthetic:
                     raise
-                print(f"make_shards: {name} {split}: real data unavailable, using synthetic look-alike data ({e})",
-                      file=sys.stderr)
+                print(f"make_shards: {name}-{split}: no real data ({e}); writing synthetic look-alike data "
+                      f"instead. For real data: {real_data_hint(name)}", file=sys.stderr)
                 yield sources.synthetic_source(name, split, seed=args.seed)
     for name, split, folder in args.imagefolder:
         src = sources.ImageFolderSource(name, split, folder)
@@ -96,6 +150,26 @@ def load_sources(args):
             yield from sources.holdout(src, args.holdout, args.seed)
         else:
             yield src
+
+
+def real_data_hint(name):
+    if name == "mnist":
+        return "put MNIST/raw/ under --root, or pass --download"
+    return "put cifar-10-batches-py/ under --root, pass --download, or give --cifar10-dir DIR (train/ and test/ " \
+           "class folders of images)"
+
+
+def describe(origin):
+    """One line saying where a split's data came from."""
+    kind = origin.get("kind")
+    if kind == "synthetic":
+        return "SYNTHETIC look-alike data, not real images"
+    if kind == "torchvision":
+        return f"real {origin['dataset']} from torchvision files under {origin['root']}"
+    if kind == "imagefolder":
+        return f"real images from the ImageFolder {origin['root']}" + (f" ({origin['subset']})" if "subset" in
+                                                                       origin else "")
+    return origin.get("note", "origin not recorded")
 
 
 def check_writable(out):
@@ -106,6 +180,21 @@ def check_writable(out):
     os.remove(probe)
 
 
+def run_index(args):
+    policy = remote.Policy()
+    for name, split, spec in args.index:
+        t0 = time.perf_counter()
+        m = index.index(name, split, spec, args.out, label=args.label_key, shape=args.shape,
+                        classes_file=args.classes, workers=args.workers, policy=policy, progress=not args.quiet)
+        print(f"indexed {name}-{split}: {len(m['shards'])} shards, {m['total']} samples, images "
+              f"{'x'.join(map(str, m['shape']))} ({', '.join(m['image_exts'])}), {len(m['classes'])} classes, "
+              f"labels from .{m['label']}, in {time.perf_counter() - t0:.1f} s -> {args.out}/{name}-{split}.json")
+        if remote.kind(spec) == "pipe":
+            print(f"  the shards are read through a command: put {name}-{split}.json beside them and train with "
+                  f"--train {name}='<the same command, reading {name}-{split}.json>'")
+    return 0
+
+
 def run(args):
     if args.verify:
         problems = shards.verify(args.out)
@@ -113,24 +202,29 @@ def run(args):
             print(f"FAIL {line}")
         print(f"verify {args.out}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
         return 1 if problems else 0
+    check_writable(args.out)
+    if args.index:
+        run_index(args)
+        if not args.datasets and not args.imagefolder:
+            return 0
     if args.merge:
         for name in args.datasets + [f[0] for f in args.imagefolder]:
             for split in args.splits:
                 m = shards.merge_parts(args.out, name, split)
                 print(f"merged {name}-{split}: {len(m['shards'])} shards, {m['total']} samples")
         return 0
-    check_writable(args.out)
     rows = []
     for src in load_sources(args):
+        print(f"{src.name}-{src.split}: {describe(src.origin)}", flush=True)
         t0 = time.perf_counter()
         m = shards.build(src, args.out, encoding=args.encoding, maxcount=args.maxcount, seed=args.seed,
                          limit=args.limit, workers=args.workers, part=args.part, progress=not args.quiet)
         dt = time.perf_counter() - t0
         rows.append((f"{src.name}-{src.split}", len(m["shards"]), m["total"],
-                     sum(s["bytes"] for s in m["shards"]), dt))
-    print(f"{'split':<20}{'shards':>8}{'samples':>10}{'MB':>9}{'seconds':>9}{'samples/s':>11}")
-    for name, n, total, size, dt in rows:
-        print(f"{name:<20}{n:>8}{total:>10}{size / 1e6:>9.1f}{dt:>9.1f}{total / dt:>11.0f}")
+                     sum(s["bytes"] for s in m["shards"]), dt, src.origin.get("kind")))
+    print(f"{'split':<20}{'shards':>8}{'samples':>10}{'MB':>9}{'seconds':>9}{'samples/s':>11}  data")
+    for name, n, total, size, dt, kind in rows:
+        print(f"{name:<20}{n:>8}{total:>10}{size / 1e6:>9.1f}{dt:>9.1f}{total / dt:>11.0f}  {kind}")
     print(f"wrote manifests and shards to {args.out}/")
     return 0
 
@@ -139,7 +233,7 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         return run(args)
-    except (sources.SourceError, shards.ShardError, OSError) as e:
+    except (sources.SourceError, ShardError, OSError) as e:
         print(f"make_shards: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
