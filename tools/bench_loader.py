@@ -1,16 +1,23 @@
 """Benchmark three ways of feeding MNIST + CIFAR10 to one model, on the same data, in one run.
 
-    python tools/bench_loader.py --mnist-root ../shared/data --cifar-folder /tmp/cifar10-jpg/train \\
-        --shards /tmp/shraw --shards /tmp/sh2 --json bench-out/bench.json
+    python tools/bench_loader.py --mnist-root MNIST_ROOT --cifar-folder CIFAR_JPEG_TRAIN_DIR \\
+        --shards RAW_SHARDS --shards PNG_SHARDS --json bench-out/bench.json
 
-  A  the seed tutorial: torchvision's map-style MNIST and (CIFAR10's pickles being unavailable
-     here) an ImageFolder of the CIFAR10 JPEGs, ToTensor + Normalize per sample, one
-     DistributedSampler and DataLoader each, the two loaders zipped.
+  A  the seed tutorial as its users run it: torchvision's map-style MNIST and CIFAR10, each
+     holding its split as one uint8 array in memory and doing Image.fromarray + ToTensor +
+     Normalize per sample (torchvision's own __getitem__), one DistributedSampler and
+     DataLoader each, the two loaders zipped. CIFAR10 comes from cifar-10-batches-py under
+     --cifar-root when given; else the --cifar-folder JPEGs are decoded once, before any
+     timing, into the same array torchvision would hold.
   B  stock webdataset over the same shards as C: WebDataset per source (tarfile reading,
      .decode("pil"), .to_tuple, .map(transform)), wds.RandomMix, wds.batched, wds.WebLoader.
   C  this project: pipeline.stream.resolve + MixedStream(normalize=True) + make_loader.
   C8 the same with normalize=False: uint8 batches, as the trainer takes them (it normalises
      on its device).
+
+Shard encodings: raw and png (make_shards), and jpg: MNIST (JPEG-encoded) and the CIFAR10
+JPEG files as they are, written by wds.ShardWriter (a PAX header per member) and indexed in
+place with pipeline.index, i.e. somebody else's JPEG WebDataset.
 
 Every run delivers the same number of samples (--samples, rounded down to whole batches)
 and then ends: each loader is made finite at exactly that count, so DataLoader workers run
@@ -26,7 +33,7 @@ Peak memory is the largest sum over the process tree (main + DataLoader workers)
 sampled every 50 ms from outside, in a fresh process per measurement. Forked workers share
 the parent's pages, which VmRSS counts once per process; the sum of Pss (shared pages split
 between their users) is reported beside it. The 10x corpus for B and C is the 1x shard set
-listed ten times under new shard names (symlinks to the same files, manifest totals x10);
+listed ten times under new shard names (hard links to the same files, manifest totals x10);
 for A it is ten separately loaded copies of each torchvision dataset in a ConcatDataset.
 
 --synthetic makes tiny inputs in the real formats (MNIST IDX files, a JPEG ImageFolder tree,
@@ -74,6 +81,8 @@ class Setup:
     mnist_root: str
     cifar_folder: str
     shards: dict                      # encoding -> folder with mnist-train.json, cifar10-train.json
+    cifar_root: str = None            # a torchvision root holding cifar-10-batches-py, if there is one
+    cifar_cache: str = None           # where the decoded --cifar-folder array is kept between processes
     corpus10x: dict = field(default_factory=dict)  # encoding -> folder of the 10x corpus
     batch_size: int = 256
     batches: int = 78                 # per run and rank
@@ -94,7 +103,7 @@ def log(msg):
 # ---------------------------------------------------------------- inputs
 
 
-def make_synthetic_inputs(folder, n_mnist=1200, n_cifar=1000):
+def make_synthetic_inputs(folder, n_mnist=1200, n_cifar=1200):
     """Tiny MNIST IDX files (torchvision layout) and a CIFAR10-like JPEG ImageFolder tree.
 
     The pixels are noise: only the formats and the per-sample work matter here.
@@ -115,7 +124,7 @@ def make_synthetic_inputs(folder, n_mnist=1200, n_cifar=1000):
     cifar = os.path.join(folder, "cifar10-jpg", "train")
     for name in sources.CLASSES["cifar10"]:
         os.makedirs(os.path.join(cifar, name))
-        for i in range(n_cifar // 10):
+        for i in range(-(-n_cifar // 10)):  # at least n_cifar in all
             pixels = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
             Image.fromarray(pixels).save(os.path.join(cifar, name, f"{i:04d}.jpg"), quality=90)
     return folder, cifar
@@ -132,10 +141,45 @@ def shard_encoding(folder):
 
 
 def build_shards(mnist_root, cifar_folder, out, encoding, maxcount):
-    """Shard MNIST train and the CIFAR10 JPEG tree with pipeline.shards (as tools/make_shards.py does)."""
+    """Shard MNIST train and the CIFAR10 JPEG tree with pipeline.shards (as tools/make_shards.py does),
+    or, for jpg, as a JPEG WebDataset written by another tool and indexed in place."""
+    if encoding == "jpg":
+        return build_jpeg_webdataset(mnist_root, cifar_folder, out, maxcount)
     for src in (sources.torchvision_source("mnist", "train", mnist_root),
                 sources.ImageFolderSource("cifar10", "train", cifar_folder)):
         shards.build(src, out, encoding=encoding, maxcount=maxcount, workers=os.cpu_count() or 1, progress=False)
+    return out
+
+
+def build_jpeg_webdataset(mnist_root, cifar_folder, out, maxcount):
+    """MNIST as grey JPEGs (quality 95) and the CIFAR10 JPEG files byte for byte, in shuffled
+    order, written by wds.ShardWriter, then indexed with pipeline.index (no rewrite)."""
+    import io
+
+    import torchvision
+    import webdataset as wds
+    from PIL import Image
+
+    from pipeline import index
+
+    os.makedirs(out, exist_ok=True)
+    mnist = torchvision.datasets.MNIST(mnist_root, train=True)
+    cifar = torchvision.datasets.ImageFolder(cifar_folder).samples
+    rng = np.random.default_rng(0)
+    for name, n in (("mnist", len(mnist)), ("cifar10", len(cifar))):
+        with wds.ShardWriter(os.path.join(out, f"{name}-train-%06d.tar"), maxcount=maxcount, verbose=0) as sink:
+            for i in rng.permutation(n).tolist():
+                if name == "mnist":
+                    buf = io.BytesIO()
+                    Image.fromarray(mnist.data[i].numpy()).save(buf, format="JPEG", quality=95)
+                    jpg, label = buf.getvalue(), int(mnist.targets[i])
+                else:
+                    with open(cifar[i][0], "rb") as f:
+                        jpg, label = f.read(), cifar[i][1]
+                sink.write({"__key__": f"{name}/{i:07d}", "jpg": jpg, "cls": str(label).encode()})
+        count = len(glob.glob(os.path.join(out, f"{name}-train-*.tar")))
+        index.index(name, "train", os.path.join(out, f"{name}-train-{{000000..{count - 1:06d}}}.tar"), out,
+                    workers=os.cpu_count() or 1, progress=False)
     return out
 
 
@@ -196,8 +240,41 @@ class Take(torch.utils.data.Sampler):
         return min(self.n, len(self.sampler))
 
 
+def cifar10_arrays(setup):
+    """CIFAR10's training set as torchvision's CIFAR10 holds it: (N, 32, 32, 3) uint8 and the
+    labels. From cifar-10-batches-py when there is one, else the JPEG folder decoded once
+    (kept in setup.cifar_cache, so fresh processes don't decode it again)."""
+    import torchvision
+
+    if setup.cifar_root:
+        ds = torchvision.datasets.CIFAR10(setup.cifar_root, train=True)
+        return ds.data, list(ds.targets)
+    if setup.cifar_cache and os.path.exists(setup.cifar_cache):
+        with np.load(setup.cifar_cache) as z:
+            return z["data"], z["targets"].tolist()
+    from PIL import Image
+
+    samples = torchvision.datasets.ImageFolder(setup.cifar_folder).samples
+    data = np.stack([np.asarray(Image.open(p).convert("RGB")) for p, _ in samples])
+    targets = [t for _, t in samples]
+    if setup.cifar_cache:
+        np.savez(setup.cifar_cache, data=data, targets=np.array(targets))
+    return data, targets
+
+
+def in_memory_cifar10(data, targets, transform):
+    """torchvision.datasets.CIFAR10 over arrays already in memory: its own __getitem__
+    (Image.fromarray, then the transform), without reading or md5-checking pickles."""
+    import torchvision
+
+    ds = torchvision.datasets.CIFAR10.__new__(torchvision.datasets.CIFAR10)
+    torchvision.datasets.VisionDataset.__init__(ds, root="", transform=transform)
+    ds.train, ds.data, ds.targets = True, data, targets
+    return ds
+
+
 def tutorial_datasets(setup, copies=1):
-    """A's datasets as the tutorial builds them; copies > 1 concatenates separately loaded copies."""
+    """A's datasets as the tutorial's users have them; copies > 1 concatenates separately loaded copies."""
     import torchvision
     from torchvision import transforms as T
 
@@ -207,8 +284,10 @@ def tutorial_datasets(setup, copies=1):
     def mnist():
         return torchvision.datasets.MNIST(setup.mnist_root, train=True, transform=tf("mnist"))
 
+    data, targets = cifar10_arrays(setup)
+
     def cifar():
-        return torchvision.datasets.ImageFolder(setup.cifar_folder, transform=tf("cifar10"))
+        return in_memory_cifar10(data.copy() if copies > 1 else data, list(targets), tf("cifar10"))
 
     if copies == 1:
         return [mnist(), cifar()]
@@ -418,7 +497,7 @@ def spread(values):
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def throughput(setup, encodings, worker_counts, repeats):
+def throughput(setup, encodings, worker_counts, repeats, methods=("A", "B", "C", "C8")):
     """All A/B/C runs, interleaved by repeat so drift affects every method alike.
 
     One short untimed run of each configuration comes first: it pays for one-off costs
@@ -433,7 +512,7 @@ def throughput(setup, encodings, worker_counts, repeats):
             out.append(("B", enc, lambda enc=enc: batches_b(srcs[enc], st, w, rep)))
             out.append(("C", enc, lambda enc=enc: batches_c(srcs[enc], st, w, rep)))
             out.append(("C8", enc, lambda enc=enc: batches_c(srcs[enc], st, w, rep, normalize=False)))
-        return out
+        return [p for p in out if p[0] in methods]
 
     warm = replace(setup, batches=max(2, max(worker_counts)))
     for w in worker_counts:
@@ -623,6 +702,97 @@ def tar_format(mnist_root, n=10000, repeats=3):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def stage_costs(n=200_000, repeats=3):
+    """Per-sample cost of the two stages written here rather than taken from webdataset: the
+    shuffle (wds.shuffle's buffer of 1000, against one seeded permutation per window of
+    1000) and the mix (wds.RandomMix, one draw per sample, against
+    pipeline.stages.RandomMix drawing a batch of 256 sources at once)."""
+    import random
+
+    import webdataset as wds
+
+    from pipeline.stages import RandomMix
+
+    samples = [{"__key__": str(i)} for i in range(n)]
+
+    def wds_shuffle():
+        return sum(1 for _ in wds.filters._shuffle(iter(samples), 1000, 1000, rng=random.Random(0)))
+
+    def window_shuffle():
+        rng, k = np.random.default_rng(0), 0
+        for start in range(0, n, 1000):
+            k += len([samples[start + i] for i in rng.permutation(min(1000, n - start)).tolist()])
+        return k
+
+    def wds_mix():
+        mix = wds.RandomMix([itertools.repeat(samples[0]), itertools.repeat(samples[1])], [0.5, 0.5])
+        return sum(1 for _ in itertools.islice(iter(mix), n))
+
+    def our_mix():
+        mix = RandomMix([None, None], [0.5, 0.5], seed=0)
+        return sum(len(mix.draw(256)) for _ in range(n // 256))
+
+    rows = []
+    for stage, theirs, ours in (("shuffle", wds_shuffle, window_shuffle), ("mix", wds_mix, our_mix)):
+        row = {"stage": stage}
+        for who, fn in (("webdataset", theirs), ("pipeline", ours)):
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                k = fn()
+                times.append((time.perf_counter() - t0) / k * 1e6)
+            row[f"{who}_us_per_sample"] = spread(times)
+        rows.append(row)
+    return rows
+
+
+def decoder_choice(setup, n=2000, repeats=3):
+    """Per-image cost of the JPEG decoders pipeline.decode chooses between, on the CIFAR10
+    JPEGs: at their own size (libjpeg-turbo through torchvision.io against PIL), and made 4x
+    larger for a 32x32 target (libjpeg-turbo, then a resize, against PIL's draft mode)."""
+    import io
+
+    import torchvision
+    from PIL import Image
+
+    from pipeline import decode
+
+    paths = [p for p, _ in torchvision.datasets.ImageFolder(setup.cifar_folder).samples[:n]]
+    small = []
+    for p in paths:
+        with open(p, "rb") as f:
+            small.append(f.read())
+    large = []
+    for d in small[:n // 10]:
+        buf = io.BytesIO()
+        Image.open(io.BytesIO(d)).convert("RGB").resize((128, 128), Image.BILINEAR).save(buf, "JPEG", quality=90)
+        large.append(buf.getvalue())
+
+    def turbo(datas, shape):
+        for d in datas:
+            decode.fit(decode._torchvision_jpeg(d, 3, decode.jpeg_size(d)), shape)
+
+    def pil_plain(datas, shape):
+        for d in datas:
+            decode.fit(np.asarray(Image.open(io.BytesIO(d)).convert("RGB")), shape)
+
+    def pil_draft(datas, shape):
+        for d in datas:
+            decode.fit(decode._pil(d, "jpg", shape), shape)
+
+    rows = []
+    for size, datas in (("32x32 -> 32x32", small), ("128x128 -> 32x32", large)):
+        for name, fn in (("torchvision.io.decode_jpeg", turbo), ("PIL", pil_plain), ("PIL draft", pil_draft)):
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn(datas, (3, 32, 32))
+                times.append((time.perf_counter() - t0) / len(datas) * 1e6)
+            chosen = (name == "torchvision.io.decode_jpeg") == (size == "32x32 -> 32x32") and name != "PIL"
+            rows.append({"images": size, "decoder": name, "us_per_image": spread(times), "chosen": chosen})
+    return rows
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -637,30 +807,39 @@ def table(entries):
         return fmt_spread(r, 2) if r else "-"
 
     head = (f"{'workers':>7} {'loader':<6} {'samples/s':>24} {'x A':>17} {'samples/cpu-s':>24} {'x A':>17}"
-            f" {'x B':>17}  cores")
+            f" {'x B':>17}  cores  ceiling")
     lines = [head, f"{'':>7} {'':<6} {'':>24} {'(samples/s)':>17} {'(per busy core)':>24} {'(per core)':>17}"
-                   f" {'(per core)':>17}"]
+                   f" {'(per core)':>17}        share"]
     order = {"A": 0, "B": 1, "C": 2, "C8": 3}
     for e in sorted(entries, key=lambda e: (e["workers"], e["encoding"] or "", order[e["method"]])):
         name = e["method"] + (f"/{e['encoding']}" if e["encoding"] else "")
         cores = statistics.median(r["busy_cores"] for r in e["runs"])
         lines.append(f"{e['workers']:>7} {name:<6} {fmt_spread(e['samples_per_s']):>24} "
                      f"{ratio(e, 'A', 'samples_per_s'):>17} {fmt_spread(e['samples_per_cpu_s']):>24} "
-                     f"{ratio(e, 'A', 'samples_per_cpu_s'):>17} {ratio(e, 'B', 'samples_per_cpu_s'):>17}  {cores:.2f}")
+                     f"{ratio(e, 'A', 'samples_per_cpu_s'):>17} {ratio(e, 'B', 'samples_per_cpu_s'):>17}  {cores:.2f}"
+                     + (f"  {e['ceiling_share']:6.1%}" if "ceiling_share" in e else ""))
     return "\n".join(lines)
 
 
 def parse_args(argv):
     p = Parser(prog="bench_loader", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mnist-root", help="torchvision root holding MNIST/raw (e.g. ../shared/data)")
-    p.add_argument("--cifar-folder", help="ImageFolder tree of CIFAR10 JPEGs (e.g. /tmp/cifar10-jpg/train)")
+    p.add_argument("--cifar-folder", help="ImageFolder tree of the CIFAR10 training JPEGs (train/<class>/*.jpg)")
+    p.add_argument("--cifar-root", help="torchvision root holding cifar-10-batches-py: A then reads CIFAR10 exactly as "
+                                        "the tutorial does (default: the --cifar-folder JPEGs, decoded once)")
     p.add_argument("--shards", action="append", default=[], metavar="DIR",
                    help="folder with mnist-train.json and cifar10-train.json shards (repeatable, one per encoding); "
                         "encodings with no folder are built from the inputs under --work-dir")
-    p.add_argument("--encoding", nargs="+", choices=shards.ENCODINGS, default=["raw", "png"],
-                   help="shard encodings for B and C (default: raw png; the first is used for memory and --profile)")
+    p.add_argument("--encoding", nargs="+", choices=(*shards.ENCODINGS, "jpg"), default=["raw", "png", "jpg"],
+                   help="shard encodings for B and C: raw and png as make_shards writes them, jpg a JPEG WebDataset "
+                        "written by wds.ShardWriter and indexed (default: raw png jpg; the first is used for memory "
+                        "and --profile)")
+    p.add_argument("--methods", nargs="+", choices=("A", "B", "C", "C8"), default=["A", "B", "C", "C8"],
+                   help="loaders to time (default: all; A is always run, as the baseline of the ratios)")
     p.add_argument("--synthetic", action="store_true",
                    help="tiny generated inputs in a temporary folder; no data needed")
+    p.add_argument("--synthetic-size", type=int, default=1200, metavar="N",
+                   help="with --synthetic: training samples of each data set (default: 1200)")
     p.add_argument("--samples", type=int, default=60000,
                    help="samples per run, rounded down to whole batches (default: 60000, about half an epoch of "
                         "MNIST + CIFAR10, so per-epoch worker start-up counts as in training)")
@@ -675,6 +854,8 @@ def parse_args(argv):
     p.add_argument("--profile", action="store_true", help="also cProfile C (workers=0) and measure the read ceiling")
     p.add_argument("--tar-format", action="store_true",
                    help="only compare PAX (wds.TarWriter) and USTAR (pipeline.shards) tars of 10,000 MNIST samples")
+    p.add_argument("--stages", action="store_true",
+                   help="only time the stages written here against webdataset's: shuffle and RandomMix, per sample")
     p.add_argument("--torch-threads", type=int, metavar="N",
                    help="torch.set_num_threads(N) in the benchmarking process (default: torch's own choice; "
                         "C normalises whole batches, which torch spreads over its threads)")
@@ -693,8 +874,10 @@ def parse_args(argv):
         p.error("--repeats must be >= 1 and --workers >= 0")
     if not 0 <= args.rank < args.world:
         p.error(f"--rank {args.rank} outside --world {args.world}")
-    if not args.synthetic and not (args.mnist_root and (args.cifar_folder or args.tar_format)):
+    if not args.synthetic and not args.stages and not (args.mnist_root and (args.cifar_folder or args.tar_format)):
         p.error("give --mnist-root and --cifar-folder, or --synthetic")
+    if "A" not in args.methods:
+        args.methods = ["A", *args.methods]
     if args.torch_threads is not None and args.torch_threads < 1:
         p.error("--torch-threads must be at least 1")
     return args
@@ -722,15 +905,16 @@ def find_shards(args, mnist_root, cifar_folder, work, maxcount):
 
 def describe(setup, synthetic):
     """What the figures were measured on, for the output and the record."""
-    import torchvision
 
     mnist_n = len(tutorial_datasets(setup)[0])
-    cifar_n = len(torchvision.datasets.ImageFolder(setup.cifar_folder))
+    cifar_n = len(cifar10_arrays(setup)[1])
+    where = f"cifar-10-batches-py under {setup.cifar_root}" if setup.cifar_root else \
+        f"the {cifar_n} JPEG files of {setup.cifar_folder}, decoded once before timing"
     totals = ", ".join(f"{enc}: {d} {({s.name: s.total for s in project_sources(d)})}"
                        for enc, d in setup.shards.items())
     notes = [
-        f"A: torchvision MNIST ({mnist_n} train samples, {setup.mnist_root}) and, because the real CIFAR10 pickles "
-        f"are not available here, torchvision ImageFolder over CIFAR10 JPEGs ({cifar_n} files, {setup.cifar_folder}).",
+        f"A: torchvision MNIST ({mnist_n} train samples, {setup.mnist_root}) and torchvision CIFAR10 over one uint8 "
+        f"array of {cifar_n} images ({where}); Image.fromarray + ToTensor + Normalize per sample, as torchvision does.",
         f"B and C read the same shards: {totals}.",
         "A keeps MNIST at 1x28x28 and draws two half batches (tutorial style); B and C pad it to 3x32x32 "
         "and mix both sources in every batch.",
@@ -747,7 +931,7 @@ def all_input_files(setup):
     import torchvision
 
     return ([os.path.join(raw, f) for f in os.listdir(raw)]
-            + [p for p, _ in torchvision.datasets.ImageFolder(setup.cifar_folder).samples]
+            + ([p for p, _ in torchvision.datasets.ImageFolder(setup.cifar_folder).samples] if setup.cifar_folder else [])
             + [u for d in setup.shards.values() for s in project_sources(d) for u in s.urls])
 
 
@@ -768,15 +952,30 @@ def run_tar_format(args, mnist_root):
     return 0
 
 
+def run_stages(args):
+    rows = stage_costs()
+    log(f"{'stage':<10}{'webdataset us/sample':>24}{'pipeline us/sample':>24}")
+    for r in rows:
+        log(f"{r['stage']:<10}{fmt_spread(r['webdataset_us_per_sample'], 2):>24}"
+            f"{fmt_spread(r['pipeline_us_per_sample'], 2):>24}")
+    write_record(args.json, {"command": [os.path.basename(sys.executable), *sys.argv], "git": git_state(),
+                             "stages": rows})
+    return 0
+
+
 def run(args, work):
     if args.synthetic:
-        mnist_root, cifar_folder = make_synthetic_inputs(work)
+        mnist_root, cifar_folder = make_synthetic_inputs(work, args.synthetic_size, args.synthetic_size)
     else:
         mnist_root, cifar_folder = args.mnist_root, args.cifar_folder
     if args.tar_format:
         return run_tar_format(args, mnist_root)
+    if args.stages:
+        return run_stages(args)
     shard_dirs = find_shards(args, mnist_root, cifar_folder, work, maxcount=50 if args.synthetic else 500)
-    setup = Setup(mnist_root, cifar_folder, shard_dirs, batch_size=args.batch_size,
+    os.makedirs(work, exist_ok=True)
+    setup = Setup(mnist_root, cifar_folder, shard_dirs, cifar_root=args.cifar_root,
+                  cifar_cache=os.path.join(work, "cifar10-train-uint8.npz"), batch_size=args.batch_size,
                   batches=args.samples // args.batch_size, world=args.world, rank=args.rank,
                   shuffle_buffer=args.shuffle_buffer)
     notes = describe(setup, args.synthetic)
@@ -792,8 +991,15 @@ def run(args, work):
     log(f"throughput: {setup.samples} samples per run, batch {setup.batch_size}, rank {setup.rank} of "
         f"{setup.world}, {args.repeats} repeat(s)")
     t0 = time.perf_counter()
-    record["throughput"] = throughput(setup, args.encoding, args.workers, args.repeats)
+    record["throughput"] = throughput(setup, args.encoding, args.workers, args.repeats, args.methods)
     record["throughput_seconds"] = round(time.perf_counter() - t0, 1)
+    record["read_ceiling"] = [read_ceiling(setup, enc) for enc in args.encoding]
+    ceilings = {c["encoding"]: c["samples_per_s"]["median"] for c in record["read_ceiling"]}
+    for e in record["throughput"]:
+        if e["encoding"]:
+            e["ceiling_share"] = e["samples_per_s"]["median"] / ceilings[e["encoding"]]
+    if "jpg" in args.encoding and cifar_folder:
+        record["decoders"] = decoder_choice(setup)
     primary = args.encoding[0]
     if not args.skip_memory:
         setup.corpus10x = {primary: make_corpus_10x(shard_dirs[primary], os.path.join(work, f"corpus10x-{primary}"))}
@@ -802,7 +1008,6 @@ def run(args, work):
         record["memory"] = memory(setup, primary, w)
     if args.profile:
         record["profile"] = profile_c(setup, primary)
-        record["read_ceiling"] = [read_ceiling(setup, enc) for enc in args.encoding]
     record["loadavg_at_end"] = os.getloadavg()
     report(record)
     write_record(args.json, record)
@@ -847,15 +1052,20 @@ def report(record):
             pss_ratio = f"{e['ratio_10x_1x_pss']:.2f}" if e["ratio_10x_1x_pss"] else "-"
             log(f"{name:<8}{one['peak_rss_mib']:>9.0f}{ten['peak_rss_mib']:>9.0f}{e['ratio_10x_1x']:>8.2f}"
                 f"{one['peak_pss_mib']:>9.0f}{ten['peak_pss_mib']:>9.0f}{pss_ratio:>8}")
+    for c in record.get("read_ceiling", []):
+        log(f"read ceiling ({c['encoding']} shards, page cache): {fmt_spread(c['samples_per_s'])} samples/s, "
+            f"{c['mb_per_s']:,.0f} MB/s")
+    if "decoders" in record:
+        log("\nJPEG decoders, us an image (median [min-max]); * = what pipeline.decode uses")
+        for r in record["decoders"]:
+            log(f"  {r['images']:<18} {r['decoder']:<28} {fmt_spread(r['us_per_image'], 1):>22} "
+                f"{'*' if r['chosen'] else ''}")
     if "profile" in record:
         prof = record["profile"]
         log(f"\nprofile of C/{prof['encoding']}, workers=0, {prof['samples']} samples, {prof['total_s']} s "
             f"(under cProfile)\n{'tottime':>8} {'cumtime':>8} {'calls':>9}  function")
         for r in prof["top"]:
             log(f"{r['tottime_s']:>8.3f} {r['cumtime_s']:>8.3f} {r['calls']:>9}  {r['function']}")
-        for c in record["read_ceiling"]:
-            log(f"read ceiling ({c['encoding']} shards, page cache): {fmt_spread(c['samples_per_s'])} samples/s, "
-                f"{c['mb_per_s']:,.0f} MB/s")
 
 
 if __name__ == "__main__":
