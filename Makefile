@@ -1,16 +1,21 @@
-# make demo: set up, build shards (real data if found under DATA, else synthetic), train end to end.
-# make test: set up and run the test suite.
+# make demo       set up, build shards (real data where found, else synthetic, saying so), train, draw the report
+# make test       set up and run the whole test suite; prints the 10 slowest tests
+# make test-fast  everything but the torchrun, benchmark and rehearsal tests
+# make bench      the loader benchmark (needs MNIST_ROOT and CIFAR_FOLDER)
+# make gpu-check  the CUDA paths on a GPU machine (nccl, bf16, pinned memory), with figures
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 DATA ?= data
+CIFAR10_DIR ?=
 NPROC ?= 2
 DOWNLOAD ?=
 SHARDS ?= shards
+RUN ?= runs/demo
 MNIST_ROOT ?= data
 CIFAR_FOLDER ?= data/cifar10-jpg/train
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-fast bench gpu-check rehearsal clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,18 +25,29 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	$(PY) tools/make_shards.py --root $(DATA) $(if $(DOWNLOAD),--download) --fallback-synthetic --out $(SHARDS)
+	@echo "make demo: writes shards into $(SHARDS)/ (replacing any there) and the run into $(RUN)/ (replacing it)"
+	$(PY) tools/make_shards.py --root $(DATA) $(if $(CIFAR10_DIR),--datasets mnist --cifar10-dir $(CIFAR10_DIR)) \
+	    $(if $(DOWNLOAD),--download) --fallback-synthetic --out $(SHARDS) --quiet
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) -m pipeline.train \
 	    --train mnist=$(SHARDS)/ --train cifar10=$(SHARDS)/ --eval mnist=$(SHARDS)/ --eval cifar10=$(SHARDS)/ \
 	    --epochs 2 --epoch-samples 20000 --batch-size 128 --workers 1 --width 16 --log-every 20 \
-	    --out runs/demo --overwrite
+	    --out $(RUN) --overwrite
+	$(PY) tools/report.py $(RUN)
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=10
 
-# make bench MNIST_ROOT=../shared/data CIFAR_FOLDER=/tmp/cifar10-jpg/train
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" --durations=10
+
 bench: setup
 	$(PY) tools/bench_loader.py --mnist-root $(MNIST_ROOT) --cifar-folder $(CIFAR_FOLDER) --profile
 
+gpu-check: setup
+	$(PY) tools/gpu_check.py
+
+rehearsal: setup
+	$(PY) tools/rehearsal.py
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs bench-out

@@ -52,7 +52,7 @@ def save(path, state):
     tmp = path + ".tmp"
     try:
         torch.save(state, tmp)
-        torch.load(tmp, weights_only=True)
+        torch.load(tmp, map_location="cpu", weights_only=True)  # readable back, without a second copy on a GPU
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
         try:

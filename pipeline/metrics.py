@@ -72,43 +72,57 @@ def truncate_keys(path, n):
 class StepLog:
     """Per-source loss, sample counts and skipped samples between two metrics lines.
 
-    Sums stay on the device (no sync per step) and are all-reduced once per line.
-    `shared()` all-reduces the partial sums for a checkpoint; resuming puts them on
-    rank 0 only, which the next all-reduce turns into the same line on any world size.
+    Loss sums stay on the device and sample counts on the CPU (counted from the batch
+    before it is copied), so no step waits for the device; both are all-reduced once
+    per line. `shared()` all-reduces the partial sums for a checkpoint; resuming puts
+    them on rank 0 only, which the next all-reduce turns into the same line on any
+    world size.
     """
 
     def __init__(self, names, device):
         self.names, self.device = names, device
-        self.sums = torch.zeros(len(names) + 1, 2, dtype=torch.float64, device=device)  # last row: skipped
+        self.loss = torch.zeros(len(names), dtype=torch.float64, device=device)
+        self.counts = torch.zeros(len(names) + 1, dtype=torch.float64)  # last: skipped samples
         self.t = time.perf_counter()
 
-    def add(self, losses, source, skipped):
-        n = len(self.names)
-        self.sums[:n, 0].index_add_(0, source, losses.double())
-        self.sums[:n, 1] += torch.bincount(source, minlength=n)
-        self.sums[n, 0] += skipped
+    def add(self, losses, source, counts, skipped):
+        """losses and source on the device; counts (samples per source) and skipped on the CPU."""
+        self.loss.index_add_(0, source, losses.double())
+        self.counts[:-1] += counts
+        self.counts[-1] += skipped
+
+    def _reduced(self):
+        both = dist.all_reduce_sum(torch.cat([self.loss, self.counts.to(self.device)]))
+        return both.cpu().tolist()
 
     def shared(self, is_main):
         """The partial sums over all ranks (a collective); afterwards rank 0 holds them alone."""
-        dist.all_reduce_sum(self.sums)
-        total = self.sums.cpu().tolist()
-        if not is_main:
-            self.sums.zero_()
+        total = self._reduced()
+        n = len(self.names)
+        if is_main:
+            self.loss.copy_(torch.tensor(total[:n], dtype=torch.float64))
+            self.counts.copy_(torch.tensor(total[n:], dtype=torch.float64))
+        else:
+            self.loss.zero_()
+            self.counts.zero_()
         return total
 
     def restore(self, sums, is_main):
         if is_main and sums is not None:
-            self.sums.copy_(torch.tensor(sums, dtype=torch.float64))
+            n = len(self.names)
+            self.loss.copy_(torch.tensor(sums[:n], dtype=torch.float64))
+            self.counts.copy_(torch.tensor(sums[n:], dtype=torch.float64))
 
     def flush(self):
         """All-reduce and reset; returns the fields of one metrics line."""
-        dist.all_reduce_sum(self.sums)
+        total = self._reduced()
         n = len(self.names)
-        loss_sum, count = self.sums[:n, 0].tolist(), self.sums[:n, 1].tolist()
-        skipped, total = int(self.sums[n, 0]), sum(count)
+        loss_sum, count, skipped = total[:n], total[n:2 * n], int(total[2 * n])
         dt = time.perf_counter() - self.t
-        self.sums.zero_()
+        self.loss.zero_()
+        self.counts.zero_()
         self.t = time.perf_counter()
+        seen = sum(count)
         return {"loss": {k: a / max(c, 1) for k, a, c in zip(self.names, loss_sum, count)},
-                "samples_per_s": round(total / dt, 1),
-                "share": {k: c / max(total, 1) for k, c in zip(self.names, count)}, "skipped": skipped}
+                "samples_per_s": round(seen / dt, 1),
+                "share": {k: c / max(seen, 1) for k, c in zip(self.names, count)}, "skipped": skipped}

@@ -15,10 +15,13 @@ A remote shard is parsed while it streams in, hashed on the way, and checked
 against its manifest's sha256 and size at the end; only then is a cached copy
 renamed into place.
 """
+import contextlib
 import hashlib
 import http.client
 import os
 import re
+import signal
+import socket
 import subprocess
 import threading
 import time
@@ -83,22 +86,79 @@ def transient(error):
     return not permanent(error) and isinstance(error, (OSError, http.client.HTTPException))
 
 
+class _Watched(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
+    """urllib's http(s) handlers, handing each socket they connect to `watch`."""
+
+    def __init__(self, watch):
+        super().__init__()
+        self.watch = watch
+
+    def http_open(self, req):
+        return self.do_open(self._conn(http.client.HTTPConnection), req)
+
+    def https_open(self, req):
+        return self.do_open(self._conn(http.client.HTTPSConnection), req, context=self._context)
+
+    def _conn(self, base):
+        watch = self.watch
+
+        class Conn(base):
+            def connect(self):
+                super().connect()
+                watch(self.sock)
+        return Conn
+
+
 class _HTTP:
+    """A response whose sockets are shut at the deadline: a server that drips its status
+    line, headers or chunk sizes never trips the per-operation socket timeout either."""
+
     def __init__(self, url, policy, nbytes):
         self.limit = policy.deadline(nbytes)
         self.end = time.monotonic() + self.limit
-        self.resp = urllib.request.urlopen(url, timeout=policy.timeout)
+        self.socks, self.expired, self.resp = [], threading.Event(), None
+        self.timer = threading.Timer(self.limit, self._expire)
+        self.timer.daemon = True
+        self.timer.start()
+        try:
+            self.resp = urllib.request.build_opener(_Watched(self._watch)).open(url, timeout=policy.timeout)
+        except Exception:
+            self.close()
+            self._late()
+            raise
+
+    def _watch(self, sock):
+        self.socks.append(sock)
+        if self.expired.is_set():
+            self._expire()
+
+    def _expire(self):  # wakes a blocked recv, which then reads an end of file
+        self.expired.set()
+        for sock in self.socks:
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+    def _late(self):
+        if self.expired.is_set() or time.monotonic() > self.end:
+            raise Transient(f"transfer not finished within its {self.limit:.0f} s deadline")
 
     def read(self, n):
-        if time.monotonic() > self.end:
-            raise Transient(f"transfer not finished within its {self.limit:.0f} s deadline")
-        data = self.resp.read1(n)  # one socket read at most: a dripping server can't hold read(n) open
-        if not data and self.resp.length:
-            raise Transient(f"connection closed with {self.resp.length} of its announced bytes missing")
+        self._late()
+        try:
+            data = self.resp.read1(n)  # one socket read at most: a dripping server can't hold read(n) open
+        except Exception:
+            self._late()
+            raise
+        if not data:
+            self._late()  # a shut socket's end of file is no end of the body
+            if self.resp.length:
+                raise Transient(f"connection closed with {self.resp.length} of its announced bytes missing")
         return data
 
     def close(self):
-        self.resp.close()
+        self.timer.cancel()
+        if self.resp is not None:
+            self.resp.close()
 
 
 class _Pipe:
@@ -107,7 +167,8 @@ class _Pipe:
 
     def __init__(self, url, policy, nbytes):
         self.limit = policy.deadline(nbytes)
-        self.proc = subprocess.Popen(url[len("pipe:"):], shell=True, stdout=subprocess.PIPE)
+        self.proc = subprocess.Popen(url[len("pipe:"):], shell=True, stdout=subprocess.PIPE,
+                                     start_new_session=True)  # its own group, killed as one
         self.killed = threading.Event()
         self.timer = threading.Timer(self.limit, self._kill)
         self.timer.daemon = True
@@ -115,7 +176,11 @@ class _Pipe:
 
     def _kill(self):
         self.killed.set()
-        self.proc.kill()
+        self._killpg()
+
+    def _killpg(self):  # the shell and what it started: a child holding stdout would keep read() waiting
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
     def read(self, n):
         data = self.proc.stdout.read(n)
@@ -130,7 +195,7 @@ class _Pipe:
     def close(self):
         self.timer.cancel()
         if self.proc.poll() is None:
-            self.proc.kill()
+            self._killpg()
         self.proc.stdout.close()
         self.proc.wait()
 
@@ -151,6 +216,8 @@ class _Checked:
     def read(self, n):
         data = self.raw.read(n)
         self.got += len(data)
+        if self.nbytes is not None and self.got > self.nbytes:  # an endless body would fill the cache
+            raise DigestError(f"more than the {self.nbytes} bytes the manifest says")
         if self.hash:
             self.hash.update(data)
         if self.tmp:

@@ -16,6 +16,7 @@ interrupted epoch: with the same world size and workers exactly where it
 stopped, or on another world size with what the interrupted epoch had left
 (see `leftover_segment`).
 """
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -346,11 +347,15 @@ class EvalStream(torch.utils.data.IterableDataset):
 
     def __init__(self, layout, source, batch_size, topo=Topology(), *, strict=False, cache_dir=None,
                  policy=remote.Policy(), normalize=True):
-        self.layout, self.source, self.batch_size, self.topo = layout, source, batch_size, topo
+        self.layout, self.batch_size, self.topo = layout, batch_size, topo
         self.index = layout.index(source.name)
         train = layout.sources[self.index]
-        if source.shape != train.shape:
-            raise ShardError(f"{source.name}: test shards are {source.shape}, training shards {train.shape}")
+        if source.shape != train.shape:  # test images are decoded to the shape the model trains on
+            if "raw" in source.target.image_exts:
+                raise ShardError(f"{source.name}: raw test shards are {source.shape}, training shards {train.shape}; "
+                                 f"raw pixels cannot be resized")
+            source = dataclasses.replace(source, target=dataclasses.replace(source.target, shape=train.shape))
+        self.source = source
         if list(source.classes) != list(train.classes) or source.target.label_values != train.target.label_values:
             raise ShardError(f"{source.name}: the test manifest lists {len(source.classes)} classes "
                              f"({_preview(source.classes)}), the training manifest {len(train.classes)} "

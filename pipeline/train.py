@@ -34,11 +34,16 @@ ORIGINS = {"synthetic": "synthetic look-alike data", "torchvision": "real data, 
 
 
 def learning_rate(args, global_batch, seen, total):
-    """--lr scaled linearly to the global batch, warmed up linearly over the first 10% of
-    training (at most 500 base batches' worth of samples), then cosine decay to zero.
-    In samples, not steps, so that a resume on another world size stays on schedule."""
+    """--lr scaled linearly to the global batch, warmed up linearly over max(10% of training,
+    50 steps) but at most half of it, then cosine decay to zero.
+
+    The floor of 50 steps is what lets a large batch start: 2 ranks x 256 (peak 0.2) over
+    a 3.5-step warm-up sent the loss to 7 and ended at chance; with 50 steps it learned,
+    and 2 ranks x 32 learned either way (README, "Learning rate"). Counted in samples,
+    not steps, so that a resume on another world size stays on schedule.
+    """
     peak = args.lr * global_batch / BASE_BATCH
-    warmup = max(1, min(total // 10, 500 * BASE_BATCH))
+    warmup = max(1, min(total // 2, max(total // 10, 50 * global_batch)))
     if seen < warmup:
         return peak * (seen + global_batch) / (warmup + global_batch)
     return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, (seen - warmup) / max(1, total - warmup))))
@@ -115,6 +120,7 @@ class Run:
         self.gen_state = self.carried = self.log_sums = None
         self.key_counts = []
         self.facts = self.new_facts()
+        self.startup, self.t0 = {}, time.perf_counter()
 
     def new_facts(self):
         return {"batches": 0, "samples": [0] * len(self.names), "skipped": 0, "wait": 0.0, "busy": 0.0}
@@ -257,7 +263,7 @@ def evaluate(run, loaders):
 def eval_loaders(run):
     """One loader per test source, made once: their workers persist between evaluations
     (at most 2 each, idle while training runs)."""
-    return [stream.make_loader(ev, min(run.args.workers, 2)) for ev in run.evals]
+    return [stream.make_loader(ev, min(run.args.workers, 2), pin_memory=run.device.type == "cuda") for ev in run.evals]
 
 
 def progress_bar(topo, total, desc, initial=0):
@@ -290,18 +296,20 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
     left = run.stream.remaining()
     done_before = run.facts["batches"]
     bar = progress_bar(topo, done_before + left, f"epoch {epoch + 1}/{args.epochs}", done_before)
-    per_source = torch.zeros(len(run.names), dtype=torch.int64, device=run.device)
+    per_source = torch.zeros(len(run.names), dtype=torch.int64)
     t0 = time.perf_counter()
     got = 0
     for batch in loader:  # its workers persist across epochs and pick up set_epoch
         t1 = time.perf_counter()
+        run.startup.setdefault("first_batch_s", round(t1 - run.t0, 3))
         run.facts["wait"] += t1 - t0
+        counts = torch.bincount(batch["source"], minlength=len(run.names))  # on the CPU: no wait for the device
         losses, source = run.step_once(batch, gen)
         got += 1
         run.facts["batches"] += 1
         run.facts["skipped"] += batch["skipped"]
-        per_source += torch.bincount(source, minlength=len(run.names))
-        log.add(losses, source, batch["skipped"])
+        per_source += counts
+        log.add(losses, source, counts, batch["skipped"])
         if args.record_keys:
             keys.add(epoch + 1, batch["key"])
         last = got == left
@@ -357,11 +365,14 @@ def evaluate_only(run):
 
 
 def train(args, topo, device):
+    t0 = time.perf_counter()
     policy = remote.Policy(retries=args.retries, timeout=args.io_timeout, min_rate=args.min_rate * 1e6)
     check = http_check(topo, policy)
     train_sources = [stream.resolve(n, spec, "train", policy=policy, check_http=check) for n, spec in args.train.items()]
     eval_sources = [stream.resolve(n, spec, "test", policy=policy, check_http=check) for n, spec in args.eval.items()]
+    startup = {"resolve_s": round(time.perf_counter() - t0, 3)}  # manifests and HEAD checks
     run = Run(args, topo, device, train_sources, eval_sources)
+    run.startup, run.t0 = startup, t0
     if args.eval_only:
         return evaluate_only(run)
     ckpt = prepare_out(args, topo)
@@ -411,6 +422,8 @@ def train(args, topo, device):
 def write_summary(run, evals, t_start, resumed_from, finished, sources):
     args, topo = run.args, run.topo
     wait, busy = run.history.get("wait", 0.0), run.history.get("busy", 0.0)
+    if run.mid:  # stopped inside an epoch: its share of waiting counts too
+        wait, busy = wait + run.facts["wait"], busy + run.facts["busy"]
     summary = {
         "data": {s.name: {"origin": origin_label(s), "synthetic": s.synthetic, "manifest": s.manifest,
                           "train_samples": s.total} for s in sources},
@@ -423,6 +436,7 @@ def write_summary(run, evals, t_start, resumed_from, finished, sources):
         "skipped_samples": sum(e["skipped"] for e in run.history["epochs"]),
         "wall_time_s": round(time.time() - t_start, 2),
         "data_wait_share": round(wait / max(wait + busy, 1e-9), 4),
+        "startup": run.startup,
         "peak_rss_mb_rank0": peak_rss_mb(),
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         "resumed_from": resumed_from,

@@ -256,13 +256,33 @@ def test_verify_cli(tmp_path):
 
 def test_fallback_synthetic(tmp_path, main):
     (tmp_path / "empty").mkdir()
-    code, out, err = main("--datasets", "mnist", "--splits", "test", "--root", tmp_path / "empty",
+    code, out, err = main("--datasets", "mnist", "--splits", "train", "test", "--root", tmp_path / "empty",
                           "--fallback-synthetic", "--limit", 5, "--out", tmp_path / "out", "--workers", 1, "--quiet")
     assert code == 0, err
-    lines = err.splitlines()
-    assert len(lines) == 1 and "mnist test" in lines[0] and "synthetic" in lines[0], err
+    lines = err.splitlines()  # one line for the data set, naming every way to supply real data
+    assert len(lines) == 1 and "mnist: no real data" in lines[0] and "SYNTHETIC" in lines[0], err
+    assert "MNIST/raw/" in lines[0] and "--download" in lines[0]
+    assert "mnist-train: SYNTHETIC look-alike data" in out and "mnist-test: SYNTHETIC look-alike data" in out
     m = manifests(tmp_path / "out")["mnist-test"]
-    assert (m["total"], m["shape"]) == (5, [1, 28, 28])
+    assert (m["total"], m["shape"], m["origin"]["kind"]) == (5, [1, 28, 28], "synthetic")
+
+
+def test_cifar10_as_a_folder_of_images(tmp_path, main):
+    """make demo CIFAR10_DIR=DIR: train/ and test/ class folders become cifar10-train and -test."""
+    from PIL import Image
+
+    for split, n in (("train", 3), ("test", 2)):
+        for c in ("airplane", "automobile"):
+            (tmp_path / "c10" / split / c).mkdir(parents=True)
+            for i in range(n):
+                Image.new("RGB", (32, 32), (i * 40, 0, 0)).save(tmp_path / "c10" / split / c / f"{i}.jpg")
+    code, out, err = main("--datasets", "mnist", "--synthetic", "--limit", 10, "--cifar10-dir", tmp_path / "c10",
+                          "--out", tmp_path / "out", "--workers", 1, "--quiet")
+    assert code == 0, err
+    ms = manifests(tmp_path / "out")
+    assert ms["cifar10-train"]["total"] == 6 and ms["cifar10-test"]["total"] == 4
+    assert ms["cifar10-train"]["origin"]["kind"] == "imagefolder" and ms["mnist-train"]["origin"]["kind"] == "synthetic"
+    assert "cifar10-train: real images from the ImageFolder" in out
 
 
 # ---------------------------------------------------------------- bad input

@@ -158,3 +158,47 @@ def test_missing_test_shards_fail_before_training(data, tmp_path):
              "--out", str(tmp_path / "o")], nproc=0, check=False)
     assert p.returncode == 2 and "nothing-here.json" in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert not os.path.exists(tmp_path / "o" / "metrics.jsonl")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch, samples", [(32, 3000), (256, 8000)])
+def test_the_defaults_learn_at_small_and_large_global_batches(tmp_path, batch, samples):
+    """--lr is the rate for a global batch of 256, scaled linearly, with a warm-up of at
+    least 50 steps: 2 x 32 (lr 0.025) and 2 x 256 (lr 0.2, which diverged behind a 3-step
+    warm-up) both learn in 3 epochs."""
+    for name, shape in (("mnist", (1, 28, 28)), ("cifar10", (3, 32, 32))):
+        build_shards(tmp_path, name, "train", samples, shape=shape, encoding="raw", maxcount=250)
+        build_shards(tmp_path, name, "test", 400, shape=shape, encoding="raw", maxcount=200)
+    out = tmp_path / "run"
+    run([*sources(tmp_path), "--epochs", "3", "--batch-size", str(batch), "--workers", "1", "--width", "16",
+         "--out", str(out)])
+    s = read(out, "summary.json")
+    assert s["global_batch"] == 2 * batch and s["peak_lr"] == pytest.approx(0.1 * 2 * batch / 256)
+    assert s["accuracy"]["mnist"] > 0.6 and s["accuracy"]["cifar10"] > 0.6, s["accuracy"]  # chance: 0.1
+
+
+STAGE = '''
+import numpy as np
+
+def invert(sample):
+    """The README's example stage: invert every image of one source."""
+    if sample["__source__"] == "cifar10":
+        sample["image"] = 255 - sample["image"]
+    return sample
+'''
+
+
+def test_a_users_sample_stage_runs_in_the_trainer(data, tmp_path):
+    (tmp_path / "my_stages.py").write_text(STAGE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path)]), OMP_NUM_THREADS="1")
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "pipeline.train", *sources(data)[:4], "--epochs", "1",
+                        "--epoch-samples", "64", "--batch-size", "16", "--workers", "1", "--width", "4",
+                        "--sample-stage", "my_stages:invert", "--out", str(out)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert read(out, "summary.json")["config"]["sample_stage"] == ["my_stages:invert"]
+    p = subprocess.run([sys.executable, "-m", "pipeline.train", *sources(data)[:4], "--sample-stage",
+                        "no_such_module:f", "--out", str(tmp_path / "other")], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert p.returncode == 2 and "no_such_module" in p.stderr and "Traceback" not in p.stderr

@@ -13,7 +13,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pipeline import index, remote, shards, sources  # noqa: E402
+from pipeline import index, manifest, remote, shards, sources  # noqa: E402
 from pipeline.cli import Parser  # noqa: E402
 from pipeline.errors import ShardError  # noqa: E402
 from pipeline.manifest import NAME_RE  # noqa: E402
@@ -55,6 +55,9 @@ def parse_args(argv):
     a("--part", metavar="I/N", help="write only part I of N of each split (for N machines)")
     a("--merge", action="store_true", help="merge the part manifests under --out into one")
     a("--verify", action="store_true", help="check the shards under --out against their manifests, list every problem")
+    a("--preview", metavar="MANIFEST", action="append", default=[],
+      help="write a PNG grid of 64 samples of the shard set MANIFEST (e.g. shards/mnist-train.json) with their "
+           "class names, as --out/NAME-SPLIT-preview.png (repeatable)")
     a("--out", default="shards", metavar="DIR", help="output folder (default: shards)")
     a("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
@@ -68,9 +71,9 @@ def check(p, args):
         value = getattr(args, name)
         if value is not None and value < low:
             p.error(f"--{name} must be at least {low}, got {value}")
-    modes = [m for m in ("verify", "merge") if getattr(args, m)]
+    modes = [m for m in ("verify", "merge", "preview") if getattr(args, m)]
     if len(modes) > 1:
-        p.error("--verify and --merge exclude each other")
+        p.error(f"--{' and --'.join(modes)} exclude each other")
     if args.holdout is not None and not args.imagefolder:
         p.error("--holdout applies to --imagefolder sources only")
     if (args.label_key or args.shape or args.classes) and not args.index:
@@ -132,17 +135,20 @@ def parse_pair(p, flag, spec):
 def load_sources(args):
     """Yield each source to write, falling back to synthetic data where asked."""
     for name in args.datasets:
+        said = False
         for split in args.splits:
             if args.synthetic:
                 yield sources.synthetic_source(name, split, seed=args.seed)
                 continue
             try:
                 yield sources.torchvision_source(name, split, args.root, download=args.download)
-            except sources.SourceError as e:
+            except sources.SourceError:
                 if not args.fallback_synthetic:
                     raise
-                print(f"make_shards: {name}-{split}: no real data ({e}); writing synthetic look-alike data "
-                      f"instead. For real data: {real_data_hint(name)}", file=sys.stderr)
+                if not said:
+                    print(f"make_shards: {name}: no real data under {args.root}/, writing SYNTHETIC look-alike data; "
+                          f"for real data {real_data_hint(name)}", file=sys.stderr)
+                    said = True
                 yield sources.synthetic_source(name, split, seed=args.seed)
     for name, split, folder in args.imagefolder:
         src = sources.ImageFolderSource(name, split, folder)
@@ -154,9 +160,9 @@ def load_sources(args):
 
 def real_data_hint(name):
     if name == "mnist":
-        return "put MNIST/raw/ under --root, or pass --download"
-    return "put cifar-10-batches-py/ under --root, pass --download, or give --cifar10-dir DIR (train/ and test/ " \
-           "class folders of images)"
+        return "put MNIST/raw/ under --root (make demo DATA=DIR), or pass --download (make demo DOWNLOAD=1)"
+    return "put cifar-10-batches-py/ under --root (make demo DATA=DIR), pass --download (DOWNLOAD=1), or give " \
+           "--cifar10-dir DIR with train/ and test/ class folders of images (make demo CIFAR10_DIR=DIR)"
 
 
 def describe(origin):
@@ -195,7 +201,20 @@ def run_index(args):
     return 0
 
 
+def run_preview(args):
+    from pipeline.preview import preview
+
+    os.makedirs(args.out, exist_ok=True)
+    for path in args.preview:
+        m = manifest.load(path)
+        out = preview(path, os.path.join(args.out, f"{m['dataset']}-{m['split']}-preview.png"))
+        print(f"wrote {out}")
+    return 0
+
+
 def run(args):
+    if args.preview:
+        return run_preview(args)
     if args.verify:
         problems = shards.verify(args.out)
         for line in problems:

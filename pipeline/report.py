@@ -1,0 +1,308 @@
+"""Pictures of a run: report.png and a per-epoch table, read back from a run folder.
+
+The folder is what `pipeline.train --out` writes: metrics.jsonl always, summary.json
+once a run has ended. Everything is drawn from metrics.jsonl, so a run still going,
+stopped or crashed (its last line torn) still gets a report; summary.json only adds
+where each source's data came from and the data-wait share. Eval lines also carry each
+test source's origin, so a run without a summary says "origin unknown" only for
+sources it has not evaluated yet.
+
+matplotlib is imported inside the drawing functions, never at import time: the
+trainer imports nothing from here, and a training image need not carry it.
+"""
+import json
+import math
+import os
+import statistics
+
+UNKNOWN = "origin unknown"
+
+
+class ReportError(Exception):
+    """A run folder that cannot be reported on; the message is the whole explanation."""
+
+
+# ---------------------------------------------------------------- reading a run folder
+
+
+def read_records(path):
+    """The JSON objects of a .jsonl file, skipping lines that do not parse: a crash can tear
+    the last line, and one bad line should not cost the picture of the rest."""
+    out = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                out.append(record)
+    return out
+
+
+def _number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _train_ok(r):
+    return (_number(r.get("step")) and _number(r.get("epoch")) and isinstance(r.get("loss"), dict)
+            and isinstance(r.get("share", {}), dict) and isinstance(r.get("weights", {}), dict))
+
+
+def _eval_ok(r):
+    return _number(r.get("epoch")) and isinstance(r.get("eval"), dict) and all(
+        isinstance(v, dict) for v in r["eval"].values())
+
+
+def read_summary(path):
+    """summary.json, or None when there is none or it cannot be read: the report then
+    stands on metrics.jsonl alone rather than failing."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def load_run(run_dir):
+    """The run's train lines, eval lines and summary (None if absent). Raises ReportError."""
+    if not os.path.isdir(run_dir):
+        raise ReportError(f"{run_dir}: no such run folder")
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ReportError(f"{run_dir}: no metrics.jsonl (is this a folder written by pipeline.train --out?)")
+    try:
+        records = read_records(path)
+    except OSError as e:
+        raise ReportError(f"{path}: {e}") from None
+    train = [r for r in records if r.get("kind") == "train" and _train_ok(r)]
+    if not train:
+        raise ReportError(f"{path}: no training lines yet (the run has not logged its first --log-every steps)")
+    return {"dir": run_dir, "train": train, "eval": [r for r in records if r.get("kind") == "eval" and _eval_ok(r)],
+            "summary": read_summary(os.path.join(run_dir, "summary.json"))}
+
+
+def _ordered(keys_lists):
+    seen = {}
+    for keys in keys_lists:
+        for k in keys:
+            seen.setdefault(str(k), None)
+    return list(seen)
+
+
+def train_names(run):
+    return _ordered(r["loss"] for r in run["train"])
+
+
+def eval_names(run):
+    return _ordered(r["eval"] for r in run["eval"])
+
+
+def origins(run):
+    """{source: where its data came from}: summary.json where it names the source, else what
+    its eval lines say (they carry the origin too, so a run without a summary can still tell)."""
+    out = {}
+    for r in run["eval"]:
+        for name, v in r["eval"].items():
+            if isinstance(v.get("data"), str):
+                out[name] = v["data"]
+    data = (run["summary"] or {}).get("data")
+    if isinstance(data, dict):
+        for name, v in data.items():
+            if isinstance(v, dict) and isinstance(v.get("origin"), str):
+                out[name] = v["origin"]
+    return out
+
+
+def described(run, name):
+    """'cifar10 (synthetic look-alike data)': a curve is never shown without saying what data it is."""
+    return f"{name} ({origins(run).get(name, UNKNOWN)})"
+
+
+# ---------------------------------------------------------------- numbers
+
+
+def loss_of(record, name):
+    """The line's mean loss of `name`, or NaN when the line holds none of its samples:
+    the trainer writes 0.0 for a source that got no samples (weight 0), which is no loss."""
+    loss, share = record["loss"].get(name), record.get("share", {}).get(name)
+    if not _number(loss) or (_number(share) and share == 0):
+        return math.nan
+    return float(loss)
+
+
+def accuracy_of(record, name):
+    """Test accuracy of `name` in an eval line, or NaN when it evaluated no samples."""
+    v = record["eval"].get(name)
+    if not isinstance(v, dict) or not _number(v.get("accuracy")) or v.get("count") == 0:
+        return math.nan
+    return float(v["accuracy"])
+
+
+def last_evals(run):
+    """{epoch: eval line}, the last one per epoch (a resumed run may evaluate an epoch again)."""
+    return {int(r["epoch"]): r for r in run["eval"]}
+
+
+def epoch_rows(run):
+    """One row per epoch: last train loss per source, test accuracy per source, median samples/s."""
+    evals, rows = last_evals(run), []
+    epochs = sorted({int(r["epoch"]) for r in run["train"]} | set(evals))
+    for epoch in epochs:
+        lines = [r for r in run["train"] if int(r["epoch"]) == epoch]
+        loss = {}
+        for name in train_names(run):
+            seen = [x for x in (loss_of(r, name) for r in lines) if not math.isnan(x)]
+            loss[name] = seen[-1] if seen else math.nan
+        ev = evals.get(epoch)
+        acc = {name: accuracy_of(ev, name) if ev else math.nan for name in eval_names(run)}
+        rates = [float(r["samples_per_s"]) for r in lines if _number(r.get("samples_per_s"))]
+        rows.append({"epoch": epoch, "loss": loss, "accuracy": acc,
+                     "samples_per_s": statistics.median(rates) if rates else math.nan})
+    return rows
+
+
+def _cell(x, fmt):
+    return "-" if x is None or math.isnan(x) else format(x, fmt)
+
+
+def table(run):
+    """The per-epoch table as text, columns aligned, for a terminal or a log."""
+    head = (["epoch"] + [f"loss {n}" for n in train_names(run)] + [f"acc {n}" for n in eval_names(run)]
+            + ["samples/s"])
+    body = [[str(r["epoch"])] + [_cell(v, ".4f") for v in r["loss"].values()]
+            + [_cell(v, ".4f") for v in r["accuracy"].values()] + [_cell(r["samples_per_s"], ".1f")]
+            for r in epoch_rows(run)]
+    widths = [max(len(row[i]) for row in [head] + body) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [head] + body)
+
+
+# ---------------------------------------------------------------- drawing
+
+
+def plain(text, limit=200):
+    """Text from a run or a manifest, shown as it is: `$` would start matplotlib's math
+    mode (and a stray one fails the whole drawing), and a long note would overflow."""
+    text = str(text)
+    if len(text) > limit:
+        text = text[:limit - 1] + "…"
+    return text.replace("$", r"\$")
+
+
+def new_figure(width, height, dpi=100):
+    """A figure on the Agg canvas without pyplot, so nothing global (backend, open
+    figures) changes in the process that draws it."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=dpi)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def figure_texts(fig):
+    """Every string drawn on a figure (titles, labels, legends, notes), to check what a picture says."""
+    from matplotlib.text import Text
+
+    return [t.get_text() for t in fig.findobj(Text) if t.get_text()]
+
+
+def _colours(names):
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10"]
+    return {n: cmap(i % 10) for i, n in enumerate(names)}
+
+
+def figure_title(run):
+    summary = run["summary"] or {}
+    names = _ordered([train_names(run), eval_names(run)])
+    head = f"run {os.path.basename(os.path.abspath(run['dir']))}"
+    if _number(summary.get("world_size")):
+        head += f", {summary['world_size']} rank(s)"
+    if not summary:
+        head += ", no summary.json (still running, or stopped before the end)"
+    elif summary.get("finished") is False:
+        head += ", stopped before the end"
+    return head + "\n" + "; ".join(described(run, n) for n in names)
+
+
+def draw_loss(ax, run, colours):
+    steps = [r["step"] for r in run["train"]]
+    for name in train_names(run):
+        ax.plot(steps, [loss_of(r, name) for r in run["train"]], color=colours[name], label=plain(described(run, name)))
+    ax.set(title="training loss per source", xlabel="step", ylabel="mean loss since the last line")
+
+
+def draw_accuracy(ax, run, colours):
+    evals = last_evals(run)
+    epochs = sorted(evals)
+    for name in eval_names(run):
+        ax.plot(epochs, [accuracy_of(evals[e], name) for e in epochs], marker="o", color=colours[name],
+                label=plain(described(run, name)))
+    ax.set(title="test accuracy per source", xlabel="epoch", ylabel="accuracy")
+    if epochs:
+        ax.set_xticks(epochs)
+    else:
+        ax.text(0.5, 0.5, "no eval lines (none yet, or no --eval sources)", ha="center", va="center", transform=ax.transAxes)
+
+
+def draw_share(ax, run, colours):
+    """A line's weights were in force over the steps since the line before (from step 0 for
+    the first), hence the steps drawn back from each line."""
+    steps = [r["step"] for r in run["train"]]
+    for name in train_names(run):
+        share = [r.get("share", {}).get(name, math.nan) for r in run["train"]]
+        weight = [r.get("weights", {}).get(name, math.nan) for r in run["train"]]
+        ax.plot(steps, share, color=colours[name], label=plain(f"{described(run, name)} share"))
+        ax.plot([0] + steps, weight[:1] + weight, color=colours[name], linestyle="--", drawstyle="steps-pre",
+                label=plain(f"{name} weight"))
+    ax.set(title="realised mixture share (solid) and weights in force (dashed)", xlabel="step",
+           ylabel="share of samples")
+
+
+def draw_speed(ax, run):
+    steps = [r["step"] for r in run["train"]]
+    ax.plot(steps, [r.get("samples_per_s", math.nan) for r in run["train"]], color="black")
+    ax.set(title="throughput", xlabel="step", ylabel="samples/s (all ranks)")
+    wait = (run["summary"] or {}).get("data_wait_share")
+    note = f"waiting for data: {wait:.1%} of the time" if _number(wait) else "data-wait share: no summary.json"
+    ax.text(0.02, 0.04, note, transform=ax.transAxes, fontsize=9,
+            bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
+
+
+def build_figure(run):
+    """The four-panel figure of a run (loss, accuracy, share, samples/s)."""
+    fig = new_figure(14, 9)
+    (a, b), (c, d) = fig.subplots(2, 2)
+    colours = _colours(_ordered([train_names(run), eval_names(run)]))
+    draw_loss(a, run, colours)
+    draw_accuracy(b, run, colours)
+    draw_share(c, run, colours)
+    draw_speed(d, run)
+    for ax in (a, b, c):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle(plain(figure_title(run), limit=1000))
+    fig.tight_layout()
+    return fig
+
+
+def save(fig, out):
+    """Write the figure in the format its name asks for (PNG when the name has no extension)."""
+    ext = os.path.splitext(out)[1].lstrip(".").lower() or "png"
+    if ext not in fig.canvas.get_supported_filetypes():
+        raise ReportError(f"{out}: cannot write .{ext} pictures; name a .png file")
+    try:
+        fig.savefig(out, format=ext)
+    except OSError as e:
+        raise ReportError(f"{out}: {e}") from None
+    return out
+
+
+def report(run_dir, out=None):
+    """Draw report.png (or `out`) for a run folder; returns (path written, the epoch table)."""
+    run = load_run(run_dir)
+    path = save(build_figure(run), out or os.path.join(run_dir, "report.png"))
+    return path, table(run)

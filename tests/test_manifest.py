@@ -1,0 +1,66 @@
+"""pipeline.manifest: resolving a command line's SPEC into a Source, checking manifests, and
+the rule for where a listed shard may be (hostile names: tests/test_security.py)."""
+import os
+
+import pytest
+
+from helpers import build_shards, shard_keys
+from pipeline import manifest
+from pipeline.errors import ShardError
+from pipeline.stream import MixedStream, resolve
+from test_stream import data  # noqa: F401,F811 (fixture)
+
+
+def test_resolve_manifest_folder_and_pattern(data):
+    m = data.manifests["mnist", "train"]
+    names = [s["name"] for s in m["shards"]]
+    by_manifest = resolve("mnist", os.path.join(data.dir, "mnist-train.json"), "train")
+    by_folder = resolve("mnist", data.dir, "train")
+    by_slash = resolve("mnist", data.dir + "/", "train")
+    for s in (by_manifest, by_folder, by_slash):
+        assert [os.path.basename(u) for u in s.urls] == names
+        assert s.total == 230 == m["total"]
+        assert s.shape == (1, 28, 28) and s.target.image_exts == ("raw",) and len(s.classes) == 10
+    sub = resolve("mnist", os.path.join(data.dir, "mnist-train-{000002..000004}.tar"), "train")
+    assert [os.path.basename(u) for u in sub.urls] == names[2:5]
+    assert sub.counts == [20, 20, 20]
+    expected = [k for u in sub.urls for k in shard_keys(u)]
+    layout_stream = MixedStream([sub], {"mnist": 1}, 7)
+    got = [k for b in layout_stream.eval_stream(sub) for k in b["key"]]
+    assert sorted(got) == sorted(expected) and len(got) == 60
+
+
+def test_resolve_errors(data, tmp_path):
+    with pytest.raises(ShardError, match="no manifest"):
+        resolve("mnist", str(tmp_path), "train")
+    with pytest.raises(ShardError, match="index them in place with: python tools/make_shards.py --index"):
+        resolve("mnist", str(tmp_path / "whatever.tar"), "train")
+    with pytest.raises(ShardError, match="not in"):
+        resolve("mnist", os.path.join(data.dir, "mnist-train-{000011..000012}.tar"), "train")
+    # a manifest whose shard is gone
+    build_shards(tmp_path, "mnist", "train", 30, maxcount=10)
+    os.remove(tmp_path / "mnist-train-000001.tar")
+    with pytest.raises(ShardError, match="missing"):
+        resolve("mnist", str(tmp_path), "train")
+
+
+
+
+def test_locate_plain_names_next_to_the_manifest_wherever_it_is(tmp_path):
+    local = str(tmp_path / "m.json")
+    assert manifest.locate(local, "a-000001.tar") == str(tmp_path / "a-000001.tar")
+    assert manifest.locate(local, "sub/a.tar") == str(tmp_path / "sub" / "a.tar")
+    assert manifest.locate("http://h:8/p/m.json", "a b.tar".replace(" ", "_")) == "http://h:8/p/a_b.tar"
+    assert manifest.locate("http://h/p/m.json?sig=1", "x.tar") == "http://h/p/x.tar?sig=1"
+    assert manifest.locate("pipe:curl -s http://h/p/m.json", "x.tar") == "pipe:curl -s http://h/p/x.tar"
+    assert manifest.locate(local, "https://other/x.tar") == "https://other/x.tar"
+    assert manifest.locate(local, "/data/x.tar") == "/data/x.tar"
+
+
+def test_check_accepts_what_make_shards_writes_and_version_1(tmp_path):
+    m, _ = build_shards(tmp_path, "toy", "train", 10, maxcount=5)
+    assert manifest.check(dict(m), "x")["format"] == manifest.FORMAT
+    old = {k: v for k, v in m.items() if k not in ("image_exts", "label", "origin")}
+    old["format"] = "pipeline-shards/1"
+    target = manifest.target_of(manifest.check(old, "x"))
+    assert target.image_exts == ("raw",) and target.label == "cls"

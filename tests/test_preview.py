@@ -1,0 +1,131 @@
+"""pipeline.preview on tiny synthetic shard sets: the PNG, the captions against each
+sample's true class, grey images kept grey, and the title's data set and origin."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from helpers import build_shards, key_index
+from pipeline import preview as pv
+from pipeline.errors import ShardError
+from pipeline.report import figure_texts
+
+
+@pytest.fixture(scope="module")
+def mnist(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mnist")
+    _, source = build_shards(out, "mnist", "train", 40, shape=(1, 28, 28), encoding="png", maxcount=10)
+    return out / "mnist-train.json", source
+
+
+@pytest.fixture(scope="module")
+def cifar(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cifar")
+    _, source = build_shards(out, "cifar10", "test", 12, shape=(3, 32, 32), encoding="raw", maxcount=5)
+    return out / "cifar10-test.json", source
+
+
+def grid_images(fig):
+    """The pixel arrays the figure shows, in grid order."""
+    return [im for ax in fig.axes for im in ax.get_images()]
+
+
+def test_preview_writes_a_png_grid(mnist, tmp_path):
+    path, _ = mnist
+    sizes = []
+    for n in (4, 36):
+        out = tmp_path / f"sheet{n}.png"
+        assert pv.preview(str(path), str(out), n=n) == str(out)
+        assert out.read_bytes()[:4] == b"\x89PNG"
+        with Image.open(out) as im:
+            sizes.append(im.size)
+    for w, h in sizes:
+        assert 300 <= w <= 3000 and 200 <= h <= 3000, sizes
+    assert sizes[1][0] > sizes[0][0] and sizes[1][1] > sizes[0][1]  # 6x6 cells need more room than 2x2
+
+
+def test_captions_are_the_true_class_names(mnist):
+    path, source = mnist
+    src, keys, _, _, _ = pv.samples(str(path), 12, 0)
+    fig = pv.build_figure(str(path), n=12)
+    captions = [ax.get_title() for ax in fig.axes if ax.get_images()]
+    assert len(captions) == 12
+    assert captions == [source.classes[source.label(key_index(k))] for k in keys]
+    assert all(c in source.classes for c in captions)
+
+
+def test_title_names_the_data_set_and_says_synthetic(mnist):
+    path, _ = mnist
+    texts = "\n".join(figure_texts(pv.build_figure(str(path), n=8)))
+    assert "SYNTHETIC" in texts
+    assert "mnist / train" in texts and "8 of 40 samples" in texts
+
+
+def test_grey_images_are_shown_grey_and_match_the_source(mnist):
+    path, source = mnist
+    _, keys, _, _, _ = pv.samples(str(path), 6, 0)
+    shown = grid_images(pv.build_figure(str(path), n=6))
+    assert len(shown) == 6
+    for im, key in zip(shown, keys):
+        a = np.asarray(im.get_array())
+        assert a.ndim == 2 and im.get_cmap().name == "gray"
+        assert im.get_clim() == (0, 255)  # no contrast stretch: a dark image looks dark
+        assert np.array_equal(a, source.image(key_index(key))[0])
+
+
+def test_colour_images_are_shown_in_colour(cifar):
+    path, source = cifar
+    _, keys, _, _, _ = pv.samples(str(path), 4, 0)
+    shown = grid_images(pv.build_figure(str(path), n=4))
+    for im, key in zip(shown, keys):
+        a = np.asarray(im.get_array())
+        assert a.shape == (32, 32, 3)
+        assert np.array_equal(a, source.image(key_index(key)).transpose(1, 2, 0))
+
+
+def test_more_than_there_is_gives_every_sample_once(cifar):
+    path, _ = cifar
+    _, keys, images, labels, skipped = pv.samples(str(path), 100, 3)
+    assert sorted(keys) == sorted(set(keys)) and len(keys) == 12 and skipped == 0
+    assert len(grid_images(pv.build_figure(str(path), n=100))) == 12
+
+
+def test_seed_picks_the_shards_reproducibly(mnist):
+    path, _ = mnist
+    first = {seed: pv.samples(str(path), 10, seed)[1] for seed in range(4)}
+    assert pv.samples(str(path), 10, 2)[1] == first[2]
+    assert len({tuple(k) for k in first.values()}) > 1  # 4 shards of 10: the seed changes which is shown
+
+
+def test_real_data_is_not_called_synthetic(tmp_path):
+    build_shards(tmp_path, "cifar10", "train", 10, shape=(3, 32, 32), encoding="png", maxcount=5)
+    path = tmp_path / "cifar10-train.json"
+    m = json.loads(path.read_text())
+    m["origin"] = {"kind": "imagefolder", "note": r"images from an ImageFolder tree of 10 files, cost $\frac{1$"}
+    path.write_text(json.dumps(m))
+    out = tmp_path / "real.png"
+    fig = pv.build_figure(str(path), n=4)
+    texts = "\n".join(figure_texts(fig))
+    assert "SYNTHETIC" not in texts
+    assert "imagefolder" in texts and "ImageFolder tree of 10 files" in texts
+    pv.preview(str(path), str(out), n=4)  # the `$` is drawn as text, not read as math
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_input_raises_a_plain_error(tmp_path, mnist):
+    with pytest.raises(ShardError):
+        pv.preview(str(tmp_path / "nothing.json"), str(tmp_path / "x.png"))
+    with pytest.raises(ValueError):
+        pv.preview(str(mnist[0]), str(tmp_path / "x.png"), n=0)
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_importing_the_preview_does_not_import_matplotlib():
+    code = "import sys, pipeline.preview; sys.exit('matplotlib' in sys.modules)"
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr

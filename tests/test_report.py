@@ -1,0 +1,201 @@
+"""tools/report.py on hand-written run folders: the picture, the per-epoch table, the
+origin of every source in the figure's text, and one-line answers to bad input.
+
+The folders are written here line by line in the formats pipeline.train writes, so a
+change to those formats that the report does not follow shows up as a failure here.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline import report
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "report.py"
+ORIGINS = {"mnist": "real data, torchvision files", "cifar10": "synthetic look-alike data"}
+ACCURACY = {1: {"mnist": 0.8125, "cifar10": 0.4375}, 2: {"mnist": 0.9375, "cifar10": 0.5625}}
+
+
+def train_line(epoch, step, loss, share, speed, weights=None):
+    return {"kind": "train", "epoch": epoch, "step": step, "lr": 0.01,
+            "weights": weights or {"mnist": 0.5, "cifar10": 0.5}, "loss": loss,
+            "samples_per_s": speed, "share": share, "skipped": 0}
+
+
+def eval_line(epoch, step):
+    return {"kind": "eval", "epoch": epoch, "step": step, "eval": {
+        name: {"count": 16, "correct": int(acc * 16), "accuracy": acc, "loss": 1.0, "skipped": 0,
+               "data": ORIGINS[name]} for name, acc in ACCURACY[epoch].items()}}
+
+
+def metrics_lines():
+    half = {"mnist": 0.5, "cifar10": 0.5}
+    return [
+        train_line(1, 5, {"mnist": 2.0, "cifar10": 2.2}, half, 100.0),
+        train_line(1, 10, {"mnist": 1.5, "cifar10": 1.9}, half, 300.0),
+        train_line(1, 12, {"mnist": 1.25, "cifar10": 1.75}, half, 200.0),
+        eval_line(1, 12),
+        {"kind": "weights_changed", "epoch": 2, "step": 12, "weights": {"mnist": 0.9, "cifar10": 0.1}},
+        train_line(2, 17, {"mnist": 1.0, "cifar10": 1.5}, {"mnist": 0.9, "cifar10": 0.1}, 400.0,
+                   {"mnist": 0.9, "cifar10": 0.1}),
+        train_line(2, 24, {"mnist": 0.75, "cifar10": 1.25}, {"mnist": 0.875, "cifar10": 0.125}, 500.0,
+                   {"mnist": 0.9, "cifar10": 0.1}),
+        eval_line(2, 24),
+    ]
+
+
+def summary():
+    return {"data": {name: {"origin": origin, "synthetic": "synthetic" in origin, "manifest": f"/x/{name}-train.json",
+                            "train_samples": 100} for name, origin in ORIGINS.items()},
+            "accuracy": ACCURACY[2], "epochs": [{"epoch": 1, "batches": {"rank0": 12}, "samples": {}, "skipped": 0},
+                                               {"epoch": 2, "batches": {"rank0": 12}, "samples": {}, "skipped": 0}],
+            "data_wait_share": 0.125, "wall_time_s": 3.5, "world_size": 2, "finished": True}
+
+
+def write_run(folder, lines, summary_json=None, torn=True):
+    folder.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(r) + "\n" for r in lines)
+    if torn:  # a crash mid-write: the last line stops half way
+        text += json.dumps(train_line(3, 30, {"mnist": 0.5, "cifar10": 1.0}, {"mnist": 0.5, "cifar10": 0.5}, 9.0))[:40]
+    (folder / "metrics.jsonl").write_text(text)
+    if summary_json is not None:
+        (folder / "summary.json").write_text(json.dumps(summary_json))
+    return folder
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    return write_run(tmp_path / "run", metrics_lines(), summary())
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, str(TOOL), *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def table_rows(stdout):
+    """{column: [cells]} of the printed table, read by its header row."""
+    lines = [ln.split() for ln in stdout.splitlines() if ln.strip()]
+    start = next(i for i, cells in enumerate(lines) if cells[0] == "epoch")
+    head = ["epoch"] + [" ".join(lines[start][i:i + 2]) for i in range(1, len(lines[start]) - 1, 2)] + ["samples/s"]
+    rows = [cells for cells in lines[start + 1:] if cells[0].isdigit()]
+    return [dict(zip(head, cells)) for cells in rows]
+
+
+def test_cli_writes_a_png_and_a_table_per_epoch(run_dir):
+    r = cli(run_dir)
+    assert r.returncode == 0, r.stderr
+    png = run_dir / "report.png"
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    rows = table_rows(r.stdout)
+    assert [row["epoch"] for row in rows] == ["1", "2"]  # the torn epoch-3 line is skipped
+    for row in rows:
+        for name, acc in ACCURACY[int(row["epoch"])].items():
+            assert float(row[f"acc {name}"]) == pytest.approx(acc, abs=1e-4)
+    assert float(rows[0]["loss mnist"]) == 1.25 and float(rows[1]["loss cifar10"]) == 1.25  # last line of the epoch
+    assert float(rows[0]["samples/s"]) == 200.0 and float(rows[1]["samples/s"]) == 450.0  # medians
+    assert str(png) in r.stdout
+
+
+def test_out_puts_the_picture_elsewhere(run_dir, tmp_path):
+    out = tmp_path / "elsewhere.png"
+    r = cli(run_dir, "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert not (run_dir / "report.png").exists()
+
+
+def test_figure_says_which_data_each_source_is(run_dir):
+    texts = report.figure_texts(report.build_figure(report.load_run(str(run_dir))))
+    joined = "\n".join(texts)
+    for name, origin in ORIGINS.items():
+        assert f"{name} ({origin})" in joined
+    assert "origin unknown" not in joined
+    assert "12.5%" in joined  # the data-wait share from summary.json
+    for title in ("training loss", "test accuracy", "share", "throughput"):
+        assert any(title in t for t in texts), title
+
+
+def test_summary_alone_says_which_data_each_source_is(tmp_path):
+    """Before any eval line (or with no --eval sources) only summary.json knows the origins."""
+    folder = write_run(tmp_path / "r", metrics_lines()[:3], summary())
+    joined = "\n".join(report.figure_texts(report.build_figure(report.load_run(str(folder)))))
+    for name, origin in ORIGINS.items():
+        assert f"{name} ({origin})" in joined
+
+
+def test_without_summary_origins_are_unknown_until_evaluated(tmp_path):
+    lines = metrics_lines()
+    folder = write_run(tmp_path / "early", lines[:3])  # stopped in epoch 1: train lines only
+    r = cli(folder)
+    assert r.returncode == 0, r.stderr
+    assert (folder / "report.png").read_bytes()[:4] == b"\x89PNG"
+    joined = "\n".join(report.figure_texts(report.build_figure(report.load_run(str(folder)))))
+    assert "mnist (origin unknown)" in joined and "cifar10 (origin unknown)" in joined
+    assert "no summary.json" in joined
+    assert [row["epoch"] for row in table_rows(r.stdout)] == ["1"]
+
+    folder = write_run(tmp_path / "evaluated", lines[:4])  # an eval line says what data it tested on
+    joined = "\n".join(report.figure_texts(report.build_figure(report.load_run(str(folder)))))
+    assert f"mnist ({ORIGINS['mnist']})" in joined and "origin unknown" not in joined
+
+
+def test_a_source_without_samples_has_no_loss_rather_than_zero(tmp_path):
+    """The trainer writes loss 0.0 for a source that got no samples in a line (weight 0)."""
+    lines = metrics_lines()[:3] + [train_line(1, 14, {"mnist": 1.0, "cifar10": 0.0}, {"mnist": 1.0, "cifar10": 0.0},
+                                              200.0, {"mnist": 1.0, "cifar10": 0.0})]
+    run = report.load_run(str(write_run(tmp_path / "r", lines)))
+    row = report.epoch_rows(run)[0]
+    assert row["loss"] == {"mnist": 1.0, "cifar10": 1.75}
+
+
+def test_text_from_the_run_is_drawn_literally(tmp_path):
+    """A `$` in an origin would otherwise be read as matplotlib math, and a broken one fails the drawing."""
+    s = summary()
+    s["data"]["mnist"]["origin"] = r"files from $\frac{1$ somewhere"
+    folder = write_run(tmp_path / "r", metrics_lines(), s)
+    r = cli(folder)
+    assert r.returncode == 0, r.stderr
+    assert (folder / "report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_importing_the_report_does_not_import_matplotlib():
+    code = "import sys, pipeline.report; sys.exit('matplotlib' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=TOOL.parents[1], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def _bad_folders(tmp_path):
+    empty = tmp_path / "empty"
+    write_run(empty, [], torn=False)
+    torn_only = tmp_path / "torn_only"
+    write_run(torn_only, [eval_line(1, 12)], summary())  # an eval line and a torn one, no train line
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    return {"missing": tmp_path / "nowhere", "empty": empty, "no train lines": torn_only, "no metrics": bare}
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "no train lines", "no metrics"])
+def test_bad_run_folders_fail_in_one_line(tmp_path, case):
+    r = cli(_bad_folders(tmp_path)[case])
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert r.stderr.startswith("report: error: ") and r.stderr.count("\n") == 1, r.stderr
+    assert r.stdout == ""
+
+
+@pytest.mark.parametrize("args", [[], ["--out"], ["--bogus"]])
+def test_bad_command_lines_fail_in_one_line(run_dir, args):
+    r = cli(*([run_dir] if args else []), *args)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and r.stderr.startswith("report: error: ")
+
+
+def test_unwritable_picture_fails_in_one_line(run_dir, tmp_path):
+    for out in (tmp_path / "no" / "such" / "dir" / "r.png", tmp_path / "r.xyz"):
+        r = cli(run_dir, "--out", out)
+        assert r.returncode == 2, out
+        assert "Traceback" not in r.stderr and r.stderr.startswith("report: error: ")
+        assert not os.path.exists(out)

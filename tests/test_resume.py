@@ -1,0 +1,225 @@
+"""Resuming inside an epoch: the stream's state_dict / load_state_dict in one process (any
+world size, any break point), then the trainer killed mid-epoch under torchrun and resumed
+on the same and on another number of ranks.
+"""
+import collections
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import build_shards, free_port
+from pipeline.stream import MixedStream, make_loader, resolve
+from pipeline.topology import Topology
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WEIGHTS = {"mnist": 1.0, "cifar10": 1.0}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shards")
+    build_shards(out, "mnist", "train", 400, shape=(1, 28, 28), encoding="raw", maxcount=20)
+    build_shards(out, "cifar10", "train", 400, shape=(3, 32, 32), encoding="png", maxcount=20)
+    build_shards(out, "mnist", "test", 60, shape=(1, 28, 28), encoding="raw", maxcount=20)
+    return out
+
+
+def sources(data):
+    return [resolve("mnist", str(data), "train"), resolve("cifar10", str(data), "train")]
+
+
+def stream_for(data, rank=0, world=1, **kw):
+    kw = dict(dict(seed=4, shuffle_buffer=30, epoch_samples=640), **kw)
+    return MixedStream(sources(data), WEIGHTS, 8, Topology(rank, world), **kw)
+
+
+def keys(loader, n=None):
+    """The keys of the loader's next n batches (all of them by default), taking no more."""
+    return [list(b["key"]) for b in itertools.islice(loader, n)]
+
+
+# ---------------------------------------------------------------- in one process
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2, 3])
+@pytest.mark.parametrize("stop", [1, 4, 7])
+def test_read_n_save_rebuild_and_the_next_batches_are_the_same(data, workers, stop):
+    """torchdata's test for a stateful loader: N batches, state_dict, a new stream and loader
+    from that state, and the rest must equal an uninterrupted pass (keys in order)."""
+    for rank in range(2):
+        whole = keys(make_loader(stream_for(data, rank, 2), workers))
+        first = stream_for(data, rank, 2)
+        head = keys(make_loader(first, workers), stop)
+        state = json.loads(json.dumps(first.state_dict()))  # JSON all the way: it lives in checkpoints
+        again = stream_for(data, rank, 2)
+        loader = make_loader(again, workers)
+        loader_state_first = again.remaining()
+        again.load_state_dict(state)
+        assert again.remaining() == len(whole) - stop and loader_state_first == len(whole)
+        assert head + keys(loader) == whole, (rank, workers, stop)
+
+
+def test_state_survives_set_epoch_and_applies_to_its_epoch_only(data):
+    s = stream_for(data)
+    s.set_epoch(3)
+    head = keys(make_loader(s, 2), 5)
+    state = s.state_dict()
+    assert state["epoch"] == 3
+    t = stream_for(data)
+    t.load_state_dict(state)
+    t.set_epoch(3)  # the trainer selects the epoch again: the resume point stays
+    loader = make_loader(t, 2)
+    rest = keys(loader)
+    fresh = stream_for(data)
+    fresh.set_epoch(3)
+    assert head + rest == keys(make_loader(fresh, 2))
+    t.set_epoch(4)  # the next epoch starts from its beginning
+    fresh.set_epoch(4)
+    assert keys(loader) == keys(make_loader(fresh, 2))
+
+
+def test_loading_after_the_workers_started_is_refused(data):
+    s = stream_for(data)
+    loader = make_loader(s, 1)
+    keys(loader, 2)
+    with pytest.raises(RuntimeError, match="before the first pass"):
+        s.load_state_dict(s.state_dict())
+
+
+def test_a_state_for_other_sources_or_seed_is_refused(data):
+    s = stream_for(data)
+    keys(make_loader(s, 0), 2)
+    state = s.state_dict()
+    for other in (stream_for(data, seed=5), MixedStream(sources(data)[::-1], WEIGHTS, 8, seed=4)):
+        with pytest.raises(ValueError, match="stream state is for"):
+            other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("old, new", [((2, 2), (3, 1)), ((2, 2), (1, 0)), ((3, 1), (2, 2)), ((2, 0), (2, 3))])
+def test_another_world_continues_the_epoch_without_reading_a_sample_twice(data, old, new):
+    """k batches on each old rank, then the rest of the epoch on a new world: no key twice
+    in the epoch, and nothing skipped but what the new world's last partial batch leaves."""
+    (w0, k0), (w1, k1) = old, new
+    stop = 9
+    states, seen = [], []
+    for r in range(w0):
+        s = stream_for(data, r, w0)
+        seen += [k for b in keys(make_loader(s, k0), stop) for k in b]
+        states.append(s.state_dict())
+    left = (640 // (w0 * 8) - stop) * w0 * 8
+    after = []
+    for r in range(w1):
+        s = stream_for(data, r, w1)
+        loader = make_loader(s, k1)
+        s.load_state_dict({"ranks": states})
+        assert s.remaining() == left // (w1 * 8)
+        after += [k for b in keys(loader) for k in b]
+    everything = seen + after
+    repeated = [k for k, c in collections.Counter(everything).items() if c > 1]
+    assert not repeated, repeated[:5]
+    assert len(after) == left // (w1 * 8) * w1 * 8 and left - len(after) < w1 * 8
+
+
+def test_another_world_needs_every_ranks_state(data):
+    s = stream_for(data, 0, 2)
+    keys(make_loader(s, 0), 2)
+    with pytest.raises(ValueError, match="needs every rank's stream state"):
+        stream_for(data, 0, 3).load_state_dict({"ranks": [s.state_dict()]})
+
+
+# ---------------------------------------------------------------- the trainer under torchrun
+
+
+def launch(args, nproc):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                             f"--master_port={free_port()}", "-m", "pipeline.train", *map(str, args)], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def finish(proc, timeout=240):
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("a hang")
+    assert proc.returncode == 0, err[-3000:]
+
+
+def common(data, out):
+    return ["--train", f"mnist={data}/", "--train", f"cifar10={data}/", "--eval", f"mnist={data}/", "--epochs", "2",
+            "--epoch-samples", "640", "--batch-size", "8", "--workers", "2", "--width", "4", "--log-every", "4",
+            "--shuffle-buffer", "30", "--record-keys", "--checkpoint-every", "3", "--out", out]
+
+
+def metrics(out):
+    lines = [json.loads(ln) for ln in open(os.path.join(out, "metrics.jsonl"))]
+    for ln in lines:
+        ln.pop("samples_per_s", None)
+    return lines
+
+
+def key_log(out, world):
+    return {r: open(os.path.join(out, f"keys-rank{r}.txt")).read().splitlines() for r in range(world)}
+
+
+def position(out):
+    import torch
+
+    try:
+        state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)
+    except (OSError, RuntimeError, EOFError):
+        return None
+    return json.loads(state["position"])
+
+
+@pytest.fixture(scope="module")
+def whole(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("whole") / "run"
+    finish(launch(common(data, out), 2))
+    return out
+
+
+@pytest.mark.slow
+def test_killed_inside_an_epoch_and_resumed_matches_the_uninterrupted_run(data, whole, tmp_path):
+    out = tmp_path / "run"
+    proc = launch(common(data, out), 2)
+    t0 = time.time()
+    while not ((position(out) or {}).get("step", 0) >= 9):  # a checkpoint inside epoch 1 (40 steps)
+        assert proc.poll() is None and time.time() - t0 < 180, "no mid-epoch checkpoint"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert position(out)["mid"] and position(out)["epoch"] == 0
+    finish(launch([*common(data, out), "--resume"], 2))
+    assert metrics(out) == metrics(whole)
+    assert key_log(out, 2) == key_log(whole, 2)
+    s, w = (json.loads((d / "summary.json").read_text()) for d in (out, whole))
+    assert s["eval"] == w["eval"] and s["resumed_from"]["step"] >= 9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [3, 1])
+def test_resumed_on_another_world_size_no_sample_twice_in_the_epoch(data, whole, tmp_path, world):
+    out = tmp_path / "run"
+    p = launch([*common(data, out), "--stop-after-steps", "13"], 2)
+    finish(p)
+    assert position(out) == {"epoch": 0, "mid": True, "step": 13, "seen": 13 * 16}
+    finish(launch([*common(data, out), "--resume"], world))
+    s = json.loads((out / "summary.json").read_text())
+    assert s["world_size"] == world and s["epochs_done"] == 2
+    lines = [ln.split("\t") for r in range(max(2, world)) for ln in key_log(out, max(2, world)).get(r, [])]
+    first = [k for e, k in lines if e == "1"]
+    assert len(first) == len(set(first)), "a sample read twice in the interrupted epoch"
+    left = 640 - 13 * 16
+    assert len(first) == 13 * 16 + left // (world * 8) * world * 8
+    assert s["epochs"][0]["batches"] == {f"rank{r}": left // (world * 8) for r in range(world)}
+    assert set(s["epochs"][0]["before_resume"]) == {"before_resume_rank0", "before_resume_rank1"}

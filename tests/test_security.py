@@ -1,0 +1,528 @@
+"""Untrusted input: hostile manifests, lying servers, bad numbers, resumes with other settings.
+
+A manifest is data, never code: no shard name ever runs a command or opens a file outside
+the shard set. Bad input is one line and exit code 2, before anything is trained or wiped.
+"""
+import errno
+import functools
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from helpers import build_shards, free_port
+from pipeline import checkpoint, files, manifest, remote
+from pipeline.errors import FetchError, ShardError
+from pipeline.stream import MixedStream, resolve
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shards")
+    build_shards(out, "mnist", "train", 200, shape=(1, 28, 28), encoding="raw", maxcount=20)
+    build_shards(out, "cifar10", "train", 200, shape=(3, 32, 32), encoding="raw", maxcount=20)
+    build_shards(out, "mnist", "test", 40, shape=(1, 28, 28), encoding="raw", maxcount=20)
+    return out
+
+
+def train(*args, nproc=0, timeout=180):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                f"--master_port={free_port()}"] if nproc else [sys.executable]
+    return subprocess.run([*launcher, "-m", "pipeline.train", *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_error(p, *needles):
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
+    errors = [ln for ln in p.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1, p.stderr[-2000:]
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+def small(data, out, *extra):
+    return ["--train", f"mnist={data}/", "--train", f"cifar10={data}/", "--epochs", "1", "--batch-size", "16",
+            "--workers", "0", "--width", "4", "--out", out, *extra]
+
+
+def rewrite_manifest(src_dir, dst_dir, name, split, change):
+    """A copy of a manifest (and hard links to its shards) with `change(manifest)` applied."""
+    dst_dir.mkdir(exist_ok=True)
+    m = json.loads((src_dir / f"{name}-{split}.json").read_text())
+    for s in m["shards"]:
+        if not (dst_dir / s["name"]).exists():
+            os.link(src_dir / s["name"], dst_dir / s["name"])
+    change(m)
+    (dst_dir / f"{name}-{split}.json").write_text(json.dumps(m))
+    return dst_dir / f"{name}-{split}.json"
+
+
+# ---------------------------------------------------------------- 1. commands from a manifest
+
+
+@pytest.mark.parametrize("evil", ["x.tar; touch {canary}", "$(touch {canary}).tar", "`touch {canary}`.tar",
+                                  "x.tar && touch {canary}", "x.tar | touch {canary}", "x\ntouch {canary}"])
+def test_a_piped_manifest_never_runs_its_shard_names(data, tmp_path, evil):
+    canary = tmp_path / "canary"
+    path = rewrite_manifest(data, tmp_path / "m", "mnist", "train",
+                            lambda m: m["shards"][1].update(name=evil.format(canary=canary)))
+    with pytest.raises(ShardError, match="not a plain relative name|scheme|commands"):
+        resolve("mnist", f"pipe:cat {path}", "train")
+    p = train("--train", f"mnist=pipe:cat {path}", "--out", tmp_path / "run")
+    one_line_error(p, "mnist-train.json")
+    assert not canary.exists(), "a shard name ran a command"
+
+
+def test_a_local_manifest_cannot_name_a_command(data, tmp_path):
+    canary = tmp_path / "canary"
+    for name in (f"pipe:touch {canary}", f"PIPE:touch {canary}", "file:///etc/passwd", "s3://bucket/x.tar"):
+        path = rewrite_manifest(data, tmp_path / "m", "mnist", "train", lambda m: m["shards"][0].update(name=name))
+        rel = os.path.relpath(path, ROOT)  # a bare relative path, as users type it
+        p = train("--train", f"mnist={rel}", "--out", tmp_path / "run")
+        one_line_error(p, "never commands or other schemes")
+    assert not canary.exists()
+
+
+def test_plain_names_are_quoted_into_the_pipe_command(data):
+    src = resolve("mnist", f"pipe:cat {data}/mnist-train.json", "train")
+    assert src.urls[0] == f"pipe:cat {data}/mnist-train-000000.tar"
+    assert manifest.locate("pipe:cat /x/m.json", "a+b.tar") == "pipe:cat /x/a+b.tar"
+    assert manifest.locate("pipe:aws s3 cp s3://b/p/m.json -", "sub/x.tar") == "pipe:aws s3 cp s3://b/p/sub/x.tar -"
+
+
+# ---------------------------------------------------------------- 2. paths outside the shard set
+
+
+@pytest.mark.parametrize("name", ["../other/x.tar", "../../../etc/passwd", "sub/../../x.tar", "./x.tar",
+                                  ".hidden.tar", "a//b.tar", "a\\..\\b.tar", "", "sub/"])
+def test_manifest_names_cannot_leave_its_folder(data, tmp_path, name):
+    path = rewrite_manifest(data, tmp_path / "m", "mnist", "train", lambda m: m["shards"][0].update(name=name))
+    with pytest.raises(ShardError, match="mnist-train.json"):
+        resolve("mnist", str(path), "train")
+
+
+def test_a_test_split_next_door_is_not_pulled_into_training(data, tmp_path):
+    """The landed code opened ../other/x.tar: a manifest naming the test shards trained on them."""
+    (tmp_path / "other").mkdir()
+    os.link(data / "mnist-test-000000.tar", tmp_path / "other" / "mnist-test-000000.tar")
+    rewrite_manifest(data, tmp_path / "m", "mnist", "train",
+                     lambda m: m["shards"][0].update(name="../other/mnist-test-000000.tar"))
+    p = train(*small(tmp_path / "m", tmp_path / "run")[:2], "--out", tmp_path / "run")
+    one_line_error(p, "not a plain relative name")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_links_out_of_the_folder_are_refused_and_absolute_paths_only_in_local_manifests(data, tmp_path):
+    folder = tmp_path / "m"
+    rewrite_manifest(data, folder, "mnist", "train", lambda m: None)
+    os.remove(folder / "mnist-train-000003.tar")
+    os.symlink("/etc/passwd", folder / "mnist-train-000003.tar")
+    with pytest.raises(ShardError, match="outside the manifest's folder"):
+        resolve("mnist", str(folder), "train")
+    absolute = rewrite_manifest(data, tmp_path / "abs", "mnist", "train",
+                                lambda m: m["shards"][0].update(name=str(data / "mnist-train-000000.tar")))
+    assert resolve("mnist", str(absolute), "train").urls[0] == str(data / "mnist-train-000000.tar")  # on purpose
+    with pytest.raises(ShardError, match="absolute path in a remote manifest"):
+        manifest.locate("http://host/shards/mnist-train.json", "/etc/passwd")
+    with pytest.raises(ShardError, match="absolute path in a remote manifest"):
+        manifest.locate("pipe:cat /x/mnist-train.json", "/etc/passwd")
+
+
+# ---------------------------------------------------------------- 3. labels the model has no row for
+
+
+def test_eval_classes_must_match_training_classes(data, tmp_path):
+    rewrite_manifest(data, tmp_path / "m", "mnist", "test", lambda m: m.update(classes=[str(i) for i in range(21)]))
+    p = train(*small(data, tmp_path / "run"), "--eval", f"mnist={tmp_path / 'm'}/")
+    one_line_error(p, "21 classes", "10")
+    assert not (tmp_path / "run").exists(), "the run folder was touched before the check"
+
+
+def test_a_decoded_label_outside_the_source_is_skipped_and_counted(tmp_path):
+    from helpers import read_members, write_tar
+
+    build_shards(tmp_path, "toy", "train", 20, maxcount=10)
+    shard = tmp_path / "toy-train-000000.tar"
+    write_tar(shard, [(n, b"20" if n.endswith(".cls") and i == 1 else body)
+                      for i, (n, body) in enumerate(read_members(shard))])
+    src = resolve("toy", str(tmp_path), "train")
+    with pytest.warns(UserWarning, match="label 20 outside 0..9"):
+        batches = list(MixedStream([src], {"toy": 1}, 5, epoch_samples=20).eval_stream(src))
+    assert sum(b["skipped"] for b in batches) == 1 and sum(len(b["key"]) for b in batches) == 19
+    assert max(int(b["label"].max()) for b in batches if len(b["label"])) < 10
+
+
+# ---------------------------------------------------------------- 4. every manifest field checked
+
+
+def _drop(key):
+    return lambda m: m["shards"][0].pop(key)
+
+
+MUTATIONS = {
+    "std zero": (lambda m: m.update(std=[0.0]), "std"),
+    "std negative": (lambda m: m.update(std=[-0.2]), "std"),
+    "std NaN": (lambda m: m.update(std=[float("nan")]), "std"),
+    "mean inf": (lambda m: m.update(mean=[float("inf")]), "mean"),
+    "mean of 3 for 1 channel": (lambda m: m.update(mean=[0.1, 0.2, 0.3]), "mean"),
+    "no samples": (_drop("samples"), "shards[0].samples"),
+    "no name": (_drop("name"), "shards[0].name"),
+    "samples as text": (lambda m: m["shards"][0].update(samples="20"), "shards[0].samples"),
+    "samples zero": (lambda m: m["shards"][0].update(samples=0), "shards[0].samples"),
+    "samples 1e12": (lambda m: m["shards"][0].update(samples=10 ** 12), "cannot fit"),
+    "shards as a dict": (lambda m: m.update(shards={"a": 1}), "shards"),
+    "shards empty": (lambda m: m.update(shards=[]), "shards"),
+    "shape of 2": (lambda m: m.update(shape=[28, 28]), "shape"),
+    "shape of 2 channels": (lambda m: m.update(shape=[2, 28, 28]), "shape"),
+    "huge shape": (lambda m: m.update(shape=[1, 100000, 28]), "shape"),
+    "classes empty": (lambda m: m.update(classes=[]), "classes"),
+    "classes not text": (lambda m: m.update(classes=[1, 2]), "classes"),
+    "unknown image kind": (lambda m: m.update(image_exts=["pyd"]), "image_exts"),
+    "label from a pickle": (lambda m: m.update(label="pyd"), "label"),
+    "bad sha256": (lambda m: m["shards"][0].update(sha256="zz"), "sha256"),
+    "total wrong": (lambda m: m.update(total=5), "total"),
+    "not a manifest": (lambda m: m.clear(), "format"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MUTATIONS))
+def test_every_manifest_field_is_checked(data, tmp_path, case):
+    change, field = MUTATIONS[case]
+    path = rewrite_manifest(data, tmp_path / "m", "mnist", "train", change)
+    with pytest.raises(ShardError) as e:
+        resolve("mnist", str(path), "train")
+    assert field in str(e.value) and "mnist-train.json" in str(e.value)
+
+
+def test_a_bad_manifest_is_one_line_from_the_trainer(data, tmp_path):
+    path = rewrite_manifest(data, tmp_path / "m", "mnist", "train", lambda m: m.update(std=[0.0]))
+    one_line_error(train("--train", f"mnist={path}", "--out", tmp_path / "run"), "std")
+
+
+def test_a_shard_whose_count_differs_from_its_manifest_is_named_at_first_read(data, tmp_path):
+    path = rewrite_manifest(data, tmp_path / "m", "mnist", "train", lambda m: (m["shards"][0].update(samples=25), m.update(total=205)))
+    src = resolve("mnist", str(path), "train")
+    with pytest.warns(UserWarning, match="mnist-train-000000.tar: 20 samples, the manifest says 25"):
+        list(MixedStream([src], {"mnist": 1}, 10, epoch_samples=30).eval_stream(src))
+
+
+# ---------------------------------------------------------------- 5. a server that drips
+
+
+class Drip(http.server.BaseHTTPRequestHandler):
+    """Answers HEAD normally and GET with a byte every 0.2 s (for at most 60 s)."""
+
+    def do_HEAD(self):
+        self.send_response(200)
+        self.send_header("Content-Length", str(self.server.sizes.get(self.path, 0)))
+        self.end_headers()
+
+    def do_GET(self):
+        if self.path.endswith(".json"):
+            body = self.server.files[self.path]
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(self.server.sizes[self.path]))
+        self.end_headers()
+        t0 = time.time()
+        try:
+            while time.time() - t0 < 60 and not self.server.stopping:
+                self.wfile.write(b"\0")
+                self.wfile.flush()
+                time.sleep(0.2)
+        except OSError:
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def dripping(data):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Drip)
+    server.daemon_threads, server.stopping = True, False
+    server.files = {"/mnist-train.json": (data / "mnist-train.json").read_bytes()}
+    server.sizes = {f"/{s['name']}": s["bytes"] for s in json.loads(server.files["/mnist-train.json"])["shards"]}
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/"
+    server.stopping = True
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_dripping_server_fails_at_its_deadline_instead_of_hanging(dripping):
+    policy = remote.Policy(retries=1, delay=0.1, timeout=1.0, min_rate=1e6)
+    src = resolve("mnist", dripping, "train", policy=policy)
+    stream = MixedStream([src], {"mnist": 1}, 10, epoch_samples=20, policy=policy)
+    t0 = time.time()
+    with pytest.warns(UserWarning, match="retrying"), pytest.raises(FetchError, match="deadline"):
+        list(stream)
+    assert time.time() - t0 < 15  # two attempts of a ~1 s deadline each, plus one socket timeout
+
+
+@pytest.mark.slow
+def test_the_trainer_stops_with_one_line_on_a_dripping_server(dripping, tmp_path):
+    t0 = time.time()
+    p = train("--train", f"mnist={dripping}", "--batch-size", "10", "--workers", "1", "--width", "4",
+              "--io-timeout", "1", "--retries", "1", "--out", tmp_path / "run", timeout=120)
+    one_line_error(p, "deadline")
+    assert time.time() - t0 < 60
+
+
+# ---------------------------------------------------------------- 6. resume with other settings
+
+
+@pytest.fixture(scope="module")
+def finished(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("resume") / "run"
+    p = train(*small(data, out, "--epochs", "2", "--stop-after", "1"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    return out
+
+
+@pytest.mark.parametrize("change, needles", [
+    (["--train", "cifar10={d}/", "--train", "mnist={d}/"], ["sources", "cifar10 10 classes 3x32x32"]),
+    (["--weights", "mnist=0.9,cifar10=0.1"], ["weights", "--change-weights"]),
+    (["--batch-size", "8"], ["batch_size: checkpoint 16, now 8"]),
+    (["--width", "8"], ["width: checkpoint 4, now 8"]),
+    (["--seed", "3"], ["seed"]),
+    (["--train", "mnist={d}/"], ["sources"]),
+])
+def test_resume_with_other_settings_is_one_line_naming_each_difference(data, finished, tmp_path, change, needles):
+    out = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(finished), str(out)], check=True)
+    args = small(data, out, "--epochs", "2", "--resume")
+    if change[0] == "--train":
+        args = [a for a in args if a not in ("--train", f"mnist={data}/", f"cifar10={data}/")]
+        args = [c.format(d=data) for c in change] + args
+    else:
+        args += change
+    one_line_error(train(*args), "--resume with other settings", *needles)
+
+
+def test_weights_may_change_on_purpose_and_are_recorded(data, finished, tmp_path):
+    out = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(finished), str(out)], check=True)
+    p = train(*small(data, out, "--epochs", "2", "--resume", "--change-weights", "--weights", "mnist=3,cifar10=1"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    changed = [ln for ln in lines if ln["kind"] == "weights_changed"]
+    assert len(changed) == 1 and changed[0]["to"] == [0.75, 0.25] and changed[0]["from"] == [0.5, 0.5]
+
+
+# ---------------------------------------------------------------- 7. full disks and torn lines
+
+
+def test_a_torn_metrics_line_is_cut_on_resume(data, finished, tmp_path):
+    out = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(finished), str(out)], check=True)
+    whole = (out / "metrics.jsonl").read_text()
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "epoch": 2, "st')  # what a full disk left
+    p = train(*small(data, out, "--epochs", "2", "--resume"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    text = (out / "metrics.jsonl").read_text()
+    assert text.startswith(whole) and all(json.loads(ln) for ln in text.splitlines())
+
+
+def test_a_failed_line_write_leaves_the_file_whole(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    files.append_line(str(path), '{"a": 1}')
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            self.f.write(data[:5])  # part of it made it to disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+    real_open = open
+    monkeypatch.setattr(files, "open", lambda *a, **k: Full(real_open(*a, **k)), raising=False)
+    with pytest.raises(OSError):
+        files.append_line(str(path), '{"b": 2}')
+    monkeypatch.undo()
+    assert path.read_text() == '{"a": 1}\n'
+
+
+def test_a_checkpoint_that_cannot_be_written_keeps_the_previous_one(tmp_path, monkeypatch):
+    path = str(tmp_path / "checkpoint.pt")
+    checkpoint.save(path, {"version": checkpoint.VERSION, "n": 1})
+
+    def full(obj, f, *a, **k):
+        with open(f, "wb") as out:
+            out.write(b"half a checkpoint")
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file "
+                           "data/0: file write failed")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(OSError, match="could not write the checkpoint .* the previous checkpoint is kept") as e:
+        checkpoint.save(path, {"version": checkpoint.VERSION, "n": 2})
+    assert "\n" not in str(e.value)
+    monkeypatch.undo()
+    assert not os.path.exists(path + ".tmp")
+    assert checkpoint.load(path)["n"] == 1
+
+
+# ---------------------------------------------------------------- 8. sizes that would eat memory
+
+
+def test_a_batch_larger_than_the_epoch_is_refused(data, tmp_path):
+    one_line_error(train(*small(data, tmp_path / "run", "--batch-size", "100000000")), "less than one batch")
+    assert not (tmp_path / "run").exists()
+
+
+SCRIPT = r"""
+import resource, sys, warnings
+from pipeline.stream import MixedStream, resolve
+src = resolve("big", sys.argv[1], "train")
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+n = sum(len(b["key"]) for b in MixedStream([src], {"big": 1}, 4, epoch_samples=16, shuffle_buffer=16))
+print(n, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_members_a_source_does_not_use_cost_no_memory(tmp_path):
+    """8 samples, each with an unused 20 MB member (a 160 MB shard): the stream holds none of them."""
+    from helpers import read_members, write_tar
+
+    build_shards(tmp_path, "big", "train", 8, maxcount=8)
+    shard = tmp_path / "big-train-000000.tar"
+    members = []
+    for name, body in read_members(shard):
+        members.append((name, body))
+        if name.endswith(".cls"):
+            members.append((name.replace(".cls", ".npy"), os.urandom(20 << 20)))
+    write_tar(shard, members)
+    m = json.loads((tmp_path / "big-train.json").read_text())
+    m["shards"][0]["bytes"] = os.path.getsize(shard)
+    m["shards"][0].pop("sha256")
+    (tmp_path / "big-train.json").write_text(json.dumps(m))
+    p = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 0, p.stderr[-2000:]
+    samples, grown_mb = map(int, p.stdout.split())
+    assert samples == 16 and grown_mb < 60, grown_mb
+
+
+# ---------------------------------------------------------------- weak spots: HEAD checks, launchers, numbers
+
+
+class Counting(http.server.SimpleHTTPRequestHandler):
+    def do_HEAD(self):
+        with self.server.lock:
+            self.server.heads.append(self.path)
+        return super().do_HEAD()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.slow
+def test_each_http_shard_is_checked_once_per_job(data, tmp_path):
+    handler = functools.partial(Counting, directory=str(data))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.heads, server.lock = [], threading.Lock()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/"
+    try:
+        p = train("--train", f"mnist={url}", "--train", f"cifar10={url}", "--epochs", "1", "--batch-size", "16",
+                  "--workers", "1", "--width", "4", "--out", tmp_path / "run", nproc=2)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert p.returncode == 0, p.stderr[-2000:]
+    shards = [s["name"] for n in ("mnist", "cifar10") for s in json.loads((data / f"{n}-train.json").read_text())["shards"]]
+    assert sorted(server.heads) == sorted(f"/{s}" for s in shards)  # once each, not once per rank
+
+
+@pytest.mark.slow
+def test_ranks_end_when_their_launcher_is_killed(data, tmp_path):
+    import signal
+
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                             f"--master_port={free_port()}", "-m", "pipeline.train",
+                             *small(data, out, "--epochs", "1000")], cwd=ROOT, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.time()
+    while not (out / "metrics.jsonl").exists():
+        assert time.time() - t0 < 120 and proc.poll() is None
+        time.sleep(0.1)
+    ranks = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == proc.pid]
+    assert len(ranks) == 2
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group; each rank leads a group of its own
+    proc.wait()
+    deadline = time.time() + 20
+    while any(_alive(r) for r in ranks) and time.time() < deadline:
+        time.sleep(0.2)
+    left = [r for r in ranks if _alive(r)]
+    for r in left:
+        os.kill(r, signal.SIGKILL)
+    assert not left, "ranks kept running without their launcher"
+
+
+def _parent(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("bad, needle", [
+    (["--lr", "nan"], "--lr"), (["--lr", "inf"], "--lr"), (["--lr", "0"], "--lr"), (["--width", "0"], "--width"),
+    (["--width", "-4"], "--width"), (["--flip", "nosuchsource"], "--flip nosuchsource"),
+    (["--weight-decay", "-1"], "--weight-decay"), (["--min-rate", "0"], "--min-rate"),
+    (["--checkpoint-every", "0"], "--checkpoint-every"), (["--stop-after-steps", "-1"], "--stop-after-steps"),
+    (["--sample-stage", "nocolon"], "--sample-stage"), (["--change-weights"], "--change-weights"),
+])
+def test_bad_numbers_are_one_line(data, tmp_path, bad, needle):
+    one_line_error(train(*small(data, tmp_path / "run"), *bad), needle)
+
+
+def test_a_bad_number_never_wipes_the_previous_run(data, finished, tmp_path):
+    out = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(finished), str(out)], check=True)
+    before = sorted(os.listdir(out))
+    one_line_error(train(*small(data, out, "--stop-after", "-2", "--overwrite")), "--stop-after")
+    assert sorted(os.listdir(out)) == before
+
+
+def test_a_manifest_of_another_data_set_is_named(data, tmp_path):
+    with pytest.warns(UserWarning, match="the manifest describes data set 'mnist', not 'cifar10'"):
+        resolve("cifar10", str(data / "mnist-train.json"), "train")

@@ -1,0 +1,473 @@
+"""One-command GPU check: run the real trainer on every visible GPU, then check one by one
+the CUDA paths it relies on, and print figures ready to paste into the README.
+
+    python tools/gpu_check.py                     # synthetic shards, all visible GPUs
+    python tools/gpu_check.py --shards shards/ --nproc 2 --json bench-out/gpu-check.json
+
+Steps, each timed and reported; a failed step does not stop the ones that do not need it:
+  shards     synthetic MNIST/CIFAR10 look-alikes written by pipeline.shards (or --shards DIR)
+  train      pipeline.train under torchrun --standalone (nccl when more than one rank):
+             samples/s, data-wait share and test accuracy from summary.json and metrics.jsonl
+  autocast   bf16 autocast forward + backward of the GPU recipe's model: finite loss and grads,
+             the loss falling over a few steps on one batch; model-only samples/s
+  normalize  Layout.normalize of a pinned uint8 batch copied with non_blocking=True equals
+             the CPU normalisation
+  loader     make_loader with pinned memory feeding a GPU loop: samples/s, share of time waited
+  nccl       a one-rank nccl process group in this process: all_reduce, pipeline.dist's CPU
+             round trip, a DDP step (a one-GPU trainer run makes no process group and no DDP)
+
+The whole check keeps within --budget seconds (a step past its share is stopped and fails).
+Exit codes: 0 all passed, 1 a step failed, 2 bad command line, 3 no CUDA device.
+"""
+import argparse
+import faulthandler
+import json
+import math
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from contextlib import contextmanager, nullcontext
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as tdist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+from pipeline import dist, shards  # noqa: E402
+from pipeline.cli import Parser  # noqa: E402
+from pipeline.files import read_json, write_json_atomic  # noqa: E402
+from pipeline.model import Net  # noqa: E402
+from pipeline.sources import SyntheticSource  # noqa: E402
+from pipeline.stream import MixedStream, make_loader, resolve  # noqa: E402
+from pipeline.train import autocast  # noqa: E402
+
+SHAPES = {"mnist": (1, 28, 28), "cifar10": (3, 32, 32)}
+TRAIN_N, TEST_N = 20000, 2000
+TRAIN_FLAGS = ["--epochs", "2", "--batch-size", "256", "--workers", "4", "--width", "64", "--log-every", "20"]
+BATCH = 256
+TOLERANCE = 1e-5
+AFTER_TRAIN_S = 60  # kept back from the trainer for the in-process checks after it
+
+
+class Failed(Exception):
+    """A step that ran but whose figures are wrong; the figures still go in the report."""
+
+    def __init__(self, message, figures=None):
+        super().__init__(message)
+        self.figures = figures or {}
+
+
+def parse(argv=None):
+    p = Parser(prog="gpu_check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shards", metavar="DIR", help="real shards: a folder holding mnist-train.json, "
+                   "cifar10-train.json, mnist-test.json, cifar10-test.json (default: build synthetic ones)")
+    p.add_argument("--nproc", type=int, metavar="N", help="trainer ranks, one GPU each (default: every visible GPU)")
+    p.add_argument("--json", default="bench-out/gpu-check.json", metavar="PATH",
+                   help="where the report goes as JSON (default: bench-out/gpu-check.json)")
+    p.add_argument("--work", metavar="DIR", help="keep shards, run folder and trainer log here "
+                                                 "(default: a temporary folder, removed at the end)")
+    p.add_argument("--budget", type=int, default=290, metavar="S",
+                   help="seconds for the whole check: a step that overruns its share is stopped and fails, "
+                        f"the trainer may use all but {AFTER_TRAIN_S + 30} s of what is left (default: 290)")
+    args = p.parse_args(argv)
+    if args.shards:
+        missing = [f"{n}-{s}.json" for n in SHAPES for s in ("train", "test")
+                   if not os.path.exists(os.path.join(args.shards, f"{n}-{s}.json"))]
+        if missing:
+            p.error(f"--shards {args.shards}: no {', '.join(missing)}")
+    if args.nproc is not None and args.nproc < 1:
+        p.error(f"--nproc must be at least 1, got {args.nproc}")
+    if args.budget < 120:
+        p.error(f"--budget must be at least 120, got {args.budget}")
+    return args, p
+
+
+def cuda_device_count():
+    """Visible CUDA devices, 0 without a driver (a CUDA build of torch warns then: kept quiet,
+    the caller says it in one line)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def machine(nproc):
+    props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    nccl = torch.cuda.nccl.version() if hasattr(torch.cuda, "nccl") else None
+    return {"gpus": [f"{p.name} ({p.total_memory / 2**30:.0f} GiB)" for p in props], "nproc": nproc,
+            "cpu_cores": os.cpu_count(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version(), "nccl": ".".join(map(str, nccl)) if nccl else None}
+
+
+# ---------------------------------------------------------------- 1. shards
+
+
+def build_synthetic(folder, train_n=TRAIN_N, test_n=TEST_N):
+    """Look-alikes in the real shapes, written by the project's own writer, so that the
+    check needs no data set on the GPU machine."""
+    workers = min(8, os.cpu_count() or 1)
+    for name, shape in SHAPES.items():
+        for split, n in (("train", train_n), ("test", test_n)):
+            shards.build(SyntheticSource(name, split, n, shape), folder, encoding="raw", maxcount=500,
+                         workers=workers, progress=False)
+
+
+def describe_shards(folder):
+    """Resolve every split the trainer will read, so a missing or damaged manifest fails
+    here in one line rather than inside torchrun."""
+    found = {f"{n}-{s}": resolve(n, folder, s) for n in SHAPES for s in ("train", "test")}
+    synthetic = all(src.synthetic for src in found.values())
+    count = sum(len(src.urls) for src in found.values())
+    samples = {k: src.total for k, src in found.items()}
+    return {"folder": folder, "synthetic": synthetic, "shards": count, "samples": samples,
+            "summary": f"{'synthetic' if synthetic else 'real'} data, {count} shards: "
+                       + ", ".join(f"{k} {v}" for k, v in samples.items())}
+
+
+def train_sources(folder):
+    return [resolve(n, folder, "train") for n in SHAPES]
+
+
+# ---------------------------------------------------------------- 2. the trainer under torchrun
+
+
+def trainer_command(folder, out, nproc, flags=TRAIN_FLAGS):
+    spec = folder.rstrip("/") + "/"
+    sources = [x for kind in ("--train", "--eval") for n in SHAPES for x in (kind, f"{n}={spec}")]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "pipeline.train", *sources, *flags, "--out", out, "--overwrite"]
+
+
+def run_trainer(cmd, log_path, timeout):
+    """Run the job with its output in a log; returns its exit code. Stopped on timeout or
+    on any error here: torchrun ends its ranks on SIGTERM, and the ranks end with it."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+               PYTHONUNBUFFERED="1")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise Failed(f"trainer still running after {timeout} s, stopped; last lines of {log_path}:\n"
+                         + tail(log_path)) from None
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def log_lines(path):
+    """A log's lines, tqdm's carriage-return updates counted as lines."""
+    with open(path, errors="replace") as f:
+        return [ln for ln in f.read().replace("\r", "\n").splitlines() if ln.strip()]
+
+
+def tail(path, n=12):
+    return "\n".join("    " + ln for ln in log_lines(path)[-n:])
+
+
+def cause(path):
+    """What a failed rank said: the trainer's one-line error, else the last exception line
+    that is not torchrun's own (its report of a failed child buries the rank's words above it)."""
+    lines = log_lines(path)
+    own = [ln for ln in lines if ln.startswith("pipeline.train: error:")]
+    raised = [ln for ln in lines if re.match(r"[\w.]*(Error|Exception)\b", ln) and "ChildFailedError" not in ln]
+    return (own or raised or ["see the log"])[-1]
+
+
+def read_run(out, nproc, test_counts):
+    """Figures of a finished run from the files the trainer writes for people; fails if it
+    ran off CUDA, on another world size, stopped early, or counted a test sample twice or never."""
+    summary = read_json(os.path.join(out, "summary.json"))
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rates = [r["samples_per_s"] for r in map(json.loads, filter(str.strip, f)) if r.get("kind") == "train"]
+    rate = statistics.median(rates[1:] or rates) if rates else float("nan")  # the first line holds the warm-up
+    world, acc = summary["world_size"], summary["accuracy"]
+    synthetic = all(d.get("synthetic") for d in summary["data"].values())
+    figures = {"synthetic": synthetic, "samples_per_s": rate, "samples_per_s_per_gpu": round(rate / world, 1),
+               "data_wait_share": summary["data_wait_share"], "accuracy": acc, "wall_time_s": summary["wall_time_s"],
+               "world_size": world, "device": summary["device"], "global_batch": summary["global_batch"],
+               "epochs": len(summary["epochs"]), "steps": summary["steps_done"],
+               "summary": f"{'synthetic' if synthetic else 'real'} data, {world} rank(s): {rate:,.0f} samples/s, "
+                          f"data wait {summary['data_wait_share']:.1%}, test accuracy "
+                          + ", ".join(f"{k} {v:.4f}" for k, v in acc.items())
+                          + (" (1 rank: no nccl, no DDP)" if world == 1 else f" (nccl and DDP over {world} ranks)")}
+    problems = [] if summary["device"].startswith("cuda") else [f"ran on {summary['device']}, not CUDA"]
+    if world != nproc:
+        problems.append(f"world size {world}, expected {nproc}")
+    if not summary["finished"]:
+        problems.append("the run did not finish")
+    counts = {k: v["count"] for k, v in summary["eval"].items()}
+    if counts != test_counts:
+        problems.append(f"evaluated {counts} test samples, the manifests hold {test_counts}")
+    if not all(math.isfinite(v) and 0 <= v <= 1 for v in acc.values()) or not math.isfinite(rate):
+        problems.append("an accuracy or samples/s is not a number")
+    if problems:
+        raise Failed("; ".join(problems), figures)
+    return figures
+
+
+def train(folder, work, nproc, timeout):
+    out, log = os.path.join(work, "run"), os.path.join(work, "train.log")
+    print(f"   torchrun, {nproc} rank(s), up to {timeout} s; log: {log}", flush=True)
+    rc = run_trainer(trainer_command(folder, out, nproc), log, timeout)
+    if rc != 0:
+        raise Failed(f"trainer exited with {rc}: {cause(log)}; last lines of {log}:\n{tail(log)}")
+    return read_run(out, nproc, {n: resolve(n, folder, "test").total for n in SHAPES})
+
+
+# ---------------------------------------------------------------- 3. in-process CUDA checks
+
+
+def autocast_check(steps=30):
+    """The trainer's bf16 autocast (pipeline.train.autocast) on the GPU recipe's model, loss
+    computed the trainer's way. A few SGD steps on one fixed batch must lower the loss (a
+    broken backward would not), and time a model-only samples/s to set beside the loader's."""
+    dev = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    model = Net(20, 64).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x, y = torch.randn(BATCH, 3, 32, 32, device=dev), torch.randint(0, 20, (BATCH,), device=dev)
+
+    def step():
+        with autocast(dev):
+            logits = model(x)
+            loss = F.cross_entropy(logits.float(), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return logits.dtype, loss
+
+    dtype, first = step()  # also the warm-up: cuDNN picks its kernels
+    first = first.item()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        _, last = step()
+    torch.cuda.synchronize()
+    rate = steps * BATCH / (time.perf_counter() - t)
+    grads = torch.stack([torch.isfinite(p.grad).all() for p in model.parameters()]).all().item()
+    figures = {"loss_first": first, "loss_last": last.item(), "logits_dtype": str(dtype), "grads_finite": grads,
+               "model_samples_per_s": round(rate, 1), "peak_memory_mib": torch.cuda.max_memory_allocated(dev) >> 20,
+               "summary": f"loss {first:.3f} -> {last.item():.3f}, logits {str(dtype)[6:]}, "
+                          f"model alone {rate:,.0f} samples/s (width 64, batch {BATCH})"}
+    problems = [text for bad, text in ((not (math.isfinite(first) and math.isfinite(last.item())), "loss not finite"),
+                                       (not grads, "gradients not finite"),
+                                       (dtype != torch.bfloat16, f"logits {dtype}, not bf16"),
+                                       (not last.item() < first, "the loss did not fall on a fixed batch")) if bad]
+    if problems:
+        raise Failed("; ".join(problems), figures)
+    return figures
+
+
+def normalize_check(folder):
+    """The GPU branch of Layout.normalize (per-source stats copied to the device once, indexed
+    by a device tensor) against its numpy branch, on a real stream batch pinned and copied
+    the way the trainer copies its batches; twice, so the cached device stats are used too."""
+    dev = torch.device("cuda", 0)
+    ms = MixedStream(train_sources(folder), dict.fromkeys(SHAPES, 1.0), BATCH, epoch_samples=BATCH, normalize=False)
+    batch = next(iter(ms))
+    image, source = batch["image"].pin_memory(), batch["source"].pin_memory()
+    on_cpu = ms.layout.normalize(batch["image"], batch["source"])
+    diffs = []
+    for _ in range(2):
+        on_gpu = ms.layout.normalize(image.to(dev, non_blocking=True), source.to(dev, non_blocking=True))
+        diffs.append((on_gpu.cpu() - on_cpu).abs().max().item())
+    pinned_out = ms.layout.normalize(image, source).is_pinned()
+    figures = {"max_abs_diff": max(diffs), "sources_in_batch": sorted(set(source.tolist())),
+               "cpu_output_pinned": pinned_out,
+               "summary": f"max |GPU - CPU| {max(diffs):.2e} over {BATCH} samples (tolerance {TOLERANCE:g})"}
+    if not max(diffs) <= TOLERANCE:
+        raise Failed(f"GPU and CPU normalisation differ by up to {max(diffs):.2e}", figures)
+    if not pinned_out:
+        raise Failed("the CPU normalisation of a pinned batch is not pinned", figures)
+    return figures
+
+
+def loader_check(folder, batches=200):
+    """The trainer's loader (uint8, pinned) with nothing after it but the copy and the
+    normalisation: what its workers and the hand-over deliver to one GPU, and the share of
+    the loop's time spent waiting for them. The first batch (workers starting) is not timed."""
+    dev = torch.device("cuda", 0)
+    workers = min(8, os.cpu_count() or 1)
+    ms = MixedStream(train_sources(folder), dict.fromkeys(SHAPES, 1.0), BATCH, epoch_samples=(batches + 1) * BATCH,
+                     shuffle_buffer=2000, normalize=False)
+    loader = make_loader(ms, workers, pin_memory=True)
+    ms.set_epoch(0)
+    it = iter(loader)
+    next(it)
+    wait, got, unpinned, finite = 0.0, 0, 0, True
+    start = time.perf_counter()
+    while True:
+        t = time.perf_counter()
+        batch = next(it, None)
+        wait += time.perf_counter() - t
+        if batch is None:
+            break
+        unpinned += not batch["image"].is_pinned()
+        x = ms.layout.normalize(batch["image"].to(dev, non_blocking=True), batch["source"].to(dev, non_blocking=True))
+        finite &= bool(torch.isfinite(x).all())  # bool() waits for the GPU: copy and normalisation are timed
+        got += 1
+    elapsed = time.perf_counter() - start
+    del it, loader  # ends the persistent workers
+    rate = got * BATCH / elapsed
+    figures = {"workers": workers, "batches": got, "samples_per_s": round(rate, 1),
+               "wait_share": round(wait / elapsed, 4), "unpinned_batches": unpinned,
+               "summary": f"{workers} workers, pin_memory: {rate:,.0f} samples/s to the GPU, "
+                          f"loop waited {wait / elapsed:.1%} of the time"}
+    if got != batches or unpinned or not finite:
+        raise Failed(f"{got} of {batches} batches, {unpinned} not pinned, finite {finite}", figures)
+    return figures
+
+
+def nccl_check():
+    """nccl on one GPU in this process: all_reduce, pipeline.dist's round trip of CPU tensors
+    through the GPU (nccl reduces only CUDA tensors), all_gather_object, a buffer broadcast and
+    a DDP step. A one-GPU trainer run uses none of them."""
+    dev = torch.device("cuda", 0)
+    tdist.init_process_group("nccl", store=tdist.HashStore(), rank=0, world_size=1, device_id=dev)
+    try:
+        on_gpu = torch.arange(4.0, device=dev)
+        tdist.all_reduce(on_gpu)
+        on_cpu = dist.all_reduce_sum(torch.ones(3, dtype=torch.float64))
+        gathered = dist.all_gather({"rank": 0})
+        model = DDP(Net(20, 16).to(dev), device_ids=[0])
+        with autocast(dev):
+            loss = F.cross_entropy(model(torch.randn(8, 3, 32, 32, device=dev)).float(),
+                                   torch.zeros(8, dtype=torch.int64, device=dev))
+        loss.backward()
+        dist.sync_buffers(model.module)
+        torch.cuda.synchronize()
+    finally:
+        tdist.destroy_process_group()
+    ok = on_gpu.tolist() == [0, 1, 2, 3] and on_cpu.tolist() == [1, 1, 1] and gathered == [{"rank": 0}]
+    figures = {"collectives_ok": ok, "ddp_loss": loss.item(),
+               "summary": f"1-rank nccl: all_reduce, CPU round trip, all_gather, DDP step (loss {loss.item():.3f})"}
+    if not ok or not math.isfinite(loss.item()):
+        raise Failed("a collective returned the wrong value or the DDP loss is not finite", figures)
+    return figures
+
+
+# ---------------------------------------------------------------- running and reporting
+
+
+@contextmanager
+def time_limit(seconds):
+    """Raise TimeoutError in a step that hangs in Python (e.g. waiting on a worker); a hang
+    inside a CUDA or NCCL call cannot be interrupted, so the process ends 30 s later."""
+    def expired(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    faulthandler.dump_traceback_later(seconds + 30, exit=True)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        faulthandler.cancel_dump_traceback_later()
+        signal.signal(signal.SIGALRM, old)
+
+
+def run_step(report, name, fn, limit):
+    """Run one step, record and print PASS/FAIL with its figures; never raises an Exception."""
+    print(f"-- {name}", flush=True)
+    t = time.perf_counter()
+    try:
+        with time_limit(limit):
+            figures, error = fn(), None
+    except Exception as e:  # reported; the next steps still run
+        figures, error = getattr(e, "figures", {}), str(e) if isinstance(e, Failed) else f"{type(e).__name__}: {e}"
+        if not isinstance(e, Failed):
+            traceback.print_exc()
+    seconds = round(time.perf_counter() - t, 1)
+    report["steps"][name] = dict(figures, ok=error is None, seconds=seconds, **({"error": error} if error else {}))
+    text = "; ".join(filter(None, [figures.get("summary"), error]))
+    print(f"{'PASS' if error is None else 'FAIL'} {name} ({seconds} s): {text}", flush=True)
+
+
+def run_all(args, nproc, work):
+    """Every step in order within --budget; a step that needs shards is skipped without them."""
+    deadline = time.monotonic() + args.budget
+    folder = os.path.abspath(args.shards) if args.shards else os.path.join(work, "shards")
+    report = {"machine": machine(nproc), "budget_s": args.budget, "steps": {}}
+
+    def left():
+        return int(deadline - time.monotonic())
+
+    def shards_step():
+        if not args.shards:
+            build_synthetic(folder)
+        return describe_shards(folder)
+
+    # the trainer's limit (None): what is left but AFTER_TRAIN_S; its timeout 30 s less, to stop torchrun in
+    plan = [("shards", shards_step, 120, False),
+            (f"train ({nproc} rank{'s' if nproc > 1 else ''})",
+             lambda: train(folder, work, nproc, left() - AFTER_TRAIN_S - 30), None, True),
+            ("autocast bf16", autocast_check, 45, False),
+            ("normalize on GPU", lambda: normalize_check(folder), 45, True),
+            ("loader to GPU", lambda: loader_check(folder), 60, True),
+            ("nccl 1 rank", nccl_check, 45, False)]
+    for name, fn, limit, needs_shards in plan:
+        share = left() - AFTER_TRAIN_S if limit is None else min(limit, left())
+        why = ("no shards" if needs_shards and not report["steps"]["shards"]["ok"] else
+               "out of time (--budget)" if share < (60 if limit is None else 10) else None)
+        if why:
+            report["steps"][name] = {"ok": False, "seconds": 0.0, "error": f"skipped: {why}"}
+            print(f"FAIL {name}: skipped, {why}", flush=True)
+        else:
+            run_step(report, name, fn, share)
+    report["passed"] = all(s["ok"] for s in report["steps"].values())
+    return report
+
+
+def summary_lines(report):
+    """The report as a machine line and a Markdown table, to paste into the README."""
+    m, first = report["machine"], report["steps"].get("shards", {})
+    gpus = m["gpus"]
+    kind = f"{len(gpus)} x {gpus[0]}" if len(set(gpus)) == 1 else ", ".join(gpus)
+    data = "synthetic" if first.get("synthetic") else "real" if first.get("ok") else "none"
+    lines = [f"GPU check: {kind}, {m['nproc']} rank(s), {m['cpu_cores']} CPU cores, torch {m['torch']}, "
+             f"CUDA {m['cuda']}, cuDNN {m['cudnn']}, NCCL {m['nccl']}; {data} data", "",
+             "| step | result | seconds | figures |", "| --- | --- | ---: | --- |"]
+    for name, s in report["steps"].items():
+        text = s.get("summary") if s["ok"] else "; ".join(filter(None, [s["error"].splitlines()[0], s.get("summary")]))
+        lines.append(f"| {name} | {'PASS' if s['ok'] else 'FAIL'} | {s['seconds']} | {text.replace('|', '/')} |")
+    lines.append(f"\noverall: {'PASS' if report['passed'] else 'FAIL'}")
+    return lines
+
+
+def main(argv=None):
+    args, parser = parse(argv)
+    gpus = cuda_device_count()
+    if not gpus:
+        print("gpu_check: no CUDA device: nothing to check", file=sys.stderr)
+        return 3
+    nproc = args.nproc or gpus
+    if nproc > gpus:
+        parser.error(f"--nproc {nproc}: only {gpus} GPU(s) visible")
+    if args.work:
+        os.makedirs(args.work, exist_ok=True)
+    with nullcontext(os.path.abspath(args.work)) if args.work else tempfile.TemporaryDirectory(prefix="gpu-") as work:
+        report = run_all(args, nproc, work)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    write_json_atomic(args.json, report)
+    print("\n" + "\n".join(summary_lines(report)) + f"\n(JSON: {args.json})")
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
