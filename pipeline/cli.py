@@ -9,3 +9,10 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
+
+    def at_least(self, args, lows):
+        """One line for the first option below its minimum (None means not given)."""
+        for name, low in lows.items():
+            value = getattr(args, name)
+            if value is not None and value < low:
+                self.error(f"--{name.replace('_', '-')} must be at least {low}, got {value}")

@@ -30,14 +30,19 @@ def write_json_atomic(path, obj):
     write_atomic(path, (json.dumps(obj, indent=1) + "\n").encode())
 
 
+MAX_JSON = 64 << 20  # a manifest for millions of shards is a few hundred MB; more is not a manifest
+
+
 def read_json(path):
     try:
+        if os.path.getsize(path) > MAX_JSON:
+            raise ShardError(f"{path}: {os.path.getsize(path)} bytes, more than a manifest may hold ({MAX_JSON})")
         with open(path, "rb") as f:
             return json.loads(f.read())
     except FileNotFoundError:
         raise ShardError(f"{path}: no such file") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ShardError(f"{path}: not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, 5,000-digit numbers, 100,000-deep nesting
+        raise ShardError(f"{path}: not valid JSON ({e.__class__.__name__}: {str(e)[:200]})") from None
 
 
 def append_line(path, text):

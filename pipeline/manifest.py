@@ -34,13 +34,14 @@ from braceexpand import braceexpand
 from . import remote
 from .decode import IMAGE_EXTS, Target, parse_label_key
 from .errors import ShardError
-from .files import read_json
+from .files import MAX_JSON, read_json
 
 FORMAT = "pipeline-shards/2"
 FORMATS = ("pipeline-shards/1", FORMAT)  # /1: make_shards before origins and label keys; same fields otherwise
-NAME_RE = re.compile(r"^[A-Za-z0-9_]+$")
-_SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
-_URL_SAFE = re.compile(r"^https?://[^\s\x00-\x1f\x7f]+$")
+NAME_RE = re.compile(r"[A-Za-z0-9_]+\Z")  # \Z, not $: "$" also matches before a final newline
+_SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*\Z")
+_URL_SAFE = re.compile(r"https?://[^\s\x00-\x1f\x7f]+\Z")
+MIN_STD = 1e-6  # per channel, on 0..1 pixels: below it normalising multiplies by more than a million
 MAX_SIDE = 4096
 MAX_CLASSES = 1 << 20
 
@@ -130,8 +131,12 @@ def check(m, where):
         if not (isinstance(v, list) and len(v) == shape[0] and all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                                                    and math.isfinite(x) for x in v)):
             bad(key, f"{v!r}; {shape[0]} finite numbers expected")
-    if not all(x > 0 for x in m["std"]):
-        bad("std", f"{m['std']}; every channel's std must be > 0")
+    if not all(x >= MIN_STD for x in m["std"]):
+        bad("std", f"{m['std']}; every channel's std must be at least {MIN_STD}")
+    names = [s["name"] for s in shards]
+    if len(set(names)) != len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        bad("shards", f"{twice!r} is listed more than once")
     exts = m.get("image_exts", [m.get("encoding")])
     if not (isinstance(exts, list) and exts and all(e in IMAGE_EXTS for e in exts)):
         bad("image_exts" if "image_exts" in m else "encoding", f"{exts!r}; choose from {', '.join(IMAGE_EXTS)}")
@@ -210,13 +215,13 @@ def load(url, policy=remote.Policy()):
         import json
 
         try:
-            text = remote.fetch(url, policy=policy)
+            text = remote.fetch(url, policy=policy, limit=MAX_JSON)
         except OSError as e:
             raise ShardError(f"cannot read manifest {url}: {e}") from None
         try:
             m = json.loads(text)
-        except (UnicodeDecodeError, ValueError) as e:
-            raise ShardError(f"{url}: not valid JSON ({e})") from None
+        except (ValueError, RecursionError) as e:
+            raise ShardError(f"{url}: not valid JSON ({e.__class__.__name__}: {str(e)[:200]})") from None
     return check(m, url)
 
 

@@ -84,15 +84,13 @@ def parse(argv=None):
 
 def check(p, args):
     """Reject out-of-range values with one line each (p.error exits)."""
-    at_least = {"epochs": 1, "batch_size": 1, "log_every": 1, "shuffle_buffer": 1, "workers": 0, "width": 1,
-                "epoch_samples": 1, "stop_after": 1, "stop_after_steps": 1, "checkpoint_every": 1, "timeout": 1,
-                "retries": 0}
-    for name, low in at_least.items():
-        value = getattr(args, name)
-        if value is not None and value < low:
-            p.error(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
+    p.at_least(args, {"epochs": 1, "batch_size": 1, "log_every": 1, "shuffle_buffer": 1, "workers": 0, "width": 1,
+                      "epoch_samples": 1, "stop_after": 1, "stop_after_steps": 1, "checkpoint_every": 1, "timeout": 1,
+                      "retries": 0})
     if args.width > 1024:
         p.error(f"--width {args.width}: at most 1024")
+    if not 0 <= args.seed < 2 ** 63:
+        p.error(f"--seed {args.seed}: must be between 0 and 2**63 - 1")
     for name, positive in (("lr", True), ("weight_decay", False), ("io_timeout", True), ("min_rate", True)):
         value = getattr(args, name)
         if not math.isfinite(value) or value < 0 or (positive and value == 0):

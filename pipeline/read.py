@@ -74,6 +74,8 @@ def _members(stream, want, max_member, chunk):
             size = int(buf[pos + 124:pos + 135], 8)  # what tarfile and GNU tar write: 11 octal digits
         except ValueError:
             size = _size(buf, pos)
+        if size < 0:  # int() takes a sign: a negative size would step the parser back, looping forever
+            raise ShardError(f"bad size field {buf[pos + 124:pos + 136]!r} in the tar header at byte offset {pos}")
         start = pos + 512
         if kind in _REGULAR:
             if pax is None and long_name is None:

@@ -109,11 +109,20 @@ class _Watched(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
         return Conn
 
 
+class _HttpOnly(urllib.request.HTTPRedirectHandler):
+    """Follow redirects to http(s) URLs only: urllib would follow one to ftp:// too."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if not newurl.lower().startswith(("http://", "https://")):
+            raise urllib.error.HTTPError(req.full_url, 403, f"redirect to {newurl[:80]!r} refused", headers, fp)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
 class _HTTP:
     """A response whose sockets are shut at the deadline: a server that drips its status
     line, headers or chunk sizes never trips the per-operation socket timeout either."""
 
-    def __init__(self, url, policy, nbytes):
+    def __init__(self, url, policy, nbytes, method="GET"):
         self.limit = policy.deadline(nbytes)
         self.end = time.monotonic() + self.limit
         self.socks, self.expired, self.resp = [], threading.Event(), None
@@ -121,7 +130,9 @@ class _HTTP:
         self.timer.daemon = True
         self.timer.start()
         try:
-            self.resp = urllib.request.build_opener(_Watched(self._watch)).open(url, timeout=policy.timeout)
+            opener = urllib.request.build_opener(_Watched(self._watch), _HttpOnly())
+            self.resp = opener.open(urllib.request.Request(url, method=method), timeout=policy.timeout)
+            self._late()  # headers cut short by the deadline read as if they had ended
         except Exception:
             self.close()
             self._late()
@@ -295,18 +306,22 @@ def describe(error):
     return f"{error.__class__.__name__}: {text}" if text else error.__class__.__name__
 
 
-def fetch(url, *, policy=Policy(), nbytes=None):
-    """All bytes at `url` (local, http(s) or pipe:), with retries and a deadline."""
-    return read_url(url, read_all, policy=policy, nbytes=nbytes)
+def fetch(url, *, policy=Policy(), nbytes=None, limit=None):
+    """All bytes at `url` (local, http(s) or pipe:), with retries and a deadline; ShardError
+    past `limit` bytes."""
+    return read_url(url, lambda f: read_all(f, limit), policy=policy, nbytes=nbytes)
 
 
-def read_all(stream):
-    """Everything left in a stream (local file or remote)."""
-    parts = []
+def read_all(stream, limit=None):
+    """Everything left in a stream (local file or remote), refusing more than `limit` bytes."""
+    parts, got = [], 0
     while True:
         b = stream.read(1 << 22)
         if not b:
             return b"".join(parts)
+        got += len(b)
+        if limit is not None and got > limit:
+            raise ShardError(f"more than {limit} bytes")
         parts.append(b)
 
 
@@ -323,8 +338,11 @@ def head_check(urls, sizes=None, *, policy=Policy(), threads=16):
     def check(url):
         for attempt in range(policy.retries + 1):
             try:
-                with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=policy.timeout) as r:
-                    length = r.headers.get("Content-Length")
+                head = _HTTP(url, policy, 0, method="HEAD")  # with a deadline: a dripping HEAD can't hold the job
+                try:
+                    length = head.resp.headers.get("Content-Length")
+                finally:
+                    head.close()
                 if length and length.isdigit() and url in sizes and int(length) != sizes[url]:
                     return "resized", f"{url}: the server has {int(length)} bytes, the manifest says {sizes[url]}"
                 return None

@@ -204,7 +204,7 @@ class Reader:
         for key, error in bad:
             self.bad(url, key, error)
         if cols is not None and len(cols[0]):
-            out.add(*cols, url) if isinstance(cols[1], np.ndarray) else out.add(cols[0], cols[1], cols[2], cols[3], url)
+            out.add(*cols, url)
 
     def _check_regular(self, url, keys, images, labels, bad):
         """Labels and image sizes of a shard read by read.regular, checked for all its samples at once."""
@@ -338,21 +338,34 @@ class SourceStream:
             sample = {"__key__": key, "__source__": self.reader.source.name, "image": image.copy(),
                       "label": int(label)}
             for stage in self.sample_stages:
-                sample = stage(sample)
+                try:
+                    sample = stage(sample)
+                except Exception as e:  # noqa: BLE001 - the user's code: say whose and on what, in one line
+                    raise ValueError(f"sample stage {_name(stage)} raised {e.__class__.__name__}: {e} "
+                                     f"(sample {key})") from None
                 if sample is None:
                     break
             if sample is None:
                 continue
-            image = np.asarray(sample["image"])
+            image = np.asarray(sample.get("image"))
             if image.shape != shape or image.dtype != np.uint8:
-                raise ValueError(f"sample stage {stage!r} returned a {image.dtype} image of shape {image.shape}; "
+                raise ValueError(f"sample stage {_name(stage)} returned a {image.dtype} image of shape {image.shape}; "
                                  f"it must stay uint8 {shape}")
+            label = sample.get("label")
+            if isinstance(label, bool) or not isinstance(label, (int, np.integer)) or \
+                    not 0 <= label < self.target.classes:
+                raise ValueError(f"sample stage {_name(stage)} returned label {label!r}; it must stay an integer in "
+                                 f"0..{self.target.classes - 1}")
             out_keys.append(sample["__key__"])
             out_pixels.append(image)
             out_labels.append(int(sample["label"]))
         c, h, w = shape
         return (out_keys, np.stack(out_pixels) if out_pixels else np.zeros((0, c, h, w), np.uint8),
                 np.array(out_labels, np.int64))
+
+
+def _name(fn):
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def leftovers(plan, state):

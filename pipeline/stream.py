@@ -57,8 +57,9 @@ def check_weights(weights, names):
     if unknown:
         raise ValueError(f"weights name unknown source(s) {', '.join(unknown)}; sources are {', '.join(names)}")
     w = [float(weights.get(n, 0.0)) for n in names]
-    if any(not 0 <= x < math.inf for x in w) or sum(w) <= 0:  # also NaN and inf (inf/inf is NaN)
+    if any(not 0 <= x < math.inf for x in w) or max(w) <= 0:  # also NaN and inf (inf/inf is NaN)
         raise ValueError(f"weights must be >= 0 with a positive sum, got {weights}")
+    w = [x / max(w) for x in w]  # first to at most 1: 1e308 + 1e308 would overflow the sum
     return [x / sum(w) for x in w]
 
 

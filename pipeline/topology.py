@@ -75,12 +75,14 @@ def slot(topo, worker):
 
 
 @contextmanager
-def webdataset_sees(topo, worker):
-    """Run webdataset's splitters as `topo` and `worker`: set the four variables it reads,
-    restore them after. Splitters are lazy islices, so consume them inside the block."""
+def webdataset_sees(topo, worker=None):
+    """Run webdataset's splitters as `topo` and `worker`: set the variables it reads, restore
+    them after. Splitters are lazy islices, so consume them inside the block. Without a
+    worker only the rank is set, and DataLoader workers started inside still find their own."""
     saved = {k: os.environ.get(k) for k in _VARS}
-    os.environ.update(RANK=str(topo.rank), WORLD_SIZE=str(topo.world), WORKER=str(worker.id),
-                      NUM_WORKERS=str(worker.count))
+    os.environ.update(RANK=str(topo.rank), WORLD_SIZE=str(topo.world))
+    if worker is not None:
+        os.environ.update(WORKER=str(worker.id), NUM_WORKERS=str(worker.count))
     try:
         yield
     finally:

@@ -60,8 +60,8 @@ def load_stages(names):
         module, _, function = item.partition(":")
         try:
             fn = getattr(importlib.import_module(module), function)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"--sample-stage {item}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - whatever a user's module raises on import, in one line
+            raise ValueError(f"--sample-stage {item}: {e.__class__.__name__}: {e}") from None
         if not callable(fn):
             raise ValueError(f"--sample-stage {item}: not a function")
         out.append(fn)

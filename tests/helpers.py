@@ -56,6 +56,37 @@ def write_tar(path, members):
             tar.addfile(info, io.BytesIO(data))
 
 
+def launch_train(args, nproc=2, extra_launcher=(), pythonpath=()):
+    """`python -m torch.distributed.run ... -m pipeline.train ARGS` in a session of its own."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *pythonpath]), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+           *extra_launcher, "-m", "pipeline.train", *map(str, args)]
+    return subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def finish(proc, timeout=180):
+    """(exit code, stderr) of a launched job; kills its whole session and fails the test on a hang."""
+    import os
+    import signal
+    import subprocess
+
+    import pytest
+
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"still running after {timeout} s: a hang")
+    return proc.returncode, err
+
+
 def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from helpers import build_shards, free_port, serve
+from helpers import build_shards, finish, free_port, launch_train, serve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
@@ -37,21 +37,7 @@ def args_for(base, out, *extra):
 
 
 def launch(args, nproc=2, extra_launcher=()):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.path.join(ROOT, "tests"), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", *extra_launcher, "-m", "pipeline.train", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-
-
-def finish(proc, timeout=180):
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"still running after {timeout} s: a hang")
-    return proc.returncode, err
+    return launch_train(args, nproc, extra_launcher, pythonpath=[os.path.join(ROOT, "tests")])
 
 
 def summary(out):

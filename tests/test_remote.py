@@ -615,8 +615,6 @@ def test_head_check_sorts_problems_and_resized():
     assert srv.hits["/flaky.tar"] == 2 and srv.hits["/broken.tar"] == 3 and srv.hits["/gone.tar"] == 1
 
 
-@pytest.mark.xfail(strict=True, reason="head_check has only the per-operation socket timeout, no "
-                   "deadline: a server that drips its HEAD reply holds it until the server stops")
 def test_head_check_of_a_dripping_server_is_bounded():
     p = Policy(retries=0, delay=0.05, timeout=0.5, min_rate=1e6)
     with raw_server(lambda c, i, stop: drip(c, stop, b"", every=0.2, at_most=3)) as srv:

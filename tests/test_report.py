@@ -199,3 +199,23 @@ def test_unwritable_picture_fails_in_one_line(run_dir, tmp_path):
         assert r.returncode == 2, out
         assert "Traceback" not in r.stderr and r.stderr.startswith("report: error: ")
         assert not os.path.exists(out)
+
+
+def test_hostile_metrics_lines_cost_neither_a_traceback_nor_minutes(tmp_path):
+    """Infinity and NaN epochs, a line nested 100,000 deep, 20,000 epochs: one picture, quickly."""
+    import time
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / "metrics.jsonl", "w") as f:
+        for e in range(20000):
+            f.write(json.dumps({"kind": "train", "epoch": e + 1, "step": e + 1, "lr": 0.1, "weights": {"a": 1},
+                                "loss": {"a": 1.0}, "samples_per_s": 10, "share": {"a": 1.0}, "skipped": 0}) + "\n")
+        f.write('{"kind": "train", "epoch": Infinity, "step": 1, "loss": {}}\n')
+        f.write('{"kind": "eval", "epoch": NaN, "step": 1, "eval": {}}\n')
+        f.write("[" * 100000 + "]" * 100000 + "\n")
+    t0 = time.time()
+    p = subprocess.run([sys.executable, str(TOOL), str(run)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert time.time() - t0 < 60 and (run / "report.png").exists()
+    assert "20000" in p.stdout

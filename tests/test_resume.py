@@ -7,17 +7,14 @@ import itertools
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from helpers import build_shards, free_port
+from helpers import build_shards, finish, launch_train
 from pipeline.stream import MixedStream, make_loader, resolve
 from pipeline.topology import Topology
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WEIGHTS = {"mnist": 1.0, "cifar10": 1.0}
 
 
@@ -136,22 +133,9 @@ def test_another_world_needs_every_ranks_state(data):
 # ---------------------------------------------------------------- the trainer under torchrun
 
 
-def launch(args, nproc):
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                             f"--master_port={free_port()}", "-m", "pipeline.train", *map(str, args)], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-
-
-def finish(proc, timeout=240):
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("a hang")
-    assert proc.returncode == 0, err[-3000:]
+def run_ok(proc, timeout=240):
+    code, err = finish(proc, timeout)
+    assert code == 0, err[-3000:]
 
 
 def common(data, out):
@@ -184,14 +168,14 @@ def position(out):
 @pytest.fixture(scope="module")
 def whole(data, tmp_path_factory):
     out = tmp_path_factory.mktemp("whole") / "run"
-    finish(launch(common(data, out), 2))
+    run_ok(launch_train(common(data, out), 2))
     return out
 
 
 @pytest.mark.slow
 def test_killed_inside_an_epoch_and_resumed_matches_the_uninterrupted_run(data, whole, tmp_path):
     out = tmp_path / "run"
-    proc = launch(common(data, out), 2)
+    proc = launch_train(common(data, out), 2)
     t0 = time.time()
     while not ((position(out) or {}).get("step", 0) >= 9):  # a checkpoint inside epoch 1 (40 steps)
         assert proc.poll() is None and time.time() - t0 < 180, "no mid-epoch checkpoint"
@@ -199,7 +183,7 @@ def test_killed_inside_an_epoch_and_resumed_matches_the_uninterrupted_run(data, 
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()
     assert position(out)["mid"] and position(out)["epoch"] == 0
-    finish(launch([*common(data, out), "--resume"], 2))
+    run_ok(launch_train([*common(data, out), "--resume"], 2))
     assert metrics(out) == metrics(whole)
     assert key_log(out, 2) == key_log(whole, 2)
     s, w = (json.loads((d / "summary.json").read_text()) for d in (out, whole))
@@ -210,10 +194,9 @@ def test_killed_inside_an_epoch_and_resumed_matches_the_uninterrupted_run(data, 
 @pytest.mark.parametrize("world", [3, 1])
 def test_resumed_on_another_world_size_no_sample_twice_in_the_epoch(data, whole, tmp_path, world):
     out = tmp_path / "run"
-    p = launch([*common(data, out), "--stop-after-steps", "13"], 2)
-    finish(p)
+    run_ok(launch_train([*common(data, out), "--stop-after-steps", "13"], 2))
     assert position(out) == {"epoch": 0, "mid": True, "step": 13, "seen": 13 * 16}
-    finish(launch([*common(data, out), "--resume"], world))
+    run_ok(launch_train([*common(data, out), "--resume"], world))
     s = json.loads((out / "summary.json").read_text())
     assert s["world_size"] == world and s["epochs_done"] == 2
     lines = [ln.split("\t") for r in range(max(2, world)) for ln in key_log(out, max(2, world)).get(r, [])]

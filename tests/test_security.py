@@ -193,6 +193,9 @@ MUTATIONS = {
     "bad sha256": (lambda m: m["shards"][0].update(sha256="zz"), "sha256"),
     "total wrong": (lambda m: m.update(total=5), "total"),
     "not a manifest": (lambda m: m.clear(), "format"),
+    "std subnormal": (lambda m: m.update(std=[1e-320]), "std"),
+    "a shard listed twice": (lambda m: m["shards"].__setitem__(1, dict(m["shards"][0])), "more than once"),
+    "a name ending in a newline": (lambda m: m.update(dataset="mnist\n"), "dataset"),
 }
 
 
@@ -526,3 +529,128 @@ def test_a_bad_number_never_wipes_the_previous_run(data, finished, tmp_path):
 def test_a_manifest_of_another_data_set_is_named(data, tmp_path):
     with pytest.warns(UserWarning, match="the manifest describes data set 'mnist', not 'cifar10'"):
         resolve("cifar10", str(data / "mnist-train.json"), "train")
+
+
+# ---------------------------------------------------------------- found by a hostile review
+
+
+def test_a_negative_tar_size_is_damage_not_a_loop():
+    """int() reads a sign: "-0000003000" as a size stepped the parser back to an earlier
+    header, and a 3-member shard yielded samples forever."""
+    import io
+    import tarfile
+
+    from pipeline.read import iter_samples
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name in ("a.cls", "b.cls", "c.cls"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"1"))
+    raw = bytearray(buf.getvalue())
+    raw[1024 + 124:1024 + 136] = b"-0000003000\0"  # the second member's size
+    t0 = time.time()
+    with pytest.raises(ShardError, match="bad size field"):
+        for _ in zip(range(100), iter_samples(io.BytesIO(bytes(raw)))):
+            pass
+    assert time.time() - t0 < 5
+
+
+def test_a_bad_seed_never_wipes_the_previous_run(data, finished, tmp_path):
+    out = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(finished), str(out)], check=True)
+    before = sorted(os.listdir(out))
+    for seed in ("-1", str(2 ** 70)):
+        one_line_error(train(*small(data, out, "--seed", seed, "--overwrite")), "--seed")
+    assert sorted(os.listdir(out)) == before
+
+
+def test_deeply_nested_or_huge_manifests_are_one_line(tmp_path):
+    (tmp_path / "deep").mkdir()
+    (tmp_path / "deep" / "mnist-train.json").write_text("[" * 100000 + "]" * 100000)
+    one_line_error(train("--train", f"mnist={tmp_path / 'deep'}/", "--out", tmp_path / "run"), "not valid JSON")
+    (tmp_path / "digits").mkdir()
+    (tmp_path / "digits" / "mnist-train.json").write_text('{"total": ' + "9" * 5000 + "}")
+    one_line_error(train("--train", f"mnist={tmp_path / 'digits'}/", "--out", tmp_path / "run"), "not valid JSON")
+    with pytest.raises(ShardError, match="more than 1000 bytes"):  # a remote manifest is capped, not kept whole
+        remote.fetch("pipe:head -c 5000 /dev/zero", limit=1000)
+
+
+class DripHeaders(http.server.BaseHTTPRequestHandler):
+    """Sends its status line, then one header byte every 0.2 s (for at most 30 s)."""
+
+    def do_HEAD(self):
+        t0 = time.time()
+        try:
+            self.wfile.write(b"HTTP/1.1 200 OK\r\n")
+            while time.time() - t0 < 30 and not self.server.stopping:
+                self.wfile.write(b"X")
+                self.wfile.flush()
+                time.sleep(0.2)
+        except OSError:
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_head_check_that_drips_its_headers_ends_at_its_deadline():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), DripHeaders)
+    server.daemon_threads, server.stopping = True, False
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/x.tar"
+    t0 = time.time()
+    try:
+        problems, _ = remote.head_check([url], policy=remote.Policy(retries=1, delay=0.05, timeout=1.0))
+    finally:
+        server.stopping = True
+        server.shutdown()
+        server.server_close()
+    assert len(problems) == 1 and "deadline" in problems[0], problems
+    assert time.time() - t0 < 10
+
+
+STAGES = """
+import numpy as np
+raise_on_import = False
+
+def boom(sample):
+    raise KeyError("no such field")
+
+def relabel(sample):
+    sample["label"] = 10 ** 6
+    return sample
+"""
+
+
+@pytest.mark.parametrize("stage, needle", [("stage_broken:f", "RuntimeError: broken on import"),
+                                           ("my_stages:boom", "raised KeyError"),
+                                           ("my_stages:relabel", "returned label 1000000")])
+def test_a_users_stage_that_fails_is_one_line(data, tmp_path, stage, needle):
+    (tmp_path / "my_stages.py").write_text(STAGES)
+    (tmp_path / "stage_broken.py").write_text("raise RuntimeError('broken on import')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path)]), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "pipeline.train", *small(data, tmp_path / "run", "--workers", "1"),
+                        "--sample-stage", stage], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    one_line_error(p, needle)
+
+
+def test_redirects_lead_to_http_only(tmp_path):
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(302)
+            self.send_header("Location", "ftp://127.0.0.1/x.tar")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(FetchError, match="redirect to 'ftp://127.0.0.1/x.tar' refused"):
+            remote.fetch(f"http://127.0.0.1:{server.server_address[1]}/x.tar")
+    finally:
+        server.shutdown()
+        server.server_close()

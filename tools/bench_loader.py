@@ -66,7 +66,7 @@ from pipeline import manifest, read, shards, sources, stream  # noqa: E402
 from pipeline.errors import ShardError  # noqa: E402
 from pipeline.files import write_json_atomic  # noqa: E402
 from pipeline.cli import Parser  # noqa: E402
-from pipeline.dist import Topology  # noqa: E402
+from pipeline.topology import Topology, webdataset_sees  # noqa: E402
 
 NAMES = ("mnist", "cifar10")
 # The tutorial's constants (the usual published per-channel statistics).
@@ -373,17 +373,9 @@ def batches_b(srcs, setup, workers, epoch):
     mix = wds.RandomMix(datasets, [1.0] * len(datasets))
     pipe = wds.DataPipeline(mix, wds.batched(setup.batch_size, partial=False), take_share(setup.batches))
     # split_by_node reads RANK / WORLD_SIZE (no process group here); forked workers inherit them
-    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
-    os.environ.update(RANK=str(setup.rank), WORLD_SIZE=str(setup.world))
-    try:
+    with webdataset_sees(Topology(setup.rank, setup.world)):
         for images, _ in wds.WebLoader(pipe, batch_size=None, num_workers=workers):
             yield len(images)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def project_sources(folder):

@@ -67,10 +67,9 @@ def parse_args(argv):
 
 def check(p, args):
     args.part = parse_part(p, args.part)
-    for name, low in (("limit", 1), ("maxcount", 1), ("seed", 0), ("workers", 1), ("holdout", 1)):
-        value = getattr(args, name)
-        if value is not None and value < low:
-            p.error(f"--{name} must be at least {low}, got {value}")
+    p.at_least(args, {"limit": 1, "maxcount": 1, "seed": 0, "workers": 1, "holdout": 1})
+    if args.seed >= 2 ** 63:
+        p.error(f"--seed {args.seed}: must be below 2**63")
     modes = [m for m in ("verify", "merge", "preview") if getattr(args, m)]
     if len(modes) > 1:
         p.error(f"--{' and --'.join(modes)} exclude each other")

@@ -98,12 +98,13 @@ def tree_memory_mib(pid):
             sum(bench_loader.proc_kib(f"/proc/{p}/smaps_rollup", "Pss:") for p in pids) / 1024)
 
 
-def train(base, work, steps, cache):
+def train(base, work, steps, cache, samples):
     """The trainer under torchrun, 2 ranks x 2 workers, with the tree's RSS sampled every 0.5 s."""
     out = os.path.join(work, "run")
+    epochs = -(-steps * 2 * 256 // samples)  # enough epochs for `steps` steps; --stop-after-steps ends it
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
             "pipeline.train", *[a for name, _, _ in SOURCES for a in ("--train", f"{name}={base}")],
-            "--workers", "2", "--batch-size", "256", "--width", "8", "--epochs", "1", "--stop-after-steps",
+            "--workers", "2", "--batch-size", "256", "--width", "8", "--epochs", str(epochs), "--stop-after-steps",
             str(steps), "--log-every", "20", "--cache-dir", cache, "--out", out, "--overwrite"]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
@@ -188,7 +189,7 @@ def main(argv=None):
     subprocess.run(["rm", "-rf", cache], check=True)
     base = f"http://127.0.0.1:{port}/"
     try:
-        summary, rss, wall = train(base, args.work, args.steps, cache)
+        summary, rss, wall = train(base, args.work, args.steps, cache, args.samples)
         http_rate, local_rate = loader_rate(base), loader_rate(folder + "/")
     finally:
         server.kill()
