@@ -115,7 +115,8 @@ def check(m, where):
             bad(f"shards[{i}].samples", f"{s.get('samples')!r}; a positive integer expected")
         if not integer(s.get("bytes")) or s["bytes"] < 1:
             bad(f"shards[{i}].bytes", f"{s.get('bytes')!r}; a positive integer expected")
-        if s["samples"] * 1024 > s["bytes"]:  # a sample is at least two members, each behind a 512-byte header
+        compressed = s["name"].lower().endswith((".gz", ".tgz"))
+        if s["samples"] * 1024 > s["bytes"] and not compressed:  # a sample is at least two members, each behind a 512-byte header
             bad(f"shards[{i}].samples", f"{s['samples']} samples cannot fit in {s['bytes']} bytes")
         if s.get("sha256") is not None and not (isinstance(s["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", s["sha256"])):
             bad(f"shards[{i}].sha256", "64 lowercase hex digits expected")
@@ -244,7 +245,7 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
         url = _beside(pattern[0], manifest_name(name, split))
         if remote.kind(url) == "file" and not os.path.exists(url):
             raise ShardError(f"{name}={spec}: no manifest {url} beside these shards; index them in place with: "
-                             f"python tools/make_shards.py --index {name}:{split}={spec} --out DIR")
+                             f"python tools/make_shards.py --index {shlex.quote(f'{name}:{split}={spec}')} --out DIR")
     m = load(url, policy)
     if m["dataset"] != name:
         warnings.warn(f"{name}={spec}: the manifest describes data set {m['dataset']!r}, not {name!r}", stacklevel=2)

@@ -40,6 +40,11 @@ def read_records(path):
     return out
 
 
+def _marker(points):
+    """Dots where a line has too few points to be seen (a run shorter than a few --log-every)."""
+    return "o" if len(points) < 10 else None
+
+
 def _number(x):
     """A finite number: a hostile line's Infinity or NaN epoch is no epoch."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
@@ -234,7 +239,8 @@ def figure_title(run):
 def draw_loss(ax, run, colours):
     steps = [r["step"] for r in run["train"]]
     for name in train_names(run):
-        ax.plot(steps, [loss_of(r, name) for r in run["train"]], color=colours[name], label=plain(described(run, name)))
+        ax.plot(steps, [loss_of(r, name) for r in run["train"]], color=colours[name], marker=_marker(steps),
+                label=plain(described(run, name)))
     ax.set(title="training loss per source", xlabel="step", ylabel="mean loss since the last line")
 
 
@@ -258,7 +264,7 @@ def draw_share(ax, run, colours):
     for name in train_names(run):
         share = [r.get("share", {}).get(name, math.nan) for r in run["train"]]
         weight = [r.get("weights", {}).get(name, math.nan) for r in run["train"]]
-        ax.plot(steps, share, color=colours[name], label=plain(f"{described(run, name)} share"))
+        ax.plot(steps, share, color=colours[name], marker=_marker(steps), label=plain(f"{described(run, name)} share"))
         ax.plot([0] + steps, weight[:1] + weight, color=colours[name], linestyle="--", drawstyle="steps-pre",
                 label=plain(f"{name} weight"))
     ax.set(title="realised mixture share (solid) and weights in force (dashed)", xlabel="step",
@@ -267,7 +273,7 @@ def draw_share(ax, run, colours):
 
 def draw_speed(ax, run):
     steps = [r["step"] for r in run["train"]]
-    ax.plot(steps, [r.get("samples_per_s", math.nan) for r in run["train"]], color="black")
+    ax.plot(steps, [r.get("samples_per_s", math.nan) for r in run["train"]], color="black", marker=_marker(steps))
     ax.set(title="throughput", xlabel="step", ylabel="samples/s (all ranks)")
     wait = (run["summary"] or {}).get("data_wait_share")
     note = f"waiting for data: {wait:.1%} of the time" if _number(wait) else "data-wait share: no summary.json"

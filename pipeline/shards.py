@@ -130,7 +130,7 @@ def build(source, out, *, encoding="png", maxcount=500, seed=0, limit=None, work
     entries = _run_tasks(source, tasks, workers, progress, f"{source.name}-{source.split}")
     manifest = {
         "format": FORMAT, "dataset": source.name, "split": source.split, "encoding": encoding,
-        "image_exts": [encoding], "label": "cls", "origin": dict(getattr(source, "origin", None) or {"kind": "unknown"}),
+        "image_exts": [encoding], "label": "cls", "origin": _origin(source, limit),
         "shape": list(source.shape), "classes": source.classes, "seed": seed, "maxcount": maxcount,
         "part": list(part) if part[1] > 1 else None,
         "shards": entries,
@@ -140,6 +140,13 @@ def build(source, out, *, encoding="png", maxcount=500, seed=0, limit=None, work
     if part[1] == 1:
         remove_stale(out, manifest)
     return manifest
+
+
+def _origin(source, limit):
+    origin = dict(getattr(source, "origin", None) or {"kind": "unknown"})
+    if limit and limit < len(source):
+        origin["limit"] = f"a seeded subset of {limit} of these {len(source)} samples (--limit)"
+    return origin
 
 
 def _manifest_file(dataset, split, part):

@@ -50,7 +50,9 @@ def torchvision_source(name, split, root, download=False):
     try:
         ds = cls(root=root, train=(split == "train"), download=download)
     except (RuntimeError, AssertionError, ValueError) as e:  # not found, or a damaged file torchvision asserts on
-        hint = "" if download else " (pass --download to fetch it, or --synthetic for look-alike data)"
+        hint = "" if download else (" (pass --download to fetch it, --cifar10-dir DIR for a folder of its images, or "
+                                    "--synthetic for look-alike data)" if name == "cifar10" else
+                                    " (pass --download to fetch it, or --synthetic for look-alike data)")
         raise SourceError(f"{name} {split}: no usable data under {root!r}{hint}: {e}") from None
     except OSError as e:  # download failed: no network
         raise SourceError(f"{name} {split}: could not download to {root!r}: {e}") from None

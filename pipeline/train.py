@@ -396,6 +396,11 @@ def train(args, topo, device):
         return args.stop_after_steps is not None and step - started >= args.stop_after_steps
 
     t_start, evals = time.time(), {}
+    if ckpt and run.epoch >= args.epochs and not run.mid:
+        if topo.is_main:
+            print(f"nothing to do: the checkpoint in {args.out}/ has finished all {args.epochs} epochs; raise "
+                  f"--epochs to train further (summary.json is left as it was)", flush=True)
+        return None
     last_epoch = args.epochs if args.stop_after is None else min(args.epochs, run.epoch + args.stop_after)
     finished = True
     while run.epoch < last_epoch:
@@ -414,8 +419,8 @@ def train(args, topo, device):
         run.epoch = epoch + 1
         run.save(torch.Generator(), StepLog(run.names, run.device), keys)
         if budget(run.step):
-            finished = run.epoch >= args.epochs
             break
+    finished = finished and run.epoch >= args.epochs
     return write_summary(run, evals, t_start, resumed_from, finished, train_sources)
 
 
@@ -448,8 +453,10 @@ def write_summary(run, evals, t_start, resumed_from, finished, sources):
     }
     if topo.is_main:
         write_json_atomic(os.path.join(args.out, "summary.json"), summary)
-        acc = ", ".join(f"{k} {v['accuracy']:.4f} ({v['data']})" for k, v in evals.items()) or "no --eval sources"
-        state = "done" if finished else f"stopped at step {run.step} (continue with --resume)"
+        acc = ", ".join(f"{k} {v['accuracy']:.4f} ({v['data']})" for k, v in evals.items()) or \
+            ("no evaluation in this invocation" if run.evals else "no --eval sources")
+        state = "done" if finished else \
+            f"stopped at step {run.step}, epoch {run.epoch + (1 if run.mid else 0)} of {args.epochs} (continue with --resume)"
         print(f"{state} in {summary['wall_time_s']:.0f} s: test accuracy {acc}\n"
               f"metrics.jsonl, summary.json and checkpoint.pt are in {args.out}/; "
               f"pictures: python tools/report.py {args.out}", flush=True)

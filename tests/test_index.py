@@ -163,7 +163,7 @@ def test_training_on_unindexed_shards_says_how_to_index_them(tmp_path):
     p = subprocess.run([sys.executable, "-m", "pipeline.train", "--train", f"pets={tmp_path}/gnu-{{0000..0001}}.tar",
                         "--out", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert f"make_shards.py --index pets:train={tmp_path}/gnu-{{0000..0001}}.tar" in p.stderr
+    assert f"make_shards.py --index 'pets:train={tmp_path}/gnu-{{0000..0001}}.tar'" in p.stderr
 
 
 @pytest.mark.slow
@@ -192,3 +192,26 @@ def test_foreign_webdatasets_train_next_to_our_shards_under_torchrun(foreign, tm
     for name in ("sw", "gnu", "i2d"):
         assert s["accuracy"][name] > 0.6, s["accuracy"]  # 4 classes: chance is 0.25
         assert s["data"][name]["origin"] == "an indexed WebDataset"
+
+
+def test_gzip_shards_index_even_when_they_compress_well(tmp_path):
+    """Compressed sizes say nothing about sample counts: plain images in a gzipped tar take a
+    fraction of 1 KB a sample, which the check for uncompressed shards would have refused."""
+    import gzip
+
+    from PIL import Image
+
+    from helpers import encode_pil, write_tar
+
+    (tmp_path / "gz").mkdir()
+    for i in range(2):
+        members = []
+        for k in range(20):
+            members += [(f"s{i}-{k:03d}.png", encode_pil(Image.new("L", (28, 28), k), "PNG")),
+                        (f"s{i}-{k:03d}.cls", str(k % 3).encode())]
+        write_tar(tmp_path / "plain.tar", members)
+        (tmp_path / "gz" / f"m-{i}.tar.gz").write_bytes(gzip.compress((tmp_path / "plain.tar").read_bytes()))
+    assert (tmp_path / "gz" / "m-0.tar.gz").stat().st_size < 20 * 1024
+    p = make_shards("--index", f"m:train={tmp_path / 'gz'}", "--out", tmp_path / "gz")
+    assert p.returncode == 0, p.stderr
+    assert resolve("m", str(tmp_path / "gz"), "train").total == 40

@@ -80,6 +80,7 @@ def test_resampled_stream_keeps_equal_batches_and_mixture(data, workers):
         assert abs(shares[0] / total - 0.3) < 0.02 and abs(shares[1] / total - 0.7) < 0.02
 
 
+@pytest.mark.slow
 def test_weight_schedule_moves_the_mixture_and_is_recorded(data, tmp_path):
     out = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "pipeline.train", "--train", f"mnist={data}", "--train",

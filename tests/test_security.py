@@ -73,6 +73,7 @@ def rewrite_manifest(src_dir, dst_dir, name, split, change):
 
 @pytest.mark.parametrize("evil", ["x.tar; touch {canary}", "$(touch {canary}).tar", "`touch {canary}`.tar",
                                   "x.tar && touch {canary}", "x.tar | touch {canary}", "x\ntouch {canary}"])
+@pytest.mark.slow
 def test_a_piped_manifest_never_runs_its_shard_names(data, tmp_path, evil):
     canary = tmp_path / "canary"
     path = rewrite_manifest(data, tmp_path / "m", "mnist", "train",
@@ -84,6 +85,7 @@ def test_a_piped_manifest_never_runs_its_shard_names(data, tmp_path, evil):
     assert not canary.exists(), "a shard name ran a command"
 
 
+@pytest.mark.slow
 def test_a_local_manifest_cannot_name_a_command(data, tmp_path):
     canary = tmp_path / "canary"
     for name in (f"pipe:touch {canary}", f"PIPE:touch {canary}", "file:///etc/passwd", "s3://bucket/x.tar"):
@@ -112,6 +114,7 @@ def test_manifest_names_cannot_leave_its_folder(data, tmp_path, name):
         resolve("mnist", str(path), "train")
 
 
+@pytest.mark.slow
 def test_a_test_split_next_door_is_not_pulled_into_training(data, tmp_path):
     """The landed code opened ../other/x.tar: a manifest naming the test shards trained on them."""
     (tmp_path / "other").mkdir()
@@ -142,6 +145,7 @@ def test_links_out_of_the_folder_are_refused_and_absolute_paths_only_in_local_ma
 # ---------------------------------------------------------------- 3. labels the model has no row for
 
 
+@pytest.mark.slow
 def test_eval_classes_must_match_training_classes(data, tmp_path):
     rewrite_manifest(data, tmp_path / "m", "mnist", "test", lambda m: m.update(classes=[str(i) for i in range(21)]))
     p = train(*small(data, tmp_path / "run"), "--eval", f"mnist={tmp_path / 'm'}/")
@@ -208,6 +212,7 @@ def test_every_manifest_field_is_checked(data, tmp_path, case):
     assert field in str(e.value) and "mnist-train.json" in str(e.value)
 
 
+@pytest.mark.slow
 def test_a_bad_manifest_is_one_line_from_the_trainer(data, tmp_path):
     path = rewrite_manifest(data, tmp_path / "m", "mnist", "train", lambda m: m.update(std=[0.0]))
     one_line_error(train("--train", f"mnist={path}", "--out", tmp_path / "run"), "std")
@@ -307,6 +312,7 @@ def finished(data, tmp_path_factory):
     (["--seed", "3"], ["seed"]),
     (["--train", "mnist={d}/"], ["sources"]),
 ])
+@pytest.mark.slow
 def test_resume_with_other_settings_is_one_line_naming_each_difference(data, finished, tmp_path, change, needles):
     out = tmp_path / "run"
     subprocess.run(["cp", "-r", str(finished), str(out)], check=True)
@@ -319,6 +325,7 @@ def test_resume_with_other_settings_is_one_line_naming_each_difference(data, fin
     one_line_error(train(*args), "--resume with other settings", *needles)
 
 
+@pytest.mark.slow
 def test_weights_may_change_on_purpose_and_are_recorded(data, finished, tmp_path):
     out = tmp_path / "run"
     subprocess.run(["cp", "-r", str(finished), str(out)], check=True)
@@ -332,6 +339,7 @@ def test_weights_may_change_on_purpose_and_are_recorded(data, finished, tmp_path
 # ---------------------------------------------------------------- 7. full disks and torn lines
 
 
+@pytest.mark.slow
 def test_a_torn_metrics_line_is_cut_on_resume(data, finished, tmp_path):
     out = tmp_path / "run"
     subprocess.run(["cp", "-r", str(finished), str(out)], check=True)
@@ -395,6 +403,7 @@ def test_a_checkpoint_that_cannot_be_written_keeps_the_previous_one(tmp_path, mo
 # ---------------------------------------------------------------- 8. sizes that would eat memory
 
 
+@pytest.mark.slow
 def test_a_batch_larger_than_the_epoch_is_refused(data, tmp_path):
     one_line_error(train(*small(data, tmp_path / "run", "--batch-size", "100000000")), "less than one batch")
     assert not (tmp_path / "run").exists()
@@ -410,6 +419,7 @@ print(n, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
 """
 
 
+@pytest.mark.slow
 def test_members_a_source_does_not_use_cost_no_memory(tmp_path):
     """8 samples, each with an unused 20 MB member (a 160 MB shard): the stream holds none of them."""
     from helpers import read_members, write_tar
@@ -514,10 +524,12 @@ def _alive(pid):
     (["--checkpoint-every", "0"], "--checkpoint-every"), (["--stop-after-steps", "-1"], "--stop-after-steps"),
     (["--sample-stage", "nocolon"], "--sample-stage"), (["--change-weights"], "--change-weights"),
 ])
+@pytest.mark.slow
 def test_bad_numbers_are_one_line(data, tmp_path, bad, needle):
     one_line_error(train(*small(data, tmp_path / "run"), *bad), needle)
 
 
+@pytest.mark.slow
 def test_a_bad_number_never_wipes_the_previous_run(data, finished, tmp_path):
     out = tmp_path / "run"
     subprocess.run(["cp", "-r", str(finished), str(out)], check=True)
@@ -557,6 +569,7 @@ def test_a_negative_tar_size_is_damage_not_a_loop():
     assert time.time() - t0 < 5
 
 
+@pytest.mark.slow
 def test_a_bad_seed_never_wipes_the_previous_run(data, finished, tmp_path):
     out = tmp_path / "run"
     subprocess.run(["cp", "-r", str(finished), str(out)], check=True)
@@ -566,6 +579,7 @@ def test_a_bad_seed_never_wipes_the_previous_run(data, finished, tmp_path):
     assert sorted(os.listdir(out)) == before
 
 
+@pytest.mark.slow
 def test_deeply_nested_or_huge_manifests_are_one_line(tmp_path):
     (tmp_path / "deep").mkdir()
     (tmp_path / "deep" / "mnist-train.json").write_text("[" * 100000 + "]" * 100000)
@@ -624,6 +638,7 @@ def relabel(sample):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage, needle", [("stage_broken:f", "RuntimeError: broken on import"),
                                            ("my_stages:boom", "raised KeyError"),
                                            ("my_stages:relabel", "returned label 1000000")])

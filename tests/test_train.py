@@ -118,6 +118,10 @@ def test_resume_after_interrupted_epoch_matches_uninterrupted(ddp_run, data, tmp
     assert metrics(out) == metrics(ddp_run)
     assert read(out, "summary.json")["eval"] == read(ddp_run, "summary.json")["eval"]
     assert keys(out, 0) == keys(ddp_run, 0) and keys(out, 1) == keys(ddp_run, 1)
+    before = (out / "summary.json").read_text()
+    p = run([*sources(data), *COMMON, "--out", str(out), "--resume"])  # finished: nothing to do, nothing lost
+    assert "nothing to do" in p.stdout and (out / "summary.json").read_text() == before
+    assert metrics(out) == metrics(ddp_run)
 
 
 @pytest.mark.slow
@@ -148,11 +152,13 @@ def test_synthetic_data_is_learned_far_above_chance(tmp_path):
     (["--batch-size", "0"], "--batch-size"),
     (["--eval", "svhn=x"], "svhn"),
 ])
+@pytest.mark.slow
 def test_bad_command_lines_fail_in_one_line(data, tmp_path, bad, message):
     p = run([*sources(data), *bad, "--out", str(tmp_path / "o")], nproc=0, check=False)
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
+@pytest.mark.slow
 def test_missing_test_shards_fail_before_training(data, tmp_path):
     p = run(["--train", f"mnist={data}/mnist-train.json", "--eval", f"mnist={tmp_path}/nothing-here.json",
              "--out", str(tmp_path / "o")], nproc=0, check=False)
@@ -188,6 +194,7 @@ def invert(sample):
 '''
 
 
+@pytest.mark.slow
 def test_a_users_sample_stage_runs_in_the_trainer(data, tmp_path):
     (tmp_path / "my_stages.py").write_text(STAGE)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path)]), OMP_NUM_THREADS="1")

@@ -52,12 +52,13 @@ def parse_args(argv):
     a("--maxcount", type=int, default=500, metavar="N", help="samples per shard (default: 500)")
     a("--seed", type=int, default=0, metavar="N", help="seed of the sample order, >= 0 (default: 0)")
     a("--workers", type=int, default=os.cpu_count(), metavar="N", help="processes (default: all cores)")
-    a("--part", metavar="I/N", help="write only part I of N of each split (for N machines)")
+    a("--part", metavar="I/N", help="write only part I of N of each split, I counting from 0 (0/3, 1/3, 2/3 on "
+                                    "3 machines), then --merge")
     a("--merge", action="store_true", help="merge the part manifests under --out into one")
     a("--verify", action="store_true", help="check the shards under --out against their manifests, list every problem")
     a("--preview", metavar="MANIFEST", action="append", default=[],
       help="write a PNG grid of 64 samples of the shard set MANIFEST (e.g. shards/mnist-train.json) with their "
-           "class names, as --out/NAME-SPLIT-preview.png (repeatable)")
+           "class names, as NAME-SPLIT-preview.png beside a local manifest (in --out for a remote one; repeatable)")
     a("--out", default="shards", metavar="DIR", help="output folder (default: shards)")
     a("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
@@ -203,10 +204,11 @@ def run_index(args):
 def run_preview(args):
     from pipeline.preview import preview
 
-    os.makedirs(args.out, exist_ok=True)
     for path in args.preview:
         m = manifest.load(path)
-        out = preview(path, os.path.join(args.out, f"{m['dataset']}-{m['split']}-preview.png"))
+        folder = (os.path.dirname(path) or ".") if remote.kind(path) == "file" else args.out
+        os.makedirs(folder, exist_ok=True)
+        out = preview(path, os.path.join(folder, f"{m['dataset']}-{m['split']}-preview.png"))
         print(f"wrote {out}")
     return 0
 
@@ -234,6 +236,9 @@ def run(args):
     rows = []
     for src in load_sources(args):
         print(f"{src.name}-{src.split}: {describe(src.origin)}", flush=True)
+        old = os.path.join(args.out, f"{src.name}-{src.split}.json")
+        if os.path.exists(old) and args.part == (0, 1):
+            print(f"  replacing the {src.name}-{src.split} shard set already in {args.out}/", flush=True)
         t0 = time.perf_counter()
         m = shards.build(src, args.out, encoding=args.encoding, maxcount=args.maxcount, seed=args.seed,
                          limit=args.limit, workers=args.workers, part=args.part, progress=not args.quiet)
