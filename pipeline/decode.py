@@ -18,6 +18,7 @@ at 1/2, 1/4 or 1/8 scale for free. Exactly what make_shards writes (raw
 pixels, or a PNG with the Up filter on every row) takes the fast paths in
 `pipeline/png.py`, one numpy operation a batch.
 """
+import functools
 import io
 import json
 import warnings
@@ -65,13 +66,14 @@ class Target:
         return {v: i for i, v in enumerate(self.label_values)} if self.label_values else None
 
 
+@functools.lru_cache(maxsize=256)  # label_of asks once a sample
 def parse_label_key(text):
-    """'cls' -> ('cls', None); 'json:label' -> ('json', ['label']). Raises ValueError."""
+    """'cls' -> ('cls', None); 'json:label' -> ('json', ('label',)). Raises ValueError."""
     ext, _, field = text.partition(":")
     if ext in LABEL_EXTS and not field:
         return ext, None
     if ext == "json" and field and all(field.split(".")):
-        return ext, field.split(".")
+        return ext, tuple(field.split("."))
     raise ValueError(f"label key {text!r}: use cls, txt, index, or json:FIELD (e.g. json:label)")
 
 
@@ -140,7 +142,7 @@ def _raw(images, shape):
 
 
 def _png_fast(images, exts, target, crops):
-    """PNGs exactly as make_shards writes them: one inflate each, one cumsum for all."""
+    """PNGs exactly as make_shards writes them: one inflate each, then one add a row for all."""
     shape = tuple(target.shape)
     rows, kept, other = [], [], []
     for i, d in enumerate(images):

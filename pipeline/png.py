@@ -5,7 +5,7 @@ per-call overhead, which made png shards 10x slower to stream than raw ones.
 `encode` writes 8-bit grey or RGB with the PNG "Up" filter on every row
 (each row stored as its difference from the row above). `fast_rows` inflates
 one image with a single zlib call and leaves the filter in place; `unfilter`
-undoes it for a whole batch with one numpy cumsum, since per image numpy's call
+undoes it for a whole batch with one numpy add a row across the batch, since per image numpy's call
 overhead cost more than zlib itself for MNIST. Sizes against PIL's adaptive
 filters: MNIST -16%, CIFAR10 +5%. Any other PNG (more chunks, other filters,
 palettes, interlacing, 16-bit, a bad checksum) is decoded by PIL in
@@ -38,10 +38,16 @@ def decode(data, shape):
 
 
 def unfilter(data, n, shape):
-    """`rows` of n images, concatenated -> uint8 array (n, C, H, W)."""
+    """`rows` of n images, concatenated -> uint8 array (n, C, H, W).
+
+    One add a row over all n images at once: numpy's cumsum along the row axis
+    cost 10.5 us a CIFAR10 image here, these adds 2.7 us (256 images, medians of 7)."""
     c, h, w = shape
     filtered = np.frombuffer(data, np.uint8).reshape(n, h, 1 + w * c)[:, :, 1:]
-    pixels = np.cumsum(filtered, axis=1, dtype=np.uint8)  # wraps modulo 256: undoes Up
+    pixels = np.empty((n, h, w * c), np.uint8)
+    pixels[:, 0] = filtered[:, 0]
+    for r in range(1, h):
+        np.add(pixels[:, r - 1], filtered[:, r], out=pixels[:, r])  # uint8 wraps modulo 256: undoes Up
     return pixels.reshape(n, h, w, c).transpose(0, 3, 1, 2)
 
 
@@ -75,21 +81,32 @@ def fast_rows(data, shape):
     chunk, IEND, and the Up filter on every row. Returns the inflated rows, each behind
     its filter byte (H * (1 + W * C) bytes) for `unfilter`; None for anything else, which
     `pipeline.decode` hands to PIL."""
-    c, h, w = shape
-    if c not in _COLOUR_TYPE:
+    frame = _frame(*shape)
+    if frame is None:
         return None
-    head = _head(c, h, w)
+    head, expected, up = frame
     start, n = len(head) + 8, len(data) - len(head) - 24  # IDAT's data: after its length and type
     if not 0 <= n < 1 << 31 or not data.startswith(head) or not data.endswith(_IEND) \
-            or data[start - 8:start] != struct.pack(">I4s", n, b"IDAT") \
-            or data[start + n:start + n + 4] != struct.pack(">I", zlib.crc32(data[start - 4:start + n])):
+            or data[start - 8:start] != _IDAT.pack(n, b"IDAT") \
+            or _CRC.unpack_from(data, start + n)[0] != zlib.crc32(memoryview(data)[start - 4:start + n]):
         return None
-    stride = 1 + w * c
     inflater = zlib.decompressobj()
     try:
-        raw = inflater.decompress(data[start:start + n], h * stride)  # never more than the header promised
+        raw = inflater.decompress(memoryview(data)[start:start + n], expected)  # never more than the header promised
     except zlib.error:
         return None
-    if len(raw) != h * stride or not inflater.eof or raw[::stride] != bytes((_UP,)) * h:
+    if len(raw) != expected or not inflater.eof or raw[::expected // shape[1]] != up:
         return None
     return raw
+
+
+_IDAT, _CRC = struct.Struct(">I4s"), struct.Struct(">I")
+
+
+@functools.lru_cache(maxsize=64)
+def _frame(c, h, w):
+    """(header bytes, inflated size, the filter bytes of every row) for a shape, or None
+    for a channel count `encode` doesn't write."""
+    if c not in _COLOUR_TYPE:
+        return None
+    return _head(c, h, w), h * (1 + w * c), bytes((_UP,)) * h

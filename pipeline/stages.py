@@ -95,7 +95,7 @@ def eval_windows(urls, topo, worker):
 class WindowData:
     """The samples of one window as columns: keys, labels (class indices), the shard each
     came from, and images: one uint8 array (n, C*H*W) when every shard was read by
-    `read.regular` (raw pixels), else a list of encoded images with their extensions."""
+    `read.regular` with raw pixels, else a list of encoded images with their extensions."""
 
     def __init__(self):
         self.keys, self.labels, self.urls, self.chunks = [], [], [], []
@@ -142,7 +142,8 @@ class Reader:
         self.lookup = self.target.lookup()
         self.want = self.target.members
         label_ext, field = parse_label_key(self.target.label)
-        self.regular = (label_ext if self.target.image_exts == ("raw",) and field is None else None)
+        one_image = len(self.target.image_exts) == 1
+        self.regular = (self.target.image_exts[0], label_ext) if one_image and field is None else None
         n = len(source.urls)
         self.facts = {u: (c, b, d) for u, c, b, d in zip(source.urls, source.counts, source.sizes or [None] * n,
                                                          source.digests or [None] * n)}
@@ -166,7 +167,7 @@ class Reader:
             if whole:
                 buf = remote.read_all(stream)
                 if self.regular:
-                    found = regular(buf, "raw", self.regular)
+                    found = regular(buf, *self.regular)
                     if found is not None:
                         got, cols = len(found[0]), found
                         return
@@ -199,7 +200,7 @@ class Reader:
             if count is not None and got != count and url not in self.named:
                 self.named.add(url)
                 warnings.warn(f"{url}: {got} samples, the manifest says {count}", stacklevel=2)
-        if cols is not None and isinstance(cols[1], np.ndarray):
+        if cols is not None and len(cols) == 3:
             cols = self._check_regular(url, *cols, bad)
         for key, error in bad:
             self.bad(url, key, error)
@@ -207,9 +208,11 @@ class Reader:
             out.add(*cols, url)
 
     def _check_regular(self, url, keys, images, labels, bad):
-        """Labels and image sizes of a shard read by read.regular, checked for all its samples at once."""
+        """Labels (and raw image sizes) of a shard read by read.regular, checked for all its
+        samples at once. Returns the columns WindowData.add takes."""
+        exts = "raw" if isinstance(images, np.ndarray) else [self.target.image_exts[0]] * len(keys)
         nbytes = int(np.prod(self.target.shape))
-        if images.shape[1] != nbytes:
+        if exts == "raw" and images.shape[1] != nbytes:
             bad += [(k, f"{images.shape[1]} raw bytes, expected {nbytes} for shape {self.target.shape}") for k in keys]
             return [], images[:0], "raw", labels[:0]
         if self.lookup is not None:
@@ -224,8 +227,9 @@ class Reader:
             bad += [(keys[i], f"label {int(labels[i])} outside 0..{self.target.classes - 1}")
                     for i in np.flatnonzero(~ok)]
             keep = np.flatnonzero(ok)
-            return [keys[i] for i in keep], images[keep], "raw", labels[keep]
-        return keys, images, "raw", labels
+            images = images[keep] if exts == "raw" else [images[i] for i in keep]
+            return [keys[i] for i in keep], images, exts if exts == "raw" else exts[:len(keep)], labels[keep]
+        return keys, images, exts, labels
 
     def bad(self, url, key, error):
         if self.strict:

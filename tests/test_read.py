@@ -136,3 +136,90 @@ def test_reader_skips_directories_and_links():
     assert member_list(io.BytesIO(buf.getvalue())) == [(long_name, b"7")]
 
 
+
+
+def sequential(buf, image_ext, label_ext="cls"):
+    """(keys, images, labels) as iter_samples reads the image and label members."""
+    samples = list(read.iter_samples(io.BytesIO(buf), {image_ext, label_ext}))
+    return [s["__key__"] for s in samples], [s[image_ext] for s in samples], [int(s[label_ext]) for s in samples]
+
+
+def ustar(members):
+    """A plain USTAR tar (tarfile) of (name, bytes) members."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("encoding", shards.ENCODINGS)
+def test_regular_reads_project_shards_exactly_as_the_sequential_reader(tmp_path, encoding):
+    src = array_source(23, (3, 9, 9))
+    src.images[::3] = 0  # these compress: png members of different sizes
+    m = build(src, tmp_path, encoding=encoding, maxcount=23)
+    buf = (tmp_path / m["shards"][0]["name"]).read_bytes()
+    found = read.regular(buf, encoding, "cls")
+    assert found is not None  # the fast path is taken for the shards make_shards writes
+    keys, images, labels = found
+    want_keys, want_images, want_labels = sequential(buf, encoding)
+    assert keys == want_keys and labels.tolist() == want_labels and len(keys) == 23
+    if encoding == "raw":
+        assert isinstance(images, np.ndarray) and [r.tobytes() for r in images] == want_images
+    else:
+        assert images == want_images and len({len(x) for x in images}) > 1  # sizes differ: the chain, not a period
+
+
+def test_regular_reads_two_member_tars_of_other_writers(tmp_path):
+    rng = np.random.default_rng(0)
+    members = []
+    for i in range(7):
+        members += [(f"s{i:03d}.jpg", rng.bytes(int(rng.integers(1, 3000)))), (f"s{i:03d}.cls", str(i * 11).encode())]
+    buf = ustar(members)
+    keys, images, labels = read.regular(buf, "jpg", "cls")
+    assert (keys, images, labels.tolist()) == sequential(buf, "jpg")
+
+
+def forged_headers_inside_data():
+    """A member whose bytes are tar headers that pair up as samples would: only the chain
+    of sizes from the first header shows they are data (iter_samples reads a, then c)."""
+    forged = ustar([("a.cls", b"1"), ("b.raw", b""), ("b.cls", b"2"), ("a.raw", b"")])[:6 * 512]
+    return ustar([("a.raw", forged), ("a.cls", b"1"), ("c.raw", b""), ("c.cls", b"3")])
+
+
+def two_samples():
+    return ustar([("a.raw", b"x" * 9), ("a.cls", b"1"), ("b.raw", b"y" * 9), ("b.cls", b"2")])
+
+
+@pytest.mark.parametrize("make", [
+    forged_headers_inside_data,
+    lambda: ustar([("a.raw", b"x" * 9), ("a.cls", b"1"), ("a.json", b"{}"), ("b.raw", b"y" * 9), ("b.cls", b"2"),
+                   ("b.json", b"{}")]),                                            # three members a sample
+    lambda: ustar([("a.raw", b"x" * 9), ("a.cls", b"1a"), ("b.raw", b"y" * 9), ("b.cls", b"2")]),  # not digits
+    lambda: ustar([("a.raw", b"x" * 9), ("a.cls", b"1"), ("bb.raw", b"y" * 9), ("bb.cls", b"2")]),  # key lengths
+    lambda: ustar([("a.RAW", b"x" * 9), ("a.cls", b"1"), ("b.RAW", b"y" * 9), ("b.cls", b"2")]),   # other case
+    lambda: ustar([("a.raw", b"x" * 9), ("a.cls", b"1"), ("a.raw", b"y" * 9), ("a.cls", b"2")]),   # a key twice
+    lambda: two_samples()[:4 * 1024],                                               # no end-of-archive block
+])
+def test_regular_leaves_every_other_layout_to_the_sequential_reader(make):
+    """None, not a misreading: iter_samples then reads (or rejects) the shard."""
+    assert read.regular(make(), "raw", "cls") is None
+    assert read.regular(two_samples(), "raw", "cls") is not None  # the unbroken layout is read
+
+
+def test_forged_headers_read_as_data():
+    keys, images, _ = sequential(forged_headers_inside_data(), "raw")
+    assert keys == ["a", "c"] and len(images[0]) == 6 * 512
+
+
+def test_regular_skips_the_shard_webdataset_writes():
+    import webdataset as wds
+
+    buf = io.BytesIO()
+    with wds.TarWriter(buf) as w:
+        for i in range(4):
+            w.write({"__key__": f"k{i}", "raw": bytes(9), "cls": b"3"})
+    assert read.regular(buf.getvalue(), "raw", "cls") is None  # PAX headers: the sequential reader's
+    assert sequential(buf.getvalue(), "raw")[2] == [3] * 4
