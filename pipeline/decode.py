@@ -97,6 +97,11 @@ def label_of(sample, target, lookup=None):
             raise ValueError(f".json has no {'.'.join(path)} field") from None
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f".json {'.'.join(path)} is {value!r}, not an integer")
+    return class_index(value, target, lookup)
+
+
+def class_index(value, target, lookup=None):
+    """A label's class index in its source; ValueError saying why it has none."""
     if lookup is not None:
         if value not in lookup:
             raise ValueError(f"label {value} is not one of the source's {len(lookup)} label values")

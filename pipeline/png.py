@@ -107,6 +107,6 @@ _IDAT, _CRC = struct.Struct(">I4s"), struct.Struct(">I")
 def _frame(c, h, w):
     """(header bytes, inflated size, the filter bytes of every row) for a shape, or None
     for a channel count `encode` doesn't write."""
-    if c not in _COLOUR_TYPE:
+    if c not in _COLOUR_TYPE or h < 1 or w < 1:
         return None
     return _head(c, h, w), h * (1 + w * c), bytes((_UP,)) * h

@@ -16,6 +16,7 @@ over, so an unused 60 MB member costs no memory. tarfile costs about 100 us a
 member here; this loop about 1.5 us (tools/bench_loader.py --tar-format).
 """
 import gzip
+import zlib
 
 import numpy as np
 
@@ -24,6 +25,7 @@ from .errors import ShardError
 MAX_MEMBER = 64 << 20  # a wanted member claiming more is corrupt or hostile, not an image or a label
 CHUNK = 4 << 20
 ZERO_BLOCK = bytes(512)
+GZIP_MAGIC = b"\x1f\x8b"
 _REGULAR = (48, 0, 55)  # b"0", NUL (old tars), b"7" (contiguous file)
 _LONGNAME, _PAX, _GLOBAL_PAX = 76, 120, 103  # b"L", b"x", b"g"
 
@@ -54,8 +56,8 @@ def _members(stream, want, max_member, chunk):
     """(key bytes, ext, data) for each regular file member, data None where `want` says
     so; see iter_samples. The common case (a USTAR header for a regular file) runs inline."""
     buf = _read(stream, chunk)
-    if buf[:2] == b"\x1f\x8b":
-        stream = gzip.GzipFile(fileobj=_Prefixed(buf, stream))
+    if buf[:2] == GZIP_MAGIC:
+        stream = _Gunzip(gzip.GzipFile(fileobj=_Prefixed(buf, stream)))
         buf = _read(stream, chunk)
     exts = {}  # extension bytes -> (lowercase str, wanted)
     pos, long_name, pax = 0, None, None
@@ -223,6 +225,20 @@ def _read(stream, n):
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
+class _Gunzip:
+    """A gzip stream whose damage is a ShardError (the shard is bad), while the I/O
+    errors of the stream under it stay what they are (they may be retried)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def read(self, n=-1):
+        try:
+            return self.stream.read(n)
+        except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+            raise ShardError(f"damaged gzip stream: {e}") from None
+
+
 class _Prefixed:
     """A stream whose first bytes were already read: they come first."""
 
@@ -253,7 +269,7 @@ def regular(buf, image_ext="raw", label_ext="cls"):
     sequential loop (tools/bench_loader.py --profile shows both).
     """
     n = len(buf) // 512
-    if n < 4 or buf[257:262] != b"ustar":
+    if n < 4 or buf[257:262] != b"ustar" or buf[:2] == GZIP_MAGIC or image_ext == label_ext:
         return None
     blocks = np.frombuffer(buf, np.uint8, n * 512).reshape(n, 512)
     at = np.flatnonzero((blocks[:, 257:262] == _USTAR).all(1))
@@ -278,12 +294,14 @@ def regular(buf, image_ext="raw", label_ext="cls"):
             and (head[:, key_len:l1 + 1] == head[0, key_len:l1 + 1]).all()  # same extension, then NUL
             and (tail[:, key_len:l2 + 1] == tail[0, key_len:l2 + 1]).all()
             and (head[:, :key_len] == tail[:, :key_len]).all()
-            and (head[:, :key_len] != 46).all()
+            and (head[:, :key_len] != 46).all() and (head[:, :key_len] != 0).all()  # no dot, no NUL in a key
+            and (head[:, key_len - 1] != 47).all()  # a key ends before its dot, not in a folder's slash
+            and not ((head[:, 0] == 95) & (head[:, 1] == 95)).any()  # webdataset skips top-level __*__ names
             and (head[1:, :key_len] != head[:-1, :key_len]).any(1).all()
             and not _posix_prefix(headers)):
         return None
     label_sizes, image_sizes = sizes[1::2], sizes[0::2]
-    if label_sizes.min() < 1 or label_sizes.max() > 512:
+    if label_sizes.min() < 1 or label_sizes.max() > 18:  # 19 digits could pass int64: the sequential loop says why
         return None
     texts = blocks[at[1::2] + 1, :int(label_sizes.max())].astype(np.int64) - 48
     width = texts.shape[1]

@@ -34,7 +34,7 @@ import numpy as np
 import webdataset as wds
 
 from . import remote, topology
-from .decode import decode_batch, image_of, label_of, parse_label_key
+from .decode import class_index, decode_batch, image_of, label_of, parse_label_key
 from .errors import DigestError, ShardError
 from .read import iter_samples, regular
 
@@ -215,17 +215,17 @@ class Reader:
         if exts == "raw" and images.shape[1] != nbytes:
             bad += [(k, f"{images.shape[1]} raw bytes, expected {nbytes} for shape {self.target.shape}") for k in keys]
             return [], images[:0], "raw", labels[:0]
+        values = labels
         if self.lookup is not None:
-            values = np.array(self.target.label_values)
-            order = np.argsort(values)
-            pos = np.clip(np.searchsorted(values[order], labels), 0, len(values) - 1)
-            ok = values[order][pos] == labels
+            known = np.array(self.target.label_values)
+            order = np.argsort(known)
+            pos = np.clip(np.searchsorted(known[order], values), 0, len(known) - 1)
+            ok = known[order][pos] == values
             labels = np.where(ok, order[pos], -1)
         else:
             ok = (labels >= 0) & (labels < self.target.classes)
         if not ok.all():
-            bad += [(keys[i], f"label {int(labels[i])} outside 0..{self.target.classes - 1}")
-                    for i in np.flatnonzero(~ok)]
+            bad += [(keys[i], _label_error(int(values[i]), self.target, self.lookup)) for i in np.flatnonzero(~ok)]
             keep = np.flatnonzero(ok)
             images = images[keep] if exts == "raw" else [images[i] for i in keep]
             return [keys[i] for i in keep], images, exts if exts == "raw" else exts[:len(keep)], labels[keep]
@@ -236,6 +236,15 @@ class Reader:
             raise ShardError(f"{url}: sample {key}: {error}") from None
         self.stats["skipped"] += 1
         warnings.warn(f"{url}: skipped sample {key}: {error}", stacklevel=3)
+
+
+def _label_error(value, target, lookup):
+    """What the sequential path says of a label it can't use (decode.class_index)."""
+    try:
+        class_index(value, target, lookup)
+    except ValueError as e:
+        return str(e)
+    raise AssertionError(f"label {value} is usable")
 
 
 def _rng(tag):

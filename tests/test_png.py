@@ -63,6 +63,7 @@ def test_damaged_pngs_leave_the_fast_path():
              "empty": b""}
     for name, data in cases.items():
         assert png.fast_rows(data, shape) is None, name
+    assert png.fast_rows(good, (3, 0, 32)) is None and png.fast_rows(good, (2, 32, 32)) is None  # shapes encode can't write
 
 
 def test_unfilter_undoes_the_up_filter_for_a_batch():

@@ -1,5 +1,6 @@
 """pipeline.read: the tar reader against Python's tarfile, foreign tar dialects, damage, and
 the vectorised path for regular shards."""
+import gzip
 import io
 import itertools
 import tarfile
@@ -189,6 +190,20 @@ def forged_headers_inside_data():
     return ustar([("a.raw", forged), ("a.cls", b"1"), ("c.raw", b""), ("c.cls", b"3")])
 
 
+def nul_in_second_key():
+    b = bytearray(ustar([("aaa.raw", b"x"), ("aaa.cls", b"1"), ("bbb.raw", b"y"), ("bbb.cls", b"2")]))
+    b[2049] = b[3073] = 0  # the sequential reader sees "b": no extension, no sample
+    return bytes(b)
+
+
+def gzip_magic_names():
+    """A tar whose first bytes are gzip's magic: the sequential reader takes it for gzip."""
+    b = bytearray(ustar([("xxk.raw", b"x"), ("xxk.cls", b"1"), ("xxj.raw", b"y"), ("xxj.cls", b"2")]))
+    for at in (0, 1024, 2048, 3072):
+        b[at:at + 2] = read.GZIP_MAGIC
+    return bytes(b)
+
+
 def two_samples():
     return ustar([("a.raw", b"x" * 9), ("a.cls", b"1"), ("b.raw", b"y" * 9), ("b.cls", b"2")])
 
@@ -202,11 +217,31 @@ def two_samples():
     lambda: ustar([("a.RAW", b"x" * 9), ("a.cls", b"1"), ("b.RAW", b"y" * 9), ("b.cls", b"2")]),   # other case
     lambda: ustar([("a.raw", b"x" * 9), ("a.cls", b"1"), ("a.raw", b"y" * 9), ("a.cls", b"2")]),   # a key twice
     lambda: two_samples()[:4 * 1024],                                               # no end-of-archive block
+    lambda: ustar([("a.raw", b"x"), ("a.cls", str(2 ** 64 + 3).encode()), ("b.raw", b"y"), ("b.cls", b"1")]),
+    lambda: ustar([("ab/.raw", b"x"), ("ab/.cls", b"1"), ("cd/.raw", b"y"), ("cd/.cls", b"2")]),  # no key
+    lambda: ustar([("aaaaa.raw", b"x"), ("aaaaa.cls", b"1"), ("__x__.raw", b"y"), ("__x__.cls", b"2")]),
+    lambda: nul_in_second_key(),
+    lambda: gzip_magic_names(),
 ])
 def test_regular_leaves_every_other_layout_to_the_sequential_reader(make):
     """None, not a misreading: iter_samples then reads (or rejects) the shard."""
     assert read.regular(make(), "raw", "cls") is None
     assert read.regular(two_samples(), "raw", "cls") is not None  # the unbroken layout is read
+
+
+def test_regular_never_reads_one_extension_as_image_and_label():
+    twice = ustar([("a.cls", b"1"), ("a.cls", b"1"), ("b.cls", b"2"), ("b.cls", b"2")])
+    with pytest.raises(ShardError, match="twice"):
+        list(read.iter_samples(io.BytesIO(twice)))
+    assert read.regular(twice, "cls", "cls") is None
+
+
+def test_damaged_gzip_is_a_shard_error():
+    data = bytearray(gzip.compress(two_samples()))
+    data[len(data) // 2] ^= 0xFF
+    for damaged in (bytes(data), bytes(data[:len(data) // 2]), gzip_magic_names()):
+        with pytest.raises(ShardError, match="gzip"):
+            list(read.iter_samples(io.BytesIO(damaged)))
 
 
 def test_forged_headers_read_as_data():

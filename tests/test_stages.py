@@ -119,3 +119,38 @@ def test_random_mix_state_restores_the_draws():
     again = RandomMix([[], []], seed=0)
     again.restore(state)
     assert (again.draw(50) == after).all()
+
+
+@pytest.mark.parametrize("encoding", ["raw", "png"])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_the_fast_and_the_sequential_reader_agree_on_bad_labels(tmp_path, encoding, sparse):
+    """read.regular's labels are checked as decode.label_of checks them: the same samples
+    kept, in order, and the same warnings."""
+    import dataclasses
+    import warnings
+
+    from helpers import build_shards, read_members, write_tar
+    from pipeline.manifest import resolve
+
+    build_shards(tmp_path, "toy", "train", 12, encoding=encoding, maxcount=12)
+    shard = tmp_path / "toy-train-000000.tar"
+    write_tar(shard, [(n, b"20" if n.endswith(".cls") and i in (3, 9) else body)
+                      for i, (n, body) in enumerate(read_members(shard))])
+    src = resolve("toy", str(tmp_path), "train")
+    seen = []
+    for fast in (True, False):
+        reader = stages.Reader(src, {"skipped": 0})
+        if sparse:  # the source's labels are 0, 2, 4, ...: class index = label / 2
+            reader.target = dataclasses.replace(reader.target, label_values=tuple(range(0, 20, 2)))
+            reader.lookup = reader.target.lookup()
+        if not fast:
+            reader.regular = None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            data = reader(Window((src.urls[0],), "t", 0))
+        seen.append((data.keys, data.labels.tolist(), [bytes(x) for x in data.images] if encoding == "png" else
+                     data.images.tolist() if fast else None, [str(w.message) for w in caught], reader.stats))
+    (keys, labels, _, said, stats), (keys2, labels2, _, said2, stats2) = seen
+    assert keys == keys2 and labels == labels2 and said == said2 and stats == stats2
+    assert stats["skipped"] == 12 - len(keys) == len(said) and (len(keys) == 10 or sparse and len(keys) >= 1)
+    assert ("is not one of the source's 10 label values" if sparse else "outside 0..9") in said[0]
