@@ -255,7 +255,7 @@ class _Prefixed:
 
 def regular(buf, image_ext="raw", label_ext="cls"):
     """A whole tar in memory whose samples are all [image member][label member of at most
-    512 bytes], read at once with numpy: (keys, images, labels int64), images an (n, size)
+    18 digits], read at once with numpy: (keys, images, labels int64), images an (n, size)
     uint8 array for raw members of one size, else a list of bytes. None for any other
     layout, which `iter_samples` then reads.
 
@@ -265,8 +265,8 @@ def regular(buf, image_ext="raw", label_ext="cls"):
     `iter_samples` rather than misreading it. Each header is checked (type, size digits,
     name: the same key in both members, the expected extensions, a new key each
     sample), so a shard reads exactly as `iter_samples` would read it or is left to it.
-    This costs about 1 us a sample against 5 us (raw) or 8 us (png) through the
-    sequential loop (tools/bench_loader.py --profile shows both).
+    This cost 1.5-3.1 us a sample against 5.3-9.3 us through the sequential loop, on
+    8 raw and 8 png shards each of MNIST and CIFAR10 (medians of 7).
     """
     n = len(buf) // 512
     if n < 4 or buf[257:262] != b"ustar" or buf[:2] == GZIP_MAGIC or image_ext == label_ext:
