@@ -38,11 +38,18 @@ def read_json(path):
         if os.path.getsize(path) > MAX_JSON:
             raise ShardError(f"{path}: {os.path.getsize(path)} bytes, more than a manifest may hold ({MAX_JSON})")
         with open(path, "rb") as f:
-            return json.loads(f.read())
+            data = f.read()
     except FileNotFoundError:
         raise ShardError(f"{path}: no such file") from None
+    return parse_json(data, path)
+
+
+def parse_json(data, where):
+    """JSON from a file or a server, whatever it holds: ShardError naming `where` if it isn't."""
+    try:
+        return json.loads(data)
     except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, 5,000-digit numbers, 100,000-deep nesting
-        raise ShardError(f"{path}: not valid JSON ({e.__class__.__name__}: {str(e)[:200]})") from None
+        raise ShardError(f"{where}: not valid JSON ({e.__class__.__name__}: {str(e)[:200]})") from None
 
 
 def append_line(path, text):

@@ -34,7 +34,7 @@ from braceexpand import braceexpand
 from . import remote
 from .decode import IMAGE_EXTS, Target, parse_label_key
 from .errors import ShardError
-from .files import MAX_JSON, read_json
+from .files import MAX_JSON, parse_json, read_json
 
 FORMAT = "pipeline-shards/2"
 FORMATS = ("pipeline-shards/1", FORMAT)  # /1: make_shards before origins and label keys; same fields otherwise
@@ -213,16 +213,11 @@ def load(url, policy=remote.Policy()):
                              f"shards with make_shards.py --index)")
         m = read_json(url)
     else:
-        import json
-
         try:
             text = remote.fetch(url, policy=policy, limit=MAX_JSON)
         except OSError as e:
             raise ShardError(f"cannot read manifest {url}: {e}") from None
-        try:
-            m = json.loads(text)
-        except (ValueError, RecursionError) as e:
-            raise ShardError(f"{url}: not valid JSON ({e.__class__.__name__}: {str(e)[:200]})") from None
+        m = parse_json(text, url)
     return check(m, url)
 
 
