@@ -21,6 +21,7 @@ may be:
 Anything else (`pipe:...`, `file:`, other schemes, `..`) is refused with one
 line naming the manifest and the shard, before anything is opened or run.
 """
+import collections
 import math
 import os
 import re
@@ -135,8 +136,9 @@ def check(m, where):
     if not all(x >= MIN_STD for x in m["std"]):
         bad("std", f"{m['std']}; every channel's std must be at least {MIN_STD}")
     names = [s["name"] for s in shards]
-    if len(set(names)) != len(names):
-        twice = next(n for n in names if names.count(n) > 1)
+    counts = collections.Counter(names)
+    if len(counts) != len(names):
+        twice = next(n for n in names if counts[n] > 1)  # counted once: a million names must not cost n² steps
         bad("shards", f"{twice!r} is listed more than once")
     exts = m.get("image_exts", [m.get("encoding")])
     if not (isinstance(exts, list) and exts and all(e in IMAGE_EXTS for e in exts)):
