@@ -91,6 +91,10 @@ class StepLog:
         self.counts[:-1] += counts
         self.counts[-1] += skipped
 
+    def _zero(self):
+        self.loss.zero_()
+        self.counts.zero_()
+
     def _reduced(self):
         both = dist.all_reduce_sum(torch.cat([self.loss, self.counts.to(self.device)]))
         return both.cpu().tolist()
@@ -98,13 +102,8 @@ class StepLog:
     def shared(self, is_main):
         """The partial sums over all ranks (a collective); afterwards rank 0 holds them alone."""
         total = self._reduced()
-        n = len(self.names)
-        if is_main:
-            self.loss.copy_(torch.tensor(total[:n], dtype=torch.float64))
-            self.counts.copy_(torch.tensor(total[n:], dtype=torch.float64))
-        else:
-            self.loss.zero_()
-            self.counts.zero_()
+        self._zero()
+        self.restore(total, is_main)
         return total
 
     def restore(self, sums, is_main):
@@ -119,8 +118,7 @@ class StepLog:
         n = len(self.names)
         loss_sum, count, skipped = total[:n], total[n:2 * n], int(total[2 * n])
         dt = time.perf_counter() - self.t
-        self.loss.zero_()
-        self.counts.zero_()
+        self._zero()
         self.t = time.perf_counter()
         seen = sum(count)
         return {"loss": {k: a / max(c, 1) for k, a, c in zip(self.names, loss_sum, count)},
