@@ -92,10 +92,11 @@ def peak_rss_mb():
 class Run:
     """Everything one training run holds: sources, stream, model, optimiser, where it stands."""
 
-    def __init__(self, args, topo, device, train_sources, eval_sources):
+    def __init__(self, args, topo, device, train_sources, eval_sources, *, policy, started, startup):
+        """policy: the remote reads' retries and deadlines; started: perf_counter() when the job
+        began; startup: the start-up timings so far, which the first batch completes."""
         self.args, self.topo, self.device = args, topo, device
         self.sources = train_sources
-        policy = remote.Policy(retries=args.retries, timeout=args.io_timeout, min_rate=args.min_rate * 1e6)
         self.stream = stream.MixedStream(
             train_sources, options.weights_at(args, 0), args.batch_size, topo, seed=args.seed,
             epoch_samples=args.epoch_samples, shuffle_buffer=args.shuffle_buffer, resample=args.resample,
@@ -120,7 +121,7 @@ class Run:
         self.gen_state = self.carried = self.log_sums = None
         self.key_counts = []
         self.facts = self.new_facts()
-        self.startup, self.t0 = {}, time.perf_counter()
+        self.startup, self.t0 = startup, started
 
     def new_facts(self):
         return {"batches": 0, "samples": [0] * len(self.names), "skipped": 0, "wait": 0.0, "busy": 0.0}
@@ -371,8 +372,7 @@ def train(args, topo, device):
     train_sources = [stream.resolve(n, spec, "train", policy=policy, check_http=check) for n, spec in args.train.items()]
     eval_sources = [stream.resolve(n, spec, "test", policy=policy, check_http=check) for n, spec in args.eval.items()]
     startup = {"resolve_s": round(time.perf_counter() - t0, 3)}  # manifests and HEAD checks
-    run = Run(args, topo, device, train_sources, eval_sources)
-    run.startup, run.t0 = startup, t0
+    run = Run(args, topo, device, train_sources, eval_sources, policy=policy, started=t0, startup=startup)
     if args.eval_only:
         return evaluate_only(run)
     ckpt = prepare_out(args, topo)
