@@ -169,7 +169,7 @@ class Reader:
                 if self.regular:
                     found = regular(buf, *self.regular)
                     if found is not None:
-                        got, cols = len(found[0]), found
+                        got, cols = len(found[0]), self._check_regular(*found, bad)
                         return
                 stream = io.BytesIO(buf)
             keys, images, exts, labels = cols
@@ -200,19 +200,17 @@ class Reader:
             if count is not None and got != count and url not in self.named:
                 self.named.add(url)
                 warnings.warn(f"{url}: {got} samples, the manifest says {count}", stacklevel=2)
-        if cols is not None and len(cols) == 3:
-            cols = self._check_regular(url, *cols, bad)
         for key, error in bad:
             self.bad(url, key, error)
         if cols is not None and len(cols[0]):
             out.add(*cols, url)
 
-    def _check_regular(self, url, keys, images, labels, bad):
+    def _check_regular(self, keys, images, labels, bad):
         """Labels (and raw image sizes) of a shard read by read.regular, checked for all its
         samples at once. Returns the columns WindowData.add takes."""
-        exts = "raw" if isinstance(images, np.ndarray) else [self.target.image_exts[0]] * len(keys)
+        dense = isinstance(images, np.ndarray)
         nbytes = int(np.prod(self.target.shape))
-        if exts == "raw" and images.shape[1] != nbytes:
+        if dense and images.shape[1] != nbytes:
             bad += [(k, f"{images.shape[1]} raw bytes, expected {nbytes} for shape {self.target.shape}") for k in keys]
             return [], images[:0], "raw", labels[:0]
         values = labels
@@ -227,9 +225,9 @@ class Reader:
         if not ok.all():
             bad += [(keys[i], _label_error(int(values[i]), self.target, self.lookup)) for i in np.flatnonzero(~ok)]
             keep = np.flatnonzero(ok)
-            images = images[keep] if exts == "raw" else [images[i] for i in keep]
-            return [keys[i] for i in keep], images, exts if exts == "raw" else exts[:len(keep)], labels[keep]
-        return keys, images, exts, labels
+            keys, labels = [keys[i] for i in keep], labels[keep]
+            images = images[keep] if dense else [images[i] for i in keep]
+        return keys, images, "raw" if dense else [self.target.image_exts[0]] * len(keys), labels
 
     def bad(self, url, key, error):
         if self.strict:
