@@ -84,7 +84,7 @@ def fast_rows(data, shape):
     frame = _frame(*shape)
     if frame is None:
         return None
-    head, expected, up = frame
+    head, stride, expected, up = frame
     start, n = len(head) + 8, len(data) - len(head) - 24  # IDAT's data: after its length and type
     if not 0 <= n < 1 << 31 or not data.startswith(head) or not data.endswith(_IEND) \
             or data[start - 8:start] != _IDAT.pack(n, b"IDAT") \
@@ -95,7 +95,7 @@ def fast_rows(data, shape):
         raw = inflater.decompress(memoryview(data)[start:start + n], expected)  # never more than the header promised
     except zlib.error:
         return None
-    if len(raw) != expected or not inflater.eof or raw[::expected // shape[1]] != up:
+    if len(raw) != expected or not inflater.eof or raw[::stride] != up:
         return None
     return raw
 
@@ -105,8 +105,9 @@ _IDAT, _CRC = struct.Struct(">I4s"), struct.Struct(">I")
 
 @functools.lru_cache(maxsize=64)
 def _frame(c, h, w):
-    """(header bytes, inflated size, the filter bytes of every row) for a shape, or None
-    for a channel count `encode` doesn't write."""
+    """(header bytes, bytes a row, inflated size, the filter bytes of every row) for a
+    shape, or None for one `encode` doesn't write."""
     if c not in _COLOUR_TYPE or h < 1 or w < 1:
         return None
-    return _head(c, h, w), h * (1 + w * c), bytes((_UP,)) * h
+    stride = 1 + w * c
+    return _head(c, h, w), stride, h * stride, bytes((_UP,)) * h
