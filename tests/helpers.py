@@ -7,6 +7,7 @@ import io
 import socket
 import tarfile
 import threading
+import time
 
 from pipeline import shards
 from pipeline.sources import SyntheticSource
@@ -93,24 +94,58 @@ def free_port():
         return s.getsockname()[1]
 
 
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+class Quiet:
+    """A request handler mixin that keeps the test output free of access logs."""
+
     def log_message(self, *args):
         pass
+
+
+class _QuietHandler(Quiet, http.server.SimpleHTTPRequestHandler):
+    pass
+
+
+@contextlib.contextmanager
+def serving(handler, **attrs):
+    """Run an http.server `handler` on 127.0.0.1 in a thread; yields the server, with its
+    base URL (ending in '/') as `.url` and `attrs` set on it for the handler to read.
+    `.stopping` turns True before the shutdown, so that a handler that stalls on purpose ends."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads, server.stopping = True, False
+    for name, value in attrs.items():
+        setattr(server, name, value)
+    server.url = f"http://127.0.0.1:{server.server_address[1]}/"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.stopping = True
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
 
 
 @contextlib.contextmanager
 def serve(folder):
     """Serve `folder` over HTTP on 127.0.0.1 in a thread; yields the base URL (with '/')."""
-    handler = functools.partial(_QuietHandler, directory=str(folder))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    with serving(functools.partial(_QuietHandler, directory=str(folder))) as server:
+        yield server.url
+
+
+def drip(handler, byte, seconds, first=b""):
+    """Write `first`, then `byte` every 0.2 s for at most `seconds`, until the server stops
+    or the client hangs up: a server slower than any deadline, never silent long enough
+    for a socket timeout."""
+    t0 = time.time()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+        handler.wfile.write(first)
+        while time.time() - t0 < seconds and not handler.server.stopping:
+            handler.wfile.write(byte)
+            handler.wfile.flush()
+            time.sleep(0.2)
+    except OSError:
+        pass
 
 
 # ---------------------------------------------------------------- other writers' WebDatasets

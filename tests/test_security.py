@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from helpers import build_shards, free_port
+from helpers import Quiet, build_shards, drip, free_port, serving
 from pipeline import checkpoint, files, manifest, remote
 from pipeline.errors import FetchError, ShardError
 from pipeline.stream import MixedStream, resolve
@@ -241,7 +241,7 @@ def test_a_shard_whose_count_differs_from_its_manifest_is_named_at_first_read(da
 # ---------------------------------------------------------------- 5. a server that drips
 
 
-class Drip(http.server.BaseHTTPRequestHandler):
+class Drip(Quiet, http.server.BaseHTTPRequestHandler):
     """Answers HEAD normally and GET with a byte every 0.2 s (for at most 60 s)."""
 
     def do_HEAD(self):
@@ -260,31 +260,15 @@ class Drip(http.server.BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Length", str(self.server.sizes[self.path]))
         self.end_headers()
-        t0 = time.time()
-        try:
-            while time.time() - t0 < 60 and not self.server.stopping:
-                self.wfile.write(b"\0")
-                self.wfile.flush()
-                time.sleep(0.2)
-        except OSError:
-            pass
-
-    def log_message(self, *args):
-        pass
+        drip(self, b"\0", 60)
 
 
 @pytest.fixture
 def dripping(data):
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Drip)
-    server.daemon_threads, server.stopping = True, False
-    server.files = {"/mnist-train.json": (data / "mnist-train.json").read_bytes()}
-    server.sizes = {f"/{s['name']}": s["bytes"] for s in json.loads(server.files["/mnist-train.json"])["shards"]}
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/"
-    server.stopping = True
-    server.shutdown()
-    server.server_close()
+    body = (data / "mnist-train.json").read_bytes()
+    sizes = {f"/{s['name']}": s["bytes"] for s in json.loads(body)["shards"]}
+    with serving(Drip, files={"/mnist-train.json": body}, sizes=sizes) as server:
+        yield server.url
 
 
 def test_a_dripping_server_fails_at_its_deadline_instead_of_hanging(dripping):
@@ -459,29 +443,19 @@ def test_members_a_source_does_not_use_cost_no_memory(tmp_path):
 # ---------------------------------------------------------------- weak spots: HEAD checks, launchers, numbers
 
 
-class Counting(http.server.SimpleHTTPRequestHandler):
+class Counting(Quiet, http.server.SimpleHTTPRequestHandler):
     def do_HEAD(self):
         with self.server.lock:
             self.server.heads.append(self.path)
         return super().do_HEAD()
 
-    def log_message(self, *args):
-        pass
-
 
 @pytest.mark.slow
 def test_each_http_shard_is_checked_once_per_job(data, tmp_path):
     handler = functools.partial(Counting, directory=str(data))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.heads, server.lock = [], threading.Lock()
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/"
-    try:
-        p = train("--train", f"mnist={url}", "--train", f"cifar10={url}", "--epochs", "1", "--batch-size", "16",
-                  "--workers", "1", "--width", "4", "--out", tmp_path / "run", nproc=2)
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(handler, heads=[], lock=threading.Lock()) as server:
+        p = train("--train", f"mnist={server.url}", "--train", f"cifar10={server.url}", "--epochs", "1",
+                  "--batch-size", "16", "--workers", "1", "--width", "4", "--out", tmp_path / "run", nproc=2)
     assert p.returncode == 0, p.stderr[-2000:]
     shards = [s["name"] for n in ("mnist", "cifar10") for s in json.loads((data / f"{n}-train.json").read_text())["shards"]]
     assert sorted(server.heads) == sorted(f"/{s}" for s in shards)  # once each, not once per rank
@@ -604,36 +578,18 @@ def test_deeply_nested_or_huge_manifests_are_one_line(tmp_path):
         remote.fetch("pipe:head -c 5000 /dev/zero", limit=1000)
 
 
-class DripHeaders(http.server.BaseHTTPRequestHandler):
+class DripHeaders(Quiet, http.server.BaseHTTPRequestHandler):
     """Sends its status line, then one header byte every 0.2 s (for at most 30 s)."""
 
     def do_HEAD(self):
-        t0 = time.time()
-        try:
-            self.wfile.write(b"HTTP/1.1 200 OK\r\n")
-            while time.time() - t0 < 30 and not self.server.stopping:
-                self.wfile.write(b"X")
-                self.wfile.flush()
-                time.sleep(0.2)
-        except OSError:
-            pass
-
-    def log_message(self, *args):
-        pass
+        drip(self, b"X", 30, first=b"HTTP/1.1 200 OK\r\n")
 
 
 def test_a_head_check_that_drips_its_headers_ends_at_its_deadline():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), DripHeaders)
-    server.daemon_threads, server.stopping = True, False
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/x.tar"
     t0 = time.time()
-    try:
-        problems, _ = remote.head_check([url], policy=remote.Policy(retries=1, delay=0.05, timeout=1.0))
-    finally:
-        server.stopping = True
-        server.shutdown()
-        server.server_close()
+    with serving(DripHeaders) as server:
+        problems, _ = remote.head_check([server.url + "x.tar"],
+                                        policy=remote.Policy(retries=1, delay=0.05, timeout=1.0))
     assert len(problems) == 1 and "deadline" in problems[0], problems
     assert time.time() - t0 < 10
 
@@ -665,20 +621,12 @@ def test_a_users_stage_that_fails_is_one_line(data, tmp_path, stage, needle):
 
 
 def test_redirects_lead_to_http_only(tmp_path):
-    class Redirect(http.server.BaseHTTPRequestHandler):
+    class Redirect(Quiet, http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(302)
             self.send_header("Location", "ftp://127.0.0.1/x.tar")
             self.end_headers()
 
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        with pytest.raises(FetchError, match="redirect to 'ftp://127.0.0.1/x.tar' refused"):
-            remote.fetch(f"http://127.0.0.1:{server.server_address[1]}/x.tar")
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(Redirect) as server, \
+            pytest.raises(FetchError, match="redirect to 'ftp://127.0.0.1/x.tar' refused"):
+        remote.fetch(server.url + "x.tar")
