@@ -14,7 +14,6 @@ the figures say so.
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import threading
