@@ -236,7 +236,7 @@ def run(args):
     rows = []
     for src in load_sources(args):
         print(f"{src.name}-{src.split}: {describe(src.origin)}", flush=True)
-        old = os.path.join(args.out, f"{src.name}-{src.split}.json")
+        old = os.path.join(args.out, manifest.manifest_name(src.name, src.split))
         if os.path.exists(old) and args.part == (0, 1):
             print(f"  replacing the {src.name}-{src.split} shard set already in {args.out}/", flush=True)
         t0 = time.perf_counter()
