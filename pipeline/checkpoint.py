@@ -1,49 +1,311 @@
-"""Checkpoints: written whole or not at all, loaded without unpickling code, and refused
-when they belong to a different run.
+"""Checkpoints: written whole or not at all, loaded without unpickling code, refused when
+they belong to a different run, and read back as data that may have been tampered with.
 
 A checkpoint holds the model, optimiser and RNG states, where the run stands (epoch,
 step, samples seen, every rank's stream state, the partial sums of the current
 metrics line) and a fingerprint of what must not change across a resume: the
-sources in order with their classes and shapes, model width, batch size, seed,
-epoch samples and weights. `check_resume` lists every difference in one line.
+sources in order with their classes and shapes and the digest of each one's shard
+list, model width, batch size, seed, epoch samples and weights. `check_resume` lists
+every difference in one line; `trainer_state`, `load_model` and `load_optimizer`
+check every number and tensor against the run before it is used, each failure one
+line naming the field.
 """
 import json
+import math
 import os
+from dataclasses import dataclass
 
 import torch
 
 VERSION = 2
+MAX_WORLD = 1 << 16  # ranks a checkpoint may say it ran on
+MAX_COUNT = 1 << 53  # counts beyond this are not exact in the float64 sums they travel in
+GENERATOR_STATE = len(torch.Generator().get_state())  # bytes of a CPU generator's state (the augmentations')
 
 
 def fingerprint(args, sources):
     """What a resumed run must share with the run that wrote the checkpoint."""
     return {
         "sources": [{"name": s.name, "classes": len(s.classes), "shape": list(s.shape)} for s in sources],
+        "data": {s.name: {"shards": len(s.urls), "samples": s.total, "listing": s.listing} for s in sources},
         "width": args.width, "batch_size": args.batch_size, "seed": args.seed,
         "epoch_samples": args.epoch_samples, "weights": [round(w, 12) for w in args.weights],
         "final_weights": [round(w, 12) for w in args.final_weights] if args.final_weights else None,
     }
 
 
-def check_resume(saved, current, allow_weights=False):
-    """Raise ValueError listing every field that differs (weights only if not allowed)."""
+MODEL_FIELDS = ("sources", "width")  # what the model's shape depends on: all --eval-only needs to match
+
+
+def check_resume(saved, current, allow_weights=False, allow_data=False, only=None, what="--resume"):
+    """Raise ValueError listing every field that differs (weights and data only if not allowed;
+    `only`: compare just these fields)."""
     diffs = []
-    for key in sorted(set(saved) | set(current)):
-        if allow_weights and key in ("weights", "final_weights"):
+    for key in only or sorted(set(saved) | set(current)):
+        if allow_weights and key in ("weights", "final_weights") or allow_data and key == "data":
             continue
-        if saved.get(key) != current.get(key):
+        if key == "data":
+            diffs += [f"data of {name}: checkpoint {_listing(was)}, now {_listing(now)}"
+                      for name, (was, now) in data_changes(saved, current).items()]
+        elif saved.get(key) != current.get(key):
             diffs.append(f"{key}: checkpoint {_show(saved.get(key))}, now {_show(current.get(key))}")
     if diffs:
-        hint = "" if allow_weights or not any(d.startswith(("weights", "final_weights")) for d in diffs) else \
-            " (pass --change-weights to change the mixture on purpose)"
-        raise ValueError("--resume with other settings than the checkpoint's: " + "; ".join(diffs) + hint)
+        hint = ""
+        if not allow_weights and any(d.startswith(("weights", "final_weights")) for d in diffs):
+            hint += " (pass --change-weights to change the mixture on purpose)"
+        if not allow_data and any(d.startswith("data of") for d in diffs):
+            hint += " (pass --change-data to resume onto other data behind the same source name on purpose)"
+        raise ValueError(f"{what} with other settings than the checkpoint's: " + "; ".join(diffs) + hint)
+
+
+def data_changes(saved, current):
+    """{source: (checkpoint's shard list, this run's)} for every source of both whose shards differ."""
+    was = saved.get("data")
+    was = was if isinstance(was, dict) else {}  # a checkpoint from before shard digests: every source differs
+    return {name: (was.get(name), now) for name, now in current["data"].items() if was.get(name) != now}
+
+
+def _listing(d):
+    if not (isinstance(d, dict) and isinstance(d.get("listing"), str)):
+        return "no shard digest" if d is None else _short(d)
+    return f"{d.get('shards')} shards, {d.get('samples')} samples, listing sha256 {d['listing'][:12]}"
 
 
 def _show(value):
-    if isinstance(value, list) and value and isinstance(value[0], dict) and "name" in value[0]:
+    if isinstance(value, list) and value and all(isinstance(v, dict) and {"name", "classes", "shape"} <= set(v)
+                                                 and isinstance(v["shape"], list) for v in value):
         return "[" + ", ".join(f"{v['name']} {v['classes']} classes {'x'.join(map(str, v['shape']))}"
                                for v in value) + "]"
-    return json.dumps(value)
+    return _short(value)
+
+
+def _short(value, n=80):
+    text = json.dumps(value) if not isinstance(value, torch.Tensor) else f"a tensor of shape {list(value.shape)}"
+    return text if len(text) <= n else text[:n] + "..."
+
+
+# ---------------------------------------------------------------- reading one back
+
+
+@dataclass
+class Limits:
+    """What the run allows a checkpoint's numbers to be. epoch_samples: the larger of this
+    run's epoch and the checkpoint's (they differ only after --change-data)."""
+
+    epochs: int
+    epoch_samples: int
+    batch_size: int
+    sources: int
+
+
+class _Fields:
+    """Reads a checkpoint's fields, each failure one ValueError naming the file and the field."""
+
+    def __init__(self, path, state):
+        self.path, self.state = path, state
+
+    def bad(self, field, problem):
+        raise ValueError(f"{self.path}: checkpoint field {field}: {problem} (a damaged or edited checkpoint; "
+                         f"resume from another one or start over with --overwrite)")
+
+    def json(self, key):
+        if key not in self.state:
+            self.bad(key, "missing")
+        text = self.state[key]
+        if not isinstance(text, str):
+            self.bad(key, "a JSON text expected")
+        try:
+            return json.loads(text)
+        except (ValueError, RecursionError) as e:
+            self.bad(key, f"not valid JSON ({e.__class__.__name__})")
+
+    def integer(self, x, field, lo, hi):
+        if type(x) is not int or not lo <= x <= hi:
+            self.bad(field, f"{_short(x)}; an integer in {lo}..{hi} expected")
+        return x
+
+    def number(self, x, field, lo=0.0, hi=math.inf, whole=False):
+        """A finite int or float in [lo, hi] (a whole number if `whole`: counts in float sums)."""
+        ok = type(x) in (int, float) and math.isfinite(x) and lo <= x <= hi and (not whole or x == int(x))
+        if not ok:
+            self.bad(field, f"{_short(x)}; a {'whole ' if whole else ''}finite number in {lo}..{hi} expected")
+        return x
+
+    def items(self, x, field, n, each):
+        if not isinstance(x, list) or len(x) != n:
+            self.bad(field, f"{_short(x)}; a list of {n} expected")
+        return [each(v, f"{field}[{i}]") for i, v in enumerate(x)]
+
+    def mapping(self, x, field, keys=()):
+        if not isinstance(x, dict):
+            self.bad(field, f"{_short(x)}; an object expected")
+        for k in keys:
+            if k not in x:
+                self.bad(f"{field}.{k}", "missing")
+        return x
+
+
+def epoch_samples_of(saved, now):
+    """The larger of this run's epoch and the checkpoint's, from its fingerprint's per-source
+    sample counts (the two differ only after --change-data); `now` if it has none."""
+    data = saved.get("data")
+    counts = [d.get("samples") for d in data.values() if isinstance(d, dict)] if isinstance(data, dict) else []
+    if saved.get("epoch_samples") is None and counts and all(type(c) is int and c > 0 for c in counts):
+        return max(now, sum(counts))
+    return now
+
+
+def fingerprint_of(state, path):
+    """The checkpoint's fingerprint, a dict (ValueError naming the field if it is not one)."""
+    return _Fields(path, state).mapping(_Fields(path, state).json("fingerprint"), "fingerprint")
+
+
+def trainer_state(state, path, limits):
+    """Everything a resume takes from a checkpoint besides the model, optimiser and stream
+    internals, each number checked against the run (`limits`) and against the others:
+    returns {"world", "epoch", "mid", "step", "seen", "history", "key_counts", "nonfinite",
+    and when `mid`: "stream" (a list of per-rank dicts, checked by MixedStream), "augment",
+    "facts", "carried", "log_sums"}."""
+    f = _Fields(path, state)
+    world = f.integer(state.get("world"), "world", 1, MAX_WORLD)
+    pos = f.mapping(f.json("position"), "position", ("epoch", "mid", "step", "seen"))
+    history = f.mapping(f.json("history"), "history", ("epochs",))
+    epochs = history["epochs"]
+    if not isinstance(epochs, list):
+        f.bad("history.epochs", f"{_short(epochs)}; a list expected")
+    epoch = f.integer(pos["epoch"], "position.epoch", len(epochs), len(epochs))  # one history entry per epoch done
+    mid = pos["mid"]
+    if not isinstance(mid, bool):
+        f.bad("position.mid", f"{_short(mid)}; true or false expected")
+    if mid and epoch >= limits.epochs:
+        raise ValueError(f"{path}: the checkpoint stopped inside epoch {epoch + 1}, past --epochs {limits.epochs}; "
+                         f"raise --epochs to at least {epoch + 1} to finish it")
+    b, samples = limits.batch_size, limits.epoch_samples
+    seen = f.integer(pos["seen"], "position.seen", 0, (epoch + mid) * samples)  # an epoch is at most its samples
+    if seen % b:
+        f.bad("position.seen", f"{seen}; a multiple of the batch size {b} expected (whole global batches)")
+    step = f.integer(pos["step"], "position.step", epoch, seen // b)  # each step at least one batch; each epoch a step
+    for i, e in enumerate(epochs):
+        field = f"history.epochs[{i}]"
+        f.mapping(e, field, ("epoch", "batches", "skipped"))
+        f.integer(e["epoch"], f"{field}.epoch", i + 1, i + 1)
+        f.integer(e["skipped"], f"{field}.skipped", 0, MAX_COUNT)
+        for r, n in f.mapping(e["batches"], f"{field}.batches").items():
+            f.integer(n, f"{field}.batches.{r}", 0, samples // b)
+    for key in ("wait", "busy"):
+        if key in history:
+            f.number(history[key], f"history.{key}")
+    out = {"world": world, "epoch": epoch, "mid": mid, "step": step, "seen": seen, "history": history,
+           "key_counts": f.items(f.json("key_counts"), "key_counts", world,
+                                 lambda v, field: f.integer(v, field, 0, seen)),  # a line per sample consumed
+           "nonfinite": f.integer(f.json("nonfinite") if "nonfinite" in state else 0, "nonfinite", 0, step)}
+    if not mid:
+        return out
+
+    def facts(v, field, most):
+        f.mapping(v, field, ("batches", "samples", "skipped", "wait", "busy"))
+        n = f.integer(v["batches"], f"{field}.batches", 0, most)
+        per = f.items(v["samples"], f"{field}.samples", limits.sources, lambda x, fd: f.integer(x, fd, 0, n * b))
+        if sum(per) > n * b:
+            f.bad(f"{field}.samples", f"{sum(per)} samples in {n} batches of {b}")
+        f.integer(v["skipped"], f"{field}.skipped", 0, MAX_COUNT)
+        f.number(v["wait"], f"{field}.wait")
+        f.number(v["busy"], f"{field}.busy")
+        return v
+
+    def generator(v, field):
+        f.items(v, field, GENERATOR_STATE, lambda x, fd: f.integer(x, fd, 0, 255))
+        return v
+
+    def stream(v, field):
+        f.mapping(v, field, ("generation",))
+        f.integer(v["generation"], f"{field}.generation", 0, MAX_COUNT)
+        return v
+
+    per_rank = samples // (world * b)
+    out["stream"] = f.items(f.json("stream"), "stream", world, stream)
+    out["augment"] = f.items(f.json("augment"), "augment", world, generator)
+    out["facts"] = f.items(f.json("facts"), "facts", world, lambda v, field: facts(v, field, per_rank))
+    carried = f.json("carried")
+    if carried is not None:
+        for k, v in f.mapping(carried, "carried").items():
+            facts(v, f"carried.{k}", samples // b)
+    out["carried"] = carried
+    sums = f.json("log_sums")
+    if sums is not None:  # per source a loss sum and a sample count, then the skipped samples
+        n = limits.sources
+        f.items(sums, "log_sums", 2 * n + 1, lambda x, fd: x)
+        counts = [f.number(x, f"log_sums[{n + i}]", 0, seen, whole=True) for i, x in enumerate(sums[n:2 * n])]
+        for i, (loss, count) in enumerate(zip(sums[:n], counts)):
+            f.number(loss, f"log_sums[{i}]", 0, math.inf if count else 0)  # no samples, no loss
+        f.number(sums[2 * n], f"log_sums[{2 * n}]", 0, MAX_COUNT, whole=True)
+    out["log_sums"] = sums
+    return out
+
+
+def set_rng(state, path):
+    """torch's CPU generator from the checkpoint's `rng`, checked to be one."""
+    rng, like = state.get("rng"), torch.get_rng_state()
+    if not (isinstance(rng, torch.Tensor) and rng.dtype == like.dtype and rng.shape == like.shape):
+        _Fields(path, state).bad("rng", f"{_short(rng)}; a uint8 tensor of {len(like)} bytes expected")
+    try:
+        torch.set_rng_state(rng.cpu())
+    except RuntimeError as e:
+        _Fields(path, state).bad("rng", _first_line(e))
+
+
+def load_model(model, state, path):
+    """The checkpoint's weights into `model`: tensors only, finite, of this model's shapes."""
+    f = _Fields(path, state)
+    weights = f.mapping(state.get("model"), "model")
+    for name, t in weights.items():
+        if not isinstance(t, torch.Tensor):
+            f.bad(f"model.{name}", f"{_short(t)}; a tensor expected")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            f.bad(f"model.{name}", "values that are not finite")
+    try:
+        model.load_state_dict(weights)
+    except (RuntimeError, KeyError, TypeError, ValueError) as e:
+        f.bad("model", f"it does not fit this run's model ({_first_line(e)}); the sources' classes and "
+                       f"--width must be those the checkpoint was trained with")
+
+
+def load_optimizer(opt, state, path):
+    """The checkpoint's optimiser state into `opt`: momentum buffers of the parameters' shapes
+    and finite. The hyper-parameters stay this run's (the command line's), not the file's."""
+    f = _Fields(path, state)
+    saved = f.mapping(state.get("optimizer"), "optimizer", ("state", "param_groups"))
+    params = [p for g in opt.param_groups for p in g["params"]]
+    groups = saved["param_groups"]
+    numbers = [k for g in groups for k in g.get("params", ())] if isinstance(groups, list) and \
+        all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups) else None
+    if numbers != list(range(len(params))):  # what torch writes; any other order would swap momentum buffers
+        f.bad("optimizer.param_groups", f"parameters {_short(numbers)}; 0..{len(params) - 1} in order expected")
+    for k, entry in f.mapping(saved["state"], "optimizer.state").items():
+        if type(k) is not int or not 0 <= k < len(params):
+            f.bad("optimizer.state", f"key {_short(k)}; parameter numbers 0..{len(params) - 1} expected")
+        f.mapping(entry, f"optimizer.state.{k}")
+    own = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    try:
+        opt.load_state_dict(saved)
+    except (RuntimeError, KeyError, TypeError, ValueError, IndexError) as e:
+        f.bad("optimizer", f"it does not fit this run's model ({_first_line(e)})")
+    for g, hyper in zip(opt.param_groups, own):
+        g.update(hyper)
+    for i, p in enumerate(params):
+        buf = opt.state.get(p, {}).get("momentum_buffer")
+        if buf is None:
+            continue
+        if not (isinstance(buf, torch.Tensor) and buf.shape == p.shape and buf.is_floating_point()):
+            f.bad(f"optimizer.state.{i}.momentum_buffer", f"{_short(buf)}; a tensor of shape {list(p.shape)} expected")
+        if not bool(torch.isfinite(buf).all()):
+            f.bad(f"optimizer.state.{i}.momentum_buffer", "values that are not finite")
+
+
+def _first_line(e):
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    text = lines[1] if len(lines) > 1 and lines[0].startswith("Error(s) in loading") else (lines or [""])[0]
+    return (text[:200] + "...") if len(text) > 200 else text or e.__class__.__name__
 
 
 def save(path, state):

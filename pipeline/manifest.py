@@ -22,8 +22,11 @@ Anything else (`pipe:...`, `file:`, other schemes, `..`) is refused with one
 line naming the manifest and the shard, before anything is opened or run.
 """
 import collections
+import hashlib
+import json
 import math
 import os
+import posixpath
 import re
 import shlex
 import urllib.parse
@@ -43,6 +46,7 @@ NAME_RE = re.compile(r"[A-Za-z0-9_]+\Z")  # \Z, not $: "$" also matches before a
 _SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*\Z")
 _URL_SAFE = re.compile(r"https?://[^\s\x00-\x1f\x7f]+\Z")
 MIN_STD = 1e-6  # per channel, on 0..1 pixels: below it normalising multiplies by more than a million
+MAX_STD = 1.0  # pixels in 0..1 have a std of at most 0.5; 1 admits a hand-written "scale only" (mean 0, std 1)
 MAX_SIDE = 4096
 MAX_CLASSES = 1 << 20
 
@@ -72,6 +76,7 @@ class Source:
     manifest: str = ""
     dataset: str = ""
     split: str = ""
+    listing: str = ""  # listing_digest of its shards: what a checkpoint's fingerprint holds
 
     @property
     def total(self):
@@ -133,8 +138,10 @@ def check(m, where):
         if not (isinstance(v, list) and len(v) == shape[0] and all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                                                    and math.isfinite(x) for x in v)):
             bad(key, f"{v!r}; {shape[0]} finite numbers expected")
-    if not all(x >= MIN_STD for x in m["std"]):
-        bad("std", f"{m['std']}; every channel's std must be at least {MIN_STD}")
+    if not all(0 <= x <= 1 for x in m["mean"]):  # manifests hold statistics of pixels / 255
+        bad("mean", f"{m['mean']}; every channel's mean must be within 0..1 (pixels are scaled to 0..1)")
+    if not all(MIN_STD <= x <= MAX_STD for x in m["std"]):
+        bad("std", f"{m['std']}; every channel's std must be within {MIN_STD}..{MAX_STD} (pixels are scaled to 0..1)")
     names = [s["name"] for s in shards]
     counts = collections.Counter(names)
     if len(counts) != len(names):
@@ -246,7 +253,9 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
     m = load(url, policy)
     if m["dataset"] != name:
         warnings.warn(f"{name}={spec}: the manifest describes data set {m['dataset']!r}, not {name!r}", stacklevel=2)
-    listed = {locate(url, s["name"]): s for s in m["shards"]}
+    located = [locate(url, s["name"]) for s in m["shards"]]
+    _once(located, f"{url}: field shards")
+    listed = dict(zip(located, m["shards"]))
     if pattern is None:
         chosen = list(listed)
     else:
@@ -256,6 +265,7 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
         if unknown:
             raise ShardError(f"{name}={spec}: {len(unknown)} shard(s) not in {url}, e.g. {unknown[0]}")
         chosen = [by_normal[u] for u in chosen]
+        _once(chosen, f"{name}={spec}: the pattern")
     entries = [listed[u] for u in chosen]
     missing = [u for u in chosen if remote.kind(u) == "file" and not os.path.exists(u)]
     if missing:
@@ -275,7 +285,48 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
                       stacklevel=2)
     return Source(name, chosen, [e["samples"] for e in entries], target_of(m), list(m["classes"]),
                   list(m["mean"]), list(m["std"]), [e["bytes"] for e in entries], [e.get("sha256") for e in entries],
-                  dict(m.get("origin") or {}), url, m["dataset"], m["split"])
+                  dict(m.get("origin") or {}), url, m["dataset"], m["split"], listing_digest(entries))
+
+
+def listing_digest(entries):
+    """sha256 of the shard list as the manifest gives it (names, sha256, bytes, samples, in order):
+    the same data behind a source, wherever its folder or server is now."""
+    listing = [[e["name"], e.get("sha256"), e["bytes"], e["samples"]] for e in entries]
+    return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+
+
+def canonical(location):
+    """One spelling of where a shard is: a local path resolved (`dir//name`, `./name`, links and
+    the absolute form of a relative name all become one path); an http(s) URL with its scheme and
+    host in lower case, no default port, no fragment, its path's escapes decoded and its `//`, `.`
+    and `..` collapsed; a pipe: command as it is (its names are plain, checked by `locate`)."""
+    where = remote.kind(location)
+    if where == "file":
+        return os.path.realpath(location)
+    if where == "pipe":
+        return location
+    u = urllib.parse.urlsplit(location)
+    try:
+        port = u.port
+    except ValueError:
+        raise ShardError(f"{location}: not a valid URL (its port)") from None
+    host = u.hostname or ""
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{port}" if port not in (None, {"http": 80, "https": 443}[u.scheme.lower()]) else "")
+    if u.username is not None:
+        netloc = f"{u.username}{':' + u.password if u.password is not None else ''}@{netloc}"
+    path = posixpath.normpath(re.sub("/+", "/", urllib.parse.unquote(u.path)) or "/")
+    path = urllib.parse.quote(path + ("/" if u.path.endswith("/") and path != "/" else ""))
+    return urllib.parse.urlunsplit((u.scheme.lower(), netloc, path, u.query, ""))
+
+
+def _once(locations, where):
+    """Refuse two spellings of one shard: it would be read twice, in training and in evaluation."""
+    seen = {}
+    for loc in locations:
+        key = canonical(loc)
+        if key in seen:
+            raise ShardError(f"{where}: {seen[key]!r} and {loc!r} are the same shard ({key}); list it once")
+        seen[key] = loc
 
 
 def _beside(shard_url, filename):

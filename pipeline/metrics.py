@@ -8,6 +8,7 @@ run's files read as if it had never stopped.
 import json
 import os
 import time
+import warnings
 
 import torch
 
@@ -23,13 +24,13 @@ class Metrics:
         if enabled and resume_step is not None:
             lines = cut_to_complete_lines(path)
             kept = []
-            for ln in lines:
-                try:
-                    record = json.loads(ln)
-                except ValueError:
-                    break  # unreadable from here on: a file damaged by hand, not by us
-                if record.get("step", 0) > resume_step or (record.get("step") == resume_step
-                                                           and record.get("kind") == "stopped"):
+            for i, ln in enumerate(lines):
+                step, problem = _step_of(ln)
+                if problem:  # damaged by hand, not by us: what follows cannot be trusted either
+                    warnings.warn(f"{path}: line {i + 1} {problem}; it and the {len(lines) - i - 1} line(s) after it "
+                                  f"are dropped on resume", stacklevel=2)
+                    break
+                if step > resume_step or (step == resume_step and json.loads(ln).get("kind") == "stopped"):
                     break
                 kept.append(ln)
             if kept != lines:
@@ -38,6 +39,20 @@ class Metrics:
     def log(self, **record):
         if self.enabled:
             append_line(self.path, json.dumps(record))
+
+
+def _step_of(line):
+    """(the step a metrics line records, None) or (None, what is wrong with it)."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None, "is not valid JSON"
+    if not isinstance(record, dict):
+        return None, "is not a JSON object"
+    step = record.get("step", 0)
+    if type(step) is not int:
+        return None, f"has step {json.dumps(step)[:40]}, not a whole number"
+    return step, None
 
 
 class KeyLog:

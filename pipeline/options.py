@@ -32,6 +32,12 @@ def parse(argv=None):
       help="weights for the last epoch; the epochs in between interpolate linearly (default: --weights throughout)")
     a("--change-weights", action="store_true",
       help="with --resume: allow --weights/--final-weights other than the checkpoint's (recorded in metrics.jsonl)")
+    a("--change-data", action="store_true",
+      help="with --resume: allow other shards behind a source's name than the checkpoint's, at an epoch boundary "
+           "(recorded in metrics.jsonl)")
+    a("--max-nonfinite", type=int, default=0, metavar="N",
+      help="skip up to N steps whose loss is not finite (their weights are not updated) before the run stops "
+           "(default: 0, stop at the first)")
     a("--epochs", type=int, default=30, metavar="N", help="epochs to train (default: 30)")
     a("--epoch-samples", type=int, metavar="N",
       help="samples per epoch over all ranks (default: all training samples in the manifests)")
@@ -86,7 +92,7 @@ def check(p, args):
     """Reject out-of-range values with one line each (p.error exits)."""
     p.at_least(args, {"epochs": 1, "batch_size": 1, "log_every": 1, "shuffle_buffer": 1, "workers": 0, "width": 1,
                       "epoch_samples": 1, "stop_after": 1, "stop_after_steps": 1, "checkpoint_every": 1, "timeout": 1,
-                      "retries": 0})
+                      "retries": 0, "max_nonfinite": 0})
     if args.width > 1024:
         p.error(f"--width {args.width}: at most 1024")
     if not 0 <= args.seed < 2 ** 63:
@@ -123,6 +129,8 @@ def check(p, args):
         p.error("--resume and --overwrite exclude each other")
     if args.change_weights and not args.resume:
         p.error("--change-weights only applies with --resume")
+    if args.change_data and not args.resume:
+        p.error("--change-data only applies with --resume")
     if args.eval_only and not args.eval:
         p.error("--eval-only needs at least one --eval source")
 

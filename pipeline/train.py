@@ -111,12 +111,15 @@ class Run:
         self.model = Net(self.layout.num_classes, args.width).to(device)
         self.ddp = (DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
                     if topo.world > 1 else self.model)
+        self.buffers = list(self.model.buffers())  # BatchNorm's running stats: a skipped step leaves them too
+        self.kept_buffers = [b.clone() for b in self.buffers]
         self.opt = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
                                    weight_decay=args.weight_decay)
         self.global_batch = topo.world * args.batch_size
         self.total = self.stream.epoch_samples * args.epochs
         self.fingerprint = checkpoint.fingerprint(args, train_sources)
         self.epoch, self.step, self.seen, self.mid = 0, 0, 0, False
+        self.nonfinite = 0  # steps skipped for a non-finite loss (--max-nonfinite), over the whole run
         self.history = {"epochs": []}
         self.gen_state = self.carried = self.log_sums = None
         self.key_counts = []
@@ -130,19 +133,26 @@ class Run:
         return learning_rate(self.args, self.global_batch, self.seen, self.total)
 
     def step_once(self, batch, gen):
-        """One optimiser step; returns per-sample losses (detached) and source ids on the device."""
+        """One optimiser step; returns per-sample losses (detached) and source ids on the device,
+        and per source the samples whose loss was not finite on any rank (then the weights
+        were left as they were: every rank sees the same counts and skips the same step)."""
         x, y, s = (batch[k].to(self.device, non_blocking=True) for k in ("image", "label", "source"))
         x = augment(self.layout.normalize(x, s), s, self.flip_ids, gen)
         for group in self.opt.param_groups:
             group["lr"] = self.lr()
+        torch._foreach_copy_(self.kept_buffers, self.buffers)
         with autocast(self.device):
             losses = F.cross_entropy(self.ddp(x).float(), y, reduction="none")
         self.opt.zero_grad(set_to_none=True)
-        losses.mean().backward()
-        self.opt.step()
+        losses.mean().backward()  # every rank, always: DDP's gradient all-reduce must not be left waiting
+        bad = nonfinite_counts(losses.detach(), s, len(self.names))
+        if any(bad):
+            torch._foreach_copy_(self.buffers, self.kept_buffers)  # the forward pass moved them
+        else:
+            self.opt.step()
         self.seen += self.global_batch
         self.step += 1
-        return losses.detach(), s
+        return losses.detach(), s, bad
 
     # ------------------------------------------------------------ checkpoints
 
@@ -158,6 +168,7 @@ class Run:
                 "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
                 "rng": torch.get_rng_state(), "world": self.topo.world,
                 "position": json.dumps({"epoch": self.epoch, "mid": self.mid, "step": self.step, "seen": self.seen}),
+                "nonfinite": json.dumps(self.nonfinite),
                 "stream": json.dumps(stream_states), "augment": json.dumps(gens), "facts": json.dumps(facts),
                 "carried": json.dumps(self.carried), "log_sums": json.dumps(sums), "key_counts": json.dumps(counts),
                 "history": json.dumps(self.history), "config": json.dumps(vars(self.args))}
@@ -168,32 +179,57 @@ class Run:
             checkpoint.save(os.path.join(self.args.out, "checkpoint.pt"), state)
         dist.barrier()
 
-    def resume(self, path, metrics_allowed_change):
-        """Restore from a checkpoint; returns what changed on purpose (weights), if anything."""
+    def resume(self, path):
+        """Restore from a checkpoint, every field checked first (one line naming the first bad
+        one); returns what changed on purpose: {"weights": ..., "data": ...}, each if it did."""
         state = checkpoint.load(path, self.device)
-        saved = json.loads(state["fingerprint"])
-        checkpoint.check_resume(saved, self.fingerprint, allow_weights=self.args.change_weights)
-        self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"].cpu())
-        pos = json.loads(state["position"])
-        self.epoch, self.mid, self.step, self.seen = pos["epoch"], pos["mid"], pos["step"], pos["seen"]
-        self.history = json.loads(state["history"])
-        self.key_counts = json.loads(state["key_counts"])
+        saved = checkpoint.fingerprint_of(state, path)
+        args = self.args
+        checkpoint.check_resume(saved, self.fingerprint, allow_weights=args.change_weights,
+                                allow_data=args.change_data)
+        limits = checkpoint.Limits(args.epochs, checkpoint.epoch_samples_of(saved, self.stream.epoch_samples),
+                                   args.batch_size, len(self.names))
+        got = checkpoint.trainer_state(state, path, limits)
+        data = checkpoint.data_changes(saved, self.fingerprint)
+        if data and got["mid"]:
+            raise ValueError(f"--change-data: the checkpoint stopped inside epoch {got['epoch'] + 1}; other data can "
+                             f"only come in at an epoch boundary: finish that epoch on its own data first "
+                             f"(--resume --stop-after 1), or start over with --overwrite")
+        checkpoint.load_model(self.model, state, path)
+        checkpoint.load_optimizer(self.opt, state, path)
+        checkpoint.set_rng(state, path)
+        self.epoch, self.mid, self.step, self.seen = got["epoch"], got["mid"], got["step"], got["seen"]
+        self.history, self.key_counts, self.nonfinite = got["history"], got["key_counts"], got["nonfinite"]
         if self.mid:
-            streams = json.loads(state["stream"])
-            self.stream.set_epoch(self.epoch, options.weights_at(self.args, self.epoch))
+            streams = got["stream"]
+            self.stream.set_epoch(self.epoch, options.weights_at(args, self.epoch))
             self.stream.load_state_dict({"ranks": streams})
-            facts, gens = json.loads(state["facts"]), json.loads(state["augment"])
-            carried = json.loads(state["carried"])
+            facts, gens, carried = got["facts"], got["augment"], got["carried"]
             if self.stream.segment.generation == streams[0]["generation"]:  # same world and workers
                 self.facts, self.gen_state, self.carried = facts[self.topo.rank], gens[self.topo.rank], carried
             else:  # another world size: what the old ranks did this epoch is carried into the summary
                 self.carried = _merge_facts(facts, carried)
-            self.log_sums = json.loads(state["log_sums"])
-        changed = saved.get("weights") != self.fingerprint["weights"] or \
-            saved.get("final_weights") != self.fingerprint["final_weights"]
-        return {"from": saved.get("weights"), "to": self.fingerprint["weights"]} if changed else None
+            self.log_sums = got["log_sums"]
+        changed = {}
+        if saved.get("weights") != self.fingerprint["weights"] or \
+                saved.get("final_weights") != self.fingerprint["final_weights"]:
+            changed["weights"] = {"from": saved.get("weights"), "to": self.fingerprint["weights"]}
+        if data:
+            changed["data"] = {name: {"from": was, "to": now} for name, (was, now) in data.items()}
+        return changed
+
+
+def nonfinite_counts(losses, source, n):
+    """Per source, the samples of this step whose loss is not finite, summed over all ranks:
+    the same list on every rank, so all of them skip a step or none does (one small
+    all-reduce, and a wait for the device, per step)."""
+    bad = torch.zeros(n, dtype=torch.float64, device=losses.device)
+    bad.index_add_(0, source, (~torch.isfinite(losses)).double())
+    return [int(c) for c in dist.all_reduce_sum(bad).tolist()]
+
+
+class NonFiniteLoss(Exception):
+    """The loss stopped being a number: the run stops rather than train on (exit code 3)."""
 
 
 def _merge_facts(facts, carried):
@@ -305,12 +341,20 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
         run.startup.setdefault("first_batch_s", round(t1 - run.t0, 3))
         run.facts["wait"] += t1 - t0
         counts = torch.bincount(batch["source"], minlength=len(run.names))  # on the CPU: no wait for the device
-        losses, source = run.step_once(batch, gen)
+        losses, source, bad = run.step_once(batch, gen)
         got += 1
         run.facts["batches"] += 1
         run.facts["skipped"] += batch["skipped"]
         per_source += counts
-        log.add(losses, source, counts, batch["skipped"])
+        if any(bad):
+            try:
+                skip_nonfinite(run, metrics, epoch, bad)
+            except NonFiniteLoss:
+                if bar is not None:
+                    bar.close()  # the error line starts a line of its own
+                raise
+        else:
+            log.add(losses, source, counts, batch["skipped"])
         if args.record_keys:
             keys.add(epoch + 1, batch["key"])
         last = got == left
@@ -340,6 +384,24 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
     return True
 
 
+def skip_nonfinite(run, metrics, epoch, bad):
+    """A step whose loss was not finite (its weights were not updated): recorded in
+    metrics.jsonl, and the end of the run once more than --max-nonfinite were skipped."""
+    run.nonfinite += 1
+    where = {n: c for n, c in zip(run.names, bad) if c}
+    metrics.log(kind="nonfinite", epoch=epoch + 1, step=run.step, samples=where, skipped_steps=run.nonfinite)
+    allowed = run.args.max_nonfinite
+    if run.nonfinite > allowed:
+        raise NonFiniteLoss(
+            f"step {run.step} (epoch {epoch + 1}): the loss is not finite for "
+            f"{', '.join(f'{n} ({c} of its samples)' for n, c in where.items())}; the weights were not updated and any "
+            f"checkpoint in {run.args.out}/ is from before it ({run.nonfinite} such step(s), --max-nonfinite "
+            f"{allowed}; a lower --lr often helps)")
+    if run.topo.is_main:
+        print(f"step {run.step}: non-finite loss for {', '.join(where)}; step skipped "
+              f"({run.nonfinite} of at most {allowed})", file=sys.stderr, flush=True)
+
+
 def gather_epoch(run, epoch):
     """Add one epoch's batches and samples per rank (and skipped samples) to the history."""
     facts = dist.all_gather(run.facts)
@@ -357,7 +419,12 @@ def gather_epoch(run, epoch):
 
 def evaluate_only(run):
     path = os.path.join(run.args.out, "checkpoint.pt")
-    run.model.load_state_dict(checkpoint.load(path, run.device)["model"])
+    if not os.path.exists(path):
+        raise ValueError(f"--eval-only: no checkpoint at {path}")
+    state = checkpoint.load(path, run.device)
+    checkpoint.check_resume(checkpoint.fingerprint_of(state, path), run.fingerprint, only=checkpoint.MODEL_FIELDS,
+                            what="--eval-only")
+    checkpoint.load_model(run.model, state, path)
     evals = evaluate(run, eval_loaders(run))
     if run.topo.is_main:
         write_json_atomic(os.path.join(run.args.out, "eval.json"), {"eval": evals, "world_size": run.topo.world})
@@ -376,10 +443,12 @@ def train(args, topo, device):
     if args.eval_only:
         return evaluate_only(run)
     ckpt = prepare_out(args, topo)
-    changed = run.resume(ckpt, args.change_weights) if ckpt else None
+    changed = run.resume(ckpt) if ckpt else {}
     metrics = Metrics(os.path.join(args.out, "metrics.jsonl"), topo.is_main, resume_step=run.step if ckpt else None)
-    if changed:
-        metrics.log(kind="weights_changed", epoch=run.epoch + 1, step=run.step, **changed)
+    if "weights" in changed:
+        metrics.log(kind="weights_changed", epoch=run.epoch + 1, step=run.step, **changed["weights"])
+    if "data" in changed:
+        metrics.log(kind="data_changed", epoch=run.epoch + 1, step=run.step, sources=changed["data"])
     keys = KeyLog(args.out, topo.rank, keep=(run.key_counts[topo.rank] if topo.rank < len(run.key_counts) else 0)
                   if ckpt else None)
     if ckpt and topo.is_main:
@@ -439,6 +508,7 @@ def write_summary(run, evals, t_start, resumed_from, finished, sources):
         "finished": finished,
         "epochs": run.history["epochs"],
         "skipped_samples": sum(e["skipped"] for e in run.history["epochs"]),
+        "nonfinite_steps": run.nonfinite,
         "wall_time_s": round(time.time() - t_start, 2),
         "data_wait_share": round(wait / max(wait + busy, 1e-9), 4),
         "startup": run.startup,
@@ -473,6 +543,9 @@ def main(argv=None):
         # errors re-raised from a DataLoader worker carry its whole traceback: keep the last line
         print(f"pipeline.train: error: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
         return 2
+    except NonFiniteLoss as e:
+        print(f"pipeline.train: error: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("pipeline.train: interrupted; the last complete checkpoint stays in --out", file=sys.stderr)
         return 130

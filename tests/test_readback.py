@@ -1,0 +1,640 @@
+"""What the job reads back: checkpoints, metrics.jsonl, the data behind a source's name, and
+the loss itself, checked before they steer training.
+
+A checkpoint is written by this trainer but may be damaged or edited by anyone: every
+number in it is range-checked against the run (one line naming the field, exit code 2),
+resuming onto other shards behind the same name is refused unless `--change-data`, and a
+loss that is not finite stops the run (exit code 3) on every rank at the same step.
+"""
+import copy
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import build_shards, finish, free_port
+from pipeline import checkpoint, manifest, options, remote, train
+from pipeline.errors import ShardError
+from pipeline.metrics import Metrics
+from pipeline.stream import make_loader, resolve
+from pipeline.topology import Topology
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shards")
+    build_shards(out, "mnist", "train", 200, shape=(1, 28, 28), encoding="raw", maxcount=20)
+    build_shards(out, "cifar10", "train", 200, shape=(3, 32, 32), encoding="raw", maxcount=20)
+    build_shards(out, "mnist", "test", 40, shape=(1, 28, 28), encoding="raw", maxcount=20)
+    return out
+
+
+def small(data, out, *extra):
+    return ["--train", f"mnist={data}/", "--train", f"cifar10={data}/", "--eval", f"mnist={data}/", "--epochs", "2",
+            "--epoch-samples", "160", "--batch-size", "16", "--workers", "0", "--width", "4", "--log-every", "2", "--out", str(out), *extra]
+
+
+def run_main(argv, capsys):
+    """pipeline.train.main in this process: (exit code, its error lines, all of stderr)."""
+    try:
+        code = train.main([str(a) for a in argv])
+    except SystemExit as e:  # the command line's own checks exit from argparse
+        code = e.code
+    err = capsys.readouterr().err
+    return code, [ln for ln in err.splitlines() if "error:" in ln], err
+
+
+def one_line(argv, capsys, *needles, code=2):
+    got, errors, err = run_main(argv, capsys)
+    assert got == code and len(errors) == 1 and "Traceback" not in err, err[-2000:]
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def runs(data, tmp_path_factory):
+    """Two real checkpoints: one inside epoch 1 (step 5), one at the end of epoch 1."""
+    base = tmp_path_factory.mktemp("runs")
+    out = {}
+    for name, extra in (("mid", ["--stop-after-steps", "5"]), ("end", ["--stop-after", "1"])):
+        assert train.main(small(data, base / name, *extra)) == 0
+        out[name] = base / name
+    return out
+
+
+def copy_run(src, dst, change=None):
+    """A copy of a run folder, its checkpoint edited by `change(state)`."""
+    shutil.copytree(src, dst)
+    if change:
+        path = dst / "checkpoint.pt"
+        state = torch.load(path, weights_only=True)
+        change(state)
+        torch.save(state, path)
+    return dst
+
+
+def edit_json(key, fn):
+    def change(state):
+        value = json.loads(state[key])
+        value = fn(value)
+        state[key] = json.dumps(value)
+    return change
+
+
+def setitem(path, value):
+    """Set value at a path of keys/indices into a JSON document (returns the document)."""
+    def fn(doc):
+        node = doc
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = value
+        return doc
+    return fn
+
+
+# ---------------------------------------------------------------- 1. every trainer number, checked
+
+def limits_for(state):
+    return checkpoint.Limits(epochs=2, epoch_samples=160, batch_size=16, sources=2)
+
+
+TAMPERED = {  # name: (which checkpoint, change to its state, the field the line must name)
+    "epoch negative": ("mid", edit_json("position", setitem(["epoch"], -1)), "position.epoch"),
+    "epoch huge": ("end", edit_json("position", setitem(["epoch"], 10 ** 9)), "position.epoch"),
+    "epoch as text": ("mid", edit_json("position", setitem(["epoch"], "0")), "position.epoch"),
+    "epoch as float": ("end", edit_json("position", setitem(["epoch"], 1.0)), "position.epoch"),
+    "mid as text": ("mid", edit_json("position", setitem(["mid"], "yes")), "position.mid"),
+    "step negative": ("mid", edit_json("position", setitem(["step"], -1)), "position.step"),
+    "step past the samples seen": ("mid", edit_json("position", setitem(["step"], 10 ** 6)), "position.step"),
+    "seen negative": ("mid", edit_json("position", setitem(["seen"], -16)), "position.seen"),
+    "seen past the epochs": ("end", edit_json("position", setitem(["seen"], 10 ** 15)), "position.seen"),
+    "seen not whole batches": ("mid", edit_json("position", setitem(["seen"], 79)), "position.seen"),
+    "seen NaN": ("mid", edit_json("position", setitem(["seen"], float("nan"))), "position.seen"),
+    "position missing a field": ("mid", edit_json("position", lambda p: {"epoch": 0}), "position.mid"),
+    "position not an object": ("mid", edit_json("position", lambda p: [0, True, 5, 80]), "position"),
+    "position not JSON": ("mid", lambda s: s.update(position="{epoch"), "position"),
+    "position missing": ("mid", lambda s: s.pop("position"), "position"),
+    "world zero": ("mid", lambda s: s.update(world=0), "world"),
+    "world huge": ("mid", lambda s: s.update(world=10 ** 9), "world"),
+    "world as text": ("end", lambda s: s.update(world="1"), "world"),
+    "key count negative": ("end", edit_json("key_counts", lambda k: [-1]), "key_counts[0]"),
+    "key count huge": ("end", edit_json("key_counts", lambda k: [10 ** 12]), "key_counts[0]"),
+    "key counts for two ranks": ("end", edit_json("key_counts", lambda k: [0, 0]), "key_counts"),
+    "history epochs not a list": ("end", edit_json("history", setitem(["epochs"], "x")), "history.epochs"),
+    "history skipped negative": ("end", edit_json("history", setitem(["epochs", 0, "skipped"], -5)),
+                                 "history.epochs[0].skipped"),
+    "history skipped as text": ("end", edit_json("history", setitem(["epochs", 0, "skipped"], "5")),
+                                "history.epochs[0].skipped"),
+    "history batches huge": ("end", edit_json("history", setitem(["epochs", 0, "batches", "rank0"], 10 ** 9)),
+                             "history.epochs[0].batches.rank0"),
+    "history wait NaN": ("end", edit_json("history", setitem(["wait"], float("inf"))), "history.wait"),
+    "history one epoch short": ("end", edit_json("history", setitem(["epochs"], [])), "position.epoch"),
+    "stream for two ranks": ("mid", edit_json("stream", lambda s: s * 2), "stream"),
+    "stream not an object": ("mid", edit_json("stream", lambda s: [5]), "stream[0]"),
+    "stream generation negative": ("mid", edit_json("stream", setitem([0, "generation"], -1)),
+                                   "stream[0].generation"),
+    "augment state short": ("mid", edit_json("augment", lambda g: [g[0][:100]]), "augment[0]"),
+    "augment byte 256": ("mid", edit_json("augment", setitem([0, 7], 256)), "augment[0][7]"),
+    "facts batches negative": ("mid", edit_json("facts", setitem([0, "batches"], -1)), "facts[0].batches"),
+    "facts batches past the epoch": ("mid", edit_json("facts", setitem([0, "batches"], 11)), "facts[0].batches"),
+    "facts samples for 3 sources": ("mid", edit_json("facts", setitem([0, "samples"], [1, 2, 3])),
+                                    "facts[0].samples"),
+    "facts more samples than batches hold": ("mid", edit_json("facts", setitem([0, "samples"], [80, 80])),
+                                             "facts[0].samples"),
+    "facts wait NaN": ("mid", edit_json("facts", setitem([0, "wait"], float("nan"))), "facts[0].wait"),
+    "facts missing skipped": ("mid", edit_json("facts", lambda f: [{k: v for k, v in f[0].items() if k != "skipped"}]),
+                              "facts[0].skipped"),
+    "carried not facts": ("mid", edit_json("carried", lambda c: {"before_resume_rank0": 5}),
+                          "carried.before_resume_rank0"),
+    "log sums short": ("mid", edit_json("log_sums", lambda s: s[:2]), "log_sums"),
+    "log sums negative count": ("mid", edit_json("log_sums", setitem([2], -3.0)), "log_sums[2]"),
+    "log sums fractional count": ("mid", edit_json("log_sums", setitem([2], 1.5)), "log_sums[2]"),
+    "log sums NaN loss": ("mid", edit_json("log_sums", setitem([0], float("nan"))), "log_sums[0]"),
+    "log sums loss without samples": ("mid", edit_json("log_sums", lambda s: [5.0, 0.0, 0.0, 0.0, 0.0]),
+                                      "log_sums[0]"),
+    "log sums count past the samples seen": ("mid", edit_json("log_sums", setitem([2], 1e9)), "log_sums[2]"),
+    "nonfinite count negative": ("mid", lambda s: s.update(nonfinite="-1"), "nonfinite"),
+    "nonfinite count past the steps": ("mid", lambda s: s.update(nonfinite="6"), "nonfinite"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TAMPERED))
+def test_every_trainer_number_in_a_checkpoint_is_range_checked(runs, case):
+    which, change, field = TAMPERED[case]
+    state = torch.load(runs[which] / "checkpoint.pt", weights_only=True)
+    change(state)
+    with pytest.raises(ValueError) as e:
+        checkpoint.trainer_state(state, "ckpt.pt", limits_for(state))
+    assert f"checkpoint field {field}:" in str(e.value) and "ckpt.pt" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_the_untampered_checkpoints_pass(runs):
+    for which, mid in (("mid", True), ("end", False)):
+        state = torch.load(runs[which] / "checkpoint.pt", weights_only=True)
+        got = checkpoint.trainer_state(state, "ckpt.pt", limits_for(state))
+        assert got["mid"] is mid and got["step"] == (5 if mid else 10) and got["seen"] == got["step"] * 16
+
+
+def net_and_opt(width=4):
+    from pipeline.model import Net
+
+    model = Net(20, width)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    return model, opt
+
+
+def _nan_weight(s):
+    s["model"]["head.weight"][0, 0] = float("nan")
+
+
+def _reorder_params(s):
+    s["optimizer"]["param_groups"][0]["params"][:2] = s["optimizer"]["param_groups"][0]["params"][1::-1]
+
+
+TENSORS = {
+    "a NaN weight": (_nan_weight, "load_model", "model.head.weight"),
+    "a weight of another shape": (lambda s: s["model"].__setitem__("head.weight", torch.zeros(3, 3)), "load_model",
+                                  "field model:"),
+    "a weight missing": (lambda s: s["model"].pop("head.bias"), "load_model", "field model:"),
+    "a weight that is not a tensor": (lambda s: s["model"].__setitem__("head.bias", [1.0]), "load_model",
+                                      "model.head.bias"),
+    "model not a dict": (lambda s: s.__setitem__("model", [1]), "load_model", "field model:"),
+    "a momentum buffer of another shape": (
+        lambda s: s["optimizer"]["state"][0].__setitem__("momentum_buffer", torch.zeros(2)), "load_optimizer",
+        "optimizer.state.0.momentum_buffer"),
+    "an infinite momentum buffer": (
+        lambda s: s["optimizer"]["state"][0]["momentum_buffer"].fill_(float("inf")), "load_optimizer",
+        "optimizer.state.0.momentum_buffer"),
+    "a momentum buffer that is text": (
+        lambda s: s["optimizer"]["state"][0].__setitem__("momentum_buffer", "x"), "load_optimizer",
+        "optimizer.state.0.momentum_buffer"),
+    "optimizer state for parameter 999": (lambda s: s["optimizer"]["state"].__setitem__(999, {}), "load_optimizer",
+                                          "optimizer.state"),
+    "optimizer state not an object": (lambda s: s["optimizer"]["state"].__setitem__(0, torch.zeros(2)),
+                                      "load_optimizer", "optimizer.state.0"),
+    "parameters out of order": (_reorder_params, "load_optimizer", "optimizer.param_groups"),
+    "a parameter group too many": (
+        lambda s: s["optimizer"]["param_groups"].append(dict(s["optimizer"]["param_groups"][0], params=[])),
+        "load_optimizer", "optimizer"),
+    "rng of another size": (lambda s: s.__setitem__("rng", torch.zeros(3, dtype=torch.uint8)), "set_rng", "rng"),
+    "rng of floats": (lambda s: s.__setitem__("rng", s["rng"].float()), "set_rng", "rng"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TENSORS))
+def test_every_tensor_in_a_checkpoint_is_checked_before_use(runs, case):
+    change, loader, field = TENSORS[case]
+    state = torch.load(runs["mid"] / "checkpoint.pt", weights_only=True)
+    change(state)
+    model, opt = net_and_opt()
+    rng = torch.get_rng_state()
+    with pytest.raises(ValueError) as e:
+        {"load_model": lambda: checkpoint.load_model(model, state, "ckpt.pt"),
+         "load_optimizer": lambda: checkpoint.load_optimizer(opt, state, "ckpt.pt"),
+         "set_rng": lambda: checkpoint.set_rng(state, "ckpt.pt")}[loader]()
+    assert field in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_the_optimisers_settings_come_from_the_command_line_not_the_checkpoint(runs):
+    state = torch.load(runs["mid"] / "checkpoint.pt", weights_only=True)
+    state["optimizer"]["param_groups"][0].update(momentum=1e10, weight_decay=-3.0, nesterov=False)
+    model, opt = net_and_opt()
+    checkpoint.load_optimizer(opt, state, "ckpt.pt")
+    group = opt.param_groups[0]
+    assert (group["momentum"], group["weight_decay"], group["nesterov"]) == (0.9, 5e-4, True)
+    assert torch.equal(opt.state[group["params"][0]]["momentum_buffer"], state["optimizer"]["state"][0]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("case", ["seen negative", "stream generation negative", "facts samples for 3 sources"])
+def test_a_tampered_checkpoint_is_one_line_from_the_trainer(data, runs, tmp_path, capsys, case):
+    which, change, field = TAMPERED[case]
+    out = copy_run(runs[which], tmp_path / "run", change)
+    before = (out / "metrics.jsonl").read_text()
+    one_line(small(data, out, "--resume"), capsys, f"checkpoint field {field}")
+    assert (out / "metrics.jsonl").read_text() == before
+
+
+def test_a_nan_weight_in_the_checkpoint_is_one_line_from_the_trainer(data, runs, tmp_path, capsys):
+    out = copy_run(runs["mid"], tmp_path / "run", _nan_weight)
+    one_line(small(data, out, "--resume"), capsys, "model.head.weight", "not finite")
+
+
+def test_a_checkpoint_stopped_inside_an_epoch_past_epochs_is_one_line(data, runs, tmp_path, capsys):
+    out = copy_run(runs["end"], tmp_path / "run")
+    out2 = copy_run(runs["mid"], tmp_path / "run2")
+    assert train.main(small(data, out, "--resume", "--epochs", "1")) == 0  # finished: nothing to do, as before
+    assert "nothing to do" in capsys.readouterr().out
+    argv = small(data, out2, "--resume")
+    argv[argv.index("--epochs") + 1] = "1"
+    state = torch.load(out2 / "checkpoint.pt", weights_only=True)
+    pos = json.loads(state["position"])
+    pos.update(epoch=1, step=13, seen=13 * 16)
+    state["position"] = json.dumps(pos)
+    state["history"] = json.dumps({"epochs": [json.loads(torch.load(runs["end"] / "checkpoint.pt",
+                                                                    weights_only=True)["history"])["epochs"][0]]})
+    torch.save(state, out2 / "checkpoint.pt")
+    one_line(argv, capsys, "inside epoch 2, past --epochs 1", "raise --epochs")
+
+
+# ---------------------------------------------------------------- 2. --eval-only and other mismatches
+
+
+def test_eval_only_with_another_width_is_one_line(data, runs, tmp_path, capsys):
+    out = copy_run(runs["end"], tmp_path / "run")
+    argv = small(data, out, "--eval-only")
+    argv[argv.index("--width") + 1] = "8"
+    one_line(argv, capsys, "--eval-only with other settings", "width: checkpoint 4, now 8")
+    argv = small(data, out, "--eval-only")
+    argv[argv.index(f"cifar10={data}/") - 1:argv.index(f"cifar10={data}/") + 1] = []
+    one_line(argv, capsys, "--eval-only with other settings", "sources")
+    assert not (out / "eval.json").exists()
+    code, errors, err = run_main(small(data, out, "--eval-only"), capsys)  # the matching command still works
+    assert code == 0 and not errors and json.loads((out / "eval.json").read_text())["eval"]["mnist"]["count"] == 40
+
+
+def test_eval_only_with_a_model_that_does_not_fit_its_fingerprint_is_one_line(data, runs, tmp_path, capsys):
+    out = copy_run(runs["end"], tmp_path / "run",
+                   lambda s: s["model"].__setitem__("head.weight", torch.zeros(20, 32)))
+    one_line(small(data, out, "--eval-only"), capsys, "checkpoint field model:", "does not fit", "--width")
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda s: s.update(fingerprint="[1, 2"), "fingerprint"),
+    (lambda s: s.update(fingerprint="[1, 2]"), "fingerprint"),
+    (lambda s: s.update(fingerprint=json.dumps({"sources": [{"name": 5}], "width": 4})), "sources"),
+])
+def test_a_tampered_fingerprint_is_one_line(data, runs, tmp_path, capsys, change, field):
+    for flag in ("--resume", "--eval-only"):
+        out = copy_run(runs["end"], tmp_path / flag, change)
+        one_line(small(data, out, flag), capsys, field)
+
+
+# ---------------------------------------------------------------- 3. other data behind the same name
+
+
+def rebuilt(data, dst, seed=7):
+    """The same source names and layout as `data`, with mnist's training shards rebuilt
+    (other pixels: other sha256, same names, sizes and counts)."""
+    dst.mkdir()
+    for f in os.listdir(data):
+        if not f.startswith("mnist-train"):
+            os.link(data / f, dst / f)
+    build_shards(dst, "mnist", "train", 200, shape=(1, 28, 28), encoding="raw", maxcount=20, seed=seed)
+    old, new = (json.loads((d / "mnist-train.json").read_text()) for d in (data, dst))
+    assert [s["name"] for s in old["shards"]] == [s["name"] for s in new["shards"]]
+    assert old["shards"][0]["sha256"] != new["shards"][0]["sha256"]
+    return dst
+
+
+@pytest.mark.slow
+def test_resuming_onto_other_data_behind_the_same_name_is_refused_then_recorded(data, runs, tmp_path, capsys):
+    other = rebuilt(data, tmp_path / "other")
+    out = copy_run(runs["end"], tmp_path / "run")
+    before = (out / "metrics.jsonl").read_text()
+    line = one_line(small(other, out, "--resume"), capsys, "data of mnist", "--change-data")
+    assert "data of cifar10" not in line
+    assert (out / "metrics.jsonl").read_text() == before
+    code, errors, err = run_main(small(other, out, "--resume", "--change-data"), capsys)
+    assert code == 0 and not errors, err[-2000:]
+    lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    changed = [ln for ln in lines if ln["kind"] == "data_changed"]
+    assert len(changed) == 1 and list(changed[0]["sources"]) == ["mnist"] and changed[0]["epoch"] == 2
+    was, now = changed[0]["sources"]["mnist"]["from"], changed[0]["sources"]["mnist"]["to"]
+    assert was["listing"] != now["listing"] and now["listing"] == resolve("mnist", str(other), "train").listing
+
+
+@pytest.mark.slow
+def test_the_same_data_in_another_folder_is_the_same_data(data, runs, tmp_path, capsys):
+    moved = tmp_path / "moved"
+    shutil.copytree(data, moved)
+    out = copy_run(runs["end"], tmp_path / "run")
+    code, errors, err = run_main(small(moved, out, "--resume"), capsys)
+    assert code == 0 and not errors, err[-2000:]
+
+
+def test_other_data_inside_an_epoch_is_refused_even_with_change_data(data, runs, tmp_path, capsys):
+    other = rebuilt(data, tmp_path / "other")
+    out = copy_run(runs["mid"], tmp_path / "run")
+    one_line(small(other, out, "--resume", "--change-data"), capsys, "--change-data", "inside epoch 1",
+             "epoch boundary")
+
+
+def test_change_data_needs_resume(data, tmp_path, capsys):
+    one_line(small(data, tmp_path / "run", "--change-data"), capsys, "--change-data only applies with --resume")
+
+
+# ---------------------------------------------------------------- 4. a loss that is not finite
+
+
+def test_a_huge_learning_rate_stops_the_run_naming_the_step_and_the_sources(data, tmp_path, capsys):
+    out = tmp_path / "run"
+    line = one_line(small(data, out, "--lr", "1e30"), capsys, "the loss is not finite", "step ", "mnist",
+                    "--max-nonfinite", code=3)
+    lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    bad = [ln for ln in lines if ln["kind"] == "nonfinite"]
+    assert len(bad) == 1 and f"step {bad[0]['step']} " in line
+    assert all(math.isfinite(v) for ln in lines if ln["kind"] == "train" for v in ln["loss"].values())
+
+
+class NanAt:
+    """F.cross_entropy, but NaN for every sample at the given steps (counted in calls)."""
+
+    def __init__(self, steps):
+        self.steps, self.calls, self.real = set(steps), 0, torch.nn.functional.cross_entropy
+
+    def __call__(self, logits, y, **kw):
+        self.calls += 1
+        out = self.real(logits, y, **kw)
+        return out * float("nan") if self.calls in self.steps else out
+
+
+def test_skipped_steps_leave_the_weights_and_running_stats_alone(data, tmp_path, monkeypatch):
+    args = options.parse(small(data, tmp_path / "run"))
+    srcs = [resolve(n, spec, "train") for n, spec in args.train.items()]
+    run = train.Run(args, Topology(), torch.device("cpu"), srcs, [], policy=remote.Policy(), started=0.0, startup={})
+    batch = next(iter(make_loader(run.stream, 0)))
+    gen = torch.Generator().manual_seed(0)
+    run.step_once(batch, gen)  # momentum buffers exist from here on
+    before = copy.deepcopy(run.model.state_dict())
+    monkeypatch.setattr(train.F, "cross_entropy", NanAt([1]))
+    losses, source, bad = run.step_once(batch, gen)
+    assert sum(bad) == 16 and not torch.isfinite(losses).any()
+    after = run.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), [k for k in before if not torch.equal(before[k], after[k])]
+    assert run.step == 2
+    run.step_once(batch, gen)  # the next finite step trains again
+    assert not torch.equal(before["head.weight"], run.model.state_dict()["head.weight"])
+
+
+@pytest.mark.slow
+def test_max_nonfinite_allows_that_many_skipped_steps_then_stops(data, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(train.F, "cross_entropy", NanAt([3, 7]))
+    out = tmp_path / "run"
+    assert train.main(small(data, out, "--epochs", "1", "--max-nonfinite", "2")) == 0
+    s = json.loads((out / "summary.json").read_text())
+    lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert s["nonfinite_steps"] == 2 and [ln["step"] for ln in lines if ln["kind"] == "nonfinite"] == [3, 7]
+    assert all(math.isfinite(v) for ln in lines if ln["kind"] == "train" for v in ln["loss"].values())
+    capsys.readouterr()
+    monkeypatch.setattr(train.F, "cross_entropy", NanAt([3, 7]))
+    one_line(small(data, tmp_path / "run2", "--epochs", "1", "--max-nonfinite", "1"), capsys, "step 7 ",
+             "2 such step(s), --max-nonfinite 1", code=3)
+
+
+def test_the_count_of_skipped_steps_carries_across_a_resume(data, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    monkeypatch.setattr(train.F, "cross_entropy", NanAt([2]))
+    assert train.main(small(data, out, "--max-nonfinite", "1", "--stop-after-steps", "4")) == 0
+    monkeypatch.setattr(train.F, "cross_entropy", NanAt([3]))  # step 7 of the run
+    capsys.readouterr()
+    one_line(small(data, out, "--max-nonfinite", "1", "--resume"), capsys, "step 7 ", "2 such step(s)", code=3)
+
+
+NAN_ON_RANK1 = r"""
+import sys, torch, pipeline.train as t
+real = torch.nn.functional.cross_entropy
+calls = [0]
+def ce(logits, y, **kw):
+    calls[0] += 1
+    out = real(logits, y, **kw)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return out * float("nan") if rank == 1 and calls[0] == 4 else out
+t.F.cross_entropy = ce
+sys.exit(t.main())
+"""
+
+
+@pytest.mark.slow
+def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(data, tmp_path):
+    """Only rank 1 sees the NaN; both must skip the same step and stop, not hang in an all-reduce."""
+    import time
+
+    script = tmp_path / "nan_on_rank1.py"
+    script.write_text(NAN_ON_RANK1)
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    out = tmp_path / "run"
+    t0 = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                             f"--master_port={free_port()}", str(script), *small(data, out, "--timeout", "60")],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    code, err = finish(proc, timeout=150)
+    assert code != 0 and time.time() - t0 < 120
+    errors = [part.splitlines()[0] for part in err.split("pipeline.train: error:")[1:]]  # ranks share stderr
+    assert errors and len(set(errors)) == 1, err[-3000:]  # every rank that said it said the same step
+    assert "step 4 " in errors[0] and ("mnist" in errors[0] or "cifar10" in errors[0]), errors[0]
+    lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [ln["step"] for ln in lines if ln["kind"] == "nonfinite"] == [4]
+
+
+# ---------------------------------------------------------------- 5. metrics.jsonl on resume
+
+
+@pytest.mark.parametrize("bad, problem", [
+    ('[1, 2, 3]', "not a JSON object"),
+    ('"just text"', "not a JSON object"),
+    ('{"kind": "train", "step": "12"}', 'step "12"'),
+    ('{"kind": "train", "step": null}', "step null"),
+    ('{"kind": "train", "step": 1.5}', "step 1.5"),
+    ('{"kind": "train", "step": true}', "step true"),
+    ('{"kind": "train", "step": [3]}', "step [3]"),
+    ('{"kind": "train", "st', "not valid JSON"),
+    ('{"a": ' * 100000, "not valid JSON"),
+])
+def test_a_mistyped_metrics_line_is_dropped_with_a_warning(tmp_path, bad, problem):
+    path = tmp_path / "metrics.jsonl"
+    good = ['{"kind": "train", "step": 2}', '{"kind": "eval", "step": 4}']
+    path.write_text("\n".join([*good, bad, '{"kind": "train", "step": 5}']) + "\n")
+    with pytest.warns(UserWarning, match=f"line 3 .*{re.escape(problem)}"):
+        Metrics(str(path), True, resume_step=10)
+    assert path.read_text().splitlines() == good
+
+
+@pytest.mark.slow
+def test_a_mistyped_metrics_line_is_one_warning_on_resume(data, runs, tmp_path, capsys):
+    out = copy_run(runs["end"], tmp_path / "run")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": "12"}\n[1]\n')
+    with pytest.warns(UserWarning, match="line .* has step"):
+        code, errors, err = run_main(small(data, out, "--resume"), capsys)
+    assert code == 0 and not errors and "Traceback" not in err, err[-2000:]
+
+
+# ---------------------------------------------------------------- 6. manifests: one spelling per shard, sane statistics
+
+
+def write_manifest(folder, change):
+    m = json.loads((folder / "mnist-train.json").read_text())
+    change(m)
+    m["total"] = sum(s["samples"] for s in m["shards"])
+    path = folder / "mnist-x.json"
+    path.write_text(json.dumps(m))
+    return path
+
+
+@pytest.mark.parametrize("spell", [
+    lambda d, n: f"{d}/{n}",  # a relative name and its absolute path
+    lambda d, n: f"{d}//{n}",
+    lambda d, n: f"{d}///{n}",
+    lambda d, n: f"{os.path.dirname(d)}//{os.path.basename(d)}/{n}",
+])
+def test_a_shard_listed_in_two_spellings_is_refused(data, spell):
+    first = json.loads((data / "mnist-train.json").read_text())["shards"][0]["name"]
+    path = write_manifest(data, lambda m: m["shards"].append(dict(m["shards"][0], name=spell(str(data), first))))
+    with pytest.raises(ShardError, match="are the same shard") as e:
+        resolve("mnist", str(path), "train")
+    assert first in str(e.value) and "mnist-x.json" in str(e.value)
+
+
+def test_a_dot_slash_name_is_refused_before_it_could_be_read_twice(data):
+    first = json.loads((data / "mnist-train.json").read_text())["shards"][0]["name"]
+    path = write_manifest(data, lambda m: m["shards"].append(dict(m["shards"][0], name=f"./{first}")))
+    with pytest.raises(ShardError, match="not a plain relative name"):
+        resolve("mnist", str(path), "train")
+
+
+def test_a_shard_reached_through_a_link_is_the_same_shard(data, tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    m = json.loads((data / "mnist-train.json").read_text())
+    for s in m["shards"]:
+        os.link(data / s["name"], folder / s["name"])
+    os.symlink(folder / m["shards"][0]["name"], folder / "alias.tar")
+    m["shards"].append(dict(m["shards"][0], name="alias.tar"))
+    m["total"] += m["shards"][0]["samples"]
+    (folder / "mnist-train.json").write_text(json.dumps(m))
+    with pytest.raises(ShardError, match="are the same shard"):
+        resolve("mnist", str(folder), "train")
+
+
+def test_hard_links_under_other_names_are_other_shards(data, tmp_path):
+    """tools/bench_loader.py's 10x corpus lists hard links to the same files under new names."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    m = json.loads((data / "mnist-train.json").read_text())
+    extra = []
+    for s in m["shards"]:
+        os.link(data / s["name"], folder / s["name"])
+        os.link(data / s["name"], folder / ("copy-" + s["name"]))
+        extra.append(dict(s, name="copy-" + s["name"]))
+    m["shards"] += extra
+    m["total"] *= 2
+    (folder / "mnist-train.json").write_text(json.dumps(m))
+    assert len(resolve("mnist", str(folder), "train").urls) == 2 * len(extra)
+
+
+@pytest.mark.parametrize("a, b", [
+    ("http://h.example/s/a.tar", "http://H.EXAMPLE/s/a.tar"),
+    ("http://h.example/s/a.tar", "http://h.example:80/s/a.tar"),
+    ("https://h.example/s/a.tar", "https://h.example:443/s//a.tar"),
+    ("http://h.example/s/a.tar", "http://h.example/s/./a.tar"),
+    ("http://h.example/s/a.tar", "http://h.example/s/x/../a.tar"),
+    ("http://h.example/s/a.tar", "http://h.example/s/%61.tar"),
+    ("http://h.example/s/a.tar", "http://h.example/s/a.tar#frag"),
+])
+def test_urls_are_compared_resolved(a, b):
+    assert manifest.canonical(a) == manifest.canonical(b)
+    with pytest.raises(ShardError, match="are the same shard"):
+        manifest._once([a, b], "m.json: field shards")
+
+
+@pytest.mark.parametrize("a, b", [
+    ("http://h.example/s/a.tar", "https://h.example/s/a.tar"),
+    ("http://h.example/s/a.tar", "http://h.example:8080/s/a.tar"),
+    ("http://h.example/s/a.tar", "http://h.example/s/a.tar?part=2"),
+    ("http://h.example/s/a.tar", "http://h.example/S/a.tar"),
+])
+def test_other_urls_stay_other_shards(a, b):
+    assert manifest.canonical(a) != manifest.canonical(b)
+
+
+def test_a_pattern_naming_a_shard_twice_is_refused(data):
+    with pytest.raises(ShardError, match="the pattern.*are the same shard"):
+        resolve("mnist", f"{data}/mnist-train-{{000000,000001,000000}}.tar", "train")
+
+
+def test_a_shard_listed_twice_is_read_once_in_evaluation_or_refused(data):
+    """The issue's case: `name` and `dir//name` in a test manifest."""
+    m = json.loads((data / "mnist-test.json").read_text())
+    m["shards"].append(dict(m["shards"][0], name=f"{data}//{m['shards'][0]['name']}"))
+    m["total"] += m["shards"][0]["samples"]
+    (data / "mnist-y.json").write_text(json.dumps(m))
+    with pytest.raises(ShardError, match="are the same shard"):
+        resolve("mnist", str(data / "mnist-y.json"), "test")
+
+
+STATS = {
+    "mean above 1": (lambda m: m.update(mean=[1.5]), "mean"),
+    "mean negative": (lambda m: m.update(mean=[-0.1]), "mean"),
+    "mean on the 0..255 scale": (lambda m: m.update(mean=[33.3]), "mean"),
+    "std above 1": (lambda m: m.update(std=[1.01]), "std"),
+    "std huge": (lambda m: m.update(std=[1e30]), "std"),
+    "std as text": (lambda m: m.update(std=["0.3"]), "std"),
+    "std true": (lambda m: m.update(std=[True]), "std"),
+    "mean NaN": (lambda m: m.update(mean=[float("nan")]), "mean"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STATS))
+def test_manifest_mean_and_std_are_range_checked(data, case):
+    change, field = STATS[case]
+    path = write_manifest(data, change)
+    with pytest.raises(ShardError, match=f"field {field}"):
+        resolve("mnist", str(path), "train")
+
+
+def test_sane_statistics_pass(data):
+    for mean, std in (([0.0], [1.0]), ([1.0], [0.5]), ([0.1307], [0.3081])):
+        path = write_manifest(data, lambda m: m.update(mean=mean, std=std))
+        assert resolve("mnist", str(path), "train").std == std
