@@ -173,7 +173,9 @@ def trainer_state(state, path, limits):
     epochs = history["epochs"]
     if not isinstance(epochs, list):
         f.bad("history.epochs", f"{_short(epochs)}; a list expected")
-    epoch = f.integer(pos["epoch"], "position.epoch", len(epochs), len(epochs))  # one history entry per epoch done
+    epoch = pos["epoch"]
+    if type(epoch) is not int or epoch != len(epochs):  # one history entry per epoch done
+        f.bad("position.epoch", f"{_short(epoch)}, but the history holds {len(epochs)} finished epoch(s)")
     mid = pos["mid"]
     if not isinstance(mid, bool):
         f.bad("position.mid", f"{_short(mid)}; true or false expected")
@@ -261,8 +263,10 @@ def load_model(model, state, path):
     for name, t in weights.items():
         if not isinstance(t, torch.Tensor):
             f.bad(f"model.{name}", f"{_short(t)}; a tensor expected")
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            f.bad(f"model.{name}", "values that are not finite")
+        if t.is_complex() or t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            f.bad(f"model.{name}", "values that are not finite (or complex)")
+        if name.endswith("running_var") and bool((t < 0).any()):  # BatchNorm would take its square root
+            f.bad(f"model.{name}", "negative variances")
     try:
         model.load_state_dict(weights)
     except (RuntimeError, KeyError, TypeError, ValueError) as e:

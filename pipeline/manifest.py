@@ -310,7 +310,7 @@ def canonical(location):
         port = u.port
     except ValueError:
         raise ShardError(f"{location}: not a valid URL (its port)") from None
-    host = u.hostname or ""
+    host = (u.hostname or "").rstrip(".")  # "h.example." is h.example
     netloc = (f"[{host}]" if ":" in host else host) + (f":{port}" if port not in (None, {"http": 80, "https": 443}[u.scheme.lower()]) else "")
     if u.username is not None:
         netloc = f"{u.username}{':' + u.password if u.password is not None else ''}@{netloc}"

@@ -162,6 +162,12 @@ TAMPERED = {  # name: (which checkpoint, change to its state, the field the line
     "log sums loss without samples": ("mid", edit_json("log_sums", lambda s: [5.0, 0.0, 0.0, 0.0, 0.0]),
                                       "log_sums[0]"),
     "log sums count past the samples seen": ("mid", edit_json("log_sums", setitem([2], 1e9)), "log_sums[2]"),
+    "history nested 200,000 deep": ("end", lambda s: s.update(history="[" * 200_000), "history"),
+    "seen of 5,000 digits": ("mid", lambda s: s.update(position='{"epoch": 0, "mid": true, "step": 5, "seen": '
+                                                                 + "9" * 5000 + "}"), "position"),
+    "seen true": ("mid", edit_json("position", setitem(["seen"], True)), "position.seen"),
+    "position a tensor": ("mid", lambda s: s.update(position=torch.zeros(3)), "position"),
+    "nonfinite count true": ("mid", lambda s: s.update(nonfinite="true"), "nonfinite"),
     "nonfinite count negative": ("mid", lambda s: s.update(nonfinite="-1"), "nonfinite"),
     "nonfinite count past the steps": ("mid", lambda s: s.update(nonfinite="6"), "nonfinite"),
 }
@@ -226,6 +232,11 @@ TENSORS = {
     "a parameter group too many": (
         lambda s: s["optimizer"]["param_groups"].append(dict(s["optimizer"]["param_groups"][0], params=[])),
         "load_optimizer", "optimizer"),
+    "a complex weight": (lambda s: s["model"].__setitem__("head.bias", s["model"]["head.bias"].to(torch.complex64)),
+                         "load_model", "model.head.bias"),
+    "a negative running variance": (lambda s: s["model"]["features.0.1.running_var"].__setitem__(0, -1.0),
+                                    "load_model", "model.features.0.1.running_var"),
+    "an extra weight": (lambda s: s["model"].__setitem__("evil", torch.zeros(1)), "load_model", "field model:"),
     "rng of another size": (lambda s: s.__setitem__("rng", torch.zeros(3, dtype=torch.uint8)), "set_rng", "rng"),
     "rng of floats": (lambda s: s.__setitem__("rng", s["rng"].float()), "set_rng", "rng"),
 }
@@ -582,6 +593,8 @@ def test_hard_links_under_other_names_are_other_shards(data, tmp_path):
     ("http://h.example/s/a.tar", "http://h.example/s/x/../a.tar"),
     ("http://h.example/s/a.tar", "http://h.example/s/%61.tar"),
     ("http://h.example/s/a.tar", "http://h.example/s/a.tar#frag"),
+    ("http://h.example/s/a.tar", "http://h.example./s/a.tar"),
+    ("http://[::1]/s/a.tar", "http://[::1]:80/s/a.tar"),
 ])
 def test_urls_are_compared_resolved(a, b):
     assert manifest.canonical(a) == manifest.canonical(b)
@@ -597,6 +610,11 @@ def test_urls_are_compared_resolved(a, b):
 ])
 def test_other_urls_stay_other_shards(a, b):
     assert manifest.canonical(a) != manifest.canonical(b)
+
+
+def test_a_url_with_a_bad_port_is_one_line():
+    with pytest.raises(ShardError, match="not a valid URL"):
+        manifest.canonical("http://h.example:99999/a.tar")
 
 
 def test_a_pattern_naming_a_shard_twice_is_refused(data):
