@@ -295,14 +295,22 @@ def listing_digest(entries):
     return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
 
 
-def canonical(location):
+def canonical(location, folders=None):
     """One spelling of where a shard is: a local path resolved (`dir//name`, `./name`, links and
     the absolute form of a relative name all become one path); an http(s) URL with its scheme and
     host in lower case, no default port, no fragment, its path's escapes decoded and its `//`, `.`
-    and `..` collapsed; a pipe: command as it is (its names are plain, checked by `locate`)."""
+    and `..` collapsed; a pipe: command as it is (its names are plain, checked by `locate`).
+    `folders`: a dict of resolved folders to reuse, so that a million shards in a few folders cost
+    an lstat each rather than a realpath each."""
     where = remote.kind(location)
     if where == "file":
-        return os.path.realpath(location)
+        if os.path.islink(location):
+            return os.path.realpath(location)
+        folder, name = os.path.split(os.path.abspath(location))
+        folders = {} if folders is None else folders
+        if folder not in folders:
+            folders[folder] = os.path.realpath(folder)
+        return os.path.join(folders[folder], name)
     if where == "pipe":
         return location
     u = urllib.parse.urlsplit(location)
@@ -311,7 +319,8 @@ def canonical(location):
     except ValueError:
         raise ShardError(f"{location}: not a valid URL (its port)") from None
     host = (u.hostname or "").rstrip(".")  # "h.example." is h.example
-    netloc = (f"[{host}]" if ":" in host else host) + (f":{port}" if port not in (None, {"http": 80, "https": 443}[u.scheme.lower()]) else "")
+    default = {"http": 80, "https": 443}[u.scheme.lower()]
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{port}" if port not in (None, default) else "")
     if u.username is not None:
         netloc = f"{u.username}{':' + u.password if u.password is not None else ''}@{netloc}"
     path = posixpath.normpath(re.sub("/+", "/", urllib.parse.unquote(u.path)) or "/")
@@ -321,9 +330,9 @@ def canonical(location):
 
 def _once(locations, where):
     """Refuse two spellings of one shard: it would be read twice, in training and in evaluation."""
-    seen = {}
+    seen, folders = {}, {}
     for loc in locations:
-        key = canonical(loc)
+        key = canonical(loc, folders)
         if key in seen:
             raise ShardError(f"{where}: {seen[key]!r} and {loc!r} are the same shard ({key}); list it once")
         seen[key] = loc
