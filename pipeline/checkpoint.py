@@ -13,6 +13,7 @@ line naming the field.
 import json
 import math
 import os
+import stat
 from dataclasses import dataclass
 
 import torch
@@ -59,10 +60,18 @@ def check_resume(saved, current, allow_weights=False, allow_data=False, only=Non
 
 
 def data_changes(saved, current):
-    """{source: (checkpoint's shard list, this run's)} for every source of both whose shards differ."""
+    """{source: (checkpoint's shard list, this run's)} for every source whose shards differ; none
+    for a checkpoint written before shard lists were recorded (`legacy`)."""
+    if legacy(saved):
+        return {}
     was = saved.get("data")
-    was = was if isinstance(was, dict) else {}  # a checkpoint from before shard digests: every source differs
+    was = was if isinstance(was, dict) else {}
     return {name: (was.get(name), now) for name, now in current["data"].items() if was.get(name) != now}
+
+
+def legacy(saved):
+    """A fingerprint from before shard-list digests: its data cannot be compared (a warning says so)."""
+    return "data" not in saved
 
 
 def _listing(d):
@@ -332,6 +341,8 @@ def save(path, state):
 def load(path, device="cpu"):
     """The checkpoint at `path`, loaded with weights_only=True (no code runs); ValueError if
     it is not one this version wrote."""
+    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block torch.load forever
+        raise ValueError(f"{path}: not a regular file, so not a checkpoint")
     try:
         state = torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file: say which

@@ -1,6 +1,7 @@
 """Writing files so that a crash or a full disk never leaves half of one behind."""
 import json
 import os
+import stat
 
 from .errors import ShardError
 
@@ -69,6 +70,8 @@ def cut_to_complete_lines(path):
     """Drop a torn last line (a write cut short by a crash); returns the complete lines."""
     if not os.path.exists(path):
         return []
+    if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the read forever
+        raise OSError(f"{path}: not a regular file")
     with open(path, "rb") as f:
         data = f.read()
     end = data.rfind(b"\n") + 1

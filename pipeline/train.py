@@ -16,6 +16,7 @@ import resource
 import shutil
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 
 import torch
@@ -191,6 +192,9 @@ class Run:
                                    args.batch_size, len(self.names))
         got = checkpoint.trainer_state(state, path, limits)
         data = checkpoint.data_changes(saved, self.fingerprint)
+        if checkpoint.legacy(saved) and self.topo.is_main:
+            warnings.warn(f"{path}: written before checkpoints recorded their shard lists, so this resume cannot "
+                          f"check that the sources hold the same shards", stacklevel=2)
         if data and got["mid"]:
             raise ValueError(f"--change-data: the checkpoint stopped inside epoch {got['epoch'] + 1}; other data can "
                              f"only come in at an epoch boundary: finish that epoch on its own data first "

@@ -658,3 +658,26 @@ def test_sane_statistics_pass(data):
     for mean, std in (([0.0], [1.0]), ([1.0], [0.5]), ([0.1307], [0.3081])):
         path = write_manifest(data, lambda m: m.update(mean=mean, std=std))
         assert resolve("mnist", str(path), "train").std == std
+
+
+# ---------------------------------------------------------------- 7. found by attacking the change
+
+
+def test_a_checkpoint_from_before_shard_digests_resumes_with_a_warning(data, runs, tmp_path, capsys):
+    def legacy(state):
+        fp = json.loads(state["fingerprint"])
+        fp.pop("data")
+        state["fingerprint"] = json.dumps(fp)
+    out = copy_run(runs["mid"], tmp_path / "run", legacy)
+    with pytest.warns(UserWarning, match="before checkpoints recorded their shard lists"):
+        code, errors, err = run_main(small(data, out, "--resume", "--stop-after-steps", "1"), capsys)
+    assert code == 0 and not errors, err[-2000:]
+
+
+@pytest.mark.parametrize("name", ["checkpoint.pt", "metrics.jsonl", "keys-rank0.txt"])
+def test_a_fifo_in_the_run_folder_is_one_line_not_a_hang(data, runs, tmp_path, capsys, name):
+    out = copy_run(runs["end"], tmp_path / "run")
+    if (out / name).exists():
+        os.remove(out / name)
+    os.mkfifo(out / name)
+    one_line(small(data, out, "--resume", "--record-keys"), capsys, name, "not a regular file")
