@@ -5,13 +5,14 @@ Only image and label members are ever decoded, each by a decoder chosen by its
 extension: nothing is unpickled or torch.load-ed (webdataset's default decoders
 do both for .pyd/.pickle/.pth), and PIL is only asked to open the one format
 an extension names (an .png member that is really EPS would make PIL run
-Ghostscript). An image's size is checked from its header before its pixels
-are decoded.
+Ghostscript). An image's size, as its decoder will produce it, is checked
+against `pipeline.bounds` before its pixels are decoded (`open_image`), and
+16-bit grey images keep their top 8 bits rather than saturate.
 
 Images of another size or mode are brought to the source's shape here, inside
 the DataLoader workers: grey/RGB/RGBA to the source's channel count, the
 shorter side resized to fit, then a crop (random for training, centred for
-evaluation). JPEG goes through torchvision.io.decode_jpeg (libjpeg-turbo),
+evaluation); JPEGs are turned upright by their EXIF orientation. JPEG goes through torchvision.io.decode_jpeg (libjpeg-turbo),
 about 2.5x PIL's speed on 32x32 images here; a JPEG at least twice the target
 size in both directions goes through PIL's draft mode instead, which decodes
 at 1/2, 1/4 or 1/8 scale for free. Exactly what make_shards writes (raw
@@ -26,11 +27,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import png
+from . import bounds, jpeg, png
 
 IMAGE_EXTS = ("raw", "png", "jpg", "jpeg", "webp", "ppm", "pgm", "bmp")
 LABEL_EXTS = ("cls", "txt", "index")
-MAX_PIXELS = png.MAX_PIXELS
+MAX_PIXELS = bounds.MAX_PIXELS
 _PIL_FORMATS = {"png": "PNG", "jpg": "JPEG", "jpeg": "JPEG", "webp": "WEBP", "ppm": "PPM", "pgm": "PPM",
                 "bmp": "BMP"}
 
@@ -189,17 +190,21 @@ def decode_image(data, ext, shape, crop=None):
         if fast is not None:
             return png.unfilter(fast, 1, shape)[0]
     if ext in ("jpg", "jpeg"):
-        size = jpeg_size(data)
-        if size is not None and not (size[0] >= 2 * h and size[1] >= 2 * w):
-            pixels = _torchvision_jpeg(data, c, size)
+        head = jpeg.header(data)
+        ih, iw = head.upright
+        bounds.check(iw, ih, shape)
+        if not (ih >= 2 * h and iw >= 2 * w):
+            pixels = _torchvision_jpeg(data, c, (ih, iw))
             if pixels is not None:
                 return fit(pixels, shape, crop)
+        return fit(_pil(data, ext, shape, head), shape, crop)
     return fit(_pil(data, ext, shape), shape, crop)
 
 
 def _torchvision_jpeg(data, c, size):
-    """HWC uint8 from libjpeg-turbo, or None where it can't (CMYK, damage: PIL then says why)."""
-    if size[0] * size[1] > MAX_PIXELS:
+    """HWC uint8 from libjpeg-turbo, upright, of `size` (height, width, as jpeg.header says
+    once its orientation is applied), or None where it can't (CMYK, damage: PIL then says why)."""
+    if size is None or size[0] * size[1] > MAX_PIXELS:
         return None
     import torch
     from torchvision.io import ImageReadMode, decode_jpeg
@@ -210,66 +215,126 @@ def _torchvision_jpeg(data, c, size):
 
     try:
         t = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                        mode=ImageReadMode.GRAY if c == 1 else ImageReadMode.RGB)
+                        mode=ImageReadMode.GRAY if c == 1 else ImageReadMode.RGB, apply_exif_orientation=True)
     except RuntimeError:
         return None
+    if sorted(t.shape[1:]) != sorted(size):  # a quarter turn more or less is only another reading of the EXIF
+        raise ValueError(f"libjpeg decoded {t.shape[2]}x{t.shape[1]}, its frame header says {size[1]}x{size[0]}")
     return t.permute(1, 2, 0).numpy()
 
 
-def _pil(data, ext, shape):
+def open_image(data, ext, shape=None, head=None):
+    """(PIL image, EXIF orientation) of an image member, opened as the format its extension
+    names, its size checked by `bounds.check` for `shape` before any pixel is decoded: the
+    image comes back unloaded. A JPEG's size is libjpeg's (`jpeg.header`, or `head` if read
+    already) and PIL must agree with it. ValueError for an image refused or unreadable."""
+    from PIL import Image
+
+    is_jpeg = ext in ("jpg", "jpeg")
+    if is_jpeg and head is None:
+        head = jpeg.header(data)
+    if ext == "webp" and webp_size(data):  # libwebp allocates its canvas on opening, before PIL's size is known
+        bounds.check(*webp_size(data), shape)
+    try:
+        img = Image.open(io.BytesIO(data), formats=[_PIL_FORMATS[ext]])
+    except (OSError, SyntaxError, Image.DecompressionBombError, KeyError) as e:
+        raise ValueError(f"undecodable image: {e}") from None
+    w, h = img.size
+    orientation = 1
+    if is_jpeg:
+        if (w, h) != (head.width, head.height):
+            raise ValueError(f"JPEG headers disagree: PIL reads {w}x{h}, the frame is {head.width}x{head.height}")
+        orientation = head.orientation
+        h, w = head.upright
+    bounds.check(w, h, shape)
+    return img, orientation
+
+
+def _pil(data, ext, shape, head=None):
     """HWC uint8 through PIL, opening only the format the extension names."""
     from PIL import Image
 
     c, h, w = shape
+    img, orientation = open_image(data, ext, shape, head)
     try:
-        img = Image.open(io.BytesIO(data), formats=[_PIL_FORMATS[ext]])
-        iw, ih = img.size  # from the header: checked before any pixel is decoded
-        if iw * ih > MAX_PIXELS:
-            raise ValueError(f"image is {iw}x{ih}, more than {MAX_PIXELS} pixels")
-        if ext in ("jpg", "jpeg"):
-            img.draft("L" if c == 1 else "RGB", (w, h))  # DCT scaling: decode at 1/2..1/8 size, still >= the target
-        img = img.convert("L" if c == 1 else "RGB")
-        return np.asarray(img, dtype=np.uint8).reshape(img.size[1], img.size[0], c)
+        if ext in ("jpg", "jpeg"):  # DCT scaling: decode at 1/2..1/8 size, still >= the target
+            img.draft("L" if c == 1 else "RGB", (h, w) if orientation >= 5 else (w, h))
+        return pixels_of(upright(img, orientation), c)
     except (OSError, SyntaxError, Image.DecompressionBombError, KeyError) as e:
         raise ValueError(f"undecodable image: {e}") from None
 
 
+def upright(img, orientation):
+    """A PIL image turned by its EXIF orientation (1-8), as PIL's ImageOps.exif_transpose does."""
+    if orientation in (1, None):
+        return img
+    from PIL import Image
+
+    turn = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+            5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+            8: Image.Transpose.ROTATE_90}[orientation]
+    return img.transpose(turn)
+
+
+SIXTEEN_BIT = frozenset({"I;16", "I;16B", "I;16L", "I;16N", "I"})  # PIL's modes for 16-bit grey (PNG, PPM)
+
+
+def pixels_of(img, c):
+    """HWC uint8 with c channels (1 or 3) of a PIL image. 16-bit grey keeps its top 8 bits
+    (>> 8, as PIL itself reads 16-bit RGB): PIL's convert("L") would clip it at 255."""
+    if img.mode in SIXTEEN_BIT:
+        a = np.asarray(img)
+        a = ((np.clip(a, 0, 65535) if img.mode == "I" else a) >> 8).astype(np.uint8)[:, :, None]
+        return np.repeat(a, 3, axis=2) if c == 3 else a
+    img = img.convert("L" if c == 1 else "RGB")
+    return np.asarray(img, dtype=np.uint8).reshape(img.size[1], img.size[0], c)
+
+
 def fit(pixels, shape, crop=None):
     """HWC uint8 of any size -> CHW of exactly `shape`: the shorter side resized to fit, then
-    a crop placed by `crop` (two numbers in [0, 1)) or centred."""
+    a crop placed by `crop` (two numbers in [0, 1)) or centred. Only the crop's box of the
+    image is resized, so however elongated the image, no buffer exceeds the target."""
     c, h, w = shape
     ih, iw = pixels.shape[:2]
     if (ih, iw) != (h, w):
         scale = max(h / ih, w / iw)
         nh, nw = max(h, round(ih * scale)), max(w, round(iw * scale))
-        if (nh, nw) != (ih, iw):
-            from PIL import Image
-
-            img = Image.fromarray(pixels[:, :, 0] if c == 1 else pixels)
-            pixels = np.asarray(img.resize((nw, nh), Image.BILINEAR, reducing_gap=3.0)).reshape(nh, nw, c)
         if crop is None:
             top, left = (nh - h) // 2, (nw - w) // 2
         else:
             top, left = int(crop[0] * (nh - h + 1)), int(crop[1] * (nw - w + 1))
-        pixels = pixels[top:top + h, left:left + w]
+        if (nh, nw) == (ih, iw):
+            pixels = pixels[top:top + h, left:left + w]
+        else:
+            from PIL import Image
+
+            img = Image.fromarray(pixels[:, :, 0] if c == 1 else pixels)
+            sy, sx = ih / nh, iw / nw  # the crop's box in the image's own pixels
+            box = (left * sx, top * sy, (left + w) * sx, (top + h) * sy)
+            pixels = np.asarray(img.resize((w, h), Image.BILINEAR, box=box, reducing_gap=3.0)).reshape(h, w, c)
     return np.ascontiguousarray(pixels.transpose(2, 0, 1))
 
 
 def jpeg_size(data):
-    """(height, width) from a JPEG's start-of-frame marker, or None if none is found."""
-    if data[:2] != b"\xff\xd8":
+    """(height, width) of a JPEG's frame as libjpeg reads it (`jpeg.header`), or None if it has none."""
+    try:
+        head = jpeg.header(data)
+    except ValueError:
         return None
-    i, n = 2, len(data)
-    for _ in range(256):  # a real JPEG reaches its frame header within a few markers
-        while i < n and data[i] == 0xFF:
-            i += 1
-        if i + 7 >= n:
-            return None
-        marker = data[i]
-        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-            return int.from_bytes(data[i + 4:i + 6], "big"), int.from_bytes(data[i + 6:i + 8], "big")
-        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
-            i += 1
-            continue
-        i += 1 + int.from_bytes(data[i + 1:i + 3], "big")
+    return head.height, head.width
+
+
+def webp_size(data):
+    """(width, height) of the canvas libwebp makes for a WebP: its VP8X header's, else its one
+    frame's; None for any other layout (PIL then says what is wrong)."""
+    if len(data) < 30 or data[:4] != b"RIFF" or data[8:12] != b"WEBP":
+        return None
+    kind, head = data[12:16], data[20:30]
+    if kind == b"VP8X":
+        return 1 + int.from_bytes(head[4:7], "little"), 1 + int.from_bytes(head[7:10], "little")
+    if kind == b"VP8L" and head[0] == 0x2F:
+        bits = int.from_bytes(head[1:5], "little")
+        return 1 + (bits & 0x3FFF), 1 + (bits >> 14 & 0x3FFF)
+    if kind == b"VP8 " and head[3:6] == b"\x9d\x01\x2a":
+        return int.from_bytes(head[6:8], "little") & 0x3FFF, int.from_bytes(head[8:10], "little") & 0x3FFF
     return None

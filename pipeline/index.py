@@ -3,8 +3,9 @@
     python tools/make_shards.py --index pets:train='/data/pets/train-{000000..000099}.tar' --out shards
 
 Each shard is read once (in parallel): its samples counted, its bytes hashed, every
-image's size and mode taken from its header and its pixels decoded for the
-per-channel mean and std, every label parsed. The manifest then says where the
+image's size and mode taken from its header and checked against `pipeline.bounds`
+(pixels at once, the aspect against the manifest's shape at the end), its pixels
+decoded for the per-channel mean and std, every label parsed. The manifest then says where the
 shards are (names relative to the manifest when they share its folder, else
 absolute paths or URLs), the most common image shape (or --shape), the class
 names (the sorted distinct labels, or --classes), how samples decode (image
@@ -23,8 +24,8 @@ import re
 import numpy as np
 from braceexpand import braceexpand
 
-from . import remote
-from .decode import IMAGE_EXTS, MAX_PIXELS, Target, image_of, label_of, parse_label_key
+from . import bounds, remote
+from .decode import IMAGE_EXTS, Target, image_of, label_of, open_image, parse_label_key, pixels_of
 from .errors import ShardError
 from .files import write_json_atomic
 from .manifest import FORMAT, NAME_RE, MAX_SIDE, check, manifest_name
@@ -72,7 +73,8 @@ def scan_shard(url, label, policy=remote.Policy()):
     """One shard's facts: samples, bytes, sha256, image extensions and shapes, labels, pixel sums."""
     want = set(FOREIGN_EXTS) | ({parse_label_key(label)[0]} if label else {"cls", "txt", "index"})
     facts = {"url": url, "samples": 0, "exts": collections.Counter(), "shapes": collections.Counter(),
-             "labels": collections.Counter(), "rgb": np.zeros(7), "grey": np.zeros(3), "label": label}
+             "labels": collections.Counter(), "rgb": np.zeros(7), "grey": np.zeros(3), "label": label,
+             "wide": (0, None, 0, 0), "tall": (0, None, 0, 0)}
 
     def consume(stream):
         h = _Hashing(stream)
@@ -107,18 +109,18 @@ def _scan_sample(sample, facts, url):
     except ValueError as e:
         raise ShardError(f"{url}: sample {sample['__key__']}: {e}") from None
     try:
-        img = Image.open(io.BytesIO(data), formats=[{"jpg": "JPEG", "jpeg": "JPEG", "pgm": "PPM"}.get(ext, ext.upper())])
-        w, h = img.size
-        if w * h > MAX_PIXELS:
-            raise ValueError(f"image is {w}x{h}, more than {MAX_PIXELS} pixels")
+        img, orientation = open_image(data, ext)  # the pixel cap now; the shape's aspect once the shape is known
         mode = img.mode
+        w, h = img.size if orientation < 5 else img.size[::-1]
         if ext in ("jpg", "jpeg"):
             img.draft("RGB", (STAT_SIDE, STAT_SIDE))
         elif max(w, h) > 2 * STAT_SIDE:
             img.thumbnail((STAT_SIDE, STAT_SIDE))
-        rgb = np.asarray(img.convert("RGB"), np.float64).reshape(-1, 3) / 255.0
-        grey = np.asarray(img.convert("L"), np.float64).ravel() / 255.0
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        rgb = pixels_of(img, 3).reshape(-1, 3) / 255.0
+        grey = pixels_of(img, 1).ravel() / 255.0
+    except ValueError as e:
+        raise ShardError(f"{url}: sample {sample['__key__']}: {e}") from None
+    except (OSError, SyntaxError, Image.DecompressionBombError) as e:
         raise ShardError(f"{url}: sample {sample['__key__']}: undecodable .{ext} image ({e})") from None
     facts["samples"] += 1
     facts["exts"][ext] += 1
@@ -126,6 +128,22 @@ def _scan_sample(sample, facts, url):
     facts["labels"][value] += 1
     facts["rgb"] += [len(rgb), *rgb.sum(0), *(rgb * rgb).sum(0)]
     facts["grey"] += [len(grey), grey.sum(), (grey * grey).sum()]
+    for side, ratio in (("wide", w / h), ("tall", h / w)):  # the most elongated images, checked against the shape
+        if ratio > facts[side][0]:
+            facts[side] = (ratio, sample["__key__"], w, h)
+
+
+def check_extremes(found, shape):
+    """The most elongated images of every shard against the manifest's shape (bounds.check):
+    ShardError naming the shard and the sample of the first that the trainer would refuse."""
+    for f in found:
+        for side in ("wide", "tall"):
+            _, key, w, h = f[side]
+            if key is not None:
+                try:
+                    bounds.check(w, h, shape)
+                except ValueError as e:
+                    raise ShardError(f"{f['url']}: sample {key}: {e}") from None
 
 
 def _scan_task(task):
@@ -166,6 +184,7 @@ def index(name, split, spec, out, *, label=None, shape=None, classes_file=None, 
         raise ShardError(f"{spec}: shards label their samples differently ({', '.join(sorted(labels))}); "
                          f"choose one with --label-key")
     manifest = summarise(name, split, spec, found, names, labels.pop(), shape, classes_file)
+    check_extremes(found, manifest["shape"])
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, manifest_name(name, split))
     write_json_atomic(path, check(manifest, path))

@@ -9,6 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 
+MIN_SIDE = 4  # two 2x2 max-pools: a smaller input has nothing left to pool
+
+
 def conv_bn(cin, cout):
     return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
 
@@ -17,7 +20,8 @@ class Net(nn.Module):
     """Three stages of two 3x3 convolutions, each stage halving the resolution.
 
     width=64 (about 1.1M parameters) is the GPU recipe; width=16 trains at a few
-    hundred samples/s per CPU core.
+    hundred samples/s per CPU core. Images with a side under MIN_SIDE (a data set of
+    2x2 images) are resized up to it rather than fail in the pooling.
     """
 
     def __init__(self, num_classes, width=64, in_channels=3):
@@ -31,6 +35,9 @@ class Net(nn.Module):
         self.head = nn.Linear(4 * w, num_classes)
 
     def forward(self, x):
+        h, w = x.shape[-2:]
+        if h < MIN_SIDE or w < MIN_SIDE:
+            x = F.interpolate(x, size=(max(h, MIN_SIDE), max(w, MIN_SIDE)), mode="bilinear", align_corners=False)
         return self.head(self.features(x))
 
 

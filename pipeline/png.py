@@ -18,7 +18,6 @@ import zlib
 import numpy as np
 
 SIGNATURE = b"\x89PNG\r\n\x1a\n"
-MAX_PIXELS = 4096 * 4096  # a PNG claiming more is a decompression bomb, not a sample
 _COLOUR_TYPE = {1: 0, 3: 2}  # channels -> PNG colour type: grey, RGB
 _UP = 2
 

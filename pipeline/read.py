@@ -12,7 +12,10 @@ key form one sample. Extensions are lowercased, as webdataset does; members
 with no extension and `__*__` files at the top level are skipped, as there.
 
 Only members whose extension is wanted are copied out; the others are stepped
-over, so an unused 60 MB member costs no memory. tarfile costs about 100 us a
+over, so an unused 60 MB member costs no memory. A wanted member may hold at most
+MAX_MEMBER bytes, and a gzip stream may inflate to at most INFLATE_RATIO times the
+compressed bytes it has consumed (plus INFLATE_SLACK): a 4 MB .tar.gz of zeros
+would otherwise hand gigabytes of wanted members to the reader. tarfile costs about 100 us a
 member here; this loop about 1.5 us (tools/bench_loader.py --tar-format).
 """
 import gzip
@@ -23,6 +26,8 @@ import numpy as np
 from .errors import ShardError
 
 MAX_MEMBER = 64 << 20  # a wanted member claiming more is corrupt or hostile, not an image or a label
+INFLATE_RATIO = 32  # real shards inflate 1-3x (JPEG, PNG) to about 12x (raw MNIST); a gzip bomb, 1000x
+INFLATE_SLACK = 4 << 20  # what a small shard may inflate to whatever its ratio (tar padding compresses 100x)
 CHUNK = 4 << 20
 ZERO_BLOCK = bytes(512)
 GZIP_MAGIC = b"\x1f\x8b"
@@ -57,7 +62,7 @@ def _members(stream, want, max_member, chunk):
     so; see iter_samples. The common case (a USTAR header for a regular file) runs inline."""
     buf = _read(stream, chunk)
     if buf[:2] == GZIP_MAGIC:
-        stream = _Gunzip(gzip.GzipFile(fileobj=_Prefixed(buf, stream)))
+        stream = _Gunzip(_Prefixed(buf, stream))
         buf = _read(stream, chunk)
     exts = {}  # extension bytes -> (lowercase str, wanted)
     pos, long_name, pax = 0, None, None
@@ -227,16 +232,38 @@ def _read(stream, n):
 
 class _Gunzip:
     """A gzip stream whose damage is a ShardError (the shard is bad), while the I/O
-    errors of the stream under it stay what they are (they may be retried)."""
+    errors of the stream under it stay what they are (they may be retried). It inflates
+    to at most INFLATE_RATIO times the compressed bytes read so far, plus INFLATE_SLACK."""
 
-    def __init__(self, stream):
-        self.stream = stream
+    def __init__(self, raw):
+        self.raw = _Counted(raw)
+        self.stream = gzip.GzipFile(fileobj=self.raw)
+        self.inflated = 0
 
     def read(self, n=-1):
+        room = INFLATE_RATIO * self.raw.got + INFLATE_SLACK - self.inflated + 1  # one byte more says it overflows
         try:
-            return self.stream.read(n)
+            data = self.stream.read(min(n, room) if n >= 0 else room)
         except (gzip.BadGzipFile, EOFError, zlib.error) as e:
             raise ShardError(f"damaged gzip stream: {e}") from None
+        self.inflated += len(data)
+        if self.inflated > INFLATE_RATIO * self.raw.got + INFLATE_SLACK:
+            raise ShardError(f"gzip stream inflates {self.raw.got} compressed bytes to more than "
+                             f"{INFLATE_RATIO}x plus {INFLATE_SLACK >> 20} MiB (pipeline.read.INFLATE_RATIO): "
+                             f"a gzip bomb, or a shard to store uncompressed")
+        return data
+
+
+class _Counted:
+    """The bytes read through it, counted."""
+
+    def __init__(self, stream):
+        self.stream, self.got = stream, 0
+
+    def read(self, n=-1):
+        data = self.stream.read(n)
+        self.got += len(data)
+        return data
 
 
 class _Prefixed:

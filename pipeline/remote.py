@@ -22,6 +22,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import threading
 import time
@@ -265,14 +266,15 @@ def read_url(url, consume, *, policy=Policy(), nbytes=None, digest=None, cache_d
     against `nbytes` and `digest` (sha256) when given; a damaged copy raises
     ShardError, a read that keeps failing FetchError. With `cache_dir`, a remote
     file read once in full is kept there and later reads use the copy. Local
-    files are read as they are: `make_shards.py --verify` checks them.
+    files are read as they are (`make_shards.py --verify` checks them), through
+    `open_local`.
     """
     if kind(url) == "file":
-        with open(url, "rb") as f:
+        with open_local(url, policy) as f:
             return consume(f)
     cached = cache_path(cache_dir, url) if cache_dir else None
     if cached and os.path.exists(cached):
-        with open(cached, "rb") as f:
+        with open_local(cached, policy) as f:
             return consume(f)
     if cached:
         os.makedirs(cache_dir, exist_ok=True)
@@ -296,6 +298,55 @@ def read_url(url, consume, *, policy=Policy(), nbytes=None, digest=None, cache_d
         finally:
             if stream is not None:
                 stream.close()
+
+
+SPECIAL = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def open_local(path, policy=Policy()):
+    """A local regular file opened for reading, read within the same total deadline as a
+    remote one (policy.deadline of its size on disk), so a stalled network mount fails
+    instead of hanging a rank. Anything else is a ShardError before it is opened: opening a
+    FIFO blocks until someone writes to it, /dev/zero never ends, a device may act on open."""
+    info = os.stat(path)  # follows links: what would be opened
+    if not stat.S_ISREG(info.st_mode):
+        what = next((name for test, name in SPECIAL if test(info.st_mode)), "not a regular file")
+        raise ShardError(f"{path} is {what}, not a regular file: refused")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))  # never blocks, even if swapped
+    try:
+        now = os.fstat(fd)
+        if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
+            raise ShardError(f"{path} changed into something else while it was opened: refused")
+        os.set_blocking(fd, True)
+        f = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    return _Local(f, path, policy.deadline(now.st_size))
+
+
+class _Local:
+    """A local file whose reads past its deadline raise FetchError (checked between reads:
+    no timer can wake a read blocked in the kernel)."""
+
+    def __init__(self, f, path, limit):
+        self.f, self.path, self.limit = f, path, limit
+        self.end = time.monotonic() + limit
+
+    def read(self, n=-1):
+        if time.monotonic() > self.end:
+            raise FetchError(f"{self.path}: not read within its {self.limit:.0f} s deadline")
+        return self.f.read(n)
+
+    def close(self):
+        self.f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
 
 
 def describe(error):

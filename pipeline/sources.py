@@ -6,6 +6,7 @@ Every source is a small object with `name`, `split`, `classes`, `shape` (C, H, W
 The torchvision data sets are loaded by torchvision itself; we only read its
 already-decoded arrays instead of going through PIL one sample at a time.
 """
+import io
 import os
 
 import numpy as np
@@ -86,13 +87,28 @@ class ImageFolderSource:
         self.shape = (1 if self.mode == "L" else 3, self.size[1], self.size[0])
 
     def _open(self, i):
+        """The image, its size checked (pipeline.bounds, a JPEG's with libjpeg's frame) before
+        it is decoded; a FIFO or device among the files is refused before it is opened."""
         from PIL import Image
+
+        from . import bounds, jpeg, remote
+        from .read import MAX_MEMBER
 
         path = self.samples[i][0]
         try:
-            img = Image.open(path)
+            with remote.open_local(path) as f:
+                data = f.read(MAX_MEMBER + 1)
+            if len(data) > MAX_MEMBER:
+                raise ValueError(f"more than {MAX_MEMBER} bytes")
+            img = Image.open(io.BytesIO(data))
+            if img.format == "JPEG":
+                head = jpeg.header(data)
+                if (head.width, head.height) != img.size:
+                    raise ValueError(f"JPEG headers disagree: PIL reads {img.size[0]}x{img.size[1]}, the frame is "
+                                     f"{head.width}x{head.height}")
+            bounds.check(*img.size)
             img.load()
-        except OSError as e:
+        except (OSError, ValueError, Image.DecompressionBombError) as e:
             raise SourceError(f"{path}: not a readable image: {e}") from None
         return img
 

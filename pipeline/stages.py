@@ -165,7 +165,7 @@ class Reader:
             got, cols = 0, ([], [], [], [])  # a retry starts the shard over
             bad.clear()
             if whole:
-                buf = remote.read_all(stream)
+                buf = remote.read_all(stream, WHOLE_SHARD)  # the manifest's size is a claim: a local file may be larger
                 if self.regular:
                     found = regular(buf, *self.regular)
                     if found is not None:

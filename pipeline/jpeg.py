@@ -1,0 +1,102 @@
+"""JPEG headers the way libjpeg reads them: the frame's size, its components and the EXIF
+orientation, before anything is decoded.
+
+A header read apart from the decoder can disagree with it: libjpeg (inside both
+torchvision and PIL) steps over stray bytes before a marker, so a frame header that
+a lenient reader finds among such bytes says 32x32 while the frame libjpeg decodes
+is 20000x20000. This reader accepts only what leaves libjpeg no other reading: SOI,
+then marker segments back to back (0xFF fill bytes allowed) up to the first scan,
+with exactly one frame header. libjpeg refuses a second frame header after that
+itself. Anything else is refused with one line, so the size checked is the size
+decoded.
+"""
+from dataclasses import dataclass
+
+MAX_COMPONENTS = 4  # grey, YCbCr, CMYK/YCCK; libjpeg takes up to 10, each a full-size plane
+_FRAMES = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # SOF0-15 but DHT, JPG, DAC
+_STANDALONE = frozenset([0x01, *range(0xD0, 0xD8)])  # TEM, RST0-7: no length field
+_SOI, _EOI, _SOS, _APP1 = 0xD8, 0xD9, 0xDA, 0xE1
+_ORIENTATION = 0x0112
+
+
+@dataclass(frozen=True)
+class Header:
+    """height, width: the frame as stored; orientation: EXIF 1-8 (1 when absent)."""
+
+    height: int
+    width: int
+    components: int
+    orientation: int = 1
+
+    @property
+    def upright(self):
+        """(height, width) once the EXIF orientation is applied (5-8 turn the image a quarter)."""
+        return (self.width, self.height) if self.orientation >= 5 else (self.height, self.width)
+
+
+def header(data):
+    """The Header of JPEG bytes; ValueError saying why there is none libjpeg would agree on."""
+    if data[:2] != b"\xff\xd8":
+        raise ValueError("not a JPEG (no SOI marker)")
+    i, n, frame, orientation = 2, len(data), None, None
+    while True:
+        if i >= n:
+            raise ValueError("JPEG ends before its first scan")
+        if data[i] != 0xFF:
+            raise ValueError(f"JPEG with stray bytes before a marker at byte {i}: libjpeg would skip them, "
+                             f"so its frame size is not the header's")
+        while i < n and data[i] == 0xFF:
+            i += 1
+        if i >= n:
+            raise ValueError("JPEG ends before its first scan")
+        marker = data[i]
+        i += 1
+        if marker in _STANDALONE:
+            continue
+        if marker in (0x00, _SOI, _EOI):
+            raise ValueError(f"JPEG with marker 0x{marker:02X} before its first scan")
+        length = int.from_bytes(data[i:i + 2], "big")
+        if i + 2 > n or length < 2 or i + length > n:
+            raise ValueError(f"JPEG segment 0x{marker:02X} at byte {i} cut short")
+        segment = data[i + 2:i + length]
+        if marker in _FRAMES:
+            if frame is not None:
+                raise ValueError("JPEG with two frame headers")
+            frame = _frame(segment)
+        elif marker == _APP1 and orientation is None and segment[:6] == b"Exif\0\0":
+            orientation = _orientation(segment[6:])  # the first Exif segment, as PIL and torchvision read it
+        elif marker == _SOS:
+            if frame is None:
+                raise ValueError("JPEG scan before its frame header")
+            return Header(*frame, orientation or 1)
+        i += length
+
+
+def _frame(segment):
+    if len(segment) < 6:
+        raise ValueError("JPEG frame header cut short")
+    height, width, components = int.from_bytes(segment[1:3], "big"), int.from_bytes(segment[3:5], "big"), segment[5]
+    if len(segment) != 6 + 3 * components:
+        raise ValueError("JPEG frame header of the wrong length")
+    if not 1 <= components <= MAX_COMPONENTS:
+        raise ValueError(f"JPEG with {components} components (at most {MAX_COMPONENTS})")
+    if height < 1 or width < 1:
+        raise ValueError(f"JPEG frame of {width}x{height}")
+    return height, width, components
+
+
+def _orientation(tiff):
+    """Tag 0x0112 of IFD0 in an Exif block (a TIFF header and its first directory); 1 if none."""
+    order = {b"II*\0": "little", b"MM\0*": "big"}.get(bytes(tiff[:4]))
+    if order is None:
+        return 1
+    at = int.from_bytes(tiff[4:8], order)
+    count = int.from_bytes(tiff[at:at + 2], order) if at + 2 <= len(tiff) else 0
+    for k in range(min(count, 512)):
+        entry = tiff[at + 2 + 12 * k:at + 14 + 12 * k]
+        if len(entry) < 12:
+            break
+        if int.from_bytes(entry[:2], order) == _ORIENTATION:
+            value = int.from_bytes(entry[8:10], order)  # a SHORT: the first two bytes of the value field
+            return value if 1 <= value <= 8 else 1
+    return 1
