@@ -251,7 +251,8 @@ def open_image(data, ext, shape=None, head=None):
 
 
 def _pil(data, ext, shape, head=None):
-    """HWC uint8 through PIL, opening only the format the extension names."""
+    """The image through PIL, opening only the format the extension names: a PIL image of
+    the target's mode (`fit` resizes it without a copy into numpy first), or HWC uint8."""
     from PIL import Image
 
     c, h, w = shape
@@ -259,7 +260,7 @@ def _pil(data, ext, shape, head=None):
     try:
         if ext in ("jpg", "jpeg"):  # DCT scaling: decode at 1/2..1/8 size, still >= the target
             img.draft("L" if c == 1 else "RGB", (h, w) if orientation >= 5 else (w, h))
-        return pixels_of(upright(img, orientation), c)
+        return _converted(upright(img, orientation), c)
     except (OSError, SyntaxError, Image.DecompressionBombError, KeyError) as e:
         raise ValueError(f"undecodable image: {e}") from None
 
@@ -282,20 +283,26 @@ SIXTEEN_BIT = frozenset({"I;16", "I;16B", "I;16L", "I;16N", "I"})  # PIL's modes
 def pixels_of(img, c):
     """HWC uint8 with c channels (1 or 3) of a PIL image. 16-bit grey keeps its top 8 bits
     (>> 8, as PIL itself reads 16-bit RGB): PIL's convert("L") would clip it at 255."""
+    return _hwc(_converted(img, c), c)
+
+
+def _converted(img, c):
+    """A PIL image in mode L (c 1) or RGB (c 3), or for 16-bit grey HWC uint8 (see pixels_of)."""
     if img.mode in SIXTEEN_BIT:
         a = np.asarray(img)
         a = ((np.clip(a, 0, 65535) if img.mode == "I" else a) >> 8).astype(np.uint8)[:, :, None]
         return np.repeat(a, 3, axis=2) if c == 3 else a
-    img = img.convert("L" if c == 1 else "RGB")
-    return np.asarray(img, dtype=np.uint8).reshape(img.size[1], img.size[0], c)
+    return img.convert("L" if c == 1 else "RGB")
 
 
 def fit(pixels, shape, crop=None):
-    """HWC uint8 of any size -> CHW of exactly `shape`: the shorter side resized to fit, then
-    a crop placed by `crop` (two numbers in [0, 1)) or centred. Only the crop's box of the
-    image is resized, so however elongated the image, no buffer exceeds the target."""
+    """HWC uint8, or a PIL image in the target's mode, of any size -> CHW of exactly `shape`:
+    the shorter side resized to fit, then a crop placed by `crop` (two numbers in [0, 1)) or
+    centred. Only the box the crop keeps is resized, straight from a PIL image without a copy
+    into numpy first, so however large or elongated the image, no new buffer exceeds the target."""
     c, h, w = shape
-    ih, iw = pixels.shape[:2]
+    array = isinstance(pixels, np.ndarray)
+    ih, iw = pixels.shape[:2] if array else pixels.size[::-1]
     if (ih, iw) != (h, w):
         scale = max(h / ih, w / iw)
         nh, nw = max(h, round(ih * scale)), max(w, round(iw * scale))
@@ -304,15 +311,21 @@ def fit(pixels, shape, crop=None):
         else:
             top, left = int(crop[0] * (nh - h + 1)), int(crop[1] * (nw - w + 1))
         if (nh, nw) == (ih, iw):
-            pixels = pixels[top:top + h, left:left + w]
+            pixels = _hwc(pixels, c)[top:top + h, left:left + w]
         else:
             from PIL import Image
 
-            img = Image.fromarray(pixels[:, :, 0] if c == 1 else pixels)
+            img = pixels if not array else Image.fromarray(pixels[:, :, 0] if c == 1 else pixels)
             sy, sx = ih / nh, iw / nw  # the crop's box in the image's own pixels
             box = (left * sx, top * sy, (left + w) * sx, (top + h) * sy)
-            pixels = np.asarray(img.resize((w, h), Image.BILINEAR, box=box, reducing_gap=3.0)).reshape(h, w, c)
-    return np.ascontiguousarray(pixels.transpose(2, 0, 1))
+            pixels = img.resize((w, h), Image.BILINEAR, box=box, reducing_gap=3.0)
+    return np.ascontiguousarray(_hwc(pixels, c).transpose(2, 0, 1))
+
+
+def _hwc(pixels, c):
+    if isinstance(pixels, np.ndarray):
+        return pixels
+    return np.asarray(pixels, dtype=np.uint8).reshape(pixels.size[1], pixels.size[0], c)
 
 
 def jpeg_size(data):

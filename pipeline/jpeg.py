@@ -8,11 +8,13 @@ is 20000x20000. This reader accepts only what leaves libjpeg no other reading: S
 then marker segments back to back (0xFF fill bytes allowed) up to the first scan,
 with exactly one frame header. libjpeg refuses a second frame header after that
 itself. Anything else is refused with one line, so the size checked is the size
-decoded.
+decoded. A progressive file may hold at most MAX_SCANS scans: libjpeg passes over
+every block once a scan.
 """
 from dataclasses import dataclass
 
 MAX_COMPONENTS = 4  # grey, YCbCr, CMYK/YCCK; libjpeg takes up to 10, each a full-size plane
+MAX_SCANS = 100  # progressive files have about 10; each scan is a pass over every block, so a few bytes a scan cost seconds
 _FRAMES = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # SOF0-15 but DHT, JPG, DAC
 _STANDALONE = frozenset([0x01, *range(0xD0, 0xD8)])  # TEM, RST0-7: no length field
 _SOI, _EOI, _SOS, _APP1 = 0xD8, 0xD9, 0xDA, 0xE1
@@ -68,6 +70,9 @@ def header(data):
         elif marker == _SOS:
             if frame is None:
                 raise ValueError("JPEG scan before its frame header")
+            scans = 1 + data.count(b"\xff\xda", i)  # entropy-coded data stuffs 0xFF with 0x00: these are markers
+            if scans > MAX_SCANS:
+                raise ValueError(f"JPEG with {scans} scans (at most {MAX_SCANS}, pipeline.jpeg.MAX_SCANS)")
             return Header(*frame, orientation or 1)
         i += length
 

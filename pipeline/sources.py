@@ -100,9 +100,9 @@ class ImageFolderSource:
                 data = f.read(MAX_MEMBER + 1)
             if len(data) > MAX_MEMBER:
                 raise ValueError(f"more than {MAX_MEMBER} bytes")
+            head = jpeg.header(data) if data[:2] == b"\xff\xd8" else None  # libjpeg's frame, before PIL's reading
             img = Image.open(io.BytesIO(data))
-            if img.format == "JPEG":
-                head = jpeg.header(data)
+            if head is not None:
                 if (head.width, head.height) != img.size:
                     raise ValueError(f"JPEG headers disagree: PIL reads {img.size[0]}x{img.size[1]}, the frame is "
                                      f"{head.width}x{head.height}")

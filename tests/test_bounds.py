@@ -85,6 +85,23 @@ def webp_canvas(width, height):
     return b"RIFF" + struct.pack("<I", len(body)) + body
 
 
+def webp_lossy_claiming(width, height):
+    """A 16x16 lossy WebP (no VP8X) whose VP8 frame header says width x height."""
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (9, 80, 200)).save(buf, format="WEBP", quality=50)
+    data = bytearray(buf.getvalue())
+    struct.pack_into("<HH", data, data.find(b"\x9d\x01\x2a") + 3, width, height)
+    return bytes(data)
+
+
+def scan_bomb(scans):
+    """A progressive 16x16 JPEG with its last scan repeated until it has `scans` scans."""
+    data = jpeg_of(16, 16, progressive=True)
+    last, end = data.rfind(b"\xff\xda"), data.rfind(b"\xff\xd9")
+    have = data.count(b"\xff\xda")
+    return data[:end] + data[last:end] * (scans - have) + data[end:]
+
+
 def exif_jpeg(width, height, orientation):
     exif = Image.Exif()
     exif[0x0112] = orientation
@@ -110,6 +127,8 @@ HOSTILE = {  # name: (ext, bytes); each is a few kilobytes at most
     "bmp claims 10000x10000": ("bmp", bmp_of(10000, 10000, b"\x00\x01")),
     "pgm claims 10000x10000": ("pgm", ppm_of(10000, 10000, body=b"\x00" * 64)),
     "webp canvas 10000x10000": ("webp", webp_canvas(10000, 10000)),
+    "webp lossy frame header 16383x16383": ("webp", webp_lossy_claiming(16383, 16383)),
+    "jpeg progressive, 2000 scans": ("jpg", scan_bomb(2000)),
 }
 
 
@@ -193,8 +212,8 @@ def test_an_image_outside_the_caps_is_refused_from_its_header(case):
     with pytest.raises(ValueError) as e:
         decode.decode_image(data, ext, (3, 32, 32))
     assert "\n" not in str(e.value)
-    assert any(w in str(e.value) for w in ("MAX_PIXELS", "MAX_ASPECT", "stray bytes", "decompression bomb",
-                                           "undecodable")), str(e.value)
+    assert any(w in str(e.value) for w in ("MAX_PIXELS", "MAX_ASPECT", "MAX_SCANS", "stray bytes",
+                                           "decompression bomb", "undecodable")), str(e.value)
 
 
 def test_every_hostile_image_is_refused_in_a_few_hundred_mb(tmp_path):
@@ -224,6 +243,15 @@ def test_the_lying_jpeg_was_a_real_threat():
     with pytest.raises(ValueError, match="stray bytes"):
         jpeg.header(data)
     assert decode.jpeg_size(data) is None
+
+
+def test_progressive_jpegs_decode_but_scan_bombs_do_not():
+    data = jpeg_of(48, 40, progressive=True)
+    assert 1 < data.count(b"\xff\xda") <= jpeg.MAX_SCANS
+    assert decode.decode_image(data, "jpg", (3, 32, 32)).shape == (3, 32, 32)
+    assert decode.decode_image(scan_bomb(jpeg.MAX_SCANS), "jpg", (3, 32, 32)).shape == (3, 32, 32)
+    with pytest.raises(ValueError, match="MAX_SCANS"):
+        decode.decode_image(scan_bomb(jpeg.MAX_SCANS + 1), "jpg", (3, 32, 32))
 
 
 def test_the_caps_are_relative_to_the_target():
@@ -479,3 +507,20 @@ def test_local_reads_have_a_deadline(tmp_path):
     with pytest.raises(OSError, match="deadline"):
         f.read(10)
     f.close()
+
+
+def test_imagefolder_images_are_checked_before_they_are_decoded(tmp_path):
+    """make_shards --imagefolder: a FIFO among the images is refused without blocking, an
+    image over the caps or with a lying JPEG header before it is decoded."""
+    from pipeline.sources import ImageFolderSource, SourceError
+
+    (tmp_path / "cat").mkdir()
+    Image.new("RGB", (16, 16)).save(tmp_path / "cat" / "a.png")
+    os.mkfifo(tmp_path / "cat" / "b.png")
+    (tmp_path / "cat" / "c.png").write_bytes(HOSTILE["png IHDR 10000x10000, no rows"][1])
+    (tmp_path / "cat" / "d.jpg").write_bytes(lying_jpeg())
+    src = ImageFolderSource("x", "train", str(tmp_path))
+    assert src.image(0).shape == (3, 16, 16)
+    for i, needle in ((1, "a FIFO"), (2, "MAX_PIXELS"), (3, "stray bytes")):
+        with pytest.raises(SourceError, match=needle):
+            src.image(i)
