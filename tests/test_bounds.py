@@ -524,3 +524,33 @@ def test_imagefolder_images_are_checked_before_they_are_decoded(tmp_path):
     for i, needle in ((1, "a FIFO"), (2, "MAX_PIXELS"), (3, "stray bytes")):
         with pytest.raises(SourceError, match=needle):
             src.image(i)
+
+
+@pytest.mark.slow
+def test_the_trainer_skips_the_issues_two_images_under_an_address_space_limit(tmp_path):
+    """The issue's attacks end to end: a 1 x 1,500,000 PNG and the lying JPEG among 40 good
+    images, trained on and evaluated under an address-space limit HEADROOM + 200 MB above
+    the trainer's imports: the run ends, both are counted as skipped (main died with MemoryError)."""
+    samples = [good(f"g{i:02d}") for i in range(40)] + [("h0", *HOSTILE["png 1x1500000"]),
+                                                        ("h1", *HOSTILE["jpeg 32x32 header before a 20000x20000 frame"])]
+    write_set(tmp_path, samples)
+    m = json.loads((tmp_path / "hostile-train.json").read_text())
+    m["split"] = "test"
+    (tmp_path / "hostile-test.json").write_text(json.dumps(m))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="2", PYTHONPATH=ROOT)
+    probe = "import torch, torchvision, pipeline.train\nprint(next(int(l.split()[1]) for l in open('/proc/self/status') " \
+            "if l.startswith('VmSize')) << 10)"
+    base = int(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=ROOT).stdout)
+    limit = base + HEADROOM + (200 << 20)
+
+    def cap():
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    p = subprocess.run([sys.executable, "-m", "pipeline.train", "--train", f"hostile={tmp_path}/", "--eval",
+                        f"hostile={tmp_path}/", "--epochs", "1", "--batch-size", "8", "--workers", "0", "--width", "4",
+                        "--out", tmp_path / "run"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+                       preexec_fn=cap)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["skipped_samples"] == 2
