@@ -16,7 +16,6 @@ line naming the shard and the sample.
 """
 import collections
 import hashlib
-import io
 import multiprocessing
 import os
 import re

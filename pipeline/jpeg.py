@@ -14,7 +14,7 @@ every block once a scan.
 from dataclasses import dataclass
 
 MAX_COMPONENTS = 4  # grey, YCbCr, CMYK/YCCK; libjpeg takes up to 10, each a full-size plane
-MAX_SCANS = 100  # progressive files have about 10; each scan is a pass over every block, so a few bytes a scan cost seconds
+MAX_SCANS = 100  # progressive files have about 10; libjpeg passes over every block once a scan
 _FRAMES = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # SOF0-15 but DHT, JPG, DAC
 _STANDALONE = frozenset([0x01, *range(0xD0, 0xD8)])  # TEM, RST0-7: no length field
 _SOI, _EOI, _SOS, _APP1 = 0xD8, 0xD9, 0xDA, 0xE1

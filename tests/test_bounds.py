@@ -24,6 +24,7 @@ import pytest
 from PIL import Image, ImageOps
 
 from helpers import write_tar
+from test_security import one_line_error
 from pipeline import bounds, decode, jpeg, png, read, remote
 from pipeline.errors import ShardError
 from pipeline.manifest import FORMAT
@@ -108,6 +109,7 @@ def exif_jpeg(width, height, orientation):
     return jpeg_of(width, height, exif=exif.tobytes())
 
 
+ISSUE_CASES = ("png 1x1500000", "jpeg 32x32 header before a 20000x20000 frame")  # the issue's two
 HOSTILE = {  # name: (ext, bytes); each is a few kilobytes at most
     "png 1x1500000": ("png", png_of(1, 1_500_000)),
     "png 1500000x1": ("png", png_of(1_500_000, 1)),
@@ -154,11 +156,16 @@ def gzip_bomb(members=60, size=read.MAX_MEMBER - 512):
 # ---------------------------------------------------------------- a manifest over any shard
 
 
+def write_samples(path, samples, label=b"0"):
+    """A tar of [(key, ext, bytes)] samples, each with a .cls member holding `label`."""
+    write_tar(path, [m for key, ext, data in samples for m in ((f"{key}.{ext}", data), (f"{key}.cls", label))])
+
+
 def write_set(folder, samples, shape=(3, 32, 32), exts=decode.IMAGE_EXTS[1:], name="hostile"):
     """A shard of [(key, ext, bytes)] samples (label 0 each) and a local manifest for it."""
     folder.mkdir(exist_ok=True)
     shard = folder / f"{name}-train-000000.tar"
-    write_tar(shard, [m for key, ext, data in samples for m in ((f"{key}.{ext}", data), (f"{key}.cls", b"0"))])
+    write_samples(shard, samples)
     return write_manifest(folder, [(shard.name, len(samples), shard.stat().st_size)], shape, exts, name)
 
 
@@ -308,25 +315,14 @@ def make_shards(*args, timeout=120):
                           timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
-def one_line(p, *needles):
-    assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
-    assert "Traceback" not in p.stderr, p.stderr[-3000:]
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, p.stderr[-3000:]
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
-
-
 @pytest.mark.parametrize("case", ["png 1x1500000",
                                   pytest.param("jpeg 32x32 header before a 20000x20000 frame", marks=pytest.mark.slow),
                                   pytest.param("bmp claims 30000x30000", marks=pytest.mark.slow)])
 def test_index_refuses_a_hostile_image_with_one_line(tmp_path, case):
     folder = tmp_path / "shards"
     folder.mkdir()
-    write_tar(folder / "a.tar", [m for k, e, d in [good("g0"), good("g1"), ("bad", *HOSTILE[case])]
-                                 for m in ((f"{k}.{e}", d), (f"{k}.cls", b"1"))])
-    one_line(make_shards("--index", f"x:train={folder}", "--out", tmp_path / "out"), "a.tar", "sample bad")
+    write_samples(folder / "a.tar", [good("g0"), good("g1"), ("bad", *HOSTILE[case])], b"1")
+    one_line_error(make_shards("--index", f"x:train={folder}", "--out", tmp_path / "out"), "a.tar", "sample bad")
     p = limited("""
         try:
             index.index("x", "train", sys.argv[1], sys.argv[2], progress=False)
@@ -341,10 +337,9 @@ def test_index_refuses_an_image_the_manifests_shape_would_refuse(tmp_path):
     """1x64 images pass the pixel cap; against the most common shape, 32x32, they are too thin."""
     folder = tmp_path / "shards"
     folder.mkdir()
-    write_tar(folder / "a.tar", [m for k, e, d in [good("g0"), good("g1"), ("thin", "png", png_of(1, 64 * 32))]
-                                 for m in ((f"{k}.{e}", d), (f"{k}.cls", b"1"))])
+    write_samples(folder / "a.tar", [good("g0"), good("g1"), ("thin", "png", png_of(1, 64 * 32))], b"1")
     p = make_shards("--index", f"x:train={folder}", "--out", tmp_path / "out")
-    one_line(p, "sample thin", "MAX_ASPECT")
+    one_line_error(p, "sample thin", "MAX_ASPECT")
     p = make_shards("--index", f"x:train={folder}", "--shape", "1,2048,1", "--out", tmp_path / "out")
     assert p.returncode != 0 and "sample g0" in p.stderr  # now the square ones are the outliers
 
@@ -491,10 +486,10 @@ def test_special_files_named_by_a_manifest_are_refused_before_opening(tmp_path, 
 def test_a_fifo_in_an_index_folder_is_one_line_not_a_hang(tmp_path):
     folder = tmp_path / "shards"
     folder.mkdir()
-    write_tar(folder / "a.tar", [m for k, e, d in [good("g0"), good("g1")] for m in ((f"{k}.{e}", d), (f"{k}.cls", b"1"))])
+    write_samples(folder / "a.tar", [good("g0"), good("g1")], b"1")
     os.mkfifo(folder / "b.tar")
     p = make_shards("--index", f"x:train={folder}", "--out", tmp_path / "out", timeout=60)
-    one_line(p, "b.tar", "a FIFO")
+    one_line_error(p, "b.tar", "a FIFO")
 
 
 def test_local_reads_have_a_deadline(tmp_path):
@@ -531,15 +526,14 @@ def test_the_trainer_skips_the_issues_two_images_under_an_address_space_limit(tm
     """The issue's attacks end to end: a 1 x 1,500,000 PNG and the lying JPEG among 40 good
     images, trained on and evaluated under an address-space limit HEADROOM + 200 MB above
     the trainer's imports: the run ends, both are counted as skipped (main died with MemoryError)."""
-    samples = [good(f"g{i:02d}") for i in range(40)] + [("h0", *HOSTILE["png 1x1500000"]),
-                                                        ("h1", *HOSTILE["jpeg 32x32 header before a 20000x20000 frame"])]
+    samples = [good(f"g{i:02d}") for i in range(40)] + [(f"h{i}", *HOSTILE[k]) for i, k in enumerate(ISSUE_CASES)]
     write_set(tmp_path, samples)
     m = json.loads((tmp_path / "hostile-train.json").read_text())
     m["split"] = "test"
     (tmp_path / "hostile-test.json").write_text(json.dumps(m))
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="2", PYTHONPATH=ROOT)
-    probe = "import torch, torchvision, pipeline.train\nprint(next(int(l.split()[1]) for l in open('/proc/self/status') " \
-            "if l.startswith('VmSize')) << 10)"
+    probe = ("import torch, torchvision, pipeline.train\n"
+             "print(next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmSize')) << 10)")
     base = int(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=ROOT).stdout)
     limit = base + HEADROOM + (200 << 20)
 
