@@ -306,8 +306,8 @@ SPECIAL = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISS
 
 def open_local(path, policy=Policy()):
     """A local regular file opened for reading, read within the same total deadline as a
-    remote one (policy.deadline of its size on disk), so a stalled network mount fails
-    instead of hanging a rank. Anything else is a ShardError before it is opened: opening a
+    remote one (policy.deadline of its size on disk), so a network mount that drips fails
+    instead of stalling a rank. Anything else is a ShardError before it is opened: opening a
     FIFO blocks until someone writes to it, /dev/zero never ends, a device may act on open."""
     info = os.stat(path)  # follows links: what would be opened
     if not stat.S_ISREG(info.st_mode):
@@ -327,17 +327,20 @@ def open_local(path, policy=Policy()):
 
 
 class _Local:
-    """A local file whose reads past its deadline raise FetchError (checked between reads:
-    no timer can wake a read blocked in the kernel)."""
+    """A local file whose reads, once they have taken longer than its deadline in all, raise
+    FetchError. Only the time spent reading counts, not the consumer's between reads; it is
+    checked between reads, since no timer can wake a read blocked in the kernel."""
 
     def __init__(self, f, path, limit):
-        self.f, self.path, self.limit = f, path, limit
-        self.end = time.monotonic() + limit
+        self.f, self.path, self.limit, self.spent = f, path, limit, 0.0
 
     def read(self, n=-1):
-        if time.monotonic() > self.end:
+        if self.spent > self.limit:
             raise FetchError(f"{self.path}: not read within its {self.limit:.0f} s deadline")
-        return self.f.read(n)
+        start = time.monotonic()
+        data = self.f.read(n)
+        self.spent += time.monotonic() - start
+        return data
 
     def close(self):
         self.f.close()
