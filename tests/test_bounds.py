@@ -274,13 +274,19 @@ def test_the_caps_are_relative_to_the_target():
 
 
 def test_a_thin_image_within_the_caps_resizes_without_a_large_buffer():
-    """fit resizes only the box its crop keeps: a 1:32 image to 512x512 makes no 512 x 16384 buffer."""
-    a = np.zeros((16, 512, 3), np.uint8)
-    a[:, 256:] = 200
-    out = decode.fit(a, (3, 512, 512))
-    assert out.shape == (3, 512, 512) and 90 < out.mean() < 110  # the centre crop, half bright
-    left = decode.fit(a, (3, 512, 512), crop=(0.0, 0.0))
-    assert left.shape == (3, 512, 512) and left.max() == 0
+    """fit resizes only the box its crop keeps: a 128x4096 image (1:32, within the caps) to a
+    4096x4096 target, under the address-space limit. Resizing it whole first would make a
+    4096 x 131072 RGB buffer, 1.5 GiB."""
+    p = limited("""
+        import numpy as np
+        a = np.zeros((128, 4096, 3), np.uint8)
+        a[:, 2048:] = 200
+        out = decode.fit(a, (3, 4096, 4096))
+        left = decode.fit(a, (3, 4096, 4096), crop=(0.0, 0.0))
+        print(out.shape, round(float(out[:, :, :2000].mean())), round(float(out[:, :, 2100:].mean())), int(left.max()))
+        """)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["(3,", "4096,", "4096)", "0", "200", "0"], p.stdout
 
 
 def test_hostile_images_in_a_shard_are_skipped_and_counted_by_the_stream(tmp_path):
