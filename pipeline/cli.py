@@ -1,6 +1,14 @@
-"""Command-line plumbing shared by the entry points."""
+"""Command-line plumbing shared by the entry points: the one-line error parser, byte sizes,
+and the remote-read flags the trainer and `make_shards --index` share."""
 import argparse
+import math
+import re
 import sys
+
+from . import remote
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)([KMGT]?)(?:i?B)?\Z", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 class Parser(argparse.ArgumentParser):
@@ -16,3 +24,57 @@ class Parser(argparse.ArgumentParser):
             value = getattr(args, name)
             if value is not None and value < low:
                 self.error(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
+
+    def within(self, args, ranges):
+        """One line for the first option outside [low, high] or not finite (None means not given):
+        a huge value would overflow a C timeout or timedelta deep inside the job."""
+        for name, (low, high) in ranges.items():
+            value = getattr(args, name)
+            finite = not isinstance(value, float) or math.isfinite(value)  # ints of any size compare exactly
+            if value is not None and not (finite and low <= value <= high):
+                self.error(f"--{name.replace('_', '-')} must be a finite number from {low:g} to {high:g}, got {value}")
+
+
+def size(text):
+    """'1048576', '64M', '10G', '1.5GiB' -> bytes (K, M, G, T are powers of 1024); ValueError otherwise."""
+    m = _SIZE.match(text.strip())
+    if not m or len(m[1]) > 30:  # 30 digits are far past any disk; more would overflow a float
+        raise ValueError(f"{text!r}: expected a byte count such as 1048576, 512M or 10G")
+    return int(float(m[1]) * _UNITS[m[2].upper()]) if "." in m[1] else int(m[1]) * _UNITS[m[2].upper()]
+
+
+def byte_size(text):
+    """argparse type for byte sizes: a bad one is argparse's one-line 'invalid byte_size value'."""
+    try:
+        return size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a byte count such as 1048576, 512M or 10G") from None
+
+
+# Bounds of the I/O flags: past them a deadline or a backoff is no longer a deadline, and
+# socket.settimeout, threading.Timer or time.sleep overflow.
+IO_RANGES = {"io_timeout": (0.001, 3600.0), "min_rate": (0.001, 1e6), "retries": (0, 100),
+             "max_shard_bytes": (1, 1 << 50)}
+
+
+def add_io_options(p):
+    """The flags that bound every remote read (see pipeline.remote.Policy)."""
+    a = p.add_argument
+    a("--io-timeout", type=float, default=30.0, metavar="S",
+      help="seconds one network read may stall, and the base of each shard's deadline (default: 30)")
+    a("--min-rate", type=float, default=1.0, metavar="MB_PER_S",
+      help="a remote shard must arrive at this average rate or its fetch fails and is retried: its deadline is "
+           "--io-timeout + its size at this rate (default: 1 MB/s)")
+    a("--retries", type=int, default=3, metavar="N",
+      help=f"retries of a failed remote read, 1, 2, 4 ... s apart, at most {remote.MAX_DELAY:g} s (default: 3)")
+    a("--max-shard-bytes", type=byte_size, default=remote.Policy.max_bytes, metavar="BYTES",
+      help="the largest shard this job reads (suffixes K, M, G, T): a manifest listing a larger one is refused, "
+           "and no transfer's deadline exceeds --io-timeout + this size at --min-rate, whatever a manifest or "
+           "server claims (default: 1G)")
+
+
+def io_policy(p, args):
+    """The remote.Policy of the I/O flags, each checked first (p.error exits with one line)."""
+    p.within(args, IO_RANGES)
+    return remote.Policy(retries=args.retries, timeout=args.io_timeout, min_rate=args.min_rate * 1e6,
+                         max_bytes=args.max_shard_bytes)

@@ -1,4 +1,8 @@
-"""Writing files so that a crash or a full disk never leaves half of one behind."""
+"""Writing files so that a crash or a full disk never leaves half of one behind, and
+so that two processes writing one folder take turns."""
+import contextlib
+import errno
+import fcntl
 import json
 import os
 import stat
@@ -84,3 +88,42 @@ def cut_to_complete_lines(path):
 def keep_lines(path, lines):
     """Rewrite a text file to hold exactly `lines` (atomically)."""
     write_atomic(path, "".join(ln + "\n" for ln in lines).encode())
+
+
+class Busy(OSError):
+    """Another process holds the lock (see `locked`)."""
+
+
+@contextlib.contextmanager
+def locked(path, *, wait=True):
+    """Hold an exclusive lock on the file `path` (created, and removed again on release).
+
+    flock on a file opened for writing, so that it also holds on NFS, where flock is a
+    whole-file fcntl lock. A process that dies releases its lock with its descriptors.
+    The file is removed while held, so after acquiring we check that `path` is still
+    the file we locked; else another process removed it meanwhile and we lock anew.
+    Without `wait`, a lock held by another process raises Busy naming its pid.
+    """
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+                raise Busy(errno.EWOULDBLOCK, f"{path} is held by another process (pid {holder})") from None
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                try:
+                    yield
+                finally:
+                    with contextlib.suppress(OSError):
+                        os.remove(path)
+                return
+        finally:
+            os.close(fd)

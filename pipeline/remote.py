@@ -3,7 +3,11 @@
 A remote read is bounded: every transfer has a total deadline (a base plus its
 byte size at a minimum rate), so a server that drips one byte every few seconds
 fails instead of hanging a rank that no collective timeout can reach (ranks
-wait in their DataLoader, not in an all-reduce). Every transient failure
+wait in their DataLoader, not in an all-reduce). The size is the job's to bound,
+not the data's: the smallest of the manifest's size, the Content-Length the
+server announces, and the job's ceiling (`Policy.max_bytes`, --max-shard-bytes).
+A server that announces another size than the manifest, or more than the
+ceiling, fails at once; a body that runs past either is cut off. Every transient failure
 (refused or reset connections, socket timeouts, a body shorter than its
 Content-Length, an HTTP 5xx, 408 or 429, a pipe's non-zero exit, a missed
 deadline) is retried alike with doubling delays; any other 4xx is permanent and
@@ -13,9 +17,10 @@ rather than "curl exit 22".
 
 A remote shard is parsed while it streams in, hashed on the way, and checked
 against its manifest's sha256 and size at the end; only then is a cached copy
-renamed into place.
+renamed into place (see pipeline.cache).
 """
 import contextlib
+import dataclasses
 import hashlib
 import http.client
 import os
@@ -32,10 +37,12 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from . import cache as caching
 from .errors import DigestError, FetchError, ShardError
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")
 UNKNOWN_SIZE = 16 << 20  # what the deadline assumes for a file of unknown size (a manifest)
+MAX_DELAY = 60.0  # seconds: retry delays double up to this
 
 
 def kind(url):
@@ -58,20 +65,31 @@ def is_remote(url):
 @dataclass(frozen=True)
 class Policy:
     """How hard to try: `retries` after the first attempt, `delay` seconds before the first
-    retry (doubling), `timeout` seconds for one socket operation, and a deadline per transfer
-    of `timeout` + its bytes at `min_rate` bytes a second."""
+    retry (doubling up to MAX_DELAY), `timeout` seconds for one socket operation, a deadline
+    per transfer of `timeout` + its bytes at `min_rate` bytes a second, and `max_bytes`, the
+    most a transfer may be (and so the longest its deadline may be)."""
 
     retries: int = 3
     delay: float = 1.0
     timeout: float = 30.0
     min_rate: float = 1 << 20
+    max_bytes: int = 1 << 30
 
     def __post_init__(self):
-        if self.retries < 0 or not self.delay >= 0 or not self.timeout > 0 or not self.min_rate > 0:
-            raise ValueError(f"bad fetch policy {self}: retries >= 0, delay >= 0, timeout > 0 and min_rate > 0")
+        if not (0 <= self.retries <= 1000 and 0 <= self.delay <= MAX_DELAY and 0 < self.timeout <= 86400
+                and 0 < self.min_rate < float("inf") and 0 < self.max_bytes <= 1 << 60):
+            raise ValueError(f"bad fetch policy {self}: retries 0..1000, delay 0..{MAX_DELAY:g}, timeout in (0, 86400], "
+                             f"min_rate > 0 and finite, max_bytes 1..2**60")
+        if self.deadline(self.max_bytes) > threading.TIMEOUT_MAX:
+            raise ValueError(f"bad fetch policy {self}: a deadline of {self.deadline(self.max_bytes):g} s")
 
     def deadline(self, nbytes=None):
-        return self.timeout + (nbytes if nbytes is not None else UNKNOWN_SIZE) / self.min_rate
+        """Seconds a transfer of `nbytes` (None: unknown) may take, never past max_bytes' worth."""
+        return self.timeout + min(nbytes if nbytes is not None else UNKNOWN_SIZE, self.max_bytes) / self.min_rate
+
+    def wait(self, attempt):
+        """Seconds before retry number attempt + 1."""
+        return min(self.delay * 2 ** min(attempt, 64), MAX_DELAY)
 
 
 class Transient(OSError):
@@ -124,20 +142,42 @@ class _HTTP:
     line, headers or chunk sizes never trips the per-operation socket timeout either."""
 
     def __init__(self, url, policy, nbytes, method="GET"):
-        self.limit = policy.deadline(nbytes)
-        self.end = time.monotonic() + self.limit
-        self.socks, self.expired, self.resp = [], threading.Event(), None
-        self.timer = threading.Timer(self.limit, self._expire)
-        self.timer.daemon = True
-        self.timer.start()
+        self.start = time.monotonic()
+        self.socks, self.expired, self.resp, self.timer = [], threading.Event(), None, None
+        self._arm(policy.deadline(nbytes))
         try:
             opener = urllib.request.build_opener(_Watched(self._watch), _HttpOnly())
             self.resp = opener.open(urllib.request.Request(url, method=method), timeout=policy.timeout)
             self._late()  # headers cut short by the deadline read as if they had ended
+            if method == "GET":
+                self._announced(policy, nbytes)
         except Exception:
             self.close()
             self._late()
             raise
+
+    def _arm(self, limit):
+        """(Re)start the deadline at `limit` seconds after the transfer began."""
+        if self.timer is not None:
+            self.timer.cancel()
+        self.limit, self.end = limit, self.start + limit
+        self.timer = threading.Timer(max(0.0, self.end - time.monotonic()), self._expire)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _announced(self, policy, nbytes):
+        """Check the Content-Length against the manifest and the job's ceiling, and let a
+        shorter one shorten the deadline (a size the manifest left open, e.g. --index)."""
+        length = self.resp.length  # None: no Content-Length (chunked, or until the connection closes)
+        if length is None:
+            return
+        if nbytes is not None and length != nbytes:
+            raise DigestError(f"the server announces {length} bytes, the manifest says {nbytes}")
+        if length > policy.max_bytes:
+            raise ShardError(f"the server announces {length} bytes, more than the {policy.max_bytes} this job "
+                             f"allows (--max-shard-bytes for a shard)")
+        if policy.deadline(length) < self.limit:
+            self._arm(policy.deadline(length))
 
     def _watch(self, sock):
         self.socks.append(sock)
@@ -168,7 +208,8 @@ class _HTTP:
         return data
 
     def close(self):
-        self.timer.cancel()
+        if self.timer is not None:
+            self.timer.cancel()
         if self.resp is not None:
             self.resp.close()
 
@@ -213,27 +254,26 @@ class _Pipe:
 
 
 class _Checked:
-    """A remote stream that hashes what passes through it (and copies it to a cache file);
+    """A remote stream that hashes what passes through it (and copies it to a cache.Writer);
     `finish` drains the rest (tar padding after the end-of-archive block) and checks it."""
 
-    def __init__(self, raw, url, digest, nbytes, cache_file):
-        self.raw, self.url, self.digest, self.nbytes = raw, url, digest, nbytes
+    def __init__(self, raw, url, digest, nbytes, max_bytes, copy):
+        self.raw, self.url, self.digest, self.nbytes, self.max_bytes = raw, url, digest, nbytes, max_bytes
         self.hash = hashlib.sha256() if digest else None
         self.got = 0
-        self.cache_file, self.tmp = cache_file, None
-        if cache_file:
-            self.tmp = f"{cache_file}.{os.getpid()}.{threading.get_ident()}.tmp"
-            self.out = open(self.tmp, "wb")
+        self.copy = copy
 
     def read(self, n):
         data = self.raw.read(n)
         self.got += len(data)
         if self.nbytes is not None and self.got > self.nbytes:  # an endless body would fill the cache
             raise DigestError(f"more than the {self.nbytes} bytes the manifest says")
+        if self.got > self.max_bytes:
+            raise ShardError(f"more than the {self.max_bytes} bytes this job allows (--max-shard-bytes for a shard)")
         if self.hash:
             self.hash.update(data)
-        if self.tmp:
-            self.out.write(data)
+        if self.copy:
+            self.copy.write(data)
         return data
 
     def finish(self):
@@ -243,16 +283,13 @@ class _Checked:
             raise DigestError(f"{self.got} bytes, the manifest says {self.nbytes}")
         if self.hash and self.hash.hexdigest() != self.digest:
             raise DigestError("sha256 differs from the manifest")
-        if self.tmp:
-            self.out.close()
-            os.replace(self.tmp, self.cache_file)
-            self.tmp = None
+        if self.copy:
+            self.copy.commit()
 
     def close(self):
         self.raw.close()
-        if self.tmp:
-            self.out.close()
-            os.remove(self.tmp)
+        if self.copy:
+            self.copy.abort()
 
 
 def _open_raw(url, policy, nbytes):
@@ -263,25 +300,29 @@ def read_url(url, consume, *, policy=Policy(), nbytes=None, digest=None, cache_d
     """consume(stream) on the bytes at `url`; returns what it returns.
 
     A remote read is retried from the start after a transient error and checked
-    against `nbytes` and `digest` (sha256) when given; a damaged copy raises
-    ShardError, a read that keeps failing FetchError. With `cache_dir`, a remote
-    file read once in full is kept there and later reads use the copy. Local
-    files are read as they are (`make_shards.py --verify` checks them), through
-    `open_local`.
+    against `nbytes` and `digest` (sha256) when given, and against the policy's
+    max_bytes; a damaged copy raises ShardError, a read that keeps failing
+    FetchError. With `cache_dir` (a folder, or a cache.Cache with a size), a remote
+    file read once in full is kept there, and later reads use the copy while it
+    matches `nbytes` and `digest` (see pipeline.cache), within a local file's
+    deadline. Local files are read as they are (`make_shards.py --verify` checks
+    them), through `open_local`.
     """
     if kind(url) == "file":
         with open_local(url, policy) as f:
             return consume(f)
-    cached = cache_path(cache_dir, url) if cache_dir else None
-    if cached and os.path.exists(cached):
-        with open_local(cached, policy) as f:
-            return consume(f)
-    if cached:
-        os.makedirs(cache_dir, exist_ok=True)
+    cache = caching.of(cache_dir)
+    if cache:
+        found = caching.read(cache, url, consume, nbytes, digest,
+                             timed=lambda f, where, size: _Local(f, where, policy.deadline(size)))
+        if found is not caching.MISS:
+            return found
     for attempt in range(policy.retries + 1):
-        stream = None
+        stream = copy = None
         try:
-            stream = _Checked(_open_raw(url, policy, nbytes), url, digest, nbytes, cached)
+            copy = caching.Writer(cache, url, nbytes) if cache else None
+            stream = _Checked(_open_raw(url, policy, nbytes), url, digest, nbytes, policy.max_bytes, copy)
+            copy = None
             result = consume(stream)
             stream.finish()
             return result
@@ -292,12 +333,14 @@ def read_url(url, consume, *, policy=Policy(), nbytes=None, digest=None, cache_d
                 raise
             if attempt == policy.retries:
                 raise FetchError(f"{url}: failed after {policy.retries + 1} attempts: {describe(e)}") from None
-            wait = policy.delay * 2 ** attempt
+            wait = policy.wait(attempt)
             warnings.warn(f"{url}: {describe(e)}; retrying in {wait:g} s", stacklevel=2)
             time.sleep(wait)
         finally:
             if stream is not None:
                 stream.close()
+            elif copy is not None:  # the connection failed before the stream took the copy over
+                copy.abort()
 
 
 SPECIAL = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
@@ -362,7 +405,9 @@ def describe(error):
 
 def fetch(url, *, policy=Policy(), nbytes=None, limit=None):
     """All bytes at `url` (local, http(s) or pipe:), with retries and a deadline; ShardError
-    past `limit` bytes."""
+    past `limit` bytes (refused from the Content-Length when a server announces more)."""
+    if limit is not None and limit < policy.max_bytes:
+        policy = dataclasses.replace(policy, max_bytes=limit)
     return read_url(url, lambda f: read_all(f, limit), policy=policy, nbytes=nbytes)
 
 
@@ -409,14 +454,11 @@ def head_check(urls, sizes=None, *, policy=Policy(), threads=16):
                     if isinstance(e, urllib.error.HTTPError):
                         return "problem", f"{url}: server error {e.code} after {policy.retries + 1} attempts"
                     return "problem", f"{url}: unreachable after {policy.retries + 1} attempts ({describe(e)})"
-                time.sleep(policy.delay * 2 ** attempt)
+                time.sleep(policy.wait(attempt))
 
     with ThreadPoolExecutor(threads) as pool:
         found = [r for r in pool.map(check, urls) if r]
     return [m for k, m in found if k == "problem"], [m for k, m in found if k == "resized"]
 
 
-def cache_path(cache_dir, url):
-    """A file name under cache_dir derived from the URL that can't escape the folder."""
-    tail = re.sub(r"[^A-Za-z0-9_.-]", "_", url.rstrip("/ -").split("/")[-1])[-64:].lstrip(".")
-    return os.path.join(cache_dir, f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{tail}")
+cache_path = caching.path
