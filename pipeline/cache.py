@@ -45,8 +45,8 @@ class Cache:
 
 def of(cache):
     """A Cache from what callers pass as `cache_dir`: None, a folder (no bound) or a Cache."""
-    if cache is None or isinstance(cache, Cache):
-        return cache
+    if not cache or isinstance(cache, Cache):
+        return cache or None
     return Cache(os.fspath(cache))
 
 

@@ -73,8 +73,18 @@ def add_io_options(p):
            "server claims (default: 1G)")
 
 
-def io_policy(p, args):
-    """The remote.Policy of the I/O flags, each checked first (p.error exits with one line)."""
+def check_io(p, args):
+    """Reject I/O flags out of range, or whose longest deadline no timer can hold (one line)."""
     p.within(args, IO_RANGES)
+    try:
+        policy_of(args)
+    except ValueError:
+        p.error(f"--max-shard-bytes {args.max_shard_bytes} at --min-rate {args.min_rate:g} MB/s gives a deadline of "
+                f"{args.io_timeout + args.max_shard_bytes / (args.min_rate * 1e6):.3g} s; raise --min-rate or lower "
+                f"--max-shard-bytes")
+
+
+def policy_of(args):
+    """The remote.Policy of the I/O flags (checked by check_io)."""
     return remote.Policy(retries=args.retries, timeout=args.io_timeout, min_rate=args.min_rate * 1e6,
                          max_bytes=args.max_shard_bytes)

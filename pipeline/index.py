@@ -21,14 +21,14 @@ import os
 import re
 
 import numpy as np
-from braceexpand import braceexpand
 
 from . import bounds, remote
 from .decode import IMAGE_EXTS, Target, image_of, label_of, open_image, parse_label_key, pixels_of
 from .errors import ShardError
 from .files import write_json_atomic
-from .manifest import FORMAT, NAME_RE, MAX_SIDE, check, manifest_name
+from .manifest import FORMAT, NAME_RE, MAX_SIDE, check, expand_pattern, manifest_name
 from .read import iter_samples
+from .shards import writing
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 FOREIGN_EXTS = tuple(e for e in IMAGE_EXTS if e != "raw")  # raw pixels need a shape nobody but make_shards records
@@ -42,7 +42,7 @@ def expand(spec):
     if remote.kind(spec) == "file" and os.path.isdir(spec):
         urls = sorted(os.path.join(spec, f) for f in os.listdir(spec) if f.endswith(SHARD_SUFFIXES))
     else:
-        urls = list(braceexpand(spec))
+        urls = expand_pattern(spec)
         missing = [u for u in urls if remote.kind(u) == "file" and not os.path.exists(u)]
         if missing:
             raise ShardError(f"{spec}: {len(missing)} of {len(urls)} shard(s) do not exist, e.g. {missing[0]}")
@@ -71,11 +71,12 @@ class _Hashing:
 def scan_shard(url, label, policy=remote.Policy()):
     """One shard's facts: samples, bytes, sha256, image extensions and shapes, labels, pixel sums."""
     want = set(FOREIGN_EXTS) | ({parse_label_key(label)[0]} if label else {"cls", "txt", "index"})
-    facts = {"url": url, "samples": 0, "exts": collections.Counter(), "shapes": collections.Counter(),
-             "labels": collections.Counter(), "rgb": np.zeros(7), "grey": np.zeros(3), "label": label,
-             "wide": (0, None, 0, 0), "tall": (0, None, 0, 0)}
+    facts = {}
 
-    def consume(stream):
+    def consume(stream):  # a retry after a broken transfer starts the counts over
+        facts.update(url=url, samples=0, exts=collections.Counter(), shapes=collections.Counter(),
+                     labels=collections.Counter(), rgb=np.zeros(7), grey=np.zeros(3), label=label,
+                     wide=(0, None, 0, 0), tall=(0, None, 0, 0))
         h = _Hashing(stream)
         for sample in iter_samples(h, want, url):
             _scan_sample(sample, facts, url)
@@ -151,9 +152,8 @@ def _scan_task(task):
 
 def index(name, split, spec, out, *, label=None, shape=None, classes_file=None, workers=1, policy=remote.Policy(),
           progress=True):
-    """Index the shards SPEC names as data set NAME, split SPLIT; writes and returns OUT/NAME-SPLIT.json."""
-    from tqdm import tqdm
-
+    """Index the shards SPEC names as data set NAME, split SPLIT; writes and returns OUT/NAME-SPLIT.json
+    (under the folder's writer lock, see shards.writing)."""
     if not NAME_RE.match(name) or not NAME_RE.match(split):
         raise ShardError(f"--index {name}:{split}: NAME and SPLIT may hold letters, digits and _ only")
     if label is not None:
@@ -163,6 +163,13 @@ def index(name, split, spec, out, *, label=None, shape=None, classes_file=None, 
             raise ShardError(str(e)) from None
     urls = expand(spec)
     names = [shard_location(u, out) for u in urls]
+    with writing(out):
+        return _index(name, split, spec, out, urls, names, label, shape, classes_file, workers, policy, progress)
+
+
+def _index(name, split, spec, out, urls, names, label, shape, classes_file, workers, policy, progress):
+    from tqdm import tqdm
+
     tasks = [(u, label, policy) for u in urls]
     found = []
     bar = tqdm(total=len(urls), unit="shard", desc=f"index {name}-{split}", disable=not progress, dynamic_ncols=True)

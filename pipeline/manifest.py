@@ -33,7 +33,7 @@ import urllib.parse
 import warnings
 from dataclasses import dataclass, field
 
-from braceexpand import braceexpand
+import braceexpand as brace
 
 from . import remote
 from .decode import IMAGE_EXTS, Target, parse_label_key
@@ -49,6 +49,7 @@ MIN_STD = 1e-6  # per channel, on 0..1 pixels: below it normalising multiplies b
 MAX_STD = 1.0  # pixels in 0..1 have a std of at most 0.5; 1 admits a hand-written "scale only" (mean 0, std 1)
 MAX_SIDE = 4096
 MAX_CLASSES = 1 << 20
+MAX_PATTERN = 1_000_000  # names a brace pattern may expand to; counted before a single one is made
 
 
 def manifest_name(dataset, split):
@@ -211,6 +212,86 @@ def _manifest_file(url):
     return found[-1]
 
 
+# ---------------------------------------------------------------- brace patterns
+
+
+def expand_pattern(spec, limit=MAX_PATTERN):
+    """The names a brace pattern expands to, as braceexpand makes them. ShardError when the
+    pattern is malformed or names more than `limit`, found by counting first: braceexpand
+    builds every range of a pattern in memory before it yields the first name, so
+    '{0..999999999}' alone would cost gigabytes."""
+    try:
+        n = _count(spec, limit)
+    except RecursionError:
+        raise ShardError(f"{spec[:200]}: braces nested too deeply") from None
+    except ValueError as e:  # unbalanced braces, 5,000-digit range ends
+        raise ShardError(f"{spec[:200]}: not a brace pattern ({e})") from None
+    if n > limit:
+        raise ShardError(f"{spec[:200]}: the brace pattern names more than {limit:,} shards, the most one may name; "
+                         f"list the shards in a manifest instead")
+    return list(brace.braceexpand(spec))
+
+
+def _count(pattern, limit):
+    """How many names brace.parse_pattern makes (stopping early past `limit`); a part that
+    makes no name counts as one, as braceexpand still builds every other part."""
+    total, pos, start, depth, parts = 1, 0, 0, 0, []
+    while pos < len(pattern):
+        ch = pattern[pos]
+        if ch == "\\":
+            pos += 2
+            continue
+        if ch == "{":
+            if depth == 0:
+                start = pos
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                parts.append(_count_expression(pattern[start + 1:pos], limit))
+                if max(parts[-1], 1) > limit:
+                    return limit + 1
+                total *= max(parts[-1], 1)
+                if total > limit:
+                    return limit + 1
+        pos += 1
+    if depth != 0:
+        raise brace.UnbalancedBracesError(f"Unbalanced braces: '{pattern[:200]}'")
+    return total
+
+
+def _count_expression(expr, limit):
+    m = brace.int_range_re.match(expr)
+    if m:
+        lo, hi, step = int(m[1]), int(m[2]), (int(m[3]) or 1) if m[3] else 1
+        return abs(hi - lo) // step + 1
+    m = brace.char_range_re.match(expr)
+    if m:
+        return len(brace.make_char_range(*m.groups()))
+    items, pos, start, depth = [], 0, 0, 0
+    while pos < len(expr):
+        ch = expr[pos]
+        if ch == "\\":
+            pos += 2
+            continue
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            items.append(expr[start:pos])
+            start = pos + 1
+        pos += 1
+    if depth != 0 or not items:  # not a sequence: braces kept as text around a pattern
+        return _count(expr, limit)
+    total = 0
+    for item in items + [expr[start:]]:
+        total += _count(item, limit)
+        if total > limit:
+            return limit + 1
+    return total
+
+
 # ---------------------------------------------------------------- loading
 
 
@@ -224,7 +305,7 @@ def load(url, policy=remote.Policy()):
     else:
         try:
             text = remote.fetch(url, policy=policy, limit=MAX_JSON)
-        except OSError as e:
+        except (OSError, ShardError) as e:  # ShardError: a body past MAX_JSON
             raise ShardError(f"cannot read manifest {url}: {e}") from None
         m = parse_json(text, url)
     return check(m, url)
@@ -245,7 +326,7 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
     elif spec.endswith("/") or (remote.kind(spec) == "file" and os.path.isdir(spec)):
         url = spec.rstrip("/") + "/" + manifest_name(name, split)
     else:
-        pattern = list(braceexpand(spec))
+        pattern = expand_pattern(spec)
         url = _beside(pattern[0], manifest_name(name, split))
         if remote.kind(url) == "file" and not os.path.exists(url):
             raise ShardError(f"{name}={spec}: no manifest {url} beside these shards; index them in place with: "
@@ -267,6 +348,10 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
         chosen = [by_normal[u] for u in chosen]
         _once(chosen, f"{name}={spec}: the pattern")
     entries = [listed[u] for u in chosen]
+    huge = next((e for e in entries if e["bytes"] > policy.max_bytes), None)
+    if huge:
+        raise ShardError(f"{name}={spec}: shard {huge['name']}: {huge['bytes']} bytes in {url}, more than "
+                         f"--max-shard-bytes {policy.max_bytes}; raise it if the shards really are that large")
     missing = [u for u in chosen if remote.kind(u) == "file" and not os.path.exists(u)]
     if missing:
         raise ShardError(f"{name}={spec}: {len(missing)} shard(s) missing, e.g. {missing[0]}")

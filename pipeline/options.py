@@ -6,7 +6,9 @@ import argparse
 import math
 
 from . import stream
-from .cli import Parser
+from .cli import Parser, add_io_options, byte_size, check_io
+
+MAX_TIMEOUT = 7 * 24 * 3600  # a week: more overflows torch's timeout deep in the process group set-up
 
 DESCRIPTION = """Train one model with DDP on the weighted mix of several shard streams.
 
@@ -67,7 +69,11 @@ def parse(argv=None):
     a("--log-every", type=int, default=50, metavar="STEPS", help="steps between metrics lines (default: 50)")
     a("--resample", action="store_true",
       help="draw shards with replacement (endless-stream mode for corpora too big for full passes)")
-    a("--cache-dir", metavar="DIR", help="keep remote shards in this folder for later epochs")
+    a("--cache-dir", metavar="DIR", help="keep remote shards in this folder for later epochs; ranks and jobs on one "
+                                          "machine may share it")
+    a("--cache-size", type=byte_size, metavar="BYTES",
+      help="with --cache-dir: the most the folder holds (suffixes K, M, G, T); the least recently used shards are "
+           "evicted (default: no bound)")
     a("--strict", action="store_true", help="stop at the first malformed sample instead of skipping it")
     a("--shuffle-buffer", type=int, default=2000, metavar="N",
       help="samples shuffled together: whole shards, at least N samples (default: 2000)")
@@ -75,14 +81,9 @@ def parse(argv=None):
       help="a function of yours applied to every decoded training sample inside the workers, e.g. an "
            "augmentation (repeatable; see README, 'Your own stage')")
     a("--timeout", type=int, default=600, metavar="S",
-      help="seconds a rank waits for the others in a collective before the job fails (default: 600)")
-    a("--io-timeout", type=float, default=30.0, metavar="S",
-      help="seconds one network read may stall, and the base of each shard's deadline (default: 30)")
-    a("--min-rate", type=float, default=1.0, metavar="MB_PER_S",
-      help="a remote shard must arrive at this average rate or its fetch fails and is retried: its deadline is "
-           "--io-timeout + its size at this rate (default: 1 MB/s)")
-    a("--retries", type=int, default=3, metavar="N", help="retries of a failed remote read, 1, 2, 4 ... s apart "
-                                                          "(default: 3)")
+      help=f"seconds a rank waits for the others in a collective before the job fails, at most {MAX_TIMEOUT} "
+           f"(default: 600)")
+    add_io_options(p)
     args = p.parse_args(argv)
     check(p, args)
     return args
@@ -93,11 +94,16 @@ def check(p, args):
     p.at_least(args, {"epochs": 1, "batch_size": 1, "log_every": 1, "shuffle_buffer": 1, "workers": 0, "width": 1,
                       "epoch_samples": 1, "stop_after": 1, "stop_after_steps": 1, "checkpoint_every": 1, "timeout": 1,
                       "retries": 0, "max_nonfinite": 0})
+    p.within(args, {"timeout": (1, MAX_TIMEOUT)})
+    check_io(p, args)
+    if args.cache_size is not None and args.cache_dir is None:
+        p.error("--cache-size applies with --cache-dir only")
+    p.at_least(args, {"cache_size": 1})
     if args.width > 1024:
         p.error(f"--width {args.width}: at most 1024")
     if not 0 <= args.seed < 2 ** 63:
         p.error(f"--seed {args.seed}: must be between 0 and 2**63 - 1")
-    for name, positive in (("lr", True), ("weight_decay", False), ("io_timeout", True), ("min_rate", True)):
+    for name, positive in (("lr", True), ("weight_decay", False)):
         value = getattr(args, name)
         if not math.isfinite(value) or value < 0 or (positive and value == 0):
             p.error(f"--{name.replace('_', '-')} must be a finite number {'>' if positive else '>='} 0, got {value}")

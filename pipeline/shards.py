@@ -9,8 +9,12 @@ header per member because it passes float mtimes; every member then costs an ext
 header, and reading it through tarfile costs twice as much (README, "Tar format").
 
 The manifest (see pipeline.manifest) is written last and atomically, and removed
-before a rebuild starts, so its presence means the shard set is complete.
+before a rebuild starts, so its presence means the shard set is complete. A folder
+is written by one writer at a time (`writing`): two builds into one folder would
+write the same temporary names, and both could report success over shards the
+other one cut short.
 """
+import contextlib
 import hashlib
 import io
 import multiprocessing
@@ -22,11 +26,25 @@ import numpy as np
 
 from . import png
 from .errors import ShardError
-from .files import read_json, write_json_atomic
+from .files import Busy, locked, read_json, write_json_atomic
 from .manifest import FORMAT, NAME_RE, check, manifest_name, shard_name
 from .read import iter_samples
 
 ENCODINGS = ("png", "raw")
+LOCK = ".make_shards.lock"  # held while a folder's shards or manifests are written; removed after
+
+
+@contextlib.contextmanager
+def writing(out):
+    """Hold `out`'s writer lock, or raise ShardError at once if another process holds it."""
+    os.makedirs(out, exist_ok=True)
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(locked(os.path.join(out, LOCK), wait=False))
+        except Busy as e:
+            raise ShardError(f"{out}: another make_shards is writing this folder ({e}); wait for it to finish "
+                             f"or choose another --out") from None
+        yield
 
 
 # ---------------------------------------------------------------- writing
@@ -119,7 +137,11 @@ def build(source, out, *, encoding="png", maxcount=500, seed=0, limit=None, work
         raise ShardError(f"--maxcount must be at least 1, got {maxcount}")
     if len(source) == 0:
         raise ShardError(f"{source.name} {source.split}: no samples")
-    os.makedirs(out, exist_ok=True)
+    with writing(out):
+        return _build(source, out, encoding, maxcount, seed, limit, workers, part, progress)
+
+
+def _build(source, out, encoding, maxcount, seed, limit, workers, part, progress):
     final = os.path.join(out, _manifest_file(source.name, source.split, part))
     whole = os.path.join(out, manifest_name(source.name, source.split))
     for old in {final, whole}:  # a part rewrites shards that a whole manifest may list
@@ -200,6 +222,11 @@ def merge_parts(out, dataset, split):
 
     Raises ShardError if a part is missing or two parts disagree on how they were built.
     """
+    with writing(out):
+        return _merge_parts(out, dataset, split)
+
+
+def _merge_parts(out, dataset, split):
     pat = re.compile(rf"^{re.escape(dataset)}-{re.escape(split)}\.part(\d+)of(\d+)\.json$")
     parts = sorted((int(m[1]), int(m[2]), f) for f in os.listdir(out) if (m := pat.match(f)))
     if not parts:

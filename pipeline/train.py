@@ -12,8 +12,8 @@ import importlib
 import json
 import math
 import os
+import re
 import resource
-import shutil
 import sys
 import time
 import warnings
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import checkpoint, dist, options, remote, stream
+from . import cache, checkpoint, cli, dist, options, remote, stream
 from .errors import ShardError
 from .files import write_json_atomic
 from .metrics import KeyLog, Metrics, StepLog
@@ -101,7 +101,8 @@ class Run:
         self.stream = stream.MixedStream(
             train_sources, options.weights_at(args, 0), args.batch_size, topo, seed=args.seed,
             epoch_samples=args.epoch_samples, shuffle_buffer=args.shuffle_buffer, resample=args.resample,
-            strict=args.strict, cache_dir=args.cache_dir, policy=policy, normalize=False,
+            strict=args.strict, cache_dir=args.cache_dir and cache.Cache(args.cache_dir, args.cache_size),
+            policy=policy, normalize=False,
             sample_stages=load_stages(args.sample_stage))
         self.stream.set_workers(max(1, args.workers))  # before a resume: it decides same world or not
         self.evals = [self.stream.eval_stream(src) for src in eval_sources]  # class and shape checks, before --out
@@ -259,13 +260,32 @@ def prepare_out(args, topo):
         return ckpt
     if previous and not (args.overwrite or restarted):
         raise ValueError(f"{args.out} holds a previous run; pass --resume to continue it or --overwrite to replace it")
+    doomed = run_files(args.out) if previous else []
     dist.barrier()  # every rank has looked before rank 0 clears the folder
     if topo.is_main:
-        if previous:
-            shutil.rmtree(args.out)
+        if doomed:
+            print(f"--overwrite: deleting the previous run in {args.out}/: {', '.join(doomed)}", flush=True)
+        for name in doomed:
+            os.remove(os.path.join(args.out, name))
         os.makedirs(args.out, exist_ok=True)
     dist.barrier()
     return None
+
+
+RUN_FILE = re.compile(r"(metrics\.jsonl|summary\.json|checkpoint\.pt|eval\.json|report\.png|keys-rank\d+\.txt)"
+                      r"(\.tmp)?\Z")  # what train, --eval-only and tools/report.py write into --out
+
+
+def run_files(folder):
+    """The files of a previous run in `folder`, to delete; ValueError if anything else is there
+    (shards, manifests, folders, a mistyped --out): --overwrite deletes only what a run wrote."""
+    names = sorted(os.listdir(folder))
+    for name in names:
+        path = os.path.join(folder, name)
+        if not RUN_FILE.match(name) or os.path.islink(path) or not os.path.isfile(path):
+            raise ValueError(f"--overwrite: {folder} holds {name!r}, which no run of pipeline.train writes; "
+                             f"nothing deleted (choose another --out, or empty the folder yourself)")
+    return names
 
 
 def evaluate(run, loaders):
@@ -438,7 +458,7 @@ def evaluate_only(run):
 
 def train(args, topo, device):
     t0 = time.perf_counter()
-    policy = remote.Policy(retries=args.retries, timeout=args.io_timeout, min_rate=args.min_rate * 1e6)
+    policy = cli.policy_of(args)
     check = http_check(topo, policy)
     train_sources = [stream.resolve(n, spec, "train", policy=policy, check_http=check) for n, spec in args.train.items()]
     eval_sources = [stream.resolve(n, spec, "test", policy=policy, check_http=check) for n, spec in args.eval.items()]

@@ -14,7 +14,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipeline import index, manifest, remote, shards, sources  # noqa: E402
-from pipeline.cli import Parser  # noqa: E402
+from pipeline.cli import Parser, add_io_options, check_io, policy_of  # noqa: E402
 from pipeline.errors import ShardError  # noqa: E402
 from pipeline.manifest import NAME_RE  # noqa: E402
 
@@ -59,8 +59,11 @@ def parse_args(argv):
     a("--preview", metavar="MANIFEST", action="append", default=[],
       help="write a PNG grid of 64 samples of the shard set MANIFEST (e.g. shards/mnist-train.json) with their "
            "class names, as NAME-SPLIT-preview.png beside a local manifest (in --out for a remote one; repeatable)")
-    a("--out", default="shards", metavar="DIR", help="output folder (default: shards)")
+    a("--out", default="shards", metavar="DIR",
+      help="output folder (default: shards); one make_shards at a time writes a folder, a second one is refused")
     a("--quiet", action="store_true", help="no progress bars")
+    io = p.add_argument_group("remote reads (--index and --verify of http(s) and pipe: shards; as in the trainer)")
+    add_io_options(io)
     args = p.parse_args(argv)
     check(p, args)
     return args
@@ -69,6 +72,7 @@ def parse_args(argv):
 def check(p, args):
     args.part = parse_part(p, args.part)
     p.at_least(args, {"limit": 1, "maxcount": 1, "seed": 0, "workers": 1, "holdout": 1})
+    check_io(p, args)
     if args.seed >= 2 ** 63:
         p.error(f"--seed {args.seed}: must be below 2**63")
     modes = [m for m in ("verify", "merge", "preview") if getattr(args, m)]
@@ -180,14 +184,14 @@ def describe(origin):
 
 def check_writable(out):
     os.makedirs(out, exist_ok=True)
-    probe = os.path.join(out, ".write-test.tmp")
+    probe = os.path.join(out, f".write-test.{os.getpid()}.tmp")  # two runs at once must not remove each other's
     with open(probe, "w"):
         pass
     os.remove(probe)
 
 
 def run_index(args):
-    policy = remote.Policy()
+    policy = policy_of(args)
     for name, split, spec in args.index:
         t0 = time.perf_counter()
         m = index.index(name, split, spec, args.out, label=args.label_key, shape=args.shape,
@@ -217,7 +221,7 @@ def run(args):
     if args.preview:
         return run_preview(args)
     if args.verify:
-        problems = shards.verify(args.out)
+        problems = shards.verify(args.out, policy_of(args))
         for line in problems:
             print(f"FAIL {line}")
         print(f"verify {args.out}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
