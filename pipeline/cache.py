@@ -21,6 +21,7 @@ import hashlib
 import os
 import re
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -114,8 +115,11 @@ def _stale(where, f, url, why):
 
 
 def _touch(where):
+    """Mark a copy as just used. time_ns, not the kernel's clock, which ticks every few ms:
+    two uses inside one tick would tie."""
+    now = time.time_ns()
     with contextlib.suppress(OSError):  # recency is a hint: a copy of another user's stays as it is
-        os.utime(where)
+        os.utime(where, ns=(now, now))
 
 
 class Writer:
@@ -153,6 +157,7 @@ class Writer:
             self.out = None
             os.replace(self.tmp, self.final)
             self.tmp = None
+            _touch(self.final)
             if self.cache.size is not None:
                 with locked(os.path.join(self.cache.folder, LOCK)):
                     evict(self.cache, self.cache.size, keep=self.final)
