@@ -50,6 +50,7 @@ MAX_STD = 1.0  # pixels in 0..1 have a std of at most 0.5; 1 admits a hand-writt
 MAX_SIDE = 4096
 MAX_CLASSES = 1 << 20
 MAX_PATTERN = 1_000_000  # names a brace pattern may expand to; counted before a single one is made
+MAX_NESTING = 32  # braces inside braces: each level is parsed again, by braceexpand as by the count
 
 
 def manifest_name(dataset, split):
@@ -220,10 +221,14 @@ def expand_pattern(spec, limit=MAX_PATTERN):
     pattern is malformed or names more than `limit`, found by counting first: braceexpand
     builds every range of a pattern in memory before it yields the first name, so
     '{0..999999999}' alone would cost gigabytes."""
+    depth = deepest = 0
+    for ch in spec:  # escaped braces count too: an over-estimate, never an under-estimate
+        depth += (ch == "{") - (ch == "}")
+        deepest = max(deepest, depth)
+    if deepest > MAX_NESTING:
+        raise ShardError(f"{spec[:200]}: brace pattern nested {deepest} deep, more than {MAX_NESTING}")
     try:
         n = _count(spec, limit)
-    except RecursionError:
-        raise ShardError(f"{spec[:200]}: braces nested too deeply") from None
     except ValueError as e:  # unbalanced braces, 5,000-digit range ends
         raise ShardError(f"{spec[:200]}: not a brace pattern ({e})") from None
     if n > limit:

@@ -174,7 +174,7 @@ class _HTTP:
         if nbytes is not None and length != nbytes:
             raise DigestError(f"the server announces {length} bytes, the manifest says {nbytes}")
         if length > policy.max_bytes:
-            raise ShardError(f"the server announces {length} bytes, more than the {policy.max_bytes} this job "
+            raise ShardError(f"the server announces {length} bytes, more than the {policy.max_bytes} bytes this job "
                              f"allows (--max-shard-bytes for a shard)")
         if policy.deadline(length) < self.limit:
             self._arm(policy.deadline(length))

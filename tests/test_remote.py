@@ -675,3 +675,86 @@ def test_cache_path_stays_in_cache_dir(tmp_path, url):
     assert cache_path(cache, url + "x") != path  # distinct URLs, distinct files
 
 
+
+
+# ---------------------------------------------------------------- 12. sizes from the job, not the manifest
+
+
+def chunked_drip(c, i, stop):
+    """A chunked reply (no Content-Length) whose body drips: only the deadline ends it."""
+    drip(c, stop, head(chunked=True) + b"1\r\n", every=0.2, at_most=15)
+
+
+def test_a_manifest_that_overstates_a_shard_does_not_stretch_its_deadline():
+    """The manifest says a terabyte; at 1 MB/s that would be a deadline of 12 days. The job's
+    ceiling (max_bytes, --max-shard-bytes) bounds it: 0.5 s + 1 MB at 1 MB/s."""
+    p = Policy(retries=1, delay=0.05, timeout=0.5, min_rate=1e6, max_bytes=1 << 20)
+    assert p.deadline(1 << 40) == pytest.approx(0.5 + (1 << 20) / 1e6)
+    with raw_server(chunked_drip) as srv:
+        got, took, _ = quiet(read_url, srv.url, read_all, policy=p, nbytes=1 << 40)
+    assert isinstance(got, FetchError) and "deadline" in str(got), got
+    assert took < budget(p, 1 << 20, step=0.2)
+
+
+def test_a_server_announcing_other_than_the_manifest_fails_at_once():
+    """Content-Length 16 KiB against a manifest's terabyte: a DigestError before any body is
+    read, not a transfer that waits for a terabyte's deadline."""
+    def slow(c, i, stop):
+        read_request(c)
+        c.sendall(head(length=len(DATA)))
+        stop.wait(10)
+
+    with raw_server(slow) as srv:
+        got, took, warned = quiet(read_url, srv.url, read_all, policy=FAST, nbytes=1 << 40)
+    assert isinstance(got, DigestError) and "announces 16384 bytes, the manifest says 1099511627776" in str(got)
+    assert took < SLACK and warned == [] and srv.conns == 1
+
+
+def test_an_announced_length_shortens_a_deadline_the_manifest_left_open():
+    """No manifest size (make_shards --index reads shards nobody measured): the server's
+    Content-Length, 1000 bytes, sets the deadline, not the 16 MiB assumed for a file of
+    unknown size (at 1 kB/s: 1.5 s instead of 4.7 hours)."""
+    p = Policy(retries=0, delay=0.05, timeout=0.5, min_rate=1e3)
+    with raw_server(lambda c, i, stop: drip(c, stop, head(length=1000), every=0.2, at_most=15)) as srv:
+        got, took, _ = quiet(read_url, srv.url, read_all, policy=p)
+    assert isinstance(got, FetchError) and "within its 2 s deadline" in str(got), got
+    assert took < p.deadline(1000) + 0.2 + SLACK
+
+
+@pytest.mark.parametrize("announced", [True, False])
+def test_more_than_the_job_allows_is_refused(announced):
+    """A server announcing (or just sending) more than max_bytes, without a manifest size."""
+    p = Policy(retries=2, delay=0.05, timeout=2.0, min_rate=1e6, max_bytes=4096)
+
+    def big(c, i, stop):
+        read_request(c)
+        c.sendall(head(length=10 ** 12) if announced else head())
+        end = time.monotonic() + 5
+        while time.monotonic() < end and not stop.is_set():
+            c.sendall(b"z" * 65536)
+
+    with raw_server(big) as srv:
+        got, took, warned = quiet(read_url, srv.url, read_all, policy=p)
+    assert type(got) is ShardError and "more than the 4096 bytes this job allows" in str(got), got
+    assert srv.conns == 1 and warned == [] and took < SLACK
+
+
+def test_a_pipe_deadline_is_capped_too(tmp_path):
+    p = Policy(retries=0, delay=0.05, timeout=0.5, min_rate=1e6, max_bytes=1 << 20)
+    got, took, _ = quiet(read_url, "pipe:sleep 30", read_all, policy=p, nbytes=1 << 40)
+    assert isinstance(got, FetchError) and "deadline" in str(got), got
+    assert took < p.deadline(1 << 20) + SLACK
+
+
+@pytest.mark.parametrize("kw", [dict(retries=-1), dict(retries=10 ** 6), dict(timeout=float("inf")),
+                                dict(timeout=0), dict(min_rate=float("nan")), dict(min_rate=1e-300),
+                                dict(max_bytes=0), dict(delay=1e300)])
+def test_a_policy_past_what_a_timer_holds_is_refused(kw):
+    with pytest.raises(ValueError, match="bad fetch policy"):
+        Policy(**kw)
+
+
+def test_retry_delays_double_up_to_a_minute():
+    p = Policy(delay=1.0)
+    assert [p.wait(a) for a in range(8)] == [1, 2, 4, 8, 16, 32, 60, 60]
+    assert p.wait(10 ** 6) == 60

@@ -1,0 +1,373 @@
+"""Limits from the job, not from the data: the I/O flags of both entry points (shared, checked
+for overflow), the shard-size ceiling, what --overwrite may delete, one make_shards writer per
+folder, brace patterns counted before they expand, and a manifest body past its cap.
+Servers on 127.0.0.1 only; every subprocess bounded in time (and memory where it matters)."""
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from helpers import Quiet, build_shards, drip, serving
+from pipeline import cli, manifest, options, remote, shards, train
+from pipeline.errors import ShardError
+from pipeline.sources import SyntheticSource
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = ROOT / "tools" / "make_shards.py"
+ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shards")
+    build_shards(out, "mnist", "train", 60, shape=(1, 28, 28), encoding="raw", maxcount=20)
+    return out
+
+
+def run(args, timeout=120, **kw):
+    return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+def one_line_error(p, prog, *needles):
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
+    errors = [ln for ln in p.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and errors[0].startswith(f"{prog}: error:"), p.stderr[-2000:]
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_shards_limits", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def parse_error(parse, argv, capsys):
+    """The one stderr line of a command line that parse() refuses with exit code 2."""
+    with pytest.raises(SystemExit) as e:
+        parse(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    return err
+
+
+# ---------------------------------------------------------------- the I/O flags
+
+
+BAD_IO = [
+    (["--io-timeout", "1e308"], "--io-timeout"), (["--io-timeout", "inf"], "--io-timeout"),
+    (["--io-timeout", "nan"], "--io-timeout"), (["--io-timeout", "-1"], "--io-timeout"),
+    (["--min-rate", "1e-300"], "--min-rate"), (["--min-rate", "inf"], "--min-rate"), (["--min-rate", "nan"], "--min-rate"),
+    (["--retries", "9" * 30], "--retries"), (["--retries", "-1"], "--retries"),
+    (["--max-shard-bytes", "9" * 40], "--max-shard-bytes"), (["--max-shard-bytes", "1e400"], "--max-shard-bytes"),
+    (["--max-shard-bytes", "0"], "--max-shard-bytes"), (["--max-shard-bytes", "-5"], "--max-shard-bytes"),
+    (["--max-shard-bytes", "10X"], "--max-shard-bytes"), (["--max-shard-bytes", "1P"], "--max-shard-bytes"),
+    (["--max-shard-bytes", "1000T", "--min-rate", "0.001"], "deadline"),
+]
+
+
+@pytest.mark.parametrize("bad, needle", BAD_IO + [
+    (["--timeout", "9" * 30], "--timeout"), (["--timeout", "99999999999"], "--timeout"), (["--timeout", "0"], "--timeout"),
+    (["--cache-size", "10G"], "--cache-dir"), (["--cache-dir", "c", "--cache-size", "0"], "--cache-size"),
+    (["--cache-dir", "c", "--cache-size", "lots"], "--cache-size"),
+])
+def test_the_trainer_refuses_overflowing_io_flags_in_one_line(capsys, bad, needle):
+    err = parse_error(options.parse, ["--train", "a=x/", *bad], capsys)
+    assert err.startswith("pipeline.train: error:") and needle in err, err
+
+
+@pytest.mark.parametrize("bad, needle", BAD_IO)
+def test_make_shards_refuses_the_same_flags_alike(tool, capsys, bad, needle):
+    err = parse_error(tool.parse_args, ["--index", "a:train=x/", *bad], capsys)
+    assert err.startswith("make_shards: error:") and needle in err, err
+
+
+def test_both_entry_points_share_one_definition_of_the_io_flags(tool, capsys):
+    def flags(parse):
+        with pytest.raises(SystemExit):
+            parse(["--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        return [text[text.rindex(f):][:120] for f in ("--io-timeout S", "--min-rate MB_PER_S", "--retries N",
+                                                    "--max-shard-bytes BYTES")]
+    assert flags(options.parse) == flags(tool.parse_args)
+
+
+def test_good_io_flags_make_the_policy(tool):
+    args = options.parse(["--train", "a=x/", "--io-timeout", "2.5", "--min-rate", "4", "--retries", "0",
+                          "--max-shard-bytes", "64M", "--cache-dir", "c", "--cache-size", "1.5G"])
+    assert cli.policy_of(args) == remote.Policy(retries=0, timeout=2.5, min_rate=4e6, max_bytes=64 << 20)
+    assert args.cache_size == int(1.5 * (1 << 30))
+    json.dumps(vars(args))  # the config goes into summary.json and the checkpoint as it is
+    assert cli.policy_of(tool.parse_args(["--index", "a:train=x/", "--retries", "7"])).retries == 7
+    assert [cli.size(t) for t in ("1", "2K", "3m", "1GiB", "1gb", "0.5T")] == [1, 2048, 3 << 20, 1 << 30, 1 << 30, 1 << 39]
+
+
+@pytest.mark.slow
+def test_overflowing_flags_from_the_real_command_lines(data, tmp_path):
+    p = run(["-m", "pipeline.train", "--train", f"mnist={data}/", "--io-timeout", "1e308", "--out", tmp_path / "run"])
+    one_line_error(p, "pipeline.train", "--io-timeout")
+    p = run(["-m", "torch.distributed.run", "--nproc_per_node=1", "-m", "pipeline.train", "--train", f"mnist={data}/",
+             "--timeout", "9" * 25, "--out", tmp_path / "run"])
+    assert p.returncode != 0 and "OverflowError" not in p.stderr  # torchrun adds its own report of the exit
+    assert p.stderr.startswith("pipeline.train: error: --timeout must be a finite number from 1 to 604800"), p.stderr
+    p = run([TOOL, "--index", f"x:train={data}", "--retries", "9" * 25, "--out", tmp_path / "idx"])
+    one_line_error(p, "make_shards", "--retries")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "idx").exists()
+
+
+class DripBody(Quiet, http.server.BaseHTTPRequestHandler):
+    """Announces 100 MB and drips them, one byte every 0.2 s."""
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", str(100 << 20))
+        self.end_headers()
+        drip(self, b"x", 60)
+
+
+def test_make_shards_index_obeys_the_io_flags(tmp_path):
+    """--io-timeout 0.5 --min-rate 100 --retries 0 on a dripping server: the index fails at
+    its 0.5 s + 100 MB / 100 MB/s deadline, not after the defaults' 130 s and three retries."""
+    with serving(DripBody) as srv:
+        t0 = time.time()
+        p = run([TOOL, "--index", f"x:train={srv.url}x-{{0..1}}.tar", "--io-timeout", "0.5", "--min-rate", "100",
+                 "--retries", "0", "--workers", "1", "--quiet", "--out", tmp_path / "idx"], timeout=60)
+        took = time.time() - t0
+    one_line_error(p, "make_shards", "deadline", f"{srv.url}x-0.tar")
+    assert took < 20, took
+
+
+# ---------------------------------------------------------------- the shard-size ceiling
+
+
+def overstate(src, dst, nbytes):
+    """A copy of src's mnist-train manifest (hard links to its shards) whose first shard claims nbytes."""
+    dst.mkdir()
+    for f in os.listdir(src):
+        if f.endswith(".tar"):
+            os.link(src / f, dst / f)
+    m = json.loads((src / "mnist-train.json").read_text())
+    m["shards"][0]["bytes"] = nbytes
+    (dst / "mnist-train.json").write_text(json.dumps(m))
+    return dst
+
+
+def test_a_manifest_claiming_more_than_the_ceiling_is_refused_before_any_read(data, tmp_path):
+    lying = overstate(data, tmp_path / "lying", 10 ** 13)
+    with pytest.raises(ShardError, match="more than --max-shard-bytes 1073741824"):
+        manifest.resolve("mnist", str(lying), "train")
+    m = json.loads((data / "mnist-train.json").read_text())
+    biggest = max(s["bytes"] for s in m["shards"])
+    with pytest.raises(ShardError, match=m["shards"][0]["name"]):
+        manifest.resolve("mnist", str(data), "train", policy=remote.Policy(max_bytes=biggest - 1))
+    assert manifest.resolve("mnist", str(data), "train", policy=remote.Policy(max_bytes=biggest)).total == 60
+    p = run(["-m", "pipeline.train", "--train", f"mnist={lying}/", "--out", tmp_path / "run"])
+    one_line_error(p, "pipeline.train", "--max-shard-bytes", "mnist-train-000000.tar")
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- --overwrite
+
+
+def fake_args(out, **kw):
+    return SimpleNamespace(out=str(out), resume=False, overwrite=True, **kw)
+
+
+def test_overwrite_deletes_a_previous_run_and_says_what(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    names = ["checkpoint.pt", "eval.json", "keys-rank0.txt", "keys-rank1.txt", "metrics.jsonl", "report.png",
+             "summary.json", "summary.json.tmp"]
+    for n in names:
+        (out / n).write_text("x")
+    assert train.prepare_out(fake_args(out), SimpleNamespace(is_main=True)) is None
+    said = capsys.readouterr().out
+    assert said.startswith(f"--overwrite: deleting the previous run in {out}/: ") and all(n in said for n in names)
+    assert out.is_dir() and os.listdir(out) == []
+
+
+@pytest.mark.parametrize("foreign", ["mnist-train-000000.tar", "mnist-train.json", "notes.txt", "sub/", "link"])
+def test_overwrite_refuses_a_folder_holding_anything_else(tmp_path, capsys, foreign):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("{}\n")
+    (out / "checkpoint.pt").write_text("x")
+    if foreign.endswith("/"):
+        (out / foreign).mkdir()
+    elif foreign == "link":
+        (tmp_path / "elsewhere").write_text("keep")
+        os.symlink(tmp_path / "elsewhere", out / "summary.json")
+    else:
+        (out / foreign).write_text("keep")
+    before = sorted(os.listdir(out))
+    with pytest.raises(ValueError, match="nothing deleted"):
+        train.prepare_out(fake_args(out), SimpleNamespace(is_main=True))
+    assert sorted(os.listdir(out)) == before and capsys.readouterr().out == ""
+    assert (tmp_path / "elsewhere").read_text() == "keep" if foreign == "link" else True
+
+
+def test_overwrite_on_a_shard_folder_from_the_trainer_deletes_nothing(data, tmp_path):
+    """--out pointed at the shards by mistake (it holds a metrics.jsonl too): one line, every
+    shard and manifest stays."""
+    out = tmp_path / "shards"
+    out.mkdir()
+    for f in os.listdir(data):
+        os.link(data / f, out / f)
+    (out / "metrics.jsonl").write_text('{"kind": "step"}\n')
+    before = {f: (out / f).read_bytes() for f in os.listdir(out)}
+    p = run(["-m", "pipeline.train", "--train", f"mnist={data}/", "--epochs", "1", "--batch-size", "16", "--workers",
+             "0", "--width", "4", "--out", out, "--overwrite"])
+    one_line_error(p, "pipeline.train", "--overwrite", "nothing deleted", ".tar'")
+    assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
+
+
+# ---------------------------------------------------------------- one writer per folder
+
+
+def test_a_second_make_shards_on_one_out_is_refused_while_the_first_writes(tmp_path):
+    out = tmp_path / "out"
+    args = [TOOL, "--synthetic", "--datasets", "mnist", "--splits", "train", "--limit", "6000", "--maxcount", "100",
+            "--workers", "1", "--quiet", "--out", out]
+    first = subprocess.Popen([sys.executable, *map(str, args)], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.time() + 60
+        while not (out / shards.LOCK).exists() and first.poll() is None and time.time() < end:
+            time.sleep(0.01)
+        assert first.poll() is None, "the first writer ended before the second started; make it write longer"
+        second = run(args, timeout=120)
+    finally:
+        out1, err1 = first.communicate(timeout=120)
+    assert first.returncode == 0, err1[-2000:]
+    one_line_error(second, "make_shards", "another make_shards is writing this folder", f"pid {first.pid}")
+    assert "wrote manifests and shards" in out1
+    verify = run([TOOL, "--verify", "--out", out])
+    assert verify.returncode == 0 and "verify" in verify.stdout and "OK" in verify.stdout, verify.stdout
+    assert not (out / shards.LOCK).exists()
+    assert json.loads((out / "mnist-train.json").read_text())["total"] == 6000
+
+
+def test_two_builds_started_together_never_both_succeed_in_one_folder(tmp_path):
+    """In one process, two threads: the folder lock is per open file, so it holds between
+    threads as between processes. Exactly one build wins; its shards verify."""
+    out = str(tmp_path / "out")
+    results, gate = [], threading.Barrier(2)
+
+    def build(seed):
+        src = SyntheticSource("mnist", "train", 3000, (1, 28, 28), seed)
+        gate.wait()
+        try:
+            results.append(("ok", shards.build(src, out, encoding="png", maxcount=100, seed=seed, progress=False)))
+        except ShardError as e:
+            results.append(("refused", str(e)))
+
+    threads = [threading.Thread(target=build, args=(s,)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    kinds = sorted(k for k, _ in results)
+    assert kinds == ["ok", "refused"] or kinds == ["ok", "ok"], results  # "ok", "ok" only if they ran one after the other
+    if kinds == ["ok", "refused"]:
+        assert "another make_shards is writing" in next(v for k, v in results if k == "refused")
+    assert shards.verify(out) == []
+
+
+def test_the_lock_is_free_again_after_a_failed_build(tmp_path):
+    class Broken(SyntheticSource):
+        def image(self, i):
+            if i == 7:
+                raise OSError(28, "No space left on device")
+            return super().image(i)
+
+    with pytest.raises(OSError, match="No space"):
+        shards.build(Broken("mnist", "train", 20, (1, 8, 8), 0), str(tmp_path), maxcount=5, progress=False)
+    assert not (tmp_path / shards.LOCK).exists()
+    shards.build(SyntheticSource("mnist", "train", 20, (1, 8, 8), 0), str(tmp_path), maxcount=5, progress=False)
+    assert shards.verify(str(tmp_path)) == []
+
+
+# ---------------------------------------------------------------- brace patterns and manifest bodies
+
+LIMITED = r"""
+import resource, runpy, sys
+vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+what, argv = sys.argv[1], sys.argv[2:]
+if what == "train":
+    import pipeline.train as entry
+else:
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("ms", what)
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (400 << 20), vm + (400 << 20)))
+sys.exit(entry.main(argv))
+"""
+
+
+@pytest.mark.parametrize("pattern", ["x-{0..999999999}.tar", *(pytest.param(p, marks=pytest.mark.slow) for p in (
+    "x-{0..9}{0..9}{0..9}{0..9}{0..9}{0..9}{0..9}.tar", "x-{A..A}{0..99999999}.tar", "x-{0.." + "9" * 5000 + "}.tar",
+    "{" * 3000 + "x" + "}" * 3000 + ".tar", "x-{0..3.tar"))])
+def test_a_brace_pattern_of_millions_is_one_line_within_a_memory_limit(tmp_path, pattern):
+    """Refused from counting, before braceexpand builds a single range (which it does in
+    memory, whole, before yielding the first name), in both entry points, under 400 MB."""
+    t0 = time.time()
+    p = run(["-c", LIMITED, "train", "--train", f"x={tmp_path}/{pattern}", "--out", tmp_path / "run"])
+    one_line_error(p, "pipeline.train", "brace" if "{0..3" not in pattern else "Unbalanced")
+    p = run(["-c", LIMITED, TOOL, "--index", f"x:train={tmp_path}/{pattern}", "--out", tmp_path / "idx"])
+    one_line_error(p, "make_shards", "brace" if "{0..3" not in pattern else "Unbalanced")
+    assert time.time() - t0 < 60
+
+
+def test_a_pattern_within_the_cap_still_expands_as_braceexpand_does(tmp_path):
+    assert manifest.expand_pattern("a{0..2}/{x,y{1..2}}") == ["a0/x", "a0/y1", "a0/y2", "a1/x", "a1/y1", "a1/y2",
+                                                              "a2/x", "a2/y1", "a2/y2"]
+    assert len(manifest.expand_pattern("{0..999}{0..999}")) == manifest.MAX_PATTERN
+    with pytest.raises(ShardError, match="more than 1,000,000"):
+        manifest.expand_pattern("{0..999}{0..1000}")
+
+
+class Huge(Quiet, http.server.BaseHTTPRequestHandler):
+    """A '2 GB manifest': announces 2e9 bytes (or none, chunked) and sends zeros for as long as it may."""
+
+    def do_GET(self):
+        self.send_response(200)
+        announced = self.path.startswith("/announced/")
+        if announced:
+            self.send_header("Content-Length", str(2 * 10 ** 9))
+        self.end_headers()
+        try:
+            end = time.time() + 20
+            while time.time() < end and not self.server.stopping:
+                self.wfile.write(b"0" * (1 << 20))
+        except OSError:
+            pass
+
+
+@pytest.mark.parametrize("kind", ["announced", "streamed"])
+def test_a_2gb_manifest_body_is_one_line_naming_its_url(tmp_path, kind):
+    with serving(Huge) as srv:
+        url = f"{srv.url}{kind}/mnist-train.json"
+        t0 = time.time()
+        with pytest.raises(ShardError) as e:
+            manifest.load(url, policy=remote.Policy(retries=0, timeout=5))
+        assert time.time() - t0 < 10
+        assert str(e.value).startswith(f"cannot read manifest {url}: ") and "67108864" in str(e.value), e.value
+        p = run(["-c", LIMITED, "train", "--train", f"mnist={srv.url}{kind}/", "--retries", "0", "--out",
+                 tmp_path / "run"])
+    one_line_error(p, "pipeline.train", url, "67108864")
