@@ -20,7 +20,8 @@ import contextlib
 import hashlib
 import os
 import re
-import threading
+import stat
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -84,12 +85,15 @@ def read(cache, url, consume, nbytes, digest, timed=None):
     (a copy that does not match is removed, with a warning). timed(file, path, size): the
     copy as a local read with a deadline (remote._Local)."""
     where = path(cache.folder, url)
-    try:
-        f = open(where, "rb")
-    except OSError:  # never cached, evicted a moment ago, or unreadable: fetch it
+    try:  # no link followed, and no FIFO waited on: a shared folder may hold anything
+        f = os.fdopen(os.open(where, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb")
+    except OSError:  # never cached, evicted a moment ago, a link, or unreadable: fetch it
         return MISS
     with f:
-        size = os.fstat(f.fileno()).st_size
+        st = os.fstat(f.fileno())
+        size = st.st_size
+        if not stat.S_ISREG(st.st_mode):
+            return _stale(where, f, url, "not a regular file")
         if nbytes is not None and size != nbytes:
             return _stale(where, f, url, f"{size} bytes, the manifest says {nbytes}")
         _touch(where)
@@ -137,8 +141,9 @@ class Writer:
             os.makedirs(cache.folder, exist_ok=True)
             if cache.size is not None and nbytes is not None:
                 make_room(cache, nbytes)
-            self.tmp = f"{self.final}.{os.getpid()}.{threading.get_ident()}.tmp"
-            self.out = open(self.tmp, "wb")
+            fd, self.tmp = tempfile.mkstemp(prefix=f"{os.path.basename(self.final)}.{os.getpid()}.", suffix=".tmp",
+                                            dir=cache.folder)  # a name of its own, created exclusively
+            self.out = open(fd, "wb")
         except OSError as e:
             self._off(e)
 
@@ -218,7 +223,7 @@ def evict(cache, budget, keep=None):
 
 def _orphan(name):
     """A partial copy whose writing process no longer runs (killed mid-transfer)."""
-    m = re.search(r"\.(\d+)\.\d+\.tmp\Z", name)
+    m = re.search(r"\.(\d+)\.[^.]+\.tmp\Z", name)
     if not m:
         return False
     try:

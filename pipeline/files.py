@@ -105,7 +105,7 @@ def locked(path, *, wait=True):
     Without `wait`, a lock held by another process raises Busy naming its pid.
     """
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # a planted link is no lock
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))

@@ -94,7 +94,7 @@ def check(p, args):
     p.at_least(args, {"epochs": 1, "batch_size": 1, "log_every": 1, "shuffle_buffer": 1, "workers": 0, "width": 1,
                       "epoch_samples": 1, "stop_after": 1, "stop_after_steps": 1, "checkpoint_every": 1, "timeout": 1,
                       "retries": 0, "max_nonfinite": 0})
-    p.within(args, {"timeout": (1, MAX_TIMEOUT)})
+    p.within(args, {"timeout": (1, MAX_TIMEOUT), "workers": (0, 1024)})
     check_io(p, args)
     if args.cache_size is not None and args.cache_dir is None:
         p.error("--cache-size applies with --cache-dir only")

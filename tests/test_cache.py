@@ -188,7 +188,7 @@ def test_a_full_disk_turns_the_cache_off_with_one_warning(tmp_path, monkeypatch,
 
     def fake_open(path, mode="r", *a, **kw):
         f = real_open(path, mode, *a, **kw)
-        if str(path).startswith(cache) and "w" in mode:
+        if (isinstance(path, int) or str(path).startswith(cache)) and "w" in mode:  # a copy, opened from mkstemp
             opened.append(path)
             return Full(f)
         return f
@@ -335,3 +335,38 @@ def test_an_unbounded_cache_leaves_no_lock_file(tmp_path):
     t = time.time()
     assert caching.of(cache) == Cache(cache) and caching.of(None) is None and caching.of("") is None
     assert time.time() - t < 1
+
+
+@pytest.mark.parametrize("planted", ["fifo", "link", "folder"])
+def test_a_fifo_link_or_folder_under_a_copys_name_is_never_read_through(tmp_path, planted):
+    """A shared folder may hold anything under a copy's name: a FIFO must not hang the read,
+    a link must not be followed (nor its target removed), a folder must not fail it."""
+    data, cache = blob("a"), str(tmp_path / "cache")
+    os.mkdir(cache)
+    target = tmp_path / "precious"
+    target.write_bytes(data)  # even the right bytes: a link is not a copy this cache wrote
+    with files_server({"/a.tar": data}) as srv:
+        url = srv.url + "a.tar"
+        where = cache_path(cache, url)
+        {"fifo": lambda: os.mkfifo(where), "link": lambda: os.symlink(target, where),
+         "folder": lambda: os.mkdir(where)}[planted]()
+        t0 = time.time()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert read(url, data, cache) == data
+        assert time.time() - t0 < 5 and srv.hits["/a.tar"] == 1
+    assert target.read_bytes() == data
+    if planted != "folder":  # a folder can't be renamed over: the copy is dropped, the read stands
+        assert open(where, "rb").read() == data and not os.path.islink(where)
+
+
+def test_a_planted_lock_link_is_refused_not_truncated(tmp_path):
+    from pipeline.files import locked
+
+    target = tmp_path / "precious"
+    target.write_text("keep me")
+    os.symlink(target, tmp_path / ".lock")
+    with pytest.raises(OSError):
+        with locked(str(tmp_path / ".lock")):
+            pass
+    assert target.read_text() == "keep me"

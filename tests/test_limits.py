@@ -83,14 +83,14 @@ BAD_IO = [
 @pytest.mark.parametrize("bad, needle", BAD_IO + [
     (["--timeout", "9" * 30], "--timeout"), (["--timeout", "99999999999"], "--timeout"), (["--timeout", "0"], "--timeout"),
     (["--cache-size", "10G"], "--cache-dir"), (["--cache-dir", "c", "--cache-size", "0"], "--cache-size"),
-    (["--cache-dir", "c", "--cache-size", "lots"], "--cache-size"),
+    (["--cache-dir", "c", "--cache-size", "lots"], "--cache-size"), (["--workers", "100000"], "--workers"),
 ])
 def test_the_trainer_refuses_overflowing_io_flags_in_one_line(capsys, bad, needle):
     err = parse_error(options.parse, ["--train", "a=x/", *bad], capsys)
     assert err.startswith("pipeline.train: error:") and needle in err, err
 
 
-@pytest.mark.parametrize("bad, needle", BAD_IO)
+@pytest.mark.parametrize("bad, needle", BAD_IO + [(["--workers", "100000"], "--workers")])
 def test_make_shards_refuses_the_same_flags_alike(tool, capsys, bad, needle):
     err = parse_error(tool.parse_args, ["--index", "a:train=x/", *bad], capsys)
     assert err.startswith("make_shards: error:") and needle in err, err

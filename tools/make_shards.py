@@ -72,6 +72,7 @@ def parse_args(argv):
 def check(p, args):
     args.part = parse_part(p, args.part)
     p.at_least(args, {"limit": 1, "maxcount": 1, "seed": 0, "workers": 1, "holdout": 1})
+    p.within(args, {"workers": (1, 1024)})  # each one a process
     check_io(p, args)
     if args.seed >= 2 ** 63:
         p.error(f"--seed {args.seed}: must be below 2**63")
