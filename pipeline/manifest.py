@@ -309,7 +309,7 @@ def load(url, policy=remote.Policy()):
         m = read_json(url)
     else:
         try:
-            text = remote.fetch(url, policy=policy, limit=MAX_JSON)
+            text = remote.fetch(url, policy=policy, limit=MAX_JSON, limit_name="the most a manifest may hold")
         except (OSError, ShardError) as e:  # ShardError: a body past MAX_JSON
             raise ShardError(f"cannot read manifest {url}: {e}") from None
         m = parse_json(text, url)

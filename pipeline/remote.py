@@ -74,6 +74,7 @@ class Policy:
     timeout: float = 30.0
     min_rate: float = 1 << 20
     max_bytes: int = 1 << 30
+    max_name: str = dataclasses.field(default="--max-shard-bytes", compare=False)  # where max_bytes comes from
 
     def __post_init__(self):
         if not (0 <= self.retries <= 1000 and 0 <= self.delay <= MAX_DELAY and 0 < self.timeout <= 86400
@@ -175,7 +176,7 @@ class _HTTP:
             raise DigestError(f"the server announces {length} bytes, the manifest says {nbytes}")
         if length > policy.max_bytes:
             raise ShardError(f"the server announces {length} bytes, more than the {policy.max_bytes} bytes this job "
-                             f"allows (--max-shard-bytes for a shard)")
+                             f"allows ({policy.max_name})")
         if policy.deadline(length) < self.limit:
             self._arm(policy.deadline(length))
 
@@ -257,8 +258,8 @@ class _Checked:
     """A remote stream that hashes what passes through it (and copies it to a cache.Writer);
     `finish` drains the rest (tar padding after the end-of-archive block) and checks it."""
 
-    def __init__(self, raw, url, digest, nbytes, max_bytes, copy):
-        self.raw, self.url, self.digest, self.nbytes, self.max_bytes = raw, url, digest, nbytes, max_bytes
+    def __init__(self, raw, url, digest, nbytes, policy, copy):
+        self.raw, self.url, self.digest, self.nbytes, self.policy = raw, url, digest, nbytes, policy
         self.hash = hashlib.sha256() if digest else None
         self.got = 0
         self.copy = copy
@@ -268,8 +269,8 @@ class _Checked:
         self.got += len(data)
         if self.nbytes is not None and self.got > self.nbytes:  # an endless body would fill the cache
             raise DigestError(f"more than the {self.nbytes} bytes the manifest says")
-        if self.got > self.max_bytes:
-            raise ShardError(f"more than the {self.max_bytes} bytes this job allows (--max-shard-bytes for a shard)")
+        if self.got > self.policy.max_bytes:
+            raise ShardError(f"more than the {self.policy.max_bytes} bytes this job allows ({self.policy.max_name})")
         if self.hash:
             self.hash.update(data)
         if self.copy:
@@ -321,7 +322,7 @@ def read_url(url, consume, *, policy=Policy(), nbytes=None, digest=None, cache_d
         stream = copy = None
         try:
             copy = caching.Writer(cache, url, nbytes) if cache else None
-            stream = _Checked(_open_raw(url, policy, nbytes), url, digest, nbytes, policy.max_bytes, copy)
+            stream = _Checked(_open_raw(url, policy, nbytes), url, digest, nbytes, policy, copy)
             copy = None
             result = consume(stream)
             stream.finish()
@@ -403,11 +404,11 @@ def describe(error):
     return f"{error.__class__.__name__}: {text}" if text else error.__class__.__name__
 
 
-def fetch(url, *, policy=Policy(), nbytes=None, limit=None):
+def fetch(url, *, policy=Policy(), nbytes=None, limit=None, limit_name="the limit for this file"):
     """All bytes at `url` (local, http(s) or pipe:), with retries and a deadline; ShardError
     past `limit` bytes (refused from the Content-Length when a server announces more)."""
     if limit is not None and limit < policy.max_bytes:
-        policy = dataclasses.replace(policy, max_bytes=limit)
+        policy = dataclasses.replace(policy, max_bytes=limit, max_name=limit_name)
     return read_url(url, lambda f: read_all(f, limit), policy=policy, nbytes=nbytes)
 
 

@@ -42,7 +42,7 @@ def writing(out):
         try:
             held.enter_context(locked(os.path.join(out, LOCK), wait=False))
         except Busy as e:
-            raise ShardError(f"{out}: another make_shards is writing this folder ({e}); wait for it to finish "
+            raise ShardError(f"{out}: another make_shards is writing this folder ({e.strerror}); wait for it to finish "
                              f"or choose another --out") from None
         yield
 

@@ -264,7 +264,8 @@ def prepare_out(args, topo):
     dist.barrier()  # every rank has looked before rank 0 clears the folder
     if topo.is_main:
         if doomed:
-            print(f"--overwrite: deleting the previous run in {args.out}/: {', '.join(doomed)}", flush=True)
+            why = "--overwrite" if args.overwrite else "restarted without a checkpoint"
+            print(f"{why}: deleting the previous run in {args.out}/: {', '.join(doomed)}", flush=True)
         for name in doomed:
             os.remove(os.path.join(args.out, name))
         os.makedirs(args.out, exist_ok=True)
