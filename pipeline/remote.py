@@ -7,13 +7,14 @@ wait in their DataLoader, not in an all-reduce). The size is the job's to bound,
 not the data's: the smallest of the manifest's size, the Content-Length the
 server announces, and the job's ceiling (`Policy.max_bytes`, --max-shard-bytes).
 A server that announces another size than the manifest, or more than the
-ceiling, fails at once; a body that runs past either is cut off. Every transient failure
-(refused or reset connections, socket timeouts, a body shorter than its
-Content-Length, an HTTP 5xx, 408 or 429, a pipe's non-zero exit, a missed
-deadline) is retried alike with doubling delays; any other 4xx is permanent and
-fails at once. http(s) goes through urllib rather than webdataset's curl pipe
-so that these cases can be told apart; the error then says "HTTP Error 404"
-rather than "curl exit 22".
+ceiling, fails at once; a body that runs past either is cut off.
+
+Every transient failure (refused or reset connections, socket timeouts, a body
+shorter than its Content-Length, an HTTP 5xx, 408 or 429, a pipe's non-zero
+exit, a missed deadline) is retried alike with doubling delays; any other 4xx
+is permanent and fails at once. http(s) goes through urllib rather than
+webdataset's curl pipe so that these cases can be told apart; the error then
+says "HTTP Error 404" rather than "curl exit 22".
 
 A remote shard is parsed while it streams in, hashed on the way, and checked
 against its manifest's sha256 and size at the end; only then is a cached copy
