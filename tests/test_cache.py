@@ -370,3 +370,23 @@ def test_a_planted_lock_link_is_refused_not_truncated(tmp_path):
         with locked(str(tmp_path / ".lock")):
             pass
     assert target.read_text() == "keep me"
+
+
+def test_the_shard_reader_through_a_bounded_cache_reads_every_sample_and_stays_within_it(tmp_path):
+    from helpers import serve
+    from pipeline.manifest import resolve
+
+    folder = tmp_path / "srv"
+    build_shards(folder, "mnist", "train", 100, maxcount=20, seed=0)
+    local = resolve("mnist", str(folder), "train")
+    size = 2 * max(local.sizes) + 1
+    cache = Cache(str(tmp_path / "cache"), size)
+    want = _keys_of(local, None)
+    with serve(folder) as base:
+        remote_src = resolve("mnist", base, "train", policy=FAST)
+        for _ in range(2):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no copy ever seen stale
+                assert _keys_of(remote_src, cache) == want
+            held = entries(cache.folder)
+            assert 1 <= len(held) <= 2 and sum(os.path.getsize(os.path.join(cache.folder, f)) for f in held) <= size
