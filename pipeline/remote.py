@@ -176,8 +176,8 @@ class _HTTP:
         if nbytes is not None and length != nbytes:
             raise DigestError(f"the server announces {length} bytes, the manifest says {nbytes}")
         if length > policy.max_bytes:
-            raise ShardError(f"the server announces {length} bytes, more than the {policy.max_bytes} bytes this job "
-                             f"allows ({policy.max_name})")
+            raise ShardError(f"the server announces {length} bytes: more than {policy.max_bytes} bytes, the most this "
+                             f"job allows ({policy.max_name})")
         if policy.deadline(length) < self.limit:
             self._arm(policy.deadline(length))
 
@@ -271,7 +271,7 @@ class _Checked:
         if self.nbytes is not None and self.got > self.nbytes:  # an endless body would fill the cache
             raise DigestError(f"more than the {self.nbytes} bytes the manifest says")
         if self.got > self.policy.max_bytes:
-            raise ShardError(f"more than the {self.policy.max_bytes} bytes this job allows ({self.policy.max_name})")
+            raise ShardError(f"more than {self.policy.max_bytes} bytes, the most this job allows ({self.policy.max_name})")
         if self.hash:
             self.hash.update(data)
         if self.copy:

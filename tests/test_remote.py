@@ -735,7 +735,7 @@ def test_more_than_the_job_allows_is_refused(announced):
 
     with raw_server(big) as srv:
         got, took, warned = quiet(read_url, srv.url, read_all, policy=p)
-    assert type(got) is ShardError and "more than the 4096 bytes this job allows" in str(got), got
+    assert type(got) is ShardError and "more than 4096 bytes, the most this job allows" in str(got), got
     assert srv.conns == 1 and warned == [] and took < SLACK
 
 
