@@ -165,6 +165,8 @@ class Writer:
             _touch(self.final)
             if self.cache.size is not None:
                 with locked(os.path.join(self.cache.folder, LOCK)):
+                    if os.path.getsize(self.final) > self.cache.size:  # a size nobody announced, past the bound
+                        os.remove(self.final)
                     evict(self.cache, self.cache.size, keep=self.final)
         except OSError as e:
             self._off(e)
