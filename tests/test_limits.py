@@ -240,7 +240,7 @@ def test_overwrite_on_a_shard_folder_from_the_trainer_deletes_nothing(data, tmp_
 
 def test_a_second_make_shards_on_one_out_is_refused_while_the_first_writes(tmp_path):
     out = tmp_path / "out"
-    args = [TOOL, "--synthetic", "--datasets", "mnist", "--splits", "train", "--limit", "6000", "--maxcount", "100",
+    args = [TOOL, "--synthetic", "--datasets", "mnist", "--splits", "train", "--limit", "10000", "--maxcount", "100",
             "--workers", "1", "--quiet", "--out", out]
     first = subprocess.Popen([sys.executable, *map(str, args)], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
@@ -258,33 +258,37 @@ def test_a_second_make_shards_on_one_out_is_refused_while_the_first_writes(tmp_p
     verify = run([TOOL, "--verify", "--out", out])
     assert verify.returncode == 0 and "verify" in verify.stdout and "OK" in verify.stdout, verify.stdout
     assert not (out / shards.LOCK).exists()
-    assert json.loads((out / "mnist-train.json").read_text())["total"] == 6000
+    assert json.loads((out / "mnist-train.json").read_text())["total"] == 10000
 
 
-def test_two_builds_started_together_never_both_succeed_in_one_folder(tmp_path):
+def test_a_second_build_in_one_folder_is_refused_while_the_first_holds_it(tmp_path):
     """In one process, two threads: the folder lock is per open file, so it holds between
-    threads as between processes. Exactly one build wins; its shards verify."""
-    out = str(tmp_path / "out")
-    results, gate = [], threading.Barrier(2)
+    threads as between processes. The first build is held half-way through its shards; the
+    second, on the same folder, is refused at once; the first then finishes and verifies."""
+    out, halfway, go = str(tmp_path / "out"), threading.Event(), threading.Event()
 
-    def build(seed):
-        src = SyntheticSource("mnist", "train", 3000, (1, 28, 28), seed)
-        gate.wait()
-        try:
-            results.append(("ok", shards.build(src, out, encoding="png", maxcount=100, seed=seed, progress=False)))
-        except ShardError as e:
-            results.append(("refused", str(e)))
+    class Held(SyntheticSource):
+        def image(self, i):
+            if i == 7:
+                halfway.set()
+                go.wait(30)
+            return super().image(i)
 
-    threads = [threading.Thread(target=build, args=(s,)) for s in (1, 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    kinds = sorted(k for k, _ in results)
-    assert kinds == ["ok", "refused"] or kinds == ["ok", "ok"], results  # "ok", "ok" only if they ran one after the other
-    if kinds == ["ok", "refused"]:
-        assert "another make_shards is writing" in next(v for k, v in results if k == "refused")
-    assert shards.verify(out) == []
+    results = []
+    first = threading.Thread(target=lambda: results.append(
+        shards.build(Held("mnist", "train", 40, (1, 8, 8), 0), out, maxcount=5, progress=False)))
+    first.start()
+    try:
+        assert halfway.wait(30)
+        with pytest.raises(ShardError, match="another make_shards is writing this folder"):
+            shards.build(SyntheticSource("mnist", "train", 40, (1, 8, 8), 1), out, maxcount=5, progress=False)
+        with pytest.raises(ShardError, match="another make_shards is writing this folder"):
+            shards.merge_parts(out, "mnist", "train")
+    finally:
+        go.set()
+        first.join(30)
+    assert len(results) == 1 and results[0]["total"] == 40
+    assert shards.verify(out) == [] and not os.path.exists(os.path.join(out, shards.LOCK))
 
 
 def test_the_lock_is_free_again_after_a_failed_build(tmp_path):
