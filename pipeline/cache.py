@@ -134,7 +134,7 @@ class Writer:
     """
 
     def __init__(self, cache, url, nbytes):
-        self.cache, self.final, self.out, self.tmp = cache, path(cache.folder, url), None, None
+        self.cache, self.final, self.out, self.tmp, self.written = cache, path(cache.folder, url), None, None, 0
         if cache.folder in _OFF or (cache.size is not None and nbytes is not None and nbytes > cache.size):
             return  # off, or a shard larger than the whole cache: read through
         try:
@@ -151,6 +151,7 @@ class Writer:
         if self.out is not None:
             try:
                 self.out.write(data)
+                self.written += len(data)
             except OSError as e:
                 self._off(e)
 
@@ -165,8 +166,9 @@ class Writer:
             _touch(self.final)
             if self.cache.size is not None:
                 with locked(os.path.join(self.cache.folder, LOCK)):
-                    if os.path.getsize(self.final) > self.cache.size:  # a size nobody announced, past the bound
-                        os.remove(self.final)
+                    if self.written > self.cache.size:  # a size nobody announced, past the bound
+                        with contextlib.suppress(FileNotFoundError):  # evicted by another process already
+                            os.remove(self.final)
                     evict(self.cache, self.cache.size, keep=self.final)
         except OSError as e:
             self._off(e)
