@@ -13,10 +13,12 @@ line naming the field.
 import json
 import math
 import os
-import stat
 from dataclasses import dataclass
 
 import torch
+
+from .errors import ShardError
+from .files import open_regular
 
 VERSION = 2
 MAX_WORLD = 1 << 16  # ranks a checkpoint may say it ran on
@@ -341,10 +343,13 @@ def save(path, state):
 def load(path, device="cpu"):
     """The checkpoint at `path`, loaded with weights_only=True (no code runs); ValueError if
     it is not one this version wrote."""
-    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block torch.load forever
-        raise ValueError(f"{path}: not a regular file, so not a checkpoint")
     try:
-        state = torch.load(path, map_location=device, weights_only=True)
+        f = open_regular(path)  # a FIFO would block torch.load forever
+    except (OSError, ShardError) as e:
+        raise ValueError(f"{path}: not a checkpoint ({e})") from None
+    try:
+        with f:
+            state = torch.load(f, map_location=device, weights_only=True)
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file: say which
         first = (str(e).strip().splitlines() or [""])[0]
         raise ValueError(f"{path}: not a loadable checkpoint ({e.__class__.__name__}: {first})") from None

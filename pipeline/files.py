@@ -35,17 +35,42 @@ def write_json_atomic(path, obj):
     write_atomic(path, (json.dumps(obj, indent=1) + "\n").encode())
 
 
+SPECIAL = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def open_regular(path):
+    """`path` opened for reading in binary if it is a regular file (links followed), else
+    ShardError before it is opened: opening a FIFO blocks until someone writes to it,
+    /dev/zero never ends, a device may act on open. The open itself never blocks, and a
+    file swapped for something else between the check and the open is refused too."""
+    info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode):
+        what = next((name for test, name in SPECIAL if test(info.st_mode)), "not a regular file")
+        raise ShardError(f"{path} is {what}, not a regular file: refused")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    try:
+        now = os.fstat(fd)
+        if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
+            raise ShardError(f"{path} changed into something else while it was opened: refused")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 MAX_JSON = 64 << 20  # a manifest for millions of shards is a few hundred MB; more is not a manifest
 
 
 def read_json(path):
     try:
-        if os.path.getsize(path) > MAX_JSON:
-            raise ShardError(f"{path}: {os.path.getsize(path)} bytes, more than a manifest may hold ({MAX_JSON})")
-        with open(path, "rb") as f:
-            data = f.read()
+        with open_regular(path) as f:
+            data = f.read(MAX_JSON + 1)
     except FileNotFoundError:
         raise ShardError(f"{path}: no such file") from None
+    if len(data) > MAX_JSON:
+        raise ShardError(f"{path}: more than the {MAX_JSON} bytes a manifest may hold")
     return parse_json(data, path)
 
 
@@ -74,9 +99,7 @@ def cut_to_complete_lines(path):
     """Drop a torn last line (a write cut short by a crash); returns the complete lines."""
     if not os.path.exists(path):
         return []
-    if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the read forever
-        raise OSError(f"{path}: not a regular file")
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         data = f.read()
     end = data.rfind(b"\n") + 1
     if end != len(data):

@@ -28,7 +28,6 @@ import os
 import re
 import signal
 import socket
-import stat
 import subprocess
 import threading
 import time
@@ -40,6 +39,7 @@ from dataclasses import dataclass
 
 from . import cache as caching
 from .errors import DigestError, FetchError, ShardError
+from .files import open_regular
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")
 UNKNOWN_SIZE = 16 << 20  # what the deadline assumes for a file of unknown size (a manifest)
@@ -345,30 +345,13 @@ def read_url(url, consume, *, policy=Policy(), nbytes=None, digest=None, cache_d
                 copy.abort()
 
 
-SPECIAL = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-
-
 def open_local(path, policy=Policy()):
     """A local regular file opened for reading, read within the same total deadline as a
     remote one (policy.deadline of its size on disk), so a network mount that drips fails
     instead of stalling a rank. Anything else is a ShardError before it is opened: opening a
     FIFO blocks until someone writes to it, /dev/zero never ends, a device may act on open."""
-    info = os.stat(path)  # follows links: what would be opened
-    if not stat.S_ISREG(info.st_mode):
-        what = next((name for test, name in SPECIAL if test(info.st_mode)), "not a regular file")
-        raise ShardError(f"{path} is {what}, not a regular file: refused")
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))  # never blocks, even if swapped
-    try:
-        now = os.fstat(fd)
-        if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
-            raise ShardError(f"{path} changed into something else while it was opened: refused")
-        os.set_blocking(fd, True)
-        f = os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-    return _Local(f, path, policy.deadline(now.st_size))
+    f = open_regular(path)
+    return _Local(f, path, policy.deadline(os.fstat(f.fileno()).st_size))
 
 
 class _Local:

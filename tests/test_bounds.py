@@ -560,3 +560,23 @@ def test_the_trainer_skips_the_issues_two_images_under_an_address_space_limit(tm
                        preexec_fn=cap)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["skipped_samples"] == 2
+
+
+def test_a_manifest_that_is_a_fifo_is_one_line_not_a_hang(tmp_path):
+    """--train NAME=PATH where PATH is a FIFO: opening it would block until someone writes."""
+    from pipeline.manifest import resolve
+
+    os.mkfifo(tmp_path / "x-train.json")
+    done = []
+
+    def run():
+        try:
+            resolve("x", str(tmp_path / "x-train.json"), "train")
+        except ShardError as e:
+            done.append(str(e))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "resolving a FIFO manifest hangs"
+    assert len(done) == 1 and "a FIFO, not a regular file: refused" in done[0], done
