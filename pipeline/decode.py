@@ -23,6 +23,7 @@ pixels, or a PNG with the Up filter on every row) takes the fast paths in
 import functools
 import io
 import json
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -30,21 +31,31 @@ import numpy as np
 
 from . import bounds, jpeg, png
 
-IMAGE_EXTS = ("raw", "png", "jpg", "jpeg", "webp", "ppm", "pgm", "bmp")
+IMAGE_EXTS = ("raw", "png", "jpg", "jpeg", "webp", "ppm", "pgm", "bmp", "tif", "tiff", "gif", "npy")
 LABEL_EXTS = ("cls", "txt", "index")
 MAX_PIXELS = bounds.MAX_PIXELS
 _PIL_FORMATS = {"png": "PNG", "jpg": "JPEG", "jpeg": "JPEG", "webp": "WEBP", "ppm": "PPM", "pgm": "PPM",
-                "bmp": "BMP"}
+                "bmp": "BMP", "tif": "TIFF", "tiff": "TIFF", "gif": "GIF"}
+_MEMBER_EXT = re.compile(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*\Z")
+_INTEGER = re.compile(r"[+-]?[0-9]+\Z")
+UNLABELLED = -1  # what a label member holding -1 means: the sample has no label
+
+
+class Unlabelled(ValueError):
+    """A sample without a label: a missing label member or field, or a label of -1."""
 
 
 @dataclass(frozen=True)
 class Target:
     """What one source's samples decode to.
 
-    shape: (C, H, W) with C 1 or 3; image_exts: the image extensions to look for, in
-    order; label: "cls", "txt", "index" or "json:FIELD" (FIELD may be dotted: a.b);
-    classes: how many classes the model has for this source; label_values: the raw
-    label of each class index when a data set's labels are not 0..classes-1.
+    shape: (C, H, W) with C 1 or 3; image_exts: the image members to look for, in order
+    (`png`, or a multi-part extension such as `rgb.png`, decoded by its last part);
+    label: the label rule (see `parse_label_key`); classes: how many classes the model
+    has for this source; label_values: the raw label of each class index when a data
+    set's integer labels are not 0..classes-1; names: the class names, when labels are
+    names rather than integers (each name maps to its index); skip_unlabelled: samples
+    without a label are passed by, not reported as damage.
     """
 
     shape: tuple
@@ -52,54 +63,141 @@ class Target:
     label: str = "cls"
     classes: int = 10
     label_values: tuple = None
+    names: tuple = None
+    skip_unlabelled: bool = False
 
     def __post_init__(self):
-        bad = [e for e in self.image_exts if e not in IMAGE_EXTS]
+        bad = [e for e in self.image_exts if image_format(e) is None]
         if bad or not self.image_exts:
-            raise ValueError(f"image extensions {list(self.image_exts)}: choose from {', '.join(IMAGE_EXTS)}")
+            raise ValueError(f"image extensions {list(self.image_exts)}: each must end in one of "
+                             f"{', '.join(IMAGE_EXTS)}")
         parse_label_key(self.label)
 
     @property
     def members(self):
         """The extensions a sample is read for: everything else is dropped unread."""
-        return set(self.image_exts) | {self.label.partition(":")[0]}
+        member = label_member(self.label)
+        return set(self.image_exts) | ({member} if member else set())
 
     def lookup(self):
+        """Raw label -> class index: names or label values, or None for labels 0..classes-1."""
+        if self.names:
+            return {v: i for i, v in enumerate(self.names)}
         return {v: i for i, v in enumerate(self.label_values)} if self.label_values else None
+
+
+@functools.lru_cache(maxsize=256)
+def image_format(ext):
+    """The decoder an image member's extension names (its last part: `rgb.png` -> `png`),
+    or None for a member that is not an image."""
+    if not isinstance(ext, str) or not _MEMBER_EXT.match(ext):
+        return None
+    last = ext.rpartition(".")[2]
+    return last if last in IMAGE_EXTS else None
 
 
 @functools.lru_cache(maxsize=256)  # label_of asks once a sample
 def parse_label_key(text):
-    """'cls' -> ('cls', None); 'json:label' -> ('json', ('label',)). Raises ValueError."""
+    """The label rule: 'cls' -> ('cls', None); 'json:meta.label' -> ('json', ('meta', 'label'));
+    'dir' -> ('dir', -1), the key's last folder; 'dir:K' -> ('dir', K), its K-th folder
+    counting from 0. Raises ValueError."""
     ext, _, field = text.partition(":")
     if ext in LABEL_EXTS and not field:
         return ext, None
     if ext == "json" and field and all(field.split(".")):
         return ext, tuple(field.split("."))
-    raise ValueError(f"label key {text!r}: use cls, txt, index, or json:FIELD (e.g. json:label)")
+    if ext == "dir" and (not field or field.isdigit()):
+        return ext, int(field) if field else -1
+    raise ValueError(f"label key {text!r}: use cls, txt, index, json:FIELD (e.g. json:label, json:meta.label), "
+                     f"dir (the key's last folder) or dir:K (its K-th folder, from 0)")
 
 
-def label_of(sample, target, lookup=None):
-    """The class index of a sample; ValueError saying what is missing or wrong."""
-    ext, path = parse_label_key(target.label)
+def label_member(text):
+    """The member a label rule reads (None for dir: the key holds the label)."""
+    ext = parse_label_key(text)[0]
+    return None if ext == "dir" else ext
+
+
+def describe_label(text):
+    """The rule in words, for console lines and errors."""
+    ext, path = parse_label_key(text)
+    if ext == "json":
+        return f'.json field "{".".join(path)}"'
+    if ext == "dir":
+        return "the key's last folder" if path < 0 else f"folder {path} of the key (from 0)"
+    return f".{ext}"
+
+
+def raw_label(sample, rule):
+    """A sample's label as written: an int (a JSON number) or the text (str), which is an
+    integer or a class name. Raises Unlabelled for a sample without one, ValueError for
+    a malformed one."""
+    ext, path = parse_label_key(rule)
+    if ext == "dir":
+        folders = sample["__key__"].split("/")[:-1]
+        if not -len(folders) <= path < len(folders):
+            raise ValueError(f"key {sample['__key__']!r} has no folder {'to name its class' if path < 0 else path}")
+        return folders[path]
     data = sample.get(ext)
     if data is None:
-        raise ValueError(f"no .{ext} member")
+        raise Unlabelled(f"no .{ext} member")
     if path is None:
         try:
-            value = int(data)
-        except ValueError:
-            raise ValueError(f".{ext} holds {bytes(data[:20])!r}, not an integer") from None
+            value = bytes(data).decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise ValueError(f".{ext} holds {bytes(data[:20])!r}, not text") from None
+        if not value:
+            raise ValueError(f".{ext} is empty")
     else:
         try:
             value = json.loads(data)
             for part in path:
                 value = value[part]
-        except (ValueError, KeyError, TypeError, IndexError):
-            raise ValueError(f".json has no {'.'.join(path)} field") from None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f".json {'.'.join(path)} is {value!r}, not an integer")
-    return class_index(value, target, lookup)
+        except ValueError:
+            raise ValueError(".json is not valid JSON") from None
+        except (KeyError, TypeError, IndexError):
+            raise Unlabelled(f".json has no {'.'.join(path)} field") from None
+        if value is None:
+            raise Unlabelled(f".json {'.'.join(path)} is null")
+        if isinstance(value, bool) or not isinstance(value, (int, str)) or value == "":
+            raise ValueError(f".json {'.'.join(path)} is {value!r}, not an integer or a class name")
+    if value == UNLABELLED or value == str(UNLABELLED):
+        raise Unlabelled(f"{describe_label(rule)} is {UNLABELLED}, which marks a sample without a label")
+    return value
+
+
+def as_integer(value):
+    """A raw label as an integer label, or None if it is a class name."""
+    if isinstance(value, int):
+        return value
+    return int(value) if _INTEGER.match(value) else None
+
+
+def as_name(value):
+    return value if isinstance(value, str) else str(value)
+
+
+def label_of(sample, target, lookup=None):
+    """The class index of a sample; Unlabelled or ValueError saying what is missing or wrong."""
+    ext, path = parse_label_key(target.label)
+    if path is None and target.names is None and sample.get(ext) is not None:  # the common case: an integer member
+        try:
+            number = int(sample[ext])
+        except ValueError:
+            number = UNLABELLED
+        if number != UNLABELLED:
+            return class_index(number, target, lookup)
+    value = raw_label(sample, target.label)
+    if target.names:
+        name = as_name(value)
+        index = lookup.get(name) if lookup is not None else None
+        if index is None:
+            raise ValueError(f"class name {name[:60]!r} is not one of the source's {len(target.names)} classes")
+        return index
+    number = as_integer(value)
+    if number is None:
+        raise ValueError(f"{describe_label(target.label)} is {as_name(value)[:60]!r}, not an integer")
+    return class_index(number, target, lookup)
 
 
 def class_index(value, target, lookup=None):
@@ -228,9 +326,13 @@ def open_image(data, ext, shape=None, head=None):
     """(PIL image, EXIF orientation) of an image member, opened as the format its extension
     names, its size checked by `bounds.check` for `shape` before any pixel is decoded: the
     image comes back unloaded. A JPEG's size is libjpeg's (`jpeg.header`, or `head` if read
-    already) and PIL must agree with it. ValueError for an image refused or unreadable."""
+    already) and PIL must agree with it; a GIF is its first frame. A `.npy` member's size is
+    its header's, checked before np.load (without pickles) makes the array. ValueError for
+    an image refused or unreadable."""
     from PIL import Image
 
+    if ext == "npy":
+        return Image.fromarray(_npy(data, shape)), 1
     is_jpeg = ext in ("jpg", "jpeg")
     if is_jpeg and head is None:
         head = jpeg.header(data)
@@ -264,6 +366,33 @@ def _pil(data, ext, shape, head=None):
         return _converted(upright(img, orientation), c)
     except (OSError, SyntaxError, Image.DecompressionBombError, KeyError) as e:
         raise ValueError(f"undecodable image: {e}") from None
+
+
+def _npy(data, target=None):
+    """An HxW or HxWxC (C 1, 3 or 4) uint8 array from .npy bytes; its header is read and its
+    size checked (`bounds.check` for the target shape) first, so a claimed shape costs nothing."""
+    from numpy.lib import format as npformat
+
+    f = io.BytesIO(data)
+    try:
+        version = npformat.read_magic(f)
+        shape, fortran, dtype = (npformat.read_array_header_1_0 if version == (1, 0) else
+                                 npformat.read_array_header_2_0)(f)
+    except (ValueError, OSError, SyntaxError) as e:
+        raise ValueError(f"undecodable .npy: {e}") from None
+    if dtype != np.uint8 or not (len(shape) == 2 or (len(shape) == 3 and shape[2] in (1, 3, 4))):
+        raise ValueError(f".npy holds a {dtype} array of shape {shape}; an image is uint8 HxW or HxWxC (C 1, 3 or 4)")
+    bounds.check(shape[1], shape[0], target)
+    if len(data) - f.tell() < int(np.prod(shape)):  # np.load would make the whole array before finding out
+        raise ValueError(f".npy header claims {'x'.join(map(str, shape))} bytes of pixels, the member holds "
+                         f"{len(data) - f.tell()}")
+    f.seek(0)
+    try:
+        a = np.load(f, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"undecodable .npy: {e}") from None
+    a = np.ascontiguousarray(a)
+    return a[:, :, 0] if a.ndim == 3 and a.shape[2] == 1 else a
 
 
 def upright(img, orientation):

@@ -5,29 +5,35 @@
 Each shard is read once (in parallel): its samples counted, its bytes hashed, every
 image's size and mode taken from its header and checked against `pipeline.bounds`
 (pixels at once, the aspect against the manifest's shape at the end), its pixels
-decoded for the per-channel mean and std, every label parsed. The manifest then says where the
-shards are (names relative to the manifest when they share its folder, else
-absolute paths or URLs), the most common image shape (or --shape), the class
-names (the sorted distinct labels, or --classes), how samples decode (image
-extensions, label key) and that the set was indexed, not built. Nothing is
-rewritten. Damage is an error here, not a skip: a sample with no image member,
-a missing or non-integer label, or an unreadable shard ends the index with one
-line naming the shard and the sample.
+decoded for the per-channel mean and std, every label read. Labels are where users keep them (a
+label rule: .cls/.txt/.index, a .json field, the key's folder), integers or class
+names; names map to indices by their sorted order, a --classes file or another
+split's manifest (`resolve_classes`). The manifest then says where the shards are
+(names relative to the manifest when they lie in its folder or below, else
+absolute paths or URLs, or under --base-url), the most common image shape (or
+--shape), the classes, how samples decode (image members, label rule) and that the
+set was indexed, not built. Nothing is rewritten. Damage is an error here, not a
+skip: a sample with no image member (or several, without --image-key), a malformed
+or missing label (unless --skip-unlabelled), or an unreadable shard ends the index
+with one line naming the shard and the sample.
 """
 import collections
 import hashlib
+import json
 import multiprocessing
 import os
 import re
+import urllib.parse
 
 import numpy as np
 
 from . import bounds, remote
-from .decode import IMAGE_EXTS, Target, image_of, label_of, open_image, parse_label_key, pixels_of
+from .decode import (IMAGE_EXTS, LABEL_EXTS, Unlabelled, as_integer, as_name, image_format, label_member, open_image,
+                     parse_label_key, pixels_of, raw_label)
 from .errors import ShardError
 from .files import write_json_atomic
-from .manifest import FORMAT, NAME_RE, MAX_SIDE, check, expand_pattern, manifest_name
-from .read import iter_samples
+from .manifest import FORMAT, NAME_RE, MAX_SIDE, check, expand_pattern, manifest_name, plain_relative
+from .read import is_meta, iter_samples
 from .shards import writing
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
@@ -68,18 +74,34 @@ class _Hashing:
             pass
 
 
-def scan_shard(url, label, policy=remote.Policy()):
-    """One shard's facts: samples, bytes, sha256, image extensions and shapes, labels, pixel sums."""
-    want = set(FOREIGN_EXTS) | ({parse_label_key(label)[0]} if label else {"cls", "txt", "index"})
+class _Wanted:
+    """The members an index copies out: every image member (any extension whose last part
+    names an image format, `rgb.png` included) and the label members, or just the chosen ones."""
+
+    def __init__(self, image_key, label):
+        self.image_key = image_key
+        member = label_member(label) if label else None
+        self.labels = {member} if member else set() if label else set(LABEL_EXTS) | {"json"}
+
+    def __contains__(self, ext):
+        if ext in self.labels:
+            return True
+        return ext == self.image_key if self.image_key else image_format(ext) in FOREIGN_EXTS
+
+
+def scan_shard(url, label, policy=remote.Policy(), image_key=None, skip_unlabelled=False):
+    """One shard's facts: samples, bytes, sha256, image members and shapes, raw labels (with
+    the first key of each), unlabelled samples left out, pixel sums."""
     facts = {}
 
     def consume(stream):  # a retry after a broken transfer starts the counts over
-        facts.update(url=url, samples=0, exts=collections.Counter(), shapes=collections.Counter(),
-                     labels=collections.Counter(), rgb=np.zeros(7), grey=np.zeros(3), label=label,
-                     wide=(0, None, 0, 0), tall=(0, None, 0, 0))
+        facts.update(url=url, samples=0, unlabelled=0, exts=collections.Counter(), shapes=collections.Counter(),
+                     labels=collections.Counter(), first={}, rgb=np.zeros(7), grey=np.zeros(3), label=label,
+                     image_key=image_key, skip_unlabelled=skip_unlabelled, wide=(0, None, 0, 0), tall=(0, None, 0, 0))
         h = _Hashing(stream)
-        for sample in iter_samples(h, want, url):
-            _scan_sample(sample, facts, url)
+        for sample in iter_samples(h, _Wanted(image_key, label), url):
+            if not is_meta(sample["__key__"]):  # a __meta__ sample describes the shard: not a sample to index
+                _scan_sample(sample, facts, url)
         h.rest()
         facts["bytes"], facts["sha256"] = h.bytes, h.hash.hexdigest()
 
@@ -90,47 +112,83 @@ def scan_shard(url, label, policy=remote.Policy()):
     except OSError as e:
         raise ShardError(f"{url}: unreadable ({e})") from None
     if facts["samples"] == 0:
-        raise ShardError(f"{url}: no samples")
+        raise ShardError(f"{url}: no samples" + (f" ({facts['unlabelled']} unlabelled left out)"
+                                                 if facts["unlabelled"] else ""))
     return facts
+
+
+def default_label(sample):
+    """The label rule the first sample's members suggest: .cls, .index, a "label" field of
+    .json, .txt, then the key's folder; None if none fits."""
+    for ext in ("cls", "index"):
+        if ext in sample:
+            return ext
+    if "json" in sample:
+        try:
+            if isinstance(json.loads(sample["json"]), dict) and "label" in json.loads(sample["json"]):
+                return "json:label"
+        except ValueError:
+            pass
+    if "txt" in sample:
+        return "txt"
+    return "dir" if "/" in sample["__key__"] else None
 
 
 def _scan_sample(sample, facts, url):
     from PIL import Image
 
-    if facts["label"] is None:  # the first sample decides: .cls, .txt or .index, whichever it has
-        facts["label"] = next((e for e in ("cls", "txt", "index") if e in sample), None)
+    key = sample["__key__"]
+    if facts["label"] is None:  # the first sample decides
+        facts["label"] = default_label(sample)
         if facts["label"] is None:
-            raise ShardError(f"{url}: sample {sample['__key__']}: no .cls, .txt or .index label member; "
-                             f"name the label with --label-key (e.g. --label-key json:label)")
-    target = Target((3, 1, 1), FOREIGN_EXTS, facts["label"], classes=1 << 62)
+            raise ShardError(f"{url}: sample {key}: no .cls, .txt, .index or .json label member and no folder in "
+                             f"its key; name the label with --label-key (e.g. --label-key json:label)")
+    images = [e for e in sample if not e.startswith("__") and image_format(e) in FOREIGN_EXTS and sample[e] is not None]
+    if facts["image_key"]:
+        images = [e for e in images if e == facts["image_key"]]
+    elif len(images) > 1:
+        raise ShardError(f"{url}: sample {key} has {len(images)} image members ({', '.join('.' + e for e in images)}); "
+                         f"choose one with --image-key (e.g. --image-key {images[0]})")
     try:
-        ext, data = image_of(sample, target)
-        value = label_of(sample, target)
+        value = raw_label(sample, facts["label"])
+    except Unlabelled as e:
+        if facts["skip_unlabelled"]:
+            facts["unlabelled"] += 1
+            return
+        raise ShardError(f"{url}: sample {key} has no label ({e}); pass --skip-unlabelled to leave such samples "
+                         f"out (they are counted), or choose the label with --label-key") from None
     except ValueError as e:
-        raise ShardError(f"{url}: sample {sample['__key__']}: {e}") from None
+        raise ShardError(f"{url}: sample {key}: {e}") from None
+    if not images:
+        have = sorted(k for k in sample if not k.startswith("__"))
+        wanted = f".{facts['image_key']}" if facts["image_key"] else f"image member (.{', .'.join(FOREIGN_EXTS)})"
+        raise ShardError(f"{url}: sample {key}: no {wanted} (has {have or 'nothing'})")
+    ext = images[0]
+    data = sample[ext]
     try:
-        img, orientation = open_image(data, ext)  # the pixel cap now; the shape's aspect once the shape is known
+        img, orientation = open_image(data, image_format(ext))  # the pixel cap now; the aspect once the shape is known
         mode = img.mode
         w, h = img.size if orientation < 5 else img.size[::-1]
-        if ext in ("jpg", "jpeg"):
+        if image_format(ext) in ("jpg", "jpeg"):
             img.draft("RGB", (STAT_SIDE, STAT_SIDE))
         elif max(w, h) > 2 * STAT_SIDE:
             img.thumbnail((STAT_SIDE, STAT_SIDE))
         rgb = pixels_of(img, 3).reshape(-1, 3) / 255.0
         grey = pixels_of(img, 1).ravel() / 255.0
     except ValueError as e:
-        raise ShardError(f"{url}: sample {sample['__key__']}: {e}") from None
+        raise ShardError(f"{url}: sample {key}: {e}") from None
     except (OSError, SyntaxError, Image.DecompressionBombError) as e:
-        raise ShardError(f"{url}: sample {sample['__key__']}: undecodable .{ext} image ({e})") from None
+        raise ShardError(f"{url}: sample {key}: undecodable .{ext} image ({e})") from None
     facts["samples"] += 1
     facts["exts"][ext] += 1
     facts["shapes"][(1 if mode in GREY_MODES else 3, h, w)] += 1
     facts["labels"][value] += 1
+    facts["first"].setdefault(value, key)
     facts["rgb"] += [len(rgb), *rgb.sum(0), *(rgb * rgb).sum(0)]
     facts["grey"] += [len(grey), grey.sum(), (grey * grey).sum()]
     for side, ratio in (("wide", w / h), ("tall", h / w)):  # the most elongated images, checked against the shape
         if ratio > facts[side][0]:
-            facts[side] = (ratio, sample["__key__"], w, h)
+            facts[side] = (ratio, key, w, h)
 
 
 def check_extremes(found, shape):
@@ -147,13 +205,18 @@ def check_extremes(found, shape):
 
 
 def _scan_task(task):
-    return scan_shard(*task)
+    url, label, policy, image_key, skip_unlabelled = task
+    return scan_shard(url, label, policy, image_key, skip_unlabelled)
 
 
-def index(name, split, spec, out, *, label=None, shape=None, classes_file=None, workers=1, policy=remote.Policy(),
-          progress=True):
-    """Index the shards SPEC names as data set NAME, split SPLIT; writes and returns OUT/NAME-SPLIT.json
-    (under the folder's writer lock, see shards.writing)."""
+def index(name, split, spec, out, *, label=None, image_key=None, shape=None, classes_file=None, classes_from=None,
+          skip_unlabelled=False, base_url=None, workers=1, policy=remote.Policy(), progress=True):
+    """Index the shards SPEC names as data set NAME, split SPLIT; writes and returns OUT/NAME-SPLIT.json.
+
+    classes_from: (path, manifest) of another split of the same data set, whose classes this
+    one must use (names mapping to the same indices); base_url: the URL the shards' folder
+    will be served from, for a manifest naming them there. Written under the folder's
+    writer lock (see shards.writing)."""
     if not NAME_RE.match(name) or not NAME_RE.match(split):
         raise ShardError(f"--index {name}:{split}: NAME and SPLIT may hold letters, digits and _ only")
     if label is not None:
@@ -161,16 +224,22 @@ def index(name, split, spec, out, *, label=None, shape=None, classes_file=None, 
             parse_label_key(label)
         except ValueError as e:
             raise ShardError(str(e)) from None
+    image_key = image_key.lstrip(".").lower() if image_key else None
+    if image_key is not None and (image_format(image_key) not in FOREIGN_EXTS):
+        raise ShardError(f"--image-key {image_key}: an image member's extension ending in one of "
+                         f"{', '.join(FOREIGN_EXTS)} expected (e.g. jpg, rgb.png, input.jpg)")
     urls = expand(spec)
-    names = [shard_location(u, out) for u in urls]
+    names = shard_locations(urls, out, base_url)
     with writing(out):
-        return _index(name, split, spec, out, urls, names, label, shape, classes_file, workers, policy, progress)
+        return _index(name, split, spec, out, urls, names, label, image_key, shape, classes_file, classes_from,
+                      skip_unlabelled, workers, policy, progress)
 
 
-def _index(name, split, spec, out, urls, names, label, shape, classes_file, workers, policy, progress):
+def _index(name, split, spec, out, urls, names, label, image_key, shape, classes_file, classes_from, skip_unlabelled,
+           workers, policy, progress):
     from tqdm import tqdm
 
-    tasks = [(u, label, policy) for u in urls]
+    tasks = [(u, label, policy, image_key, skip_unlabelled) for u in urls]
     found = []
     bar = tqdm(total=len(urls), unit="shard", desc=f"index {name}-{split}", disable=not progress, dynamic_ncols=True)
     try:
@@ -189,18 +258,36 @@ def _index(name, split, spec, out, urls, names, label, shape, classes_file, work
     if len(labels) > 1:
         raise ShardError(f"{spec}: shards label their samples differently ({', '.join(sorted(labels))}); "
                          f"choose one with --label-key")
-    manifest = summarise(name, split, spec, found, names, labels.pop(), shape, classes_file)
+    manifest = summarise(name, split, spec, found, names, labels.pop(), shape, classes_file, classes_from)
     check_extremes(found, manifest["shape"])
+    if skip_unlabelled:
+        manifest["skip_unlabelled"] = True
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, manifest_name(name, split))
     write_json_atomic(path, check(manifest, path))
     return manifest
 
 
+def shard_locations(urls, out, base_url=None):
+    """How the manifest in `out` names each shard (see shard_location); with base_url, local
+    shards are named by their path under their common folder, appended to base_url."""
+    if base_url is None:
+        return [shard_location(u, out) for u in urls]
+    if not re.match(r"https?://[^\s\x00-\x1f\x7f]+\Z", base_url):
+        raise ShardError(f"--base-url {base_url!r}: an http(s) URL expected (e.g. https://HOST/data/)")
+    local = [os.path.abspath(u) for u in urls if remote.kind(u) == "file"]
+    if len(local) != len(urls):
+        raise ShardError("--base-url names where local shards will be served; these shards are not local files")
+    root = os.path.commonpath([os.path.dirname(p) for p in local])
+    return [base_url.rstrip("/") + "/" + urllib.parse.quote(os.path.relpath(p, root).replace(os.sep, "/"))
+            for p in local]
+
+
 def shard_location(url, out):
-    """How the manifest in `out` names a shard: relative when they share the folder, else
-    an absolute path or URL; for a pipe: command, the shard's file name (the manifest must
-    then be placed beside the shards and read through the same command)."""
+    """How the manifest in `out` names a shard: relative when it lies in that folder or below
+    (so the folder can be served as it is), else an absolute path or URL; for a pipe:
+    command, the shard's file name (the manifest must then be placed beside the shards and
+    read through the same command)."""
     kind = remote.kind(url)
     if kind == "http":
         return url
@@ -210,21 +297,79 @@ def shard_location(url, out):
             raise ShardError(f"{url}: no shard file name (*.tar, *.tar.gz, *.tgz) in the command")
         return found[-1]
     path = os.path.abspath(url)
-    if os.path.dirname(path) == os.path.abspath(out):
-        return os.path.basename(path)
+    top = os.path.realpath(out)
+    real = os.path.realpath(path)
+    if real.startswith(top.rstrip(os.sep) + os.sep):
+        rel = os.path.relpath(path, os.path.abspath(out)).replace(os.sep, "/")
+        if plain_relative(rel) and os.path.realpath(os.path.join(out, rel)) == real:
+            return rel
     return path
 
 
-def summarise(name, split, spec, found, names, label, shape, classes_file):
+def resolve_classes(found, classes_file, classes_from):
+    """(classes, label_values, label_names) from every shard's raw labels: integers as today
+    (the sorted distinct values, or names from --classes for 0..N-1), class names mapped to
+    indices by their sorted order, by --classes FILE, or by another split's manifest."""
+    first = {}
+    values = collections.Counter()
+    for f in found:
+        values += f["labels"]
+        for v, k in f["first"].items():
+            first.setdefault(v, (f["url"], k))
+    integers = {v: as_integer(v) for v in values}
+    names_given = None
+    if classes_from is not None:
+        where, m = classes_from
+        if not m.get("label_names"):
+            named = [v for v, i in integers.items() if i is None]
+            if named:
+                raise ShardError(_at(first, named[0], f"label {as_name(named[0])[:60]!r} is a class name, but the "
+                                                      f"labels of {where} are integers"))
+            known = m.get("label_values") or range(len(m["classes"]))
+            outside = sorted({i for i in integers.values()} - set(known))
+            if outside:
+                v = next(v for v, i in integers.items() if i == outside[0])
+                raise ShardError(_at(first, v, f"label {outside[0]} is not one of the {len(known)} labels of {where}"))
+            return list(m["classes"]), m.get("label_values"), False
+        names_given, source = list(m["classes"]), where
+    elif classes_file:
+        with open(classes_file) as f:
+            names_given = [ln.strip() for ln in f if ln.strip()]
+        source = f"--classes {classes_file}"
+        if len(set(names_given)) != len(names_given):
+            twice = next(n for n in names_given if names_given.count(n) > 1)
+            raise ShardError(f"{source}: class name {twice!r} is listed twice")
+        if all(i is not None for i in integers.values()):
+            outside = sorted({i for i in integers.values() if not 0 <= i < len(names_given)})
+            if outside:
+                raise ShardError(f"{source}: {len(names_given)} names, but labels {outside[:5]} fall outside "
+                                 f"0..{len(names_given) - 1}")
+            return names_given, None, False
+    elif all(i is not None for i in integers.values()):
+        distinct = sorted(set(integers.values()))
+        return [str(v) for v in distinct], None if distinct == list(range(len(distinct))) else distinct, False
+    if names_given is None:
+        return sorted({as_name(v) for v in values}), None, True
+    known = set(names_given)
+    for v in values:
+        if as_name(v) not in known:
+            raise ShardError(_at(first, v, f"class name {as_name(v)[:60]!r} is not in {source}"))
+    return names_given, None, True
+
+
+def _at(first, value, problem):
+    url, key = first[value]
+    return f"{url}: sample {key}: {problem}"
+
+
+def summarise(name, split, spec, found, names, label, shape, classes_file, classes_from=None):
     """The manifest from every shard's facts."""
     shapes = collections.Counter()
     exts = collections.Counter()
-    values = collections.Counter()
     rgb, grey = np.zeros(7), np.zeros(3)
     for f in found:
         shapes += f["shapes"]
         exts += f["exts"]
-        values += f["labels"]
         rgb += f["rgb"]
         grey += f["grey"]
     if shape is None:
@@ -232,35 +377,28 @@ def summarise(name, split, spec, found, names, label, shape, classes_file):
         shape = [c, h, w]
     if not (len(shape) == 3 and shape[0] in (1, 3) and all(1 <= x <= MAX_SIDE for x in shape[1:])):
         raise ShardError(f"--shape {shape}: C,H,W expected with C 1 or 3 and sides 1..{MAX_SIDE}")
-    distinct = sorted(values)
-    if classes_file:
-        with open(classes_file) as f:
-            classes = [ln.strip() for ln in f if ln.strip()]
-        outside = [v for v in distinct if not 0 <= v < len(classes)]
-        if outside:
-            raise ShardError(f"--classes {classes_file}: {len(classes)} names, but labels {outside[:5]} fall outside "
-                             f"0..{len(classes) - 1}")
-        label_values = None
-    else:
-        classes = [str(v) for v in distinct]
-        label_values = None if distinct == list(range(len(distinct))) else distinct
+    classes, label_values, label_names = resolve_classes(found, classes_file, classes_from)
     if shape[0] == 3:
         n, s, sq = rgb[0], rgb[1:4], rgb[4:7]
     else:
         n, s, sq = grey[0], grey[1:2], grey[2:3]
     mean = s / max(n, 1)
     std = np.sqrt(np.maximum(sq / max(n, 1) - mean ** 2, 1e-12))
+    image_exts = [e for e, _ in exts.most_common()]
     manifest = {
-        "format": FORMAT, "dataset": name, "split": split, "encoding": exts.most_common(1)[0][0],
-        "image_exts": [e for e, _ in exts.most_common()], "label": label,
+        "format": FORMAT, "dataset": name, "split": split, "encoding": image_format(image_exts[0]),
+        "image_exts": image_exts, "label": label,
         "origin": {"kind": "index", "spec": spec, "note": "an existing WebDataset, indexed in place, not rewritten",
                    "image_shapes": len(shapes), "most_common_shape": list(shapes.most_common(1)[0][0])},
         "shape": list(shape), "classes": classes,
-        "shards": [{"name": n_, "samples": f["samples"], "bytes": f["bytes"], "sha256": f["sha256"]}
+        "shards": [dict({"name": n_, "samples": f["samples"], "bytes": f["bytes"], "sha256": f["sha256"]},
+                        **({"unlabelled": f["unlabelled"]} if f["unlabelled"] else {}))
                    for n_, f in zip(names, found)],
         "total": sum(f["samples"] for f in found),
         "mean": mean.round(6).tolist(), "std": std.round(6).tolist(),
     }
+    if label_names:
+        manifest["label_names"] = True
     if label_values is not None:
         manifest["label_values"] = label_values
     return manifest

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import braceexpand as brace
 
 from . import remote
-from .decode import IMAGE_EXTS, Target, parse_label_key
+from .decode import IMAGE_EXTS, Target, image_format, parse_label_key
 from .errors import ShardError
 from .files import MAX_JSON, parse_json, read_json
 
@@ -150,12 +150,21 @@ def check(m, where):
         twice = next(n for n in names if counts[n] > 1)  # counted once: a million names must not cost n² steps
         bad("shards", f"{twice!r} is listed more than once")
     exts = m.get("image_exts", [m.get("encoding")])
-    if not (isinstance(exts, list) and exts and all(e in IMAGE_EXTS for e in exts)):
-        bad("image_exts" if "image_exts" in m else "encoding", f"{exts!r}; choose from {', '.join(IMAGE_EXTS)}")
+    if not (isinstance(exts, list) and exts and all(image_format(e) for e in exts)):
+        bad("image_exts" if "image_exts" in m else "encoding",
+            f"{exts!r}; extensions ending in one of {', '.join(IMAGE_EXTS)} expected")
     try:
         parse_label_key(m.get("label", "cls"))
     except (ValueError, AttributeError) as e:
         bad("label", str(e))
+    for key in ("label_names", "skip_unlabelled"):
+        if not isinstance(m.get(key, False), bool):
+            bad(key, f"{m[key]!r}; true or false expected")
+    if m.get("label_names") and (m.get("label_values") is not None or len(set(classes)) != len(classes)):
+        bad("classes", "distinct class names expected when labels are names (and no label_values)")
+    for i, s in enumerate(shards):
+        if s.get("unlabelled") is not None and not (integer(s["unlabelled"]) and s["unlabelled"] >= 0):
+            bad(f"shards[{i}].unlabelled", f"{s['unlabelled']!r}; a count expected")
     values = m.get("label_values")
     if values is not None and not (isinstance(values, list) and len(values) == len(classes)
                                    and all(integer(v) for v in values) and len(set(values)) == len(values)):
@@ -169,7 +178,8 @@ def check(m, where):
 
 def target_of(m):
     return Target(tuple(m["shape"]), tuple(m.get("image_exts", [m.get("encoding")])), m.get("label", "cls"),
-                  len(m["classes"]), tuple(m["label_values"]) if m.get("label_values") else None)
+                  len(m["classes"]), tuple(m["label_values"]) if m.get("label_values") else None,
+                  tuple(m["classes"]) if m.get("label_names") else None, bool(m.get("skip_unlabelled")))
 
 
 # ---------------------------------------------------------------- locating
@@ -187,12 +197,13 @@ def locate(manifest_url, name):
                          f"http(s) URLs, never commands or other schemes")
     if name.startswith("/"):
         if where != "file":
-            raise ShardError(f"{manifest_url}: shard {name!r}: an absolute path in a remote manifest")
+            raise ShardError(f"{manifest_url}: shard {name!r}: an absolute path in a remote manifest; index the "
+                             f"shards with --out set to their folder (or a folder above it), so that the manifest "
+                             f"names them relative to itself, or with --base-url URL for shards served from URL")
         if any(p in ("..", ".") for p in name.split("/")) or "\x00" in name:
             raise ShardError(f"{manifest_url}: shard {name!r}: '..' or '.' in the path")
         return name
-    parts = name.split("/")
-    if not all(_SEGMENT.match(p) and p not in (".", "..") for p in parts):
+    if not plain_relative(name):
         raise ShardError(f"{manifest_url}: shard {name!r}: not a plain relative name (letters, digits and ._+- "
                          f"in each /-separated part, no '..', nothing hidden)")
     if where == "file":
@@ -204,6 +215,12 @@ def locate(manifest_url, name):
         return path
     head, _, tail = manifest_url.rpartition(_manifest_file(manifest_url))
     return head + (urllib.parse.quote(name) if where == "http" else shlex.quote(name)) + tail
+
+
+def plain_relative(name):
+    """True for a shard name taken as relative to its manifest: /-separated plain parts
+    (letters, digits and ._+-, not starting with a dot), no '..', nothing hidden."""
+    return all(_SEGMENT.match(p) and p not in (".", "..") for p in name.split("/"))
 
 
 def _manifest_file(url):

@@ -1,5 +1,5 @@
 """A contact sheet of a shard set: a PNG grid of samples as the stream decodes them, each
-captioned with its class name, under a title saying which data set, split and origin
+captioned underneath with its class name, under a title saying which data set, split and origin
 they are. It is the quickest check that shards hold what their manifest says (the right
 classes on the right pictures, grey kept grey) and that look-alike synthetic data is
 never taken for the real thing.
@@ -69,7 +69,7 @@ def build_figure(manifest_path, n=64, seed=0):
         ax.set_axis_off()
         if i < len(keys):
             _show(ax, images[i])
-            ax.set_title(plain(class_name(src.classes, int(labels[i])), limit=24), fontsize=7)
+            ax.set_title(plain(class_name(src.classes, int(labels[i])), limit=24), fontsize=7, y=-0.16)  # under it
     head = f"{src.dataset or src.name} / {src.split}: {len(keys)} of {src.total} samples, shape {list(src.shape)}"
     if skipped:
         head += f", {skipped} damaged sample(s) skipped"
@@ -79,7 +79,7 @@ def build_figure(manifest_path, n=64, seed=0):
     fig.suptitle(plain(head, limit=300), fontsize=11, y=1 - 0.1 / height, va="top")
     fig.text(0.5, 1 - 0.4 / height, "\n".join(plain(line) for line in origin), ha="center", va="top", fontsize=10,
              color="red" if src.synthetic else "black", fontweight="bold" if src.synthetic else "normal")
-    fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=1 - top / height, hspace=0.35)
+    fig.subplots_adjust(left=0.02, right=0.98, bottom=0.2 / height, top=1 - top / height, hspace=0.35)
     return fig
 
 

@@ -9,7 +9,13 @@ Members group into samples by webdataset's rule: the key is the member path up
 to the first dot of its base name, directories included (`train/cat/0001.jpg`
 -> key `train/cat/0001`, extension `jpg`), and consecutive members with the same
 key form one sample. Extensions are lowercased, as webdataset does; members
-with no extension and `__*__` files at the top level are skipped, as there.
+with no extension are skipped, and so are `__*__` names at the top level and
+everything in a top-level `__*__/` folder (webdataset 1.0.2's skip_meta), while
+`__meta__.json` is a member of the sample `__meta__` there and here (see
+`is_meta`). A tar that ends without its end-of-archive blocks yields every whole
+member, as tarfile does; a member cut short (its padding included, as there) is
+damage. GNU sparse members are refused by name (their data is a map of holes, not
+the file).
 
 Only members whose extension is wanted are copied out; the others are stepped
 over, so an unused 60 MB member costs no memory. A wanted member may hold at most
@@ -19,6 +25,7 @@ would otherwise hand gigabytes of wanted members to the reader. tarfile costs ab
 member here; this loop about 1.5 us (tools/bench_loader.py --tar-format).
 """
 import gzip
+import re
 import zlib
 
 import numpy as np
@@ -32,7 +39,21 @@ CHUNK = 4 << 20
 ZERO_BLOCK = bytes(512)
 GZIP_MAGIC = b"\x1f\x8b"
 _REGULAR = (48, 0, 55)  # b"0", NUL (old tars), b"7" (contiguous file)
-_LONGNAME, _PAX, _GLOBAL_PAX = 76, 120, 103  # b"L", b"x", b"g"
+_LONGNAME, _PAX, _GLOBAL_PAX, _SPARSE = 76, 120, 103, 83  # b"L", b"x", b"g", b"S"
+_BASE_PLUS_EXT = re.compile(rb"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext, for the odd names
+
+
+def is_meta(key):
+    """A top-level `__NAME__` key: webdataset yields `__meta__.json` as a sample of that key;
+    it holds facts about the shard, not a training sample, so indexing and training pass it by."""
+    return "/" not in key and len(key) >= 4 and key.startswith("__") and key.endswith("__")
+
+
+def _skipped_name(name):
+    """webdataset 1.0.2 skips a top-level `__*__` name and anything under a top-level `__*__/`
+    folder (tar_file_iterator's meta rule and skip_meta=r"__[^/]*__($|/)")."""
+    first = name.split(b"/", 1)[0]
+    return len(first) >= 4 and first[:2] == b"__" and first[-2:] == b"__"
 
 
 def iter_samples(stream, want=None, url=None, *, max_member=MAX_MEMBER, chunk=CHUNK):
@@ -40,8 +61,9 @@ def iter_samples(stream, want=None, url=None, *, max_member=MAX_MEMBER, chunk=CH
 
     `want`: the set of (lowercase) extensions to keep, or None for all; a sample is
     yielded even when none of its members is wanted, so counts stay true. Raises
-    ShardError at the first damage (a bad header, a truncated member, a stream that
-    ends without the end-of-archive block, a repeated member within a sample).
+    ShardError at the first damage (a bad header, a member or header cut short, an empty
+    stream, a repeated member within a sample, a GNU sparse member). A stream that ends
+    after a whole member without the end-of-archive blocks ends the samples, as in tarfile.
     """
     sample, current = None, None
     for key, ext, data in _members(stream, want, max_member, chunk):
@@ -65,13 +87,19 @@ def _members(stream, want, max_member, chunk):
         stream = _Gunzip(_Prefixed(buf, stream))
         buf = _read(stream, chunk)
     exts = {}  # extension bytes -> (lowercase str, wanted)
-    pos, long_name, pax = 0, None, None
+    pos, long_name, pax, seen = 0, None, None, False
     while True:
         if len(buf) - pos < 512:
             buf, pos = buf[pos:] + _read(stream, chunk), 0
-            if len(buf) < 512:  # a tar ends with a zero block; ending elsewhere, even between members, is truncation
-                raise ShardError("truncated tar header" if buf.strip(b"\0") else
-                                 "tar ends without its end-of-archive block (truncated)")
+            if len(buf) < 512:  # between members, without end blocks: the end, as tarfile (and webdataset) read it
+                if not seen:
+                    raise ShardError("truncated tar header" if buf else "empty file, not a tar")
+                if buf.strip(b"\0"):  # part of a header: the member it starts is cut short
+                    raise ShardError("truncated tar header")
+                if long_name is not None or pax is not None:
+                    raise ShardError("tar ends after an extended header, before its member")
+                return
+        seen = True
         if buf[pos + 257:pos + 262] != b"ustar":
             if buf[pos:pos + 512] == ZERO_BLOCK:
                 return
@@ -84,6 +112,10 @@ def _members(stream, want, max_member, chunk):
         if size < 0:  # int() takes a sign: a negative size would step the parser back, looping forever
             raise ShardError(f"bad size field {buf[pos + 124:pos + 136]!r} in the tar header at byte offset {pos}")
         start = pos + 512
+        if kind == _SPARSE or (pax is not None and "sparse" in pax and kind in _REGULAR):
+            name = pax["path"] if pax and "path" in pax else long_name or _name(buf, pos)
+            raise ShardError(f"member {name.decode(errors='replace')!r} is a GNU sparse file, which this reader "
+                             f"does not expand; write the tar without --sparse (-S)")
         if kind in _REGULAR:
             if pax is None and long_name is None:
                 name = buf[pos:pos + 100]
@@ -100,7 +132,12 @@ def _members(stream, want, max_member, chunk):
             end = start + ((size + 511) & ~511)
             slash = name.rfind(b"/")
             dot = name.find(b".", slash + 1)
-            if dot > slash + 1 and not (slash < 0 and name[:2] == b"__" and name[dot - 2:dot] == b"__"):
+            if name[:2] == b"__" and _skipped_name(name):
+                dot = -1
+            elif dot == slash + 1:  # a base name starting with a dot: webdataset's regex decides
+                found = _BASE_PLUS_EXT.match(name)
+                dot = len(found.group(1)) if found else -1
+            if dot > 0:
                 ext = exts.get(name[dot + 1:])
                 if ext is None:
                     ext = exts[name[dot + 1:]] = _ext(name[dot + 1:], want)
@@ -187,6 +224,8 @@ def _pax_records(body):
         key, _, value = body[space + 1:i + length - 1].partition(b"=")
         if key == b"path":
             out["path"] = value
+        elif key.startswith(b"GNU.sparse."):
+            out["sparse"] = True
         elif key == b"size":
             try:
                 out["size"] = int(value)

@@ -281,10 +281,54 @@ def draw_speed(ax, run):
             bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
 
 
+CONFUSION_MAX = 20  # classes per source (the trainer's PER_CLASS_MAX); a hostile line's larger one is not drawn
+
+
+def confusions(run):
+    """{source: (class names, rows of counts)} from the last eval line, for sources evaluated
+    per class; the last column counts predictions of another source's class."""
+    evals = last_evals(run)
+    if not evals:
+        return {}
+    out = {}
+    for name, v in evals[max(evals)]["eval"].items():
+        rows, per_class = v.get("confusion"), v.get("per_class")
+        if not (isinstance(rows, list) and isinstance(per_class, dict) and 0 < len(rows) == len(per_class) <=
+                CONFUSION_MAX and all(isinstance(r, list) and len(r) == len(rows) + 1 and all(
+                    _number(x) and x >= 0 for x in r) for r in rows)):
+            continue
+        out[name] = ([str(c) for c in per_class], rows)
+    return out
+
+
+def draw_confusion(ax, name, classes, rows):
+    """Rows: the true class; columns: the predicted one (each row sums to 1), then 'other'
+    for a prediction of another source's class."""
+    shares = [[x / max(sum(r), 1) for x in r] for r in rows]
+    ax.imshow(shares, cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
+    labels = [plain(c, limit=16) for c in classes]
+    ax.set_xticks(range(len(classes) + 1))
+    ax.set_xticklabels(labels + ["other"], rotation=90, fontsize=7)
+    ax.set_yticks(range(len(classes)))
+    ax.set_yticklabels(labels, fontsize=7)
+    total = sum(sum(r) for r in rows)
+    correct = sum(r[i] for i, r in enumerate(rows))
+    ax.set(title=plain(f"{name}: confusion, accuracy {correct / max(total, 1):.3f}", limit=60),
+           xlabel="predicted", ylabel="true class")
+
+
 def build_figure(run):
-    """The four-panel figure of a run (loss, accuracy, share, samples/s)."""
-    fig = new_figure(14, 9)
-    (a, b), (c, d) = fig.subplots(2, 2)
+    """The four-panel figure of a run (loss, accuracy, share, samples/s), and a row of
+    confusion matrices for the sources evaluated per class."""
+    matrices = confusions(run)
+    n = len(matrices)
+    fig = new_figure(max(14, 3.5 * n), 9 + (4.5 if n else 0))
+    grid = fig.add_gridspec(3 if n else 2, 2 * max(n, 1), height_ratios=[1, 1, 1.1] if n else [1, 1])
+    half = max(n, 1)
+    a, b = fig.add_subplot(grid[0, :half]), fig.add_subplot(grid[0, half:])
+    c, d = fig.add_subplot(grid[1, :half]), fig.add_subplot(grid[1, half:])
+    for i, (name, (classes, rows)) in enumerate(matrices.items()):
+        draw_confusion(fig.add_subplot(grid[2, 2 * i:2 * i + 2]), name, classes, rows)
     colours = _colours(_ordered([train_names(run), eval_names(run)]))
     draw_loss(a, run, colours)
     draw_accuracy(b, run, colours)

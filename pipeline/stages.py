@@ -34,9 +34,9 @@ import numpy as np
 import webdataset as wds
 
 from . import remote, topology
-from .decode import class_index, decode_batch, image_of, label_of, parse_label_key
+from .decode import Unlabelled, class_index, decode_batch, image_format, image_of, label_of, parse_label_key
 from .errors import DigestError, ShardError
-from .read import iter_samples, regular
+from .read import is_meta, iter_samples, regular
 
 
 def epoch_order(urls, seed, epoch, source):
@@ -143,7 +143,8 @@ class Reader:
         self.want = self.target.members
         label_ext, field = parse_label_key(self.target.label)
         one_image = len(self.target.image_exts) == 1
-        self.regular = (self.target.image_exts[0], label_ext) if one_image and field is None else None
+        integers = field is None and self.target.names is None and label_ext != "dir"  # what read.regular parses
+        self.regular = (self.target.image_exts[0], label_ext) if one_image and integers else None
         n = len(source.urls)
         self.facts = {u: (c, b, d) for u, c, b, d in zip(source.urls, source.counts, source.sizes or [None] * n,
                                                          source.digests or [None] * n)}
@@ -174,16 +175,24 @@ class Reader:
                 stream = io.BytesIO(buf)
             keys, images, exts, labels = cols
             for sample in iter_samples(stream, self.want, url):
-                got += 1
+                if is_meta(sample["__key__"]):  # a shard's __meta__ sample: no training sample, as in the index
+                    continue
                 try:
-                    ext, image = image_of(sample, self.target)
                     label = label_of(sample, self.target, self.lookup)
+                    ext, image = image_of(sample, self.target)
+                except Unlabelled as e:
+                    if not self.target.skip_unlabelled:  # else left out, as the index counted it
+                        got += 1
+                        bad.append((sample["__key__"], f"no label: {e}"))
+                    continue
                 except ValueError as e:
+                    got += 1
                     bad.append((sample["__key__"], e))
                     continue
+                got += 1
                 keys.append(sample["__key__"])
                 images.append(image)
-                exts.append(ext)
+                exts.append(image_format(ext))
                 labels.append(label)
 
         try:
@@ -197,9 +206,14 @@ class Reader:
             self.stats["skipped"] += lost
             warnings.warn(f"{url}: {e}; skipped {lost} sample(s)", stacklevel=2)
         else:
+            lost = max((count or got) - got, 0)  # a tar may end without its end blocks: then only the count tells
+            if lost and self.strict:
+                raise ShardError(f"{url}: {got} samples, the manifest says {count}: the tar ends early (truncated)")
+            self.stats["skipped"] += lost
             if count is not None and got != count and url not in self.named:
                 self.named.add(url)
-                warnings.warn(f"{url}: {got} samples, the manifest says {count}", stacklevel=2)
+                warnings.warn(f"{url}: {got} samples, the manifest says {count}" +
+                              (f"; the {lost} missing counted as skipped" if lost else ""), stacklevel=2)
         for key, error in bad:
             self.bad(url, key, error)
         if cols is not None and len(cols[0]):
@@ -227,7 +241,7 @@ class Reader:
             keep = np.flatnonzero(ok)
             keys, labels = [keys[i] for i in keep], labels[keep]
             images = images[keep] if dense else [images[i] for i in keep]
-        return keys, images, "raw" if dense else [self.target.image_exts[0]] * len(keys), labels
+        return keys, images, "raw" if dense else [image_format(self.target.image_exts[0])] * len(keys), labels
 
     def bad(self, url, key, error):
         if self.strict:

@@ -357,7 +357,8 @@ class EvalStream(torch.utils.data.IterableDataset):
                                  f"raw pixels cannot be resized")
             source = dataclasses.replace(source, target=dataclasses.replace(source.target, shape=train.shape))
         self.source = source
-        if list(source.classes) != list(train.classes) or source.target.label_values != train.target.label_values:
+        if list(source.classes) != list(train.classes) or source.target.label_values != train.target.label_values \
+                or bool(source.target.names) != bool(train.target.names):  # names, or integers the classes name
             raise ShardError(f"{source.name}: the test manifest lists {len(source.classes)} classes "
                              f"({_preview(source.classes)}), the training manifest {len(train.classes)} "
                              f"({_preview(train.classes)}); their labels would not match the model's head")

@@ -30,6 +30,7 @@ from .metrics import KeyLog, Metrics, StepLog
 from .model import Net, augment
 
 BASE_BATCH = 256  # --lr is the rate for this global batch
+PER_CLASS_MAX = 20  # sources with at most this many classes are evaluated per class (a confusion matrix each)
 ORIGINS = {"synthetic": "synthetic look-alike data", "torchvision": "real data, torchvision files",
            "imagefolder": "real data, an ImageFolder", "index": "an indexed WebDataset"}
 
@@ -290,7 +291,8 @@ def run_files(folder):
 
 
 def evaluate(run, loaders):
-    """Exact per-source accuracy: every test sample counted once over all ranks.
+    """Exact per-source accuracy: every test sample counted once over all ranks; per class
+    too, with a confusion matrix, for sources of up to PER_CLASS_MAX classes.
 
     Ranks may hold different numbers of test batches, so the forward pass uses the
     plain module (DDP's forward can broadcast buffers, a collective) and only the
@@ -300,26 +302,53 @@ def evaluate(run, loaders):
     dist.sync_buffers(model)
     model.eval()
     sums = torch.zeros(len(loaders), 4, dtype=torch.float64, device=device)  # count, correct, loss, skipped
+    sizes = [len(ev.source.classes) for ev in run.evals]
+    # rows: true class; columns: predicted class of the same source, the last one any other source's class
+    confusions = [torch.zeros(k, k + 1, dtype=torch.float64, device=device) if k <= PER_CLASS_MAX else None
+                  for k in sizes]
     with torch.no_grad():
         for i, loader in enumerate(loaders):
+            offset, k = run.layout.offsets[run.layout.index(run.evals[i].source.name)], sizes[i]
             for batch in loader:
                 sums[i, 3] += batch["skipped"]
                 if len(batch["label"]) == 0:
                     continue
-                x, y, s = (batch[k].to(device, non_blocking=True) for k in ("image", "label", "source"))
+                x, y, s = (batch[k_].to(device, non_blocking=True) for k_ in ("image", "label", "source"))
                 with autocast(device):
                     logits = model(run.layout.normalize(x, s)).float()
+                predicted = logits.argmax(1)
                 sums[i, 0] += len(y)
-                sums[i, 1] += (logits.argmax(1) == y).sum()
+                sums[i, 1] += (predicted == y).sum()
                 sums[i, 2] += F.cross_entropy(logits, y, reduction="sum")
-    dist.all_reduce_sum(sums)
+                if confusions[i] is not None:
+                    column = predicted - offset
+                    column = torch.where((column >= 0) & (column < k), column, k)
+                    confusions[i] += torch.bincount((y - offset) * (k + 1) + column,
+                                                    minlength=k * (k + 1)).view(k, k + 1).to(torch.float64)
+    flat = torch.cat([sums.flatten()] + [c.flatten() for c in confusions if c is not None])
+    dist.all_reduce_sum(flat)  # one collective for every count
+    sums, at = flat[:sums.numel()].view_as(sums), sums.numel()
+    for i, c in enumerate(confusions):
+        if c is not None:
+            confusions[i], at = flat[at:at + c.numel()].view_as(c), at + c.numel()
     model.train()
     out = {}
-    for ev, row in zip(run.evals, sums.tolist()):
+    for ev, row, confusion in zip(run.evals, sums.tolist(), confusions):
         n, correct, loss, skipped = row
         out[ev.source.name] = {"count": int(n), "correct": int(correct), "accuracy": correct / max(n, 1),
                                "loss": loss / max(n, 1), "skipped": int(skipped), "data": origin_label(ev.source)}
+        if confusion is not None:
+            counts = confusion.round().to(torch.int64).tolist()
+            out[ev.source.name]["per_class"] = {name: r[j] / max(sum(r), 1)
+                                                for j, (name, r) in enumerate(zip(ev.source.classes, counts))}
+            out[ev.source.name]["confusion"] = counts
     return out
+
+
+def per_class_lines(evals, digits=3):
+    """'  NAME per class: airplane 0.950, cat 0.900, ...' for each source evaluated per class."""
+    return [f"  {k} per class: " + ", ".join(f"{c} {a:.{digits}f}" for c, a in v["per_class"].items())
+            for k, v in evals.items() if "per_class" in v]
 
 
 def eval_loaders(run):
@@ -454,6 +483,8 @@ def evaluate_only(run):
     if run.topo.is_main:
         write_json_atomic(os.path.join(run.args.out, "eval.json"), {"eval": evals, "world_size": run.topo.world})
         print(", ".join(f"{k} {v['accuracy']:.4f} ({v['count']} samples, {v['data']})" for k, v in evals.items()))
+        for line in per_class_lines(evals):
+            print(line)
     return evals
 
 
@@ -527,6 +558,7 @@ def write_summary(run, evals, t_start, resumed_from, finished, sources):
         "data": {s.name: {"origin": origin_label(s), "synthetic": s.synthetic, "manifest": s.manifest,
                           "train_samples": s.total} for s in sources},
         "accuracy": {k: v["accuracy"] for k, v in evals.items()},
+        "per_class_accuracy": {k: v["per_class"] for k, v in evals.items() if "per_class" in v},
         "eval": evals,
         "epochs_done": len(run.history["epochs"]),
         "steps_done": run.step,
@@ -552,7 +584,8 @@ def write_summary(run, evals, t_start, resumed_from, finished, sources):
             ("no evaluation in this invocation" if run.evals else "no --eval sources")
         state = "done" if finished else \
             f"stopped at step {run.step}, epoch {run.epoch + (1 if run.mid else 0)} of {args.epochs} (continue with --resume)"
-        print(f"{state} in {summary['wall_time_s']:.0f} s: test accuracy {acc}\n"
+        print(f"{state} in {summary['wall_time_s']:.0f} s: test accuracy {acc}\n" +
+              "".join(line + "\n" for line in per_class_lines(evals)) +
               f"metrics.jsonl, summary.json and checkpoint.pt are in {args.out}/; "
               f"pictures: python tools/report.py {args.out}", flush=True)
     return summary

@@ -151,8 +151,10 @@ def drip(handler, byte, seconds, first=b""):
 # ---------------------------------------------------------------- other writers' WebDatasets
 
 
-def foreign_image(label, size, seed, mode="RGB"):
-    """A learnable synthetic image: class `label` sets which quadrant is bright, noise on top."""
+def foreign_image(label, size, seed, mode="RGB", colour=7):
+    """A learnable synthetic image: class `label` sets which quadrant is bright, noise on top;
+    `colour` (a mask of R=1, G=2, B=4) which channels brighten, so that data sets with their
+    own colour can be told apart by one model's shared head."""
     import numpy as np
     from PIL import Image
 
@@ -160,7 +162,8 @@ def foreign_image(label, size, seed, mode="RGB"):
     h, w = size
     a = rng.integers(0, 90, (h, w, 3), dtype=np.uint8)
     qy, qx = divmod(label % 4, 2)
-    a[qy * h // 2:(qy + 1) * h // 2, qx * w // 2:(qx + 1) * w // 2] += 150
+    channels = [c for c in range(3) if colour >> c & 1]
+    a[qy * h // 2:(qy + 1) * h // 2, qx * w // 2:(qx + 1) * w // 2, channels] += 150
     img = Image.fromarray(a)
     return img.convert(mode) if mode != "RGB" else img
 
@@ -207,7 +210,7 @@ def write_gnu_tar(folder, n, *, classes=4, per_shard=25, seed=1):
             label = i % classes
             name = f"sample_{i:05d}" + ("_with_a_rather_long_file_name" * 3 if i % 5 == 0 else "")
             with open(os.path.join(src, name + ".png"), "wb") as f:
-                f.write(encode_pil(foreign_image(label, (32, 32), seed * 100003 + i), "PNG"))
+                f.write(encode_pil(foreign_image(label, (32, 32), seed * 100003 + i, colour=6), "PNG"))
             with open(os.path.join(src, name + ".cls"), "w") as f:
                 f.write(f"{label}\n")
             members += [name + ".png", name + ".cls"]
@@ -240,4 +243,113 @@ def write_img2dataset(folder, n, *, classes=4, per_shard=20, seed=2, gz=False):
                     info.size = len(data)
                     tar.addfile(info, io.BytesIO(data))
                 keys.append(key)
+    return keys
+
+
+NAMES = ("airplane", "cat", "dog", "ship")  # class i's name: the sorted order is the label order
+SYNSETS = ("n01440764", "n01443537", "n01484850", "n01491361")
+FOLDERS = ("001.ak47", "002.american-flag", "003.backpack", "257.clutter")  # caltech-style, dots included
+
+
+def write_named_shardwriter(folder, n, *, nested=False, per_shard=20, seed=3, prefix=""):
+    """`wds.ShardWriter` with class names in .json ({"label": "cat"}, or {"meta": {"label": "cat"}}
+    when nested), JPEGs, and at the start of every shard a `__meta__.json` sample and a
+    `__meta__/info.json` member, as some writers add. Returns the keys."""
+    import json
+    import os
+
+    import webdataset as wds
+
+    os.makedirs(folder, exist_ok=True)
+    keys = []
+    with wds.ShardWriter(os.path.join(str(folder), "named-%06d.tar"), maxcount=per_shard + 2, verbose=0) as sink:
+        for i in range(n):
+            if i % per_shard == 0:
+                sink.write({"__key__": "__meta__", "json": json.dumps({"classes": list(NAMES)}).encode()})
+                sink.write({"__key__": "__meta__/info", "json": b'{"writer": "a test"}'})
+            label = i % 4
+            field = {"meta": {"label": NAMES[label]}} if nested else {"label": NAMES[label], "id": i}
+            key = f"{prefix}{i:06d}"
+            img = foreign_image(label, (32, 32), seed * 100003 + i, colour=2 if nested else 1)
+            sink.write({"__key__": key, "jpg": encode_pil(img, "JPEG", quality=90), "json": json.dumps(field).encode()})
+            keys.append(key)
+    with open(os.path.join(str(folder), "named-000000.tar"), "rb") as f:
+        head = f.read(8192)
+        assert b"__meta__.json" in head and b"__meta__/info.json" in head
+    return keys
+
+
+def write_synset_tar(folder, n, *, per_shard=20, seed=4, end_blocks=True):
+    """PNG + .cls holding ImageNet synset ids (`n01440764`), plain USTAR; without end_blocks the
+    tars stop after their last member, as a writer that never closed them leaves them. Returns the keys."""
+    import os
+
+    os.makedirs(folder, exist_ok=True)
+    keys = []
+    for s in range(0, n, per_shard):
+        members = []
+        for i in range(s, min(n, s + per_shard)):
+            label = i % 4
+            key = f"{SYNSETS[label]}_{i:05d}"
+            members += [(f"{key}.png", encode_pil(foreign_image(label, (32, 32), seed * 100003 + i, colour=4), "PNG")),
+                        (f"{key}.cls", SYNSETS[label].encode())]
+            keys.append(key)
+        path = os.path.join(str(folder), f"syn-{s // per_shard:04d}.tar")
+        write_tar(path, members)
+        if not end_blocks:
+            with tarfile.open(path) as tar:
+                last = tar.getmembers()[-1]
+            os.truncate(path, last.offset_data + (last.size + 511) // 512 * 512)
+    return keys
+
+
+def write_imagefolder_tar(folder, n, *, split="train", per_shard=20, seed=5):
+    """GNU `tar` over an ImageFolder tree `SPLIT/257.clutter/257_0002.jpg`: the label is the key's
+    last folder. Returns the keys."""
+    import os
+    import shutil
+    import subprocess
+
+    os.makedirs(folder, exist_ok=True)
+    keys = []
+    for s in range(0, n, per_shard):
+        src = os.path.join(str(folder), f"src{s}")
+        members = []
+        for i in range(s, min(n, s + per_shard)):
+            label = i % 4
+            rel = f"{split}/{FOLDERS[label]}/{FOLDERS[label][:3]}_{i:04d}.jpg"
+            os.makedirs(os.path.dirname(os.path.join(src, rel)), exist_ok=True)
+            with open(os.path.join(src, rel), "wb") as f:
+                f.write(encode_pil(foreign_image(label, (36, 36), seed * 100003 + i, colour=3), "JPEG", quality=90))
+            members.append(rel)
+            keys.append(rel[:-4])
+        subprocess.run(["tar", "--format=gnu", "-cf", os.path.join(str(folder), f"tree-{s // per_shard:04d}.tar"),
+                        "-C", src, *members], check=True)
+        shutil.rmtree(src)
+    return keys
+
+
+def write_multi_member(folder, n, *, per_shard=20, seed=6):
+    """Samples of `rgb.png` + `depth.npy` + `.json` (the class name in "label"): two image members,
+    one chosen with --image-key rgb.png. Returns the keys."""
+    import json
+    import os
+
+    import numpy as np
+
+    os.makedirs(folder, exist_ok=True)
+    keys = []
+    for s in range(0, n, per_shard):
+        members = []
+        for i in range(s, min(n, s + per_shard)):
+            label = i % 4
+            key = f"scene/{i:06d}"
+            depth = io.BytesIO()
+            np.save(depth, np.zeros((32, 32), np.uint8))  # grey and blank: a run that learns read rgb.png
+            rgb = foreign_image(label, (32, 32), seed * 100003 + i, colour=5)
+            members += [(f"{key}.rgb.png", encode_pil(rgb, "PNG")),
+                        (f"{key}.depth.npy", depth.getvalue()),
+                        (f"{key}.json", json.dumps({"label": NAMES[label]}).encode())]
+            keys.append(key)
+        write_tar(os.path.join(str(folder), f"multi-{s // per_shard:04d}.tar"), members)
     return keys

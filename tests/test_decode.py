@@ -1,6 +1,7 @@
 """pipeline/decode.py: every supported image format to the source's shape, labels from every
 supported member, and nothing else ever decoded."""
 import io
+import os
 import json
 import struct
 import time
@@ -142,18 +143,34 @@ def test_labels_from_every_member_kind():
     assert decode.label_of({"json": json.dumps({"meta": {"label": 4}}).encode()}, nested) == 4
     sparse = Target((1, 4, 4), classes=3, label_values=(3, 7, 12))
     assert decode.label_of({"cls": b"12"}, sparse, sparse.lookup()) == 2
-    bad = [({"cls": b"10"}, t, "outside 0..9"), ({"cls": b"-1"}, t, "outside"), ({"cls": b"cat"}, t, "not an integer"),
-           ({}, t, "no .cls member"), ({"json": b"{}"}, nested, "no meta.label field"),
-           ({"json": b'{"meta": {"label": "4"}}'}, nested, "not an integer"),
-           ({"json": b'{"meta": {"label": true}}'}, nested, "not an integer"),
-           ({"json": b"not json"}, nested, "no meta.label"), ({"cls": b"5"}, sparse, "not one of")]
+    assert decode.label_of({"json": b'{"meta": {"label": "4"}}'}, nested) == 4  # an integer, written as text
+    names = Target((1, 4, 4), label="json:label", classes=3, names=("cat", "dog", "n01440764"))
+    assert decode.label_of({"json": b'{"label": "dog"}'}, names, names.lookup()) == 1
+    synsets = Target((1, 4, 4), label="cls", classes=3, names=("cat", "dog", "n01440764"))
+    assert decode.label_of({"cls": b"n01440764\n"}, synsets, synsets.lookup()) == 2
+    folders = Target((1, 4, 4), label="dir", classes=2, names=("257.clutter", "airplane"))
+    assert decode.label_of({"__key__": "train/257.clutter/0001"}, folders, folders.lookup()) == 0
+    first = Target((1, 4, 4), label="dir:0", classes=2, names=("257.clutter", "airplane"))
+    assert decode.label_of({"__key__": "airplane/x/0001"}, first, first.lookup()) == 1
+    unlabelled = [({"cls": b"-1"}, t), ({}, t), ({"json": b"{}"}, nested),
+                  ({"json": b'{"meta": {"label": null}}'}, nested), ({"json": b'{"meta": {"label": -1}}'}, nested)]
+    for sample, target in unlabelled:
+        with pytest.raises(decode.Unlabelled):
+            decode.label_of(sample, target, target.lookup())
+    bad = [({"cls": b"10"}, t, "outside 0..9"), ({"cls": b"cat"}, t, "not an integer"),
+           ({}, t, "no .cls member"), ({"cls": b"-1"}, t, "marks a sample without a label"),
+           ({"json": b"{}"}, nested, "no meta.label field"),
+           ({"json": b'{"meta": {"label": true}}'}, nested, "not an integer or a class name"),
+           ({"json": b"not json"}, nested, "not valid JSON"), ({"cls": b"5"}, sparse, "not one of"),
+           ({"json": b'{"label": "cow"}'}, names, "class name 'cow' is not one of the source's 3 classes"),
+           ({"__key__": "0001"}, folders, "has no folder")]
     for sample, target, message in bad:
         with pytest.raises(ValueError, match=message):
             decode.label_of(sample, target, target.lookup())
 
 
 def test_label_keys_and_image_extensions_are_checked():
-    for bad in ("pyd", "json", "json:", "json:a..b", "pth", ""):
+    for bad in ("pyd", "json", "json:", "json:a..b", "pth", "", "dir:x", "dir:-1"):
         with pytest.raises(ValueError):
             decode.parse_label_key(bad)
     with pytest.raises(ValueError):
@@ -171,3 +188,89 @@ def test_only_named_members_are_ever_looked_at():
     sample = {"png": png.encode(np.zeros((1, 2, 2), np.uint8)), "cls": b"1", "pyd": Explodes(b"x"),
               "pth": Explodes(b"y"), "pickle": Explodes(b"z")}
     assert decode.image_of(sample, t)[0] == "png" and decode.label_of(sample, t) == 1
+
+
+def test_tiff_gif_and_npy_images_decode():
+    """.tif/.tiff and .gif (its first frame) through PIL, .npy (uint8 HxW or HxWxC) through numpy
+    without pickles; a multi-part member extension (rgb.png, depth.npy) decodes by its last part."""
+    import io
+
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    rgb = rng.integers(0, 256, (12, 10, 3), dtype=np.uint8)
+    for fmt, ext in (("TIFF", "tif"), ("TIFF", "tiff")):
+        buf = io.BytesIO()
+        Image.fromarray(rgb).save(buf, format=fmt)
+        assert (decode.decode_image(buf.getvalue(), ext, (3, 12, 10)) == rgb.transpose(2, 0, 1)).all()
+    frames = [Image.fromarray(np.full((8, 8), v, np.uint8)).convert("P") for v in (40, 200)]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:])
+    assert (decode.decode_image(buf.getvalue(), "gif", (1, 8, 8)) == 40).all()  # the first frame
+    for array, shape in ((rgb, (3, 12, 10)), (rgb[:, :, 0], (1, 12, 10)), (rgb[:, :, :1], (1, 12, 10))):
+        buf = io.BytesIO()
+        np.save(buf, array)
+        out = decode.decode_image(buf.getvalue(), "npy", shape)
+        assert out.shape == shape and (out[0] == array[..., 0] if array.ndim == 3 else out[0] == array).all()
+    assert decode.image_format("rgb.png") == "png" and decode.image_format("depth.npy") == "npy"
+    assert decode.image_format("json") is None and decode.image_format("x.pyd") is None
+    assert Target((3, 8, 8), image_exts=("rgb.png",)).members == {"rgb.png", "cls"}
+
+
+@pytest.mark.parametrize("array, message", [
+    (np.zeros((4, 4), np.float32), "float32"), (np.zeros((4, 4, 2), np.uint8), "shape"),
+    (np.array([{"a": 1}], dtype=object), "object"),
+])
+def test_npy_that_is_no_image_is_one_line(array, message):
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=True)
+    with pytest.raises(ValueError, match=message):
+        decode.decode_image(buf.getvalue(), "npy", (1, 4, 4))
+
+
+def test_npy_header_claiming_a_huge_image_is_refused_before_loading():
+    """The header says 100,000 x 100,000 (10 GB); only the header is read, so this fails at once."""
+    import io
+
+    from numpy.lib import format as npformat
+
+    buf = io.BytesIO()
+    npformat.write_array_header_1_0(buf, {"descr": "|u1", "fortran_order": False, "shape": (100000, 100000)})
+    t0 = time.time()
+    with pytest.raises(ValueError, match="more than"):
+        decode.decode_image(buf.getvalue() + bytes(64), "npy", (1, 8, 8))
+    assert time.time() - t0 < 1
+
+
+def test_npy_claiming_more_pixels_than_it_holds_is_refused_before_any_array(tmp_path):
+    """Within the pixel limit, but the data is missing: np.load would allocate the claimed array
+    first; under an address-space limit below that size, the check answers in one line."""
+    import subprocess
+    import sys
+
+    from numpy.lib import format as npformat
+
+    buf = io.BytesIO()
+    side = int(decode.MAX_PIXELS ** 0.5) - 1
+    npformat.write_array_header_1_0(buf, {"descr": "|u1", "fortran_order": False, "shape": (side, side, 4)})
+    (tmp_path / "x.npy").write_bytes(buf.getvalue() + bytes(4096))
+    code = f"""
+import resource, sys
+import numpy as np
+from pipeline import decode
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (used + (32 << 20), hard))  # half the claimed array
+try:
+    decode.decode_image(open(sys.argv[1], "rb").read(), "npy", (3, 8, 8))
+except ValueError as e:
+    print("refused:", e)
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "x.npy")], capture_output=True, text=True,
+                       timeout=60, env=dict(os.environ, PYTHONPATH=root))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("refused: .npy header claims") and "Traceback" not in p.stderr
+

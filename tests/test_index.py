@@ -14,7 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import build_shards, free_port, write_gnu_tar, write_img2dataset, write_shardwriter
+from helpers import (FOLDERS, NAMES, SYNSETS, build_shards, free_port, write_gnu_tar, write_img2dataset,
+                     write_imagefolder_tar, write_multi_member, write_named_shardwriter, write_shardwriter,
+                     write_synset_tar)
 from pipeline.index import expand
 from pipeline.stream import MixedStream, make_loader, resolve
 
@@ -46,9 +48,34 @@ def foreign(tmp_path_factory):
         pattern = f"{top}/i2d-{split}/{{00000..{SIZES[split] // 20 - 1:05d}}}.tar" + (".gz" if split == "test" else "")
         p = make_shards("--index", f"i2d:{split}={pattern}", "--label-key", "json:label", "--out", out)
         assert p.returncode == 0, p.stderr
+    # the public layouts of real WebDatasets: each data set's splits indexed in one command, so
+    # the test split takes the training split's class names
+    for split, n in SIZES.items():
+        seed = 10 if split == "test" else 0
+        keys["named", split] = write_named_shardwriter(top / f"named-{split}", n, seed=seed + 3)
+        keys["nested", split] = write_named_shardwriter(top / f"nested-{split}", n, nested=True, seed=seed + 4,
+                                                          prefix="nested-")
+        keys["syn", split] = write_synset_tar(top / f"syn-{split}", n, seed=seed + 5, end_blocks=split == "test")
+        keys["tree", split] = write_imagefolder_tar(top / f"tree-{split}", n, split=split, seed=seed + 6)
+        keys["multi", split] = write_multi_member(top / f"multi-{split}", n, seed=seed + 7)
+    both = [a for n in ("named", "syn", "tree") for split in ("test", "train")
+            for a in ("--index", f"{n}:{split}={top}/{n}-{split}")]
+    for args in (both, ["--index", f"multi:train={top}/multi-train", "--index", f"multi:test={top}/multi-test",
+                        "--image-key", "rgb.png"],
+                 ["--index", f"nested:train={top}/nested-train", "--label-key", "json:meta.label"]):
+        p = make_shards(*args, "--out", out)
+        assert p.returncode == 0, p.stderr
+        foreign_lines.append(p.stdout)
+    p = make_shards("--index", f"nested:test={top}/nested-test", "--label-key", "json:meta.label", "--classes-from",
+                    out / "nested-train.json", "--out", out)
+    assert p.returncode == 0, p.stderr
     build_shards(out, "mnist", "train", 400, shape=(1, 28, 28), encoding="png", maxcount=40)
     build_shards(out, "mnist", "test", 100, shape=(1, 28, 28), encoding="png", maxcount=40)
-    return SimpleNamespace(top=top, out=out, keys=keys)
+    return SimpleNamespace(top=top, out=out, keys=keys, lines="".join(foreign_lines))
+
+
+foreign_lines = []
+PUBLIC = ("named", "nested", "syn", "tree", "multi")  # class names, not integers, each
 
 
 def manifest_of(foreign, name, split="train"):
@@ -69,6 +96,80 @@ def test_index_records_what_the_shards_hold(foreign):
     assert sw["shape"][0] == 3 and gnu["shape"] == [3, 32, 32] and i2d["shape"] == [3, 48, 48]
 
 
+def test_index_reads_the_labels_and_images_of_public_layouts(foreign):
+    """Class names from .json (flat and nested), synset ids in .cls and folder names in the
+    key, mapped by their sorted order, the same in both splits; the chosen image member."""
+    expected = {"named": ("json:label", NAMES), "nested": ("json:meta.label", NAMES), "syn": ("cls", SYNSETS),
+                "tree": ("dir", FOLDERS), "multi": ("json:label", NAMES)}
+    for name, (label, classes) in expected.items():
+        for split in SIZES:
+            m = manifest_of(foreign, name, split)
+            assert (m["label"], m["classes"], m["label_names"]) == (label, list(classes), True), (name, split)
+            assert m["total"] == SIZES[split]  # the __meta__ sample of the named sets is not a sample
+    assert manifest_of(foreign, "multi")["image_exts"] == ["rgb.png"]
+    assert manifest_of(foreign, "multi")["shape"] == [3, 32, 32]
+    assert 'labels: .json field "label", 4 class names' in foreign.lines
+    assert "labels: .cls, 4 class names" in foreign.lines and "labels: the key's last folder, 4 class names" in \
+        foreign.lines
+    assert "as in " in foreign.lines  # the test split took the training split's classes
+
+
+def test_names_outside_the_classes_are_one_line(foreign, tmp_path):
+    names = tmp_path / "classes.txt"
+    names.write_text("airplane\ncat\ndog\n")  # no ship
+    p = make_shards("--index", f"named:train={foreign.top}/named-train", "--classes", names, "--out", tmp_path)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "class name 'ship' is not in --classes" in p.stderr and str(names) in p.stderr and "sample 0000" in \
+        p.stderr
+    p = make_shards("--index", f"named:test={foreign.top}/named-test", "--label-key", "json:label", "--classes-from",
+                    foreign.out / "syn-train.json", "--out", tmp_path)
+    assert p.returncode == 2 and "class name 'airplane' is not in" in p.stderr and "syn-train.json" in p.stderr
+    names.write_text("zero\none\ntwo\nthree\n")  # names for integer labels: each index named
+    p = make_shards("--index", f"gnu:train={foreign.top}/gnu-train", "--classes", names, "--out", tmp_path)
+    assert p.returncode == 0, p.stderr
+    m = json.loads((tmp_path / "gnu-train.json").read_text())
+    assert m["classes"] == ["zero", "one", "two", "three"] and "label_names" not in m
+
+
+def test_the_k_th_folder_of_the_key_is_a_label_too(foreign, tmp_path):
+    p = make_shards("--index", f"tree:train={foreign.top}/tree-train", "--label-key", "dir:1", "--out", tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "labels: folder 1 of the key (from 0), 4 class names" in p.stdout
+    assert json.loads((tmp_path / "tree-train.json").read_text())["classes"] == list(FOLDERS)
+    p = make_shards("--index", f"tree:train={foreign.top}/tree-train", "--label-key", "dir:2", "--out", tmp_path)
+    assert p.returncode == 2 and "has no folder 2" in p.stderr
+
+
+def test_unlabelled_samples_are_an_error_or_skipped_and_counted(tmp_path):
+    from helpers import encode_pil, foreign_image, write_tar
+
+    folder = tmp_path / "u"
+    folder.mkdir()
+    members = []
+    for i in range(12):
+        members.append((f"{i:04d}.jpg", encode_pil(foreign_image(i % 2, (16, 16), i), "JPEG")))
+        if i % 4 != 3:  # every fourth sample has no label member; one says -1
+            members.append((f"{i:04d}.cls", b"-1" if i == 5 else NAMES[i % 2].encode()))
+    write_tar(folder / "u-0000.tar", members)
+    p = make_shards("--index", f"u:train={folder}", "--out", tmp_path)
+    assert p.returncode == 2 and "sample 0003 has no label (no .cls member); pass --skip-unlabelled" in p.stderr
+    p = make_shards("--index", f"u:train={folder}", "--skip-unlabelled", "--out", tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "8 samples (4 unlabelled left out)" in p.stdout
+    m = json.loads((tmp_path / "u-train.json").read_text())
+    assert m["total"] == 8 and m["shards"][0]["unlabelled"] == 4 and m["skip_unlabelled"]
+    src = resolve("u", str(tmp_path), "train")
+    stream = MixedStream([src], {"u": 1}, 4)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # left out as the index counted them: no warning, nothing skipped
+        batches = list(make_loader(stream.eval_stream(src), 0))
+    keys = [k for b in batches for k in b["key"]]
+    assert len(keys) == 8 and sum(b["skipped"] for b in batches) == 0
+    assert "0003" not in keys and "0005" not in keys
+
+
 def test_index_beside_the_shards_uses_relative_names(foreign, tmp_path):
     folder = tmp_path / "gnu"
     write_gnu_tar(folder, 50)
@@ -79,14 +180,47 @@ def test_index_beside_the_shards_uses_relative_names(foreign, tmp_path):
     assert resolve("gnu", str(folder), "train").total == 50
 
 
+def test_a_folder_indexed_in_place_serves_over_http_as_it_is(foreign, tmp_path):
+    """Shards in subfolders of the manifest's folder are named relative to it, so the folder
+    served by an HTTP server trains from its URL; a link out of the folder stays absolute."""
+    from helpers import serve
+
+    top = tmp_path / "someone-elses"
+    for part in ("a", "b/c"):
+        write_imagefolder_tar(top / part, 40, seed=len(part))
+    os.symlink(foreign.top / "tree-train", top / "elsewhere")
+    p = make_shards("--index", f"tree:train={top}/{{a,b/c,elsewhere}}/tree-{{0000..0001}}.tar", "--out", top)
+    assert p.returncode == 0, p.stderr
+    names = [s["name"] for s in json.loads((top / "tree-train.json").read_text())["shards"]]
+    assert names[:4] == ["a/tree-0000.tar", "a/tree-0001.tar", "b/c/tree-0000.tar", "b/c/tree-0001.tar"]
+    assert os.path.isabs(names[4]) and os.path.isabs(names[5])  # through a link: the real place
+    p = make_shards("--index", f"tree:train={top}/{{a,b/c}}/tree-{{0000..0001}}.tar", "--out", top)
+    assert p.returncode == 0, p.stderr
+    with serve(top) as url:
+        src = resolve("tree", url, "train")
+        assert src.urls[2] == f"{url}b/c/tree-0000.tar" and src.total == 80
+        stream = MixedStream([src], {"tree": 1}, 8)
+        assert sum(len(b["key"]) for b in make_loader(stream.eval_stream(src), 0)) == 80
+
+
+def test_base_url_names_the_shards_where_they_will_be_served(foreign, tmp_path):
+    p = make_shards("--index", f"tree:train={foreign.top}/tree-train", "--base-url", "https://data.example/tree/",
+                    "--out", tmp_path)
+    assert p.returncode == 0, p.stderr
+    names = [s["name"] for s in json.loads((tmp_path / "tree-train.json").read_text())["shards"]]
+    assert names[0] == "https://data.example/tree/tree-0000.tar" and len(names) == SIZES["train"] // 20
+    p = make_shards("--index", f"tree:train={foreign.top}/tree-train", "--base-url", "ftp://x/", "--out", tmp_path)
+    assert p.returncode == 2 and "--base-url 'ftp://x/': an http(s) URL expected" in p.stderr
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_every_foreign_sample_streams_once_per_pass(foreign, workers):
     """Eval streams read every sample of every foreign layout exactly once, decoded to the
     source's shape, with the labels the writers gave them."""
-    names = ("sw", "gnu", "i2d", "mnist")
+    names = ("sw", "gnu", "i2d", *PUBLIC, "mnist")
     train = [resolve(n, str(foreign.out), "train") for n in names]
     stream = MixedStream(train, dict.fromkeys(names, 1), 16)
-    for name in ("sw", "gnu", "i2d"):
+    for name in ("sw", "gnu", "i2d", *PUBLIC):
         test = resolve(name, str(foreign.out), "test")
         keys = []
         for b in make_loader(stream.eval_stream(test), workers):
@@ -94,7 +228,7 @@ def test_every_foreign_sample_streams_once_per_pass(foreign, workers):
             offset = stream.layout.offsets[stream.layout.index(name)]
             for key, label in zip(b["key"], b["label"].tolist()):
                 index = foreign.keys[name, "test"].index(key)
-                assert label - offset == index % 4  # the writers' label: i % classes
+                assert label - offset == index % 4  # the writers' label: i % classes (or its name, in order)
             keys += b["key"]
         assert sorted(keys) == sorted(foreign.keys[name, "test"])
 
@@ -110,8 +244,10 @@ def test_members_nobody_asked_for_are_never_kept(foreign):
 
 
 @pytest.mark.parametrize("case, needle", [
-    ("no match", "no shards"), ("missing files", "do not exist"), ("no image", r"no \.png/\.jpg"),
-    ("no label", "no .cls, .txt or .index"), ("bad label", "not an integer"), ("garbage", "unreadable|not a tar"),
+    ("no match", "no shards"), ("missing files", "do not exist"), ("no image", r"no image member"),
+    ("no label", r"no \.cls, \.txt, \.index or \.json label member"), ("bad label", "not text"),
+    ("garbage", "unreadable|not a tar"), ("unlabelled", "has no label .*--skip-unlabelled"),
+    ("two images", r"2 image members \(\.rgb\.png, \.depth\.npy\); choose one with --image-key"),
 ])
 def test_index_errors_are_one_line(tmp_path, case, needle):
     import io
@@ -121,7 +257,9 @@ def test_index_errors_are_one_line(tmp_path, case, needle):
     folder.mkdir()
     spec = str(folder)
     members = {"no image": [("a.cls", b"1"), ("a.txt", b"x")], "no label": [("a.jpg", _jpeg())],
-               "bad label": [("a.jpg", _jpeg()), ("a.cls", b"cat")]}
+               "bad label": [("a.jpg", _jpeg()), ("a.cls", b"\xff\xfe")],
+               "unlabelled": [("a.jpg", _jpeg()), ("a.cls", b"1"), ("b.jpg", _jpeg()), ("b.cls", b"-1")],
+               "two images": [("a.rgb.png", _png()), ("a.depth.npy", _npy()), ("a.cls", b"1")]}
     if case == "no match":
         spec = str(folder / "x-{000..003}.tar")
         (folder / "unrelated.txt").write_text("x")
@@ -150,6 +288,22 @@ def _jpeg():
     return encode_pil(foreign_image(0, (8, 8), 0), "JPEG")
 
 
+def _png():
+    from helpers import encode_pil, foreign_image
+
+    return encode_pil(foreign_image(0, (8, 8), 0), "PNG")
+
+
+def _npy():
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, np.zeros((8, 8), np.uint8))
+    return buf.getvalue()
+
+
 def test_expand_takes_folders_and_patterns(tmp_path):
     for name in ("b.tar", "a.tar.gz", "c.tgz", "notes.txt"):
         (tmp_path / name).write_bytes(b"")
@@ -168,30 +322,41 @@ def test_training_on_unindexed_shards_says_how_to_index_them(tmp_path):
 
 @pytest.mark.slow
 def test_foreign_webdatasets_train_next_to_our_shards_under_torchrun(foreign, tmp_path):
-    """2 ranks over three foreign layouts and a make_shards source: equal batches, no key
-    twice within an epoch, every test sample counted once, and the run learns."""
+    """2 ranks over every foreign layout (integer labels; class names in .json, flat and nested;
+    synset ids in .cls, tars without end blocks; folder names from GNU tar over an ImageFolder
+    tree; rgb.png chosen beside depth.npy; __meta__ members) and a make_shards source: equal
+    batches, no key twice within an epoch, every test sample counted once, per-class accuracy,
+    and the run learns."""
     out = tmp_path / "run"
     base = f"{foreign.out}/"
-    args = [a for n in ("sw", "gnu", "i2d", "mnist") for a in ("--train", f"{n}={base}", "--eval", f"{n}={base}")]
+    names = ("sw", "gnu", "i2d", *PUBLIC, "mnist")
+    args = [a for n in names for a in ("--train", f"{n}={base}", "--eval", f"{n}={base}")]
+    weights = ",".join(f"{n}={400 if n == 'mnist' else SIZES['train']}" for n in names)
+    samples = (400 + SIZES["train"] * (len(names) - 1)) // 2 // 32 * 32  # half the data an epoch, by size:
+    per_epoch = samples // 32                                               # no slot runs out of its shards
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        f"--master_port={free_port()}", "-m", "pipeline.train", *args, "--epochs", "6",
-                        "--weights", "sw=240,gnu=240,i2d=240,mnist=400", "--epoch-samples", "560",
+                        f"--master_port={free_port()}", "-m", "pipeline.train", *args, "--epochs", "5",
+                        "--weights", weights, "--epoch-samples", str(samples),
                         "--batch-size", "16", "--workers", "2", "--width", "16", "--shuffle-buffer", "40",
                         "--record-keys", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
-    per_epoch = 560 // 32  # half of the data an epoch, by size: no slot runs out of its shards
-    assert [e["batches"] for e in s["epochs"]] == [{"rank0": per_epoch, "rank1": per_epoch}] * 6
-    assert {k: v["count"] for k, v in s["eval"].items()} == {"sw": 60, "gnu": 60, "i2d": 60, "mnist": 100}
+    assert [e["batches"] for e in s["epochs"]] == [{"rank0": per_epoch, "rank1": per_epoch}] * 5
+    assert {k: v["count"] for k, v in s["eval"].items()} == dict.fromkeys(names[:-1], SIZES["test"]) | {"mnist": 100}
     lines = [ln.split("\t") for r in (0, 1) for ln in (out / f"keys-rank{r}.txt").read_text().splitlines()]
-    for epoch in range(1, 7):
+    for epoch in range(1, 6):
         keys = [k for e, k in lines if int(e) == epoch]
         assert len(keys) == per_epoch * 32 and len(set(keys)) == len(keys), f"a key twice in epoch {epoch}"
-    for name in ("sw", "gnu", "i2d"):
-        assert s["accuracy"][name] > 0.6, s["accuracy"]  # 4 classes: chance is 0.25
+    for name in names[:-1]:
+        assert s["accuracy"][name] > 0.8, s["accuracy"]  # 4 classes: chance is 0.25
         assert s["data"][name]["origin"] == "an indexed WebDataset"
+    assert list(s["per_class_accuracy"]["named"]) == list(NAMES)
+    assert list(s["per_class_accuracy"]["tree"]) == list(FOLDERS) and len(s["per_class_accuracy"]["mnist"]) == 10
+    confusion = s["eval"]["syn"]["confusion"]
+    assert len(confusion) == 4 and sum(map(sum, confusion)) == SIZES["test"]
+    assert "  named per class: airplane " in p.stdout
 
 
 def test_gzip_shards_index_even_when_they_compress_well(tmp_path):
@@ -215,3 +380,26 @@ def test_gzip_shards_index_even_when_they_compress_well(tmp_path):
     p = make_shards("--index", f"m:train={tmp_path / 'gz'}", "--out", tmp_path / "gz")
     assert p.returncode == 0, p.stderr
     assert resolve("m", str(tmp_path / "gz"), "train").total == 40
+
+
+def test_write_wds_writes_what_the_recipe_indexes(tmp_path):
+    """tools/write_wds.py (the README's stand-in for somebody else's shards): an ImageFolder tree
+    to wds.ShardWriter shards with class names in .json, indexed with both splits in one command."""
+    from helpers import encode_pil, foreign_image
+
+    for i in range(30):
+        folder = tmp_path / "tree" / NAMES[i % 4]
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{i:04d}.x.jpg").write_bytes(encode_pil(foreign_image(i % 4, (16, 16), i), "JPEG"))
+    tool = os.path.join(ROOT, "tools", "write_wds.py")
+    p = subprocess.run([sys.executable, tool, tmp_path / "tree", tmp_path / "wds", "--holdout", "10", "--maxcount",
+                        "8"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    out = tmp_path / "wds"
+    p = make_shards("--index", f"c:train={out}/train", "--index", f"c:test={out}/test", "--out", out)
+    assert p.returncode == 0, p.stderr
+    assert 'labels: .json field "label", 4 class names' in p.stdout
+    train, test = (json.loads((out / f"c-{s}.json").read_text()) for s in ("train", "test"))
+    assert train["classes"] == test["classes"] == list(NAMES) and (train["total"], test["total"]) == (20, 10)
+    assert train["shards"][0]["name"] == "train/cifar10-000000.tar"  # relative: the folder serves as it is
+

@@ -129,3 +129,28 @@ def test_importing_the_preview_does_not_import_matplotlib():
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_captions_of_an_indexed_set_are_its_class_names(tmp_path):
+    """A WebDataset labelled by name (.json {"label": "cat"}), indexed in place: each thumbnail
+    is captioned with the name its sample holds."""
+    import json
+
+    from helpers import NAMES, write_named_shardwriter
+    from pipeline.index import index
+
+    keys = write_named_shardwriter(tmp_path / "named", 40)
+    index("named", "train", str(tmp_path / "named"), str(tmp_path), progress=False)
+    samples = {}
+    import tarfile
+
+    for shard in sorted((tmp_path / "named").iterdir()):
+        with tarfile.open(shard) as tar:
+            for m in tar.getmembers():
+                if m.name.endswith(".json") and not m.name.startswith("__"):
+                    samples[m.name[:-5]] = json.loads(tar.extractfile(m).read())["label"]
+    src, got, _, labels, _ = pv.samples(str(tmp_path / "named-train.json"), 8, 0)
+    assert src.classes == list(NAMES) and set(got) <= set(keys)
+    fig = pv.build_figure(str(tmp_path / "named-train.json"), n=8)
+    captions = [ax.get_title() for ax in fig.axes if ax.get_images()]
+    assert captions == [samples[k] for k in got]

@@ -68,14 +68,12 @@ def small_shard(tmp_path):
         return path.read_bytes(), tar.getmembers()
 
 
-@pytest.mark.parametrize("where", ["mid_data", "mid_header", "member_boundary", "sample_boundary",
-                                   "before_end_blocks", "empty"])
+@pytest.mark.parametrize("where", ["mid_data", "mid_header", "mid_padding", "empty"])
 def test_reader_rejects_truncated_shard(tmp_path, where):
+    """A member cut short is damage (a cut between whole members is not: see below)."""
     raw, members = small_shard(tmp_path)
-    end = members[-1].offset_data + (members[-1].size + 511) // 512 * 512
     cut = {"mid_data": members[2].offset_data + 100, "mid_header": members[3].offset + 200,
-           "member_boundary": members[3].offset, "sample_boundary": members[4].offset,
-           "before_end_blocks": end, "empty": 0}[where]
+           "mid_padding": members[3].offset - 10, "empty": 0}[where]
     with pytest.raises(ShardError):
         list(member_list(io.BytesIO(raw[:cut])))
 
@@ -258,3 +256,136 @@ def test_regular_skips_the_shard_webdataset_writes():
             w.write({"__key__": f"k{i}", "raw": bytes(9), "cls": b"3"})
     assert read.regular(buf.getvalue(), "raw", "cls") is None  # PAX headers: the sequential reader's
     assert sequential(buf.getvalue(), "raw")[2] == [3] * 4
+
+
+# ---------------------------------------------------------------- the same samples as webdataset
+
+NAME_CHARS = "abcXY019_-."
+
+
+def random_name(rng):
+    """A member path of 0-3 folders, dots anywhere (folders with dots, leading dots, several
+    extensions), sometimes long (GNU long names, PAX paths, the USTAR prefix) or __meta__-like."""
+    def part(n):
+        return "".join(rng.choice(list(NAME_CHARS), int(n)))
+
+    folders = [part(rng.integers(1, 12)) for _ in range(rng.integers(0, 4))]
+    if rng.random() < 0.1:
+        folders = ["__meta__"] + folders[:1]
+    if rng.random() < 0.15:
+        folders.append("x" * int(rng.integers(60, 140)))
+    base = rng.choice(["__meta__", "__x__", "____"]) if rng.random() < 0.05 else part(rng.integers(0, 10))
+    return "/".join(folders + [base])
+
+
+def random_tar(rng):
+    """(bytes, format) of a tar with random samples: consecutive members sharing a key, random
+    extensions (case included), directories and links between them, empty and odd-sized data."""
+    fmt = rng.choice([tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+    buf = io.BytesIO()
+
+    def add(info, data=b""):
+        try:
+            tar.addfile(info, io.BytesIO(data))
+        except ValueError:  # a name USTAR cannot hold: left out of this tar
+            pass
+
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+        for _ in range(rng.integers(0, 8)):
+            key = random_name(rng)
+            exts = rng.choice(["jpg", "cls", "JSON", "rgb.png", "depth.npy", "txt", "a.b.c", ""],
+                              size=rng.integers(1, 4), replace=False)
+            for ext in exts:
+                if rng.random() < 0.1:
+                    d = tarfile.TarInfo(key + "-dir")
+                    d.type = tarfile.DIRTYPE
+                    add(d)
+                if rng.random() < 0.05:
+                    link = tarfile.TarInfo(f"{key}.lnk")
+                    link.type, link.linkname = tarfile.SYMTYPE, "target"
+                    add(link)
+                info = tarfile.TarInfo(f"{key}.{ext}" if ext else key)
+                data = rng.integers(0, 256, int(rng.choice([0, 1, 511, 512, 513, rng.integers(0, 3000)])),
+                                    dtype=np.uint8).tobytes()
+                info.size, info.mtime = len(data), float(rng.integers(0, 1 << 30)) + 0.5
+                add(info, data)
+        members = tar.getmembers()
+    raw = buf.getvalue()
+    if members and rng.random() < 0.3:  # no end-of-archive blocks
+        last = members[-1]
+        raw = raw[:last.offset_data + (last.size + 511) // 512 * 512]
+    if rng.random() < 0.25:
+        raw = gzip.compress(raw, mtime=0)
+    return raw, fmt
+
+
+def webdataset_samples(raw):
+    """What webdataset 1.0.2's own tar iterator yields: [sample dict] or the exception type."""
+    from webdataset import tariterators
+
+    try:
+        files = tariterators.tar_file_expander([{"url": "u", "stream": io.BytesIO(raw)}])
+        return [{k: v for k, v in s.items() if k != "__url__"} for s in tariterators.group_by_keys(files)]
+    except Exception as e:  # noqa: BLE001  (only whether it failed is compared)
+        return type(e)
+
+
+def project_reads(raw):
+    try:
+        return [{k: v for k, v in s.items() if k != "__url__"} for s in read.iter_samples(io.BytesIO(raw))]
+    except ShardError as e:
+        return type(e)
+
+
+def test_reader_yields_exactly_what_webdataset_yields_on_random_tars():
+    """Property: for a few hundred random tars (USTAR, GNU, PAX, gzip, no end blocks, names with
+    folders and dots), the same samples, keys, members and bytes in the same order; or both fail."""
+    rng = np.random.default_rng(1234)
+    formats = set()
+    for case in range(300):
+        raw, fmt = random_tar(rng)
+        formats.add(fmt)
+        theirs, ours = webdataset_samples(raw), project_reads(raw)
+        if isinstance(theirs, type):
+            assert ours is ShardError, (case, theirs, ours)
+        else:
+            assert ours == theirs, case
+    assert len(formats) == 3
+
+
+def test_tar_without_end_blocks_yields_every_whole_member(tmp_path):
+    raw, members = small_shard(tmp_path)
+    whole = member_list(io.BytesIO(raw))
+    end = members[-1].offset_data + (members[-1].size + 511) // 512 * 512
+    assert member_list(io.BytesIO(raw[:end])) == whole
+    assert member_list(io.BytesIO(raw[:members[4].offset])) == whole[:4]  # cut at a sample boundary
+    with pytest.raises(ShardError, match="truncated"):  # cut in the padding of the last member
+        member_list(io.BytesIO(raw[:end - 1]))
+
+
+def test_meta_members_follow_webdataset():
+    tar = ustar([("__meta__.json", b"{}"), ("__meta__/info.json", b"{}"), ("__x__", b"1"),
+                 ("a.png", b"p"), ("a.cls", b"1")])
+    samples = list(read.iter_samples(io.BytesIO(tar)))
+    assert [(s["__key__"], sorted(k for k in s if not k.startswith("__"))) for s in samples] == \
+        [("__meta__", ["json"]), ("a", ["cls", "png"])]
+    assert samples == [dict(s, __url__=None) for s in webdataset_samples(tar)]
+    assert read.is_meta("__meta__") and not read.is_meta("a/__meta__") and not read.is_meta("a")
+
+
+def test_gnu_sparse_member_is_named(tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which("tar") is None:
+        pytest.skip("no tar command")
+    path = tmp_path / "holes.img"
+    with open(path, "wb") as f:
+        f.seek(1 << 20)
+        f.write(b"end")
+    subprocess.run(["tar", "--format=gnu", "-S", "-cf", str(tmp_path / "s.tar"), "-C", str(tmp_path), "holes.img"],
+                   check=True)
+    raw = (tmp_path / "s.tar").read_bytes()
+    assert raw[156:157] == b"S"  # GNU tar really wrote a sparse member
+    with pytest.raises(ShardError, match="'holes.img' is a GNU sparse file"):
+        list(read.iter_samples(io.BytesIO(raw)))

@@ -219,3 +219,20 @@ def test_hostile_metrics_lines_cost_neither_a_traceback_nor_minutes(tmp_path):
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert time.time() - t0 < 60 and (run / "report.png").exists()
     assert "20000" in p.stdout
+
+
+def test_confusion_matrices_are_drawn_with_class_names(tmp_path):
+    """An eval line with per-class accuracy and a confusion matrix (as pipeline.train writes it
+    for sources of up to 20 classes) adds a panel per source, its axes the class names."""
+    lines = metrics_lines()
+    lines[-1]["eval"]["cifar10"].update(per_class={"airplane": 0.5, "257.clutter": 1.0},
+                                        confusion=[[4, 3, 1], [0, 8, 0]])
+    lines[-1]["eval"]["mnist"].update(per_class={"0": 1.0}, confusion=[[1, 2, 3]])  # malformed: rows of 2 expected
+    folder = write_run(tmp_path / "r", lines, summary())
+    fig = report.build_figure(report.load_run(str(folder)))
+    texts = report.figure_texts(fig)
+    assert any("cifar10: confusion, accuracy 0.750" in t for t in texts)
+    assert not any("mnist: confusion" in t for t in texts)
+    labels = {t.get_text() for ax in fig.axes for t in ax.get_xticklabels() + ax.get_yticklabels()}
+    assert {"airplane", "257.clutter", "other"} <= labels
+    assert cli(folder).returncode == 0

@@ -136,7 +136,7 @@ def test_links_out_of_the_folder_are_refused_and_absolute_paths_only_in_local_ma
     absolute = rewrite_manifest(data, tmp_path / "abs", "mnist", "train",
                                 lambda m: m["shards"][0].update(name=str(data / "mnist-train-000000.tar")))
     assert resolve("mnist", str(absolute), "train").urls[0] == str(data / "mnist-train-000000.tar")  # on purpose
-    with pytest.raises(ShardError, match="absolute path in a remote manifest"):
+    with pytest.raises(ShardError, match="absolute path in a remote manifest.*--out set to their folder.*--base-url"):
         manifest.locate("http://host/shards/mnist-train.json", "/etc/passwd")
     with pytest.raises(ShardError, match="absolute path in a remote manifest"):
         manifest.locate("pipe:cat /x/mnist-train.json", "/etc/passwd")
@@ -200,6 +200,12 @@ MUTATIONS = {
     "std subnormal": (lambda m: m.update(std=[1e-320]), "std"),
     "a shard listed twice": (lambda m: m["shards"].__setitem__(1, dict(m["shards"][0])), "more than once"),
     "a name ending in a newline": (lambda m: m.update(dataset="mnist\n"), "dataset"),
+    "label_names as text": (lambda m: m.update(label_names="yes"), "label_names"),
+    "label names twice": (lambda m: m.update(label_names=True, classes=["a"] * 10), "classes"),
+    "unlabelled negative": (lambda m: m["shards"][0].update(unlabelled=-1), "shards[0].unlabelled"),
+    "image member of a pickle": (lambda m: m.update(image_exts=["rgb.pyd"]), "image_exts"),
+    "image member with a path": (lambda m: m.update(image_exts=["../x.png"]), "image_exts"),
+    "label from a folder, badly": (lambda m: m.update(label="dir:-1"), "label"),
 }
 
 

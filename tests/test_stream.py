@@ -434,16 +434,19 @@ def test_truncated_shard_skipped_with_warning(truncated):
     assert len(keys) + sum(b["skipped"] for b in out) == 60  # every listed sample: read or counted
 
 
-def test_shard_cut_between_members_counts_as_truncated(tmp_path):
-    """Cut exactly at a member boundary, a tar still parses; only the missing
-    end-of-archive block tells. Its lost samples must be reported, not silently dropped."""
+def test_shard_cut_between_members_counts_its_lost_samples(tmp_path):
+    """Cut exactly at a member boundary, a tar reads as webdataset reads it: every whole
+    member, no end-of-archive block needed. Only the manifest's count tells what is lost,
+    and the lost samples must be reported, not silently dropped."""
     build_shards(tmp_path, "mnist", "train", 40, maxcount=20)
     os.truncate(tmp_path / "mnist-train-000000.tar", 12 * 2560)
     src = resolve("mnist", str(tmp_path), "train")
-    with pytest.warns(UserWarning, match="truncated"):
+    with pytest.warns(UserWarning, match="12 samples, the manifest says 20; the 8 missing counted as skipped"):
         out = list(MixedStream([src], {"mnist": 1}, 8).eval_stream(src))
     read = sum(len(b["key"]) for b in out)
     assert read < 40 and read + sum(b["skipped"] for b in out) == 40
+    with pytest.raises(ShardError, match="12 samples, the manifest says 20: the tar ends early"):
+        list(MixedStream([src], {"mnist": 1}, 8, strict=True).eval_stream(src))
 
 
 def test_truncated_shard_strict_raises(truncated):

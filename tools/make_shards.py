@@ -13,7 +13,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pipeline import index, manifest, remote, shards, sources  # noqa: E402
+from pipeline import decode, index, manifest, remote, shards, sources  # noqa: E402
 from pipeline.cli import Parser, add_io_options, check_io, policy_of  # noqa: E402
 from pipeline.errors import ShardError  # noqa: E402
 from pipeline.manifest import NAME_RE  # noqa: E402
@@ -41,11 +41,23 @@ def parse_args(argv):
     a("--index", action="append", default=[], metavar="NAME:SPLIT=SPEC",
       help="write a manifest for existing WebDataset shards without rewriting them; SPEC is a brace pattern "
            "(path, http(s) URL or pipe: command) or a folder of *.tar (repeatable)")
-    a("--label-key", metavar="KEY", help="with --index: the label member: cls, txt, index or json:FIELD "
-                                         "(default: whichever of .cls, .txt, .index the first sample has)")
+    a("--label-key", metavar="KEY",
+      help="with --index: where the label is: cls, txt, index, json:FIELD (json:meta.label for a nested field), "
+           "each an integer or a class name; dir (the key's last folder) or dir:K (its K-th folder, from 0) "
+           "(default: from the first sample: .cls, .index, .json's label field, .txt, then the key's folder)")
+    a("--image-key", metavar="EXT", help="with --index: the image member (jpg, rgb.png, input.jpg; default: the "
+                                         "sample's one image member)")
     a("--shape", metavar="C,H,W", help="with --index: the shape images are brought to (default: the most common)")
-    a("--classes", metavar="FILE", help="with --index: class names, one a line, for labels 0..N-1 "
+    a("--classes", metavar="FILE", help="with --index: class names, one a line, in index order: the names the "
+                                        "labels may hold, or the names of integer labels 0..N-1 "
                                         "(default: the sorted distinct labels)")
+    a("--classes-from", metavar="MANIFEST", help="with --index: the classes of another split's manifest (the "
+                                                 "training split's for a test split; automatic when both splits "
+                                                 "of a data set are indexed in one command)")
+    a("--skip-unlabelled", action="store_true", help="with --index: leave samples without a label (a missing "
+                                                     "label member, or -1) out, counted, instead of stopping")
+    a("--base-url", metavar="URL", help="with --index: the URL the shards' folder will be served from; the "
+                                        "manifest then names the shards there")
     a("--limit", type=int, metavar="N", help="at most N samples per split (a seeded random subset)")
     a("--encoding", choices=shards.ENCODINGS, default="png",
       help="png: lossless, small (default); raw: uint8 pixels, the fastest to stream")
@@ -81,8 +93,11 @@ def check(p, args):
         p.error(f"--{' and --'.join(modes)} exclude each other")
     if args.holdout is not None and not args.imagefolder:
         p.error("--holdout applies to --imagefolder sources only")
-    if (args.label_key or args.shape or args.classes) and not args.index:
-        p.error("--label-key, --shape and --classes apply to --index only")
+    index_only = ("label_key", "image_key", "shape", "classes", "classes_from", "skip_unlabelled", "base_url")
+    if any(getattr(args, k) for k in index_only) and not args.index:
+        p.error(f"{', '.join('--' + k.replace('_', '-') for k in index_only)} apply to --index only")
+    if args.classes and args.classes_from:
+        p.error("--classes and --classes-from exclude each other: give one")
     if args.index and (args.merge or args.part != (0, 1)):
         p.error("--index writes one manifest per split; --merge and --part do not apply")
     if args.datasets is None:
@@ -112,6 +127,8 @@ def check(p, args):
             p.error("--shape: expected C,H,W, e.g. 3,64,64")
     if args.classes is not None and not os.path.isfile(args.classes):
         p.error(f"--classes {args.classes}: no such file")
+    if args.classes_from is not None and not os.path.isfile(args.classes_from):
+        p.error(f"--classes-from {args.classes_from}: no such manifest")
 
 
 def parse_part(p, text):
@@ -191,19 +208,50 @@ def check_writable(out):
     os.remove(probe)
 
 
+def index_order(pairs):
+    """The --index pairs with each data set's train split first, so that its other splits
+    can take its classes."""
+    return sorted(pairs, key=lambda p: (p[1] != "train",))
+
+
 def run_index(args):
     policy = policy_of(args)
-    for name, split, spec in args.index:
+    given = (args.classes_from, manifest.load(args.classes_from, policy)) if args.classes_from else None
+    trained = {}  # data set -> (path, manifest) of its train split indexed in this command
+    for name, split, spec in index_order(args.index):
         t0 = time.perf_counter()
-        m = index.index(name, split, spec, args.out, label=args.label_key, shape=args.shape,
-                        classes_file=args.classes, workers=args.workers, policy=policy, progress=not args.quiet)
-        print(f"indexed {name}-{split}: {len(m['shards'])} shards, {m['total']} samples, images "
-              f"{'x'.join(map(str, m['shape']))} ({', '.join(m['image_exts'])}), {len(m['classes'])} classes, "
-              f"labels from .{m['label']}, in {time.perf_counter() - t0:.1f} s -> {args.out}/{name}-{split}.json")
+        classes_from = given or (None if args.classes else trained.get(name))
+        label = args.label_key or (classes_from[1]["label"] if classes_from else None)  # the same rule as there
+        m = index.index(name, split, spec, args.out, label=label, image_key=args.image_key,
+                        shape=args.shape, classes_file=args.classes, classes_from=classes_from,
+                        skip_unlabelled=args.skip_unlabelled, base_url=args.base_url, workers=args.workers,
+                        policy=policy, progress=not args.quiet)
+        path = os.path.join(args.out, manifest.manifest_name(name, split))
+        if split == "train":
+            trained[name] = (path, m)
+        unlabelled = sum(s.get("unlabelled", 0) for s in m["shards"])
+        print(f"indexed {name}-{split}: {len(m['shards'])} shards, {m['total']} samples"
+              f"{f' ({unlabelled} unlabelled left out)' if unlabelled else ''}, images "
+              f"{'x'.join(map(str, m['shape']))} (.{', .'.join(m['image_exts'])}), in "
+              f"{time.perf_counter() - t0:.1f} s -> {path}")
+        print(f"  labels: {label_words(m)}" + (f", as in {classes_from[0]}" if classes_from else ""))
+        if m.get("label_names") and len(m["classes"]) * 2 > m["total"] >= 20:
+            print(f"  warning: {len(m['classes'])} class names for {m['total']} samples: is "
+                  f"{decode.describe_label(m['label'])} a caption rather than a class? Choose the label with "
+                  f"--label-key (cls, txt, index, json:FIELD, dir, dir:K)")
         if remote.kind(spec) == "pipe":
             print(f"  the shards are read through a command: put {name}-{split}.json beside them and train with "
                   f"--train {name}='<the same command, reading {name}-{split}.json>'")
     return 0
+
+
+def label_words(m):
+    """`.json field "label", 10 class names`: what a manifest's labels are, in words."""
+    rule = decode.describe_label(m["label"])
+    n = len(m["classes"])
+    if m.get("label_names"):
+        return f"{rule}, {n} class names"
+    return f"{rule}, integers, {n} classes"
 
 
 def run_preview(args):
