@@ -274,3 +274,12 @@ except ValueError as e:
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("refused: .npy header claims") and "Traceback" not in p.stderr
 
+
+
+def test_npy_goes_through_the_bounds_check_for_its_target():
+    """The header's size meets pipeline.bounds as every decoder's does: a 2 x 2000 array for a
+    square target is far more elongated than MAX_ASPECT allows."""
+    buf = io.BytesIO()
+    np.save(buf, np.zeros((2, 2000), np.uint8))
+    with pytest.raises(ValueError, match="elongated"):
+        decode.decode_image(buf.getvalue(), "npy", (1, 8, 8))
