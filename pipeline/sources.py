@@ -6,7 +6,6 @@ Every source is a small object with `name`, `split`, `classes`, `shape` (C, H, W
 The torchvision data sets are loaded by torchvision itself; we only read its
 already-decoded arrays instead of going through PIL one sample at a time.
 """
-import io
 import os
 
 import numpy as np
@@ -87,26 +86,26 @@ class ImageFolderSource:
         self.shape = (1 if self.mode == "L" else 3, self.size[1], self.size[0])
 
     def _open(self, i):
-        """The image, its size checked (pipeline.bounds, a JPEG's with libjpeg's frame) before
-        it is decoded; a FIFO or device among the files is refused before it is opened."""
+        """The image, opened by `decode.open_image` as the format its extension names (a .png
+        that is really EPS would make PIL run Ghostscript) and its size checked before it is
+        decoded (a WebP's canvas before libwebp allocates it); a FIFO or device among the
+        files is refused before it is opened."""
         from PIL import Image
 
-        from . import bounds, jpeg, remote
+        from . import remote
+        from .decode import IMAGE_EXTS, open_image
         from .read import MAX_MEMBER
 
         path = self.samples[i][0]
+        ext = os.path.splitext(path)[1][1:].lower()
         try:
+            if ext not in IMAGE_EXTS or ext == "raw":
+                raise ValueError(f"a .{ext} file; images are read from {', '.join(IMAGE_EXTS[1:])} files")
             with remote.open_local(path) as f:
                 data = f.read(MAX_MEMBER + 1)
             if len(data) > MAX_MEMBER:
                 raise ValueError(f"more than {MAX_MEMBER} bytes")
-            head = jpeg.header(data) if data[:2] == b"\xff\xd8" else None  # libjpeg's frame, before PIL's reading
-            img = Image.open(io.BytesIO(data))
-            if head is not None:
-                if (head.width, head.height) != img.size:
-                    raise ValueError(f"JPEG headers disagree: PIL reads {img.size[0]}x{img.size[1]}, the frame is "
-                                     f"{head.width}x{head.height}")
-            bounds.check(*img.size)
+            img, _ = open_image(data, ext)
             img.load()
         except (OSError, ValueError, Image.DecompressionBombError) as e:
             raise SourceError(f"{path}: not a readable image: {e}") from None

@@ -533,6 +533,32 @@ def test_imagefolder_images_are_checked_before_they_are_decoded(tmp_path):
             src.image(i)
 
 
+
+EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 16 16\nnewpath 0 0 moveto 16 16 lineto stroke showpage\n%%EOF\n"
+
+
+def test_imagefolder_opens_only_the_format_an_extension_names(tmp_path, monkeypatch):
+    """An ImageFolder .png that is really EPS must not reach PIL's EPS plugin (which runs
+    Ghostscript), and a WebP's canvas is checked before libwebp allocates it (10000x10000:
+    400 MB from 60 bytes)."""
+    from PIL import EpsImagePlugin
+
+    from pipeline.sources import ImageFolderSource, SourceError
+
+    opened = []
+    monkeypatch.setattr(EpsImagePlugin.EpsImageFile, "_open", lambda self: opened.append(1) or 1 / 0)
+    (tmp_path / "cat").mkdir()
+    Image.new("RGB", (16, 16)).save(tmp_path / "cat" / "a.png")
+    (tmp_path / "cat" / "b.png").write_bytes(EPS)
+    (tmp_path / "cat" / "c.webp").write_bytes(webp_canvas(10000, 10000))
+    (tmp_path / "cat" / "d.tif").write_bytes(EPS)
+    src = ImageFolderSource("x", "train", str(tmp_path))
+    for i, needle in ((1, "undecodable image"), (2, "MAX_PIXELS"), (3, "a .tif file")):
+        with pytest.raises(SourceError, match=needle):
+            src.image(i)
+    assert not opened, "PIL tried an EPS file named .png as EPS"
+
+
 @pytest.mark.slow
 def test_the_trainer_skips_the_issues_two_images_under_an_address_space_limit(tmp_path):
     """The issue's attacks end to end: a 1 x 1,500,000 PNG and the lying JPEG among 40 good
