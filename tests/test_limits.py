@@ -375,3 +375,21 @@ def test_a_2gb_manifest_body_is_one_line_naming_its_url(tmp_path, kind):
         p = run(["-c", LIMITED, "train", "--train", f"mnist={srv.url}{kind}/", "--retries", "0", "--out",
                  tmp_path / "run"])
     one_line_error(p, "pipeline.train", url, "67108864")
+
+
+def test_a_gzip_shard_cannot_claim_more_samples_than_it_may_inflate_to(tmp_path):
+    """A 2 KB .tar.gz listed with 10**15 samples made an epoch of 10**15 samples (the shard's 200
+    read over and over, for ever): its count is bounded by what the reader inflates it to at most."""
+    from pipeline.read import INFLATE_RATIO, INFLATE_SLACK
+
+    def m(samples, nbytes=2000):
+        return {"format": manifest.FORMAT, "dataset": "x", "split": "train", "shape": [1, 4, 4], "classes": ["a"],
+                "mean": [0.5], "std": [0.25], "image_exts": ["png"], "shards": [{"name": "x-000000.tar.gz", "samples": samples,
+                                                           "bytes": nbytes}]}
+
+    most = (2000 * INFLATE_RATIO + INFLATE_SLACK) // 1024
+    assert manifest.check(m(most), "x.json")
+    with pytest.raises(ShardError, match=r"shards\[0\].samples: 10+ samples cannot fit in 2000 bytes once inflated"):
+        manifest.check(m(10 ** 15), "x.json")
+    with pytest.raises(ShardError, match="cannot fit"):
+        manifest.check(m(most + 1), "x.json")
