@@ -349,9 +349,16 @@ def open_local(path, policy=Policy()):
     """A local regular file opened for reading, read within the same total deadline as a
     remote one (policy.deadline of its size on disk), so a network mount that drips fails
     instead of stalling a rank. Anything else is a ShardError before it is opened: opening a
-    FIFO blocks until someone writes to it, /dev/zero never ends, a device may act on open."""
+    FIFO blocks until someone writes to it, /dev/zero never ends, a device may act on open. A file
+    larger than the policy's max_bytes is refused before it is read, as a remote one is: a sparse
+    file of a terabyte takes no disk and would be read (and hashed by --index) for the whole deadline."""
     f = open_regular(path)
-    return _Local(f, path, policy.deadline(os.fstat(f.fileno()).st_size))
+    size = os.fstat(f.fileno()).st_size
+    if size > policy.max_bytes:
+        f.close()
+        raise ShardError(f"{path}: {size} bytes, more than {policy.max_bytes} bytes, the most this job allows "
+                         f"({policy.max_name})")
+    return _Local(f, path, policy.deadline(size))
 
 
 class _Local:

@@ -393,3 +393,20 @@ def test_a_gzip_shard_cannot_claim_more_samples_than_it_may_inflate_to(tmp_path)
         manifest.check(m(10 ** 15), "x.json")
     with pytest.raises(ShardError, match="cannot fit"):
         manifest.check(m(most + 1), "x.json")
+
+
+def test_a_local_file_past_the_ceiling_is_refused_before_it_is_read(tmp_path):
+    """A sparse file of a terabyte takes no disk: --index hashed it for the whole deadline (20
+    minutes at the default flags). A local file past --max-shard-bytes is refused from its size."""
+    path = tmp_path / "b.tar"
+    with open(path, "wb") as f:
+        f.truncate((2 << 20) + 1)
+    read = []
+    policy = remote.Policy(max_bytes=2 << 20)
+    with pytest.raises(ShardError, match=r"b.tar: 2097153 bytes, more than 2097152 bytes.*--max-shard-bytes"):
+        remote.read_url(str(path), read.append, policy=policy)
+    assert not read
+    with open(path, "r+b") as f:
+        f.truncate(2 << 20)
+    remote.read_url(str(path), read.append, policy=policy)  # at the ceiling: read
+    assert read
