@@ -371,6 +371,8 @@ def _pil(data, ext, shape, head=None):
 def _npy(data, target=None):
     """An HxW or HxWxC (C 1, 3 or 4) uint8 array from .npy bytes; its header is read and its
     size checked (`bounds.check` for the target shape) first, so a claimed shape costs nothing."""
+    import tokenize
+
     from numpy.lib import format as npformat
 
     f = io.BytesIO(data)
@@ -378,7 +380,7 @@ def _npy(data, target=None):
         version = npformat.read_magic(f)
         shape, fortran, dtype = (npformat.read_array_header_1_0 if version == (1, 0) else
                                  npformat.read_array_header_2_0)(f)
-    except (ValueError, OSError, SyntaxError) as e:
+    except (ValueError, OSError, SyntaxError, tokenize.TokenError) as e:  # numpy tokenizes odd headers again
         raise ValueError(f"undecodable .npy: {e}") from None
     if dtype != np.uint8 or not (len(shape) == 2 or (len(shape) == 3 and shape[2] in (1, 3, 4))):
         raise ValueError(f".npy holds a {dtype} array of shape {shape}; an image is uint8 HxW or HxWxC (C 1, 3 or 4)")

@@ -230,6 +230,19 @@ def test_npy_that_is_no_image_is_one_line(array, message):
         decode.decode_image(buf.getvalue(), "npy", (1, 4, 4))
 
 
+
+def test_npy_with_an_unclosed_bracket_in_its_header_is_one_line():
+    """numpy tokenizes a header it can't parse again, and tokenize's TokenError is no ValueError:
+    one such member crashed the DataLoader worker with a traceback."""
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, np.zeros((20, 24, 3), np.uint8))
+    data = buf.getvalue().replace(b"(20, 24, 3)", b"(20, 24, 3-")
+    with pytest.raises(ValueError, match="undecodable .npy"):
+        decode.decode_image(data, "npy", (3, 16, 16))
+
+
 def test_npy_header_claiming_a_huge_image_is_refused_before_loading():
     """The header says 100,000 x 100,000 (10 GB); only the header is read, so this fails at once."""
     import io
