@@ -350,7 +350,23 @@ def open_image(data, ext, shape=None, head=None):
         orientation = head.orientation
         h, w = head.upright
     bounds.check(w, h, shape)
+    if img.format == "TIFF":
+        _check_tiles(img)
     return img, orientation
+
+
+def _check_tiles(img):
+    """ValueError for a TIFF whose tiles are larger than its image needs: libtiff decodes each
+    tile whole into a buffer of the tile's size, so a 32x32 image in one 16384x16384 tile (780
+    KB deflated) cost 770 MB. Tiles are multiples of 16 that cover the image, so none need be
+    larger than the image rounded up to 16."""
+    w, h = img.size
+    tw, tl = img.tag_v2.get(322), img.tag_v2.get(323)  # TileWidth, TileLength
+    if tw is None and tl is None:
+        return
+    if not (isinstance(tw, int) and isinstance(tl, int)) or not (1 <= tw <= -(-w // 16) * 16 and
+                                                                  1 <= tl <= -(-h // 16) * 16):
+        raise ValueError(f"TIFF of {w}x{h} in tiles of {tw}x{tl}, larger than the image needs")
 
 
 def _pil(data, ext, shape, head=None):

@@ -134,6 +134,27 @@ HOSTILE = {  # name: (ext, bytes); each is a few kilobytes at most
 }
 
 
+def tiled_tiff(width, height, tile, body, compression=1):
+    """A little-endian RGB TIFF of width x height held in one `tile` x `tile` tile of `body`."""
+    tags = [(256, 3, width), (257, 3, height), (258, 3, 8), (259, 3, compression), (262, 3, 2), (277, 3, 3),
+            (284, 3, 1), (322, 4, tile), (323, 4, tile), (324, 4, 8 + 2 + 12 * 11 + 4), (325, 4, len(body))]
+    ifd = struct.pack("<H", len(tags)) + b"".join(
+        struct.pack("<HHI", t, k, 1) + (struct.pack("<HH", v, 0) if k == 3 else struct.pack("<I", v))
+        for t, k, v in tags)
+    return b"II*\0" + struct.pack("<I", 8) + ifd + bytes(4) + body
+
+
+def test_a_tiff_tile_larger_than_its_image_needs_is_refused():
+    """libtiff decodes a tile whole into a buffer of its size: a 32x32 image in a 4096x4096
+    deflated tile is 49 KB that cost 48 MB (780 KB cost 770 MB at 16384x16384)."""
+    ok = decode.decode_image(tiled_tiff(32, 32, 32, bytes(range(256)) * 12), "tif", (3, 32, 32))
+    assert ok.shape == (3, 32, 32) and ok.any()
+    bomb = tiled_tiff(32, 32, 4096, zlib.compress(bytes(4096 * 4096 * 3), 9), compression=8)
+    assert len(bomb) < 60_000
+    with pytest.raises(ValueError, match="TIFF of 32x32 in tiles of 4096x4096, larger than the image needs"):
+        decode.decode_image(bomb, "tif", (3, 32, 32))
+
+
 def gzip_bomb(members=60, size=read.MAX_MEMBER - 512):
     """A .tar.gz of `members` samples, each a `size`-byte .png of zeros and a .cls: about
     3.9 MB that inflates to 3.8 GB. Built from concatenated gzip members (gzip allows it),
