@@ -31,7 +31,7 @@ from . import bounds, remote
 from .decode import (IMAGE_EXTS, LABEL_EXTS, Unlabelled, as_integer, as_name, image_format, label_member, open_image,
                      parse_label_key, pixels_of, raw_label)
 from .errors import ShardError
-from .files import write_json_atomic
+from .files import MAX_JSON, open_regular, write_json_atomic
 from .manifest import FORMAT, NAME_RE, MAX_SIDE, check, expand_pattern, manifest_name, plain_relative
 from .read import is_meta, iter_samples
 from .shards import writing
@@ -306,6 +306,22 @@ def shard_location(url, out):
     return path
 
 
+def read_text(path, what):
+    """A small UTF-8 text file named by a flag: one line, never a hang, for a FIFO, a
+    device, something huge or not text."""
+    try:
+        with open_regular(path) as f:
+            data = f.read(MAX_JSON + 1)
+    except (OSError, ShardError) as e:
+        raise ShardError(f"{what}: {getattr(e, 'strerror', None) or e}") from None
+    if len(data) > MAX_JSON:
+        raise ShardError(f"{what}: more than {MAX_JSON} bytes; a list of class names is far smaller")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ShardError(f"{what}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
 def resolve_classes(found, classes_file, classes_from):
     """(classes, label_values, label_names) from every shard's raw labels: integers as today
     (the sorted distinct values, or names from --classes for 0..N-1), class names mapped to
@@ -333,9 +349,8 @@ def resolve_classes(found, classes_file, classes_from):
             return list(m["classes"]), m.get("label_values"), False
         names_given, source = list(m["classes"]), where
     elif classes_file:
-        with open(classes_file) as f:
-            names_given = [ln.strip() for ln in f if ln.strip()]
         source = f"--classes {classes_file}"
+        names_given = [ln.strip() for ln in read_text(classes_file, source).splitlines() if ln.strip()]
         if len(set(names_given)) != len(names_given):
             twice = next(n for n in names_given if names_given.count(n) > 1)
             raise ShardError(f"{source}: class name {twice!r} is listed twice")

@@ -403,3 +403,43 @@ def test_write_wds_writes_what_the_recipe_indexes(tmp_path):
     assert train["classes"] == test["classes"] == list(NAMES) and (train["total"], test["total"]) == (20, 10)
     assert train["shards"][0]["name"] == "train/cifar10-000000.tar"  # relative: the folder serves as it is
 
+
+
+@pytest.mark.parametrize("kind, needle", [("fifo", "a FIFO, not a regular file"), ("missing", "No such file"),
+                                          ("binary", "not UTF-8 text")])
+def test_a_bad_classes_file_is_one_line_not_a_hang(tmp_path, kind, needle):
+    """index(classes_file=...) reads the file with the same care as data: a FIFO would block
+    the open forever (the command line checks the path first; the API must not rely on it)."""
+    import io
+    import os
+    import tarfile
+    import threading
+
+    from pipeline.errors import ShardError
+    from pipeline.index import index
+
+    folder = tmp_path / "d"
+    folder.mkdir()
+    with tarfile.open(folder / "x.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in [("a.jpg", _jpeg()), ("a.cls", b"cat")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    classes = tmp_path / "classes.txt"
+    if kind == "fifo":
+        os.mkfifo(classes)
+    elif kind == "binary":
+        classes.write_bytes(b"cat\n\xff\xfe\n")
+    errors = []
+
+    def run():
+        try:
+            index("x", "train", str(folder), str(tmp_path / "out"), classes_file=str(classes))
+        except ShardError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "indexing with a FIFO as --classes hangs"
+    assert len(errors) == 1 and needle in errors[0] and "--classes" in errors[0], errors
