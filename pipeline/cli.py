@@ -5,7 +5,7 @@ import math
 import re
 import sys
 
-from . import remote
+from pipeline.data import remote
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)([KMGT]?)(?:i?B)?\Z", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -58,7 +58,7 @@ IO_RANGES = {"io_timeout": (0.001, 3600.0), "min_rate": (0.001, 1e6), "retries":
 
 
 def add_io_options(p):
-    """The flags that bound every remote read (see pipeline.remote.Policy)."""
+    """The flags that bound every remote read (see pipeline.data.remote.Policy)."""
     a = p.add_argument
     a("--io-timeout", type=float, default=30.0, metavar="S",
       help="seconds one network read may stall, and the base of each shard's deadline (default: 30)")

@@ -7,7 +7,7 @@ import json
 import os
 import stat
 
-from .errors import ShardError
+from pipeline.errors import ShardError
 
 
 def write_atomic(path, data):

@@ -9,8 +9,8 @@ import tarfile
 import threading
 import time
 
-from pipeline import shards
-from pipeline.sources import SyntheticSource
+from pipeline.writers import shards
+from pipeline.writers.sources import SyntheticSource
 
 
 def build_shards(out, name, split, n, *, shape=(1, 28, 28), encoding="raw", maxcount=20, seed=0):

@@ -25,9 +25,9 @@ from PIL import Image, ImageOps
 
 from helpers import write_tar
 from test_security import one_line_error
-from pipeline import bounds, decode, jpeg, png, read, remote
+from pipeline.data import bounds, decode, jpeg, png, read, remote
 from pipeline.errors import ShardError
-from pipeline.manifest import FORMAT
+from pipeline.data.manifest import FORMAT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "make_shards.py")
@@ -212,7 +212,8 @@ LIMITED = """
 import os, resource, sys, warnings
 sys.path.insert(0, {root!r})
 import numpy, torch, torchvision, PIL.Image
-from pipeline import decode, stream, index, remote
+from pipeline.data import decode, stream, remote
+from pipeline.writers import index
 def vm():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) << 10 for l in f if l.startswith("VmSize:"))
@@ -330,7 +331,7 @@ def test_hostile_images_in_a_shard_are_skipped_and_counted_by_the_stream(tmp_pat
 
 def test_strict_stops_at_the_first_hostile_image(tmp_path):
     write_set(tmp_path, [good("g0"), ("h0", *HOSTILE["png 1x1500000"])])
-    from pipeline.stream import MixedStream, resolve
+    from pipeline.data.stream import MixedStream, resolve
 
     src = resolve("hostile", str(tmp_path) + "/", "train")
     with pytest.raises(ShardError, match="sample h0: image is 1x1500000"):
@@ -377,7 +378,7 @@ def test_index_refuses_an_image_the_manifests_shape_would_refuse(tmp_path):
 def test_images_smaller_than_the_model_takes_are_resized_up():
     import torch
 
-    from pipeline.model import MIN_SIDE, Net
+    from pipeline.train.model import MIN_SIDE, Net
 
     net = Net(4, width=4)
     for h, w in ((1, 1), (2, 3), (3, 40)):
@@ -425,7 +426,7 @@ def test_sixteen_bit_grey_pngs_are_scaled_not_saturated():
 
 
 def test_index_takes_the_mean_of_sixteen_bit_pngs_scaled(tmp_path):
-    from pipeline.index import index
+    from pipeline.writers.index import index
 
     a = np.full((8, 8), 40000, np.uint16)
     buf = io.BytesIO()
@@ -493,7 +494,7 @@ def test_special_files_named_by_a_manifest_are_refused_before_opening(tmp_path, 
     m["shards"].append({"name": path, "samples": 2, "bytes": 4096})
     m["total"] = 4
     (folder / "hostile-train.json").write_text(json.dumps(m))
-    from pipeline.stream import MixedStream, resolve
+    from pipeline.data.stream import MixedStream, resolve
 
     done = []
 
@@ -540,7 +541,7 @@ def test_local_reads_have_a_deadline(tmp_path, monkeypatch):
 def test_imagefolder_images_are_checked_before_they_are_decoded(tmp_path):
     """make_shards --imagefolder: a FIFO among the images is refused without blocking, an
     image over the caps or with a lying JPEG header before it is decoded."""
-    from pipeline.sources import ImageFolderSource, SourceError
+    from pipeline.writers.sources import ImageFolderSource, SourceError
 
     (tmp_path / "cat").mkdir()
     Image.new("RGB", (16, 16)).save(tmp_path / "cat" / "a.png")
@@ -564,7 +565,7 @@ def test_imagefolder_opens_only_the_format_an_extension_names(tmp_path, monkeypa
     400 MB from 60 bytes)."""
     from PIL import EpsImagePlugin
 
-    from pipeline.sources import ImageFolderSource, SourceError
+    from pipeline.writers.sources import ImageFolderSource, SourceError
 
     opened = []
     monkeypatch.setattr(EpsImagePlugin.EpsImageFile, "_open", lambda self: opened.append(1) or 1 / 0)
@@ -611,7 +612,7 @@ def test_the_trainer_skips_the_issues_two_images_under_an_address_space_limit(tm
 
 def test_a_manifest_that_is_a_fifo_is_one_line_not_a_hang(tmp_path):
     """--train NAME=PATH where PATH is a FIFO: opening it would block until someone writes."""
-    from pipeline.manifest import resolve
+    from pipeline.data.manifest import resolve
 
     os.mkfifo(tmp_path / "x-train.json")
     done = []

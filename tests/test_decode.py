@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline import decode, png
-from pipeline.decode import Target
+from pipeline.data import decode, png
+from pipeline.data.decode import Target
 from test_png import handmade_png, pil_png, pixels
 
 SHAPES = [(1, 28, 28), (3, 32, 32), (3, 5, 7)]
@@ -272,7 +272,7 @@ def test_npy_claiming_more_pixels_than_it_holds_is_refused_before_any_array(tmp_
     code = f"""
 import resource, sys
 import numpy as np
-from pipeline import decode
+from pipeline.data import decode
 soft, hard = resource.getrlimit(resource.RLIMIT_AS)
 used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
 resource.setrlimit(resource.RLIMIT_AS, (used + (32 << 20), hard))  # half the claimed array

@@ -224,8 +224,8 @@ def test_unloadable_checkpoint_is_one_line_error(data, tmp_path):
 
 
 def test_remote_shard_with_wrong_sha256_is_reported_and_skipped(data, tmp_path):
-    from pipeline import stream
-    from pipeline.shards import ShardError
+    from pipeline.data import stream
+    from pipeline.writers.shards import ShardError
 
     folder = linked_copy(data, tmp_path / "served", "mnist-train-000002.tar")
     blob = bytearray((data / "mnist-train-000002.tar").read_bytes())

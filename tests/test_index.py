@@ -17,8 +17,8 @@ import pytest
 from helpers import (FOLDERS, NAMES, SYNSETS, build_shards, free_port, write_gnu_tar, write_img2dataset,
                      write_imagefolder_tar, write_multi_member, write_named_shardwriter, write_shardwriter,
                      write_synset_tar)
-from pipeline.index import expand
-from pipeline.stream import MixedStream, make_loader, resolve
+from pipeline.writers.index import expand
+from pipeline.data.stream import MixedStream, make_loader, resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "make_shards.py")
@@ -236,7 +236,7 @@ def test_every_foreign_sample_streams_once_per_pass(foreign, workers):
 def test_members_nobody_asked_for_are_never_kept(foreign):
     """img2dataset's .txt captions are read past, not carried into the window."""
     src = resolve("i2d", str(foreign.out), "train")
-    from pipeline import stages
+    from pipeline.data import stages
 
     data = stages.Reader(src, {"skipped": 0})(stages.Window(tuple(src.urls[:1]), "t", 0))
     assert len(data) == 20 and set(data.exts) == {"jpg"}
@@ -416,7 +416,7 @@ def test_a_bad_classes_file_is_one_line_not_a_hang(tmp_path, kind, needle):
     import threading
 
     from pipeline.errors import ShardError
-    from pipeline.index import index
+    from pipeline.writers.index import index
 
     folder = tmp_path / "d"
     folder.mkdir()

@@ -15,9 +15,12 @@ from types import SimpleNamespace
 import pytest
 
 from helpers import Quiet, build_shards, drip, serving
-from pipeline import cli, manifest, options, remote, shards, train
+from pipeline import cli
+from pipeline.data import manifest, remote
+from pipeline.train import options, loop as train
+from pipeline.writers import shards
 from pipeline.errors import ShardError
-from pipeline.sources import SyntheticSource
+from pipeline.writers.sources import SyntheticSource
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "make_shards.py"
@@ -312,7 +315,7 @@ import resource, runpy, sys
 vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
 what, argv = sys.argv[1], sys.argv[2:]
 if what == "train":
-    import pipeline.train as entry
+    import pipeline.train.loop as entry
 else:
     import importlib.util
     spec = importlib.util.spec_from_file_location("ms", what)
@@ -380,7 +383,7 @@ def test_a_2gb_manifest_body_is_one_line_naming_its_url(tmp_path, kind):
 def test_a_gzip_shard_cannot_claim_more_samples_than_it_may_inflate_to(tmp_path):
     """A 2 KB .tar.gz listed with 10**15 samples made an epoch of 10**15 samples (the shard's 200
     read over and over, for ever): its count is bounded by what the reader inflates it to at most."""
-    from pipeline.read import INFLATE_RATIO, INFLATE_SLACK
+    from pipeline.data.read import INFLATE_RATIO, INFLATE_SLACK
 
     def m(samples, nbytes=2000):
         return {"format": manifest.FORMAT, "dataset": "x", "split": "train", "shape": [1, 4, 4], "classes": ["a"],

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.loader import BatchRing, RingBuffer, _as_is, _RingFed
-from pipeline.stream import MixedStream, make_loader
-from pipeline.topology import Worker
+from pipeline.data.loader import BatchRing, RingBuffer, _as_is, _RingFed
+from pipeline.data.stream import MixedStream, make_loader
+from pipeline.data.topology import Worker
 from test_stream import HALF, data, even, key_index, keys_of, run_epoch, train_sources  # noqa: F401,F811 (fixtures)
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline import shards, sources
+from pipeline.writers import shards, sources
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "make_shards.py"
 

@@ -5,9 +5,9 @@ import os
 import pytest
 
 from helpers import build_shards, shard_keys
-from pipeline import manifest
+from pipeline.data import manifest
 from pipeline.errors import ShardError
-from pipeline.stream import MixedStream, resolve
+from pipeline.data.stream import MixedStream, resolve
 from test_stream import data  # noqa: F401,F811 (fixture)
 
 

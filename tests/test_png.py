@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline import png
+from pipeline.data import png
 
 SHAPES = [(1, 28, 28), (3, 32, 32), (3, 5, 7)]
 

@@ -10,9 +10,9 @@ import pytest
 from PIL import Image
 
 from helpers import build_shards, key_index
-from pipeline import preview as pv
+from pipeline.writers import preview as pv
 from pipeline.errors import ShardError
-from pipeline.report import figure_texts
+from pipeline.train.report import figure_texts
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_bad_input_raises_a_plain_error(tmp_path, mnist):
 
 
 def test_importing_the_preview_does_not_import_matplotlib():
-    code = "import sys, pipeline.preview; sys.exit('matplotlib' in sys.modules)"
+    code = "import sys, pipeline.writers.preview; sys.exit('matplotlib' in sys.modules)"
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -137,7 +137,7 @@ def test_captions_of_an_indexed_set_are_its_class_names(tmp_path):
     import json
 
     from helpers import NAMES, write_named_shardwriter
-    from pipeline.index import index
+    from pipeline.writers.index import index
 
     keys = write_named_shardwriter(tmp_path / "named", 40)
     index("named", "train", str(tmp_path / "named"), str(tmp_path), progress=False)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline import read, shards
+from pipeline.data import read
+from pipeline.writers import shards
 from pipeline.errors import ShardError
 from test_shards import array_source, build, project_samples
 

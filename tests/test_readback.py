@@ -19,11 +19,12 @@ import pytest
 import torch
 
 from helpers import build_shards, finish, free_port
-from pipeline import checkpoint, manifest, options, remote, train
+from pipeline.train import checkpoint, options, loop as train
+from pipeline.data import manifest, remote
 from pipeline.errors import ShardError
-from pipeline.metrics import Metrics
-from pipeline.stream import make_loader, resolve
-from pipeline.topology import Topology
+from pipeline.train.metrics import Metrics
+from pipeline.data.stream import make_loader, resolve
+from pipeline.data.topology import Topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -193,7 +194,7 @@ def test_the_untampered_checkpoints_pass(runs):
 
 
 def net_and_opt(width=4):
-    from pipeline.model import Net
+    from pipeline.train.model import Net
 
     model = Net(20, width)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
@@ -455,7 +456,7 @@ def test_the_count_of_skipped_steps_carries_across_a_resume(data, tmp_path, caps
 
 
 NAN_ON_RANK1 = r"""
-import sys, torch, pipeline.train as t
+import sys, torch, pipeline.train.loop as t
 real = torch.nn.functional.cross_entropy
 calls = [0]
 def ce(logits, y, **kw):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import report
+from pipeline.train import report
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "report.py"
 ORIGINS = {"mnist": "real data, torchvision files", "cifar10": "synthetic look-alike data"}
@@ -162,7 +162,7 @@ def test_text_from_the_run_is_drawn_literally(tmp_path):
 
 
 def test_importing_the_report_does_not_import_matplotlib():
-    code = "import sys, pipeline.report; sys.exit('matplotlib' in sys.modules)"
+    code = "import sys, pipeline.train.report; sys.exit('matplotlib' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], cwd=TOOL.parents[1], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
 

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from helpers import build_shards, finish, launch_train
-from pipeline.stream import MixedStream, make_loader, resolve
-from pipeline.topology import Topology
+from pipeline.data.stream import MixedStream, make_loader, resolve
+from pipeline.data.topology import Topology
 
 WEIGHTS = {"mnist": 1.0, "cifar10": 1.0}
 

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from helpers import build_shards, free_port, serve
-from pipeline import stream
-from pipeline.dist import Topology
+from pipeline.data import stream
+from pipeline.train.dist import Topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

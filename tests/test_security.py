@@ -17,9 +17,11 @@ import pytest
 import torch
 
 from helpers import Quiet, build_shards, drip, free_port, serving
-from pipeline import checkpoint, files, manifest, remote
+from pipeline.train import checkpoint
+from pipeline import files
+from pipeline.data import manifest, remote
 from pipeline.errors import FetchError, ShardError
-from pipeline.stream import MixedStream, resolve
+from pipeline.data.stream import MixedStream, resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -414,7 +416,7 @@ def test_a_batch_larger_than_the_epoch_is_refused(data, tmp_path):
 
 SCRIPT = r"""
 import resource, sys, warnings
-from pipeline.stream import MixedStream, resolve
+from pipeline.data.stream import MixedStream, resolve
 src = resolve("big", sys.argv[1], "train")
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 n = sum(len(b["key"]) for b in MixedStream([src], {"big": 1}, 4, epoch_samples=16, shuffle_buffer=16))
@@ -545,7 +547,7 @@ def test_a_negative_tar_size_is_damage_not_a_loop():
     import io
     import tarfile
 
-    from pipeline.read import iter_samples
+    from pipeline.data.read import iter_samples
 
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline import shards, sources
+from pipeline.writers import shards, sources
 
 CLASSES = [str(i) for i in range(10)]
 
@@ -36,7 +36,7 @@ def folder_bytes(folder):
 
 def project_samples(path, stream=None, **kw):
     """[(key, {ext: bytes})] as pipeline.read reads them, from `path` or an open stream."""
-    from pipeline import read
+    from pipeline.data import read
 
     with (stream or open(path, "rb")) as f:
         return [(s.pop("__key__"), {k: v for k, v in s.items() if k != "__url__"})

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from pipeline import stages
-from pipeline.stages import RandomMix, Window, leftovers, windows
-from pipeline.topology import Topology, Worker, webdataset_sees
+from pipeline.data import stages
+from pipeline.data.stages import RandomMix, Window, leftovers, windows
+from pipeline.data.topology import Topology, Worker, webdataset_sees
 
 
 def test_shard_order_depends_on_seed_and_epoch():
@@ -81,7 +81,7 @@ def test_leftovers_are_the_rest_of_the_current_pass():
 def test_share_out_cuts_equal_runs_without_overlap():
     from types import SimpleNamespace
 
-    from pipeline.stream import share_out
+    from pipeline.data.stream import share_out
 
     src = SimpleNamespace(urls=["a", "b", "c"], counts=[10, 10, 10])
     pieces = [Window(("a",), "ta", 0, 4), Window(("b", "c"), "tbc", 0)]  # 6 + 20 samples left
@@ -130,7 +130,7 @@ def test_the_fast_and_the_sequential_reader_agree_on_bad_labels(tmp_path, encodi
     import warnings
 
     from helpers import build_shards, read_members, write_tar
-    from pipeline.manifest import resolve
+    from pipeline.data.manifest import resolve
 
     build_shards(tmp_path, "toy", "train", 12, encoding=encoding, maxcount=12)
     shard = tmp_path / "toy-train-000000.tar"

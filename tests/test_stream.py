@@ -25,11 +25,11 @@ from PIL import Image
 from helpers import (build_shards, free_port, key_index, read_members, sample_key, serve, shard_keys,
                      write_tar)
 from pipeline.errors import ShardError
-from pipeline.loader import BatchRing, RingBuffer, _as_is, _RingFed  # noqa: F401
-from pipeline.remote import cache_path
-from pipeline.stages import windows
-from pipeline.stream import EvalStream, MixedStream, check_weights, make_loader, parse_weights, resolve
-from pipeline.topology import Topology, Worker
+from pipeline.data.loader import BatchRing, RingBuffer, _as_is, _RingFed  # noqa: F401
+from pipeline.data.remote import cache_path
+from pipeline.data.stages import windows
+from pipeline.data.stream import EvalStream, MixedStream, check_weights, make_loader, parse_weights, resolve
+from pipeline.data.topology import Topology, Worker
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HALF = {"mnist": 0.5, "cifar10": 0.5}
@@ -555,8 +555,8 @@ def test_eval_covers_every_test_sample_once(data, world, workers):
 SCRIPT = r'''
 import json, os, sys
 import torch
-from pipeline.dist import Topology, all_reduce_sum, distributed
-from pipeline.stream import MixedStream, make_loader, resolve
+from pipeline.train.dist import Topology, all_reduce_sum, distributed
+from pipeline.data.stream import MixedStream, make_loader, resolve
 
 
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline.topology import Topology, Worker, slot, webdataset_sees
+from pipeline.data.topology import Topology, Worker, slot, webdataset_sees
 
 
 def test_from_env_reads_torchruns_variables(monkeypatch):

@@ -17,7 +17,7 @@
 
 Shard encodings: raw and png (make_shards), and jpg: MNIST (JPEG-encoded) and the CIFAR10
 JPEG files as they are, written by wds.ShardWriter (a PAX header per member) and indexed in
-place with pipeline.index, i.e. somebody else's JPEG WebDataset.
+place with pipeline.writers.index, i.e. somebody else's JPEG WebDataset.
 
 Every run delivers the same number of samples (--samples, rounded down to whole batches)
 and then ends: each loader is made finite at exactly that count, so DataLoader workers run
@@ -62,11 +62,12 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from pipeline import manifest, read, shards, sources, stream  # noqa: E402
+from pipeline.data import manifest, read, stream
+from pipeline.writers import shards, sources  # noqa: E402
 from pipeline.errors import ShardError  # noqa: E402
 from pipeline.files import write_json_atomic  # noqa: E402
 from pipeline.cli import Parser  # noqa: E402
-from pipeline.topology import Topology, webdataset_sees  # noqa: E402
+from pipeline.data.topology import Topology, webdataset_sees  # noqa: E402
 
 NAMES = ("mnist", "cifar10")
 # The tutorial's constants (the usual published per-channel statistics).
@@ -141,7 +142,7 @@ def shard_encoding(folder):
 
 
 def build_shards(mnist_root, cifar_folder, out, encoding, maxcount):
-    """Shard MNIST train and the CIFAR10 JPEG tree with pipeline.shards (as tools/make_shards.py does),
+    """Shard MNIST train and the CIFAR10 JPEG tree with pipeline.writers.shards (as tools/make_shards.py does),
     or, for jpg, as a JPEG WebDataset written by another tool and indexed in place."""
     if encoding == "jpg":
         return build_jpeg_webdataset(mnist_root, cifar_folder, out, maxcount)
@@ -153,14 +154,14 @@ def build_shards(mnist_root, cifar_folder, out, encoding, maxcount):
 
 def build_jpeg_webdataset(mnist_root, cifar_folder, out, maxcount):
     """MNIST as grey JPEGs (quality 95) and the CIFAR10 JPEG files byte for byte, in shuffled
-    order, written by wds.ShardWriter, then indexed with pipeline.index (no rewrite)."""
+    order, written by wds.ShardWriter, then indexed with pipeline.writers.index (no rewrite)."""
     import io
 
     import torchvision
     import webdataset as wds
     from PIL import Image
 
-    from pipeline import index
+    from pipeline.writers import index
 
     os.makedirs(out, exist_ok=True)
     mnist = torchvision.datasets.MNIST(mnist_root, train=True)
@@ -652,7 +653,7 @@ def read_ceiling(setup, encoding, repeats=3):
 
 def tar_format(mnist_root, n=10000, repeats=3):
     """The same MNIST samples (png) as webdataset's TarWriter writes them (a PAX header per
-    member, float mtimes) and as pipeline.shards writes them (plain USTAR): file size, and
+    member, float mtimes) and as pipeline.writers.shards writes them (plain USTAR): file size, and
     samples/s read by stock webdataset (tarfile) and by `read.iter_samples`, no decoding."""
     import webdataset as wds
 
@@ -676,7 +677,7 @@ def tar_format(mnist_root, n=10000, repeats=3):
                 return sum(1 for _ in read.iter_samples(f))
 
         rows = []
-        for fmt, path in (("pax (wds.TarWriter)", pax), ("ustar (pipeline.shards)", ustar)):
+        for fmt, path in (("pax (wds.TarWriter)", pax), ("ustar (pipeline.writers.shards)", ustar)):
             row = {"format": fmt, "samples": n, "bytes": os.path.getsize(path)}
             warm_page_cache([path])
             for reader, count in (("webdataset", stock), ("pipeline_read", lean)):
@@ -698,12 +699,12 @@ def stage_costs(n=200_000, repeats=3):
     """Per-sample cost of the two stages written here rather than taken from webdataset: the
     shuffle (wds.shuffle's buffer of 1000, against one seeded permutation per window of
     1000) and the mix (wds.RandomMix, one draw per sample, against
-    pipeline.stages.RandomMix drawing a batch of 256 sources at once)."""
+    pipeline.data.stages.RandomMix drawing a batch of 256 sources at once)."""
     import random
 
     import webdataset as wds
 
-    from pipeline.stages import RandomMix
+    from pipeline.data.stages import RandomMix
 
     samples = [{"__key__": str(i)} for i in range(n)]
 
@@ -739,7 +740,7 @@ def stage_costs(n=200_000, repeats=3):
 
 
 def decoder_choice(setup, n=2000, repeats=3):
-    """Per-image cost of the JPEG decoders pipeline.decode chooses between, on the CIFAR10
+    """Per-image cost of the JPEG decoders pipeline.data.decode chooses between, on the CIFAR10
     JPEGs: at their own size (libjpeg-turbo through torchvision.io against PIL), and made 4x
     larger for a 32x32 target (libjpeg-turbo, then a resize, against PIL's draft mode)."""
     import io
@@ -747,7 +748,7 @@ def decoder_choice(setup, n=2000, repeats=3):
     import torchvision
     from PIL import Image
 
-    from pipeline import decode
+    from pipeline.data import decode
 
     paths = [p for p, _ in torchvision.datasets.ImageFolder(setup.cifar_folder).samples[:n]]
     small = []
@@ -845,7 +846,7 @@ def parse_args(argv):
     p.add_argument("--skip-memory", action="store_true", help="skip the peak-memory measurements")
     p.add_argument("--profile", action="store_true", help="also cProfile C (workers=0) and measure the read ceiling")
     p.add_argument("--tar-format", action="store_true",
-                   help="only compare PAX (wds.TarWriter) and USTAR (pipeline.shards) tars of 10,000 MNIST samples")
+                   help="only compare PAX (wds.TarWriter) and USTAR (pipeline.writers.shards) tars of 10,000 MNIST samples")
     p.add_argument("--stages", action="store_true",
                    help="only time the stages written here against webdataset's: shuffle and RandomMix, per sample")
     p.add_argument("--torch-threads", type=int, metavar="N",
@@ -935,7 +936,7 @@ def write_record(path, record):
 
 def run_tar_format(args, mnist_root):
     rows = tar_format(mnist_root)
-    log(f"{'tar format':<24}{'samples':>8}{'MB':>7}{'webdataset samples/s':>26}{'pipeline.read samples/s':>30}")
+    log(f"{'tar format':<24}{'samples':>8}{'MB':>7}{'webdataset samples/s':>26}{'pipeline.data.read samples/s':>30}")
     for r in rows:
         log(f"{r['format']:<24}{r['samples']:>8}{r['bytes'] / 1e6:>7.1f}"
             f"{fmt_spread(r['webdataset_samples_per_s']):>26}{fmt_spread(r['pipeline_read_samples_per_s']):>30}")
@@ -1048,7 +1049,7 @@ def report(record):
         log(f"read ceiling ({c['encoding']} shards, page cache): {fmt_spread(c['samples_per_s'])} samples/s, "
             f"{c['mb_per_s']:,.0f} MB/s")
     if "decoders" in record:
-        log("\nJPEG decoders, us an image (median [min-max]); * = what pipeline.decode uses")
+        log("\nJPEG decoders, us an image (median [min-max]); * = what pipeline.data.decode uses")
         for r in record["decoders"]:
             log(f"  {r['images']:<18} {r['decoder']:<28} {fmt_spread(r['us_per_image'], 1):>22} "
                 f"{'*' if r['chosen'] else ''}")

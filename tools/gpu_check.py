@@ -5,7 +5,7 @@ the CUDA paths it relies on, and print figures ready to paste into the README.
     python tools/gpu_check.py --shards shards/ --nproc 2 --json bench-out/gpu-check.json
 
 Steps, each timed and reported; a failed step does not stop the ones that do not need it:
-  shards     synthetic MNIST/CIFAR10 look-alikes written by pipeline.shards (or --shards DIR)
+  shards     synthetic MNIST/CIFAR10 look-alikes written by pipeline.writers.shards (or --shards DIR)
   train      pipeline.train under torchrun --standalone (nccl when more than one rank):
              samples/s, data-wait share and test accuracy from summary.json and metrics.jsonl
   autocast   bf16 autocast forward + backward of the GPU recipe's model: finite loss and grads,
@@ -13,7 +13,7 @@ Steps, each timed and reported; a failed step does not stop the ones that do not
   normalize  Layout.normalize of a pinned uint8 batch copied with non_blocking=True equals
              the CPU normalisation
   loader     make_loader with pinned memory feeding a GPU loop: samples/s, share of time waited
-  nccl       a one-rank nccl process group in this process: all_reduce, pipeline.dist's CPU
+  nccl       a one-rank nccl process group in this process: all_reduce, pipeline.train.dist's CPU
              round trip, a DDP step (a one-GPU trainer run makes no process group and no DDP)
 
 The whole check keeps within --budget seconds (a step past its share is stopped and fails).
@@ -43,13 +43,14 @@ import torch.distributed as tdist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from pipeline import dist, shards  # noqa: E402
+from pipeline.train import dist
+from pipeline.writers import shards  # noqa: E402
 from pipeline.cli import Parser  # noqa: E402
 from pipeline.files import read_json, write_json_atomic  # noqa: E402
-from pipeline.model import Net  # noqa: E402
-from pipeline.sources import SyntheticSource  # noqa: E402
-from pipeline.stream import MixedStream, make_loader, resolve  # noqa: E402
-from pipeline.train import autocast  # noqa: E402
+from pipeline.train.model import Net  # noqa: E402
+from pipeline.writers.sources import SyntheticSource  # noqa: E402
+from pipeline.data.stream import MixedStream, make_loader, resolve  # noqa: E402
+from pipeline.train.loop import autocast  # noqa: E402
 
 SHAPES = {"mnist": (1, 28, 28), "cifar10": (3, 32, 32)}
 TRAIN_N, TEST_N = 20000, 2000
@@ -334,7 +335,7 @@ def loader_check(folder, batches=200):
 
 
 def nccl_check():
-    """nccl on one GPU in this process: all_reduce, pipeline.dist's round trip of CPU tensors
+    """nccl on one GPU in this process: all_reduce, pipeline.train.dist's round trip of CPU tensors
     through the GPU (nccl reduces only CUDA tensors), all_gather_object, a buffer broadcast and
     a DDP step. A one-GPU trainer run uses none of them."""
     dev = torch.device("cuda", 0)

@@ -13,10 +13,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pipeline import decode, index, manifest, remote, shards, sources  # noqa: E402
+from pipeline.data import decode, manifest, remote
+from pipeline.writers import index, shards, sources  # noqa: E402
 from pipeline.cli import Parser, add_io_options, check_io, policy_of  # noqa: E402
 from pipeline.errors import ShardError  # noqa: E402
-from pipeline.manifest import NAME_RE  # noqa: E402
+from pipeline.data.manifest import NAME_RE  # noqa: E402
 
 
 def parse_args(argv):
@@ -255,7 +256,7 @@ def label_words(m):
 
 
 def run_preview(args):
-    from pipeline.preview import preview
+    from pipeline.writers.preview import preview
 
     for path in args.preview:
         m = manifest.load(path)

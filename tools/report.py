@@ -14,7 +14,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipeline.cli import Parser  # noqa: E402
-from pipeline.report import ReportError, report  # noqa: E402
+from pipeline.train.report import ReportError, report  # noqa: E402
 
 
 def parse_args(argv):

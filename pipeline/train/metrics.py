@@ -12,8 +12,8 @@ import warnings
 
 import torch
 
-from . import dist
-from .files import append_line, cut_to_complete_lines, keep_lines
+from pipeline.train import dist
+from pipeline.files import append_line, cut_to_complete_lines, keep_lines
 
 
 class Metrics:

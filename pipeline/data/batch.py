@@ -52,7 +52,7 @@ class Layout:
         choice: the source index of each position; parts[s]: (keys, uint8 images, labels)
         of source s, as many as choice names it; canvas: a zeroed uint8 array of the batch
         shape to fill (a BatchRing buffer), else one is made. Images stay uint8, label and
-        source numpy arrays: `pipeline.loader` turns them into tensors where they arrive.
+        source numpy arrays: `pipeline.data.loader` turns them into tensors where they arrive.
         """
         b = len(choice)
         h, w = self.hw

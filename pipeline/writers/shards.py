@@ -8,7 +8,7 @@ Shards are plain USTAR with integer mtimes. webdataset's own TarWriter writes a 
 header per member because it passes float mtimes; every member then costs an extra
 header, and reading it through tarfile costs twice as much (README, "Tar format").
 
-The manifest (see pipeline.manifest) is written last and atomically, and removed
+The manifest (see pipeline.data.manifest) is written last and atomically, and removed
 before a rebuild starts, so its presence means the shard set is complete. A folder
 is written by one writer at a time (`writing`): two builds into one folder would
 write the same temporary names, and both could report success over shards the
@@ -24,11 +24,11 @@ import tarfile
 
 import numpy as np
 
-from . import png
-from .errors import ShardError
-from .files import Busy, locked, read_json, write_json_atomic
-from .manifest import FORMAT, NAME_RE, check, manifest_name, shard_name
-from .read import iter_samples
+from pipeline.data import png
+from pipeline.errors import ShardError
+from pipeline.files import Busy, locked, read_json, write_json_atomic
+from pipeline.data.manifest import FORMAT, NAME_RE, check, manifest_name, shard_name
+from pipeline.data.read import iter_samples
 
 ENCODINGS = ("png", "raw")
 LOCK = ".make_shards.lock"  # held while a folder's shards or manifests are written; removed after
@@ -264,8 +264,8 @@ def verify(folder, policy=None):
     """Re-check every manifest in `folder` against its shards: the manifest's fields, and
     each shard's presence, size, sha256 and sample count. Returns every problem found,
     one line each, across all manifests (an empty list: all is well)."""
-    from . import remote
-    from .manifest import locate
+    from pipeline.data import remote
+    from pipeline.data.manifest import locate
 
     problems = []
     manifests = sorted(f for f in os.listdir(folder) if f.endswith(".json") and ".part" not in f)
@@ -291,7 +291,7 @@ def verify(folder, policy=None):
 
 
 def _verify_shard(url, entry, policy):
-    from . import remote
+    from pipeline.data import remote
 
     local = remote.kind(url) == "file"
     if local:

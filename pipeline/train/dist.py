@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from .topology import Topology  # noqa: F401  (re-exported: the trainer's "who am I")
+from pipeline.data.topology import Topology  # noqa: F401  (re-exported: the trainer's "who am I")
 
 
 def device_for(topo):

@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 
 import braceexpand as brace
 
-from . import remote
-from .decode import IMAGE_EXTS, Target, image_format, parse_label_key
-from .errors import ShardError
-from .files import MAX_JSON, parse_json, read_json
-from .read import INFLATE_RATIO, INFLATE_SLACK
+from pipeline.data import remote
+from pipeline.data.decode import IMAGE_EXTS, Target, image_format, parse_label_key
+from pipeline.errors import ShardError
+from pipeline.files import MAX_JSON, parse_json, read_json
+from pipeline.data.read import INFLATE_RATIO, INFLATE_SLACK
 
 FORMAT = "pipeline-shards/2"
 FORMATS = ("pipeline-shards/1", FORMAT)  # /1: make_shards before origins and label keys; same fields otherwise
@@ -128,7 +128,7 @@ def check(m, where):
         room = s["bytes"] * INFLATE_RATIO + INFLATE_SLACK if compressed else s["bytes"]  # what the reader inflates at most
         if s["samples"] * 1024 > room:  # a sample is at least two members, each behind a 512-byte header
             bad(f"shards[{i}].samples", f"{s['samples']} samples cannot fit in {s['bytes']} bytes"
-                + (" once inflated (pipeline.read.INFLATE_RATIO)" if compressed else ""))
+                + (" once inflated (pipeline.data.read.INFLATE_RATIO)" if compressed else ""))
         if s.get("sha256") is not None and not (isinstance(s["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", s["sha256"])):
             bad(f"shards[{i}].sha256", "64 lowercase hex digits expected")
     shape = m.get("shape")

@@ -3,7 +3,7 @@
     python tools/make_shards.py --index pets:train='/data/pets/train-{000000..000099}.tar' --out shards
 
 Each shard is read once (in parallel): its samples counted, its bytes hashed, every
-image's size and mode taken from its header and checked against `pipeline.bounds`
+image's size and mode taken from its header and checked against `pipeline.data.bounds`
 (pixels at once, the aspect against the manifest's shape at the end), its pixels
 decoded for the per-channel mean and std, every label read. Labels are where users keep them (a
 label rule: .cls/.txt/.index, a .json field, the key's folder), integers or class
@@ -27,14 +27,14 @@ import urllib.parse
 
 import numpy as np
 
-from . import bounds, remote
-from .decode import (IMAGE_EXTS, LABEL_EXTS, Unlabelled, as_integer, as_name, image_format, label_member, open_image,
+from pipeline.data import bounds, remote
+from pipeline.data.decode import (IMAGE_EXTS, LABEL_EXTS, Unlabelled, as_integer, as_name, image_format, label_member, open_image,
                      parse_label_key, pixels_of, raw_label)
-from .errors import ShardError
-from .files import MAX_JSON, open_regular, write_json_atomic
-from .manifest import FORMAT, NAME_RE, MAX_SIDE, check, expand_pattern, manifest_name, plain_relative
-from .read import is_meta, iter_samples
-from .shards import writing
+from pipeline.errors import ShardError
+from pipeline.files import MAX_JSON, open_regular, write_json_atomic
+from pipeline.data.manifest import FORMAT, NAME_RE, MAX_SIDE, check, expand_pattern, manifest_name, plain_relative
+from pipeline.data.read import is_meta, iter_samples
+from pipeline.writers.shards import writing
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 FOREIGN_EXTS = tuple(e for e in IMAGE_EXTS if e != "raw")  # raw pixels need a shape nobody but make_shards records

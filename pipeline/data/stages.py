@@ -16,7 +16,7 @@ the position in it (`SourceStream.state`), and any such point can be reached aga
 without reading what came before it.
 
 Two stages are written here rather than taken from webdataset, for measured
-reasons (README, "Why some stages are our own"): tar reading (`pipeline.read`),
+reasons (README, "Why some stages are our own"): tar reading (`pipeline.data.read`),
 and the shuffle, a permutation per window instead of `wds.shuffle`'s buffer,
 which costs a `random.randint` per sample and holds state no checkpoint can
 reach. `RandomMix` keeps `wds.RandomMix`'s signature and adds a seed: the
@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import numpy as np
 import webdataset as wds
 
-from . import remote, topology
-from .decode import Unlabelled, class_index, decode_batch, image_format, image_of, label_of, parse_label_key
-from .errors import DigestError, ShardError
-from .read import is_meta, iter_samples, regular
+from pipeline.data import remote, topology
+from pipeline.data.decode import Unlabelled, class_index, decode_batch, image_format, image_of, label_of, parse_label_key
+from pipeline.errors import DigestError, ShardError
+from pipeline.data.read import is_meta, iter_samples, regular
 
 
 def epoch_order(urls, seed, epoch, source):
@@ -128,7 +128,7 @@ WHOLE_SHARD = 64 << 20  # shards up to this size are read into memory at once (s
 
 
 class Reader:
-    """read_window for one source: reads shards with `pipeline.remote`, reports damage.
+    """read_window for one source: reads shards with `pipeline.data.remote`, reports damage.
 
     A malformed shard is skipped from the point of damage with a warning (its unread
     samples counted in stats["skipped"]), or raises under `strict`; a sample without

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=2 -m pipeline.train --train mnist=shards/ --train cifar10=shards/ \\
         --eval mnist=shards/ --eval cifar10=shards/ --out runs/mnist-cifar10
 
-Options: pipeline/options.py (`--help`). Per epoch: train on the mixed stream,
+Options: pipeline/train/options.py (`--help`). Per epoch: train on the mixed stream,
 evaluate every --eval source exactly once over all ranks, write the checkpoint
 (also every --checkpoint-every steps). A resumed run continues where the
 checkpoint stopped, inside an epoch too, and on another number of ranks.
@@ -23,11 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import cache, checkpoint, cli, dist, options, remote, stream
-from .errors import ShardError
-from .files import write_json_atomic
-from .metrics import KeyLog, Metrics, StepLog
-from .model import Net, augment
+from pipeline.data import cache, remote, stream
+from pipeline.train import checkpoint, dist, options
+from pipeline import cli
+from pipeline.errors import ShardError
+from pipeline.files import write_json_atomic
+from pipeline.train.metrics import KeyLog, Metrics, StepLog
+from pipeline.train.model import Net, augment
 
 BASE_BATCH = 256  # --lr is the rate for this global batch
 PER_CLASS_MAX = 20  # sources with at most this many classes are evaluated per class (a confusion matrix each)
@@ -508,7 +510,7 @@ def train(args, topo, device):
     keys = KeyLog(args.out, topo.rank, keep=(run.key_counts[topo.rank] if topo.rank < len(run.key_counts) else 0)
                   if ckpt else None)
     if ckpt and topo.is_main:
-        from .metrics import truncate_keys
+        from pipeline.train.metrics import truncate_keys
 
         for r in range(topo.world, len(run.key_counts)):  # key logs of ranks this world no longer has
             truncate_keys(os.path.join(args.out, f"keys-rank{r}.txt"), run.key_counts[r])

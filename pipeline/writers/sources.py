@@ -92,9 +92,9 @@ class ImageFolderSource:
         files is refused before it is opened."""
         from PIL import Image
 
-        from . import remote
-        from .decode import open_image
-        from .read import MAX_MEMBER
+        from pipeline.data import remote
+        from pipeline.data.decode import open_image
+        from pipeline.data.read import MAX_MEMBER
 
         path = self.samples[i][0]
         ext = os.path.splitext(path)[1][1:].lower()  # one of torchvision's IMG_EXTENSIONS, all in IMAGE_EXTS

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ShardError
-from .files import open_regular
+from pipeline.errors import ShardError
+from pipeline.files import open_regular
 
 VERSION = 2
 MAX_WORLD = 1 << 16  # ranks a checkpoint may say it ran on

@@ -18,7 +18,7 @@ says "HTTP Error 404" rather than "curl exit 22".
 
 A remote shard is parsed while it streams in, hashed on the way, and checked
 against its manifest's sha256 and size at the end; only then is a cached copy
-renamed into place (see pipeline.cache).
+renamed into place (see pipeline.data.cache).
 """
 import contextlib
 import dataclasses
@@ -37,9 +37,9 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from . import cache as caching
-from .errors import DigestError, FetchError, ShardError
-from .files import open_regular
+from pipeline.data import cache as caching
+from pipeline.errors import DigestError, FetchError, ShardError
+from pipeline.files import open_regular
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")
 UNKNOWN_SIZE = 16 << 20  # what the deadline assumes for a file of unknown size (a manifest)
@@ -306,7 +306,7 @@ def read_url(url, consume, *, policy=Policy(), nbytes=None, digest=None, cache_d
     max_bytes; a damaged copy raises ShardError, a read that keeps failing
     FetchError. With `cache_dir` (a folder, or a cache.Cache with a size), a remote
     file read once in full is kept there, and later reads use the copy while it
-    matches `nbytes` and `digest` (see pipeline.cache), within a local file's
+    matches `nbytes` and `digest` (see pipeline.data.cache), within a local file's
     deadline. Local files are read as they are (`make_shards.py --verify` checks
     them), through `open_local`.
     """

@@ -11,9 +11,9 @@ import textwrap
 
 import numpy as np
 
-from . import manifest, stages
-from .report import new_figure, plain
-from .topology import Topology, Worker
+from pipeline.data import manifest, stages
+from pipeline.train.report import new_figure, plain
+from pipeline.data.topology import Topology, Worker
 
 CELL = 1.3  # inches per sample
 

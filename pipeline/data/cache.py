@@ -26,8 +26,8 @@ import time
 import warnings
 from dataclasses import dataclass
 
-from .errors import ShardError
-from .files import locked
+from pipeline.errors import ShardError
+from pipeline.files import locked
 
 LOCK = ".lock"
 _OFF = set()  # folders this process stopped writing to (a full disk), each warned about once

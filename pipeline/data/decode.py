@@ -6,7 +6,7 @@ extension: nothing is unpickled or torch.load-ed (webdataset's default decoders
 do both for .pyd/.pickle/.pth), and PIL is only asked to open the one format
 an extension names (an .png member that is really EPS would make PIL run
 Ghostscript). An image's size, as its decoder will produce it, is checked
-against `pipeline.bounds` before its pixels are decoded (`open_image`), and
+against `pipeline.data.bounds` before its pixels are decoded (`open_image`), and
 16-bit grey images keep their top 8 bits rather than saturate.
 
 Images of another size or mode are brought to the source's shape here, inside
@@ -18,7 +18,7 @@ images here; a JPEG at least twice the target size in both directions goes
 through PIL's draft mode instead, which decodes at 1/2, 1/4 or 1/8 scale for
 free. Exactly what make_shards writes (raw
 pixels, or a PNG with the Up filter on every row) takes the fast paths in
-`pipeline/png.py`, one numpy operation a batch.
+`pipeline/data/png.py`, one numpy operation a batch.
 """
 import functools
 import io
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import bounds, jpeg, png
+from pipeline.data import bounds, jpeg, png
 
 IMAGE_EXTS = ("raw", "png", "jpg", "jpeg", "webp", "ppm", "pgm", "bmp", "tif", "tiff", "gif", "npy")
 LABEL_EXTS = ("cls", "txt", "index")

@@ -30,7 +30,7 @@ import zlib
 
 import numpy as np
 
-from .errors import ShardError
+from pipeline.errors import ShardError
 
 MAX_MEMBER = 64 << 20  # a wanted member claiming more is corrupt or hostile, not an image or a label
 INFLATE_RATIO = 32  # real shards inflate 1-3x (JPEG, PNG) to about 12x (raw MNIST); a gzip bomb, 1000x
@@ -288,7 +288,7 @@ class _Gunzip:
         self.inflated += len(data)
         if self.inflated > INFLATE_RATIO * self.raw.got + INFLATE_SLACK:
             raise ShardError(f"gzip stream inflates {self.raw.got} compressed bytes to more than "
-                             f"{INFLATE_RATIO}x plus {INFLATE_SLACK >> 20} MiB (pipeline.read.INFLATE_RATIO): "
+                             f"{INFLATE_RATIO}x plus {INFLATE_SLACK >> 20} MiB (pipeline.data.read.INFLATE_RATIO): "
                              f"a gzip bomb, or a shard to store uncompressed")
         return data
 

@@ -5,8 +5,8 @@ A bad value ends with one `pipeline.train: error: ...` line and exit code 2.
 import argparse
 import math
 
-from . import stream
-from .cli import Parser, add_io_options, byte_size, check_io
+from pipeline.data import stream
+from pipeline.cli import Parser, add_io_options, byte_size, check_io
 
 MAX_TIMEOUT = 7 * 24 * 3600  # a week: more overflows torch's timeout deep in the process group set-up
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import webdataset as wds
 
-from .topology import Worker
+from pipeline.data.topology import Worker
 
 
 class RingBuffer(typing.NamedTuple):
@@ -189,5 +189,5 @@ def _exit_with(parent, worker_id):
 def worker_context(start_method="fork"):
     ctx = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "pipeline.stream"])
+        ctx.set_forkserver_preload(["torch", "pipeline.data.stream"])
     return ctx

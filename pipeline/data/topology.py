@@ -1,0 +1,93 @@
+"""Who am I: the rank, world size and DataLoader worker, read in one place.
+
+They are read the way webdataset reads them (`wds.utils.pytorch_worker_info`):
+RANK and WORLD_SIZE from the environment when both are set, else from an
+initialised torch.distributed; WORKER and NUM_WORKERS from the environment
+when both are set, else from `torch.utils.data.get_worker_info()`. Stages are
+handed a `Topology` and a `Worker` instead of reading either themselves, so
+any world size and worker count can be tested in one process, and
+`webdataset_sees` lets webdataset's own splitters see exactly those values.
+"""
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+_VARS = ("RANK", "WORLD_SIZE", "WORKER", "NUM_WORKERS")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This process's place among the ranks of a job."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"rank {self.rank} outside world size {self.world}")
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls):
+        """torchrun's variables (or an initialised process group); a plain `python` run is rank 0 of 1."""
+        env = os.environ
+        local = int(env.get("LOCAL_RANK", 0))
+        if "RANK" in env and "WORLD_SIZE" in env:
+            return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), local)
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size(), local)
+        return cls(0, 1, local)
+
+
+@dataclass(frozen=True)
+class Worker:
+    """This process's place among one rank's DataLoader workers (0 of 1 in the main process)."""
+
+    id: int = 0
+    count: int = 1
+
+    def __post_init__(self):
+        if not 0 <= self.id < self.count:
+            raise ValueError(f"worker {self.id} outside worker count {self.count}")
+
+    @classmethod
+    def current(cls):
+        env = os.environ
+        if "WORKER" in env and "NUM_WORKERS" in env:
+            return cls(int(env["WORKER"]), int(env["NUM_WORKERS"]))
+        info = torch.utils.data.get_worker_info()
+        return cls(info.id, info.num_workers) if info else cls()
+
+
+def slot(topo, worker):
+    """(slot, slots): the position `wds.split_by_node` + `wds.split_by_worker` give this
+    (rank, worker) in a shard list: rank r takes every world-th shard from r, and its
+    worker w every count-th of those, i.e. shards r + w * world, stepping world * count."""
+    return topo.rank + worker.id * topo.world, topo.world * worker.count
+
+
+@contextmanager
+def webdataset_sees(topo, worker=None):
+    """Run webdataset's splitters as `topo` and `worker`: set the variables it reads, restore
+    them after. Splitters are lazy islices, so consume them inside the block. Without a
+    worker only the rank is set, and DataLoader workers started inside still find their own."""
+    saved = {k: os.environ.get(k) for k in _VARS}
+    os.environ.update(RANK=str(topo.rank), WORLD_SIZE=str(topo.world))
+    if worker is not None:
+        os.environ.update(WORKER=str(worker.id), NUM_WORKERS=str(worker.count))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
