@@ -448,15 +448,37 @@ def settle(timeout=10.0):
 
 
 def child_pids(pid):
-    """Direct children of pid, zombies included, from /proc/<pid>/task/*/children."""
+    """Direct children of pid, zombies included.
+
+    /proc/<pid>/task/*/children exists only on kernels built with CONFIG_PROC_CHILDREN; where
+    it is missing, the tree would look empty and DataLoader workers' CPU time would go
+    uncounted (a with-workers loader would look several times cheaper than it is), so the
+    parent pid of every /proc/<n>/stat is read instead.
+    """
+    files = glob.glob(f"/proc/{pid}/task/*/children")
+    if not files:
+        return [n for n, ppid in all_parents() if ppid == pid]
     kids = []
-    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+    for path in files:
         try:
             with open(path) as f:
                 kids += [int(x) for x in f.read().split()]
         except OSError:
             pass
     return kids
+
+
+def all_parents():
+    """(pid, parent pid) of every process in /proc; field 4 of stat, after the parenthesised name."""
+    out = []
+    for path in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(path) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        out.append((int(path.split("/")[2]), int(fields[1])))
+    return out
 
 
 def tree_pids(pid):
@@ -979,8 +1001,7 @@ def run(args, work):
               "config": {**asdict(setup), "samples": setup.samples, "repeats": args.repeats,
                          "workers": args.workers, "encodings": args.encoding, "synthetic": args.synthetic,
                          "torch_threads": torch.get_num_threads()},
-              "host": {"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg(),
-                       "torch": torch.__version__, "python": sys.version.split()[0]}}
+              "host": host_facts()}
     log(f"throughput: {setup.samples} samples per run, batch {setup.batch_size}, rank {setup.rank} of "
         f"{setup.world}, {args.repeats} repeat(s)")
     t0 = time.perf_counter()
@@ -1022,6 +1043,27 @@ def main(argv=None):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def host_facts():
+    """What makes A's figure move between machines of one kind: A is many tiny torch calls per
+    sample, so its speed follows torch's thread pools (each call may wake them) and the BLAS
+    and OpenMP variables that size them, and the CPU a process may use (affinity, cgroup
+    quota) rather than the host's core count; the with-workers figures also depend on seeing
+    the workers at all (/proc/<pid>/task/*/children, or the ppid scan that replaces it)."""
+    def cgroup_quota():
+        try:
+            with open("/sys/fs/cgroup/cpu.max") as f:
+                quota, period = f.read().split()
+            return None if quota == "max" else round(int(quota) / int(period), 2)
+        except (OSError, ValueError):
+            return None
+    env = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "KMP_AFFINITY", "OMP_PROC_BIND")
+    return {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "cgroup_cpus": cgroup_quota(),
+            "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
+            "env": {k: os.environ.get(k) for k in env},
+            "proc_children": bool(glob.glob(f"/proc/{os.getpid()}/task/*/children")),
+            "loadavg_at_start": os.getloadavg(), "torch": torch.__version__, "python": sys.version.split()[0]}
+
+
 def git_state():
     """The commit and any uncommitted change under pipeline/: the figures belong to that code."""
     def git(*a):
@@ -1034,6 +1076,11 @@ def git_state():
 
 def report(record):
     """The table, then memory, profile and ceiling as far as they were measured."""
+    h = record["host"]
+    log(f"\nhost: {h['cpus']} cpus, affinity {h['affinity']}, cgroup quota {h['cgroup_cpus']}, torch threads "
+        f"{h['torch_threads']} (+{h['torch_interop_threads']} interop), "
+        f"{'/proc children' if h['proc_children'] else 'ppid scan'}; "
+        + ", ".join(f"{k}={v}" for k, v in h["env"].items() if v is not None))
     log("\n" + table(record["throughput"]))
     if "memory" in record:
         base = record["memory"]["baseline"]["peak_rss_mib"]
