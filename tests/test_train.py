@@ -209,3 +209,19 @@ def test_a_users_sample_stage_runs_in_the_trainer(data, tmp_path):
                         "no_such_module:f", "--out", str(tmp_path / "other")], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=TIMEOUT)
     assert p.returncode == 2 and "no_such_module" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_prefetch_passes_cpu_batches_through_and_moves_them_on_demand():
+    """On a CPU the one-ahead copy is skipped (nothing to overlap): the loader's own batches
+    come out, and on_device gives their tensors; on CUDA, tools/gpu_check.py checks the copy."""
+    import torch
+
+    from pipeline.train.prefetch import ahead, on_device
+    batches = [{"image": torch.full((2, 1, 2, 2), i, dtype=torch.uint8), "label": torch.tensor([i, i]),
+                "source": torch.tensor([0, 1])} for i in range(3)]
+    out = list(ahead(iter(batches), torch.device("cpu")))
+    assert [b is a for a, b in zip(batches, out)] == [True] * 3
+    x, y, s = on_device(out[2], torch.device("cpu"))
+    assert x.dtype == torch.uint8 and y.tolist() == [2, 2] and s.tolist() == [0, 1]
+    moved = {**out[1], "on_device": ("X", "Y", "S")}
+    assert on_device(moved, torch.device("cpu")) == ("X", "Y", "S")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pipeline.data import cache, remote, stream
-from pipeline.train import checkpoint, dist, options
+from pipeline.train import checkpoint, dist, options, prefetch
 from pipeline import cli
 from pipeline.errors import ShardError
 from pipeline.files import write_json_atomic
@@ -141,7 +141,7 @@ class Run:
         """One optimiser step; returns per-sample losses (detached) and source ids on the device,
         and per source the samples whose loss was not finite on any rank (then the weights
         were left as they were: every rank sees the same counts and skips the same step)."""
-        x, y, s = (batch[k].to(self.device, non_blocking=True) for k in ("image", "label", "source"))
+        x, y, s = prefetch.on_device(batch, self.device)
         x = augment(self.layout.normalize(x, s), s, self.flip_ids, gen)
         for group in self.opt.param_groups:
             group["lr"] = self.lr()
@@ -392,7 +392,7 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
     per_source = torch.zeros(len(run.names), dtype=torch.int64)
     t0 = time.perf_counter()
     got = 0
-    for batch in loader:  # its workers persist across epochs and pick up set_epoch
+    for batch in prefetch.ahead(loader, run.device):  # workers persist across epochs and pick up set_epoch
         t1 = time.perf_counter()
         run.startup.setdefault("first_batch_s", round(t1 - run.t0, 3))
         run.facts["wait"] += t1 - t0
