@@ -64,3 +64,21 @@ def test_check_accepts_what_make_shards_writes_and_version_1(tmp_path):
     old["format"] = "pipeline-shards/1"
     target = manifest.target_of(manifest.check(old, "x"))
     assert target.image_exts == ("raw",) and target.label == "cls"
+
+
+def test_a_pipe_manifest_of_tar_gz_shards_resolves(tmp_path):
+    """One rule for a shard's name inside a pipe: command: the indexer names "00000.tar.gz"
+    and the reader looks for the manifest beside it (not at "web-train.json.gz")."""
+    from helpers import write_img2dataset
+    from pipeline.writers.index import index
+
+    folder = tmp_path / "web"
+    write_img2dataset(folder, 30, per_shard=15, gz=True)
+    index("web", "train", f"pipe:cat {folder}/{{00000..00001}}.tar.gz", str(folder), label="json:label",
+          progress=False)
+    assert manifest.pipe_shard_name(f"pipe:cat {folder}/00000.tar.gz") == "00000.tar.gz"
+    src = resolve("web", f"pipe:cat {folder}/00000.tar.gz", "train")
+    assert src.manifest == f"pipe:cat {folder}/web-train.json"
+    assert src.urls == [f"pipe:cat {folder}/00000.tar.gz"] and src.counts == [15]
+    got = [k for b in MixedStream([src], {"web": 1}, 5).eval_stream(src) for k in b["key"]]
+    assert len(got) == 15

@@ -46,6 +46,8 @@ FORMATS = ("pipeline-shards/1", FORMAT)  # /1: make_shards before origins and la
 NAME_RE = re.compile(r"[A-Za-z0-9_]+\Z")  # \Z, not $: "$" also matches before a final newline
 _SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*\Z")
 _URL_SAFE = re.compile(r"https?://[^\s\x00-\x1f\x7f]+\Z")
+# a shard's file name inside a pipe: command; the longest suffix first, or "x.tar.gz" would be read as "x.tar"
+PIPE_SHARD = re.compile(r"[^/\s'\"]+\.(?:tar\.gz|tgz|tar)\b")
 MIN_STD = 1e-6  # per channel, on 0..1 pixels: below it normalising multiplies by more than a million
 MAX_STD = 1.0  # pixels in 0..1 have a std of at most 0.5; 1 admits a hand-written "scale only" (mean 0, std 1)
 MAX_SIDE = 4096
@@ -451,12 +453,18 @@ def _once(locations, where):
 def _beside(shard_url, filename):
     """The URL of `filename` in the same folder as a shard (path, URL or inside a pipe: command)."""
     if remote.kind(shard_url) == "pipe":
-        found = re.findall(r"[^/\s'\"]+\.(?:tar|tar\.gz|tgz)\b", shard_url)
-        if not found:
-            raise ShardError(f"{shard_url}: no shard file name (*.tar, *.tar.gz) in the command")
-        head, _, tail = shard_url.rpartition(found[-1])
+        head, _, tail = shard_url.rpartition(pipe_shard_name(shard_url))
         return head + filename + tail
     return shard_url[:shard_url.rfind("/") + 1] + filename
+
+
+def pipe_shard_name(command):
+    """The shard's file name in a pipe: command (the last *.tar, *.tar.gz or *.tgz in it):
+    the one rule that both the manifest's reader and the indexer use."""
+    found = PIPE_SHARD.findall(command)
+    if not found:
+        raise ShardError(f"{command}: no shard file name (*.tar, *.tar.gz, *.tgz) in the command")
+    return found[-1]
 
 
 def _normal(url):

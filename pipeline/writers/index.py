@@ -32,7 +32,8 @@ from pipeline.data.decode import (IMAGE_EXTS, LABEL_EXTS, Unlabelled, as_integer
                      parse_label_key, pixels_of, raw_label)
 from pipeline.errors import ShardError
 from pipeline.files import MAX_JSON, open_regular, write_json_atomic
-from pipeline.data.manifest import FORMAT, NAME_RE, MAX_SIDE, check, expand_pattern, manifest_name, plain_relative
+from pipeline.data.manifest import (FORMAT, NAME_RE, MAX_SIDE, check, expand_pattern, manifest_name, pipe_shard_name,
+                                    plain_relative)
 from pipeline.data.read import is_meta, iter_samples
 from pipeline.writers.shards import writing
 
@@ -292,10 +293,7 @@ def shard_location(url, out):
     if kind == "http":
         return url
     if kind == "pipe":
-        found = re.findall(r"[^/\s'\"]+\.(?:tar\.gz|tgz|tar)\b", url)
-        if not found:
-            raise ShardError(f"{url}: no shard file name (*.tar, *.tar.gz, *.tgz) in the command")
-        return found[-1]
+        return pipe_shard_name(url)
     path = os.path.abspath(url)
     top = os.path.realpath(out)
     real = os.path.realpath(path)
