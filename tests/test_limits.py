@@ -413,3 +413,22 @@ def test_a_local_file_past_the_ceiling_is_refused_before_it_is_read(tmp_path):
         f.truncate(2 << 20)
     remote.read_url(str(path), read.append, policy=policy)  # at the ceiling: read
     assert read
+
+
+@pytest.mark.parametrize("foreign", ["mnist-train-000000.tar", "mnist-train.json", "notes.txt", "sub/"])
+def test_overwrite_refuses_a_folder_of_other_files_with_no_run_in_it(tmp_path, capsys, foreign):
+    """No run there yet, only shards, a manifest or notes: --overwrite refuses as it does beside a run."""
+    out = tmp_path / "shards"
+    out.mkdir()
+    if foreign.endswith("/"):
+        (out / foreign).mkdir()
+    else:
+        (out / foreign).write_text("keep")
+    with pytest.raises(ValueError, match=f"holds '{foreign.rstrip('/')}'.*nothing deleted"):
+        train.prepare_out(fake_args(out), SimpleNamespace(is_main=True))
+    assert os.listdir(out) == [foreign.rstrip("/")] and capsys.readouterr().out == ""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert train.prepare_out(fake_args(empty), SimpleNamespace(is_main=True)) is None  # an empty folder is fine
+    assert train.prepare_out(fake_args(tmp_path / "new"), SimpleNamespace(is_main=True)) is None
+    assert (tmp_path / "new").is_dir()

@@ -263,7 +263,8 @@ def prepare_out(args, topo):
         return ckpt
     if previous and not (args.overwrite or restarted):
         raise ValueError(f"{args.out} holds a previous run; pass --resume to continue it or --overwrite to replace it")
-    doomed = run_files(args.out) if previous else []
+    # --overwrite on a folder with no run yet is checked too: shards or notes there are never a run to replace
+    doomed = run_files(args.out) if previous or (args.overwrite and os.path.isdir(args.out)) else []
     dist.barrier()  # every rank has looked before rank 0 clears the folder
     if topo.is_main:
         if doomed:
