@@ -443,3 +443,19 @@ def test_a_bad_classes_file_is_one_line_not_a_hang(tmp_path, kind, needle):
     t.join(60)
     assert not t.is_alive(), "indexing with a FIFO as --classes hangs"
     assert len(errors) == 1 and needle in errors[0] and "--classes" in errors[0], errors
+
+
+def test_a_wrong_label_key_names_the_members_the_samples_have(tmp_path):
+    """--label-key cls on img2dataset shards (.jpg, .json, .txt): the error lists those members
+    and suggests the rule they fit, rather than calling every sample unlabelled."""
+    from pipeline.errors import ShardError
+    from pipeline.writers.index import index
+
+    write_img2dataset(tmp_path / "web", 10, per_shard=10)
+    with pytest.raises(ShardError, match=r"no member 'cls' in sample 000000000 \(--label-key cls\); it has: "
+                                         r"jpg, json, txt; choose the label with --label-key \(e.g. --label-key "
+                                         r"json:label\)"):
+        index("web", "train", str(tmp_path / "web"), str(tmp_path / "out"), label="cls", progress=False)
+    with pytest.raises(ShardError, match="no samples .10 unlabelled left out"):  # asked to skip: skipped
+        index("web", "train", str(tmp_path / "web"), str(tmp_path / "out"), label="cls", skip_unlabelled=True,
+              progress=False)

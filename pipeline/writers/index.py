@@ -153,6 +153,9 @@ def _scan_sample(sample, facts, url):
     try:
         value = raw_label(sample, facts["label"])
     except Unlabelled as e:
+        member = label_member(facts["label"])
+        if member and member not in sample and not facts["skip_unlabelled"] and not facts["samples"]:
+            raise ShardError(wrong_label_key(url, sample, facts["label"], member)) from None
         if facts["skip_unlabelled"]:
             facts["unlabelled"] += 1
             return
@@ -190,6 +193,18 @@ def _scan_sample(sample, facts, url):
     for side, ratio in (("wide", w / h), ("tall", h / w)):  # the most elongated images, checked against the shape
         if ratio > facts[side][0]:
             facts[side] = (ratio, key, w, h)
+
+
+def wrong_label_key(url, sample, label, member):
+    """The error for a --label-key whose member the shard's first sample lacks: what the
+    samples have instead, and the rule they suggest."""
+    have = sorted(k for k in sample if not k.startswith("__"))
+    # by name only: the members this rule did not ask for were not read
+    hint = next((h for m, h in (("cls", "cls"), ("index", "index"), ("json", "json:label"), ("txt", "txt"))
+                 if m in have and m != member), "dir" if "/" in sample["__key__"] else None)
+    return (f"{url}: no member {member!r} in sample {sample['__key__']} (--label-key {label}); it has: "
+            f"{', '.join(have) or 'nothing'}; choose the label with --label-key"
+            + (f" (e.g. --label-key {hint})" if hint else " (cls, txt, index, json:FIELD or dir)"))
 
 
 def check_extremes(found, shape):
