@@ -82,3 +82,17 @@ def test_a_pipe_manifest_of_tar_gz_shards_resolves(tmp_path):
     assert src.urls == [f"pipe:cat {folder}/00000.tar.gz"] and src.counts == [15]
     got = [k for b in MixedStream([src], {"web": 1}, 5).eval_stream(src) for k in b["key"]]
     assert len(got) == 15
+
+
+def test_test_classes_that_differ_from_training_point_at_classes_from(tmp_path):
+    import json
+
+    build_shards(tmp_path, "toy", "train", 10, maxcount=5)
+    m, _ = build_shards(tmp_path, "toy", "test", 10, maxcount=5)
+    m["classes"] = [f"c{i}" for i in range(len(m["classes"]))]
+    (tmp_path / "toy-test.json").write_text(json.dumps(m))
+    train, test = resolve("toy", str(tmp_path), "train"), resolve("toy", str(tmp_path), "test")
+    with pytest.raises(ShardError, match=r"would not match the model's head: index the test shards with the training "
+                                         r"split's classes \(tools/make_shards.py --index toy:test=SHARDS "
+                                         rf"--classes-from {tmp_path}/toy-train.json --out DIR\)"):
+        MixedStream([train], {"toy": 1}, 5).eval_stream(test)

@@ -361,7 +361,9 @@ class EvalStream(torch.utils.data.IterableDataset):
                 or bool(source.target.names) != bool(train.target.names):  # names, or integers the classes name
             raise ShardError(f"{source.name}: the test manifest lists {len(source.classes)} classes "
                              f"({_preview(source.classes)}), the training manifest {len(train.classes)} "
-                             f"({_preview(train.classes)}); their labels would not match the model's head")
+                             f"({_preview(train.classes)}); their labels would not match the model's head: index "
+                             f"the test shards with the training split's classes (tools/make_shards.py --index "
+                             f"{source.name}:{source.split}=SHARDS --classes-from {train.manifest} --out DIR)")
         self.strict, self.cache_dir, self.policy, self.normalize = strict, cache_dir, policy, normalize
 
     def __iter__(self):
