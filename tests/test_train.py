@@ -225,3 +225,14 @@ def test_prefetch_passes_cpu_batches_through_and_moves_them_on_demand():
     assert x.dtype == torch.uint8 and y.tolist() == [2, 2] and s.tolist() == [0, 1]
     moved = {**out[1], "on_device": ("X", "Y", "S")}
     assert on_device(moved, torch.device("cpu")) == ("X", "Y", "S")
+
+
+def test_a_class_with_no_test_samples_is_not_measured_not_zero():
+    import json
+
+    from pipeline.train import loop
+
+    got = loop.class_accuracies(["cat", "dog", "emu"], [[3, 1, 0, 0], [0, 0, 0, 0], [0, 1, 1, 2]])
+    assert got == {"cat": 0.75, "dog": None, "emu": 0.25}
+    assert json.loads(json.dumps(got))["dog"] is None  # null in summary.json
+    assert loop.per_class_lines({"pets": {"per_class": got}}) == ["  pets per class: cat 0.750, dog n/a, emu 0.250"]

@@ -342,15 +342,22 @@ def evaluate(run, loaders):
                                "loss": loss / max(n, 1), "skipped": int(skipped), "data": origin_label(ev.source)}
         if confusion is not None:
             counts = confusion.round().to(torch.int64).tolist()
-            out[ev.source.name]["per_class"] = {name: r[j] / max(sum(r), 1)
-                                                for j, (name, r) in enumerate(zip(ev.source.classes, counts))}
+            out[ev.source.name]["per_class"] = class_accuracies(ev.source.classes, counts)
             out[ev.source.name]["confusion"] = counts
     return out
 
 
+def class_accuracies(classes, confusion):
+    """Per class, the share of its test samples predicted right; None (null in summary.json) for
+    a class with no test samples: it was not measured, which 0 would misreport."""
+    return {name: row[j] / sum(row) if sum(row) else None for j, (name, row) in enumerate(zip(classes, confusion))}
+
+
 def per_class_lines(evals, digits=3):
-    """'  NAME per class: airplane 0.950, cat 0.900, ...' for each source evaluated per class."""
-    return [f"  {k} per class: " + ", ".join(f"{c} {a:.{digits}f}" for c, a in v["per_class"].items())
+    """'  NAME per class: airplane 0.950, cat n/a, ...' for each source evaluated per class
+    (n/a: no test samples of that class)."""
+    return [f"  {k} per class: " + ", ".join(f"{c} {'n/a' if a is None else f'{a:.{digits}f}'}"
+                                             for c, a in v["per_class"].items())
             for k, v in evals.items() if "per_class" in v]
 
 
