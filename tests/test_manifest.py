@@ -96,3 +96,30 @@ def test_test_classes_that_differ_from_training_point_at_classes_from(tmp_path):
                                          r"split's classes \(tools/make_shards.py --index toy:test=SHARDS "
                                          rf"--classes-from {tmp_path}/toy-train.json --out DIR\)"):
         MixedStream([train], {"toy": 1}, 5).eval_stream(test)
+
+
+def test_a_folder_of_tars_without_a_manifest_gets_the_index_command(tmp_path):
+    import shlex
+    import subprocess
+    import sys
+
+    from helpers import write_img2dataset
+
+    folder = tmp_path / "my web"
+    write_img2dataset(folder, 10, per_shard=5)
+    with pytest.raises(ShardError) as e:
+        resolve("web", str(folder) + "/", "train")
+    said = str(e.value)
+    assert "no manifest" in said and "2 shard(s) (00000.tar, ...)" in said
+    command = said.split("index them in place with: ")[1]
+    assert command == f"python tools/make_shards.py --index 'web:train={folder}' --out '{folder}'"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(manifest.__file__))))
+    argv = shlex.split(command)
+    p = subprocess.run([sys.executable, *argv[1:], "--label-key", "json:label"], cwd=root, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert resolve("web", str(folder), "train").total == 10  # the command did what it said
+    with pytest.raises(ShardError, match=r"web=\S+/gone: no such folder\Z"):
+        resolve("web", str(tmp_path / "gone"), "train")
+    with pytest.raises(ShardError, match="no such folder"):
+        resolve("web", str(tmp_path / "gone") + "/", "train")

@@ -352,7 +352,12 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
         url = spec
     elif spec.endswith("/") or (remote.kind(spec) == "file" and os.path.isdir(spec)):
         url = spec.rstrip("/") + "/" + manifest_name(name, split)
+        if remote.kind(spec) == "file":
+            _check_folder(name, split, spec, url)
     else:
+        if remote.kind(spec) == "file" and "{" not in spec and not spec.endswith((".tar", ".tar.gz", ".tgz")) \
+                and not os.path.exists(spec):  # neither a manifest nor a shard pattern: meant as a folder
+            raise ShardError(f"{name}={spec}: no such folder")
         pattern = expand_pattern(spec)
         url = _beside(pattern[0], manifest_name(name, split))
         if remote.kind(url) == "file" and not os.path.exists(url):
@@ -398,6 +403,21 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
     return Source(name, chosen, [e["samples"] for e in entries], target_of(m), list(m["classes"]),
                   list(m["mean"]), list(m["std"]), [e["bytes"] for e in entries], [e.get("sha256") for e in entries],
                   dict(m.get("origin") or {}), url, m["dataset"], m["split"], listing_digest(entries))
+
+
+def _check_folder(name, split, folder, url):
+    """A local folder given as SPEC: one line for a folder that is not there, and for shards
+    with no manifest the exact command that indexes them in place."""
+    if not os.path.isdir(folder):
+        raise ShardError(f"{name}={folder}: no such folder")
+    if os.path.exists(url):
+        return
+    tars = sorted(f for f in os.listdir(folder) if f.endswith((".tar", ".tar.gz", ".tgz")))
+    if tars:
+        where = folder.rstrip("/") or "/"
+        raise ShardError(f"{name}={folder}: no manifest {url}, but {len(tars)} shard(s) ({tars[0]}, ...); index them "
+                         f"in place with: python tools/make_shards.py --index "
+                         f"{shlex.quote(f'{name}:{split}={where}')} --out {shlex.quote(where)}")
 
 
 def listing_digest(entries):
