@@ -6,6 +6,7 @@ main(argv) in-process.
 """
 import collections
 import importlib.util
+import re
 import json
 import os
 import pickle
@@ -353,3 +354,13 @@ def test_imagefolder_with_an_odd_image(tmp_path, main, odd, fragments):
                         "--maxcount", 2, "--workers", 2, "--quiet")
     assert_one_error_line(code, err, *fragments)
     assert not [f for f in os.listdir(tmp_path / "out") if f.endswith(".json")]
+
+
+def test_the_last_line_says_what_was_written_where_and_how_long(main, tmp_path):
+    code, out, _ = main("--synthetic", "--datasets", "mnist", "--limit", "30", "--maxcount", "10", "--quiet",
+                        "--out", tmp_path)
+    assert code == 0
+    last = out.splitlines()[-1]
+    assert re.fullmatch(rf"done in \d+\.\d s: wrote manifests and shards of 2 split\(s\) to {tmp_path}/ "
+                        r"\(6 shards, 60 samples, \d+\.\d MB\); manifests: mnist-train\.json, mnist-test\.json",
+                        last), last

@@ -287,7 +287,7 @@ def run(args):
                 m = shards.merge_parts(args.out, name, split)
                 print(f"merged {name}-{split}: {len(m['shards'])} shards, {m['total']} samples")
         return 0
-    rows = []
+    rows, t_all = [], time.perf_counter()
     for src in load_sources(args):
         print(f"{src.name}-{src.split}: {describe(src.origin)}", flush=True)
         old = os.path.join(args.out, manifest.manifest_name(src.name, src.split))
@@ -302,8 +302,16 @@ def run(args):
     print(f"{'split':<20}{'shards':>8}{'samples':>10}{'MB':>9}{'seconds':>9}{'samples/s':>11}  data")
     for name, n, total, size, dt, kind in rows:
         print(f"{name:<20}{n:>8}{total:>10}{size / 1e6:>9.1f}{dt:>9.1f}{total / dt:>11.0f}  {kind}")
-    print(f"wrote manifests and shards to {args.out}/")
+    print(done_line(rows, args.out, time.perf_counter() - t_all))
     return 0
+
+
+def done_line(rows, out, seconds):
+    """The last line: what was written, where, and how long it all took."""
+    n, total, size = sum(r[1] for r in rows), sum(r[2] for r in rows), sum(r[3] for r in rows)
+    names = ", ".join(f"{r[0]}.json" for r in rows)
+    return (f"done in {seconds:.1f} s: wrote manifests and shards of {len(rows)} split(s) to {out}/ ({n} shards, "
+            f"{total} samples, {size / 1e6:.1f} MB); manifests: {names or 'none'}")
 
 
 def main(argv=None):
