@@ -27,7 +27,7 @@ setup: $(VENV)/.installed
 demo: setup
 	@echo "make demo: writes shards into $(SHARDS)/ (replacing any there) and the run into $(RUN)/ (replacing it)"
 	$(PY) tools/make_shards.py --root $(DATA) $(if $(CIFAR10_DIR),--datasets mnist --cifar10-dir $(CIFAR10_DIR)) \
-	    $(if $(DOWNLOAD),--download) --fallback-synthetic --out $(SHARDS) --quiet
+	    $(if $(DOWNLOAD),--download) --fallback-synthetic --out $(SHARDS)
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) -m pipeline.train \
 	    --train mnist=$(SHARDS)/ --train cifar10=$(SHARDS)/ --eval mnist=$(SHARDS)/ --eval cifar10=$(SHARDS)/ \
 	    --epochs 2 --epoch-samples 20000 --batch-size 128 --workers 1 --width 16 --log-every 20 \
