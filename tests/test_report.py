@@ -236,3 +236,21 @@ def test_confusion_matrices_are_drawn_with_class_names(tmp_path):
     labels = {t.get_text() for ax in fig.axes for t in ax.get_xticklabels() + ax.get_yticklabels()}
     assert {"airplane", "257.clutter", "other"} <= labels
     assert cli(folder).returncode == 0
+
+
+def test_the_table_names_each_sources_origin_and_manifests(tmp_path):
+    lines = metrics_lines()
+    for r in lines:
+        for name, v in r.get("eval", {}).items():
+            v["manifest"] = f"/x/{name}-test.json"
+    r = cli(write_run(tmp_path / "run", lines, summary()))
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    at = out.index("data:")
+    assert out[at + 1:at + 3] == [
+        "  mnist: real data, torchvision files; train /x/mnist-train.json; test /x/mnist-test.json",
+        "  cifar10: synthetic look-alike data; train /x/cifar10-train.json; test /x/cifar10-test.json"]
+    assert [row["epoch"] for row in table_rows(r.stdout)] == ["1", "2"]  # the table itself as it was
+    early = report.table(report.load_run(str(write_run(tmp_path / "early", metrics_lines()[:3]))))
+    assert early.splitlines()[-2:] == ["  mnist: origin unknown; manifests not recorded",
+                                       "  cifar10: origin unknown; manifests not recorded"]

@@ -339,7 +339,8 @@ def evaluate(run, loaders):
     for ev, row, confusion in zip(run.evals, sums.tolist(), confusions):
         n, correct, loss, skipped = row
         out[ev.source.name] = {"count": int(n), "correct": int(correct), "accuracy": correct / max(n, 1),
-                               "loss": loss / max(n, 1), "skipped": int(skipped), "data": origin_label(ev.source)}
+                               "loss": loss / max(n, 1), "skipped": int(skipped), "data": origin_label(ev.source),
+                               "manifest": ev.source.manifest}
         if confusion is not None:
             counts = confusion.round().to(torch.int64).tolist()
             out[ev.source.name]["per_class"] = class_accuracies(ev.source.classes, counts)
@@ -359,6 +360,13 @@ def per_class_lines(evals, digits=3):
     return [f"  {k} per class: " + ", ".join(f"{c} {'n/a' if a is None else f'{a:.{digits}f}'}"
                                              for c, a in v["per_class"].items())
             for k, v in evals.items() if "per_class" in v]
+
+
+def epoch_line(epoch, epochs, evals):
+    """'epoch 1/2: mnist 0.9812 (shards/mnist-test.json, real data, torchvision files), ...': each
+    accuracy says which data it was measured on, so a log read later needs no other file."""
+    return f"epoch {epoch + 1}/{epochs}: " + ", ".join(f"{k} {v['accuracy']:.4f} ({v['manifest']}, {v['data']})"
+                                                       for k, v in evals.items())
 
 
 def eval_loaders(run):
@@ -549,8 +557,7 @@ def train(args, topo, device):
             evals = evaluate(run, evals_from)
             metrics.log(kind="eval", epoch=epoch + 1, step=run.step, eval=evals)
             if topo.is_main:
-                print(f"epoch {epoch + 1}/{args.epochs}: " +
-                      ", ".join(f"{k} {v['accuracy']:.4f}" for k, v in evals.items()), flush=True)
+                print(epoch_line(epoch, args.epochs, evals), flush=True)
         run.epoch = epoch + 1
         run.save(torch.Generator(), StepLog(run.names, run.device), keys)
         if budget(run.step):

@@ -121,6 +121,33 @@ def origins(run):
     return out
 
 
+def manifests(run):
+    """{source: {"train": manifest, "test": manifest}}, each where the run recorded it (summary.json
+    for training, the last eval line for testing): the files the numbers came from."""
+    out = {}
+    for r in run["eval"]:
+        for name, v in r["eval"].items():
+            if isinstance(v.get("manifest"), str):
+                out.setdefault(name, {})["test"] = v["manifest"]
+    data = (run["summary"] or {}).get("data")
+    if isinstance(data, dict):
+        for name, v in data.items():
+            if isinstance(v, dict) and isinstance(v.get("manifest"), str):
+                out.setdefault(name, {})["train"] = v["manifest"]
+    return out
+
+
+def data_lines(run):
+    """Under the table, per source: its origin and the manifests it was trained and tested on."""
+    where, said = manifests(run), origins(run)
+    lines = []
+    for name in _ordered([train_names(run), eval_names(run)]):
+        files = where.get(name, {})
+        parts = [f"{split} {plain(files[split], limit=300)}" for split in ("train", "test") if split in files]
+        lines.append(f"  {name}: {said.get(name, UNKNOWN)}; " + ("; ".join(parts) or "manifests not recorded"))
+    return ["data:"] + lines
+
+
 def described(run, name):
     """'cifar10 (synthetic look-alike data)': a curve is never shown without saying what data it is."""
     return f"{name} ({origins(run).get(name, UNKNOWN)})"
@@ -176,14 +203,15 @@ def _cell(x, fmt):
 
 
 def table(run):
-    """The per-epoch table as text, columns aligned, for a terminal or a log."""
+    """The per-epoch table as text, columns aligned, for a terminal or a log, then where each
+    source's data came from."""
     head = (["epoch"] + [f"loss {n}" for n in train_names(run)] + [f"acc {n}" for n in eval_names(run)]
             + ["samples/s"])
     body = [[str(r["epoch"])] + [_cell(v, ".4f") for v in r["loss"].values()]
             + [_cell(v, ".4f") for v in r["accuracy"].values()] + [_cell(r["samples_per_s"], ".1f")]
             for r in epoch_rows(run)]
     widths = [max(len(row[i]) for row in [head] + body) for i in range(len(head))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [head] + body)
+    return "\n".join(["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [head] + body] + data_lines(run))
 
 
 # ---------------------------------------------------------------- drawing
