@@ -254,3 +254,21 @@ def test_the_table_names_each_sources_origin_and_manifests(tmp_path):
     early = report.table(report.load_run(str(write_run(tmp_path / "early", metrics_lines()[:3]))))
     assert early.splitlines()[-2:] == ["  mnist: origin unknown; manifests not recorded",
                                        "  cifar10: origin unknown; manifests not recorded"]
+
+
+def test_equal_weights_stay_visible_and_the_share_axis_is_the_whole_0_to_1(tmp_path):
+    """Equal weights drew one dashed line over the other; a 0.48-0.52 axis made noise look large."""
+    lines = metrics_lines()[:3]  # 0.5 and 0.5 throughout
+    lines[1]["share"] = {"mnist": 0.52, "cifar10": 0.48}
+    fig = report.build_figure(report.load_run(str(write_run(tmp_path / "run", lines, summary()))))
+    ax = next(a for a in fig.axes if "mixture share" in a.get_title())
+    assert ax.get_ylim() == (0, 1)
+    dashed = {ln.get_label(): ln for ln in ax.get_lines() if ln.get_label().endswith(")") and "weight" in ln.get_label()}
+    assert set(dashed) == {"mnist weight (equal to cifar10)", "cifar10 weight (equal to mnist)"}
+    a, b = dashed.values()
+    assert list(a.get_ydata()) == list(b.get_ydata())  # the same values, drawn truthfully
+    assert a._dash_pattern != b._dash_pattern  # but dashes that interleave: both colours show
+    assert any("equal to" in t for t in report.figure_texts(fig))  # in the legend
+    unequal = report.build_figure(report.load_run(str(write_run(tmp_path / "r2", metrics_lines(), summary()))))
+    ax = next(a for a in unequal.axes if "mixture share" in a.get_title())
+    assert {ln.get_label() for ln in ax.get_lines() if "weight" in ln.get_label()} == {"mnist weight", "cifar10 weight"}

@@ -289,14 +289,30 @@ def draw_share(ax, run, colours):
     """A line's weights were in force over the steps since the line before (from step 0 for
     the first), hence the steps drawn back from each line."""
     steps = [r["step"] for r in run["train"]]
-    for name in train_names(run):
+    names = train_names(run)
+    weights = {name: [r.get("weights", {}).get(name, math.nan) for r in run["train"]] for name in names}
+    for name in names:
         share = [r.get("share", {}).get(name, math.nan) for r in run["train"]]
-        weight = [r.get("weights", {}).get(name, math.nan) for r in run["train"]]
         ax.plot(steps, share, color=colours[name], marker=_marker(steps), label=plain(f"{described(run, name)} share"))
-        ax.plot([0] + steps, weight[:1] + weight, color=colours[name], linestyle="--", drawstyle="steps-pre",
-                label=plain(f"{name} weight"))
+    for group in equal_groups(weights):
+        for i, name in enumerate(group):  # equal weights: dashes interleaved along one line, each colour seen
+            w = weights[name]
+            equal = f" (equal to {', '.join(n for n in group if n != name)})" if len(group) > 1 else ""
+            ax.plot([0] + steps, w[:1] + w, color=colours[name], linestyle=(6 * i, (6, 6 * (len(group) - 1) or 6)),
+                    drawstyle="steps-pre", label=plain(f"{name} weight{equal}"))
+    # shares are fractions: the whole 0..1, so that sampling noise around 0.5 (0.48-0.52) looks as small as it is
+    ax.set_ylim(0, 1)
     ax.set(title="realised mixture share (solid) and weights in force (dashed)", xlabel="step",
            ylabel="share of samples")
+
+
+def equal_groups(series):
+    """The names grouped by identical series (in first-seen order): the lines that would hide each other."""
+    groups = {}
+    for name, values in series.items():
+        groups.setdefault(tuple("nan" if isinstance(v, float) and math.isnan(v) else v for v in values),
+                          []).append(name)
+    return list(groups.values())
 
 
 def draw_speed(ax, run):
