@@ -59,10 +59,6 @@ def kind(url):
     return "file"
 
 
-def is_remote(url):
-    return kind(url) != "file"
-
-
 @dataclass(frozen=True)
 class Policy:
     """How hard to try: `retries` after the first attempt, `delay` seconds before the first
