@@ -17,7 +17,8 @@ def conv_bn(cin, cout):
 
 
 class Net(nn.Module):
-    """Three stages of two 3x3 convolutions, each stage halving the resolution.
+    """Three stages of two 3x3 convolutions: the first two halve the resolution, the third
+    ends in a global max-pool (one value a channel, whatever the input's size).
 
     width=64 (about 1.1M parameters) is the GPU recipe; width=16 trains at a few
     hundred samples/s per CPU core. Images with a side under MIN_SIDE (a data set of

@@ -3,9 +3,9 @@
 The folder is what `pipeline.train --out` writes: metrics.jsonl always, summary.json
 once a run has ended. Everything is drawn from metrics.jsonl, so a run still going,
 stopped or crashed (its last line torn) still gets a report; summary.json only adds
-where each source's data came from and the data-wait share. Eval lines also carry each
-test source's origin, so a run without a summary says "origin unknown" only for
-sources it has not evaluated yet.
+where each source's data came from (its origin and training manifest) and the data-wait
+share. Eval lines also carry each test source's origin and manifest, so a run without a
+summary says "origin unknown" only for sources it has not evaluated yet.
 
 matplotlib is imported inside the drawing functions, never at import time: the
 trainer imports nothing from here, and a training image need not carry it.
