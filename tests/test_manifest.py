@@ -119,6 +119,9 @@ def test_a_folder_of_tars_without_a_manifest_gets_the_index_command(tmp_path):
                        text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert resolve("web", str(folder), "train").total == 10  # the command did what it said
+    with pytest.raises(ShardError, match=r"no manifest .+/web-test.json; the folder holds 1 other\(s\): "
+                                         r"web-train.json\Z"):  # indexed already: not the index command again
+        resolve("web", str(folder), "test")
     with pytest.raises(ShardError, match=r"web=\S+/gone: no such folder\Z"):
         resolve("web", str(tmp_path / "gone"), "train")
     with pytest.raises(ShardError, match="no such folder"):

@@ -406,13 +406,19 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
 
 
 def _check_folder(name, split, folder, url):
-    """A local folder given as SPEC: one line for a folder that is not there, and for shards
-    with no manifest the exact command that indexes them in place."""
+    """A local folder given as SPEC: one line for a folder that is not there, the manifests it
+    holds when NAME-SPLIT's is not among them, and for shards with no manifest at all the
+    exact command that indexes them in place."""
     if not os.path.isdir(folder):
         raise ShardError(f"{name}={folder}: no such folder")
     if os.path.exists(url):
         return
-    tars = sorted(f for f in os.listdir(folder) if f.endswith((".tar", ".tar.gz", ".tgz")))
+    names = os.listdir(folder)
+    others = sorted(f for f in names if f.endswith(".json"))
+    if others:  # an indexed folder, of other data sets or splits: say which, not how to index it again
+        raise ShardError(f"{name}={folder}: no manifest {url}; the folder holds {len(others)} other(s): "
+                         f"{', '.join(others[:5])}{', ...' if len(others) > 5 else ''}")
+    tars = sorted(f for f in names if f.endswith((".tar", ".tar.gz", ".tgz")))
     if tars:
         where = folder.rstrip("/") or "/"
         raise ShardError(f"{name}={folder}: no manifest {url}, but {len(tars)} shard(s) ({tars[0]}, ...); index them "
