@@ -263,7 +263,7 @@ def test_equal_weights_stay_visible_and_the_share_axis_is_the_whole_0_to_1(tmp_p
     fig = report.build_figure(report.load_run(str(write_run(tmp_path / "run", lines, summary()))))
     ax = next(a for a in fig.axes if "mixture share" in a.get_title())
     assert ax.get_ylim() == (0, 1)
-    dashed = {ln.get_label(): ln for ln in ax.get_lines() if ln.get_label().endswith(")") and "weight" in ln.get_label()}
+    dashed = {ln.get_label(): ln for ln in ax.get_lines() if "weight (equal" in ln.get_label()}
     assert set(dashed) == {"mnist weight (equal to cifar10)", "cifar10 weight (equal to mnist)"}
     a, b = dashed.values()
     assert list(a.get_ydata()) == list(b.get_ydata())  # the same values, drawn truthfully

@@ -241,7 +241,8 @@ def test_a_class_with_no_test_samples_is_not_measured_not_zero():
 def test_the_epoch_line_names_the_data_each_accuracy_was_measured_on():
     from pipeline.train import loop
 
-    evals = {"mnist": {"accuracy": 0.98125, "manifest": "shards/mnist-test.json", "data": "real data, torchvision files"},
+    evals = {"mnist": {"accuracy": 0.98125, "manifest": "shards/mnist-test.json",
+                       "data": "real data, torchvision files"},
              "web": {"accuracy": 0.5, "manifest": "http://h/web-test.json", "data": "an indexed WebDataset"}}
     assert loop.epoch_line(0, 2, evals) == ("epoch 1/2: mnist 0.9812 (shards/mnist-test.json, real data, torchvision "
                                             "files), web 0.5000 (http://h/web-test.json, an indexed WebDataset)")

@@ -719,9 +719,10 @@ def tar_format(mnist_root, n=10000, repeats=3):
 
 def stage_costs(n=200_000, repeats=3):
     """Per-sample cost of two of the stages written here rather than taken from webdataset
-    (tar reading, the third, is measured by `tar_format`): the shuffle (wds.shuffle's buffer of 1000, against one seeded permutation per window of
-    1000) and the mix (wds.RandomMix, one draw per sample, against
-    pipeline.data.stages.RandomMix drawing a batch of 256 sources at once)."""
+    (tar reading, the third, is measured by `tar_format`): the shuffle (wds.shuffle's buffer
+    of 1000, against one seeded permutation per window of 1000) and the mix (wds.RandomMix,
+    one draw per sample, against pipeline.data.stages.RandomMix drawing a batch of 256
+    sources at once)."""
     import random
 
     import webdataset as wds
