@@ -11,7 +11,7 @@
      timing, into the same array torchvision would hold.
   B  stock webdataset over the same shards as C: WebDataset per source (tarfile reading,
      .decode("pil"), .to_tuple, .map(transform)), wds.RandomMix, wds.batched, wds.WebLoader.
-  C  this project: pipeline.stream.resolve + MixedStream(normalize=True) + make_loader.
+  C  this project: pipeline.data.stream.resolve + MixedStream(normalize=True) + make_loader.
   C8 the same with normalize=False: uint8 batches, as the trainer takes them (it normalises
      on its device).
 

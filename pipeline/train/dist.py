@@ -1,7 +1,7 @@
 """Process-group set-up and teardown, and the few collectives the trainer uses.
 
 Nothing below `train` reads RANK or WORLD_SIZE itself: the stream is handed a
-`Topology` (pipeline.topology), so sharding logic can be tested in one process
+`Topology` (pipeline.data.topology), so sharding logic can be tested in one process
 for any world size.
 """
 import ctypes
