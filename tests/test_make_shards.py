@@ -364,3 +364,20 @@ def test_the_last_line_says_what_was_written_where_and_how_long(main, tmp_path):
     assert re.fullmatch(rf"done in \d+\.\d s: wrote manifests and shards of 2 split\(s\) to {tmp_path}/ "
                         r"\(6 shards, 60 samples, \d+\.\d MB\); manifests: mnist-train\.json, mnist-test\.json",
                         last), last
+
+
+def test_a_test_split_indexed_alone_with_other_classes_is_pointed_at_classes_from(main, tmp_path):
+    from helpers import write_img2dataset
+
+    write_img2dataset(tmp_path / "train", 20, classes=4, per_shard=10)
+    write_img2dataset(tmp_path / "test", 9, classes=3, per_shard=10)
+    out = tmp_path / "out"
+    code, said, err = main("--index", f"web:train={tmp_path}/train", "--label-key", "json:label", "--out", out)
+    assert code == 0, err
+    code, said, err = main("--index", f"web:test={tmp_path}/test", "--label-key", "json:label", "--out", out)
+    assert code == 0, err
+    assert (f"warning: 3 classes here, 4 other ones in {out}/web-train.json: the trainer refuses this pair; index "
+            f"this split again with --classes-from {out}/web-train.json") in said
+    code, said, err = main("--index", f"web:test={tmp_path}/test", "--label-key", "json:label", "--classes-from",
+                           out / "web-train.json", "--out", out)
+    assert code == 0 and "warning" not in said, err

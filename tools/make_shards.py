@@ -240,10 +240,30 @@ def run_index(args):
             print(f"  warning: {len(m['classes'])} class names for {m['total']} samples: is "
                   f"{decode.describe_label(m['label'])} a caption rather than a class? Choose the label with "
                   f"--label-key (cls, txt, index, json:FIELD, dir, dir:K)")
+        if split != "train" and not classes_from:
+            mismatch = classes_hint(args.out, name, m)
+            if mismatch:
+                print(mismatch)
         if remote.kind(spec) == "pipe":
             print(f"  the shards are read through a command: put {name}-{split}.json beside them and train with "
                   f"--train {name}='<the same command, reading {name}-{split}.json>'")
     return 0
+
+
+def classes_hint(out, name, m):
+    """A warning line when a split indexed on its own has other classes than the training split
+    beside it (the trainer refuses that pair), with the flag that makes them one."""
+    train = os.path.join(out, manifest.manifest_name(name, "train"))
+    if not os.path.isfile(train):
+        return None
+    try:
+        classes = manifest.load(train)["classes"]
+    except ShardError:
+        return None
+    if list(classes) == list(m["classes"]):
+        return None
+    return (f"  warning: {len(m['classes'])} classes here, {len(classes)} other ones in {train}: the trainer refuses "
+            f"this pair; index this split again with --classes-from {train}")
 
 
 def label_words(m):
