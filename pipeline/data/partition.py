@@ -1,0 +1,140 @@
+"""The canonical partition: K logical slots per source, fixed when a run first starts.
+
+A source's shards (split into up to `MAX_PARTS` sample ranges when there are fewer
+shards than slots) are dealt to K slots; physical (rank, worker) pairs own whole
+slots, dealt with the islice rule of `wds.split_by_node` then `wds.split_by_worker`
+applied to the slot list. Where a slot stands is one integer, the samples it has
+consumed this epoch, so a stream's state is O(K) small integers whatever the number
+of shards, and a resume on another world re-deals the same K slots, each going on
+from its count: same-world and other-world resume are one code path.
+
+Every order is a pure function of integers (seed, epoch, source, slot, position),
+drawn from a counter-based generator (numpy's Philox keyed by them), so any position
+is reached directly, without replaying what came before.
+"""
+import math
+
+import numpy as np
+
+MAX_PARTS = 4  # a shard is cut into at most this many sample ranges for small sources
+MAX_COUNT = 1 << 53  # a consumed count beyond this is no count a run can reach
+
+
+def default_slots(world, workers, shards):
+    """K for a run that first starts on `world` ranks x `workers` workers over a source of
+    `shards` shards: at least one slot per (rank, worker) pair, and up to 12 per pair
+    while the shards (cut into parts) go round, so the run can later grow."""
+    pairs = world * max(workers, 1)
+    return max(pairs, min(12 * pairs, MAX_PARTS * shards))
+
+
+def owned(slots, rank, world, worker=0, workers=0):
+    """The slots a (rank, worker) pair reads: `wds.split_by_node` then `wds.split_by_worker`
+    on range(slots), written out (they read the rank from the environment; here it is
+    handed in). tests/test_partition.py checks the two agree."""
+    mine = range(slots)[rank::world] if world > 1 else range(slots)
+    return list(mine[worker::workers] if workers > 1 else mine)
+
+
+def generator(*key):
+    """A Philox generator keyed by non-negative integers: the same key, the same stream
+    (the two key words come from numpy's SeedSequence of them)."""
+    if any(isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0 for k in key):
+        raise ValueError(f"generator key must be non-negative integers, got {key}")
+    words = np.random.SeedSequence([int(k) for k in key]).generate_state(2, np.uint64)
+    return np.random.Generator(np.random.Philox(key=words))
+
+
+class Partition:
+    """One source's samples over K slots for every epoch.
+
+    counts: samples per shard (the manifest's); pieces are (shard, part) with part a
+    sample range [count * part // parts, count * (part + 1) // parts).
+    """
+
+    def __init__(self, counts, slots, *, seed, source):
+        if slots < 1:
+            raise ValueError(f"slots must be at least 1, got {slots}")
+        self.counts = np.asarray(counts, np.int64)
+        self.slots, self.seed, self.source = slots, seed, source
+        n = len(self.counts)
+        self.parts = 1 if n >= slots or n == 0 else min(MAX_PARTS, math.ceil(slots / n))
+        shard = np.repeat(np.arange(n), self.parts)
+        part = np.tile(np.arange(self.parts), n)
+        lo = self.counts[shard] * part // self.parts
+        hi = self.counts[shard] * (part + 1) // self.parts
+        self.piece_shard, self.piece_lo, self.piece_hi = shard, lo, hi
+        self._epoch, self._deal = None, None
+
+    def deal(self, epoch):
+        """Piece indices of every slot this epoch: one seeded permutation, piece i to slot i % K.
+        The same on every rank; computed once per epoch in O(pieces)."""
+        if self._epoch != epoch:
+            order = generator(self.seed, epoch, self.source).permutation(len(self.piece_shard))
+            self._epoch, self._deal = epoch, order
+        return self._deal
+
+    def pieces(self, epoch, slot):
+        """Slot's pieces this epoch, in reading order: (shard, lo, hi) rows."""
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} outside {self.slots} slots")
+        mine = self.deal(epoch)[slot::self.slots]
+        return np.stack([self.piece_shard[mine], self.piece_lo[mine], self.piece_hi[mine]], axis=1)
+
+    def size(self, epoch, slot):
+        """Samples in slot's share of one pass."""
+        p = self.pieces(epoch, slot)
+        return int((p[:, 2] - p[:, 1]).sum())
+
+    def sizes(self, epoch):
+        """Samples in every slot's share of one pass, as an array of K."""
+        order = self.deal(epoch)
+        out = np.zeros(self.slots, np.int64)
+        np.add.at(out, np.arange(len(order)) % self.slots, (self.piece_hi - self.piece_lo)[order])
+        return out
+
+    def locate(self, epoch, slot, position):
+        """Where position `position` of the slot's stream lies: (pass, piece row, offset in
+        the piece). Past the slot's share it goes on with passes of its own, each in an
+        order drawn from (seed, epoch, source, slot, pass): reached directly, not replayed."""
+        if not 0 <= position < MAX_COUNT:
+            raise ValueError(f"position {position} outside 0..{MAX_COUNT}")
+        rows = self.pieces(epoch, slot)
+        sizes = rows[:, 2] - rows[:, 1]
+        total = int(sizes.sum())
+        if total == 0:
+            raise ValueError(f"slot {slot} of source {self.source} holds no samples")
+        turn, at = divmod(position, total)
+        order = np.arange(len(rows)) if turn == 0 else \
+            generator(self.seed, epoch, self.source, slot, turn).permutation(len(rows))
+        ends = np.cumsum(sizes[order])
+        k = int(np.searchsorted(ends, at, side="right"))
+        return turn, int(order[k]), int(at - (ends[k] - sizes[order][k]))
+
+
+def check_counts(counts, slots):
+    """A loaded {slot: consumed} map, range-checked (a checkpoint is input): raises ValueError."""
+    if not isinstance(counts, dict):
+        raise ValueError(f"slot counts must be a mapping, got {type(counts).__name__}")
+    out = {}
+    for k, v in counts.items():
+        try:
+            s = int(k)
+        except (TypeError, ValueError):
+            raise ValueError(f"slot {k!r} is not an integer") from None
+        if not 0 <= s < slots or str(s) != str(k) or isinstance(v, bool) or not isinstance(v, int) \
+                or not 0 <= v < MAX_COUNT:
+            raise ValueError(f"slot {k!r}: count {v!r} outside slots 0..{slots - 1} or counts 0..{MAX_COUNT}")
+        out[s] = v
+    return out
+
+
+def gather(states, slots):
+    """Every rank's {slot: count} into one map over all K slots; each slot must appear once."""
+    merged = {}
+    for state in states:
+        for s, v in check_counts(state, slots).items():
+            if s in merged:
+                raise ValueError(f"slot {s} appears in more than one rank's state")
+            merged[s] = v
+    return merged
