@@ -40,6 +40,7 @@ for A it is ten separately loaded copies of each torchvision dataset in a Concat
 shards built from them) in a temporary folder, so the test suite can run everything in seconds.
 """
 import argparse
+import contextlib
 import cProfile
 import gc
 import glob
@@ -67,7 +68,7 @@ from pipeline.writers import shards, sources  # noqa: E402
 from pipeline.errors import ShardError  # noqa: E402
 from pipeline.files import write_json_atomic  # noqa: E402
 from pipeline.cli import Parser  # noqa: E402
-from pipeline.data.topology import Topology, webdataset_sees  # noqa: E402
+from pipeline.data.topology import Topology  # noqa: E402
 
 NAMES = ("mnist", "cifar10")
 # The tutorial's constants (the usual published per-channel statistics).
@@ -374,9 +375,24 @@ def batches_b(srcs, setup, workers, epoch):
     mix = wds.RandomMix(datasets, [1.0] * len(datasets))
     pipe = wds.DataPipeline(mix, wds.batched(setup.batch_size, partial=False), take_share(setup.batches))
     # split_by_node reads RANK / WORLD_SIZE (no process group here); forked workers inherit them
-    with webdataset_sees(Topology(setup.rank, setup.world)):
+    with environ(RANK=str(setup.rank), WORLD_SIZE=str(setup.world)):
         for images, _ in wds.WebLoader(pipe, batch_size=None, num_workers=workers):
             yield len(images)
+
+
+@contextlib.contextmanager
+def environ(**values):
+    """Stock webdataset reads the rank from the environment: set it for B, restore after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def project_sources(folder):

@@ -1,7 +1,7 @@
 """The stages of one source's samples inside one (rank, DataLoader worker), in order:
 
     epoch_order   the source's shards in this epoch's order, the same on every rank
-    split         wds.split_by_node, then wds.split_by_worker: this slot's shards
+    split         wds.split_by_node, then wds.split_by_worker's rule: this slot's shards
     windows       passes over those shards, forever, cut into windows of a few shards
     read_window   each shard of a window read once: members grouped into samples, labels
                   parsed, members the source doesn't use dropped unread
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import webdataset as wds
 
-from pipeline.data import remote, topology
+from pipeline.data import partition, remote, topology
 from pipeline.data.decode import Unlabelled, class_index, decode_batch, image_format, image_of, label_of, parse_label_key
 from pipeline.errors import DigestError, ShardError
 from pipeline.data.read import is_meta, iter_samples, regular
@@ -47,10 +47,10 @@ def epoch_order(urls, seed, epoch, source):
 
 
 def split(urls, topo, worker):
-    """This (rank, worker)'s shards: `wds.split_by_node`, then `wds.split_by_worker`, seeing
-    the topology and worker we are handed (see topology.webdataset_sees)."""
-    with topology.webdataset_sees(topo, worker):
-        return list(wds.split_by_worker(wds.split_by_node(list(urls))))
+    """This (rank, worker)'s shards: the islice rule of `wds.split_by_node`, then
+    `wds.split_by_worker`, with the rank and worker handed in (partition.owned)."""
+    urls = list(urls)
+    return [urls[i] for i in partition.owned(len(urls), topo.rank, topo.world, worker.id, worker.count)]
 
 
 @dataclass(frozen=True)

@@ -5,16 +5,13 @@ RANK and WORLD_SIZE from the environment when both are set, else from an
 initialised torch.distributed; WORKER and NUM_WORKERS from the environment
 when both are set, else from `torch.utils.data.get_worker_info()`. Stages are
 handed a `Topology` and a `Worker` instead of reading either themselves, so
-any world size and worker count can be tested in one process, and
-`webdataset_sees` lets webdataset's own splitters see exactly those values.
+any world size and worker count can be tested in one process; nothing here rewrites
+the environment.
 """
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-
-_VARS = ("RANK", "WORLD_SIZE", "WORKER", "NUM_WORKERS")
 
 
 @dataclass(frozen=True)
@@ -72,22 +69,3 @@ def slot(topo, worker):
     (rank, worker) in a shard list: rank r takes every world-th shard from r, and its
     worker w every count-th of those, i.e. shards r + w * world, stepping world * count."""
     return topo.rank + worker.id * topo.world, topo.world * worker.count
-
-
-@contextmanager
-def webdataset_sees(topo, worker=None):
-    """Run webdataset's splitters as `topo` and `worker`: set the variables it reads, restore
-    them after. Splitters are lazy islices, so consume them inside the block. Without a
-    worker only the rank is set, and DataLoader workers started inside still find their own."""
-    saved = {k: os.environ.get(k) for k in _VARS}
-    os.environ.update(RANK=str(topo.rank), WORLD_SIZE=str(topo.world))
-    if worker is not None:
-        os.environ.update(WORKER=str(worker.id), NUM_WORKERS=str(worker.count))
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
