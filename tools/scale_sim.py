@@ -9,6 +9,10 @@ its epoch (its slots, the deal, where each slot starts) and saves its state; eve
 state is gathered, and one rank of each --to-world resumes from it. Prints one JSON line:
 plan_s, resume_s (the slowest resume), state_bytes_per_rank (the largest), state_bytes_gathered,
 covered_once (on every new world the slots cover every sample exactly once).
+
+What it rehearses is the partition itself: the trainer's stream (pipeline.data.stream) does
+not yet keep its state as the partition's per-slot counts, so these are the figures the
+stream will have once it does, not today's resume cost.
 """
 import argparse
 import json
