@@ -1,7 +1,12 @@
 """The errors the data side raises; each message names what is wrong and where."""
 
 
-class ShardError(ValueError):
+class InputError(ValueError):
+    """Bad input the user can fix (a command line, a file, a checkpoint): the entry points
+    print it as one line. Any other exception is a bug and keeps its traceback."""
+
+
+class ShardError(InputError):
     """A shard or manifest is missing, malformed, unsafe, or disagrees with its manifest."""
 
 

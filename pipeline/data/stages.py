@@ -35,7 +35,7 @@ import webdataset as wds
 
 from pipeline.data import partition, remote, topology
 from pipeline.data.decode import Unlabelled, class_index, decode_batch, image_format, image_of, label_of, parse_label_key
-from pipeline.errors import DigestError, ShardError
+from pipeline.errors import DigestError, InputError, ShardError
 from pipeline.data.read import is_meta, iter_samples, regular
 
 
@@ -366,7 +366,7 @@ class SourceStream:
                 try:
                     sample = stage(sample)
                 except Exception as e:  # noqa: BLE001 - the user's code: say whose and on what, in one line
-                    raise ValueError(f"sample stage {_name(stage)} raised {e.__class__.__name__}: {e} "
+                    raise InputError(f"sample stage {_name(stage)} raised {e.__class__.__name__}: {e} "
                                      f"(sample {key})") from None
                 if sample is None:
                     break
@@ -374,12 +374,12 @@ class SourceStream:
                 continue
             image = np.asarray(sample.get("image"))
             if image.shape != shape or image.dtype != np.uint8:
-                raise ValueError(f"sample stage {_name(stage)} returned a {image.dtype} image of shape {image.shape}; "
+                raise InputError(f"sample stage {_name(stage)} returned a {image.dtype} image of shape {image.shape}; "
                                  f"it must stay uint8 {shape}")
             label = sample.get("label")
             if isinstance(label, bool) or not isinstance(label, (int, np.integer)) or \
                     not 0 <= label < self.target.classes:
-                raise ValueError(f"sample stage {_name(stage)} returned label {label!r}; it must stay an integer in "
+                raise InputError(f"sample stage {_name(stage)} returned label {label!r}; it must stay an integer in "
                                  f"0..{self.target.classes - 1}")
             out_keys.append(sample["__key__"])
             out_pixels.append(image)

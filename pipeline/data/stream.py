@@ -29,38 +29,11 @@ from pipeline.errors import ShardError
 from pipeline.data.loader import Arrival, make_loader  # noqa: F401  (part of this module's API)
 from pipeline.data.manifest import Source, resolve  # noqa: F401  (part of this module's API)
 from pipeline.data.topology import Topology, Worker, slot
+from pipeline.data.weights import check_weights, parse_weights  # noqa: F401  (part of this module's API)
 
 __all__ = ["MixedStream", "EvalStream", "Source", "resolve", "make_loader", "parse_weights", "check_weights"]
 STATE_VERSION = 1
 _NOTHING = ([], np.zeros((0, 1, 1, 1), np.uint8), np.zeros(0, np.int64))
-
-
-def parse_weights(text):
-    """'mnist=0.5,cifar10=0.5' -> {'mnist': 0.5, 'cifar10': 0.5}; raises ValueError."""
-    weights = {}
-    for part in filter(None, text.split(",")):
-        name, sep, value = part.partition("=")
-        if name.strip() in weights:
-            raise ValueError(f"weights {text!r}: {name.strip()} given twice")
-        try:
-            weights[name.strip()] = float(value)
-        except ValueError:
-            sep = ""
-        if not sep or not name.strip():
-            raise ValueError(f"weights {text!r}: expected NAME=W,NAME=W, e.g. mnist=0.5,cifar10=0.5")
-    return weights
-
-
-def check_weights(weights, names):
-    """Weights normalised to sum 1, in the order of `names`; raises ValueError on bad ones."""
-    unknown = sorted(set(weights) - set(names))
-    if unknown:
-        raise ValueError(f"weights name unknown source(s) {', '.join(unknown)}; sources are {', '.join(names)}")
-    w = [float(weights.get(n, 0.0)) for n in names]
-    if any(not 0 <= x < math.inf for x in w) or max(w) <= 0:  # also NaN and inf (inf/inf is NaN)
-        raise ValueError(f"weights must be >= 0 with a positive sum, got {weights}")
-    w = [x / max(w) for x in w]  # first to at most 1: 1e308 + 1e308 would overflow the sum
-    return [x / sum(w) for x in w]
 
 
 @dataclass

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pipeline.data import cache, remote, stream
-from pipeline.train import checkpoint, dist, options, prefetch
+from pipeline.train import checkpoint, dist, options, prefetch, stop
 from pipeline import cli
-from pipeline.errors import ShardError
+from pipeline.errors import InputError
 from pipeline.files import write_json_atomic
 from pipeline.train.metrics import KeyLog, Metrics, StepLog
 from pipeline.train.model import Net, augment
@@ -65,9 +65,9 @@ def load_stages(names):
         try:
             fn = getattr(importlib.import_module(module), function)
         except Exception as e:  # noqa: BLE001 - whatever a user's module raises on import, in one line
-            raise ValueError(f"--sample-stage {item}: {e.__class__.__name__}: {e}") from None
+            raise InputError(f"--sample-stage {item}: {e.__class__.__name__}: {e}") from None
         if not callable(fn):
-            raise ValueError(f"--sample-stage {item}: not a function")
+            raise InputError(f"--sample-stage {item}: not a function")
         out.append(fn)
     return out
 
@@ -130,6 +130,8 @@ class Run:
         self.key_counts = []
         self.facts = self.new_facts()
         self.startup, self.t0 = startup, started
+        self.stopper = None  # a stop.StopRequest while training
+        self.stopping = None  # the stop signal all ranks agreed on, at a step or an epoch boundary
 
     def new_facts(self):
         return {"batches": 0, "samples": [0] * len(self.names), "skipped": 0, "wait": 0.0, "busy": 0.0}
@@ -150,7 +152,10 @@ class Run:
             losses = F.cross_entropy(self.ddp(x).float(), y, reduction="none")
         self.opt.zero_grad(set_to_none=True)
         losses.mean().backward()  # every rank, always: DDP's gradient all-reduce must not be left waiting
-        bad = nonfinite_counts(losses.detach(), s, len(self.names))
+        votes = self.stopper.vector() if self.stopper else []
+        bad, stops = nonfinite_counts(losses.detach(), s, len(self.names), votes)
+        if self.stopper and self.stopping is None:
+            self.stopping = self.stopper.agreed(stops)
         if any(bad):
             torch._foreach_copy_(self.buffers, self.kept_buffers)  # the forward pass moved them
         else:
@@ -186,7 +191,16 @@ class Run:
 
     def resume(self, path):
         """Restore from a checkpoint, every field checked first (one line naming the first bad
-        one); returns what changed on purpose: {"weights": ..., "data": ...}, each if it did."""
+        one); returns what changed on purpose: {"weights": ..., "data": ...}, each if it did.
+        The checks raise ValueError; they come out as InputError (bad input, one line)."""
+        try:
+            return self._resume(path)
+        except InputError:
+            raise
+        except ValueError as e:
+            raise InputError(str(e)) from e
+
+    def _resume(self, path):
         state = checkpoint.load(path, self.device)
         saved = checkpoint.fingerprint_of(state, path)
         args = self.args
@@ -200,7 +214,7 @@ class Run:
             warnings.warn(f"{path}: written before checkpoints recorded their shard lists, so this resume cannot "
                           f"check that the sources hold the same shards", stacklevel=2)
         if data and got["mid"]:
-            raise ValueError(f"--change-data: the checkpoint stopped inside epoch {got['epoch'] + 1}; other data can "
+            raise InputError(f"--change-data: the checkpoint stopped inside epoch {got['epoch'] + 1}; other data can "
                              f"only come in at an epoch boundary: finish that epoch on its own data first "
                              f"(--resume --stop-after 1), or start over with --overwrite")
         checkpoint.load_model(self.model, state, path)
@@ -227,13 +241,18 @@ class Run:
         return changed
 
 
-def nonfinite_counts(losses, source, n):
+def nonfinite_counts(losses, source, n, votes=()):
     """Per source, the samples of this step whose loss is not finite, summed over all ranks:
     the same list on every rank, so all of them skip a step or none does (one small
-    all-reduce, and a wait for the device, per step)."""
-    bad = torch.zeros(n, dtype=torch.float64, device=losses.device)
+    all-reduce, and a wait for the device, per step). The ranks' stop votes (one slot per
+    stop signal, see pipeline.train.stop) ride in the same all-reduce: returns (counts, the
+    summed votes), and every rank learns after the same step that one of them got a signal."""
+    bad = torch.zeros(n + len(votes), dtype=torch.float64, device=losses.device)
     bad.index_add_(0, source, (~torch.isfinite(losses)).double())
-    return [int(c) for c in dist.all_reduce_sum(bad).tolist()]
+    if votes:
+        bad[n:] = torch.tensor(votes, dtype=torch.float64)
+    sums = dist.all_reduce_sum(bad).tolist()
+    return [int(c) for c in sums[:n]], sums[n:]
 
 
 class NonFiniteLoss(Exception):
@@ -257,18 +276,19 @@ def prepare_out(args, topo):
     ckpt = os.path.join(args.out, "checkpoint.pt")
     previous = os.path.exists(os.path.join(args.out, "metrics.jsonl")) or os.path.exists(ckpt)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    if args.resume or (restarted and os.path.exists(ckpt)):
+    if args.resume or ((restarted or args.resume_or_start) and os.path.exists(ckpt)):
         if not os.path.exists(ckpt):
-            raise ValueError(f"--resume: no checkpoint at {ckpt}")
+            raise InputError(options.resume_error(args))
         return ckpt
-    if previous and not (args.overwrite or restarted):
-        raise ValueError(f"{args.out} holds a previous run; pass --resume to continue it or --overwrite to replace it")
+    if previous and not (args.overwrite or restarted or args.resume_or_start):
+        raise InputError(f"{args.out} holds a previous run; pass --resume to continue it or --overwrite to replace it")
     # --overwrite on a folder with no run yet is checked too: shards or notes there are never a run to replace
     doomed = run_files(args.out) if previous or (args.overwrite and os.path.isdir(args.out)) else []
     dist.barrier()  # every rank has looked before rank 0 clears the folder
     if topo.is_main:
         if doomed:
-            why = "--overwrite" if args.overwrite else "restarted without a checkpoint"
+            why = ("--overwrite" if args.overwrite else "restarted without a checkpoint" if restarted else
+                   "--resume-or-start without a checkpoint")
             print(f"{why}: deleting the previous run in {args.out}/: {', '.join(doomed)}", flush=True)
         for name in doomed:
             os.remove(os.path.join(args.out, name))
@@ -288,7 +308,7 @@ def run_files(folder):
     for name in names:
         path = os.path.join(folder, name)
         if not RUN_FILE.match(name) or os.path.islink(path) or not os.path.isfile(path):
-            raise ValueError(f"--overwrite: {folder} holds {name!r}, which no run of pipeline.train writes; "
+            raise InputError(f"--overwrite: {folder} holds {name!r}, which no run of pipeline.train writes; "
                              f"nothing deleted (choose another --out, or empty the folder yourself)")
     return names
 
@@ -385,8 +405,8 @@ def progress_bar(topo, total, desc, initial=0):
 
 
 def train_epoch(run, loader, epoch, metrics, keys, budget):
-    """One epoch (or its rest) over the mixed stream; returns False if --stop-after-steps
-    ended it early (a checkpoint was written)."""
+    """One epoch (or its rest) over the mixed stream; returns False if --stop-after-steps or
+    a stop signal (run.stopping) ended it early (a checkpoint was written)."""
     args, topo = run.args, run.topo
     weights = options.weights_at(args, epoch)
     resumed = run.mid
@@ -438,11 +458,12 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
                         weights=weights, **line)
         if bar is not None:
             bar.update(1)
-        if not last and (args.checkpoint_every and run.step % args.checkpoint_every == 0 or budget(run.step)):
+        ending = budget(run.step) or run.stopping is not None
+        if not last and (args.checkpoint_every and run.step % args.checkpoint_every == 0 or ending):
             run.facts["samples"] = [a + b for a, b in zip(run.facts["samples"], per_source.tolist())]
             per_source.zero_()
             run.save(gen, log, keys)
-            if budget(run.step):
+            if ending:
                 if bar is not None:
                     bar.close()
                 return False
@@ -492,11 +513,16 @@ def gather_epoch(run, epoch):
 def evaluate_only(run):
     path = os.path.join(run.args.out, "checkpoint.pt")
     if not os.path.exists(path):
-        raise ValueError(f"--eval-only: no checkpoint at {path}")
-    state = checkpoint.load(path, run.device)
-    checkpoint.check_resume(checkpoint.fingerprint_of(state, path), run.fingerprint, only=checkpoint.MODEL_FIELDS,
-                            what="--eval-only")
-    checkpoint.load_model(run.model, state, path)
+        raise InputError(f"--eval-only: no checkpoint at {path}")
+    try:
+        state = checkpoint.load(path, run.device)
+        checkpoint.check_resume(checkpoint.fingerprint_of(state, path), run.fingerprint,
+                                only=checkpoint.MODEL_FIELDS, what="--eval-only")
+        checkpoint.load_model(run.model, state, path)
+    except InputError:
+        raise
+    except ValueError as e:  # the checkpoint's checks: a bad file, not a bug
+        raise InputError(str(e)) from e
     evals = evaluate(run, eval_loaders(run))
     if run.topo.is_main:
         write_json_atomic(os.path.join(run.args.out, "eval.json"), {"eval": evals, "world_size": run.topo.world})
@@ -506,18 +532,28 @@ def evaluate_only(run):
     return evals
 
 
-def train(args, topo, device):
+def train(args, topo, device, stopper=None):
+    """The run; `stopper`: the stop signals' StopRequest (None: no stop on a signal)."""
     t0 = time.perf_counter()
     policy = cli.policy_of(args)
     check = http_check(topo, policy)
     train_sources = [stream.resolve(n, spec, "train", policy=policy, check_http=check) for n, spec in args.train.items()]
     eval_sources = [stream.resolve(n, spec, "test", policy=policy, check_http=check) for n, spec in args.eval.items()]
     startup = {"resolve_s": round(time.perf_counter() - t0, 3)}  # manifests and HEAD checks
-    run = Run(args, topo, device, train_sources, eval_sources, policy=policy, started=t0, startup=startup)
+    try:
+        run = Run(args, topo, device, train_sources, eval_sources, policy=policy, started=t0, startup=startup)
+    except InputError:
+        raise
+    except ValueError as e:  # the stream's checks of the options against the data (an epoch too short, ...)
+        raise InputError(str(e)) from e
     if args.eval_only:
         return evaluate_only(run)
+    run.stopper = stopper
     ckpt = prepare_out(args, topo)
     changed = run.resume(ckpt) if ckpt else {}
+    if ckpt and topo.is_main:
+        saved = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(os.path.getmtime(ckpt)))
+        print(f"resumed from {where(run)} (saved at {saved})", flush=True)
     metrics = Metrics(os.path.join(args.out, "metrics.jsonl"), topo.is_main, resume_step=run.step if ckpt else None)
     if "weights" in changed:
         metrics.log(kind="weights_changed", epoch=run.epoch + 1, step=run.step, **changed["weights"])
@@ -550,7 +586,8 @@ def train(args, topo, device):
         epoch = run.epoch
         if not train_epoch(run, loader, epoch, metrics, keys, budget):
             finished = False
-            metrics.log(kind="stopped", epoch=epoch + 1, step=run.step)
+            metrics.log(kind="stopped", epoch=epoch + 1, step=run.step,
+                        **({"signal": run.stopping.name} if run.stopping else {}))
             break
         keys.flush()
         if run.evals:
@@ -560,10 +597,21 @@ def train(args, topo, device):
                 print(epoch_line(epoch, args.epochs, evals), flush=True)
         run.epoch = epoch + 1
         run.save(torch.Generator(), StepLog(run.names, run.device), keys)
+        if stopper and run.stopping is None:  # a signal during the epoch's last step, evaluation or save
+            run.stopping = stopper.agreed(dist.all_reduce_sum(torch.tensor(stopper.vector(), dtype=torch.float64)))
+        if run.stopping is not None and run.epoch < args.epochs:
+            metrics.log(kind="stopped", epoch=run.epoch, step=run.step, signal=run.stopping.name)
+            break
+        run.stopping = None  # the run is over anyway
         if budget(run.step):
             break
     finished = finished and run.epoch >= args.epochs
     return write_summary(run, evals, t_start, resumed_from, finished, train_sources)
+
+
+def where(run):
+    """'epoch E, step S' inside an epoch, 'the end of epoch E, step S' between two (E from 1)."""
+    return f"epoch {run.epoch + 1}, step {run.step}" if run.mid else f"the end of epoch {run.epoch}, step {run.step}"
 
 
 def write_summary(run, evals, t_start, resumed_from, finished, sources):
@@ -589,13 +637,18 @@ def write_summary(run, evals, t_start, resumed_from, finished, sources):
         "peak_rss_mb_rank0": peak_rss_mb(),
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         "resumed_from": resumed_from,
+        "stopped_by": run.stopping.name if run.stopping else None,
         "world_size": topo.world,
         "global_batch": run.global_batch,
         "peak_lr": args.lr * run.global_batch / BASE_BATCH,
         "device": str(run.device),
         "config": vars(args),
     }
-    if topo.is_main:
+    if topo.is_main and run.stopping:
+        write_json_atomic(os.path.join(args.out, "summary.json"), summary)
+        print(f"stopped at {where(run)}; checkpoint saved in {args.out}/; resume with: "
+              f"{stop.resume_command(run.stopper.argv)}", flush=True)
+    elif topo.is_main:
         write_json_atomic(os.path.join(args.out, "summary.json"), summary)
         acc = ", ".join(f"{k} {v['accuracy']:.4f} ({v['data']})" for k, v in evals.items()) or \
             ("no evaluation in this invocation" if run.evals else "no --eval sources")
@@ -608,23 +661,40 @@ def write_summary(run, evals, t_start, resumed_from, finished, sources):
     return summary
 
 
-def main(argv=None):
-    args = options.parse(argv)
+def main(argv=None, args=None):
+    """The trainer's entry point; returns the exit code: 0 done (or stopped by
+    --stop-after/--stop-after-steps), 2 bad input (one line), 3 a non-finite loss, 128 + N
+    stopped by signal N with a checkpoint (pipeline.train.stop). Any other exception is a
+    bug and keeps its traceback. `args`: already parsed from `argv` (python -m pipeline.train)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if args is None:
+        args = options.parse(argv)
     dist.exit_with_launcher()
+    stopper = stop.StopRequest([] if args.eval_only else stop.parse_signals(args.stop_signals), argv)
     try:
-        with dist.distributed(timeout_s=args.timeout) as (topo, device):
-            train(args, topo, device)
-    except (ValueError, ShardError, OSError) as e:
-        # errors re-raised from a DataLoader worker carry its whole traceback: keep the last line
+        with stopper, dist.distributed(timeout_s=args.timeout) as (topo, device):
+            summary = train(args, topo, device, stopper)
+    except (InputError, OSError) as e:
+        # bad input or the environment (disk, network); errors re-raised from a DataLoader worker
+        # carry its whole traceback in their message: keep the last line
         print(f"pipeline.train: error: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
         return 2
     except NonFiniteLoss as e:
         print(f"pipeline.train: error: {e}", file=sys.stderr)
         return 3
-    except KeyboardInterrupt:
-        print("pipeline.train: interrupted; the last complete checkpoint stays in --out", file=sys.stderr)
+    except KeyboardInterrupt:  # SIGINT left out of --stop-signals: every rank lands here, rank 0 says it
+        if os.environ.get("RANK", "0") == "0":
+            print(f"pipeline.train: interrupted; the last complete checkpoint stays in {args.out}/", file=sys.stderr)
         return 130
+    if isinstance(summary, dict) and summary.get("stopped_by"):
+        return stop.exit_code(signal_of(summary["stopped_by"]))
     return 0
+
+
+def signal_of(name):
+    import signal
+
+    return signal.Signals[name]
 
 
 if __name__ == "__main__":

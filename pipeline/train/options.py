@@ -1,12 +1,16 @@
 """The trainer's command line: every option checked before anything is read or written.
 
-A bad value ends with one `pipeline.train: error: ...` line and exit code 2.
+A bad value ends with one `pipeline.train: error: ...` line and exit code 2. Nothing here
+imports torch, webdataset or numpy: `--help` and every command-line error answer at once
+(tests/test_preempt.py checks that importing this module leaves torch out).
 """
 import argparse
 import math
+import os
 
-from pipeline.data import stream
 from pipeline.cli import Parser, add_io_options, byte_size, check_io
+from pipeline.data.weights import check_weights, parse_weights
+from pipeline.train import stop
 
 MAX_TIMEOUT = 7 * 24 * 3600  # a week: more overflows torch's timeout deep in the process group set-up
 
@@ -55,7 +59,15 @@ def parse(argv=None):
            "source; '' for none: a flipped digit is another digit)")
     a("--seed", type=int, default=0, help="seed of data order, model and augmentation (default: 0)")
     a("--out", default="runs/latest", metavar="DIR", help="output folder (default: runs/latest)")
-    a("--resume", action="store_true", help="continue from --out/checkpoint.pt (also on another number of ranks)")
+    a("--resume", action="store_true",
+      help="continue from --out/checkpoint.pt (also on another number of ranks); an error if there is none")
+    a("--resume-or-start", action="store_true",
+      help="continue from --out/checkpoint.pt if there is one, else start afresh there (for jobs a scheduler "
+           "requeues with the same command)")
+    a("--stop-signals", default=stop.DEFAULT, metavar="SIGNALS",
+      help=f"signals on which every rank finishes its step, the job writes a checkpoint, prints the command "
+           f"that resumes it and exits with 128 + the signal's number (143 for TERM); a second signal ends it at "
+           f"once; '' for none (default: {stop.DEFAULT})")
     a("--overwrite", action="store_true", help="discard a previous run in --out")
     a("--eval-only", action="store_true",
       help="evaluate --out/checkpoint.pt on the --eval sources, write --out/eval.json, exit")
@@ -114,12 +126,16 @@ def check(p, args):
     if unknown:
         p.error(f"--eval {', '.join(unknown)}: no --train source of that name")
     try:
-        args.weights = stream.check_weights(stream.parse_weights(args.weights) if args.weights else
-                                            dict.fromkeys(names, 1.0), names)
-        args.final_weights = (stream.check_weights(stream.parse_weights(args.final_weights), names)
+        args.weights = check_weights(parse_weights(args.weights) if args.weights else
+                                     dict.fromkeys(names, 1.0), names)
+        args.final_weights = (check_weights(parse_weights(args.final_weights), names)
                               if args.final_weights else None)
     except ValueError as e:
         p.error(str(e))
+    try:
+        stop.parse_signals(args.stop_signals)
+    except ValueError as e:
+        p.error(f"--stop-signals {e}")
     if args.flip is None:
         args.flip = [n for n in ("cifar10",) if n in names]
     else:
@@ -131,11 +147,13 @@ def check(p, args):
         module, sep, function = stage.partition(":")
         if not (sep and module and function):
             p.error(f"--sample-stage {stage!r}: expected MODULE:FUNCTION, e.g. my_augment:jitter")
-    if args.resume and args.overwrite:
-        p.error("--resume and --overwrite exclude each other")
-    if args.change_weights and not args.resume:
+    if args.resume and args.resume_or_start:
+        p.error("--resume and --resume-or-start exclude each other")
+    if (args.resume or args.resume_or_start) and args.overwrite:
+        p.error(f"{'--resume' if args.resume else '--resume-or-start'} and --overwrite exclude each other")
+    if args.change_weights and not (args.resume or args.resume_or_start):
         p.error("--change-weights only applies with --resume")
-    if args.change_data and not args.resume:
+    if args.change_data and not (args.resume or args.resume_or_start):
         p.error("--change-data only applies with --resume")
     if args.eval_only and not args.eval:
         p.error("--eval-only needs at least one --eval source")
@@ -161,3 +179,19 @@ def weights_at(args, epoch):
         t = epoch / (args.epochs - 1)
         w = [a + (b - a) * t for a, b in zip(args.weights, args.final_weights)]
     return dict(zip(args.train, w))
+
+
+def resume_error(args):
+    """The one-line error for --resume on a folder without a checkpoint, else None."""
+    ckpt = os.path.join(args.out, "checkpoint.pt")
+    if args.resume and not os.path.exists(ckpt):
+        return (f"--resume: no checkpoint at {ckpt} (to start afresh where there is none, as a requeued job does, "
+                f"pass --resume-or-start instead)")
+    return None
+
+
+def check_out(args):
+    """Before torch is imported: --resume on a folder without a checkpoint ends in one line, exit code 2."""
+    message = resume_error(args)
+    if message:
+        Parser(prog="pipeline.train").error(message)

@@ -1,0 +1,132 @@
+"""Stopping on a scheduler's signal: finish the step, agree, checkpoint, say how to resume.
+
+Schedulers stop jobs with a signal and a grace period (SLURM: SIGTERM, or SIGUSR1 with
+`--signal`; torchrun forwards the SIGTERM or SIGINT it gets to every rank and kills them
+30 s later, `--shutdown-timeout`). A signal only raises a flag here; the ranks add their
+flags up in the all-reduce every step already does, so all of them stop after the same
+step, even when a single rank got the signal, and write one mid-epoch checkpoint
+together. The first signal sets the stop signals back to their default action, so a
+second one ends the process at once, even inside a collective that waits for a rank that
+is gone.
+
+Exit code: torchrun has no convention for a clean, resumable stop: it counts any non-zero
+exit of a worker as a failure (and restarts the group if `--max-restarts` allows) and ends
+with a traceback of its own when it gets the signal itself. The trainer exits with
+128 + the signal's number (143 for SIGTERM, 130 for SIGINT, 138 for SIGUSR1): what shells,
+SLURM and Kubernetes report for a process ended by that signal, so a requeue script that
+keys on 143 treats a clean stop and a hard kill (a second signal, the grace period over)
+alike; both leave a complete checkpoint to resume from.
+
+Stdlib only: the command line checks `--stop-signals` before torch is imported.
+"""
+import os
+import shlex
+import signal
+import sys
+
+DEFAULT = "TERM,INT,USR1"
+_UNCATCHABLE = {"KILL", "STOP"}
+
+
+def parse_signals(text):
+    """'TERM,INT,USR1' (SIG prefix and case optional; '' for none) -> [Signals]; ValueError."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name = part.upper().removeprefix("SIG")
+        sig = getattr(signal.Signals, "SIG" + name, None) if name.isalnum() else None
+        if sig is None or name in _UNCATCHABLE:
+            raise ValueError(f"{part!r}: not a signal a process can catch; e.g. TERM,INT,USR1")
+        if sig not in out:
+            out.append(sig)
+    return out
+
+
+class StopRequest:
+    """The stop signals' handlers while a training runs (a context manager that puts the
+    previous ones back). `vector()` is this process's vote, one slot per stop signal;
+    `agreed(sums)` reads the ranks' summed votes: the signal all stop for, or None."""
+
+    def __init__(self, signals, argv):
+        self.signals, self.argv = list(signals), list(argv)
+        self.got = None  # the first signal this process received
+        self.pid = os.getpid()
+        self.previous = {}
+
+    def __enter__(self):
+        global _ACTIVE
+        for sig in self.signals:
+            self.previous[sig] = signal.signal(sig, self._handle)
+        _ACTIVE = self
+        return self
+
+    def __exit__(self, *exc):
+        global _ACTIVE
+        _ACTIVE = None
+        for sig, old in self.previous.items():
+            signal.signal(sig, old)
+        return False
+
+    def _handle(self, signum, frame):
+        if os.getpid() != self.pid or self.got is not None:  # a forked child, or a race: not ours
+            return
+        self.got = signal.Signals(signum)
+        for sig in self.signals:  # a second signal ends the process at once
+            signal.signal(sig, signal.SIG_DFL)
+
+    def vector(self):
+        return [1.0 if self.got == sig else 0.0 for sig in self.signals]
+
+    def agreed(self, sums):
+        return next((sig for sig, n in zip(self.signals, sums) if n > 0), None)
+
+
+_ACTIVE = None
+
+
+def _block_in_child():
+    """A process forked while a run is on (a DataLoader worker) leaves the stop signals to
+    the trainer: blocked, so a scheduler that signals every process of the job (SLURM does)
+    does not kill a worker under a trainer that is still writing its checkpoint. torch's
+    worker installs its own SIGTERM handler (it dies unless the signal came from its
+    parent); a blocked signal never reaches it. Workers end with their loader or, if the
+    trainer is killed, by their watchdogs."""
+    if _ACTIVE is not None and _ACTIVE.signals:
+        signal.pthread_sigmask(signal.SIG_BLOCK, _ACTIVE.signals)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_block_in_child)
+
+
+def exit_code(sig):
+    """128 + the signal's number, as for a process the signal ended (see the module's docstring)."""
+    return 128 + int(sig)
+
+
+def resume_command(argv):
+    """The command that continues this run: the launcher's own command line under torchrun
+    (the parent process, when its arguments end with this rank's), else `python -m
+    pipeline.train`, with --resume added (unless --resume or --resume-or-start is there)
+    and --overwrite taken out."""
+    args = [a for a in argv if not (len(a) >= 4 and "--overwrite".startswith(a) and a.startswith("--ov"))]
+    if not any(a in ("--resume", "--resume-or-start") for a in args):
+        args.append("--resume")
+    return shlex.join(launcher(argv) + args)
+
+
+def launcher(argv):
+    """The words before the trainer's arguments in the command that started this job."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        try:
+            with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+                words = [w.decode(errors="replace") for w in f.read().split(b"\0")[:-1]]
+        except OSError:
+            words = []
+        n = len(argv)
+        if words and (n == 0 or words[-n:] == list(argv)) and len(words) > n:
+            words = words[:len(words) - n]
+            if len(words) > 1 and os.path.basename(words[1]) == "torchrun":
+                words = words[1:]  # `python .../bin/torchrun ...` is what `torchrun ...` runs
+            return words
+        return ["torchrun", "...", "-m", "pipeline.train"]
+    return [sys.executable or "python", "-m", "pipeline.train"]
