@@ -276,11 +276,12 @@ def prepare_out(args, topo):
     ckpt = os.path.join(args.out, "checkpoint.pt")
     previous = os.path.exists(os.path.join(args.out, "metrics.jsonl")) or os.path.exists(ckpt)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    if args.resume or ((restarted or args.resume_or_start) and os.path.exists(ckpt)):
+    either = getattr(args, "resume_or_start", False)
+    if args.resume or ((restarted or either) and os.path.exists(ckpt)):
         if not os.path.exists(ckpt):
             raise InputError(options.resume_error(args))
         return ckpt
-    if previous and not (args.overwrite or restarted or args.resume_or_start):
+    if previous and not (args.overwrite or restarted or either):
         raise InputError(f"{args.out} holds a previous run; pass --resume to continue it or --overwrite to replace it")
     # --overwrite on a folder with no run yet is checked too: shards or notes there are never a run to replace
     doomed = run_files(args.out) if previous or (args.overwrite and os.path.isdir(args.out)) else []
