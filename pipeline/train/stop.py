@@ -85,13 +85,18 @@ _ACTIVE = None
 
 def _block_in_child():
     """A process forked while a run is on (a DataLoader worker) leaves the stop signals to
-    the trainer: blocked, so a scheduler that signals every process of the job (SLURM does)
-    does not kill a worker under a trainer that is still writing its checkpoint. torch's
-    worker installs its own SIGTERM handler (it dies unless the signal came from its
-    parent); a blocked signal never reaches it. Workers end with their loader or, if the
-    trainer is killed, by their watchdogs."""
-    if _ACTIVE is not None and _ACTIVE.signals:
-        signal.pthread_sigmask(signal.SIG_BLOCK, _ACTIVE.signals)
+    the trainer: SIGINT and SIGUSR1 (and any other stop signal) are blocked there, so a Ctrl-C
+    to the terminal's process group or a scheduler that signals every process of the job does
+    not end a worker under a trainer that is still writing its checkpoint. SIGTERM stays
+    open: DataLoader ends a worker that does not stop in time with SIGTERM from its parent
+    (torch's handler exits quietly then), and Python's exit waits for that worker, so a
+    blocked SIGTERM hung the trainer at exit. A SIGTERM sent to every process of the job
+    (SLURM's scancel without --batch) therefore still ends the workers; signal the launcher,
+    or use SIGUSR1 (sbatch --signal=USR1@SECONDS)."""
+    if _ACTIVE is not None:
+        held = [sig for sig in _ACTIVE.signals if sig != signal.SIGTERM]
+        if held:
+            signal.pthread_sigmask(signal.SIG_BLOCK, held)
 
 
 if hasattr(os, "register_at_fork"):
