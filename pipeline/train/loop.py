@@ -687,6 +687,8 @@ def main(argv=None, args=None):
         if os.environ.get("RANK", "0") == "0":
             print(f"pipeline.train: interrupted; the last complete checkpoint stays in {args.out}/", file=sys.stderr)
         return 130
+    finally:
+        stop.end_children()
     if isinstance(summary, dict) and summary.get("stopped_by"):
         return stop.exit_code(signal_of(summary["stopped_by"]))
     return 0

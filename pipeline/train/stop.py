@@ -85,18 +85,34 @@ _ACTIVE = None
 
 def _block_in_child():
     """A process forked while a run is on (a DataLoader worker) leaves the stop signals to
-    the trainer: SIGINT and SIGUSR1 (and any other stop signal) are blocked there, so a Ctrl-C
-    to the terminal's process group or a scheduler that signals every process of the job does
-    not end a worker under a trainer that is still writing its checkpoint. SIGTERM stays
-    open: DataLoader ends a worker that does not stop in time with SIGTERM from its parent
-    (torch's handler exits quietly then), and Python's exit waits for that worker, so a
-    blocked SIGTERM hung the trainer at exit. A SIGTERM sent to every process of the job
-    (SLURM's scancel without --batch) therefore still ends the workers; signal the launcher,
-    or use SIGUSR1 (sbatch --signal=USR1@SECONDS)."""
-    if _ACTIVE is not None:
-        held = [sig for sig in _ACTIVE.signals if sig != signal.SIGTERM]
-        if held:
-            signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    the trainer: blocked there. torchrun signals each rank's whole process group (os.killpg),
+    and a Ctrl-C reaches the terminal's process group, so without this the workers die
+    under a trainer that is still finishing its step and writing its checkpoint (torch's
+    worker handler ends a worker on a SIGTERM that is not from its parent). A worker with
+    SIGTERM blocked no longer ends on DataLoader's own terminate(), so `end_children` kills
+    what is left when the trainer ends."""
+    if _ACTIVE is not None and _ACTIVE.signals:
+        signal.pthread_sigmask(signal.SIG_BLOCK, _ACTIVE.signals)
+
+
+def end_children():
+    """Kill the multiprocessing children still alive at the trainer's end (workers that did
+    not stop when their loader asked; SIGTERM is blocked in them), so that Python's exit,
+    which joins them, does not wait forever. SIGCHLD's DataLoader handler goes first: it
+    would report those deaths as a worker failure."""
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    if not children:
+        return
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        for p in children:
+            p.kill()
+        for p in children:
+            p.join(5)
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
 
 
 if hasattr(os, "register_at_fork"):

@@ -1,0 +1,205 @@
+"""Preemption: a stop signal finishes the step on every rank, writes one checkpoint, prints
+one line with the command that resumes, and the resumed run equals an uninterrupted one.
+Also: --help and option errors before torch, and which errors keep their traceback."""
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import build_shards, finish, free_port, launch_train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def python(code, *args, timeout=60):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def trainer(*args, timeout=120):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "pipeline.train", *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------- without torch
+
+
+def test_the_option_parser_does_not_import_torch():
+    p = python("import sys; from pipeline.train import options, stop\n"
+               "options.parse(['--train', 'a=x/', '--weights', 'a=1', '--stop-signals', 'TERM,usr1'])\n"
+               "heavy = sorted(m for m in ('torch', 'webdataset', 'numpy') if m in sys.modules)\n"
+               "print(heavy)")
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
+
+
+def test_resume_without_a_checkpoint_is_one_line_and_needs_no_torch(tmp_path):
+    p = trainer("--train", "a=x/", "--out", tmp_path / "run", "--resume")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "no checkpoint" in p.stderr and "--resume-or-start" in p.stderr and len(p.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("bad, needle", [("KILL", "'KILL'"), ("TERM,NOPE", "'NOPE'"), ("9", "'9'")])
+def test_bad_stop_signals_are_one_line(bad, needle, capsys):
+    from pipeline.train import options
+
+    with pytest.raises(SystemExit) as e:
+        options.parse(["--train", "a=x/", "--stop-signals", bad])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and needle in err and "--stop-signals" in err
+
+
+def test_parse_signals():
+    from pipeline.train import stop
+
+    assert stop.parse_signals("TERM,sigint, USR1,TERM") == [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1]
+    assert stop.parse_signals("") == []
+
+
+def test_resume_command_adds_resume_and_drops_overwrite(monkeypatch):
+    from pipeline.train import stop
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    cmd = shlex.split(stop.resume_command(["--train", "a=x y/", "--overwrite", "--out", "o"]))
+    assert cmd[1:] == ["-m", "pipeline.train", "--train", "a=x y/", "--out", "o", "--resume"]
+    assert shlex.split(stop.resume_command(["--resume-or-start"]))[-1] == "--resume-or-start"
+
+
+SECOND = r"""
+import os, signal, sys, time
+from pipeline.train import stop
+with stop.StopRequest(stop.parse_signals("USR1,TERM"), []) as s:
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.1)
+    assert s.got == signal.SIGUSR1 and s.agreed([0.0, 0.0]) is None and s.agreed(s.vector()) == signal.SIGUSR1
+    pid = os.fork()
+    if pid == 0:  # a forked child (a DataLoader worker) leaves the stop signals to the trainer
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        os._exit(0 if {signal.SIGUSR1, signal.SIGTERM} <= blocked else 1)
+    assert os.waitpid(pid, 0)[1] == 0, "the child does not block the stop signals"
+    print("first signal noted", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)  # the second: the default action, at once
+    time.sleep(5)
+print("still running")
+"""
+
+
+def test_a_second_signal_stops_at_once():
+    p = python(SECOND)
+    assert p.stdout == "first signal noted\n" and p.returncode == -signal.SIGTERM, (p.returncode, p.stdout, p.stderr)
+
+
+def test_an_internal_bug_keeps_its_traceback(tmp_path, monkeypatch, capsys):
+    """Expected errors are one line; a ValueError from a bug is not taken for one."""
+    from pipeline.train import loop
+
+    def bug(*a, **k):
+        raise ValueError("a bug, not bad input")
+
+    monkeypatch.setattr(loop, "train", bug)
+    with pytest.raises(ValueError, match="a bug"):
+        loop.main(["--train", "a=x/", "--out", str(tmp_path / "o")])
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL, "the stop handlers outlived main()"
+
+
+# ---------------------------------------------------------------- the trainer under torchrun
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shards")
+    build_shards(out, "mnist", "train", 400, shape=(1, 28, 28), encoding="raw", maxcount=20)
+    build_shards(out, "cifar10", "train", 400, shape=(3, 32, 32), encoding="raw", maxcount=20)
+    build_shards(out, "mnist", "test", 60, shape=(1, 28, 28), encoding="raw", maxcount=20)
+    return out
+
+
+def common(data, out):
+    return ["--train", f"mnist={data}/", "--train", f"cifar10={data}/", "--eval", f"mnist={data}/", "--epochs", "2",
+            "--epoch-samples", "640", "--batch-size", "8", "--workers", "2", "--width", "4", "--log-every", "4",
+            "--shuffle-buffer", "30", "--record-keys", "--out", str(out)]
+
+
+def metrics(out):
+    lines = [json.loads(ln) for ln in open(os.path.join(out, "metrics.jsonl"))]
+    for ln in lines:
+        ln.pop("samples_per_s", None)
+    return lines
+
+
+def key_log(out):
+    return {r: open(os.path.join(out, f"keys-rank{r}.txt")).read().splitlines() for r in range(2)}
+
+
+def steps_logged(out):
+    try:
+        return [json.loads(ln)["step"] for ln in open(os.path.join(out, "metrics.jsonl")) if '"train"' in ln]
+    except (OSError, ValueError):
+        return []
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_stops_with_a_checkpoint_and_the_resume_matches(data, tmp_path):
+    whole = tmp_path / "whole"
+    code, err = finish(launch_train(common(data, whole), 2), 240)
+    assert code == 0, err[-3000:]
+
+    out = tmp_path / "run"
+    proc = launch_train(common(data, out), 2)  # no --checkpoint-every: the signal alone writes one
+    t0 = time.time()
+    while not steps_logged(out):
+        assert proc.poll() is None and time.time() - t0 < 180, "no training step logged"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # to the launcher only, which forwards it to both ranks
+    stdout, stderr = proc.communicate(timeout=120)
+    said = stdout + stderr
+    stops = re.findall(r"stopped at epoch (\d+), step (\d+); checkpoint saved in (\S+); resume with: (.*)", said)
+    assert len(stops) == 1, said[-3000:]
+    epoch, step, where, command = stops[0]
+    assert where == f"{out}/" and epoch == "1" and 4 <= int(step) < 40, stops
+    assert "interrupted" not in said
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGTERM" and not summary["finished"] and summary["steps_done"] == int(step)
+
+    words = shlex.split(command)
+    assert words[-1] == "--resume" and "pipeline.train" in words
+    words = [f"--master_port={free_port()}" if w.startswith("--master_port=") else w for w in words]
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    p = subprocess.run(words, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    resumed = re.findall(r"resumed from epoch (\d+), step (\d+) \(saved at [^)]+\)", p.stdout + p.stderr)
+    assert resumed == [(epoch, step)], (p.stdout + p.stderr)[-3000:]
+    assert metrics(out) == metrics(whole)
+    assert key_log(out) == key_log(whole)
+    s, w = (json.loads((d / "summary.json").read_text()) for d in (out, whole))
+    assert s["eval"] == w["eval"] and s["stopped_by"] is None and s["finished"]
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_exits_143_and_resume_or_start_starts_then_resumes(data, tmp_path):
+    out = tmp_path / "run"
+    args = [*common(data, out), "--workers", "1", "--resume-or-start"]
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.train", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not steps_logged(out):
+        assert proc.poll() is None and time.time() - t0 < 180, "no training step logged"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert stdout.count("stopped at ") == 1 and "resume with: " in stdout and "resumed from" not in stdout
+    assert stdout.strip().splitlines()[-1].endswith("--resume-or-start")  # the requeue command stays as it was
+    p = subprocess.run([sys.executable, "-m", "pipeline.train", *args], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=240)
+    assert p.returncode == 0 and p.stdout.count("resumed from ") == 1, p.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["epochs_done"] == 2
