@@ -353,3 +353,27 @@ def write_multi_member(folder, n, *, per_shard=20, seed=6):
             keys.append(key)
         write_tar(os.path.join(str(folder), f"multi-{s // per_shard:04d}.tar"), members)
     return keys
+
+
+def train_in_process(args):
+    """`python -m pipeline.train ARGS` run inside this test process, as a CompletedProcess.
+
+    A subprocess pays seconds to import torch again for every command line; a single
+    process runs without a process group (see dist.distributed), so calling main()
+    here checks the same code. tests/test_train.py keeps one subprocess test that
+    proves `python -m pipeline.train` is wired to main(). An unexpected exception
+    propagates and fails the test, as a traceback would.
+    """
+    import contextlib
+    import subprocess
+
+    from pipeline.train import loop
+
+    args = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = loop.main(args)
+        except SystemExit as e:  # argparse and options.check exit with their code
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return subprocess.CompletedProcess(["pipeline.train", *args], code or 0, out.getvalue(), err.getvalue())

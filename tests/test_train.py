@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from helpers import build_shards, free_port, serve
+from helpers import build_shards, free_port, serve, train_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 240  # a hang fails the test, not the CI run
@@ -34,13 +34,14 @@ COMMON = ["--epochs", "2", "--batch-size", "32", "--workers", "2", "--width", "8
 
 
 def run(args, nproc=2, check=True):
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    """torchrun with `nproc` ranks; nproc=0 runs main() in this process (no torch import to pay)."""
     if nproc:
+        env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                f"--master_port={free_port()}", "-m", "pipeline.train", *args]
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     else:
-        cmd = [sys.executable, "-m", "pipeline.train", *args]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+        p = train_in_process(args)
     if check:
         assert p.returncode == 0, p.stderr[-3000:]
     return p
@@ -152,18 +153,26 @@ def test_synthetic_data_is_learned_far_above_chance(tmp_path):
     (["--batch-size", "0"], "--batch-size"),
     (["--eval", "svhn=x"], "svhn"),
 ])
-@pytest.mark.slow
 def test_bad_command_lines_fail_in_one_line(data, tmp_path, bad, message):
     p = run([*sources(data), *bad, "--out", str(tmp_path / "o")], nproc=0, check=False)
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
-@pytest.mark.slow
 def test_missing_test_shards_fail_before_training(data, tmp_path):
     p = run(["--train", f"mnist={data}/mnist-train.json", "--eval", f"mnist={tmp_path}/nothing-here.json",
              "--out", str(tmp_path / "o")], nproc=0, check=False)
     assert p.returncode == 2 and "nothing-here.json" in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert not os.path.exists(tmp_path / "o" / "metrics.jsonl")
+
+
+def test_the_command_line_is_wired_to_main(data, tmp_path):
+    """The one subprocess for a command-line error: `python -m pipeline.train` reaches main()
+    and its exit code and one-line error reach the shell (the rest call main() in process)."""
+    p = subprocess.run([sys.executable, "-m", "pipeline.train", *sources(data), "--batch-size", "0",
+                        "--out", str(tmp_path / "o")], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert p.returncode == 2 and "--batch-size" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert len([ln for ln in p.stderr.splitlines() if "error:" in ln]) == 1, p.stderr
 
 
 @pytest.mark.slow
@@ -195,19 +204,15 @@ def invert(sample):
 
 
 @pytest.mark.slow
-def test_a_users_sample_stage_runs_in_the_trainer(data, tmp_path):
+def test_a_users_sample_stage_runs_in_the_trainer(data, tmp_path, monkeypatch):
     (tmp_path / "my_stages.py").write_text(STAGE)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path)]), OMP_NUM_THREADS="1")
+    monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "pipeline.train", *sources(data)[:4], "--epochs", "1",
-                        "--epoch-samples", "64", "--batch-size", "16", "--workers", "1", "--width", "4",
-                        "--sample-stage", "my_stages:invert", "--out", str(out)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=TIMEOUT)
+    p = train_in_process([*sources(data)[:4], "--epochs", "1", "--epoch-samples", "64", "--batch-size", "16",
+                          "--workers", "1", "--width", "4", "--sample-stage", "my_stages:invert", "--out", str(out)])
     assert p.returncode == 0, p.stderr[-2000:]
     assert read(out, "summary.json")["config"]["sample_stage"] == ["my_stages:invert"]
-    p = subprocess.run([sys.executable, "-m", "pipeline.train", *sources(data)[:4], "--sample-stage",
-                        "no_such_module:f", "--out", str(tmp_path / "other")], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=TIMEOUT)
+    p = train_in_process([*sources(data)[:4], "--sample-stage", "no_such_module:f", "--out", str(tmp_path / "other")])
     assert p.returncode == 2 and "no_such_module" in p.stderr and "Traceback" not in p.stderr
 
 
