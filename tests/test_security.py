@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from helpers import Quiet, build_shards, drip, free_port, serving
+from helpers import Quiet, build_shards, drip, free_port, serving, train_in_process
 from pipeline.train import checkpoint
 from pipeline import files
 from pipeline.data import manifest, remote
@@ -36,6 +36,9 @@ def data(tmp_path_factory):
 
 
 def train(*args, nproc=0, timeout=180):
+    """torchrun with `nproc` ranks; nproc=0 runs main() in this process (see helpers.train_in_process)."""
+    if not nproc:
+        return train_in_process(args)
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                 f"--master_port={free_port()}"] if nproc else [sys.executable]
@@ -75,7 +78,6 @@ def rewrite_manifest(src_dir, dst_dir, name, split, change):
 
 @pytest.mark.parametrize("evil", ["x.tar; touch {canary}", "$(touch {canary}).tar", "`touch {canary}`.tar",
                                   "x.tar && touch {canary}", "x.tar | touch {canary}", "x\ntouch {canary}"])
-@pytest.mark.slow
 def test_a_piped_manifest_never_runs_its_shard_names(data, tmp_path, evil):
     canary = tmp_path / "canary"
     path = rewrite_manifest(data, tmp_path / "m", "mnist", "train",
@@ -87,7 +89,6 @@ def test_a_piped_manifest_never_runs_its_shard_names(data, tmp_path, evil):
     assert not canary.exists(), "a shard name ran a command"
 
 
-@pytest.mark.slow
 def test_a_local_manifest_cannot_name_a_command(data, tmp_path):
     canary = tmp_path / "canary"
     for name in (f"pipe:touch {canary}", f"PIPE:touch {canary}", "file:///etc/passwd", "s3://bucket/x.tar"):
@@ -116,7 +117,6 @@ def test_manifest_names_cannot_leave_its_folder(data, tmp_path, name):
         resolve("mnist", str(path), "train")
 
 
-@pytest.mark.slow
 def test_a_test_split_next_door_is_not_pulled_into_training(data, tmp_path):
     """The landed code opened ../other/x.tar: a manifest naming the test shards trained on them."""
     (tmp_path / "other").mkdir()
@@ -147,7 +147,6 @@ def test_links_out_of_the_folder_are_refused_and_absolute_paths_only_in_local_ma
 # ---------------------------------------------------------------- 3. labels the model has no row for
 
 
-@pytest.mark.slow
 def test_eval_classes_must_match_training_classes(data, tmp_path):
     rewrite_manifest(data, tmp_path / "m", "mnist", "test", lambda m: m.update(classes=[str(i) for i in range(21)]))
     p = train(*small(data, tmp_path / "run"), "--eval", f"mnist={tmp_path / 'm'}/")
@@ -233,7 +232,6 @@ def test_a_shard_listed_twice_among_many_is_found_at_once(data):
     assert time.time() - t0 < 10  # the quadratic scan took about 50 s for this many
 
 
-@pytest.mark.slow
 def test_a_bad_manifest_is_one_line_from_the_trainer(data, tmp_path):
     path = rewrite_manifest(data, tmp_path / "m", "mnist", "train", lambda m: m.update(std=[0.0]))
     one_line_error(train("--train", f"mnist={path}", "--out", tmp_path / "run"), "std")
@@ -408,7 +406,6 @@ def test_a_checkpoint_that_cannot_be_written_keeps_the_previous_one(tmp_path, mo
 # ---------------------------------------------------------------- 8. sizes that would eat memory
 
 
-@pytest.mark.slow
 def test_a_batch_larger_than_the_epoch_is_refused(data, tmp_path):
     one_line_error(train(*small(data, tmp_path / "run", "--batch-size", "100000000")), "less than one batch")
     assert not (tmp_path / "run").exists()
@@ -519,7 +516,6 @@ def _alive(pid):
     (["--checkpoint-every", "0"], "--checkpoint-every"), (["--stop-after-steps", "-1"], "--stop-after-steps"),
     (["--sample-stage", "nocolon"], "--sample-stage"), (["--change-weights"], "--change-weights"),
 ])
-@pytest.mark.slow
 def test_bad_numbers_are_one_line(data, tmp_path, bad, needle):
     one_line_error(train(*small(data, tmp_path / "run"), *bad), needle)
 
@@ -574,7 +570,6 @@ def test_a_bad_seed_never_wipes_the_previous_run(data, finished, tmp_path):
     assert sorted(os.listdir(out)) == before
 
 
-@pytest.mark.slow
 def test_deeply_nested_or_huge_manifests_are_one_line(tmp_path):
     (tmp_path / "deep").mkdir()
     (tmp_path / "deep" / "mnist-train.json").write_text("[" * 100000 + "]" * 100000)
