@@ -377,3 +377,32 @@ def train_in_process(args):
         except SystemExit as e:  # argparse and options.check exit with their code
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     return subprocess.CompletedProcess(["pipeline.train", *args], code or 0, out.getvalue(), err.getvalue())
+
+
+@functools.lru_cache(maxsize=None)
+def _make_shards_tool():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "make_shards.py")
+    spec = importlib.util.spec_from_file_location("make_shards_in_process", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def make_shards_in_process(args):
+    """`tools/make_shards.py ARGS` run inside this test process, as a CompletedProcess: the same
+    main() without a fresh interpreter importing torchvision. tests/test_make_shards.py keeps
+    the subprocess tests that prove the script's wiring."""
+    import contextlib
+    import subprocess
+
+    args = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = _make_shards_tool().main(args)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return subprocess.CompletedProcess(["make_shards.py", *args], code or 0, out.getvalue(), err.getvalue())

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import (FOLDERS, NAMES, SYNSETS, build_shards, free_port, write_gnu_tar, write_img2dataset,
-                     write_imagefolder_tar, write_multi_member, write_named_shardwriter, write_shardwriter,
+from helpers import (FOLDERS, NAMES, SYNSETS, build_shards, free_port, make_shards_in_process, train_in_process,
+                     write_gnu_tar, write_img2dataset, write_imagefolder_tar, write_multi_member, write_named_shardwriter, write_shardwriter,
                      write_synset_tar)
 from pipeline.writers.index import expand
 from pipeline.data.stream import MixedStream, make_loader, resolve
@@ -26,8 +26,8 @@ SIZES = {"train": 240, "test": 60}
 
 
 def make_shards(*args):
-    return subprocess.run([sys.executable, TOOL, "--quiet", *map(str, args)], capture_output=True, text=True,
-                          timeout=300)
+    """make_shards.py --quiet ARGS, in process (its wiring is tested in test_make_shards.py)."""
+    return make_shards_in_process(["--quiet", *args])
 
 
 @pytest.fixture(scope="module")
@@ -313,9 +313,7 @@ def test_expand_takes_folders_and_patterns(tmp_path):
 
 def test_training_on_unindexed_shards_says_how_to_index_them(tmp_path):
     write_gnu_tar(tmp_path, 30)
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, "-m", "pipeline.train", "--train", f"pets={tmp_path}/gnu-{{0000..0001}}.tar",
-                        "--out", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    p = train_in_process(["--train", f"pets={tmp_path}/gnu-{{0000..0001}}.tar", "--out", str(tmp_path / "run")])
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert f"make_shards.py --index 'pets:train={tmp_path}/gnu-{{0000..0001}}.tar'" in p.stderr
 
