@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 
 from helpers import (FOLDERS, NAMES, SYNSETS, build_shards, free_port, make_shards_in_process, train_in_process,
-                     write_gnu_tar, write_img2dataset, write_imagefolder_tar, write_multi_member, write_named_shardwriter, write_shardwriter,
-                     write_synset_tar)
+                     write_gnu_tar, write_img2dataset, write_imagefolder_tar, write_multi_member,
+                     write_named_shardwriter, write_shardwriter, write_synset_tar)
 from pipeline.writers.index import expand
 from pipeline.data.stream import MixedStream, make_loader, resolve
 
