@@ -5,6 +5,7 @@ need the real command line (exit code, stderr) run it as a subprocess and the re
 main(argv) in-process.
 """
 import collections
+import contextlib
 import importlib.util
 import re
 import json
@@ -19,15 +20,23 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from helpers import make_shards_in_process
 from pipeline.writers import shards, sources
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "make_shards.py"
 
 
-def cli(cwd, *args):
+def cli_subprocess(cwd, *args):
     """Run the tool as a user would; cwd is a scratch folder so defaults never touch the repo."""
     return subprocess.run([sys.executable, str(TOOL), *map(str, args)], cwd=cwd, capture_output=True,
                           text=True, timeout=120)
+
+
+def cli(cwd, *args):
+    """The tool's main() in process from `cwd`, as a CompletedProcess: no interpreter to start.
+    test_synthetic_writes_both_datasets_and_splits runs the real script (cli_subprocess)."""
+    with contextlib.chdir(cwd):
+        return make_shards_in_process(args)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +97,8 @@ def save_images(folder, images, mode=None):
 
 
 def test_synthetic_writes_both_datasets_and_splits(tmp_path, read_tar, decode_image):
-    p = cli(tmp_path, "--synthetic", "--limit", 12, "--maxcount", 5, "--workers", 2, "--quiet", "--out", "out")
+    p = cli_subprocess(tmp_path, "--synthetic", "--limit", 12, "--maxcount", 5, "--workers", 2, "--quiet",
+                       "--out", "out")
     assert p.returncode == 0, p.stderr
     assert p.stderr == ""
     out = tmp_path / "out"
