@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import Quiet, build_shards, drip, serving
+from helpers import Quiet, build_shards, drip, serving, train_in_process
 from pipeline import cli
 from pipeline.data import manifest, remote
 from pipeline.train import options, loop as train
@@ -178,7 +178,7 @@ def test_a_manifest_claiming_more_than_the_ceiling_is_refused_before_any_read(da
     with pytest.raises(ShardError, match=m["shards"][0]["name"]):
         manifest.resolve("mnist", str(data), "train", policy=remote.Policy(max_bytes=biggest - 1))
     assert manifest.resolve("mnist", str(data), "train", policy=remote.Policy(max_bytes=biggest)).total == 60
-    p = run(["-m", "pipeline.train", "--train", f"mnist={lying}/", "--out", tmp_path / "run"])
+    p = train_in_process(["--train", f"mnist={lying}/", "--out", tmp_path / "run"])
     one_line_error(p, "pipeline.train", "--max-shard-bytes", "mnist-train-000000.tar")
     assert not (tmp_path / "run").exists()
 
@@ -232,8 +232,8 @@ def test_overwrite_on_a_shard_folder_from_the_trainer_deletes_nothing(data, tmp_
         os.link(data / f, out / f)
     (out / "metrics.jsonl").write_text('{"kind": "step"}\n')
     before = {f: (out / f).read_bytes() for f in os.listdir(out)}
-    p = run(["-m", "pipeline.train", "--train", f"mnist={data}/", "--epochs", "1", "--batch-size", "16", "--workers",
-             "0", "--width", "4", "--out", out, "--overwrite"])
+    p = train_in_process(["--train", f"mnist={data}/", "--epochs", "1", "--batch-size", "16", "--workers", "0",
+                          "--width", "4", "--out", out, "--overwrite"])
     one_line_error(p, "pipeline.train", "--overwrite", "nothing deleted", ".tar'")
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
 
