@@ -364,28 +364,35 @@ def train_in_process(args):
     proves `python -m pipeline.train` is wired to main(). An unexpected exception
     propagates and fails the test, as a traceback would.
     """
+    from pipeline.train import loop
+
+    return main_in_process(loop.main, "pipeline.train", args)
+
+
+def main_in_process(main, name, args):
+    """main(ARGS) with stdout and stderr captured, as the CompletedProcess of command `name`:
+    a SystemExit (argparse, a check) gives its code, as the shell would see it."""
     import contextlib
     import subprocess
-
-    from pipeline.train import loop
 
     args = [str(a) for a in args]
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = loop.main(args)
-        except SystemExit as e:  # argparse and options.check exit with their code
+            code = main(args)
+        except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    return subprocess.CompletedProcess(["pipeline.train", *args], code or 0, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess([name, *args], code or 0, out.getvalue(), err.getvalue())
 
 
 @functools.lru_cache(maxsize=None)
-def _make_shards_tool():
+def tool_module(name):
+    """tools/NAME.py imported once per test run (the tools are scripts, not a package)."""
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "make_shards.py")
-    spec = importlib.util.spec_from_file_location("make_shards_in_process", path)
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_in_process", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -395,14 +402,4 @@ def make_shards_in_process(args):
     """`tools/make_shards.py ARGS` run inside this test process, as a CompletedProcess: the same
     main() without a fresh interpreter importing torchvision. tests/test_make_shards.py keeps
     the subprocess tests that prove the script's wiring."""
-    import contextlib
-    import subprocess
-
-    args = [str(a) for a in args]
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = _make_shards_tool().main(args)
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    return subprocess.CompletedProcess(["make_shards.py", *args], code or 0, out.getvalue(), err.getvalue())
+    return main_in_process(tool_module("make_shards").main, "make_shards.py", args)

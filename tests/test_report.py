@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import main_in_process, tool_module
 from pipeline.train import report
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "report.py"
@@ -71,8 +72,14 @@ def run_dir(tmp_path):
     return write_run(tmp_path / "run", metrics_lines(), summary())
 
 
-def cli(*args):
+def cli_subprocess(*args):
     return subprocess.run([sys.executable, str(TOOL), *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def cli(*args):
+    """tools/report.py's main() in process (no interpreter to start and matplotlib to import
+    each time); test_cli_writes_a_png_and_a_table_per_epoch runs the real script."""
+    return main_in_process(tool_module("report").main, "report.py", args)
 
 
 def table_rows(stdout):
@@ -85,7 +92,7 @@ def table_rows(stdout):
 
 
 def test_cli_writes_a_png_and_a_table_per_epoch(run_dir):
-    r = cli(run_dir)
+    r = cli_subprocess(run_dir)
     assert r.returncode == 0, r.stderr
     png = run_dir / "report.png"
     assert png.read_bytes()[:4] == b"\x89PNG"
