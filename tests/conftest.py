@@ -38,3 +38,17 @@ def read_tar():
 @pytest.fixture
 def decode_image():
     return decode
+
+
+@pytest.fixture(scope="session")
+def mixed_shards(tmp_path_factory):
+    """mnist train 200 + cifar10 train 200 + mnist test 40, raw, 20 per shard: built once per
+    test run and shared by the files that only read it (test_security, test_readback).
+    Tests that change shards copy or hard-link them into their own tmp_path first."""
+    from helpers import build_shards
+
+    out = tmp_path_factory.mktemp("mixed-shards")
+    build_shards(out, "mnist", "train", 200, shape=(1, 28, 28), encoding="raw", maxcount=20)
+    build_shards(out, "cifar10", "train", 200, shape=(3, 32, 32), encoding="raw", maxcount=20)
+    build_shards(out, "mnist", "test", 40, shape=(1, 28, 28), encoding="raw", maxcount=20)
+    return out

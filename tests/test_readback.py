@@ -30,12 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shards")
-    build_shards(out, "mnist", "train", 200, shape=(1, 28, 28), encoding="raw", maxcount=20)
-    build_shards(out, "cifar10", "train", 200, shape=(3, 32, 32), encoding="raw", maxcount=20)
-    build_shards(out, "mnist", "test", 40, shape=(1, 28, 28), encoding="raw", maxcount=20)
-    return out
+def data(mixed_shards):
+    return mixed_shards  # built once per test run (conftest.py); read only here
 
 
 def small(data, out, *extra):
@@ -446,6 +442,7 @@ def test_max_nonfinite_allows_that_many_skipped_steps_then_stops(data, tmp_path,
              "2 such step(s), --max-nonfinite 1", code=3)
 
 
+@pytest.mark.slow  # trains twice
 def test_the_count_of_skipped_steps_carries_across_a_resume(data, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     monkeypatch.setattr(train.F, "cross_entropy", NanAt([2]))

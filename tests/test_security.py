@@ -27,12 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shards")
-    build_shards(out, "mnist", "train", 200, shape=(1, 28, 28), encoding="raw", maxcount=20)
-    build_shards(out, "cifar10", "train", 200, shape=(3, 32, 32), encoding="raw", maxcount=20)
-    build_shards(out, "mnist", "test", 40, shape=(1, 28, 28), encoding="raw", maxcount=20)
-    return out
+def data(mixed_shards):
+    return mixed_shards  # built once per test run (conftest.py); read only here
 
 
 def train(*args, nproc=0, timeout=180):
