@@ -1,5 +1,5 @@
 """One-command GPU check: run the real trainer on every visible GPU, then check one by one
-the CUDA paths it relies on, and print figures ready to paste into the README.
+the CUDA paths it relies on, and print figures ready to paste into docs/benchmarks.md.
 
     python tools/gpu_check.py                     # synthetic shards, all visible GPUs
     python tools/gpu_check.py --shards shards/ --nproc 2 --json bench-out/gpu-check.json
@@ -449,7 +449,7 @@ def run_all(args, nproc, work):
 
 
 def summary_lines(report):
-    """The report as a machine line and a Markdown table, to paste into the README."""
+    """The report as a machine line and a Markdown table, to paste into docs/benchmarks.md."""
     m, first = report["machine"], report["steps"].get("shards", {})
     gpus = m["gpus"]
     kind = f"{len(gpus)} x {gpus[0]}" if len(set(gpus)) == 1 else ", ".join(gpus)

@@ -4,7 +4,7 @@ WebDatasets that other tools wrote, in place.
     python tools/make_shards.py --datasets mnist cifar10 --splits train test --root data --out shards
     python tools/make_shards.py --index pets:train='/data/pets/{000000..000099}.tar' --out shards
 
-See README.md for the sample format and every option.
+See docs/data.md for the sample format and every option.
 """
 import argparse
 import os

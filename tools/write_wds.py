@@ -1,6 +1,6 @@
 """Write an ImageFolder tree as a WebDataset the way people publish them: `wds.ShardWriter`, each
 image's bytes as they are, the class name in `.json` ({"label": "airplane"}), keys with the
-class folder in them (`airplane/0001`). It stands in for somebody else's shards in the README's
+class folder in them (`airplane/0001`). It stands in for somebody else's shards in docs/data.md's
 recipes; the project's own shards come from tools/make_shards.py.
 
     python tools/write_wds.py CIFAR10_JPEGS/train CIFAR10_WDS --holdout 5000

@@ -14,7 +14,7 @@ the DataLoader workers: grey/RGB/RGBA to the source's channel count, JPEGs
 turned upright by their EXIF orientation, the shorter side resized to fit, then
 a crop (random for training, centred for evaluation). JPEG goes through
 torchvision.io.decode_jpeg (libjpeg-turbo), about 1.4x PIL's speed on 32x32
-images here (79.5 against 109.1 us, README "JPEG decoders"); a JPEG at least
+images here (79.5 against 109.1 us, docs/benchmarks.md "JPEG decoders"); a JPEG at least
 twice the target size in both directions goes through PIL's draft mode instead,
 which decodes at 1/2, 1/4 or 1/8 scale for free. Exactly what make_shards writes
 (raw pixels, or a PNG with the Up filter on every row) takes the fast paths in

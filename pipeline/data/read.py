@@ -23,7 +23,7 @@ MAX_MEMBER bytes, and a gzip stream may inflate to at most INFLATE_RATIO times t
 compressed bytes it has consumed (plus INFLATE_SLACK): a 4 MB .tar.gz of zeros
 would otherwise hand gigabytes of wanted members to the reader. webdataset's tarfile-based
 reader took 90-300 us a sample here, this loop 5-10 us, and `regular`'s numpy path for
-shards of [image][label] samples 1.5-3.1 us (README, "Tar format"; tools/bench_loader.py
+shards of [image][label] samples 1.5-3.1 us (docs/benchmarks.md, "Tar format"; tools/bench_loader.py
 --tar-format).
 """
 import gzip

@@ -16,7 +16,7 @@ the position in it (`SourceStream.state`), and any such point can be reached aga
 without reading what came before it.
 
 Two stages are written here rather than taken from webdataset, for measured
-reasons (README, "Why some stages are our own"): tar reading (`pipeline.data.read`),
+reasons (docs/benchmarks.md, "Why some stages are our own"): tar reading (`pipeline.data.read`),
 and the shuffle, a permutation per window instead of `wds.shuffle`'s buffer,
 which costs a `random.randint` per sample and holds state no checkpoint can
 reach. `RandomMix` keeps `wds.RandomMix`'s signature and adds a seed: the

@@ -21,7 +21,7 @@ DESCRIPTION = """Train one model with DDP on the weighted mix of several shard s
         --eval mnist=shards/mnist-test.json --eval cifar10=shards/cifar10-test.json --out runs/mnist-cifar10
 
 The same options work under plain `python -m pipeline.train` (one process) and
-multi-node torchrun. See README.md for recipes and what lands in --out.
+multi-node torchrun. See docs/training.md for recipes and what lands in --out.
 """
 
 
@@ -91,7 +91,7 @@ def parse(argv=None):
       help="samples shuffled together: whole shards, at least N samples (default: 2000)")
     a("--sample-stage", action="append", default=[], metavar="MODULE:FUNCTION",
       help="a function of yours applied to every decoded training sample inside the workers, e.g. an "
-           "augmentation (repeatable; see README, 'Your own stage')")
+           "augmentation (repeatable; see docs/training.md, 'Your own stage')")
     a("--timeout", type=int, default=600, metavar="S",
       help=f"seconds a rank waits for the others in a collective before the job fails, at most {MAX_TIMEOUT} "
            f"(default: 600)")

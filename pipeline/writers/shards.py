@@ -6,7 +6,7 @@ shape the manifest records) and `<key>.cls` (the label as ASCII digits). Keys ar
 
 Shards are plain USTAR with integer mtimes. webdataset's own TarWriter writes a PAX
 header per member because it passes float mtimes; every member then costs an extra
-header, and reading it through tarfile costs twice as much (README, "Tar format").
+header, and reading it through tarfile costs twice as much (docs/benchmarks.md, "Tar format").
 
 The manifest (see pipeline.data.manifest) is written last and atomically, and removed
 before a rebuild starts, so its presence means the shard set is complete. A folder
