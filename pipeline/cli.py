@@ -15,7 +15,8 @@ class Parser(argparse.ArgumentParser):
     """argparse that reports a bad command line in one line (no usage dump), exit code 2."""
 
     def error(self, message):
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")  # one write: ranks' lines don't interleave
+        sys.stderr.flush()
         sys.exit(2)
 
     def at_least(self, args, lows):

@@ -432,3 +432,16 @@ def test_overwrite_refuses_a_folder_of_other_files_with_no_run_in_it(tmp_path, c
     assert train.prepare_out(fake_args(empty), SimpleNamespace(is_main=True)) is None  # an empty folder is fine
     assert train.prepare_out(fake_args(tmp_path / "new"), SimpleNamespace(is_main=True)) is None
     assert (tmp_path / "new").is_dir()
+
+
+@pytest.mark.parametrize("why, kw", [("--out", {}), ("--resume-or-start without a checkpoint", {"resume_or_start": True})])
+def test_a_run_starts_only_in_a_folder_it_can_later_overwrite(tmp_path, capsys, why, kw):
+    """Started without --overwrite in a folder of shards, a run would leave a folder --overwrite
+    can never clear: it is refused the same way, naming what was asked (not --overwrite)."""
+    out = tmp_path / "shards"
+    out.mkdir()
+    (out / "mnist-train-000000.tar").write_text("keep")
+    with pytest.raises(ValueError, match=f"^{why}: .*holds 'mnist-train-000000.tar'.*nothing deleted"):
+        train.prepare_out(SimpleNamespace(out=str(out), resume=False, overwrite=False, **kw),
+                          SimpleNamespace(is_main=True))
+    assert os.listdir(out) == ["mnist-train-000000.tar"] and capsys.readouterr().out == ""

@@ -143,3 +143,10 @@ def test_scale_sim_prints_one_json_line_with_the_slots_covered_once():
     assert r["covered_once"] is True
     assert r["state_bytes_per_rank"] < 4096 and r["plan_s"] >= 0 and r["resume_s"] >= 0  # times: a benchmark figure, not a test
     assert r["state_bytes_gathered"] >= 32 * 2
+
+
+@pytest.mark.parametrize("rank, world, worker, workers", [(5, 4, 0, 0), (-1, 4, 0, 0), (0, 0, 0, 0), (0, 1, 3, 2),
+                                                          (0, 1, 0, -2)])
+def test_owned_refuses_ranks_and_workers_out_of_range(rank, world, worker, workers):
+    with pytest.raises(ValueError, match="out of range"):
+        partition.owned(10, rank, world, worker, workers)

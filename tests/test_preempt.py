@@ -46,7 +46,8 @@ def test_resume_without_a_checkpoint_is_one_line_and_needs_no_torch(tmp_path):
     assert "no checkpoint" in p.stderr and "--resume-or-start" in p.stderr and len(p.stderr.splitlines()) == 1
 
 
-@pytest.mark.parametrize("bad, needle", [("KILL", "'KILL'"), ("TERM,NOPE", "'NOPE'"), ("9", "'9'")])
+@pytest.mark.parametrize("bad, needle", [("KILL", "'KILL'"), ("TERM,NOPE", "'NOPE'"), ("9", "'9'"),
+                                         ("CHLD", "'CHLD'"), ("WINCH", "'WINCH'"), ("SEGV", "'SEGV'")])
 def test_bad_stop_signals_are_one_line(bad, needle, capsys):
     from pipeline.train import options
 
@@ -203,3 +204,14 @@ def test_sigterm_to_one_process_exits_143_and_resume_or_start_starts_then_resume
                        text=True, timeout=240)
     assert p.returncode == 0 and p.stdout.count("resumed from ") == 1, p.stderr[-3000:]
     assert json.loads((out / "summary.json").read_text())["epochs_done"] == 2
+
+
+def test_signals_by_number_and_abbreviated_resume_flags():
+    """A stop signal may be given by number; a --resume-or-start that argparse took abbreviated
+    is not followed by a --resume the two would refuse together."""
+    from pipeline.train import stop
+
+    assert stop.parse_signals("15,usr2") == [signal.SIGTERM, signal.SIGUSR2]
+    for given in ("--resume-or-s", "--resume-or", "--resu"):
+        cmd = shlex.split(stop.resume_command(["--train", "a=b", given]))
+        assert cmd[-1] == given and "--resume" not in cmd[:-1], cmd

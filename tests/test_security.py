@@ -603,13 +603,17 @@ def boom(sample):
 def relabel(sample):
     sample["label"] = 10 ** 6
     return sample
+
+def not_a_dict(sample):
+    return 5
 """
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage, needle", [("stage_broken:f", "RuntimeError: broken on import"),
                                            ("my_stages:boom", "raised KeyError"),
-                                           ("my_stages:relabel", "returned label 1000000")])
+                                           ("my_stages:relabel", "returned label 1000000"),
+                                           ("my_stages:not_a_dict", "returned int, not the sample dict")])
 def test_a_users_stage_that_fails_is_one_line(data, tmp_path, stage, needle):
     (tmp_path / "my_stages.py").write_text(STAGES)
     (tmp_path / "stage_broken.py").write_text("raise RuntimeError('broken on import')\n")

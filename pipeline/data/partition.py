@@ -32,6 +32,8 @@ def owned(slots, rank, world, worker=0, workers=0):
     """The slots a (rank, worker) pair reads: `wds.split_by_node` then `wds.split_by_worker`
     on range(slots), written out (they read the rank from the environment; here it is
     handed in). tests/test_partition.py checks the two agree."""
+    if not (world >= 1 and 0 <= rank < world and workers >= 0 and 0 <= worker < max(workers, 1)):
+        raise ValueError(f"rank {rank} of {world}, worker {worker} of {workers}: out of range")
     mine = range(slots)[rank::world] if world > 1 else range(slots)
     return list(mine[worker::workers] if workers > 1 else mine)
 

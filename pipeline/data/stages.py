@@ -370,6 +370,9 @@ class SourceStream:
                                      f"(sample {key})") from None
                 if sample is None:
                     break
+                if not isinstance(sample, dict):
+                    raise InputError(f"sample stage {_name(stage)} returned {type(sample).__name__}, not the "
+                                     f"sample dict or None (sample {key})")
             if sample is None:
                 continue
             image = np.asarray(sample.get("image"))

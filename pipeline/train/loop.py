@@ -283,13 +283,15 @@ def prepare_out(args, topo):
         return ckpt
     if previous and not (args.overwrite or restarted or either):
         raise InputError(f"{args.out} holds a previous run; pass --resume to continue it or --overwrite to replace it")
-    # --overwrite on a folder with no run yet is checked too: shards or notes there are never a run to replace
-    doomed = run_files(args.out) if previous or (args.overwrite and os.path.isdir(args.out)) else []
+    why = ("--overwrite" if args.overwrite else "restarted without a checkpoint" if restarted else
+           "--resume-or-start without a checkpoint" if either else "--out")
+    # a run starts only in a folder that holds nothing but a run's files, so --overwrite can always clear it
+    doomed = run_files(args.out, why) if os.path.isdir(args.out) else []
+    if not (previous or args.overwrite):
+        doomed = []  # a run's stray files (keys-rank0.txt of a run that never logged) are left alone
     dist.barrier()  # every rank has looked before rank 0 clears the folder
     if topo.is_main:
         if doomed:
-            why = ("--overwrite" if args.overwrite else "restarted without a checkpoint" if restarted else
-                   "--resume-or-start without a checkpoint")
             print(f"{why}: deleting the previous run in {args.out}/: {', '.join(doomed)}", flush=True)
         for name in doomed:
             os.remove(os.path.join(args.out, name))
@@ -302,14 +304,15 @@ RUN_FILE = re.compile(r"(metrics\.jsonl|summary\.json|checkpoint\.pt|eval\.json|
                       r"(\.tmp)?\Z")  # what train, --eval-only and tools/report.py write into --out
 
 
-def run_files(folder):
-    """The files of a previous run in `folder`, to delete; ValueError if anything else is there
-    (shards, manifests, folders, a mistyped --out): --overwrite deletes only what a run wrote."""
+def run_files(folder, why="--overwrite"):
+    """The files of a previous run in `folder`, to delete; InputError if anything else is there
+    (shards, manifests, folders, a mistyped --out): a run writes only into a folder of its own,
+    and --overwrite deletes only what a run wrote."""
     names = sorted(os.listdir(folder))
     for name in names:
         path = os.path.join(folder, name)
         if not RUN_FILE.match(name) or os.path.islink(path) or not os.path.isfile(path):
-            raise InputError(f"--overwrite: {folder} holds {name!r}, which no run of pipeline.train writes; "
+            raise InputError(f"{why}: {folder} holds {name!r}, which no run of pipeline.train writes; "
                              f"nothing deleted (choose another --out, or empty the folder yourself)")
     return names
 
@@ -655,11 +658,19 @@ def write_summary(run, evals, t_start, resumed_from, finished, sources):
             ("no evaluation in this invocation" if run.evals else "no --eval sources")
         state = "done" if finished else \
             f"stopped at step {run.step}, epoch {run.epoch + (1 if run.mid else 0)} of {args.epochs} (continue with --resume)"
-        print(f"{state} in {summary['wall_time_s']:.0f} s: test accuracy {acc}\n" +
+        tested = f"test accuracy {acc}" if evals else acc
+        print(f"{state} in {summary['wall_time_s']:.0f} s; {tested}\n" +
               "".join(line + "\n" for line in per_class_lines(evals)) +
               f"metrics.jsonl, summary.json and checkpoint.pt are in {args.out}/; "
               f"pictures: python tools/report.py {args.out}", flush=True)
     return summary
+
+
+def one_line(text):
+    """An error line in one write, so that the lines of ranks failing together under torchrun
+    do not run into each other."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 def main(argv=None, args=None):
@@ -678,10 +689,10 @@ def main(argv=None, args=None):
     except (InputError, OSError) as e:
         # bad input or the environment (disk, network); errors re-raised from a DataLoader worker
         # carry its whole traceback in their message: keep the last line
-        print(f"pipeline.train: error: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
+        one_line(f"pipeline.train: error: {str(e).strip().splitlines()[-1]}")
         return 2
     except NonFiniteLoss as e:
-        print(f"pipeline.train: error: {e}", file=sys.stderr)
+        one_line(f"pipeline.train: error: {e}")
         return 3
     except KeyboardInterrupt:  # SIGINT left out of --stop-signals: every rank lands here, rank 0 says it
         if os.environ.get("RANK", "0") == "0":

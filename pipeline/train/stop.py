@@ -25,7 +25,9 @@ import signal
 import sys
 
 DEFAULT = "TERM,INT,USR1"
-_UNCATCHABLE = {"KILL", "STOP"}
+# What schedulers and people send to ask for a stop. Others arrive on their own (CHLD when a
+# pipe: command ends, WINCH, PIPE, CONT, the fault signals) or cannot be caught (KILL, STOP).
+ALLOWED = ("TERM", "INT", "USR1", "USR2", "HUP", "QUIT", "XCPU")
 
 
 def parse_signals(text):
@@ -33,9 +35,12 @@ def parse_signals(text):
     out = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         name = part.upper().removeprefix("SIG")
-        sig = getattr(signal.Signals, "SIG" + name, None) if name.isalnum() else None
-        if sig is None or name in _UNCATCHABLE:
-            raise ValueError(f"{part!r}: not a signal a process can catch; e.g. TERM,INT,USR1")
+        if name.isdigit() and int(name) in {int(getattr(signal, "SIG" + n)) for n in ALLOWED}:
+            name = signal.Signals(int(name)).name.removeprefix("SIG")
+        if name not in ALLOWED:
+            raise ValueError(f"{part!r}: not a stop signal; choose from {','.join(ALLOWED)} (others arrive "
+                             f"on their own, like CHLD when a pipe: command ends, or cannot be caught)")
+        sig = getattr(signal.Signals, "SIG" + name)
         if sig not in out:
             out.append(sig)
     return out
@@ -130,7 +135,7 @@ def resume_command(argv):
     pipeline.train`, with --resume added (unless --resume or --resume-or-start is there)
     and --overwrite taken out."""
     args = [a for a in argv if not (len(a) >= 4 and "--overwrite".startswith(a) and a.startswith("--ov"))]
-    if not any(a in ("--resume", "--resume-or-start") for a in args):
+    if not any(len(a) >= 5 and "--resume-or-start".startswith(a) for a in args):  # argparse takes abbreviations
         args.append("--resume")
     return shlex.join(launcher(argv) + args)
 
