@@ -64,7 +64,8 @@ def launch_train(args, nproc=2, extra_launcher=(), pythonpath=()):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *pythonpath]), OMP_NUM_THREADS="1")
+    # PYTHONFAULTHANDLER: on a hang, finish() sends SIGABRT and every process prints its stacks
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *pythonpath]), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
            *extra_launcher, "-m", "pipeline.train", *map(str, args)]
     return subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -82,9 +83,15 @@ def finish(proc, timeout=180):
     try:
         _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        import time
+        os.killpg(proc.pid, signal.SIGABRT)  # faulthandler (PYTHONFAULTHANDLER=1) prints every process's stacks
+        time.sleep(3)
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"still running after {timeout} s: a hang")
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a process outside the session still holds the pipes
+            err = ""
+        pytest.fail(f"still running after {timeout} s: a hang; the processes' stacks:\n{(err or '')[-12000:]}")
     return proc.returncode, err
 
 

@@ -126,3 +126,21 @@ def test_a_folder_of_tars_without_a_manifest_gets_the_index_command(tmp_path):
         resolve("web", str(tmp_path / "gone"), "train")
     with pytest.raises(ShardError, match="no such folder"):
         resolve("web", str(tmp_path / "gone") + "/", "train")
+
+
+@pytest.mark.parametrize("command, name", [("pipe:cat /d/x.tar.gz", "x.tar.gz"), ('pipe:cat "/d/x.tar"', "x.tar"),
+                                           ("pipe:aws s3 cp s3://b/s/x-000.tar -", "x-000.tar"),
+                                           ("pipe:cat /d/x.tar|gunzip", "x.tar")])
+def test_the_shard_name_in_a_pipe_command_ends_where_the_shell_word_ends(command, name):
+    from pipeline.data.manifest import pipe_shard_name
+    assert pipe_shard_name(command) == name
+
+
+@pytest.mark.parametrize("command, needle", [("pipe:cat /d/x.tar.gzip", "no shard file name"),
+                                             ("pipe:cat /d/x.tar.bak", "no shard file name"),
+                                             ("pipe:cat /d/$(echo x).tar", "no shard file name"),
+                                             ("pipe:cat /d/x.tar > /tmp/copy.tar", "more than one shard file name")])
+def test_a_pipe_command_without_one_plain_shard_name_is_refused(command, needle):
+    from pipeline.data.manifest import pipe_shard_name
+    with pytest.raises(ShardError, match=needle):
+        pipe_shard_name(command)

@@ -69,6 +69,12 @@ def main(argv=None):
     ap.add_argument("--samples-per-shard", type=int, default=1000)
     args = ap.parse_args(argv)
     to_worlds = args.to_world or [768, 1280]
+    for flag, values, low in (("--shards", [args.shards], 1), ("--world", [args.world], 1),
+                              ("--workers", [args.workers], 0), ("--to-world", to_worlds, 1),
+                              ("--samples-per-shard", [args.samples_per_shard], 1)):
+        for v in values:
+            if not low <= v <= 10 ** 7:
+                ap.error(f"{flag} {v}: between {low} and 10000000")
     counts = np.full(args.shards, args.samples_per_shard, np.int64)
     seed, epoch, source = 0, 0, 0
     slots = partition.default_slots(args.world, args.workers, args.shards)

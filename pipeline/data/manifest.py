@@ -47,7 +47,9 @@ NAME_RE = re.compile(r"[A-Za-z0-9_]+\Z")  # \Z, not $: "$" also matches before a
 _SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*\Z")
 _URL_SAFE = re.compile(r"https?://[^\s\x00-\x1f\x7f]+\Z")
 # a shard's file name inside a pipe: command; the longest suffix first, or "x.tar.gz" would be read as "x.tar"
-PIPE_SHARD = re.compile(r"[^/\s'\"]+\.(?:tar\.gz|tgz|tar)\b")
+# A shard's file name inside a pipe: command: it ends where a shell word ends (space, quote,
+# ; | & < > ) or the end), and holds no $ ( ) ` that the shell would expand.
+PIPE_SHARD = re.compile(r"[^/\s'\"$()`;|&<>]+\.(?:tar\.gz|tgz|tar)(?=$|[\s'\";|&<>)])")
 MIN_STD = 1e-6  # per channel, on 0..1 pixels: below it normalising multiplies by more than a million
 MAX_STD = 1.0  # pixels in 0..1 have a std of at most 0.5; 1 admits a hand-written "scale only" (mean 0, std 1)
 MAX_SIDE = 4096
@@ -485,12 +487,16 @@ def _beside(shard_url, filename):
 
 
 def pipe_shard_name(command):
-    """The shard's file name in a pipe: command (the last *.tar, *.tar.gz or *.tgz in it):
-    the one rule that both the manifest's reader and the indexer use."""
-    found = PIPE_SHARD.findall(command)
+    """The shard's file name in a pipe: command (its one *.tar, *.tar.gz or *.tgz): the one
+    rule that both the manifest's reader and the indexer use. Two different names are
+    refused: which one the manifest sits beside would be a guess."""
+    found = set(PIPE_SHARD.findall(command))
     if not found:
         raise ShardError(f"{command}: no shard file name (*.tar, *.tar.gz, *.tgz) in the command")
-    return found[-1]
+    if len(found) > 1:
+        raise ShardError(f"{command}: more than one shard file name ({', '.join(sorted(found))}); "
+                         f"write the command with the shard's name once")
+    return found.pop()
 
 
 def _normal(url):

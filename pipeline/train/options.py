@@ -157,6 +157,10 @@ def check(p, args):
         p.error("--change-data only applies with --resume")
     if args.eval_only and not args.eval:
         p.error("--eval-only needs at least one --eval source")
+    if not args.out.strip():
+        p.error("--out: empty; name the run's folder")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"--out {args.out}: exists and is not a folder")
 
 
 def specs(p, flag, items):
