@@ -28,14 +28,21 @@ def default_slots(world, workers, shards):
     return max(pairs, min(12 * pairs, MAX_PARTS * shards))
 
 
-def owned(slots, rank, world, worker=0, workers=0):
-    """The slots a (rank, worker) pair reads: `wds.split_by_node` then `wds.split_by_worker`
-    on range(slots), written out (they read the rank from the environment; here it is
-    handed in). tests/test_partition.py checks the two agree."""
+def stride(rank, world, worker=0, workers=0):
+    """(first, step) of what `wds.split_by_node` then `wds.split_by_worker` give a (rank,
+    worker) pair of a list: rank r takes every world-th item from r, its worker w every
+    workers-th of those, i.e. items r + w * world, stepping world * workers. Written out
+    (webdataset reads the rank from the environment; here it is handed in);
+    tests/test_partition.py checks the two agree."""
     if not (world >= 1 and 0 <= rank < world and workers >= 0 and 0 <= worker < max(workers, 1)):
         raise ValueError(f"rank {rank} of {world}, worker {worker} of {workers}: out of range")
-    mine = range(slots)[rank::world] if world > 1 else range(slots)
-    return list(mine[worker::workers] if workers > 1 else mine)
+    return rank + worker * world, world * max(workers, 1)
+
+
+def owned(slots, rank, world, worker=0, workers=0):
+    """The slots a (rank, worker) pair reads (see `stride`)."""
+    first, step = stride(rank, world, worker, workers)
+    return list(range(first, slots, step))
 
 
 def generator(*key):

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.data import partition
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -66,6 +68,5 @@ class Worker:
 
 def slot(topo, worker):
     """(slot, slots): the position `wds.split_by_node` + `wds.split_by_worker` give this
-    (rank, worker) in a shard list: rank r takes every world-th shard from r, and its
-    worker w every count-th of those, i.e. shards r + w * world, stepping world * count."""
-    return topo.rank + worker.id * topo.world, topo.world * worker.count
+    (rank, worker) in a shard list (the one rule, `partition.stride`)."""
+    return partition.stride(topo.rank, topo.world, worker.id, worker.count)

@@ -285,10 +285,10 @@ def prepare_out(args, topo):
         raise InputError(f"{args.out} holds a previous run; pass --resume to continue it or --overwrite to replace it")
     why = ("--overwrite" if args.overwrite else "restarted without a checkpoint" if restarted else
            "--resume-or-start without a checkpoint" if either else "--out")
-    # a run starts only in a folder that holds nothing but a run's files, so --overwrite can always clear it
-    doomed = run_files(args.out, why) if os.path.isdir(args.out) else []
-    if not (previous or args.overwrite):
-        doomed = []  # a run's stray files (keys-rank0.txt of a run that never logged) are left alone
+    # a run starts only in a folder that holds nothing but a run's files, so --overwrite can always clear it;
+    # without a previous run or --overwrite, a run's stray files (a keys-rank0.txt) are left alone
+    found = run_files(args.out, why) if os.path.isdir(args.out) else []
+    doomed = found if previous or args.overwrite else []
     dist.barrier()  # every rank has looked before rank 0 clears the folder
     if topo.is_main:
         if doomed:
@@ -340,7 +340,7 @@ def evaluate(run, loaders):
                 sums[i, 3] += batch["skipped"]
                 if len(batch["label"]) == 0:
                     continue
-                x, y, s = (batch[k_].to(device, non_blocking=True) for k_ in ("image", "label", "source"))
+                x, y, s = prefetch.on_device(batch, device)
                 with autocast(device):
                     logits = model(run.layout.normalize(x, s)).float()
                 predicted = logits.argmax(1)
