@@ -19,6 +19,20 @@ def _rgb(values):
     return list(values) * 3 if len(values) == 1 else list(values)
 
 
+def _to_canvas(pixels, h, w):
+    """(n, C, sh, sw) uint8 images as (n, 3, h, w): zero-padded around the centre, a grey
+    channel repeated. Padding here, in a small array, and then placing whole rows in the
+    batch with one fancy assignment costs half what one windowed, channel-broadcast
+    assignment into the batch did (it copies 28-byte runs for MNIST)."""
+    c, sh, sw = pixels.shape[1:]
+    if (sh, sw) != (h, w):
+        top, left = (h - sh) // 2, (w - sw) // 2
+        pad = np.zeros((len(pixels), c, h, w), np.uint8)
+        pad[:, :, top:top + sh, left:left + sw] = pixels
+        pixels = pad
+    return np.repeat(pixels, 3, axis=1) if c == 1 else pixels
+
+
 class Layout:
     """Where each source's images and labels go in a batch, and how they are normalised."""
 
@@ -63,9 +77,7 @@ class Layout:
             if not len(k):
                 continue
             idx = np.flatnonzero(choice == s)
-            _, sh, sw = pixels.shape[1:]
-            top, left = (h - sh) // 2, (w - sw) // 2
-            u8[idx, :, top:top + sh, left:left + sw] = pixels  # a grey image broadcasts to 3 channels
+            u8[idx] = _to_canvas(pixels, h, w)
             keys[idx] = k
             label[idx] = labels + self.offsets[s]
         return {"image": u8, "label": label, "source": np.asarray(choice, np.int64), "key": keys.tolist(),
@@ -74,9 +86,15 @@ class Layout:
     def normalize(self, image, source, pin_memory=None):
         """uint8 (B, 3, H, W) images -> normalised float32, on whatever device they are.
 
-        On the CPU this runs in numpy, in one thread: torch spreads a batch this small
-        over every core, and its idle threads then spin, so the in-process loader used
-        1.95 cores for the work of one (tools/bench_loader.py, C/raw, workers 0).
+        On the CPU this runs in one thread: torch spreads a batch this small over every
+        core, and its idle threads then spin, so the in-process loader used 1.95 cores
+        for the work of one (tools/bench_loader.py, C/raw, workers 0). Where torch has one
+        thread anyway (DataLoader workers, OMP_NUM_THREADS=1) its cast, multiply and
+        subtract take 40% of numpy's time; elsewhere numpy does them, a cast and then two
+        float32 ufuncs in place (a uint8 * float32 ufunc casts through small buffers, 10-25%
+        slower). Switching torch to one thread and back is no way out: every
+        torch.set_num_threads clears oneDNN's convolution cache. Every route gives the
+        same float32 result bit for bit: fl(fl(x * scale) - shift).
         The result is pinned if `pin_memory`, by default if the images are.
         """
         if isinstance(image, np.ndarray):
@@ -86,8 +104,11 @@ class Layout:
         if image.device.type == "cpu":
             pin = image.is_pinned() if pin_memory is None else pin_memory
             out = torch.empty(image.shape, dtype=torch.float32, pin_memory=pin)
+            if torch.get_num_threads() == 1:
+                return out.copy_(image).mul_(self.scale[source]).sub_(self.shift[source])
             o, src = out.numpy(), source.numpy()
-            np.multiply(image.numpy(), self.scale.numpy()[src], out=o)
+            np.copyto(o, image.numpy())
+            o *= self.scale.numpy()[src]
             o -= self.shift.numpy()[src]
             return out
         if image.device not in self._on_device:  # copy the stats to a GPU once, not every step

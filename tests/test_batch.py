@@ -1,0 +1,92 @@
+"""pipeline.data.batch: collate and normalize give exactly what the straightforward formulas
+they replaced give (a windowed, channel-broadcast assignment per source; uint8 * scale - shift)."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.data.batch import Layout
+
+
+def sources():
+    """A grey 28x28 source, an RGB 32x32 one and an RGB 30x30 one: padding, channel repeat, neither."""
+    return [SimpleNamespace(name="grey", classes=range(10), shape=(1, 28, 28), mean=(0.13,), std=(0.31,)),
+            SimpleNamespace(name="rgb", classes=range(10), shape=(3, 32, 32), mean=(0.49, 0.48, 0.45),
+                            std=(0.25, 0.24, 0.26)),
+            SimpleNamespace(name="small", classes=range(3), shape=(3, 30, 30), mean=(0.5, 0.4, 0.3),
+                            std=(0.2, 0.3, 0.1))]
+
+
+def parts_for(choice, layout, rng):
+    parts = []
+    for s, src in enumerate(layout.sources):
+        n = int((choice == s).sum())
+        parts.append(([f"{src.name}-{i}" for i in range(n)], rng.integers(0, 256, (n, *src.shape), dtype=np.uint8),
+                      rng.integers(0, len(src.classes), n)))
+    return parts
+
+
+def old_collate(layout, choice, parts):
+    """The collate this module had before: one windowed assignment per source."""
+    b, (h, w) = len(choice), layout.hw
+    u8, keys, label = np.zeros((b, 3, h, w), np.uint8), np.empty(b, object), np.empty(b, np.int64)
+    for s, (k, pixels, labels) in enumerate(parts):
+        if not len(k):
+            continue
+        idx = np.flatnonzero(choice == s)
+        sh, sw = pixels.shape[2:]
+        top, left = (h - sh) // 2, (w - sw) // 2
+        u8[idx, :, top:top + sh, left:left + sw] = pixels
+        keys[idx] = k
+        label[idx] = labels + layout.offsets[s]
+    return u8, keys.tolist(), label
+
+
+@pytest.mark.parametrize("canvas", [False, True])
+@pytest.mark.parametrize("weights", [(1, 1, 1), (1, 0, 0), (0, 1, 0), (0, 0, 1)])
+def test_collate_places_every_source_as_the_windowed_assignment_did(canvas, weights):
+    layout, rng = Layout(sources()), np.random.default_rng(1)
+    p = np.array(weights, float) / sum(weights)
+    choice = rng.choice(3, size=37, p=p)
+    parts = parts_for(choice, layout, rng)
+    given = np.zeros(layout.batch_shape(37), np.uint8) if canvas else None
+    batch = layout.collate(choice, parts, skipped=2, canvas=given)
+    image, keys, label = old_collate(layout, choice, parts)
+    assert batch["image"].dtype == np.uint8 and np.array_equal(batch["image"], image)
+    assert batch["key"] == keys and all(isinstance(k, str) for k in keys)
+    assert np.array_equal(batch["label"], label) and batch["label"].dtype == np.int64
+    assert np.array_equal(batch["source"], choice) and batch["skipped"] == 2
+    if canvas:
+        assert batch["image"] is given
+    grey = np.flatnonzero(choice == 0)
+    if len(grey):  # the grey image in all 3 channels, zeros around it
+        assert (batch["image"][grey, 1] == batch["image"][grey, 0]).all()
+        assert not batch["image"][grey][:, :, :2].any() and not batch["image"][grey][:, :, :, 30:].any()
+
+
+def old_normalize(layout, image, source):
+    o = np.empty(image.shape, np.float32)
+    np.multiply(image, layout.scale.numpy()[source], out=o)
+    o -= layout.shift.numpy()[source]
+    return o
+
+
+@pytest.mark.parametrize("threads", [1, 4])  # torch's own ops in one thread, else numpy
+def test_normalize_is_bit_identical_to_the_old_formula(monkeypatch, threads):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    layout, rng = Layout(sources()), np.random.default_rng(2)
+    choice = rng.integers(0, 3, 64)
+    batch = layout.collate(choice, parts_for(choice, layout, rng))
+    batch["image"][:3] = 255  # the extremes
+    batch["image"][3:6] = 0
+    out = layout.normalize(batch["image"], batch["source"])
+    assert out.dtype == torch.float32 and out.shape == batch["image"].shape
+    assert np.array_equal(out.numpy(), old_normalize(layout, batch["image"], batch["source"]))
+    stats = sources()
+    std = np.array([s.std * (3 // len(s.std)) for s in stats])[batch["source"]][:, :, None, None]
+    mean = np.array([s.mean * (3 // len(s.mean)) for s in stats])[batch["source"]][:, :, None, None]
+    exact = (batch["image"] / 255.0 - mean) / std
+    assert np.abs(out.numpy() - exact).max() < 1e-5  # the textbook formula, to float32 rounding
+    same = layout.normalize(torch.from_numpy(batch["image"]), torch.from_numpy(batch["source"]))
+    assert torch.equal(same, out)
