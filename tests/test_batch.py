@@ -50,7 +50,7 @@ def test_collate_places_every_source_as_the_windowed_assignment_did(canvas, weig
     p = np.array(weights, float) / sum(weights)
     choice = rng.choice(3, size=37, p=p)
     parts = parts_for(choice, layout, rng)
-    given = np.zeros(layout.batch_shape(37), np.uint8) if canvas else None
+    given = np.full(layout.batch_shape(37), 77, np.uint8) if canvas else None  # a reused buffer: last batch's bytes
     batch = layout.collate(choice, parts, skipped=2, canvas=given)
     image, keys, label = old_collate(layout, choice, parts)
     assert batch["image"].dtype == np.uint8 and np.array_equal(batch["image"], image)
@@ -63,6 +63,16 @@ def test_collate_places_every_source_as_the_windowed_assignment_did(canvas, weig
     if len(grey):  # the grey image in all 3 channels, zeros around it
         assert (batch["image"][grey, 1] == batch["image"][grey, 0]).all()
         assert not batch["image"][grey][:, :, :2].any() and not batch["image"][grey][:, :, :, 30:].any()
+
+
+def test_collate_zeroes_the_places_of_a_source_that_gave_nothing():
+    layout, rng = Layout(sources()), np.random.default_rng(3)
+    choice = np.array([0, 1, 1, 2, 0])
+    parts = parts_for(choice, layout, rng)
+    parts[1] = ([], np.zeros((0, 3, 32, 32), np.uint8), np.zeros(0, np.int64))
+    batch = layout.collate(choice, parts, canvas=np.full(layout.batch_shape(5), 9, np.uint8))
+    assert not batch["image"][1:3].any()
+    assert np.array_equal(batch["image"][[0, 3, 4]], old_collate(layout, choice, parts)[0][[0, 3, 4]])
 
 
 def old_normalize(layout, image, source):

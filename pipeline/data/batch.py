@@ -64,19 +64,21 @@ class Layout:
         """One batch from each source's taken samples.
 
         choice: the source index of each position; parts[s]: (keys, uint8 images, labels)
-        of source s, as many as choice names it; canvas: a zeroed uint8 array of the batch
-        shape to fill (a BatchRing buffer), else one is made. Images stay uint8, label and
+        of source s, as many as choice names it; canvas: a uint8 array of the batch shape to
+        fill (a BatchRing buffer), else one is made. Every byte of it is written, padding
+        included, so a reused buffer needs no zeroing first. Images stay uint8, label and
         source numpy arrays: `pipeline.data.loader` turns them into tensors where they arrive.
         """
         b = len(choice)
         h, w = self.hw
-        u8 = np.zeros((b, 3, h, w), np.uint8) if canvas is None else canvas
+        u8 = np.empty((b, 3, h, w), np.uint8) if canvas is None else canvas
         keys = np.empty(b, object)
         label = np.empty(b, np.int64)
         for s, (k, pixels, labels) in enumerate(parts):
-            if not len(k):
-                continue
             idx = np.flatnonzero(choice == s)
+            if not len(k):
+                u8[idx] = 0  # places nothing was taken for read as zeros, as they always have
+                continue
             u8[idx] = _to_canvas(pixels, h, w)
             keys[idx] = k
             label[idx] = labels + self.offsets[s]

@@ -52,16 +52,15 @@ class BatchRing:
         self.busy = shared_zeros((workers, depth), np.uint8)
 
     def take(self, worker, n):
-        """(RingBuffer, its first n images zeroed, as numpy) for a worker; (None, None) if all are busy."""
+        """(RingBuffer, its first n images as numpy, as the last batch left them) for a worker;
+        (None, None) if all are busy. batch.Layout.collate writes every byte, padding included."""
         busy = self.busy[worker].numpy()
         free = np.flatnonzero(busy == 0)
         if len(free) == 0:
             return None, None
         k = int(free[0])
         busy[k] = 1
-        images = self.images[worker, k, :n].numpy()
-        images.fill(0)  # padding around smaller images must read as zeros
-        return RingBuffer(worker, k), images
+        return RingBuffer(worker, k), self.images[worker, k, :n].numpy()
 
     def release(self, buffer):
         """A buffer whose batch the main process has copied out."""
