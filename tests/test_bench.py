@@ -66,9 +66,16 @@ def test_memory_entries(record):
 
 def test_profile_ceiling_and_decoders(record):
     assert record["profile"]["top"] and record["profile"]["samples"] == 512
+    assert record["profile"]["method"] == "C" and record["profile_c8"]["method"] == "C8"
+    assert record["profile_c8"]["top"] and record["profile_c8"]["samples"] == 512
+    c8 = [r["tottime_s"] for r in record["profile_c8"]["top"] if r["function"].endswith("(normalize)")]
+    assert not any(c8)  # C8 batches stay uint8: normalize never runs
     assert {c["encoding"] for c in record["read_ceiling"]} == {"raw", "png", "jpg"}
     assert all(c["samples_per_s"]["median"] > 0 for c in record["read_ceiling"])
     assert all(0 < e["ceiling_share"] < 1 for e in record["throughput"] if e["method"] != "A")
+    for e in (e for e in record["throughput"] if e["method"] != "A"):  # samples per CPU-second against the ceiling
+        ceiling = next(c for c in record["read_ceiling"] if c["encoding"] == e["encoding"])["samples_per_s"]["median"]
+        assert e["ceiling_share_cpu"] == pytest.approx(e["samples_per_cpu_s"]["median"] / ceiling)
     chosen = {r["images"]: r["decoder"] for r in record["decoders"] if r["chosen"]}
     assert chosen == {"32x32 -> 32x32": "torchvision.io.decode_jpeg", "128x128 -> 32x32": "PIL draft"}
 

@@ -647,12 +647,13 @@ def memory(setup, encoding, workers):
 # ---------------------------------------------------------------- profile and ceiling
 
 
-def profile_c(setup, encoding, top=15):
-    """cProfile of one C run in this process (workers=0): the functions holding the time."""
+def profile_c(setup, encoding, top=15, normalize=True):
+    """cProfile of one C run (C8 with normalize=False) in this process (workers=0): the
+    functions holding the time."""
     srcs = project_sources(setup.shards[encoding])
     prof = cProfile.Profile()
     prof.enable()
-    n = sum(batches_c(srcs, setup, 0, 0))
+    n = sum(batches_c(srcs, setup, 0, 0, normalize=normalize))
     prof.disable()
     stats = pstats.Stats(prof)
     rows = []
@@ -663,7 +664,8 @@ def profile_c(setup, encoding, top=15):
             where = f"{os.path.relpath(path, ROOT) if path.startswith(ROOT) else short(path)}:{line}({func})"
         rows.append({"function": where, "calls": nc, "tottime_s": round(tt, 4), "cumtime_s": round(ct, 4)})
     rows.sort(key=lambda r: -r["tottime_s"])
-    return {"encoding": encoding, "samples": n, "total_s": round(stats.total_tt, 3), "top": rows[:top]}
+    return {"method": "C" if normalize else "C8", "encoding": encoding, "samples": n,
+            "total_s": round(stats.total_tt, 3), "top": rows[:top]}
 
 
 def short(path):
@@ -839,9 +841,9 @@ def table(entries):
         return fmt_spread(r, 2) if r else "-"
 
     head = (f"{'workers':>7} {'loader':<6} {'samples/s':>24} {'x A':>17} {'samples/cpu-s':>24} {'x A':>17}"
-            f" {'x B':>17}  cores  ceiling")
+            f" {'x B':>17}  cores  ceiling share")
     lines = [head, f"{'':>7} {'':<6} {'':>24} {'(samples/s)':>17} {'(per busy core)':>24} {'(per core)':>17}"
-                   f" {'(per core)':>17}        share"]
+                   f" {'(per core)':>17}        /s  /cpu-s"]
     order = {"A": 0, "B": 1, "C": 2, "C8": 3}
     for e in sorted(entries, key=lambda e: (e["workers"], e["encoding"] or "", order[e["method"]])):
         name = e["method"] + (f"/{e['encoding']}" if e["encoding"] else "")
@@ -849,7 +851,7 @@ def table(entries):
         lines.append(f"{e['workers']:>7} {name:<6} {fmt_spread(e['samples_per_s']):>24} "
                      f"{ratio(e, 'A', 'samples_per_s'):>17} {fmt_spread(e['samples_per_cpu_s']):>24} "
                      f"{ratio(e, 'A', 'samples_per_cpu_s'):>17} {ratio(e, 'B', 'samples_per_cpu_s'):>17}  {cores:.2f}"
-                     + (f"  {e['ceiling_share']:6.1%}" if "ceiling_share" in e else ""))
+                     + (f"  {e['ceiling_share']:4.1%}  {e['ceiling_share_cpu']:5.1%}" if "ceiling_share" in e else ""))
     return "\n".join(lines)
 
 
@@ -883,7 +885,7 @@ def parse_args(argv):
     p.add_argument("--rank", type=int, default=0, help="simulated rank (default: 0)")
     p.add_argument("--shuffle-buffer", type=int, default=1000, help="sample shuffle buffer of B and C (default: 1000)")
     p.add_argument("--skip-memory", action="store_true", help="skip the peak-memory measurements")
-    p.add_argument("--profile", action="store_true", help="also cProfile C (workers=0) and measure the read ceiling")
+    p.add_argument("--profile", action="store_true", help="also cProfile C, and C8 if measured (workers=0)")
     p.add_argument("--tar-format", action="store_true",
                    help="only compare PAX (wds.TarWriter) and USTAR (pipeline.writers.shards) tars of 10,000 MNIST samples")
     p.add_argument("--stages", action="store_true",
@@ -1029,6 +1031,7 @@ def run(args, work):
     for e in record["throughput"]:
         if e["encoding"]:
             e["ceiling_share"] = e["samples_per_s"]["median"] / ceilings[e["encoding"]]
+            e["ceiling_share_cpu"] = e["samples_per_cpu_s"]["median"] / ceilings[e["encoding"]]
     if "jpg" in args.encoding and cifar_folder:
         record["decoders"] = decoder_choice(setup)
     primary = args.encoding[0]
@@ -1039,6 +1042,8 @@ def run(args, work):
         record["memory"] = memory(setup, primary, w)
     if args.profile:
         record["profile"] = profile_c(setup, primary)
+        if "C8" in args.methods:
+            record["profile_c8"] = profile_c(setup, primary, normalize=False)
     record["loadavg_at_end"] = os.getloadavg()
     report(record)
     write_record(args.json, record)
@@ -1117,10 +1122,9 @@ def report(record):
         for r in record["decoders"]:
             log(f"  {r['images']:<18} {r['decoder']:<28} {fmt_spread(r['us_per_image'], 1):>22} "
                 f"{'*' if r['chosen'] else ''}")
-    if "profile" in record:
-        prof = record["profile"]
-        log(f"\nprofile of C/{prof['encoding']}, workers=0, {prof['samples']} samples, {prof['total_s']} s "
-            f"(under cProfile)\n{'tottime':>8} {'cumtime':>8} {'calls':>9}  function")
+    for prof in (record[k] for k in ("profile", "profile_c8") if k in record):
+        log(f"\nprofile of {prof.get('method', 'C')}/{prof['encoding']}, workers=0, {prof['samples']} samples, "
+            f"{prof['total_s']} s (under cProfile)\n{'tottime':>8} {'cumtime':>8} {'calls':>9}  function")
         for r in prof["top"]:
             log(f"{r['tottime_s']:>8.3f} {r['cumtime_s']:>8.3f} {r['calls']:>9}  {r['function']}")
 
