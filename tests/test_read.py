@@ -168,6 +168,7 @@ def test_regular_reads_project_shards_exactly_as_the_sequential_reader(tmp_path,
     assert keys == want_keys and labels.tolist() == want_labels and len(keys) == 23
     if encoding == "raw":
         assert isinstance(images, np.ndarray) and [r.tobytes() for r in images] == want_images
+        assert not images.flags.writeable and images.base is not None  # a view into buf: the caller copies
     else:
         assert images == want_images and len({len(x) for x in images}) > 1  # sizes differ: the chain, not a period
 

@@ -335,7 +335,10 @@ def regular(buf, image_ext="raw", label_ext="cls"):
     name: the same key in both members, the expected extensions, a new key each
     sample), so a shard reads exactly as `iter_samples` would read it or is left to it.
     This cost 1.5-3.1 us a sample against 5.3-9.3 us through the sequential loop, on
-    8 raw and 8 png shards each of MNIST and CIFAR10 (medians of 7).
+    8 raw and 8 png shards each of MNIST and CIFAR10 (medians of 7). Finding the magic
+    with one strided 8-byte read per block (not a 5-column compare over every block) and
+    returning the raw images as a view took a 500-sample raw shard from 660 to 350 us
+    (best of 15 passes over 40 shards of each, 2026-12-02).
     """
     n = len(buf) // 512
     if n < 4 or buf[257:262] != b"ustar" or buf[:2] == GZIP_MAGIC or image_ext == label_ext:
