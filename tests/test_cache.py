@@ -161,7 +161,7 @@ def _keys_of(src, cache):
 
     stats = {"skipped": 0}
     reader = stages.Reader(src, stats, policy=FAST, cache_dir=cache)
-    keys = reader(SimpleNamespace(urls=src.urls)).keys
+    keys = reader(stages.Window(tuple((u, 0, None) for u in src.urls))).keys
     assert stats["skipped"] == 0
     return keys
 

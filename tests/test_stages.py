@@ -1,36 +1,39 @@
-"""pipeline.stages: shard lists split like webdataset splits them, windows and what an
-interrupted epoch leaves, per-window shuffles, RandomMix."""
-import collections
-import itertools
-
+"""pipeline.data.stages: shard lists split like webdataset splits them, the windows a
+slot reads from its count, per-window shuffles, RandomMix."""
 import numpy as np
 import pytest
 import webdataset as wds
 
 from pipeline.data import stages
-from pipeline.data.stages import RandomMix, Window, leftovers, windows
+from pipeline.data.partition import Partition
+from pipeline.data.stages import RandomMix, SlotPlan, Window
 from pipeline.data.topology import Topology, Worker
 
 
-def test_shard_order_depends_on_seed_and_epoch():
-    """Every rank sees the same epoch shard order (so slots stay disjoint), and that
-    order changes with the epoch and the seed."""
-    urls = [f"s-{i}" for i in range(12)]
-
-    def first_pass(rank, world=3, **kw):
-        plan = windows(urls, **dict(dict(seed=0, epoch=0, source=0), **kw), topo=Topology(rank, world),
-                       worker=Worker())
-        return [u for _, w in zip(range(4), plan) for u in w.urls]
-
-    def epoch_order(**kw):
-        return [first_pass(rank, **kw) for rank in range(3)]
-
-    base = epoch_order()
-    assert sorted(u for part in base for u in part) == sorted(urls)  # a partition of the shards
-    assert epoch_order() == base
-    assert epoch_order(epoch=1) != base and epoch_order(seed=1) != base and epoch_order(source=1) != base
+def plan_of(counts, slots, slot, start=0, *, seed=0, epoch=0, source=0, width=2, **kw):
+    part = Partition(counts, slots, seed=seed, source=source)
+    urls = [f"s{i}" for i in range(len(counts))]
+    return SlotPlan(part, urls, epoch, [slot], {slot: start}, width=width, **kw)
 
 
+def windows(plan, n):
+    return [plan.next() for _ in range(n)]
+
+
+def test_every_slots_first_pass_is_a_partition_seeded_by_seed_epoch_source():
+    """The slots' first passes together read every shard once; the deal is the same each
+    time it is made and changes with the epoch, the seed and the source."""
+    def first_pass(**kw):
+        out = []
+        for slot in range(3):
+            plan = plan_of([10] * 12, 3, slot, **kw)
+            out.append([r for w in windows(plan, 2) for r in w.rows])  # 4 shards a slot, windows of 2
+        return out
+
+    base = first_pass()
+    assert sorted(u for part in base for u, _, _ in part) == sorted(f"s{i}" for i in range(12))
+    assert first_pass() == base
+    assert first_pass(epoch=1) != base and first_pass(seed=1) != base and first_pass(source=1) != base
 
 
 @pytest.mark.parametrize("world, workers", [(1, 1), (2, 1), (2, 3), (3, 2), (4, 4)])
@@ -50,52 +53,47 @@ def test_the_split_is_webdatasets_and_a_partition(world, workers, monkeypatch):
 
 
 def test_windows_repeat_a_slots_own_shards_in_a_new_order():
-    urls = [f"s{i}" for i in range(12)]
-    plan = windows(urls, seed=0, epoch=0, source=0, topo=Topology(1, 2), worker=Worker(0, 2), window_shards=2)
-    first = [next(plan) for _ in range(2)]  # the slot has 3 shards: windows of 2, then 1
-    assert [len(w.urls) for w in first] == [2, 1] and {w.pass_id for w in first} == {0}
-    nxt = [next(plan) for _ in range(2)]
-    assert {w.pass_id for w in nxt} == {1}
-    assert sorted(u for w in first for u in w.urls) == sorted(u for w in nxt for u in w.urls)
-    assert len({w.tag for w in first + nxt}) == 4  # every window shuffles with its own seed
+    plan = plan_of([10] * 6, 2, 1)  # 3 shards in the slot: windows of 2, then 1
+    first = windows(plan, 2)
+    assert [len(w.rows) for w in first] == [2, 1] and [w.start for w in first] == [0, 20]
+    nxt = windows(plan, 2)
+    assert [w.start for w in nxt] == [30, 50]  # the second pass
+    assert sorted(r for w in first for r in w.rows) == sorted(r for w in nxt for r in w.rows)
+    assert [r for w in first for r in w.rows] != [r for w in nxt for r in w.rows]
+    assert len({w.key for w in first + nxt}) == 4  # every window shuffles with its own seed
 
 
-def test_too_few_shards_draw_with_replacement():
-    plan = windows(["a", "b"], seed=0, epoch=0, source=0, topo=Topology(0, 2), worker=Worker(1, 2))
-    drawn = [next(plan) for _ in range(20)]
-    assert {w.pass_id for w in drawn} == {"resample"} and {u for w in drawn for u in w.urls} == {"a", "b"}
-    assert leftovers(iter(drawn), [3, 1]) == []  # nothing to finish: fresh draws go on
+def test_a_plan_made_from_a_count_goes_on_where_the_old_one_stood():
+    """The slot's count is its whole state: a plan started from it opens the window that
+    holds that position, with the positions before it skipped."""
+    plan = plan_of([7, 9, 11, 5, 8], 1, 0)
+    walk = windows(plan, 5)
+    for w in walk:
+        for pos in (0, 3):
+            count = w.start + pos
+            again = plan_of([7, 9, 11, 5, 8], 1, 0, count).next()
+            assert (again.rows, again.key, again.start, again.size, again.skip) == (w.rows, w.key, w.start, w.size,
+                                                                                     pos)
+    half = plan_of([7, 9, 11, 5, 8], 1, 0)
+    w = half.next()
+    assert half.state(4) == {0: w.start + 4} and half.state(10 ** 6) == {0: w.start + w.size}
 
 
-def test_leftovers_are_the_rest_of_the_current_pass():
-    urls = [f"s{i}" for i in range(8)]
-
-    def plan():
-        return windows(urls, seed=1, epoch=0, source=0, topo=Topology(), worker=Worker(), window_shards=2)
-
-    all_windows = list(itertools.islice(plan(), 8))
-    left = leftovers(plan(), [1, 5])  # in the second window, 5 samples into it
-    assert [w.urls for w in left] == [w.urls for w in all_windows[1:4]]
-    assert left[0].start == 5 and all(w.start == 0 for w in left[1:])
-    assert leftovers(plan(), None) == all_windows[:4]  # a worker that never started: its whole pass
+def test_resampled_windows_draw_a_slots_own_pieces_with_replacement():
+    plan = plan_of([10] * 8, 2, 0, resample=True, width=3)
+    drawn = windows(plan, 30)
+    mine = {r for w in windows(plan_of([10] * 8, 2, 0), 2) for r in w.rows}
+    assert {r for w in drawn for r in w.rows} == mine  # its own 4 shards, and each of them
+    assert any(len(set(w.rows)) < 3 for w in drawn)  # with replacement: a window may hold one twice
+    assert all(b.start == a.start + a.size for a, b in zip(drawn, drawn[1:]))
+    again = plan_of([10] * 8, 2, 0, drawn[7].start + 2, resample=True, width=3).next()
+    assert (again.rows, again.key, again.skip) == (drawn[7].rows, drawn[7].key, 2)
 
 
-def test_share_out_cuts_equal_runs_without_overlap():
-    from types import SimpleNamespace
-
-    from pipeline.data.stream import share_out
-
-    src = SimpleNamespace(urls=["a", "b", "c"], counts=[10, 10, 10])
-    pieces = [Window(("a",), "ta", 0, 4), Window(("b", "c"), "tbc", 0)]  # 6 + 20 samples left
-    parts = share_out(pieces, src, 3)
-    total = {"ta": 10, "tbc": 20}
-
-    def span(w):
-        return range(w.start, w.stop if w.stop is not None else total[w.tag])
-
-    assert [sum(len(span(w)) for w in p) for p in parts] == [8, 9, 9]
-    covered = collections.Counter((w.tag, i) for p in parts for w in p for i in span(w))
-    assert set(covered.values()) == {1} and len(covered) == 26
+def test_a_slot_of_several_pieces_of_one_shard_reads_each_range():
+    plan = plan_of([12], 3, 2, width=1)  # one shard cut in 3 pieces (the most parts it allows here)
+    (url, lo, hi), = plan.next().rows
+    assert url == "s0" and hi - lo == 4
 
 
 def test_random_mix_has_webdatasets_signature_and_a_seed():
@@ -108,6 +106,9 @@ def test_random_mix_has_webdatasets_signature_and_a_seed():
     assert list(RandomMix([a, b], seed=3)) != list(RandomMix([a, b], seed=4))
     draws = RandomMix([a, b], [0.7, 0.3], seed=[0, 1, 2, 3]).draw(100_000)
     assert abs((draws == 0).mean() - 0.7) < 0.01
+    at = RandomMix([a, b], [0.7, 0.3], seed=[0, 1, 2, 3]).draw(64, at=9)  # batch 9's draws, from its position alone
+    assert (at == RandomMix([a, b], [0.7, 0.3], seed=[0, 1, 2, 3]).draw(64, at=9)).all()
+    assert (at != RandomMix([a, b], [0.7, 0.3], seed=[0, 1, 2, 3]).draw(64, at=10)).any()
     for bad in ([1.0], [-1.0, 2.0], [0.0, 0.0], [float("nan"), 1.0]):
         with pytest.raises(ValueError):
             RandomMix([a, b], bad)
@@ -149,7 +150,7 @@ def test_the_fast_and_the_sequential_reader_agree_on_bad_labels(tmp_path, encodi
             reader.regular = None
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            data = reader(Window((src.urls[0],), "t", 0))
+            data = reader(Window(((src.urls[0], 0, None),)))
         seen.append((data.keys, data.labels.tolist(), [bytes(x) for x in data.images] if encoding == "png" else
                      data.images.tolist() if fast else None, [str(w.message) for w in caught], reader.stats))
     (keys, labels, _, said, stats), (keys2, labels2, _, said2, stats2) = seen

@@ -27,7 +27,7 @@ from helpers import (build_shards, free_port, key_index, read_members, sample_ke
 from pipeline.errors import ShardError
 from pipeline.data.loader import BatchRing, RingBuffer, _as_is, _RingFed  # noqa: F401
 from pipeline.data.remote import cache_path
-from pipeline.data.stages import windows
+
 from pipeline.data.stream import EvalStream, MixedStream, check_weights, make_loader, parse_weights, resolve
 from pipeline.data.topology import Topology, Worker
 
@@ -118,24 +118,28 @@ def test_equal_batches_uneven_shards_and_small_source(data, world, workers):
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_equal_batches_fewer_shards_than_slots(data, world, workers):
-    """tiny-train has 2 shards: with more slots than that make_loader warns, and every
-    rank still yields the full count (slots then draw shards with replacement)."""
+    """tiny-train has 2 shards of 6. With more (rank, worker) pairs than shards they are
+    cut into pieces, a slot each, and nothing warns; with fewer slots than pairs (2, as
+    an earlier run may have fixed them) make_loader warns, and the pairs left without a
+    slot borrow one. Either way every rank yields the full count."""
     sources = train_sources(data.dir, ("mnist", "tiny"))
     weights = {"mnist": 0.5, "tiny": 0.5}
-    counts = []
-    for rank in range(world):
-        stream = MixedStream(sources, weights, 5, Topology(rank, world), epoch_samples=120, shuffle_buffer=8)
-        if world * max(1, workers) > 2:
-            with pytest.warns(UserWarning, match="tiny: fewer shards than ranks x workers"):
-                loader = make_loader(stream, workers)
-        else:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")
-                loader = make_loader(stream, workers)
-        batches = [list(b["key"]) for b in loader]
-        assert all(len(b) == 5 for b in batches)
-        counts.append(len(batches))
-    assert counts == [120 // (world * 5)] * world
+    for slots in (None, [24, 2]):
+        counts = []
+        for rank in range(world):
+            stream = MixedStream(sources, weights, 5, Topology(rank, world), epoch_samples=120, shuffle_buffer=8,
+                                 slots=slots)
+            if slots and world * max(1, workers) > 2:
+                with pytest.warns(UserWarning, match="tiny: more ranks x workers"):
+                    loader = make_loader(stream, workers)
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")
+                    loader = make_loader(stream, workers)
+            batches = [list(b["key"]) for b in loader]
+            assert all(len(b) == 5 for b in batches)
+            counts.append(len(batches))
+        assert counts == [120 // (world * 5)] * world
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")

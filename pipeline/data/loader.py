@@ -142,10 +142,9 @@ def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=4, star
     """
     short = stream.short_sources(num_workers) if hasattr(stream, "short_sources") else []
     if short:
-        warnings.warn(f"{', '.join(short)}: fewer shards than ranks x workers "
-                      f"({stream.topo.world} x {max(1, num_workers)}); those sources draw shards with "
-                      f"replacement, so samples may repeat across workers. Write more, smaller shards.",
-                      stacklevel=2)
+        warnings.warn(f"{', '.join(short)}: more ranks x workers ({stream.topo.world} x {max(1, num_workers)}) "
+                      f"than pieces of shards to deal them; the pairs left without one read another's, so "
+                      f"samples repeat across workers. Write more, smaller shards.", stacklevel=2)
     if hasattr(stream, "set_workers"):
         stream.set_workers(max(1, num_workers))
     pin = pin_memory and torch.cuda.is_available()

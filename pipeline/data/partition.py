@@ -10,7 +10,8 @@ from its count: same-world and other-world resume are one code path.
 
 Every order is a pure function of integers (seed, epoch, source, slot, position),
 drawn from a counter-based generator (numpy's Philox keyed by them), so any position
-is reached directly, without replaying what came before.
+is reached directly, without replaying what came before. Keys start with a tag naming
+what they draw (numpy's SeedSequence gives [1, 2] and [1, 2, 0] one stream).
 """
 import math
 
@@ -18,14 +19,18 @@ import numpy as np
 
 MAX_PARTS = 4  # a shard is cut into at most this many sample ranges for small sources
 MAX_COUNT = 1 << 53  # a consumed count beyond this is no count a run can reach
+MAX_SLOTS = 1 << 22  # K per source: 4M slots is 4,000 ranks x 8 workers x 128 each
+DEAL, ORDER, SHUFFLE, RESAMPLE, RESHUFFLE, MIX = range(6)  # the first word of every generator key
 
 
 def default_slots(world, workers, shards):
     """K for a run that first starts on `world` ranks x `workers` workers over a source of
     `shards` shards: at least one slot per (rank, worker) pair, and up to 12 per pair
-    while the shards (cut into parts) go round, so the run can later grow."""
+    while there are shards for them, so the run can later grow to 12x the pairs. No more
+    slots than shards unless the pairs need them: a slot holding part of a shard reads the
+    whole shard for it."""
     pairs = world * max(workers, 1)
-    return max(pairs, min(12 * pairs, MAX_PARTS * shards))
+    return max(pairs, min(12 * pairs, shards))
 
 
 def stride(rank, world, worker=0, workers=0):
@@ -79,7 +84,7 @@ class Partition:
         """Piece indices of every slot this epoch: one seeded permutation, piece i to slot i % K.
         The same on every rank; computed once per epoch in O(pieces)."""
         if self._epoch != epoch:
-            order = generator(self.seed, epoch, self.source).permutation(len(self.piece_shard))
+            order = generator(DEAL, self.seed, epoch, self.source).permutation(len(self.piece_shard))
             self._epoch, self._deal = epoch, order
         return self._deal
 
@@ -102,23 +107,66 @@ class Partition:
         np.add.at(out, np.arange(len(order)) % self.slots, (self.piece_hi - self.piece_lo)[order])
         return out
 
+    def order(self, epoch, slot, turn, variant=0):
+        """Slot's pieces in the order of its pass `turn`: the deal's order first, then an order
+        drawn from (seed, epoch, source, slot, pass). A `variant` > 0 (a pair reading a slot
+        it borrowed) has orders of its own from the first pass on."""
+        rows = self.pieces(epoch, slot)
+        if turn or variant:
+            rows = rows[generator(ORDER, self.seed, epoch, self.source, slot, turn, variant).permutation(len(rows))]
+        return rows
+
     def locate(self, epoch, slot, position):
         """Where position `position` of the slot's stream lies: (pass, piece row, offset in
-        the piece). Past the slot's share it goes on with passes of its own, each in an
-        order drawn from (seed, epoch, source, slot, pass): reached directly, not replayed."""
+        the piece), reached directly, not replayed; past the slot's share it goes on with
+        passes of its own."""
+        turn, rows, at = self._turn(epoch, slot, position)
+        sizes = rows[:, 2] - rows[:, 1]
+        ends = np.cumsum(sizes)
+        k = int(np.searchsorted(ends, at, side="right"))
+        here = self.pieces(epoch, slot)
+        row = int(np.flatnonzero((here == rows[k]).all(axis=1))[0])
+        return turn, row, int(at - (ends[k] - sizes[k]))
+
+    def _turn(self, epoch, slot, position, variant=0):
         if not 0 <= position < MAX_COUNT:
             raise ValueError(f"position {position} outside 0..{MAX_COUNT}")
-        rows = self.pieces(epoch, slot)
-        sizes = rows[:, 2] - rows[:, 1]
-        total = int(sizes.sum())
+        total = self.size(epoch, slot)
         if total == 0:
             raise ValueError(f"slot {slot} of source {self.source} holds no samples")
         turn, at = divmod(position, total)
-        order = np.arange(len(rows)) if turn == 0 else \
-            generator(self.seed, epoch, self.source, slot, turn).permutation(len(rows))
-        ends = np.cumsum(sizes[order])
-        k = int(np.searchsorted(ends, at, side="right"))
-        return turn, int(order[k]), int(at - (ends[k] - sizes[order][k]))
+        return turn, self.order(epoch, slot, turn, variant), at
+
+    def window(self, epoch, slot, position, width, variant=0):
+        """The window of `width` pieces that holds the slot's position `position`, as
+        (rows, start, size, key): its pieces, the slot position it starts at, how many
+        positions it stands for, and the key of its shuffle. Windows never cross a pass."""
+        turn, rows, at = self._turn(epoch, slot, position, variant)
+        ends = np.cumsum(rows[:, 2] - rows[:, 1])
+        cuts = ends[np.minimum(np.arange(width, len(rows) + width, width), len(rows)) - 1]
+        j = int(np.searchsorted(cuts, at, side="right"))
+        lo = int(cuts[j - 1]) if j else 0
+        key = (SHUFFLE, self.seed, epoch, self.source, slot, turn, j, variant)
+        return rows[j * width:(j + 1) * width], turn * int(ends[-1]) + lo, int(cuts[j]) - lo, key
+
+    def resampled(self, epoch, slot, position, width, variant=0):
+        """Like `window`, for a slot that draws `width` of its pieces with replacement per
+        window, forever (--resample). Window sizes vary, so a position is found by summing
+        the slot's earlier window sizes: a few per epoch, each a generator draw."""
+        if not 0 <= position < MAX_COUNT:
+            raise ValueError(f"position {position} outside 0..{MAX_COUNT}")
+        pieces = self.pieces(epoch, slot)
+        sizes = pieces[:, 2] - pieces[:, 1]
+        if not sizes.sum():
+            raise ValueError(f"slot {slot} of source {self.source} holds no samples")
+        start = 0
+        for j in range(MAX_COUNT):
+            rows = pieces[generator(RESAMPLE, self.seed, epoch, self.source, slot, j, variant).integers(
+                0, len(pieces), width)]
+            size = int((rows[:, 2] - rows[:, 1]).sum())
+            if position < start + size:
+                return rows, start, size, (RESHUFFLE, self.seed, epoch, self.source, slot, j, variant)
+            start += size
 
 
 def check_counts(counts, slots):
@@ -138,12 +186,16 @@ def check_counts(counts, slots):
     return out
 
 
-def gather(states, slots):
-    """Every rank's {slot: count} into one map over all K slots; each slot must appear once."""
+def gather(states, slots, complete=True):
+    """Several {slot: count} maps (ranks', workers') into one; each slot must appear once,
+    and, when `complete`, every one of the K slots must."""
     merged = {}
     for state in states:
         for s, v in check_counts(state, slots).items():
             if s in merged:
                 raise ValueError(f"slot {s} appears in more than one rank's state")
             merged[s] = v
+    if complete and len(merged) != slots:
+        missing = sorted(set(range(slots)) - set(merged))
+        raise ValueError(f"the states hold {len(merged)} of the {slots} slots (missing {missing[:5]}...)")
     return merged

@@ -1,19 +1,23 @@
 """The stages of one source's samples inside one (rank, DataLoader worker), in order:
 
-    epoch_order   the source's shards in this epoch's order, the same on every rank
-    split         wds.split_by_node, then wds.split_by_worker's rule: this slot's shards
-    windows       passes over those shards, forever, cut into windows of a few shards
-    read_window   each shard of a window read once: members grouped into samples, labels
-                  parsed, members the source doesn't use dropped unread
-    shuffle       one seeded permutation of each window's samples
-    take          the next n samples decoded (`SourceStream.take`)
+    partition   the source's shards (pieces of them for small sources) dealt to K
+                canonical slots; this (rank, worker) owns some (pipeline.data.partition)
+    plan        each owned slot read on from its consumed count, in windows of a few
+                pieces that never cross a pass (`SlotPlan`)
+    read        each piece of a window read once: members grouped into samples, labels
+                parsed, members the source doesn't use dropped unread (`Reader`)
+    shuffle     one seeded permutation of each window's samples
+    take        the next n samples decoded, through the user's sample stages
+                (`SourceStream.take`)
 
 and across sources, `RandomMix` draws which source each sample of a batch comes from.
 
-Every stage before `take` is a pure function of (seed, epoch, source, rank, worker,
-window index), so where a stream stands is two integers per source, the window and
-the position in it (`SourceStream.state`), and any such point can be reached again
-without reading what came before it.
+Every stage before `take` is a pure function of (seed, epoch, source, slot, count):
+where a stream stands is, per source, the consumed count of each slot it owns
+(`SourceStream.state`), and any such point is reached again without reading what
+came before it. Counts run over positions in the windows' shuffled orders,
+whether the sample there was kept, skipped as damaged or dropped by a stage, so a
+pure stage of the user's resumes exactly.
 
 Two stages are written here rather than taken from webdataset, for measured
 reasons (docs/benchmarks.md, "Why some stages are our own"): tar reading (`pipeline.data.read`),
@@ -23,27 +27,16 @@ reach. `RandomMix` keeps `wds.RandomMix`'s signature and adds a seed: the
 original draws from the global `random` module, so it can't be seeded per rank
 and worker, and it draws one sample at a time.
 """
-import hashlib
 import io
-import itertools
-import random
 import warnings
 from dataclasses import dataclass
 
 import numpy as np
-import webdataset as wds
 
-from pipeline.data import partition, remote, topology
+from pipeline.data import partition, remote
 from pipeline.data.decode import Unlabelled, class_index, decode_batch, image_format, image_of, label_of, parse_label_key
 from pipeline.errors import DigestError, InputError, ShardError
 from pipeline.data.read import is_meta, iter_samples, regular
-
-
-def epoch_order(urls, seed, epoch, source):
-    """The source's shards in this epoch's order: seeded, so identical on every rank."""
-    order = list(urls)
-    random.Random(f"{seed}/{epoch}/{source}").shuffle(order)
-    return order
 
 
 def split(urls, topo, worker):
@@ -55,41 +48,80 @@ def split(urls, topo, worker):
 
 @dataclass(frozen=True)
 class Window:
-    """A few shards read and shuffled together: `tag` seeds the shuffle, `pass_id` says which
-    pass over the slot's shards it belongs to, [start, stop) the part of its shuffled order
-    it stands for (all of it, unless an interrupted epoch was split up: see stream.leftovers)."""
+    """A few pieces of shards read and shuffled together.
 
-    urls: tuple
-    tag: str
-    pass_id: object
+    rows: (url, lo, hi) sample ranges of shards in their own order (hi None: to the end);
+    key: the shuffle's generator key (None: read in order); slot, start, size: the
+    slot positions [start, start + size) the window stands for; skip: how many of them
+    were consumed before (a resumed slot)."""
+
+    rows: tuple
+    key: tuple = None
+    slot: int = -1
     start: int = 0
-    stop: int = None
+    size: int = None
+    skip: int = 0
 
 
-def windows(urls, *, seed, epoch, source, topo, worker, window_shards=1, resample=False, pieces=()):
-    """The windows one slot reads, forever: `pieces` first (an interrupted epoch's share),
-    then passes over the slot's shards, reshuffled each pass. A slot repeats only its own
-    shards, so samples repeat within a worker, never across workers. With fewer shards
-    than slots, or `resample`, windows draw shards with replacement instead of idling."""
-    yield from pieces
-    ordered = epoch_order(urls, seed, epoch, source)
-    tag = f"{seed}/{epoch}/{source}/{topo.rank}.{topo.world}/{worker.id}.{worker.count}"
-    if resample or len(urls) < topology.slot(topo, worker)[1]:
-        rng = random.Random(f"{tag}/resample")
-        for k in itertools.count():
-            yield Window(tuple(rng.choice(ordered) for _ in range(window_shards)), f"{tag}/r{k}", "resample")
-    mine = split(ordered, topo, worker)
-    rng = random.Random(tag)
-    for p in itertools.count():
-        if p:
-            rng.shuffle(mine)
-        for k in range(0, len(mine), window_shards):
-            yield Window(tuple(mine[k:k + window_shards]), f"{tag}/{p}/{k}", p)
+class SlotPlan:
+    """The windows of the slots one (rank, worker) reads of one source, from their counts.
+
+    A pair reads, window by window, the owned slot that has read the least of its
+    passes (the lowest first when even), so its slots move on together: when a run
+    stops, every slot has about the same share left, and a new world dealt those slots
+    gets an even share of what is left. A pair that owns no slot with samples (more
+    pairs than pieces) is given one it borrows, read in orders of its own (`variant`):
+    its samples then repeat another pair's.
+    """
+
+    def __init__(self, part, urls, epoch, slots, counts, *, width, resample=False, variant=0):
+        self.part, self.urls, self.epoch, self.width = part, list(urls), epoch, width
+        self.resample, self.variant = resample, variant
+        sizes = part.sizes(epoch)
+        self.counts = {s: int(counts.get(s, 0)) for s in slots}
+        self.live = [s for s in slots if sizes[s] > 0]
+        self.sizes = {s: int(sizes[s]) for s in self.live}
+        self.current = None
+        # where each slot's window begins: the choice is made per window, so a slot
+        # stopped inside one is chosen as it was when that window opened
+        self.marks = {s: self._draw(s, self.counts[s])[1] for s in self.live}
+
+    def _draw(self, slot, count):
+        draw = self.part.resampled if self.resample else self.part.window
+        return draw(self.epoch, slot, count, self.width, self.variant)
+
+    def next(self):
+        """The window after the current one (which counts as read to its end)."""
+        if self.current is not None:
+            w = self.current
+            self.counts[w.slot] = self.marks[w.slot] = w.start + w.size
+        s = min(self.live, key=lambda s: self.marks[s] / self.sizes[s])
+        c = self.counts[s]
+        rows, start, size, key = self._draw(s, c)
+        self.current = Window(tuple((self.urls[i], lo, hi) for i, lo, hi in rows.tolist()), key, s, start, size,
+                              c - start)
+        return self.current
+
+    def state(self, pos=0):
+        """{slot: count}, the current window counted `pos` positions past where it began."""
+        counts = dict(self.counts)
+        w = self.current
+        if w is not None:
+            counts[w.slot] = w.start + min(w.skip + pos, w.size)
+        return counts
 
 
-def eval_windows(urls, topo, worker):
-    """Evaluation reads each of the slot's shards once, in order."""
-    return (Window((u,), u, 0) for u in split(urls, topo, worker))
+class OncePlan:
+    """Evaluation: each of the slot's shards once, whole and in order."""
+
+    def __init__(self, urls):
+        self.windows = iter([Window(((u, 0, None),)) for u in urls])
+
+    def next(self):
+        return next(self.windows, None)
+
+    def state(self, pos=0):
+        return {}
 
 
 class WindowData:
@@ -151,19 +183,23 @@ class Reader:
         self.named = set()
 
     def __call__(self, window):
-        out = WindowData()
-        for url in window.urls:
-            self._read_shard(url, out)
+        out, shards = WindowData(), {}
+        for url, lo, hi in window.rows:
+            if url not in shards:  # a slot may hold two pieces of one shard
+                shards[url] = self._read_shard(url)
+            self._piece(url, shards[url], lo, hi, out)
         return out.seal()
 
-    def _read_shard(self, url, out):
+    def _read_shard(self, url):
+        """Every sample of a shard: (columns, their positions in the shard, bad samples as
+        (position, key, error), how many positions it held, the error that ended it)."""
         count, nbytes, digest = self.facts.get(url, (None, None, None))
         whole = nbytes is not None and nbytes <= WHOLE_SHARD
         got, bad, cols = 0, [], None
 
         def consume(stream):
             nonlocal got, cols
-            got, cols = 0, ([], [], [], [])  # a retry starts the shard over
+            got, cols = 0, ([], [], [], [], [])  # a retry starts the shard over
             bad.clear()
             if whole:
                 buf = remote.read_all(stream, WHOLE_SHARD)  # the manifest's size is a claim: a local file may be larger
@@ -173,28 +209,31 @@ class Reader:
                         got, cols = len(found[0]), self._check_regular(*found, bad)
                         return
                 stream = io.BytesIO(buf)
-            keys, images, exts, labels = cols
+            keys, images, exts, labels, where = cols
             for sample in iter_samples(stream, self.want, url):
                 if is_meta(sample["__key__"]):  # a shard's __meta__ sample: no training sample, as in the index
                     continue
+                at = got
                 try:
                     label = label_of(sample, self.target, self.lookup)
                     ext, image = image_of(sample, self.target)
                 except Unlabelled as e:
                     if not self.target.skip_unlabelled:  # else left out, as the index counted it
                         got += 1
-                        bad.append((sample["__key__"], f"no label: {e}"))
+                        bad.append((at, sample["__key__"], f"no label: {e}"))
                     continue
                 except ValueError as e:
                     got += 1
-                    bad.append((sample["__key__"], e))
+                    bad.append((at, sample["__key__"], e))
                     continue
                 got += 1
                 keys.append(sample["__key__"])
                 images.append(image)
                 exts.append(image_format(ext))
                 labels.append(label)
+                where.append(at)
 
+        error = None
         try:
             remote.read_url(url, consume, policy=self.policy, nbytes=nbytes, digest=digest, cache_dir=self.cache_dir)
         except ShardError as e:
@@ -202,31 +241,56 @@ class Reader:
                 raise ShardError(f"{url}: {e}") from None
             if isinstance(e, DigestError):  # the whole shard is suspect, not only its end
                 got, cols, bad = 0, None, []
-            lost = max((count or got) - got, 1)
-            self.stats["skipped"] += lost
-            warnings.warn(f"{url}: {e}; skipped {lost} sample(s)", stacklevel=2)
+            error = e
         else:
-            lost = max((count or got) - got, 0)  # a tar may end without its end blocks: then only the count tells
-            if lost and self.strict:
+            if count is not None and got < count and self.strict:  # a tar may end without its end blocks
                 raise ShardError(f"{url}: {got} samples, the manifest says {count}: the tar ends early (truncated)")
-            self.stats["skipped"] += lost
             if count is not None and got != count and url not in self.named:
                 self.named.add(url)
+                lost = max(count - got, 0)
                 warnings.warn(f"{url}: {got} samples, the manifest says {count}" +
-                              (f"; the {lost} missing counted as skipped" if lost else ""), stacklevel=2)
-        for key, error in bad:
-            self.bad(url, key, error)
-        if cols is not None and len(cols[0]):
-            out.add(*cols, url)
+                              (f"; the {lost} missing counted as skipped" if lost else ""), stacklevel=3)
+        return cols, bad, got, error, count
+
+    def _piece(self, url, shard, lo, hi, out):
+        """The samples at positions [lo, hi) of a read shard into `out`; what is missing
+        there, or bad, counted as skipped."""
+        cols, bad, got, error, count = shard
+        end = (count or got) if hi is None else hi
+        lost = max(end - max(lo, got), 0)
+        if error is not None:
+            if end >= (count or got):
+                lost = max(lost, 1)  # the shard's end was damaged
+            if lost:
+                warnings.warn(f"{url}: {error}; skipped {lost} sample(s)", stacklevel=3)
+        self.stats["skipped"] += lost
+        for at, key, e in bad:
+            if lo <= at < end:
+                self.bad(url, key, e)
+        if cols is None or not len(cols[0]):
+            return
+        keys, images, exts, labels, where = cols
+        where = np.asarray(where)
+        if lo > 0 or end < got:
+            keep = np.flatnonzero((where >= lo) & (where < end))
+            if not len(keep):
+                return
+            keys = [keys[i] for i in keep.tolist()]
+            images = images[keep] if isinstance(images, np.ndarray) else [images[i] for i in keep.tolist()]
+            exts = exts if isinstance(exts, str) else [exts[i] for i in keep.tolist()]
+            labels = np.asarray(labels)[keep]
+        out.add(keys, images, exts, labels, url)
 
     def _check_regular(self, keys, images, labels, bad):
         """Labels (and raw image sizes) of a shard read by read.regular, checked for all its
-        samples at once. Returns the columns WindowData.add takes."""
+        samples at once. Returns the columns WindowData.add takes and their positions."""
         dense = isinstance(images, np.ndarray)
         nbytes = int(np.prod(self.target.shape))
+        where = np.arange(len(keys))
         if dense and images.shape[1] != nbytes:
-            bad += [(k, f"{images.shape[1]} raw bytes, expected {nbytes} for shape {self.target.shape}") for k in keys]
-            return [], images[:0], "raw", labels[:0]
+            bad += [(i, k, f"{images.shape[1]} raw bytes, expected {nbytes} for shape {self.target.shape}")
+                    for i, k in enumerate(keys)]
+            return [], images[:0], "raw", labels[:0], where[:0]
         values = labels
         if self.lookup is not None:
             known = np.array(self.target.label_values)
@@ -237,11 +301,11 @@ class Reader:
         else:
             ok = (labels >= 0) & (labels < self.target.classes)
         if not ok.all():
-            bad += [(keys[i], _label_error(int(values[i]), self.target, self.lookup)) for i in np.flatnonzero(~ok)]
+            bad += [(i, keys[i], _label_error(int(values[i]), self.target, self.lookup)) for i in np.flatnonzero(~ok)]
             keep = np.flatnonzero(ok)
-            keys, labels = [keys[i] for i in keep], labels[keep]
+            keys, labels, where = [keys[i] for i in keep], labels[keep], keep
             images = images[keep] if dense else [images[i] for i in keep]
-        return keys, images, "raw" if dense else [image_format(self.target.image_exts[0])] * len(keys), labels
+        return keys, images, "raw" if dense else [image_format(self.target.image_exts[0])] * len(keys), labels, where
 
     def bad(self, url, key, error):
         if self.strict:
@@ -259,58 +323,46 @@ def _label_error(value, target, lookup):
     raise AssertionError(f"label {value} is usable")
 
 
-def _rng(tag):
-    return np.random.default_rng(int.from_bytes(hashlib.sha256(tag.encode()).digest()[:8], "little"))
-
-
 class SourceStream:
-    """One source's samples for one slot: the windows of a plan, read, shuffled, decoded.
+    """One source's samples for one (rank, worker): the windows of a plan, read, shuffled, decoded.
 
     `take(n)` returns the next n good samples as (keys, uint8 images (n, C, H, W),
-    labels); an endless plan never runs out, a finite one (evaluation) may return
-    fewer. `state()` is [window index, position in its shuffled order]; `restore`
-    goes back there without reading the windows before it. `sample_stages` are the
-    user's functions on each decoded sample (see MixedStream).
+    labels); a training plan never runs out, an evaluation plan may return fewer.
+    `state()` is the plan's {slot: count}: build a new stream from those counts to go
+    on from there. `sample_stages` are the user's functions on each decoded sample
+    (see MixedStream).
     """
 
     def __init__(self, plan, reader, *, shuffle=True, sample_stages=()):
-        self.plan, self.reader, self.shuffle, self.sample_stages = iter(plan), reader, shuffle, tuple(sample_stages)
+        self.plan, self.reader, self.shuffle, self.sample_stages = plan, reader, shuffle, tuple(sample_stages)
         self.target = reader.target
-        self.index, self.pos, self.order, self.data, self.labels, self.crops = -1, 0, (), None, None, None
+        self.pos, self.order, self.data, self.labels, self.crops = 0, (), None, None, None
         self.empty, self.window_good = 0, True  # windows in a row that gave nothing usable
-        self.limit = len(reader.source.urls) + 2
+        self.limit = len(reader.source.urls) * partition.MAX_PARTS + 2
 
     def state(self):
-        return [self.index, self.pos]
-
-    def restore(self, state):
-        index, pos = state
-        if index < 0:
-            return
-        for _ in range(index):
-            next(self.plan)
-        self.index = index - 1
-        if self._open():
-            self.pos = pos
+        return self.plan.state(self.pos)
 
     def _open(self):
         """Read the plan's next window; False when a finite plan is done. Raises ShardError
-        when more windows in a row than the source has shards gave no usable sample."""
+        when more windows in a row than the source has pieces gave no usable sample."""
         self.empty = 0 if self.window_good else self.empty + 1
         if self.empty > self.limit:
             raise ShardError(f"{self.reader.source.name}: no readable samples in this worker's shards "
                              f"(e.g. {self.reader.source.urls[0]})")
-        window = next(self.plan, None)
+        window = self.plan.next()
         if window is None:
             return False
-        self.index += 1
         self.data = self.reader(window)
         self.labels = self.data.labels
         n = len(self.data)
-        rng = _rng(window.tag)
-        order = rng.permutation(n) if self.shuffle else np.arange(n)
-        self.order = order[window.start:window.stop]
-        self.crops = rng.random((n, 2)) if self.shuffle else None
+        if self.shuffle and window.key is not None:
+            rng = partition.generator(*window.key)
+            order, self.crops = rng.permutation(n), rng.random((n, 2))
+        else:
+            order, self.crops = np.arange(n), None
+        stop = n if window.size is None else min(n, window.size)
+        self.order = order[min(window.skip, stop):stop]
         self.pos, self.window_good = 0, False
         return True
 
@@ -346,14 +398,6 @@ class SourceStream:
         if not parts:
             return [], np.zeros((0, c, h, w), np.uint8), np.zeros(0, np.int64)
         return keys, parts[0] if len(parts) == 1 else np.concatenate(parts), np.concatenate(labels)
-
-    def __iter__(self):
-        """One sample at a time, as webdataset stages pass them (RandomMix's own iteration)."""
-        while True:
-            keys, pixels, labels = self.take(1)
-            if not keys:
-                return
-            yield {"__key__": keys[0], "image": pixels[0], "label": int(labels[0])}
 
     def _staged(self, keys, pixels, labels):
         """Each decoded sample through the user's stages; a stage returning None drops it."""
@@ -396,34 +440,16 @@ def _name(fn):
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
-def leftovers(plan, state):
-    """The windows a slot had yet to finish in its current pass, when it stopped at `state`
-    ([window index, position]): the current window from that position on, then the rest
-    of its pass. Pure: nothing is read."""
-    index, pos = state if state else (0, 0)
-    plan = iter(plan)
-    for _ in range(max(index, 0)):
-        next(plan)
-    current = next(plan)
-    if current.pass_id == "resample":
-        return []
-    out = [Window(current.urls, current.tag, current.pass_id, current.start + max(pos, 0), current.stop)]
-    for w in plan:
-        if w.pass_id != current.pass_id:
-            break
-        out.append(w)
-    return out
-
-
 class RandomMix:
     """Draws which source each sample comes from, by weight.
 
     `wds.RandomMix`'s signature (datasets, probs=None, longest=False) plus a `seed`
     (an int or a sequence of ints, e.g. (seed, epoch, rank, worker)). Iterating yields
-    samples one at a time as wds.RandomMix does; `draw(n)` gives n source indices at
-    once, which is how batches are made. With longest=False iteration stops when any
-    source is exhausted, with longest=True it goes on with the rest. `state()` and
-    `restore()` save and reload the generator.
+    samples one at a time as wds.RandomMix does; `draw(n, at)` gives the n source
+    indices of batch `at` at once, drawn from a generator keyed by (seed, at), so a
+    resumed stream needs only the batch position. With longest=False iteration stops
+    when any source is exhausted, with longest=True it goes on with the rest.
+    `state()` and `restore()` save and reload the iteration's generator.
     """
 
     def __init__(self, datasets, probs=None, longest=False, seed=0):
@@ -433,10 +459,12 @@ class RandomMix:
             raise ValueError(f"probs {probs}: one weight >= 0 per dataset, with a positive sum")
         self.probs = [p / sum(probs) for p in probs]
         self.longest = longest
+        self.key = tuple(int(k) for k in (seed if isinstance(seed, (list, tuple)) else [seed]))
         self.rng = np.random.default_rng(seed)
 
-    def draw(self, n):
-        return self.rng.choice(len(self.probs), size=n, p=self.probs)
+    def draw(self, n, at=None):
+        rng = self.rng if at is None else partition.generator(partition.MIX, *self.key, at)
+        return rng.choice(len(self.probs), size=n, p=self.probs)
 
     def __iter__(self):
         sources = [iter(d) for d in self.datasets]

@@ -1,6 +1,7 @@
 """The training side's data stream: several sources, mixed by weight, in equal-length batches.
 
-    in each (rank, worker), per source:  stages.windows -> stages.Reader -> stages.SourceStream
+    per source, fixed for the run:       partition.Partition deals its shards to K slots
+    in each (rank, worker), per source:  stages.SlotPlan -> stages.Reader -> stages.SourceStream
     across sources:                      stages.RandomMix draws the source of every sample
     then:                                batch.Layout.collate, loader.make_loader's hand-over
 
@@ -9,30 +10,29 @@ sources repeat rather than end, so no rank is ever left waiting in an
 all-reduce. `EvalStream` reads a source's test shards once, split over ranks
 and workers.
 
-A stream's position is small (`state_dict`): per worker, its batch count, its
-RandomMix generator and, per source, a window index and a position in it; the
-stages before are pure functions of those. `load_state_dict` continues an
-interrupted epoch: with the same world size and workers exactly where it
-stopped, or on another world size with what the interrupted epoch had left
-(see `leftover_segment`).
+A stream's position is small (`state_dict`): per source the consumed count of each
+slot this rank owns, and per worker the batches it made (the mixture's position);
+everything before is a pure function of those. `load_state_dict` continues an
+interrupted epoch by one path whatever the world: the slots are dealt to this
+world's (rank, worker) pairs and each goes on from its count. With the same world
+size and workers that is exactly where the run stopped.
 """
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from pipeline.data import remote, stages
+from pipeline.data import partition, remote, stages
 from pipeline.data.batch import Layout
 from pipeline.errors import ShardError
 from pipeline.data.loader import Arrival, make_loader  # noqa: F401  (part of this module's API)
 from pipeline.data.manifest import Source, resolve  # noqa: F401  (part of this module's API)
-from pipeline.data.topology import Topology, Worker, slot
+from pipeline.data.topology import Topology, Worker
 from pipeline.data.weights import check_weights, parse_weights  # noqa: F401  (part of this module's API)
 
 __all__ = ["MixedStream", "EvalStream", "Source", "resolve", "make_loader", "parse_weights", "check_weights"]
-STATE_VERSION = 1
+STATE_VERSION = 2
 _NOTHING = ([], np.zeros((0, 1, 1, 1), np.uint8), np.zeros(0, np.int64))
 
 
@@ -40,9 +40,11 @@ _NOTHING = ([], np.zeros((0, 1, 1, 1), np.uint8), np.zeros(0, np.int64))
 class Segment:
     """The part of an epoch a stream runs: all of it, or what an interrupted run left.
 
-    batches: per rank; generation: how many resumes on another world size led here;
-    origin: per source name, the windows the interrupted epoch had left, shared out over
-    this world's slots; states: per logical worker, where it stood (same-world resume);
+    batches: per rank; generation: how many resumes on another world size led here
+    (it keys the mixture, so a new world draws afresh); counts: per source, per logical
+    worker, the slots it owns and their counts to start from (None: the run's first
+    deal, every count 0); borrowed: per source, per logical worker that borrows a slot,
+    where it stood (same world only); done: per logical worker, the batches it had made;
     rotation: which logical worker the DataLoader's worker 0 plays, so that batches
     arrive in the order an uninterrupted run would have them.
     """
@@ -50,8 +52,9 @@ class Segment:
     epoch: int
     batches: int
     generation: int = 0
-    origin: dict = None
-    states: dict = field(default_factory=dict)
+    counts: list = None
+    borrowed: list = None
+    done: dict = field(default_factory=dict)
     rotation: int = 0
 
 
@@ -71,7 +74,7 @@ class MixedStream(torch.utils.data.IterableDataset):
 
     def __init__(self, sources, weights, batch_size, topo=Topology(), *, seed=0, epoch_samples=None,
                  shuffle_buffer=1000, resample=False, strict=False, cache_dir=None, policy=remote.Policy(),
-                 normalize=True, sample_stages=()):
+                 normalize=True, sample_stages=(), slots=None):
         if batch_size < 1:
             raise ValueError(f"batch size must be at least 1, got {batch_size}")
         if shuffle_buffer < 1:
@@ -86,12 +89,15 @@ class MixedStream(torch.utils.data.IterableDataset):
                              f"({topo.world} x {batch_size}); lower the batch size or raise the epoch samples")
         self.resample, self.strict, self.cache_dir, self.policy = resample, strict, cache_dir, policy
         self.normalize, self.sample_stages = normalize, tuple(sample_stages)
-        self.window_shards = [max(1, math.ceil(shuffle_buffer * len(s.urls) / s.total)) for s in sources]
+        self.shuffle_buffer = shuffle_buffer
+        self.asked = None if slots is None else self._check_slots(slots)  # K as the caller fixed it
+        self.slots = self.asked
         self.workers = 1
         self.epoch = 0
         self.segment = Segment(0, self.batches_per_epoch)
         self.consumed = {}
         self._pending = None
+        self._parts = None
         self._shared = None  # (epoch, probs, started) in shared memory once persistent workers hold copies
 
     @property
@@ -110,7 +116,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         resumed epoch has left."""
         if self.segment.epoch != self.epoch:
             return self.batches_per_epoch
-        return self.segment.batches - sum(s["batches"] for s in self.segment.states.values())
+        return self.segment.batches - sum(self._done().values())
 
     def set_epoch(self, epoch, weights=None):
         """Select the epoch (and optionally new weights, e.g. from a schedule)."""
@@ -132,14 +138,74 @@ class MixedStream(torch.utils.data.IterableDataset):
     def share(self, ctx):
         """Keep epoch and weights in shared memory, so that persistent DataLoader workers
         (each holding a pickled copy of this stream) see every later `set_epoch`."""
+        self.partitions()  # K is fixed before the workers take their copies
         if self._shared is None:
             self._shared = (ctx.Value("q", self.epoch, lock=False), ctx.Array("d", self.probs, lock=False),
                             ctx.Value("b", 0, lock=False))
 
+    # ------------------------------------------------------------ the partition
+
+    def _check_slots(self, slots):
+        slots = [slots] * len(self.sources) if isinstance(slots, int) else list(slots)
+        if len(slots) != len(self.sources) or any(isinstance(k, bool) or not isinstance(k, int) or
+                                                  not 1 <= k <= partition.MAX_SLOTS for k in slots):
+            raise ValueError(f"slots {slots}: one count in 1..{partition.MAX_SLOTS} per source "
+                             f"({len(self.sources)})")
+        return slots
+
+    def partitions(self):
+        """Each source's Partition; K is fixed at the first call (from `slots`, a loaded
+        state, or the default for this world and worker count) and kept for the run."""
+        if self._parts is None:
+            if self.slots is None:
+                self.slots = [partition.default_slots(self.topo.world, self.workers, len(s.urls))
+                              for s in self.sources]
+            self._parts = [partition.Partition(s.counts, k, seed=self.seed, source=i)
+                           for i, (s, k) in enumerate(zip(self.sources, self.slots))]
+        return self._parts
+
+    def slots_fixed(self):
+        """K per source, fixed now if it was not yet (a checkpoint records it)."""
+        self.partitions()
+        return list(self.slots)
+
+    def keep_slots(self, slots):
+        """Take K from an earlier run (a checkpoint's), unless the caller fixed K: before the first pass."""
+        if self._shared is not None and self._shared[2].value:
+            raise RuntimeError("keep_slots after the loader's workers started")
+        if self.asked is None:
+            self.slots, self._parts = self._check_slots(slots), None
+
     def short_sources(self, num_workers):
-        """Names of sources with fewer shards than rank x worker slots."""
-        slots = self.topo.world * max(1, num_workers)
-        return [s.name for s in self.sources if len(s.urls) < slots]
+        """Names of sources where some (rank, worker) pair owns no slot with samples: it
+        borrows another pair's slot, so samples may repeat across workers."""
+        self.workers = max(1, num_workers)
+        pairs = self.topo.world * self.workers
+        return [s.name for s, p in zip(self.sources, self.partitions())
+                if int((p.sizes(self.epoch) > 0).sum()) < pairs]
+
+    def _plan(self, i, worker, seg):
+        """The windows source i's stream reads in one (rank, worker) of a segment."""
+        part, source = self.partitions()[i], self.sources[i]
+        width = max(1, -(-self.shuffle_buffer * len(part.piece_shard) // max(source.total, 1)))
+        mine = self._owned(i, worker, seg)
+        sizes = part.sizes(seg.epoch)
+        if any(sizes[s] > 0 for s in mine):
+            return stages.SlotPlan(part, source.urls, seg.epoch, list(mine), mine, width=width,
+                                   resample=self.resample)
+        pair = self.topo.rank * worker.count + worker.id  # owns no samples: borrow a slot, in orders of its own
+        full = np.flatnonzero(sizes)
+        slot = int(full[pair % len(full)])
+        count = (seg.borrowed[i] if seg.borrowed else {}).get(worker.id, 0)
+        return Borrowed(stages.SlotPlan(part, source.urls, seg.epoch, [slot], {slot: count}, width=width,
+                                        resample=self.resample, variant=1 + pair), mine)
+
+    def _owned(self, i, worker, seg):
+        """{slot: count} of what a logical worker owns of source i in a segment."""
+        if seg.counts is not None:
+            return seg.counts[i].get(worker.id, {})
+        k = self.partitions()[i].slots
+        return {s: 0 for s in partition.owned(k, self.topo.rank, self.topo.world, worker.id, worker.count)}
 
     # ------------------------------------------------------------ batches
 
@@ -159,21 +225,14 @@ class MixedStream(torch.utils.data.IterableDataset):
         worker = worker or Worker.current()
         logical = Worker((worker.id + seg.rotation) % worker.count, worker.count)
         count = seg.batches // worker.count + (logical.id < seg.batches % worker.count)
-        saved = seg.states.get(logical.id)
         stats = {"skipped": 0}
         streams = [stages.SourceStream(self._plan(i, logical, seg), self._reader(s, stats),
                                        sample_stages=self.sample_stages) for i, s in enumerate(self.sources)]
         mix = stages.RandomMix(streams, self.probs,
-                               seed=[self.seed, self.epoch, self.topo.rank, logical.id, seg.generation])
-        done = 0
-        if saved:
-            mix.restore(saved["mix"])
-            for stream, state in zip(streams, saved["sources"]):
-                stream.restore(state)
-            done = saved["batches"]
+                               seed=[self.seed, self.epoch, seg.generation, self.topo.rank, logical.id])
         reported = 0
-        for b in range(done, count):
-            choice = mix.draw(self.batch_size)
+        for b in range(seg.done.get(logical.id, 0), count):
+            choice = mix.draw(self.batch_size, at=b)
             wanted = np.bincount(choice, minlength=len(streams))
             parts = [stream.take(int(k)) if k else _NOTHING for stream, k in zip(streams, wanted)]
             handle, canvas = lend(self.batch_size) if lend else (None, None)
@@ -181,24 +240,12 @@ class MixedStream(torch.utils.data.IterableDataset):
             reported = stats["skipped"]
             if handle is not None:
                 batch["image"] = handle
-            batch["state"] = {"worker": logical.id, "batches": b + 1, "mix": mix.state(),
-                              "sources": [stream.state() for stream in streams]}
+            batch["state"] = {"worker": logical.id, "batches": b + 1,
+                              "sources": [_plan_state(stream.plan, stream.state()) for stream in streams]}
             yield batch
 
     def _reader(self, source, stats):
         return stages.Reader(source, stats, strict=self.strict, policy=self.policy, cache_dir=self.cache_dir)
-
-    def _plan(self, i, worker, seg, topo=None, workers=None):
-        """The windows source i's stream reads in one (rank, worker) of a segment."""
-        topo = topo or self.topo
-        pieces = ()
-        if seg.origin:
-            k, slots = slot(topo, worker)
-            pieces = share_out([stages.Window(*w) for w in seg.origin[self.sources[i].name]],
-                               self.sources[i], slots)[k]
-        return stages.windows(self.sources[i].urls, seed=self.seed, epoch=f"{seg.epoch}.{seg.generation}"
-                              if seg.generation else seg.epoch, source=i, topo=topo, worker=worker,
-                              window_shards=self.window_shards[i], resample=self.resample, pieces=pieces)
 
     # ------------------------------------------------------------ state
 
@@ -206,22 +253,44 @@ class MixedStream(torch.utils.data.IterableDataset):
         """A consumed batch's worker state (the hand-over calls this in the consuming process)."""
         self.consumed[state["worker"]] = state
 
+    def _done(self):
+        done = dict(self.segment.done)
+        done.update({w: s["batches"] for w, s in self.consumed.items()})
+        return done
+
     def state_dict(self):
         """Where this rank stands in its epoch: what `load_state_dict` needs to go on from
-        the batch after the last one consumed. JSON-serialisable."""
+        the batch after the last one consumed. JSON-serialisable: per source and worker
+        the owned slots' counts, O(K / world) small integers."""
         seg = self.segment
+        self.partitions()
+        counts, borrowed = [], []
+        for i in range(len(self.sources)):
+            per, lent = {}, {}
+            for w in range(self.workers):
+                if w in self.consumed:
+                    src = self.consumed[w]["sources"][i]
+                    per[w], got = src["slots"], src.get("borrowed")
+                else:
+                    per[w], got = self._owned(i, Worker(w, self.workers), seg), (seg.borrowed[i] if seg.borrowed else {}).get(w)
+                if got is not None:
+                    lent[w] = got
+            counts.append({str(w): {str(k): v for k, v in sorted(m.items())} for w, m in per.items()})
+            borrowed.append({str(w): v for w, v in lent.items()})
         return {"version": STATE_VERSION, "sources": self.layout.names, "seed": self.seed, "epoch": seg.epoch,
                 "rank": self.topo.rank, "world": self.topo.world, "workers": self.workers,
                 "batch_size": self.batch_size, "batches": seg.batches, "generation": seg.generation,
-                "origin": seg.origin, "consumed": {str(w): s for w, s in sorted(self.consumed.items())}}
+                "slots": list(self.slots), "counts": counts, "borrowed": borrowed,
+                "done": {str(w): d for w, d in sorted(self._done().items())}}
 
     def load_state_dict(self, state):
         """Continue from `state_dict()` (one rank's) or {"ranks": [every rank's]}.
 
-        With the same world size and worker count (and this rank's state among them) the
-        stream goes on exactly where it stopped. Otherwise it needs every rank's state and
-        continues the interrupted epoch on this world: see `leftover_segment`. Call it
-        before the loader's first pass: workers take their copy of the stream then.
+        The interrupted epoch's slots are dealt to this world's (rank, worker) pairs and
+        each goes on from its count; what is left of the epoch is cut into equal batches
+        per rank. With the same world size and worker count (and this rank's state among
+        them) the stream goes on exactly where it stopped; otherwise it needs every rank's
+        state. Call it before the loader's first pass: workers take their copy then.
         """
         if self._shared is not None and self._shared[2].value:
             raise RuntimeError("load_state_dict after the loader's workers started: load it before the first pass")
@@ -232,6 +301,11 @@ class MixedStream(torch.utils.data.IterableDataset):
         if first["sources"] != self.layout.names or first["seed"] != self.seed:
             raise ValueError(f"the stream state is for sources {first['sources']} with seed {first['seed']}; "
                              f"this stream has {self.layout.names} with seed {self.seed}")
+        slots = self._check_slots(first["slots"])
+        if self.asked is not None and slots != self.asked:
+            raise ValueError(f"the interrupted epoch ran on {slots} slots per source, this stream asks for "
+                             f"{self.asked}: the slots change only at an epoch boundary")
+        self.slots, self._parts = slots, None
         self._pending = state
         self.epoch = first["epoch"]
         if self._shared is not None:
@@ -240,48 +314,54 @@ class MixedStream(torch.utils.data.IterableDataset):
             any(r["rank"] == self.topo.rank for r in ranks)
         if same:
             mine = next(r for r in ranks if r["rank"] == self.topo.rank)
-            states = {int(w): s for w, s in mine["consumed"].items()}
-            done = sum(s["batches"] for s in states.values())
-            self.segment = Segment(mine["epoch"], mine["batches"], mine["generation"], mine["origin"], states,
-                                   rotation=done % self.workers)
+            done = _check_map(mine["done"], self.workers, "done")
+            counts = [self._workers_counts(mine, i) for i in range(len(self.slots))]
+            for i, per in enumerate(counts):
+                partition.gather(per.values(), self.slots[i], complete=False)  # no slot owned twice
+            borrowed = [_check_map(b, self.workers, "borrowed") for b in _per_source(mine, "borrowed", self.slots)]
+            self.segment = Segment(mine["epoch"], mine["batches"], mine["generation"], counts, borrowed, done,
+                                   rotation=sum(done.values()) % self.workers)
         else:
-            self.segment = self.leftover_segment(ranks)
-        self.consumed = dict(self.segment.states)
+            self.segment = self.redeal(ranks)
+        self.consumed = {}
 
-    def leftover_segment(self, ranks):
+    def _workers_counts(self, rank_state, i):
+        """{worker: {slot: count}} of source i in one rank's state, checked."""
+        per = _per_source(rank_state, "counts", self.slots)[i]
+        workers = rank_state["workers"]
+        if not isinstance(per, dict) or sorted(per) != sorted(str(w) for w in range(workers)):
+            raise ValueError(f"stream state counts of source {i}: one map per worker 0..{workers - 1} expected")
+        return {int(w): _check_map(m, self.slots[i], f"counts[{i}][{w}]") for w, m in per.items()}
+
+    def redeal(self, ranks):
         """The rest of an epoch that ran on another world size (or worker count), for this one.
 
         Every rank had consumed the same number of batches k of its n. What is left,
-        (n - k) x old world x batch samples, becomes this world's epoch segment, in equal
-        batches per rank. Per source, every old (rank, worker)'s unfinished windows of its
-        current pass (from the position it reached) are pooled and cut into equal runs,
-        one per new slot: no sample consumed before the interruption is read again while
-        a slot's run lasts, and none is skipped but what the last partial batches leave.
-        A slot whose run is used up goes on with passes of its own, as an exhausted
-        source always does. Resampled streams (--resample) have no passes to finish:
-        they go on with fresh draws.
+        (n - k) x old world x batch samples, becomes this world's segment, in equal
+        batches per rank. Per source, the slots, ordered by how much of their pass is
+        left (most first), are dealt to this world's pairs by the split rule, and each
+        goes on from its count: no sample consumed before the interruption is read again
+        while a slot's pass lasts, every pair gets an even share of what is left, and
+        none is skipped but what the last partial batches leave. Pairs that borrowed a
+        slot start afresh.
         """
         first = ranks[0]
         world, workers = first["world"], first["workers"]
         if sorted(r["rank"] for r in ranks) != list(range(world)):
             raise ValueError(f"resuming on {self.topo.world} ranks from a run on {world} needs every rank's "
                              f"stream state; have ranks {sorted(r['rank'] for r in ranks)}")
-        done = {sum(s["batches"] for s in r["consumed"].values()) for r in ranks}
+        done = {sum(_check_map(r["done"], workers, "done").values()) for r in ranks}
         if len(done) != 1:
             raise ValueError(f"the ranks' stream states disagree on how many batches were consumed ({sorted(done)})")
         left = (first["batches"] - done.pop()) * world * first["batch_size"]
-        origin = {}
-        for i, source in enumerate(self.sources):
-            pieces = []
-            for r in sorted(ranks, key=lambda r: r["rank"]):
-                old = Segment(r["epoch"], r["batches"], r["generation"], r["origin"])
-                topo = Topology(r["rank"], world)
-                for w in range(workers):
-                    saved = r["consumed"].get(str(w))
-                    plan = self._plan(i, Worker(w, workers), old, topo)
-                    pieces += stages.leftovers(plan, saved["sources"][i] if saved else None)
-            origin[source.name] = [[list(p.urls), p.tag, "origin", p.start, p.stop] for p in pieces]
-        return Segment(first["epoch"], left // (self.topo.world * self.batch_size), first["generation"] + 1, origin)
+        counts = []
+        for i, part in enumerate(self.partitions()):
+            merged = partition.gather([m for r in ranks for m in self._workers_counts(r, i).values()], part.slots)
+            sizes = part.sizes(first["epoch"])
+            order = sorted(range(part.slots), key=lambda s: (-max(int(sizes[s]) - merged[s], 0), s))
+            counts.append({w: {order[j]: merged[order[j]] for j in partition.owned(
+                part.slots, self.topo.rank, self.topo.world, w, self.workers)} for w in range(self.workers)})
+        return Segment(first["epoch"], left // (self.topo.world * self.batch_size), first["generation"] + 1, counts)
 
     def eval_stream(self, source, batch_size=None):
         """A finite stream over one source's test shards in this stream's batch format."""
@@ -289,26 +369,39 @@ class MixedStream(torch.utils.data.IterableDataset):
                           cache_dir=self.cache_dir, policy=self.policy, normalize=self.normalize)
 
 
-def share_out(pieces, source, parts):
-    """Cut the samples of `pieces` (windows, in order) into `parts` consecutive runs of
-    nearly equal size, by the manifest's counts; returns a list of windows per part."""
-    counts = dict(zip(source.urls, source.counts))
-    sizes = []
-    for p in pieces:
-        total = sum(counts.get(u, 0) for u in p.urls)
-        sizes.append(max(0, min(total if p.stop is None else p.stop, total) - p.start))
-    whole = sum(sizes)
-    bounds = [whole * i // parts for i in range(parts + 1)]
-    out = [[] for _ in range(parts)]
-    offset = 0
-    for p, size in zip(pieces, sizes):
-        for i in range(parts):
-            lo, hi = max(bounds[i], offset), min(bounds[i + 1], offset + size)
-            if lo < hi:
-                stop = p.stop if hi == offset + size else p.start + hi - offset
-                out[i].append(stages.Window(tuple(p.urls), p.tag, "origin", p.start + lo - offset, stop))
-        offset += size
-    return out
+class Borrowed:
+    """A SlotPlan over a slot another pair owns, for a pair whose own slots hold no
+    samples; its count is kept apart from the owners' (a re-deal drops it)."""
+
+    def __init__(self, plan, owned):
+        self.plan, self.owned = plan, owned
+
+    def next(self):
+        return self.plan.next()
+
+    def state(self, pos=0):
+        return next(iter(self.plan.state(pos).values()))
+
+
+def _plan_state(plan, state):
+    if isinstance(plan, Borrowed):
+        return {"slots": plan.owned, "borrowed": state}
+    return {"slots": state}
+
+
+def _per_source(rank_state, key, slots):
+    v = rank_state[key]
+    if not isinstance(v, list) or len(v) != len(slots):
+        raise ValueError(f"stream state {key}: one entry per source ({len(slots)}) expected")
+    return v
+
+
+def _check_map(m, size, what):
+    """A loaded {int: count} map (a checkpoint is input): keys 0..size-1, counts in range."""
+    try:
+        return partition.check_counts(m, size)
+    except ValueError as e:
+        raise ValueError(f"stream state {what}: {e}") from None
 
 
 class EvalStream(torch.utils.data.IterableDataset):
@@ -347,7 +440,8 @@ class EvalStream(torch.utils.data.IterableDataset):
         worker = worker or Worker.current()
         stats = {"skipped": 0}
         reader = stages.Reader(self.source, stats, strict=self.strict, policy=self.policy, cache_dir=self.cache_dir)
-        stream = stages.SourceStream(stages.eval_windows(self.source.urls, self.topo, worker), reader, shuffle=False)
+        stream = stages.SourceStream(stages.OncePlan(stages.split(self.source.urls, self.topo, worker)), reader,
+                                     shuffle=False)
         parts = [_NOTHING] * len(self.layout.sources)
         reported = 0
         while True:

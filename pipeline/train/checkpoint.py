@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.data.partition import MAX_SLOTS
 from pipeline.errors import ShardError
 from pipeline.files import open_regular
 
@@ -254,6 +255,15 @@ def trainer_state(state, path, limits):
         f.number(sums[2 * n], f"log_sums[{2 * n}]", 0, MAX_COUNT, whole=True)
     out["log_sums"] = sums
     return out
+
+
+def slots_of(state, path, sources):
+    """The canonical slots per source the run was dealt (`--slots`), or None in a checkpoint
+    written before they were recorded."""
+    if "slots" not in state:
+        return None
+    f = _Fields(path, state)
+    return f.items(f.json("slots"), "slots", sources, lambda x, field: f.integer(x, field, 1, MAX_SLOTS))
 
 
 def set_rng(state, path):

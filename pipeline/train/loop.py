@@ -106,7 +106,7 @@ class Run:
             epoch_samples=args.epoch_samples, shuffle_buffer=args.shuffle_buffer, resample=args.resample,
             strict=args.strict, cache_dir=args.cache_dir and cache.Cache(args.cache_dir, args.cache_size),
             policy=policy, normalize=False,
-            sample_stages=load_stages(args.sample_stage))
+            sample_stages=load_stages(args.sample_stage), slots=args.slots)
         self.stream.set_workers(max(1, args.workers))  # before a resume: it decides same world or not
         self.evals = [self.stream.eval_stream(src) for src in eval_sources]  # class and shape checks, before --out
         self.layout = self.stream.layout
@@ -178,7 +178,7 @@ class Run:
                 "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
                 "rng": torch.get_rng_state(), "world": self.topo.world,
                 "position": json.dumps({"epoch": self.epoch, "mid": self.mid, "step": self.step, "seen": self.seen}),
-                "nonfinite": json.dumps(self.nonfinite),
+                "nonfinite": json.dumps(self.nonfinite), "slots": json.dumps(self.stream.slots_fixed()),
                 "stream": json.dumps(stream_states), "augment": json.dumps(gens), "facts": json.dumps(facts),
                 "carried": json.dumps(self.carried), "log_sums": json.dumps(sums), "key_counts": json.dumps(counts),
                 "history": json.dumps(self.history), "config": json.dumps(vars(self.args))}
@@ -209,6 +209,9 @@ class Run:
         limits = checkpoint.Limits(args.epochs, checkpoint.epoch_samples_of(saved, self.stream.epoch_samples),
                                    args.batch_size, len(self.names))
         got = checkpoint.trainer_state(state, path, limits)
+        slots = checkpoint.slots_of(state, path, len(self.names))
+        if slots is not None and args.slots is None:  # the run keeps the K it was first dealt
+            self.stream.keep_slots(slots)
         data = checkpoint.data_changes(saved, self.fingerprint)
         if checkpoint.legacy(saved) and self.topo.is_main:
             warnings.warn(f"{path}: written before checkpoints recorded their shard lists, so this resume cannot "

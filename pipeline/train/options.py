@@ -89,6 +89,10 @@ def parse(argv=None):
     a("--strict", action="store_true", help="stop at the first malformed sample instead of skipping it")
     a("--shuffle-buffer", type=int, default=2000, metavar="N",
       help="samples shuffled together: whole shards, at least N samples (default: 2000)")
+    a("--slots", type=int, metavar="K",
+      help="canonical slots per source, fixed when the run first starts; each (rank, worker) reads whole slots, so "
+           "K bounds the largest world a resume can spread over (default: 12 per rank x worker while there are "
+           "shards for them; a resumed run keeps its checkpoint's, and takes another K only at an epoch boundary)")
     a("--sample-stage", action="append", default=[], metavar="MODULE:FUNCTION",
       help="a function of yours applied to every decoded training sample inside the workers, e.g. an "
            "augmentation (repeatable; see docs/training.md, 'Your own stage')")
@@ -106,7 +110,7 @@ def check(p, args):
     p.at_least(args, {"epochs": 1, "batch_size": 1, "log_every": 1, "shuffle_buffer": 1, "workers": 0, "width": 1,
                       "epoch_samples": 1, "stop_after": 1, "stop_after_steps": 1, "checkpoint_every": 1, "timeout": 1,
                       "retries": 0, "max_nonfinite": 0})
-    p.within(args, {"timeout": (1, MAX_TIMEOUT), "workers": (0, 1024)})
+    p.within(args, {"timeout": (1, MAX_TIMEOUT), "workers": (0, 1024), "slots": (1, 1 << 22)})
     check_io(p, args)
     if args.cache_size is not None and args.cache_dir is None:
         p.error("--cache-size applies with --cache-dir only")

@@ -13,7 +13,7 @@ import numpy as np
 
 from pipeline.data import manifest, stages
 from pipeline.train.report import new_figure, plain
-from pipeline.data.topology import Topology, Worker
+
 
 CELL = 1.3  # inches per sample
 
@@ -27,7 +27,7 @@ def samples(manifest_path, n, seed):
     urls = [src.urls[i] for i in np.random.default_rng(seed).permutation(len(src.urls))]
     stats = {"skipped": 0}
     reader = stages.Reader(src, stats)
-    stream = stages.SourceStream(stages.eval_windows(urls, Topology(), Worker()), reader, shuffle=False)
+    stream = stages.SourceStream(stages.OncePlan(urls), reader, shuffle=False)
     keys, images, labels = stream.take(n)
     return src, keys, images, labels, stats["skipped"]
 
