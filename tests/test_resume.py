@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from helpers import build_shards, finish, launch_train
+from helpers import build_shards, finish, key_index, launch_train
 from pipeline.data.stream import MixedStream, make_loader, resolve
 from pipeline.data.topology import Topology
 
@@ -121,6 +121,55 @@ def test_another_world_continues_the_epoch_without_reading_a_sample_twice(data, 
     repeated = [k for k, c in collections.Counter(everything).items() if c > 1]
     assert not repeated, repeated[:5]
     assert len(after) == left // (w1 * 8) * w1 * 8 and left - len(after) < w1 * 8
+
+
+def test_four_worlds_in_a_row_read_no_key_twice(data):
+    """(4 ranks, 2 workers) -> (3, 1) -> (6, 3) -> back to (4, 2), three batches a rank on
+    each but the last, which finishes the epoch: the same slots are dealt to every world
+    and each goes on from its count, so no key is read twice in the epoch, and only the
+    last partial batches of each hop are lost."""
+    epoch, batch = 480, 8
+    states, seen, lost, left = None, [], 0, epoch
+    hops = [(4, 2), (3, 1), (6, 3), (4, 2)]
+    for hop, (world, workers) in enumerate(hops):
+        new_states, batches = [], None
+        for r in range(world):
+            s = stream_for(data, r, world, epoch_samples=epoch)
+            loader = make_loader(s, workers)
+            if states:
+                s.load_state_dict({"ranks": states})
+            batches = s.remaining()
+            got = keys(loader, None if hop == len(hops) - 1 else 3)
+            seen += [k for b in got for k in b]
+            new_states.append(json.loads(json.dumps(s.state_dict())))
+        assert new_states[0]["world"] == world and new_states[0]["slots"] == [20, 20]  # K fixed by the first world
+        lost += left - batches * world * batch  # what cutting the rest into this world's batches leaves
+        assert 0 <= left - batches * world * batch < world * batch
+        left = (batches - (3 if hop < len(hops) - 1 else batches)) * world * batch
+        states = new_states
+    repeated = [k for k, c in collections.Counter(seen).items() if c > 1]
+    assert not repeated, repeated[:5]
+    assert len(seen) == epoch - lost and left == 0
+
+
+def _even_keys_only(sample):
+    return sample if key_index(sample["__key__"]) % 2 == 0 else None
+
+
+def test_a_users_filter_stage_interrupted_and_resumed_equals_an_uninterrupted_pass(data):
+    """A stage of the user's that drops samples sits inside the chain: counts run over the
+    positions it saw, so the resumed stream filters exactly what the whole pass would."""
+    def stream(**kw):
+        return stream_for(data, sample_stages=[_even_keys_only], **kw)
+
+    whole = keys(make_loader(stream(), 2))
+    assert whole and all(key_index(k) % 2 == 0 for b in whole for k in b)
+    first = stream()
+    head = keys(make_loader(first, 2), 5)
+    again = stream()
+    loader = make_loader(again, 2)
+    again.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert head + keys(loader) == whole
 
 
 def test_another_world_needs_every_ranks_state(data):

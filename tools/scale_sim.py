@@ -3,16 +3,16 @@
     python tools/scale_sim.py                                  # 100,000 shards, 1,024 x 8 -> 768 and 1,280
     python tools/scale_sim.py --shards 2000 --world 16 --workers 2 --to-world 12 --to-world 20
 
-A manifest of --shards shards is made in memory (no files), the canonical partition
-(pipeline.data.partition) is fixed for --world ranks x --workers workers, one rank plans
-its epoch (its slots, the deal, where each slot starts) and saves its state; every rank's
-state is gathered, and one rank of each --to-world resumes from it. Prints one JSON line:
-plan_s, resume_s (the slowest resume), state_bytes_per_rank (the largest), state_bytes_gathered,
-covered_once (on every new world the slots cover every sample exactly once).
-
-What it rehearses is the partition itself: the trainer's stream (pipeline.data.stream) does
-not yet keep its state as the partition's per-slot counts, so these are the figures the
-stream will have once it does, not today's resume cost.
+A source of --shards shards is made in memory (no files), and the trainer's own stream
+(pipeline.data.stream.MixedStream) is built for rank 0 of --world ranks x --workers
+workers: it fixes the canonical partition and plans every worker's first window (what
+each worker computes before its first read). Every rank's state after an interruption
+part-way through the epoch is written with the stream's own `state_dict`, gathered, and
+rank 0 and the last rank of each --to-world resume from it with `load_state_dict` (the
+re-deal) and plan their workers' first windows. Prints one JSON line: plan_s, resume_s
+(the slowest resume, parsing the gathered state included), state_bytes_per_rank (the
+largest), state_bytes_gathered, covered_once (on every new world each slot is dealt to
+exactly one (rank, worker), every pair owns one, and the slots' pieces tile every shard).
 """
 import argparse
 import json
@@ -26,34 +26,60 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 
 from pipeline.data import partition  # noqa: E402
+from pipeline.data.decode import Target  # noqa: E402
+from pipeline.data.manifest import Source  # noqa: E402
+from pipeline.data.stream import MixedStream, redeal_order  # noqa: E402
+from pipeline.data.topology import Topology, Worker  # noqa: E402
+
+BATCH = 256
 
 
-def rank_state(part, epoch, rank, world, workers, counts, batches):
-    """One rank's stream state: its owned slots' consumed counts and the mixture's position."""
-    mine = partition.owned(part.slots, rank, world)
-    return {"slots": part.slots, "epoch": epoch, "batches": batches,
-            "counts": {str(s): int(counts[s]) for s in mine}}
+def big_source(shards, per_shard):
+    urls = [f"pipe:cat /corpus/big-{i:06d}.tar" for i in range(shards)]
+    return Source("big", urls, [per_shard] * shards, Target((3, 32, 32)), [str(c) for c in range(10)],
+                  [0.5] * 3, [0.25] * 3)
 
 
-def plan(part, epoch, rank, world, workers, counts=None):
-    """Where each slot of each of this rank's workers starts: (pass, piece, offset) per slot."""
-    out = []
-    for w in range(max(workers, 1)):
-        for s in partition.owned(part.slots, rank, world, w, workers):
-            out.append(part.locate(epoch, s, 0 if counts is None else counts[s]))
-    return out
+def stream_at(src, rank, world, workers, parts=None):
+    s = MixedStream([src], {"big": 1}, BATCH, Topology(rank, world))
+    s.set_workers(max(workers, 1))
+    if parts is not None:  # the same partition (same seed and K): built once, not once per simulated rank
+        s.slots, s._parts = [parts[0].slots], parts
+    return s
 
 
-def covered_once(part, epoch, world, workers):
-    """Every slot owned by exactly one (rank, worker), and the slots' pieces tile every shard."""
+def plan(stream, workers):
+    """Every worker's first window of this rank."""
+    return [stream._plan(0, Worker(w, max(workers, 1)), stream.segment).next() for w in range(max(workers, 1))]
+
+
+def interrupted(stream, workers, rng):
+    """The rank's state part-way through the epoch: each owned slot some way into its share."""
+    part = stream.partitions()[0]
+    sizes = part.sizes(0)
+    n = max(workers, 1)
+    counts = {}
+    for w in range(n):
+        mine = partition.owned(part.slots, stream.topo.rank, stream.topo.world, w, n)
+        counts[w] = {s: int(rng.integers(0, max(int(sizes[s]), 1))) for s in mine}
+    stream.segment.counts = [counts]
+    stream.segment.done = {w: 7 for w in range(n)}
+    return stream.state_dict()
+
+
+def covered_once(part, merged, world, workers):
+    """The re-deal hands each slot to exactly one (rank, worker), every pair gets at least
+    one, and the pieces of the slots tile every shard."""
+    order = redeal_order(part.sizes(0), merged)
     owners = np.zeros(part.slots, np.int64)
+    n = max(workers, 1)
     for r in range(world):
-        for w in range(max(workers, 1)):
-            owners[partition.owned(part.slots, r, world, w, workers)] += 1
-    if not (owners == 1).all():
-        return False
-    deal = part.deal(epoch)
-    if not np.array_equal(np.sort(deal), np.arange(len(part.piece_shard))):
+        for w in range(n):
+            mine = [order[j] for j in partition.owned(part.slots, r, world, w, n)]
+            if not mine:
+                return False
+            owners[mine] += 1
+    if not (owners == 1).all() or sorted(order) != list(range(part.slots)):
         return False
     samples = np.zeros(len(part.counts), np.int64)
     np.add.at(samples, part.piece_shard, part.piece_hi - part.piece_lo)
@@ -75,34 +101,36 @@ def main(argv=None):
         for v in values:
             if not low <= v <= 10 ** 7:
                 ap.error(f"{flag} {v}: between {low} and 10000000")
-    counts = np.full(args.shards, args.samples_per_shard, np.int64)
-    seed, epoch, source = 0, 0, 0
-    slots = partition.default_slots(args.world, args.workers, args.shards)
+    src = big_source(args.shards, args.samples_per_shard)
+    if src.total < args.world * BATCH:
+        ap.error(f"{src.total} samples are less than one batch of {BATCH} per rank on {args.world} ranks")
 
     t = time.perf_counter()
-    part = partition.Partition(counts, slots, seed=seed, source=source)
-    plan(part, epoch, 0, args.world, args.workers)
+    first = stream_at(src, 0, args.world, args.workers)
+    plan(first, args.workers)
     plan_s = time.perf_counter() - t
+    parts = first.partitions()
 
-    # an interruption part-way: every slot has consumed some of its share
-    sizes = part.sizes(epoch)
-    consumed = np.random.default_rng(1).integers(0, np.maximum(sizes, 1))
-    states = [rank_state(part, epoch, r, args.world, args.workers, consumed, 7) for r in range(args.world)]
+    rng = np.random.default_rng(1)
+    states = [interrupted(stream_at(src, r, args.world, args.workers, parts), args.workers, rng)
+              for r in range(args.world)]
     per_rank = max(len(json.dumps(s)) for s in states)
     blob = json.dumps({"ranks": states})
 
     resume_s, covered = 0.0, True
+    merged = partition.gather([m for s in states for m in s["counts"][0].values()], parts[0].slots)
     for world in to_worlds:
+        if src.total < world * BATCH:
+            ap.error(f"{src.total} samples are less than one batch of {BATCH} per rank on {world} ranks")
         for rank in (0, world - 1):
             t = time.perf_counter()
-            loaded = json.loads(blob)["ranks"]
-            merged = partition.gather([s["counts"] for s in loaded], loaded[0]["slots"])
-            fresh = partition.Partition(counts, loaded[0]["slots"], seed=seed, source=source)
-            plan(fresh, loaded[0]["epoch"], rank, world, args.workers, merged)
+            resumed = stream_at(src, rank, world, args.workers)
+            resumed.load_state_dict(json.loads(blob))
+            plan(resumed, args.workers)
             resume_s = max(resume_s, time.perf_counter() - t)
-        covered &= covered_once(part, epoch, world, args.workers) and len(merged) == slots
+        covered &= covered_once(parts[0], merged, world, args.workers)
     print(json.dumps({"plan_s": round(plan_s, 4), "resume_s": round(resume_s, 4), "state_bytes_per_rank": per_rank,
-                      "state_bytes_gathered": len(blob), "covered_once": bool(covered), "slots": slots,
+                      "state_bytes_gathered": len(blob), "covered_once": bool(covered), "slots": parts[0].slots,
                       "shards": args.shards, "world": args.world, "workers": args.workers, "to_world": to_worlds}))
 
 

@@ -357,8 +357,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         counts = []
         for i, part in enumerate(self.partitions()):
             merged = partition.gather([m for r in ranks for m in self._workers_counts(r, i).values()], part.slots)
-            sizes = part.sizes(first["epoch"])
-            order = sorted(range(part.slots), key=lambda s: (-max(int(sizes[s]) - merged[s], 0), s))
+            order = redeal_order(part.sizes(first["epoch"]), merged)
             counts.append({w: {order[j]: merged[order[j]] for j in partition.owned(
                 part.slots, self.topo.rank, self.topo.world, w, self.workers)} for w in range(self.workers)})
         return Segment(first["epoch"], left // (self.topo.world * self.batch_size), first["generation"] + 1, counts)
@@ -367,6 +366,13 @@ class MixedStream(torch.utils.data.IterableDataset):
         """A finite stream over one source's test shards in this stream's batch format."""
         return EvalStream(self.layout, source, batch_size or self.batch_size, self.topo, strict=self.strict,
                           cache_dir=self.cache_dir, policy=self.policy, normalize=self.normalize)
+
+
+def redeal_order(sizes, counts):
+    """The slot list a new world deals: the slots with the most of their pass left first
+    (ties by slot), so that the split rule hands every pair an even share of what is left."""
+    left = np.maximum(np.asarray(sizes, np.int64) - np.array([counts[s] for s in range(len(sizes))], np.int64), 0)
+    return np.lexsort((np.arange(len(sizes)), -left)).tolist()
 
 
 class Borrowed:
