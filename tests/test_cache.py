@@ -159,10 +159,9 @@ def _keys_of(src, cache):
     """Every key of a source, shard by shard in manifest order, through stages.Reader."""
     from pipeline.data import stages
 
-    stats = {"skipped": 0}
-    reader = stages.Reader(src, stats, policy=FAST, cache_dir=cache)
+    reader = stages.Reader(src, policy=FAST, cache_dir=cache)
     keys = reader(stages.Window(tuple((u, 0, None) for u in src.urls))).keys
-    assert stats["skipped"] == 0
+    assert reader.errors.skipped == 0
     return keys
 
 

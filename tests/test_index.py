@@ -238,7 +238,7 @@ def test_members_nobody_asked_for_are_never_kept(foreign):
     src = resolve("i2d", str(foreign.out), "train")
     from pipeline.data import stages
 
-    data = stages.Reader(src, {"skipped": 0})(stages.Window(((src.urls[0], 0, None),)))
+    data = stages.Reader(src)(stages.Window(((src.urls[0], 0, None),)))
     assert len(data) == 20 and set(data.exts) == {"jpg"}
     assert all(img[:2] == b"\xff\xd8" for img in data.images)
 

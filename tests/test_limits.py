@@ -87,6 +87,8 @@ BAD_IO = [
     (["--timeout", "9" * 30], "--timeout"), (["--timeout", "99999999999"], "--timeout"), (["--timeout", "0"], "--timeout"),
     (["--cache-size", "10G"], "--cache-dir"), (["--cache-dir", "c", "--cache-size", "0"], "--cache-size"),
     (["--cache-dir", "c", "--cache-size", "lots"], "--cache-size"), (["--workers", "100000"], "--workers"),
+    (["--slots", "0"], "--slots"), (["--slots", str(1 << 23)], "--slots"), (["--on-error", "ignore"], "--on-error"),
+    (["--strict", "--on-error", "skip"], "--strict"),
 ])
 def test_the_trainer_refuses_overflowing_io_flags_in_one_line(capsys, bad, needle):
     err = parse_error(options.parse, ["--train", "a=x/", *bad], capsys)

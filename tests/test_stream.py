@@ -520,6 +520,28 @@ def test_bad_samples_strict_raises(bad_samples):
         list(MixedStream([src], {"bad": 1}, 4, strict=True).eval_stream(src))
 
 
+def test_one_error_policy_for_the_whole_chain(bad_samples):
+    """on_error="skip" skips and counts exactly what "warn" does, without a line; "raise"
+    is strict=True; a policy that is none of them, or one that contradicts strict, is refused."""
+    src = resolve("bad", bad_samples.dir, "train")
+
+    def run(**kw):
+        return run_epoch(MixedStream([src], {"bad": 1}, 4, epoch_samples=40, shuffle_buffer=4, **kw))
+
+    with pytest.warns(UserWarning):
+        warned = run(on_error="warn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet = run(on_error="skip")
+    assert [(b.key, b.skipped) for b in quiet] == [(b.key, b.skipped) for b in warned]
+    assert sum(b.skipped for b in quiet) >= 3
+    with pytest.raises(ShardError, match="sample bad-train-"):
+        run(on_error="raise")
+    for bad in ({"on_error": "ignore"}, {"on_error": "skip", "strict": True}):
+        with pytest.raises(ValueError):
+            MixedStream([src], {"bad": 1}, 4, **bad)
+
+
 def test_unreadable_source_raises_instead_of_hanging(tmp_path):
     """Every shard garbage: even without strict the stream must fail, not spin forever."""
     build_shards(tmp_path, "mnist", "train", 20, maxcount=10)

@@ -28,14 +28,13 @@ original draws from the global `random` module, so it can't be seeded per rank
 and worker, and it draws one sample at a time.
 """
 import io
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
 from pipeline.data import partition, remote
 from pipeline.data.decode import Unlabelled, class_index, decode_batch, image_format, image_of, label_of, parse_label_key
-from pipeline.errors import DigestError, InputError, ShardError
+from pipeline.errors import DigestError, Errors, InputError, ShardError
 from pipeline.data.read import is_meta, iter_samples, regular
 
 
@@ -162,14 +161,15 @@ WHOLE_SHARD = 64 << 20  # shards up to this size are read into memory at once (s
 class Reader:
     """read_window for one source: reads shards with `pipeline.data.remote`, reports damage.
 
-    A malformed shard is skipped from the point of damage with a warning (its unread
-    samples counted in stats["skipped"]), or raises under `strict`; a sample without
-    an image or a usable label likewise. A shard whose count differs from its manifest
+    What damage costs goes to `errors` (pipeline.errors.Errors): a malformed shard is
+    skipped from the point of damage, its unread samples counted (or it raises, under
+    "raise"); a sample without an image or a usable label likewise. A shard whose count differs from its manifest
     is named once. I/O errors that outlast the retries always raise.
     """
 
-    def __init__(self, source, stats, *, strict=False, policy=remote.Policy(), cache_dir=None):
-        self.source, self.stats, self.strict, self.policy, self.cache_dir = source, stats, strict, policy, cache_dir
+    def __init__(self, source, errors=None, *, policy=remote.Policy(), cache_dir=None):
+        self.source, self.policy, self.cache_dir = source, policy, cache_dir
+        self.errors = errors or Errors()
         self.target = source.target
         self.lookup = self.target.lookup()
         self.want = self.target.members
@@ -237,19 +237,19 @@ class Reader:
         try:
             remote.read_url(url, consume, policy=self.policy, nbytes=nbytes, digest=digest, cache_dir=self.cache_dir)
         except ShardError as e:
-            if self.strict:
+            if self.errors.strict:
                 raise ShardError(f"{url}: {e}") from None
             if isinstance(e, DigestError):  # the whole shard is suspect, not only its end
                 got, cols, bad = 0, None, []
             error = e
         else:
-            if count is not None and got < count and self.strict:  # a tar may end without its end blocks
+            if count is not None and got < count and self.errors.strict:  # a tar may end without its end blocks
                 raise ShardError(f"{url}: {got} samples, the manifest says {count}: the tar ends early (truncated)")
             if count is not None and got != count and url not in self.named:
                 self.named.add(url)
                 lost = max(count - got, 0)
-                warnings.warn(f"{url}: {got} samples, the manifest says {count}" +
-                              (f"; the {lost} missing counted as skipped" if lost else ""), stacklevel=3)
+                self.errors.note(f"{url}: {got} samples, the manifest says {count}" +
+                                 (f"; the {lost} missing counted as skipped" if lost else ""))
         return cols, bad, got, error, count
 
     def _piece(self, url, shard, lo, hi, out):
@@ -258,12 +258,12 @@ class Reader:
         cols, bad, got, error, count = shard
         end = (count or got) if hi is None else hi
         lost = max(end - max(lo, got), 0)
-        if error is not None:
-            if end >= (count or got):
-                lost = max(lost, 1)  # the shard's end was damaged
-            if lost:
-                warnings.warn(f"{url}: {error}; skipped {lost} sample(s)", stacklevel=3)
-        self.stats["skipped"] += lost
+        if error is not None and end >= (count or got):
+            lost = max(lost, 1)  # the shard's end was damaged
+        if error is not None and lost:
+            self.errors(f"{url}: {error}", lost, said=f"{url}: {error}; skipped {lost} sample(s)")
+        elif lost:  # a tar that ends early: named once when read (see _read_shard)
+            self.errors.skipped += lost
         for at, key, e in bad:
             if lo <= at < end:
                 self.bad(url, key, e)
@@ -308,10 +308,7 @@ class Reader:
         return keys, images, "raw" if dense else [image_format(self.target.image_exts[0])] * len(keys), labels, where
 
     def bad(self, url, key, error):
-        if self.strict:
-            raise ShardError(f"{url}: sample {key}: {error}") from None
-        self.stats["skipped"] += 1
-        warnings.warn(f"{url}: skipped sample {key}: {error}", stacklevel=3)
+        self.errors(f"{url}: sample {key}: {error}", said=f"{url}: skipped sample {key}: {error}")
 
 
 def _label_error(value, target, lookup):

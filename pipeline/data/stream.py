@@ -25,7 +25,7 @@ import torch
 
 from pipeline.data import partition, remote, stages
 from pipeline.data.batch import Layout
-from pipeline.errors import ShardError
+from pipeline.errors import Errors, ShardError
 from pipeline.data.loader import Arrival, make_loader  # noqa: F401  (part of this module's API)
 from pipeline.data.manifest import Source, resolve  # noqa: F401  (part of this module's API)
 from pipeline.data.topology import Topology, Worker
@@ -74,7 +74,7 @@ class MixedStream(torch.utils.data.IterableDataset):
 
     def __init__(self, sources, weights, batch_size, topo=Topology(), *, seed=0, epoch_samples=None,
                  shuffle_buffer=1000, resample=False, strict=False, cache_dir=None, policy=remote.Policy(),
-                 normalize=True, sample_stages=(), slots=None):
+                 normalize=True, sample_stages=(), slots=None, on_error=None):
         if batch_size < 1:
             raise ValueError(f"batch size must be at least 1, got {batch_size}")
         if shuffle_buffer < 1:
@@ -87,7 +87,9 @@ class MixedStream(torch.utils.data.IterableDataset):
         if self.epoch_samples < topo.world * batch_size:
             raise ValueError(f"an epoch of {self.epoch_samples} samples is less than one batch on every rank "
                              f"({topo.world} x {batch_size}); lower the batch size or raise the epoch samples")
-        self.resample, self.strict, self.cache_dir, self.policy = resample, strict, cache_dir, policy
+        self.resample, self.cache_dir, self.policy = resample, cache_dir, policy
+        self.on_error = _error_mode(on_error, strict)
+        Errors(self.on_error)  # checked now, not in a worker
         self.normalize, self.sample_stages = normalize, tuple(sample_stages)
         self.shuffle_buffer = shuffle_buffer
         self.asked = None if slots is None else self._check_slots(slots)  # K as the caller fixed it
@@ -225,8 +227,8 @@ class MixedStream(torch.utils.data.IterableDataset):
         worker = worker or Worker.current()
         logical = Worker((worker.id + seg.rotation) % worker.count, worker.count)
         count = seg.batches // worker.count + (logical.id < seg.batches % worker.count)
-        stats = {"skipped": 0}
-        streams = [stages.SourceStream(self._plan(i, logical, seg), self._reader(s, stats),
+        errors = Errors(self.on_error)
+        streams = [stages.SourceStream(self._plan(i, logical, seg), self._reader(s, errors),
                                        sample_stages=self.sample_stages) for i, s in enumerate(self.sources)]
         mix = stages.RandomMix(streams, self.probs,
                                seed=[self.seed, self.epoch, seg.generation, self.topo.rank, logical.id])
@@ -236,16 +238,16 @@ class MixedStream(torch.utils.data.IterableDataset):
             wanted = np.bincount(choice, minlength=len(streams))
             parts = [stream.take(int(k)) if k else _NOTHING for stream, k in zip(streams, wanted)]
             handle, canvas = lend(self.batch_size) if lend else (None, None)
-            batch = self.layout.collate(choice, parts, stats["skipped"] - reported, canvas)
-            reported = stats["skipped"]
+            batch = self.layout.collate(choice, parts, errors.skipped - reported, canvas)
+            reported = errors.skipped
             if handle is not None:
                 batch["image"] = handle
             batch["state"] = {"worker": logical.id, "batches": b + 1,
                               "sources": [_plan_state(stream.plan, stream.state()) for stream in streams]}
             yield batch
 
-    def _reader(self, source, stats):
-        return stages.Reader(source, stats, strict=self.strict, policy=self.policy, cache_dir=self.cache_dir)
+    def _reader(self, source, errors):
+        return stages.Reader(source, errors, policy=self.policy, cache_dir=self.cache_dir)
 
     # ------------------------------------------------------------ state
 
@@ -364,7 +366,7 @@ class MixedStream(torch.utils.data.IterableDataset):
 
     def eval_stream(self, source, batch_size=None):
         """A finite stream over one source's test shards in this stream's batch format."""
-        return EvalStream(self.layout, source, batch_size or self.batch_size, self.topo, strict=self.strict,
+        return EvalStream(self.layout, source, batch_size or self.batch_size, self.topo, on_error=self.on_error,
                           cache_dir=self.cache_dir, policy=self.policy, normalize=self.normalize)
 
 
@@ -402,6 +404,13 @@ def _per_source(rank_state, key, slots):
     return v
 
 
+def _error_mode(on_error, strict):
+    """The Errors mode from `on_error` ("warn", "skip", "raise") or the older `strict` flag."""
+    if strict and on_error not in (None, "raise"):
+        raise ValueError(f"strict=True asks to raise on damage, on_error={on_error!r} not")
+    return on_error or ("raise" if strict else "warn")
+
+
 def _check_map(m, size, what):
     """A loaded {int: count} map (a checkpoint is input): keys 0..size-1, counts in range."""
     try:
@@ -418,8 +427,8 @@ class EvalStream(torch.utils.data.IterableDataset):
     wrapper, whose forward can sync) and all-reduce the counts afterwards.
     """
 
-    def __init__(self, layout, source, batch_size, topo=Topology(), *, strict=False, cache_dir=None,
-                 policy=remote.Policy(), normalize=True):
+    def __init__(self, layout, source, batch_size, topo=Topology(), *, strict=False, on_error=None,
+                 cache_dir=None, policy=remote.Policy(), normalize=True):
         self.layout, self.batch_size, self.topo = layout, batch_size, topo
         self.index = layout.index(source.name)
         train = layout.sources[self.index]
@@ -436,7 +445,8 @@ class EvalStream(torch.utils.data.IterableDataset):
                              f"({_preview(train.classes)}); their labels would not match the model's head: index "
                              f"the test shards with the training split's classes (tools/make_shards.py --index "
                              f"{source.name}:{source.split}=SHARDS --classes-from {train.manifest} --out DIR)")
-        self.strict, self.cache_dir, self.policy, self.normalize = strict, cache_dir, policy, normalize
+        self.on_error = _error_mode(on_error, strict)
+        self.cache_dir, self.policy, self.normalize = cache_dir, policy, normalize
 
     def __iter__(self):
         return map(Arrival(self), self.batches())
@@ -444,20 +454,20 @@ class EvalStream(torch.utils.data.IterableDataset):
     def batches(self, worker=None, lend=None):
         """This worker's share of the test batches, as a worker sends them."""
         worker = worker or Worker.current()
-        stats = {"skipped": 0}
-        reader = stages.Reader(self.source, stats, strict=self.strict, policy=self.policy, cache_dir=self.cache_dir)
+        errors = Errors(self.on_error)
+        reader = stages.Reader(self.source, errors, policy=self.policy, cache_dir=self.cache_dir)
         stream = stages.SourceStream(stages.OncePlan(stages.split(self.source.urls, self.topo, worker)), reader,
                                      shuffle=False)
         parts = [_NOTHING] * len(self.layout.sources)
         reported = 0
         while True:
             keys, pixels, labels = stream.take(self.batch_size)
-            if not keys and stats["skipped"] == reported:
+            if not keys and errors.skipped == reported:
                 return
             parts[self.index] = (keys, pixels, labels)
             handle, canvas = lend(len(keys)) if lend else (None, None)
-            batch = self.layout.collate(np.full(len(keys), self.index), parts, stats["skipped"] - reported, canvas)
-            reported = stats["skipped"]
+            batch = self.layout.collate(np.full(len(keys), self.index), parts, errors.skipped - reported, canvas)
+            reported = errors.skipped
             if handle is not None:
                 batch["image"] = handle
             yield batch

@@ -104,7 +104,8 @@ class Run:
         self.stream = stream.MixedStream(
             train_sources, options.weights_at(args, 0), args.batch_size, topo, seed=args.seed,
             epoch_samples=args.epoch_samples, shuffle_buffer=args.shuffle_buffer, resample=args.resample,
-            strict=args.strict, cache_dir=args.cache_dir and cache.Cache(args.cache_dir, args.cache_size),
+            strict=args.strict, on_error=args.on_error,
+            cache_dir=args.cache_dir and cache.Cache(args.cache_dir, args.cache_size),
             policy=policy, normalize=False,
             sample_stages=load_stages(args.sample_stage), slots=args.slots)
         self.stream.set_workers(max(1, args.workers))  # before a resume: it decides same world or not

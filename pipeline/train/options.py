@@ -86,7 +86,10 @@ def parse(argv=None):
     a("--cache-size", type=byte_size, metavar="BYTES",
       help="with --cache-dir: the most the folder holds (suffixes K, M, G, T); the least recently used shards are "
            "evicted (default: no bound)")
-    a("--strict", action="store_true", help="stop at the first malformed sample instead of skipping it")
+    a("--on-error", choices=("warn", "skip", "raise"),
+      help="what a damaged sample or shard does: warn (skip it, count it, say so; the default), skip (skip and "
+           "count quietly: the count still reaches the metrics and the summary), raise (stop the run)")
+    a("--strict", action="store_true", help="stop at the first malformed sample: --on-error raise")
     a("--shuffle-buffer", type=int, default=2000, metavar="N",
       help="samples shuffled together: whole shards, at least N samples (default: 2000)")
     a("--slots", type=int, metavar="K",
@@ -112,6 +115,8 @@ def check(p, args):
                       "retries": 0, "max_nonfinite": 0})
     p.within(args, {"timeout": (1, MAX_TIMEOUT), "workers": (0, 1024), "slots": (1, 1 << 22)})
     check_io(p, args)
+    if args.strict and args.on_error not in (None, "raise"):
+        p.error(f"--strict stops at the first damage, --on-error {args.on_error} does not: give one of them")
     if args.cache_size is not None and args.cache_dir is None:
         p.error("--cache-size applies with --cache-dir only")
     p.at_least(args, {"cache_size": 1})

@@ -25,11 +25,10 @@ def samples(manifest_path, n, seed):
     m = manifest.load(manifest_path)
     src = manifest.resolve(m["dataset"], manifest_path, m["split"])
     urls = [src.urls[i] for i in np.random.default_rng(seed).permutation(len(src.urls))]
-    stats = {"skipped": 0}
-    reader = stages.Reader(src, stats)
+    reader = stages.Reader(src)
     stream = stages.SourceStream(stages.OncePlan(urls), reader, shuffle=False)
     keys, images, labels = stream.take(n)
-    return src, keys, images, labels, stats["skipped"]
+    return src, keys, images, labels, reader.errors.skipped
 
 
 def origin_text(origin):
