@@ -33,3 +33,22 @@ def test_examples_stream_api_prints_shapes_and_state(tmp_path):
                        capture_output=True, text=True, timeout=180, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert "epoch 0:" in r.stdout and "image (64, 3, 32, 32) torch.float32" in r.stdout and "state keys:" in r.stdout
+
+
+def test_examples_my_stages_keep_shape_and_dtype_and_flip_by_seed():
+    import importlib.util
+
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location("my_stages", ROOT / "examples" / "my_stages.py")
+    stages = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stages)
+    image = np.arange(3 * 4 * 5, dtype=np.uint8).reshape(3, 4, 5)
+    out = [stages.flip({"__source__": "cifar10", "image": image.copy(), "__seed__": s})["image"] for s in range(40)]
+    assert all(o.shape == image.shape and o.dtype == np.uint8 for o in out)
+    mirrored = [bool((o == image[:, :, ::-1]).all()) for o in out]
+    assert 5 < sum(mirrored) < 35  # about half, chosen by the seed
+    assert mirrored == [bool((stages.flip({"image": image.copy(), "__seed__": s})["image"] == image[:, :, ::-1]).all())
+                        for s in range(40)]  # the same seed, the same choice
+    inv = stages.invert({"__source__": "cifar10", "image": image.copy()})["image"]
+    assert (inv == 255 - image).all()

@@ -9,7 +9,9 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
+import torch
 
 from helpers import build_shards, finish, key_index, launch_train
 from pipeline.data.stream import MixedStream, make_loader, resolve
@@ -170,6 +172,47 @@ def test_a_users_filter_stage_interrupted_and_resumed_equals_an_uninterrupted_pa
     loader = make_loader(again, 2)
     again.load_state_dict(json.loads(json.dumps(first.state_dict())))
     assert head + keys(loader) == whole
+
+
+def _random_flip(sample):
+    """An augmentation of the user's, drawn from the sample's own seed."""
+    if np.random.default_rng(sample["__seed__"]).random() < 0.5:
+        sample["image"] = sample["image"][:, :, ::-1]
+    return sample
+
+
+def test_a_random_stage_drawn_from_the_samples_seed_resumes_exactly(data):
+    """`__seed__` is a pure function of where the sample stands in its slot: the same
+    sample gets the same flip after a resume, here and on another world."""
+    def batches(loader, n=None):
+        out = []
+        for b in itertools.islice(loader, n):  # a checksum that a flip changes: columns weighted by position
+            image = b["image"].double()
+            out.append((list(b["key"]), (image * torch.arange(image.shape[-1])).flatten(1).sum(1).tolist()))
+        return out
+
+    def stream(rank=0, world=1):
+        return stream_for(data, rank, world, sample_stages=[_random_flip])
+
+    whole = batches(make_loader(stream(), 2))
+    first = stream()
+    head = batches(make_loader(first, 2), 5)
+    state = json.loads(json.dumps(first.state_dict()))
+    again = stream()
+    loader = make_loader(again, 2)
+    again.load_state_dict(state)
+    assert head + batches(loader) == whole
+    flipped = dict((k, v) for ks, vs in whole for k, v in zip(ks, vs))
+    plain = dict((k, v) for ks, vs in batches(make_loader(stream_for(data), 2)) for k, v in zip(ks, vs))
+    assert 0 < sum(flipped[k] != plain[k] for k in flipped) < len(flipped)  # some flipped, not all
+    moved = {}
+    for r in range(2):  # the rest of the epoch on 2 ranks: each sample as the whole pass drew it
+        s = stream(r, 2)
+        loader = make_loader(s, 1)
+        s.load_state_dict({"ranks": [state]})
+        moved.update((k, v) for ks, vs in batches(loader) for k, v in zip(ks, vs))
+    common = [k for k in moved if k in flipped]
+    assert len(common) > len(moved) // 2 and all(moved[k] == flipped[k] for k in common)
 
 
 def test_another_world_needs_every_ranks_state(data):

@@ -59,6 +59,11 @@ def generator(*key):
     return np.random.Generator(np.random.Philox(key=words))
 
 
+def seed_of(key):
+    """A 63-bit integer drawn from a key, as `generator` would key its stream."""
+    return int(np.random.SeedSequence([int(k) for k in key]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
 class Partition:
     """One source's samples over K slots for every epoch.
 

@@ -359,7 +359,11 @@ class SourceStream:
         else:
             order, self.crops = np.arange(n), None
         stop = n if window.size is None else min(n, window.size)
-        self.order = order[min(window.skip, stop):stop]
+        first = min(window.skip, stop)
+        self.order = order[first:stop]
+        # the user's stages get a seed per sample, a pure function of the slot position it
+        # came from: an augmentation drawn from it resumes exactly, on any world
+        self.seed0 = (partition.seed_of(window.key) + first) if window.key is not None else 0
         self.pos, self.window_good = 0, False
         return True
 
@@ -371,6 +375,7 @@ class SourceStream:
                     break
                 continue
             idx = self.order[self.pos:self.pos + n]
+            at = self.seed0 + self.pos
             self.pos += len(idx)
             d = self.data
             positions = idx.tolist()
@@ -384,7 +389,8 @@ class SourceStream:
             chosen = idx[kept] if errors else idx
             k_keys, k_labels = [d.keys[i] for i in chosen.tolist()], self.labels[chosen]
             if self.sample_stages:
-                k_keys, pixels, k_labels = self._staged(k_keys, pixels, k_labels)
+                seeds = np.arange(at, at + len(idx), dtype=np.uint64)
+                k_keys, pixels, k_labels = self._staged(k_keys, pixels, k_labels, seeds[kept] if errors else seeds)
             if k_keys:
                 self.window_good = True
             keys += k_keys
@@ -396,13 +402,13 @@ class SourceStream:
             return [], np.zeros((0, c, h, w), np.uint8), np.zeros(0, np.int64)
         return keys, parts[0] if len(parts) == 1 else np.concatenate(parts), np.concatenate(labels)
 
-    def _staged(self, keys, pixels, labels):
+    def _staged(self, keys, pixels, labels, seeds):
         """Each decoded sample through the user's stages; a stage returning None drops it."""
         shape = tuple(self.target.shape)
         out_keys, out_pixels, out_labels = [], [], []
-        for key, image, label in zip(keys, pixels, labels):
+        for key, image, label, seed in zip(keys, pixels, labels, seeds.tolist()):
             sample = {"__key__": key, "__source__": self.reader.source.name, "image": image.copy(),
-                      "label": int(label)}
+                      "label": int(label), "__seed__": seed & SEED_MASK}
             for stage in self.sample_stages:
                 try:
                     sample = stage(sample)
@@ -431,6 +437,9 @@ class SourceStream:
         c, h, w = shape
         return (out_keys, np.stack(out_pixels) if out_pixels else np.zeros((0, c, h, w), np.uint8),
                 np.array(out_labels, np.int64))
+
+
+SEED_MASK = (1 << 63) - 1  # a sample's seed fits an int64 and any numpy or torch generator
 
 
 def _name(fn):

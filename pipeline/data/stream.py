@@ -68,8 +68,11 @@ class MixedStream(torch.utils.data.IterableDataset):
     on (seed, epoch, rank, worker). `shuffle_buffer` is how many samples are shuffled
     together (whole shards: a window). `sample_stages` are functions applied to every
     decoded sample, a dict {"__key__", "__source__", "image": uint8 C,H,W array,
-    "label": int}; each returns the sample (image of the same shape and dtype) or None
-    to drop it.
+    "label": int, "__seed__": int, a pure function of the sample's slot position}; each
+    returns the sample (image of the same shape and dtype) or None to drop it. `slots`:
+    K per source (an int or one per source), else fixed at the first pass from the world
+    and worker count; `on_error`: the pipeline.errors.Errors policy ("warn", "skip",
+    "raise"; strict=True is "raise").
     """
 
     def __init__(self, sources, weights, batch_size, topo=Topology(), *, seed=0, epoch_samples=None,
