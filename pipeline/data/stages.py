@@ -320,123 +320,257 @@ def _label_error(value, target, lookup):
     raise AssertionError(f"label {value} is usable")
 
 
+@dataclass
+class Chunk:
+    """What moves down a source's chain: the samples at positions [lo, hi) of a window's
+    order, filled in stage by stage (the rows of `data`, then decoded columns)."""
+
+    window: Window
+    lo: int
+    hi: int
+    data: WindowData = None
+    idx: np.ndarray = None
+    crops: np.ndarray = None
+    keys: list = None
+    pixels: np.ndarray = None
+    labels: np.ndarray = None
+    seeds: np.ndarray = None
+
+
+class Node:
+    """A stage of a source's chain. `next(n)` gives the Chunk of the next n positions (fewer
+    at a window's end; StopIteration when a finite plan is done), pulled from `upstream`;
+    `state()` is where it stands, `reset(state)` goes back there. Only the first stage
+    (`Positions`) holds a position: the others are pure functions of the chunk, and their
+    state is empty, so a chain resumes from the slots' counts alone."""
+
+    upstream = None
+
+    def next(self, n):
+        return self.upstream.next(n)
+
+    def state(self):
+        return {}
+
+    def reset(self, state=None):
+        pass
+
+
+class Positions(Node):
+    """The plan's windows, handed down as position ranges; its state is the plan's
+    {slot: count}, the current window counted to where the chain has taken it."""
+
+    def __init__(self, plan):
+        self.plan, self.window, self.at = plan, None, 0
+
+    def next(self, n):
+        w = self.window
+        if w is None or self.at >= (w.size if w.size is not None else self.at + 1):
+            w = self.window = self.plan.next()
+            if w is None:
+                raise StopIteration
+            self.at = w.skip
+        if w.size is None:  # evaluation: the window's length is known once read
+            lo, self.at = self.at, self.at + n
+            return Chunk(w, lo, self.at)
+        lo, self.at = self.at, min(self.at + n, w.size)
+        return Chunk(w, lo, self.at)
+
+    def exhausted(self):
+        """The current window read to its end (a shard that holds fewer samples than its manifest)."""
+        if self.window is not None:
+            self.at = self.window.size if self.window.size is not None else float("inf")
+
+    def state(self):
+        return self.plan.state(self.at - (self.window.skip if self.window else 0))
+
+
+class Read(Node):
+    """Each window's pieces read once (`Reader`), kept while its positions are taken."""
+
+    def __init__(self, reader):
+        self.reader, self.window, self.data = reader, None, None
+
+    def next(self, n):
+        chunk = self.upstream.next(n)
+        if chunk.window is not self.window:
+            self.window, self.data = chunk.window, self.reader(chunk.window)
+        chunk.data = self.data
+        return chunk
+
+    def reset(self, state=None):
+        self.window = self.data = None
+
+
+class Shuffle(Node):
+    """One permutation of each window's samples, and each sample's crop, drawn from the
+    window's key; windows without a key (evaluation) keep their order."""
+
+    def __init__(self, shuffle=True):
+        self.shuffle, self.window, self.order, self.crops, self.seed0 = shuffle, None, None, None, 0
+
+    def next(self, n):
+        chunk = self.upstream.next(n)
+        w = chunk.window
+        if w is not self.window:
+            k = len(chunk.data)
+            if self.shuffle and w.key is not None:
+                rng = partition.generator(*w.key)
+                self.order, self.crops = rng.permutation(k), rng.random((k, 2))
+            else:
+                self.order, self.crops = np.arange(k), None
+            if w.size is not None:
+                self.order = self.order[:w.size]
+            self.window, self.seed0 = w, partition.seed_of(w.key) if w.key is not None else 0
+        chunk.idx = self.order[chunk.lo:chunk.hi]
+        chunk.crops = None if self.crops is None else self.crops[chunk.idx]
+        chunk.seeds = np.arange(chunk.lo, chunk.lo + len(chunk.idx), dtype=np.uint64) + np.uint64(self.seed0)
+        return chunk
+
+    def reset(self, state=None):
+        self.window = None
+
+
+class Decode(Node):
+    """The chunk's images decoded to the source's shape; what fails to decode is reported
+    to the error policy (through the reader) and left out."""
+
+    def __init__(self, reader):
+        self.reader, self.target = reader, reader.target
+
+    def next(self, n):
+        chunk = self.upstream.next(n)
+        d, idx = chunk.data, chunk.idx
+        rows = idx.tolist()
+        if isinstance(d.images, np.ndarray):
+            chunk.pixels = d.images[idx].reshape(len(idx), *self.target.shape)
+        else:
+            pixels, kept, errors = decode_batch([d.images[i] for i in rows], [d.exts[i] for i in rows],
+                                                self.target, chunk.crops)
+            for k, message in errors:
+                self.reader.bad(d.urls[rows[k]], d.keys[rows[k]], message)
+            if errors:
+                idx, chunk.seeds = idx[kept], chunk.seeds[kept]
+                rows = idx.tolist()
+            chunk.pixels = pixels
+        chunk.keys, chunk.labels = [d.keys[i] for i in rows], d.labels[idx]
+        return chunk
+
+
+class UserStage(Node):
+    """A function of the user's on each decoded sample, a dict {"__key__", "__source__",
+    "image", "label", "__seed__"}; it returns the sample or None to drop it. The stream
+    counts positions, not kept samples, so a stage that depends only on its sample
+    resumes exactly."""
+
+    def __init__(self, fn, source, shape, classes):
+        self.fn, self.source, self.shape, self.classes = fn, source, tuple(shape), classes
+
+    def next(self, n):
+        chunk = self.upstream.next(n)
+        keep, pixels, labels = [], [], []
+        for i, (key, image, label, seed) in enumerate(zip(chunk.keys, chunk.pixels, chunk.labels,
+                                                          chunk.seeds.tolist())):
+            sample = self._apply({"__key__": key, "__source__": self.source, "image": image.copy(),
+                                  "label": int(label), "__seed__": seed & SEED_MASK})
+            if sample is not None:
+                keep.append(i)
+                pixels.append(np.asarray(sample["image"]))
+                labels.append(int(sample["label"]))
+        c, h, w = self.shape
+        chunk.keys = [chunk.keys[i] for i in keep]
+        chunk.pixels = np.stack(pixels) if pixels else np.zeros((0, c, h, w), np.uint8)
+        chunk.labels, chunk.seeds = np.array(labels, np.int64), chunk.seeds[keep]
+        return chunk
+
+    def _apply(self, sample):
+        key, fn = sample["__key__"], self.fn
+        try:
+            sample = fn(sample)
+        except Exception as e:  # noqa: BLE001 - the user's code: say whose and on what, in one line
+            raise InputError(f"sample stage {_name(fn)} raised {e.__class__.__name__}: {e} (sample {key})") from None
+        if sample is None:
+            return None
+        if not isinstance(sample, dict):
+            raise InputError(f"sample stage {_name(fn)} returned {type(sample).__name__}, not the sample dict or "
+                             f"None (sample {key})")
+        image = np.asarray(sample.get("image"))
+        if image.shape != self.shape or image.dtype != np.uint8:
+            raise InputError(f"sample stage {_name(fn)} returned a {image.dtype} image of shape {image.shape}; "
+                             f"it must stay uint8 {self.shape}")
+        label = sample.get("label")
+        if isinstance(label, bool) or not isinstance(label, (int, np.integer)) or not 0 <= label < self.classes:
+            raise InputError(f"sample stage {_name(fn)} returned label {label!r}; it must stay an integer in "
+                             f"0..{self.classes - 1}")
+        return sample
+
+
 class SourceStream:
-    """One source's samples for one (rank, worker): the windows of a plan, read, shuffled, decoded.
+    """One source's samples for one (rank, worker): a chain of stages, each pulling from
+    the one before, in this order:
+
+        slots    the plan's windows as position ranges (`Positions`): the only state
+        read     each window's pieces read once (`Read`)
+        shuffle  a seeded permutation and crops per window (`Shuffle`)
+        decode   images to the source's shape (`Decode`)
+        stage:…  the user's sample stages, in order (`UserStage`)
 
     `take(n)` returns the next n good samples as (keys, uint8 images (n, C, H, W),
     labels); a training plan never runs out, an evaluation plan may return fewer.
-    `state()` is the plan's {slot: count}: build a new stream from those counts to go
-    on from there. `sample_stages` are the user's functions on each decoded sample
-    (see MixedStream).
+    `state()` nests each stage's state under its name; the slots' is {slot: count}, from
+    which a new chain goes on (`reset`).
     """
 
     def __init__(self, plan, reader, *, shuffle=True, sample_stages=()):
-        self.plan, self.reader, self.shuffle, self.sample_stages = plan, reader, shuffle, tuple(sample_stages)
-        self.target = reader.target
-        self.pos, self.order, self.data, self.labels, self.crops = 0, (), None, None, None
-        self.empty, self.window_good = 0, True  # windows in a row that gave nothing usable
-        self.limit = len(reader.source.urls) * partition.MAX_PARTS + 2
+        self.reader, self.target = reader, reader.target
+        source = reader.source
+        self.stages = [("slots", Positions(plan)), ("read", Read(reader)), ("shuffle", Shuffle(shuffle)),
+                       ("decode", Decode(reader))]
+        self.stages += [(f"stage:{_name(fn)}", UserStage(fn, source.name, self.target.shape, self.target.classes))
+                        for fn in sample_stages]
+        for (_, before), (_, after) in zip(self.stages, self.stages[1:]):
+            after.upstream = before
+        self.plan, self.last = plan, self.stages[-1][1]
+        self.empty, self.window, self.window_good = 0, None, True  # windows in a row that gave nothing usable
+        self.limit = len(source.urls) * partition.MAX_PARTS + 2
 
     def state(self):
-        return self.plan.state(self.pos)
+        return {name: node.state() for name, node in self.stages}
 
-    def _open(self):
-        """Read the plan's next window; False when a finite plan is done. Raises ShardError
-        when more windows in a row than the source has pieces gave no usable sample."""
-        self.empty = 0 if self.window_good else self.empty + 1
-        if self.empty > self.limit:
-            raise ShardError(f"{self.reader.source.name}: no readable samples in this worker's shards "
-                             f"(e.g. {self.reader.source.urls[0]})")
-        window = self.plan.next()
-        if window is None:
-            return False
-        self.data = self.reader(window)
-        self.labels = self.data.labels
-        n = len(self.data)
-        if self.shuffle and window.key is not None:
-            rng = partition.generator(*window.key)
-            order, self.crops = rng.permutation(n), rng.random((n, 2))
-        else:
-            order, self.crops = np.arange(n), None
-        stop = n if window.size is None else min(n, window.size)
-        first = min(window.skip, stop)
-        self.order = order[first:stop]
-        # the user's stages get a seed per sample, a pure function of the slot position it
-        # came from: an augmentation drawn from it resumes exactly, on any world
-        self.seed0 = (partition.seed_of(window.key) + first) if window.key is not None else 0
-        self.pos, self.window_good = 0, False
-        return True
+    def reset(self, state=None):
+        for name, node in self.stages:
+            node.reset(None if state is None else state.get(name))
 
     def take(self, n):
         keys, parts, labels = [], [], []
         while n > 0:
-            if self.pos >= len(self.order):
-                if not self._open():
-                    break
+            try:
+                chunk = self.last.next(n)
+            except StopIteration:
+                break
+            if chunk.window is not self.window:
+                self._opened(chunk.window)
+            if not len(chunk.idx) and chunk.lo >= len(chunk.data):  # the shard held fewer samples than its manifest
+                self.stages[0][1].exhausted()
                 continue
-            idx = self.order[self.pos:self.pos + n]
-            at = self.seed0 + self.pos
-            self.pos += len(idx)
-            d = self.data
-            positions = idx.tolist()
-            if isinstance(d.images, np.ndarray):
-                pixels, errors = d.images[idx].reshape(len(idx), *self.target.shape), ()
-            else:
-                pixels, kept, errors = decode_batch([d.images[i] for i in positions], [d.exts[i] for i in positions],
-                                                    self.target, None if self.crops is None else self.crops[idx])
-            for k, message in errors:
-                self.reader.bad(d.urls[positions[k]], d.keys[positions[k]], message)
-            chosen = idx[kept] if errors else idx
-            k_keys, k_labels = [d.keys[i] for i in chosen.tolist()], self.labels[chosen]
-            if self.sample_stages:
-                seeds = np.arange(at, at + len(idx), dtype=np.uint64)
-                k_keys, pixels, k_labels = self._staged(k_keys, pixels, k_labels, seeds[kept] if errors else seeds)
-            if k_keys:
+            if chunk.keys:
                 self.window_good = True
-            keys += k_keys
-            parts.append(pixels)
-            labels.append(k_labels)
-            n -= len(k_keys)
+            keys += chunk.keys
+            parts.append(chunk.pixels)
+            labels.append(chunk.labels)
+            n -= len(chunk.keys)
         c, h, w = self.target.shape
         if not parts:
             return [], np.zeros((0, c, h, w), np.uint8), np.zeros(0, np.int64)
         return keys, parts[0] if len(parts) == 1 else np.concatenate(parts), np.concatenate(labels)
 
-    def _staged(self, keys, pixels, labels, seeds):
-        """Each decoded sample through the user's stages; a stage returning None drops it."""
-        shape = tuple(self.target.shape)
-        out_keys, out_pixels, out_labels = [], [], []
-        for key, image, label, seed in zip(keys, pixels, labels, seeds.tolist()):
-            sample = {"__key__": key, "__source__": self.reader.source.name, "image": image.copy(),
-                      "label": int(label), "__seed__": seed & SEED_MASK}
-            for stage in self.sample_stages:
-                try:
-                    sample = stage(sample)
-                except Exception as e:  # noqa: BLE001 - the user's code: say whose and on what, in one line
-                    raise InputError(f"sample stage {_name(stage)} raised {e.__class__.__name__}: {e} "
-                                     f"(sample {key})") from None
-                if sample is None:
-                    break
-                if not isinstance(sample, dict):
-                    raise InputError(f"sample stage {_name(stage)} returned {type(sample).__name__}, not the "
-                                     f"sample dict or None (sample {key})")
-            if sample is None:
-                continue
-            image = np.asarray(sample.get("image"))
-            if image.shape != shape or image.dtype != np.uint8:
-                raise InputError(f"sample stage {_name(stage)} returned a {image.dtype} image of shape {image.shape}; "
-                                 f"it must stay uint8 {shape}")
-            label = sample.get("label")
-            if isinstance(label, bool) or not isinstance(label, (int, np.integer)) or \
-                    not 0 <= label < self.target.classes:
-                raise InputError(f"sample stage {_name(stage)} returned label {label!r}; it must stay an integer in "
-                                 f"0..{self.target.classes - 1}")
-            out_keys.append(sample["__key__"])
-            out_pixels.append(image)
-            out_labels.append(int(sample["label"]))
-        c, h, w = shape
-        return (out_keys, np.stack(out_pixels) if out_pixels else np.zeros((0, c, h, w), np.uint8),
-                np.array(out_labels, np.int64))
+    def _opened(self, window):
+        """Raises ShardError when more windows in a row than the source has pieces gave no usable sample."""
+        self.empty = 0 if self.window_good else self.empty + 1
+        if self.empty > self.limit:
+            raise ShardError(f"{self.reader.source.name}: no readable samples in this worker's shards "
+                             f"(e.g. {self.reader.source.urls[0]})")
+        self.window, self.window_good = window, False
 
 
 SEED_MASK = (1 << 63) - 1  # a sample's seed fits an int64 and any numpy or torch generator

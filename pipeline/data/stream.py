@@ -246,7 +246,7 @@ class MixedStream(torch.utils.data.IterableDataset):
             if handle is not None:
                 batch["image"] = handle
             batch["state"] = {"worker": logical.id, "batches": b + 1,
-                              "sources": [_plan_state(stream.plan, stream.state()) for stream in streams]}
+                              "sources": [_plan_state(stream.plan, stream.state()["slots"]) for stream in streams]}
             yield batch
 
     def _reader(self, source, errors):
