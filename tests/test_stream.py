@@ -246,7 +246,7 @@ def test_same_seed_same_order_other_epoch_or_seed_differs(data, workers):
 # ---------------------------------------------------------------- 5. batch format
 
 
-@pytest.mark.parametrize("workers", [0, 2])  # workers collate into reused ring buffers, zeroed by `take`
+@pytest.mark.parametrize("workers", [0, 2])  # workers collate into reused ring buffers, every byte rewritten by collate
 def test_batch_format_shapes_labels_and_normalize(data, workers):
     sources = train_sources(data.dir)
     mnist_m, cifar_m = data.manifests["mnist", "train"], data.manifests["cifar10", "train"]

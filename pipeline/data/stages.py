@@ -140,6 +140,7 @@ class WindowData:
 
     def seal(self):
         self.labels = np.concatenate(self.labels) if self.labels else np.zeros(0, np.int64)
+        self.key_column = np.array(self.keys, dtype=object)  # taken by index arrays, as the other columns
         if self.chunks and all(isinstance(images, np.ndarray) for images, _ in self.chunks):
             self.images, self.exts = np.concatenate([images for images, _ in self.chunks]), "raw"
         else:
@@ -453,7 +454,7 @@ class Decode(Node):
                 idx, chunk.seeds = idx[kept], chunk.seeds[kept]
                 rows = idx.tolist()
             chunk.pixels = pixels
-        chunk.keys, chunk.labels = [d.keys[i] for i in rows], d.labels[idx]
+        chunk.keys, chunk.labels = d.key_column[idx].tolist(), d.labels[idx]
         return chunk
 
 
@@ -598,13 +599,15 @@ class RandomMix:
         if len(probs) != len(self.datasets) or any(not 0 <= p < float("inf") for p in probs) or sum(probs) <= 0:
             raise ValueError(f"probs {probs}: one weight >= 0 per dataset, with a positive sum")
         self.probs = [p / sum(probs) for p in probs]
+        self.cdf = np.cumsum(self.probs)
+        self.cdf /= self.cdf[-1]
         self.longest = longest
         self.key = tuple(int(k) for k in (seed if isinstance(seed, (list, tuple)) else [seed]))
         self.rng = np.random.default_rng(seed)
 
     def draw(self, n, at=None):
         rng = self.rng if at is None else partition.generator(partition.MIX, *self.key, at)
-        return rng.choice(len(self.probs), size=n, p=self.probs)
+        return self.cdf.searchsorted(rng.random(n), side="right")  # what rng.choice(p=) draws, a third of its cost
 
     def __iter__(self):
         sources = [iter(d) for d in self.datasets]
