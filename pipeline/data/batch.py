@@ -14,6 +14,8 @@ from its manifest: a quarter of the bytes through shared memory and to the GPU.
 import numpy as np
 import torch
 
+from pipeline.data.node import Node
+
 
 def _rgb(values):
     return list(values) * 3 if len(values) == 1 else list(values)
@@ -118,3 +120,25 @@ class Layout:
             self._on_device[image.device] = (self.scale.to(image.device), self.shift.to(image.device))
         scale, shift = self._on_device[image.device]
         return image.float().mul_(scale[source]).sub_(shift[source])
+
+
+NOTHING = ([], np.zeros((0, 1, 1, 1), np.uint8), np.zeros(0, np.int64))  # what a source not drawn gives
+
+
+class Collate(Node):
+    """The last stage: what `upstream` (a `stages.Mix`) took, as one batch in this layout,
+    with the samples skipped since the last batch (`errors.skipped`), into a buffer from
+    `lend(n)` when given (a worker's BatchRing)."""
+
+    def __init__(self, upstream, layout, errors, lend=None):
+        self.upstream, self.layout, self.errors, self.lend, self.reported = upstream, layout, errors, lend, 0
+
+    def next(self, n=None):
+        choice, parts = self.upstream.next(n)
+        handle, canvas = self.lend(len(choice)) if self.lend else (None, None)
+        batch = self.layout.collate(choice, [p if p is not None else NOTHING for p in parts],
+                                    self.errors.skipped - self.reported, canvas)
+        self.reported = self.errors.skipped
+        if handle is not None:
+            batch["image"] = handle
+        return batch

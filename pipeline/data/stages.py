@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.data import partition, remote
+from pipeline.data.node import Node
 from pipeline.data.decode import Unlabelled, class_index, decode_batch, image_format, image_of, label_of, parse_label_key
 from pipeline.errors import DigestError, Errors, InputError, ShardError
 from pipeline.data.read import is_meta, iter_samples, regular
@@ -338,25 +339,6 @@ class Chunk:
     seeds: np.ndarray = None
 
 
-class Node:
-    """A stage of a source's chain. `next(n)` gives the Chunk of the next n positions (fewer
-    at a window's end; StopIteration when a finite plan is done), pulled from `upstream`;
-    `state()` is where it stands, `reset(state)` goes back there. Only the first stage
-    (`Positions`) holds a position: the others are pure functions of the chunk, and their
-    state is empty, so a chain resumes from the slots' counts alone."""
-
-    upstream = None
-
-    def next(self, n):
-        return self.upstream.next(n)
-
-    def state(self):
-        return {}
-
-    def reset(self, state=None):
-        pass
-
-
 class Positions(Node):
     """The plan's windows, handed down as position ranges; its state is the plan's
     {slot: count}, the current window counted to where the chain has taken it."""
@@ -506,7 +488,7 @@ class UserStage(Node):
         return sample
 
 
-class SourceStream:
+class SourceStream(Node):
     """One source's samples for one (rank, worker): a chain of stages, each pulling from
     the one before, in this order:
 
@@ -541,6 +523,9 @@ class SourceStream:
     def reset(self, state=None):
         for name, node in self.stages:
             node.reset(None if state is None else state.get(name))
+
+    def next(self, n=None):
+        return self.take(n)
 
     def take(self, n):
         keys, parts, labels = [], [], []
@@ -579,6 +564,30 @@ SEED_MASK = (1 << 63) - 1  # a sample's seed fits an int64 and any numpy or torc
 
 def _name(fn):
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+class Mix(Node):
+    """A batch's worth of samples: which source each position comes from (`RandomMix`,
+    keyed by the batch's position `at`), then that many taken from each source's chain.
+    Its state is the batch position and, under "sources", each chain's."""
+
+    def __init__(self, streams, probs, key, batch_size, at=0):
+        self.streams, self.batch_size, self.at = list(streams), batch_size, at
+        self.mix = RandomMix(self.streams, probs, seed=key)
+
+    def next(self, n=None):
+        choice = self.mix.draw(n or self.batch_size, at=self.at)
+        self.at += 1
+        wanted = np.bincount(choice, minlength=len(self.streams))
+        return choice, [stream.take(int(k)) if k else None for stream, k in zip(self.streams, wanted)]
+
+    def state(self):
+        return {"at": self.at, "sources": [stream.state() for stream in self.streams]}
+
+    def reset(self, state=None):
+        self.at = state["at"] if state else 0
+        for stream, sub in zip(self.streams, state["sources"] if state else [None] * len(self.streams)):
+            stream.reset(sub)
 
 
 class RandomMix:

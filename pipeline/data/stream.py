@@ -1,9 +1,12 @@
 """The training side's data stream: several sources, mixed by weight, in equal-length batches.
 
     per source, fixed for the run:       partition.Partition deals its shards to K slots
-    in each (rank, worker), per source:  stages.SlotPlan -> stages.Reader -> stages.SourceStream
-    across sources:                      stages.RandomMix draws the source of every sample
-    then:                                batch.Layout.collate, loader.make_loader's hand-over
+    in each (rank, worker), per source:  stages.SourceStream, the chain of stages
+                                         slots (a stages.SlotPlan) -> read -> shuffle -> decode -> your stages
+    across sources:                      stages.Mix draws the source of every sample (RandomMix)
+    then:                                batch.Collate, loader.make_loader's hand-over
+
+Each stage is a pipeline.data.node.Node (next, state, reset), pulling from the one before.
 
 Every rank yields exactly `batches_per_epoch` batches whatever its shards hold:
 sources repeat rather than end, so no rank is ever left waiting in an
@@ -24,7 +27,7 @@ import numpy as np
 import torch
 
 from pipeline.data import partition, remote, stages
-from pipeline.data.batch import Layout
+from pipeline.data.batch import NOTHING, Collate, Layout
 from pipeline.errors import Errors, ShardError
 from pipeline.data.loader import Arrival, make_loader  # noqa: F401  (part of this module's API)
 from pipeline.data.manifest import Source, resolve  # noqa: F401  (part of this module's API)
@@ -33,7 +36,6 @@ from pipeline.data.weights import check_weights, parse_weights  # noqa: F401  (p
 
 __all__ = ["MixedStream", "EvalStream", "Source", "resolve", "make_loader", "parse_weights", "check_weights"]
 STATE_VERSION = 2
-_NOTHING = ([], np.zeros((0, 1, 1, 1), np.uint8), np.zeros(0, np.int64))
 
 
 @dataclass
@@ -233,19 +235,12 @@ class MixedStream(torch.utils.data.IterableDataset):
         errors = Errors(self.on_error)
         streams = [stages.SourceStream(self._plan(i, logical, seg), self._reader(s, errors),
                                        sample_stages=self.sample_stages) for i, s in enumerate(self.sources)]
-        mix = stages.RandomMix(streams, self.probs,
-                               seed=[self.seed, self.epoch, seg.generation, self.topo.rank, logical.id])
-        reported = 0
-        for b in range(seg.done.get(logical.id, 0), count):
-            choice = mix.draw(self.batch_size, at=b)
-            wanted = np.bincount(choice, minlength=len(streams))
-            parts = [stream.take(int(k)) if k else _NOTHING for stream, k in zip(streams, wanted)]
-            handle, canvas = lend(self.batch_size) if lend else (None, None)
-            batch = self.layout.collate(choice, parts, errors.skipped - reported, canvas)
-            reported = errors.skipped
-            if handle is not None:
-                batch["image"] = handle
-            batch["state"] = {"worker": logical.id, "batches": b + 1,
+        mix = stages.Mix(streams, self.probs, [self.seed, self.epoch, seg.generation, self.topo.rank, logical.id],
+                         self.batch_size, at=seg.done.get(logical.id, 0))
+        out = Collate(mix, self.layout, errors, lend)
+        while mix.at < count:
+            batch = out.next()
+            batch["state"] = {"worker": logical.id, "batches": mix.at,
                               "sources": [_plan_state(stream.plan, stream.state()["slots"]) for stream in streams]}
             yield batch
 
@@ -461,7 +456,7 @@ class EvalStream(torch.utils.data.IterableDataset):
         reader = stages.Reader(self.source, errors, policy=self.policy, cache_dir=self.cache_dir)
         stream = stages.SourceStream(stages.OncePlan(stages.split(self.source.urls, self.topo, worker)), reader,
                                      shuffle=False)
-        parts = [_NOTHING] * len(self.layout.sources)
+        parts = [NOTHING] * len(self.layout.sources)
         reported = 0
         while True:
             keys, pixels, labels = stream.take(self.batch_size)
