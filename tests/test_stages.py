@@ -157,3 +157,44 @@ def test_the_fast_and_the_sequential_reader_agree_on_bad_labels(tmp_path, encodi
     assert keys == keys2 and labels == labels2 and said == said2 and stats == stats2
     assert stats == 12 - len(keys) == len(said) and (len(keys) == 10 or sparse and len(keys) >= 1)
     assert ("is not one of the source's 10 label values" if sparse else "outside 0..9") in said[0]
+
+
+def _keep_all(sample):
+    return sample
+
+
+def test_a_sources_chain_is_stages_with_state_nested_by_name(tmp_path):
+    """The chain is named stages (each a Node: next, state, reset); its state nests theirs,
+    only the slots' holds a position, and a chain rebuilt from that goes on identically."""
+    from helpers import build_shards
+    from pipeline.data.manifest import resolve
+    from pipeline.data.node import Node
+
+    build_shards(tmp_path, "toy", "train", 60, maxcount=10)
+    src = resolve("toy", str(tmp_path), "train")
+    part = Partition(src.counts, 2, seed=0, source=0)
+
+    def chain(counts=None):
+        plan = SlotPlan(part, src.urls, 0, [1], counts or {}, width=2)
+        return stages.SourceStream(plan, stages.Reader(src), sample_stages=[_keep_all])
+
+    first = chain()
+    head = first.take(7)[0]
+    state = first.state()
+    assert [name for name, _ in first.stages] == ["slots", "read", "shuffle", "decode",
+                                                  f"stage:{__name__}:_keep_all"]
+    assert all(isinstance(node, Node) for _, node in first.stages) and isinstance(first, Node)
+    assert state["slots"] == {1: 7} and all(state[k] == {} for k in state if k != "slots")
+    rest = first.take(20)[0]
+    again = chain(json_roundtrip(state)["slots"])
+    assert again.take(20)[0] == rest and head + rest == chain().take(27)[0]
+    mix = stages.Mix([chain(), chain()], [1, 1], [0, 1], 4)
+    mix.next()
+    assert mix.state()["at"] == 1 and len(mix.state()["sources"]) == 2
+
+
+def json_roundtrip(state):
+    import json
+
+    return {k: ({int(s): c for s, c in v.items()} if k == "slots" else v)
+            for k, v in json.loads(json.dumps({k: {str(s): c for s, c in v.items()} for k, v in state.items()})).items()}
