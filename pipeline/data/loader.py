@@ -132,11 +132,12 @@ def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=4, star
     """A WebLoader over a stream (MixedStream or EvalStream); warns when shards are too few.
 
     Workers persist across epochs: make the loader once and call `set_epoch` before
-    each pass. Forking a process that has threads (gloo, tqdm's monitor, a finished
-    loader's queue feeders) can deadlock the child inside os.fork() while another
-    thread holds an interpreter lock; it happened here once, when an evaluation loader
-    forked right after a training epoch's loader shut down. Persistent workers fork
-    once, at their loader's first pass. start_method="forkserver" avoids forking the
+    each pass. Forking a process while another of its Python threads starts or exits
+    can deadlock the child inside os.fork() on Python 3.8-3.11 (CPython gh-112275, the
+    interpreter's HEAD_LOCK); it happened here when the trainer's evaluation loader
+    forked as tqdm's monitor thread exited with the epoch's bar (the trainer now runs
+    tqdm without it). Persistent workers fork once, at their loader's first pass, so
+    start loaders while no thread comes or goes. start_method="forkserver" avoids forking the
     caller at all, at ~300 MiB for the server and a re-import of the main script per
     worker (the script then needs an `if __name__ == "__main__":` guard).
     """

@@ -404,11 +404,18 @@ def eval_loaders(run):
 
 
 def progress_bar(topo, total, desc, initial=0):
-    """A tqdm bar on rank 0; the other ranks stay quiet."""
+    """A tqdm bar on rank 0; the other ranks stay quiet.
+
+    Without tqdm's monitor thread: it starts with the first bar and exits with the last,
+    and a DataLoader worker forked while a thread starts or exits can deadlock in
+    os.fork() on Python 3.8-3.11 (CPython gh-112275: the child waits forever on the
+    interpreter's HEAD_LOCK). That was this project's intermittent hang: rank 0 forking
+    the evaluation loader's worker just as the epoch's bar closed (seen with gdb)."""
     if not topo.is_main:
         return None
     from tqdm import tqdm
 
+    tqdm.monitor_interval = 0
     return tqdm(total=total, initial=initial, desc=desc, unit="batch", dynamic_ncols=True, file=sys.stderr)
 
 
