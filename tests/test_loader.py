@@ -113,3 +113,22 @@ def test_persistent_workers_follow_set_epoch_and_weights(even):
     assert all(k.startswith("mnist") for k in seen[2])
 
 
+
+
+def test_the_trainers_progress_bar_starts_no_monitor_thread():
+    """tqdm's monitor thread starts with the first bar and exits with the last; a loader
+    worker forked as it exits can deadlock on Python 3.11 (CPython gh-112275)."""
+    from tqdm import tqdm
+
+    from pipeline.data.topology import Topology
+    from pipeline.train.loop import progress_bar
+
+    tqdm.monitor_interval = 10  # tqdm's default
+    if tqdm.monitor is not None:
+        tqdm.monitor.exit()
+        tqdm.monitor = None
+    bar = progress_bar(Topology(), 10, "epoch 1")
+    bar.update(3)
+    assert tqdm.monitor is None and tqdm.monitor_interval == 0
+    bar.close()
+    assert progress_bar(Topology(1, 2), 10, "epoch 1") is None  # rank 1 draws no bar
