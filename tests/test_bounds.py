@@ -3,8 +3,8 @@
 Every payload here is written by the test: tiny files that claim or expand to huge
 sizes (a 1 x 1,500,000 PNG, a JPEG whose first frame header lies, BMP, PPM and PNG
 headers claiming far more than they hold, a gzip bomb), FIFOs and /dev/zero named
-by a manifest. The memory tests decode in a subprocess under an address-space limit
-a few hundred MB above its own baseline, and assert a one-line reason or a counted
+by a manifest. The memory tests decode in a process of their own under an address-space
+limit a few hundred MB above its own baseline, and assert a one-line reason or a counted
 skip where an unbounded decode would die.
 """
 import gzip
@@ -23,14 +23,13 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from helpers import write_tar
+from helpers import make_shards_in_process, write_tar
 from test_security import one_line_error
 from pipeline.data import bounds, decode, jpeg, png, read, remote
 from pipeline.errors import ShardError
 from pipeline.data.manifest import FORMAT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOL = os.path.join(ROOT, "tools", "make_shards.py")
 HEADROOM = 400 << 20  # the address space a memory test may add to what its imports took
 
 
@@ -205,11 +204,11 @@ def good(key, shape=(3, 32, 32)):
     return key, "png", png.encode(rng.integers(0, 256, shape, dtype=np.uint8))
 
 
-# ---------------------------------------------------------------- subprocess under an address-space limit
+# ---------------------------------------------------------------- a process under an address-space limit
 
 
-LIMITED = """
-import os, resource, sys, warnings
+ZYGOTE = """
+import json, os, resource, sys, traceback, warnings
 sys.path.insert(0, {root!r})
 import numpy, torch, torchvision, PIL.Image
 from pipeline.data import decode, stream, remote
@@ -217,18 +216,93 @@ from pipeline.writers import index
 def vm():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) << 10 for l in f if l.startswith("VmSize:"))
-limit = vm() + {headroom}
-resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-warnings.simplefilter("ignore")
+for request in sys.stdin:
+    body, args, out, err = json.loads(request)
+    pid = os.fork()
+    if pid == 0:
+        os.setpgid(0, 0)
+        for fd, path in ((1, out), (2, err)):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        sys.argv, code = ["-c", *args], 0
+        try:
+            limit = vm() + {headroom}
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+            warnings.simplefilter("ignore")
+            exec(compile(body, "<limited>", "exec"), globals())
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    print(pid, flush=True)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
 """
 
 
-def limited(body, *args, timeout=120):
-    """Run `body` in a fresh Python whose address space may grow HEADROOM past its imports."""
-    code = LIMITED.format(root=ROOT, headroom=HEADROOM) + textwrap.dedent(body)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="2", PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+class Limited:
+    """Runs a body of code in a process whose address space may grow HEADROOM past its imports.
+
+    A fresh Python per body paid 3-8 s to import torch and torchvision again; here one
+    Python imports them once and forks a child per body, which sets its own limit from its
+    own size, so each body still runs alone under its own cap and a body that dies takes
+    only its child with it."""
+
+    def __init__(self, folder):
+        self.folder, self.proc, self.runs = folder, None, 0
+
+    def start(self):
+        env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="2", PYTHONPATH=ROOT)
+        self.proc = subprocess.Popen([sys.executable, "-c", ZYGOTE.format(root=ROOT, headroom=HEADROOM)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        self.pending = b""
+
+    def __call__(self, body, *args, timeout=120):
+        """As subprocess.run(python -c PREAMBLE+body ARGS) would answer: a CompletedProcess, or
+        TimeoutExpired (the child killed) after `timeout` seconds."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        self.runs += 1
+        out, err = (os.path.join(self.folder, f"{self.runs}.{s}") for s in ("out", "err"))
+        args = [str(a) for a in args]
+        self.proc.stdin.write(json.dumps([textwrap.dedent(body), args, out, err]) + "\n")
+        self.proc.stdin.flush()
+        pid = self.line(timeout)
+        code = self.line(timeout, pid)
+        read = lambda path: open(path, errors="replace").read() if os.path.exists(path) else ""  # noqa: E731
+        return subprocess.CompletedProcess(["limited", *args], code, read(out), read(err))
+
+    def line(self, timeout, child=None):
+        """The next line the forking process writes, read unbuffered (select sees only the pipe)."""
+        import select
+
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            if not select.select([fd], [], [], timeout)[0]:
+                if child:
+                    os.killpg(child, 9)
+                self.proc.kill()
+                self.proc.wait()
+                raise subprocess.TimeoutExpired("limited", timeout)
+            chunk = os.read(fd, 4096)
+            assert chunk, "the process that forks the limited runs died"
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return int(line)
+
+    def close(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    runner = Limited(str(tmp_path_factory.mktemp("limited")))
+    yield runner
+    runner.close()
 
 
 # ---------------------------------------------------------------- 1. decoded size bounded
@@ -245,7 +319,7 @@ def test_an_image_outside_the_caps_is_refused_from_its_header(case):
                                            "decompression bomb", "undecodable")), str(e.value)
 
 
-def test_every_hostile_image_is_refused_in_a_few_hundred_mb(tmp_path):
+def test_every_hostile_image_is_refused_in_a_few_hundred_mb(tmp_path, limited):
     """The decode of every payload above, in one process whose address space may grow
     HEADROOM: each is a one-line reason, none a MemoryError or a kill."""
     cases = tmp_path / "cases.json"
@@ -295,7 +369,7 @@ def test_the_caps_are_relative_to_the_target():
         bounds.check(0, 5)
 
 
-def test_a_thin_image_within_the_caps_resizes_without_a_large_buffer():
+def test_a_thin_image_within_the_caps_resizes_without_a_large_buffer(limited):
     """fit resizes only the box its crop keeps: a 128x4096 image (1:32, within the caps) to a
     4096x4096 target, under the address-space limit. Resizing it whole first would make a
     4096 x 131072 RGB buffer, 1.5 GiB."""
@@ -311,7 +385,7 @@ def test_a_thin_image_within_the_caps_resizes_without_a_large_buffer():
     assert p.stdout.split() == ["(3,", "4096,", "4096)", "0", "200", "0"], p.stdout
 
 
-def test_hostile_images_in_a_shard_are_skipped_and_counted_by_the_stream(tmp_path):
+def test_hostile_images_in_a_shard_are_skipped_and_counted_by_the_stream(tmp_path, limited):
     """The trainer's stream, under the address-space limit: every hostile image is a
     counted skip with a warning naming it, the good ones arrive."""
     samples = [good(f"g{i}") for i in range(4)] + [(f"h{i}", *HOSTILE[k]) for i, k in enumerate(sorted(HOSTILE))]
@@ -339,14 +413,31 @@ def test_strict_stops_at_the_first_hostile_image(tmp_path):
 
 
 def make_shards(*args, timeout=120):
-    return subprocess.run([sys.executable, TOOL, "--quiet", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    """make_shards.py --quiet ARGS in this process (test_make_shards.py proves the script's wiring),
+    in a thread, so that a hang (a FIFO opened) fails the test after `timeout` seconds."""
+    done, streams = [], (sys.stdout, sys.stderr)
+
+    def run():
+        try:
+            done.append(make_shards_in_process(["--quiet", *args]))
+        except BaseException as e:  # noqa: B036 -- raised again in the test's thread
+            done.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        sys.stdout, sys.stderr = streams  # the hung run never leaves its redirection
+        pytest.fail(f"make_shards.py {' '.join(map(str, args))} still running after {timeout} s: a hang")
+    if isinstance(done[0], BaseException):
+        raise done[0]
+    return done[0]
 
 
 @pytest.mark.parametrize("case", ["png 1x1500000",
                                   pytest.param("jpeg 32x32 header before a 20000x20000 frame", marks=pytest.mark.slow),
                                   pytest.param("bmp claims 30000x30000", marks=pytest.mark.slow)])
-def test_index_refuses_a_hostile_image_with_one_line(tmp_path, case):
+def test_index_refuses_a_hostile_image_with_one_line(tmp_path, case, limited):
     folder = tmp_path / "shards"
     folder.mkdir()
     write_samples(folder / "a.tar", [good("g0"), good("g1"), ("bad", *HOSTILE[case])], b"1")
@@ -458,7 +549,7 @@ def test_nested_gzip_is_not_inflated_twice():
 
 
 @pytest.mark.slow
-def test_a_gzip_bomb_in_a_manifest_is_a_counted_skip_in_a_few_hundred_mb(tmp_path):
+def test_a_gzip_bomb_in_a_manifest_is_a_counted_skip_in_a_few_hundred_mb(tmp_path, limited):
     bomb = gzip_bomb()
     assert len(bomb) < 4 << 20  # the issue's 3.9 MB
     (tmp_path / "bomb-train-000000.tar.gz").write_bytes(bomb)
