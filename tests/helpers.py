@@ -13,13 +13,16 @@ from pipeline.writers import shards
 from pipeline.writers.sources import SyntheticSource
 
 
-def build_shards(out, name, split, n, *, shape=(1, 28, 28), encoding="raw", maxcount=20, seed=0):
+def build_shards(out, name, split, n, *, shape=(1, 28, 28), encoding="raw", maxcount=20, seed=0, workers=1):
     """Write n synthetic samples of `name`/`split` as shards plus manifest under `out`.
 
-    Returns (manifest, source): the source gives each key's true image and label.
+    Returns (manifest, source): the source gives each key's true image and label. workers=2
+    for the learning tests' thousands of samples: each shard depends only on its indices,
+    so the shards are the same, in half the time on two idle cores.
     """
     source = SyntheticSource(name, split, n, shape, seed)
-    manifest = shards.build(source, str(out), encoding=encoding, maxcount=maxcount, seed=seed, progress=False)
+    manifest = shards.build(source, str(out), encoding=encoding, maxcount=maxcount, seed=seed, workers=workers,
+                            progress=False)
     return manifest, source
 
 
@@ -410,3 +413,97 @@ def make_shards_in_process(args):
     main() without a fresh interpreter importing torchvision. tests/test_make_shards.py keeps
     the subprocess tests that prove the script's wiring."""
     return main_in_process(tool_module("make_shards").main, "make_shards.py", args)
+
+
+FORKER = """
+import json, os, sys, traceback
+{preamble}
+for _request in sys.stdin:
+    _code, _args, _out, _err = json.loads(_request)
+    _pid = os.fork()
+    if _pid == 0:
+        os.setpgid(0, 0)
+        for _fd, _path in ((1, _out), (2, _err)):
+            os.dup2(os.open(_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), _fd)
+        sys.argv, _status = ["-c", *_args], 0
+        try:
+            exec(compile(_code, "<forked>", "exec"), globals())
+        except SystemExit as e:
+            _status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            _status = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_status)
+    print(_pid, flush=True)
+    print(os.waitstatus_to_exitcode(os.waitpid(_pid, 0)[1]), flush=True)
+"""
+
+
+class Forker:
+    """`python -c PREAMBLE+CODE ARGS` for many CODEs, paying for PREAMBLE's imports once.
+
+    A fresh Python per command paid seconds to import torch again; here one Python runs
+    the preamble, then forks a child per call that runs CODE alone (its own process group,
+    its own limits if CODE sets them, stdout and stderr to files), so a child that dies or
+    hangs takes nothing else with it. Answers as subprocess.run(capture_output=True) would.
+    """
+
+    def __init__(self, preamble, folder, env=None, cwd=None):
+        self.preamble, self.folder, self.env, self.cwd = preamble, str(folder), env, cwd
+        self.proc, self.calls, self.pending = None, 0, b""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(30)
+
+    def run(self, code, *args, timeout=120):
+        """CompletedProcess of CODE with sys.argv[1:] = ARGS; TimeoutExpired (the child killed) after `timeout` s."""
+        import json
+        import os
+        import subprocess
+        import sys
+
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen([sys.executable, "-c", FORKER.format(preamble=self.preamble)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self.env,
+                                         cwd=self.cwd)
+            self.pending = b""
+        self.calls += 1
+        out, err = (os.path.join(self.folder, f"forked-{self.calls}.{s}") for s in ("out", "err"))
+        args = [str(a) for a in args]
+        self.proc.stdin.write(json.dumps([code, args, out, err]) + "\n")
+        self.proc.stdin.flush()
+        pid = self._line(timeout)
+        status = self._line(timeout, pid)
+
+        def read(path):
+            with open(path, errors="replace") as f:
+                return f.read()
+        return subprocess.CompletedProcess(["forked", *args], status, read(out), read(err))
+
+    def _line(self, timeout, child=None):
+        """The forking process's next line, read unbuffered (select sees only the pipe, not a buffer)."""
+        import os
+        import select
+        import signal
+        import subprocess
+
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            if not select.select([fd], [], [], timeout)[0]:
+                if child:
+                    os.killpg(child, signal.SIGKILL)
+                self.proc.kill()
+                self.proc.wait()
+                raise subprocess.TimeoutExpired("forked", timeout)
+            chunk = os.read(fd, 4096)
+            assert chunk, "the process that forks the runs died"
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return int(line)

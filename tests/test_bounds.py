@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from helpers import make_shards_in_process, write_tar
+from helpers import Forker, make_shards_in_process, write_tar
 from test_security import one_line_error
 from pipeline.data import bounds, decode, jpeg, png, read, remote
 from pipeline.errors import ShardError
@@ -207,8 +207,8 @@ def good(key, shape=(3, 32, 32)):
 # ---------------------------------------------------------------- a process under an address-space limit
 
 
-ZYGOTE = """
-import json, os, resource, sys, traceback, warnings
+PREAMBLE = """
+import os, resource, sys, warnings
 sys.path.insert(0, {root!r})
 import numpy, torch, torchvision, PIL.Image
 from pipeline.data import decode, stream, remote
@@ -216,93 +216,23 @@ from pipeline.writers import index
 def vm():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) << 10 for l in f if l.startswith("VmSize:"))
-for request in sys.stdin:
-    body, args, out, err = json.loads(request)
-    pid = os.fork()
-    if pid == 0:
-        os.setpgid(0, 0)
-        for fd, path in ((1, out), (2, err)):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-        sys.argv, code = ["-c", *args], 0
-        try:
-            limit = vm() + {headroom}
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-            warnings.simplefilter("ignore")
-            exec(compile(body, "<limited>", "exec"), globals())
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    print(pid, flush=True)
-    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
 """
-
-
-class Limited:
-    """Runs a body of code in a process whose address space may grow HEADROOM past its imports.
-
-    A fresh Python per body paid 3-8 s to import torch and torchvision again; here one
-    Python imports them once and forks a child per body, which sets its own limit from its
-    own size, so each body still runs alone under its own cap and a body that dies takes
-    only its child with it."""
-
-    def __init__(self, folder):
-        self.folder, self.proc, self.runs = folder, None, 0
-
-    def start(self):
-        env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="2", PYTHONPATH=ROOT)
-        self.proc = subprocess.Popen([sys.executable, "-c", ZYGOTE.format(root=ROOT, headroom=HEADROOM)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-        self.pending = b""
-
-    def __call__(self, body, *args, timeout=120):
-        """As subprocess.run(python -c PREAMBLE+body ARGS) would answer: a CompletedProcess, or
-        TimeoutExpired (the child killed) after `timeout` seconds."""
-        if self.proc is None or self.proc.poll() is not None:
-            self.start()
-        self.runs += 1
-        out, err = (os.path.join(self.folder, f"{self.runs}.{s}") for s in ("out", "err"))
-        args = [str(a) for a in args]
-        self.proc.stdin.write(json.dumps([textwrap.dedent(body), args, out, err]) + "\n")
-        self.proc.stdin.flush()
-        pid = self.line(timeout)
-        code = self.line(timeout, pid)
-        read = lambda path: open(path, errors="replace").read() if os.path.exists(path) else ""  # noqa: E731
-        return subprocess.CompletedProcess(["limited", *args], code, read(out), read(err))
-
-    def line(self, timeout, child=None):
-        """The next line the forking process writes, read unbuffered (select sees only the pipe)."""
-        import select
-
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self.pending:
-            if not select.select([fd], [], [], timeout)[0]:
-                if child:
-                    os.killpg(child, 9)
-                self.proc.kill()
-                self.proc.wait()
-                raise subprocess.TimeoutExpired("limited", timeout)
-            chunk = os.read(fd, 4096)
-            assert chunk, "the process that forks the limited runs died"
-            self.pending += chunk
-        line, self.pending = self.pending.split(b"\n", 1)
-        return int(line)
-
-    def close(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.stdin.close()
-            self.proc.wait(30)
+CAP = """
+limit = vm() + {headroom}
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+warnings.simplefilter("ignore")
+"""
 
 
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
-    runner = Limited(str(tmp_path_factory.mktemp("limited")))
-    yield runner
-    runner.close()
+    """limited(body, *args): `body` in a process whose address space may grow HEADROOM past its
+    imports. The imports are made once (helpers.Forker); each body runs in a child forked
+    from them, which sets its own cap from its own size."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="2", PYTHONPATH=ROOT)
+    with Forker(PREAMBLE.format(root=ROOT), tmp_path_factory.mktemp("limited"), env=env, cwd=ROOT) as forker:
+        yield lambda body, *args, timeout=120: forker.run(CAP.format(headroom=HEADROOM) + textwrap.dedent(body),
+                                                          *args, timeout=timeout)
 
 
 # ---------------------------------------------------------------- 1. decoded size bounded
