@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import Quiet, build_shards, drip, serving, train_in_process
+from helpers import Forker, Quiet, build_shards, drip, make_shards_in_process, serving, train_in_process
 from pipeline import cli
 from pipeline.data import manifest, remote
 from pipeline.train import options, loop as train
@@ -149,8 +149,9 @@ def test_make_shards_index_obeys_the_io_flags(tmp_path):
     its 0.5 s + 100 MB / 100 MB/s deadline, not after the defaults' 130 s and three retries."""
     with serving(DripBody) as srv:
         t0 = time.time()
-        p = run([TOOL, "--index", f"x:train={srv.url}x-{{0..1}}.tar", "--io-timeout", "0.5", "--min-rate", "100",
-                 "--retries", "0", "--workers", "1", "--quiet", "--out", tmp_path / "idx"], timeout=60)
+        p = make_shards_in_process(["--index", f"x:train={srv.url}x-{{0..1}}.tar", "--io-timeout", "0.5",
+                                    "--min-rate", "100", "--retries", "0", "--workers", "1", "--quiet",
+                                    "--out", tmp_path / "idx"])
         took = time.time() - t0
     one_line_error(p, "make_shards", "deadline", f"{srv.url}x-0.tar")
     assert took < 20, took
@@ -312,33 +313,41 @@ def test_the_lock_is_free_again_after_a_failed_build(tmp_path):
 
 # ---------------------------------------------------------------- brace patterns and manifest bodies
 
+ENTRIES = f"""
+import importlib.util, resource
+import pipeline.train.loop as train_entry
+spec = importlib.util.spec_from_file_location("ms", {str(TOOL)!r})
+make_shards_entry = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(make_shards_entry)
+"""
 LIMITED = r"""
-import resource, runpy, sys
-vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
 what, argv = sys.argv[1], sys.argv[2:]
-if what == "train":
-    import pipeline.train.loop as entry
-else:
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("ms", what)
-    entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
+entry = train_entry if what == "train" else make_shards_entry
 vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
 resource.setrlimit(resource.RLIMIT_AS, (vm + (400 << 20), vm + (400 << 20)))
 sys.exit(entry.main(argv))
 """
 
 
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    """limited("train" or TOOL, *argv): that entry point's main(argv) in a process whose address
+    space may grow 400 MB past its imports. Both entry points are imported once (helpers.Forker);
+    each call runs in a child forked from there, which sets its own cap."""
+    with Forker(ENTRIES, tmp_path_factory.mktemp("limited"), env=ENV, cwd=ROOT) as forker:
+        yield lambda *args, timeout=120: forker.run(LIMITED, *args, timeout=timeout)
+
+
 @pytest.mark.parametrize("pattern", ["x-{0..999999999}.tar", *(pytest.param(p, marks=pytest.mark.slow) for p in (
     "x-{0..9}{0..9}{0..9}{0..9}{0..9}{0..9}{0..9}.tar", "x-{A..A}{0..99999999}.tar", "x-{0.." + "9" * 5000 + "}.tar",
     "{" * 3000 + "x" + "}" * 3000 + ".tar", "x-{0..3.tar"))])
-def test_a_brace_pattern_of_millions_is_one_line_within_a_memory_limit(tmp_path, pattern):
+def test_a_brace_pattern_of_millions_is_one_line_within_a_memory_limit(tmp_path, pattern, limited):
     """Refused from counting, before braceexpand builds a single range (which it does in
     memory, whole, before yielding the first name), in both entry points, under 400 MB."""
     t0 = time.time()
-    p = run(["-c", LIMITED, "train", "--train", f"x={tmp_path}/{pattern}", "--out", tmp_path / "run"])
+    p = limited("train", "--train", f"x={tmp_path}/{pattern}", "--out", tmp_path / "run")
     one_line_error(p, "pipeline.train", "brace" if "{0..3" not in pattern else "Unbalanced")
-    p = run(["-c", LIMITED, TOOL, "--index", f"x:train={tmp_path}/{pattern}", "--out", tmp_path / "idx"])
+    p = limited(TOOL, "--index", f"x:train={tmp_path}/{pattern}", "--out", tmp_path / "idx")
     one_line_error(p, "make_shards", "brace" if "{0..3" not in pattern else "Unbalanced")
     assert time.time() - t0 < 60
 
@@ -369,7 +378,7 @@ class Huge(Quiet, http.server.BaseHTTPRequestHandler):
 
 
 @pytest.mark.parametrize("kind", ["announced", "streamed"])
-def test_a_2gb_manifest_body_is_one_line_naming_its_url(tmp_path, kind):
+def test_a_2gb_manifest_body_is_one_line_naming_its_url(tmp_path, kind, limited):
     with serving(Huge) as srv:
         url = f"{srv.url}{kind}/mnist-train.json"
         t0 = time.time()
@@ -377,8 +386,7 @@ def test_a_2gb_manifest_body_is_one_line_naming_its_url(tmp_path, kind):
             manifest.load(url, policy=remote.Policy(retries=0, timeout=5))
         assert time.time() - t0 < 10
         assert str(e.value).startswith(f"cannot read manifest {url}: ") and "67108864" in str(e.value), e.value
-        p = run(["-c", LIMITED, "train", "--train", f"mnist={srv.url}{kind}/", "--retries", "0", "--out",
-                 tmp_path / "run"])
+        p = limited("train", "--train", f"mnist={srv.url}{kind}/", "--retries", "0", "--out", tmp_path / "run")
     one_line_error(p, "pipeline.train", url, "67108864")
 
 
