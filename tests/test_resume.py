@@ -282,11 +282,27 @@ def test_killed_inside_an_epoch_and_resumed_matches_the_uninterrupted_run(data, 
     assert s["eval"] == w["eval"] and s["resumed_from"]["step"] >= 9
 
 
+@pytest.fixture(scope="module")
+def stopped(data, tmp_path_factory):
+    """(folder, a copy of it as it was): 2 ranks stopped after step 13 of epoch 1's 40, run once
+    for both world sizes. Each resumes in the folder itself, its --out, after the copy is put back."""
+    import shutil
+
+    top = tmp_path_factory.mktemp("stopped")
+    out = top / "run"
+    run_ok(launch_train([*common(data, out), "--stop-after-steps", "13"], 2))
+    shutil.copytree(out, top / "as-stopped")
+    return out, top / "as-stopped"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [3, 1])
-def test_resumed_on_another_world_size_no_sample_twice_in_the_epoch(data, whole, tmp_path, world):
-    out = tmp_path / "run"
-    run_ok(launch_train([*common(data, out), "--stop-after-steps", "13"], 2))
+def test_resumed_on_another_world_size_no_sample_twice_in_the_epoch(data, stopped, world):
+    import shutil
+
+    out, as_stopped = stopped
+    shutil.rmtree(out)
+    shutil.copytree(as_stopped, out)
     assert position(out) == {"epoch": 0, "mid": True, "step": 13, "seen": 13 * 16}
     run_ok(launch_train([*common(data, out), "--resume"], world))
     s = json.loads((out / "summary.json").read_text())
