@@ -1,21 +1,21 @@
 """Failures a multi-process job meets: corrupt shards, HTTP outages, killed ranks, Ctrl-C.
 
-Each case runs real processes with a bounded timeout: a hang fails the test.
+Each case runs real processes with a bounded timeout: a hang fails the test. The errors found
+before training (one line each) run main() in this process (tests/test_train.py proves the
+command line's wiring).
 """
 import functools
 import http.server
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 import torch
 
-from helpers import build_shards, finish, free_port, launch_train, serve
+from helpers import build_shards, finish, free_port, launch_train, serve, train_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
@@ -163,9 +163,7 @@ def test_http_server_gone_for_good_stops_every_rank_with_one_error(data, tmp_pat
 
 def test_unreachable_server_fails_fast(tmp_path):
     t0 = time.time()
-    p = subprocess.run([sys.executable, "-m", "pipeline.train",
-                        *args_for(f"http://127.0.0.1:{free_port()}", tmp_path / "run")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = train_in_process(args_for(f"http://127.0.0.1:{free_port()}", tmp_path / "run"))
     assert p.returncode == 2 and "cannot read manifest" in p.stderr and "Traceback" not in p.stderr
     assert time.time() - t0 < 60
 
@@ -173,8 +171,7 @@ def test_unreachable_server_fails_fast(tmp_path):
 def test_missing_http_shard_is_reported_before_training(data, tmp_path):
     folder = linked_copy(data, tmp_path / "served", "cifar10-train-000005.tar")
     with serve(folder) as url:
-        p = subprocess.run([sys.executable, "-m", "pipeline.train", *args_for(url, tmp_path / "run")],
-                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+        p = train_in_process(args_for(url, tmp_path / "run"))
     assert p.returncode == 2, p.stderr
     assert "cifar10-train-000005.tar" in p.stderr and "404" in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
@@ -218,8 +215,7 @@ def test_unloadable_checkpoint_is_one_line_error(data, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / "checkpoint.pt").write_bytes(b"not a checkpoint")
-    p = subprocess.run([sys.executable, "-m", "pipeline.train", *args_for(data, out, "--resume")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = train_in_process(args_for(data, out, "--resume"))
     assert p.returncode == 2 and "not a loadable checkpoint" in p.stderr and "Traceback" not in p.stderr
 
 
