@@ -373,10 +373,21 @@ def train_in_process(args):
     here checks the same code. tests/test_train.py keeps one subprocess test that
     proves `python -m pipeline.train` is wired to main(). An unexpected exception
     propagates and fails the test, as a traceback would.
+
+    One torch thread, as OMP_NUM_THREADS=1 gives the subprocess runs: the models are tiny,
+    and two threads spinning for two cores that other processes share took a 3-epoch run
+    from 14 s to 42 s.
     """
+    import torch
+
     from pipeline.train import loop
 
-    return main_in_process(loop.main, "pipeline.train", args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return main_in_process(loop.main, "pipeline.train", args)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def main_in_process(main, name, args):

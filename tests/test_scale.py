@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from helpers import build_shards, free_port, serve
+from helpers import build_shards, free_port, serve, train_in_process
 from pipeline.data import stream
 from pipeline.train.dist import Topology
 
@@ -83,11 +83,10 @@ def test_resampled_stream_keeps_equal_batches_and_mixture(data, workers):
 @pytest.mark.slow
 def test_weight_schedule_moves_the_mixture_and_is_recorded(data, tmp_path):
     out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "pipeline.train", "--train", f"mnist={data}", "--train",
-                        f"cifar10={data}", "--weights", "mnist=0.9,cifar10=0.1",
-                        "--final-weights", "mnist=0.1,cifar10=0.9", "--epochs", "3", "--epoch-samples", "1600",
-                        "--batch-size", "32", "--workers", "0", "--width", "8", "--log-every", "1000",
-                        "--out", str(out)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
+    p = train_in_process(["--train", f"mnist={data}", "--train", f"cifar10={data}", "--weights", "mnist=0.9,cifar10=0.1",
+                          "--final-weights", "mnist=0.1,cifar10=0.9", "--epochs", "3", "--epoch-samples", "1600",
+                          "--batch-size", "32", "--workers", "0", "--width", "8", "--log-every", "1000",
+                          "--out", str(out)])  # one process, no loader workers: main() here, as a subprocess would
     assert p.returncode == 0, p.stderr[-2000:]
     lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     by_epoch = {ln["epoch"]: ln for ln in lines if ln["kind"] == "train"}
