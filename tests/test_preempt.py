@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import build_shards, finish, free_port, launch_train
+from helpers import build_shards, finish, free_port, launch_train, train_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -200,8 +200,7 @@ def test_sigterm_to_one_process_exits_143_and_resume_or_start_starts_then_resume
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert stdout.count("stopped at ") == 1 and "resume with: " in stdout and "resumed from" not in stdout
     assert stdout.strip().splitlines()[-1].endswith("--resume-or-start")  # the requeue command stays as it was
-    p = subprocess.run([sys.executable, "-m", "pipeline.train", *args], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=240)
+    p = train_in_process(args)  # the requeued run: main() here, as `python -m pipeline.train` runs it
     assert p.returncode == 0 and p.stdout.count("resumed from ") == 1, p.stderr[-3000:]
     assert json.loads((out / "summary.json").read_text())["epochs_done"] == 2
 
