@@ -113,7 +113,7 @@ def test_resume_after_interrupted_epoch_matches_uninterrupted(ddp_run, data, tmp
     out = tmp_path / "resumed"
     run([*sources(data), *COMMON, "--out", str(out), "--stop-after", "1"])
     assert read(out, "summary.json")["epochs_done"] == 1
-    p = run([*sources(data), *COMMON, "--out", str(out)], check=False)
+    p = run([*sources(data), *COMMON, "--out", str(out)], nproc=0, check=False)  # refused before the first barrier
     assert p.returncode != 0 and "--resume" in p.stderr, "a previous run was silently overwritten"
     run([*sources(data), *COMMON, "--out", str(out), "--resume"])
     assert metrics(out) == metrics(ddp_run)
@@ -139,8 +139,9 @@ def test_same_run_over_http_matches_local(ddp_run, data, tmp_path):
 
 @pytest.mark.slow
 def test_synthetic_data_is_learned_far_above_chance(tmp_path):
-    build_shards(tmp_path, "mnist", "train", 2000, shape=(1, 28, 28), encoding="raw", maxcount=200)
-    build_shards(tmp_path, "cifar10", "train", 2000, shape=(3, 32, 32), encoding="raw", maxcount=200)
+    """1500 samples a source (2000 before; mnist 0.90 and cifar10 0.98 at 1500 when measured)."""
+    build_shards(tmp_path, "mnist", "train", 1500, shape=(1, 28, 28), encoding="raw", maxcount=200, workers=2)
+    build_shards(tmp_path, "cifar10", "train", 1500, shape=(3, 32, 32), encoding="raw", maxcount=200, workers=2)
     build_shards(tmp_path, "mnist", "test", 500, shape=(1, 28, 28), encoding="raw", maxcount=200)
     build_shards(tmp_path, "cifar10", "test", 500, shape=(3, 32, 32), encoding="raw", maxcount=200)
     run([*sources(tmp_path), "--epochs", "3", "--batch-size", "64", "--workers", "0", "--width", "16",
@@ -179,13 +180,14 @@ def test_the_command_line_is_wired_to_main(data, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("batch, samples", [(32, 3000), (256, 8000)])
+@pytest.mark.parametrize("batch, samples", [(32, 2000), (256, 8000)])
 def test_the_defaults_learn_at_small_and_large_global_batches(tmp_path, batch, samples):
     """--lr is the rate for a global batch of 256, scaled linearly, with a warm-up of at
     least 50 steps: 2 x 32 (lr 0.025) and 2 x 256 (lr 0.2, which diverged behind a 3-step
-    warm-up) both learn in 3 epochs."""
+    warm-up) both learn in 3 epochs. (Measured: 2 x 32 on 2000 a source reached 0.975 and
+    0.99; 2 x 256 needs its 8000: on 5000 mnist stayed at 0.47.)"""
     for name, shape in (("mnist", (1, 28, 28)), ("cifar10", (3, 32, 32))):
-        build_shards(tmp_path, name, "train", samples, shape=shape, encoding="raw", maxcount=250)
+        build_shards(tmp_path, name, "train", samples, shape=shape, encoding="raw", maxcount=250, workers=2)
         build_shards(tmp_path, name, "test", 400, shape=shape, encoding="raw", maxcount=200)
     out = tmp_path / "run"
     run([*sources(tmp_path), "--epochs", "3", "--batch-size", str(batch), "--workers", "1", "--width", "16",
