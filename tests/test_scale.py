@@ -83,8 +83,9 @@ def test_resampled_stream_keeps_equal_batches_and_mixture(data, workers):
 @pytest.mark.slow
 def test_weight_schedule_moves_the_mixture_and_is_recorded(data, tmp_path):
     out = tmp_path / "run"
-    p = train_in_process(["--train", f"mnist={data}", "--train", f"cifar10={data}", "--weights", "mnist=0.9,cifar10=0.1",
-                          "--final-weights", "mnist=0.1,cifar10=0.9", "--epochs", "3", "--epoch-samples", "1600",
+    p = train_in_process(["--train", f"mnist={data}", "--train", f"cifar10={data}",
+                          "--weights", "mnist=0.9,cifar10=0.1", "--final-weights", "mnist=0.1,cifar10=0.9",
+                          "--epochs", "3", "--epoch-samples", "1600",
                           "--batch-size", "32", "--workers", "0", "--width", "8", "--log-every", "1000",
                           "--out", str(out)])  # one process, no loader workers: main() here, as a subprocess would
     assert p.returncode == 0, p.stderr[-2000:]
