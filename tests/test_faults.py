@@ -181,7 +181,7 @@ def test_killed_rank_restarts_from_checkpoint_and_finishes(data, tmp_path):
     """Before `dist.restart_store`, the restarted attempt read the killed rank's gloo address
     from torchrun's store and failed with "Connection refused" in most runs."""
     out = tmp_path / "run"
-    proc = launch(args_for(data, out, "--epochs", "3", "--epoch-samples", "4000"), extra_launcher=["--max-restarts=1"])
+    proc = launch(args_for(data, out, "--epochs", "3", "--epoch-samples", "2000"), extra_launcher=["--max-restarts=1"])
     wait_for(out / "checkpoint.pt", proc)
     victims = children(proc.pid)
     assert victims, "no trainer processes found"
