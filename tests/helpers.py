@@ -77,6 +77,12 @@ def launch_train(args, nproc=2, extra_launcher=(), pythonpath=()):
 
 def finish(proc, timeout=180):
     """(exit code, stderr) of a launched job; kills its whole session and fails the test on a hang."""
+    p = completed(proc, timeout)
+    return p.returncode, p.stderr
+
+
+def completed(proc, timeout=180):
+    """The CompletedProcess of a launched job; on a hang, every process's stacks, then a failed test."""
     import os
     import signal
     import subprocess
@@ -84,7 +90,7 @@ def finish(proc, timeout=180):
     import pytest
 
     try:
-        _, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         import time
         os.killpg(proc.pid, signal.SIGABRT)  # faulthandler (PYTHONFAULTHANDLER=1) prints every process's stacks
@@ -95,7 +101,7 @@ def finish(proc, timeout=180):
         except subprocess.TimeoutExpired:  # a process outside the session still holds the pipes
             err = ""
         pytest.fail(f"still running after {timeout} s: a hang; the processes' stacks:\n{(err or '')[-12000:]}")
-    return proc.returncode, err
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def free_port():

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from helpers import build_shards, free_port, serve, train_in_process
+from helpers import build_shards, completed, launch_train, serve, train_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 240  # a hang fails the test, not the CI run
@@ -35,11 +35,8 @@ COMMON = ["--epochs", "2", "--batch-size", "32", "--workers", "2", "--width", "8
 
 def run(args, nproc=2, check=True):
     """torchrun with `nproc` ranks; nproc=0 runs main() in this process (no torch import to pay)."""
-    if nproc:
-        env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", "-m", "pipeline.train", *args]
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    if nproc:  # a hang prints every process's stacks (helpers.completed) and fails the test
+        p = completed(launch_train(args, nproc), TIMEOUT)
     else:
         p = train_in_process(args)
     if check:
