@@ -304,7 +304,7 @@ def test_eval_only_with_another_width_is_one_line(data, runs, tmp_path, capsys):
     out = copy_run(runs["end"], tmp_path / "run")
     argv = small(data, out, "--eval-only")
     argv[argv.index("--width") + 1] = "8"
-    one_line(argv, capsys, "--eval-only with other settings", "width: checkpoint 4, now 8")
+    one_line(argv, capsys, "--eval-only with other settings", "--width: checkpoint 4, now 8")
     argv = small(data, out, "--eval-only")
     argv[argv.index(f"cifar10={data}/") - 1:argv.index(f"cifar10={data}/") + 1] = []
     one_line(argv, capsys, "--eval-only with other settings", "sources")

@@ -41,6 +41,10 @@ def fingerprint(args, sources):
 MODEL_FIELDS = ("sources", "width")  # what the model's shape depends on: all --eval-only needs to match
 
 
+FLAGS = {"batch_size": "--batch-size", "width": "--width", "seed": "--seed", "epoch_samples": "--epoch-samples",
+         "weights": "--weights", "final_weights": "--final-weights", "sources": "sources (--train)"}  # as the user typed them
+
+
 def check_resume(saved, current, allow_weights=False, allow_data=False, only=None, what="--resume"):
     """Raise ValueError listing every field that differs (weights and data only if not allowed;
     `only`: compare just these fields)."""
@@ -52,10 +56,10 @@ def check_resume(saved, current, allow_weights=False, allow_data=False, only=Non
             diffs += [f"data of {name}: checkpoint {_listing(was)}, now {_listing(now)}"
                       for name, (was, now) in data_changes(saved, current).items()]
         elif saved.get(key) != current.get(key):
-            diffs.append(f"{key}: checkpoint {_show(saved.get(key))}, now {_show(current.get(key))}")
+            diffs.append(f"{FLAGS.get(key, key)}: checkpoint {_show(saved.get(key))}, now {_show(current.get(key))}")
     if diffs:
         hint = ""
-        if not allow_weights and any(d.startswith(("weights", "final_weights")) for d in diffs):
+        if not allow_weights and any(d.startswith(("--weights", "--final-weights")) for d in diffs):
             hint += " (pass --change-weights to change the mixture on purpose)"
         if not allow_data and any(d.startswith("data of") for d in diffs):
             hint += " (pass --change-data to resume onto other data behind the same source name on purpose)"
