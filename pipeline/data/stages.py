@@ -332,7 +332,9 @@ class Chunk:
     hi: int
     data: WindowData = None
     idx: np.ndarray = None
-    crops: np.ndarray = None
+    crops: np.ndarray = None  # the window's crop table, taken by idx where images are decoded
+    seed0: int = 0  # the seed of position lo; the user's stages number on from it
+    kept: np.ndarray = None  # which of idx decoded (None: all)
     keys: list = None
     pixels: np.ndarray = None
     labels: np.ndarray = None
@@ -405,9 +407,7 @@ class Shuffle(Node):
             if w.size is not None:
                 self.order = self.order[:w.size]
             self.window, self.seed0 = w, partition.seed_of(w.key) if w.key is not None else 0
-        chunk.idx = self.order[chunk.lo:chunk.hi]
-        chunk.crops = None if self.crops is None else self.crops[chunk.idx]
-        chunk.seeds = np.arange(chunk.lo, chunk.lo + len(chunk.idx), dtype=np.uint64) + np.uint64(self.seed0)
+        chunk.idx, chunk.crops, chunk.seed0 = self.order[chunk.lo:chunk.hi], self.crops, self.seed0 + chunk.lo
         return chunk
 
     def reset(self, state=None):
@@ -424,17 +424,17 @@ class Decode(Node):
     def next(self, n):
         chunk = self.upstream.next(n)
         d, idx = chunk.data, chunk.idx
-        rows = idx.tolist()
         if isinstance(d.images, np.ndarray):
             chunk.pixels = d.images[idx].reshape(len(idx), *self.target.shape)
         else:
-            pixels, kept, errors = decode_batch([d.images[i] for i in rows], [d.exts[i] for i in rows],
-                                                self.target, chunk.crops)
+            rows = idx.tolist()
+            pixels, kept, errors = decode_batch([d.images[i] for i in rows], [d.exts[i] for i in rows], self.target,
+                                                None if chunk.crops is None else chunk.crops[idx])
             for k, message in errors:
                 self.reader.bad(d.urls[rows[k]], d.keys[rows[k]], message)
             if errors:
-                idx, chunk.seeds = idx[kept], chunk.seeds[kept]
-                rows = idx.tolist()
+                chunk.kept = np.asarray(kept, np.int64)
+                idx = idx[chunk.kept]
             chunk.pixels = pixels
         chunk.keys, chunk.labels = d.key_column[idx].tolist(), d.labels[idx]
         return chunk
@@ -451,6 +451,9 @@ class UserStage(Node):
 
     def next(self, n):
         chunk = self.upstream.next(n)
+        if chunk.seeds is None:  # the first of the user's stages: each position's seed
+            seeds = np.arange(len(chunk.idx), dtype=np.uint64) + np.uint64(chunk.seed0)
+            chunk.seeds = seeds if chunk.kept is None else seeds[chunk.kept]
         keep, pixels, labels = [], [], []
         for i, (key, image, label, seed) in enumerate(zip(chunk.keys, chunk.pixels, chunk.labels,
                                                           chunk.seeds.tolist())):
