@@ -215,6 +215,33 @@ def test_a_random_stage_drawn_from_the_samples_seed_resumes_exactly(data):
     assert len(common) > len(moved) // 2 and all(moved[k] == flipped[k] for k in common)
 
 
+def test_after_another_world_a_same_world_resume_continues_exactly(data):
+    """2 ranks x 2 workers, then the rest on 3 ranks (the re-deal lists each pair's slots
+    most-left first, and a pair reads the first listed when even), stopped after 3
+    batches and resumed on the same 3 ranks: the state must keep that order (it was
+    written sorted by slot number, and the resumed pairs read their slots in another
+    order than the uninterrupted ones)."""
+    states = []
+    for r in range(2):
+        s = stream_for(data, r, 2)
+        keys(make_loader(s, 2), 5)
+        states.append(json.loads(json.dumps(s.state_dict())))
+    for r in range(3):
+        s = stream_for(data, r, 3)
+        loader = make_loader(s, 2)
+        s.load_state_dict({"ranks": states})
+        whole = keys(loader)
+        s = stream_for(data, r, 3)
+        loader = make_loader(s, 2)
+        s.load_state_dict({"ranks": states})
+        head = keys(loader, 3)
+        state = json.loads(json.dumps(s.state_dict()))
+        s = stream_for(data, r, 3)
+        loader = make_loader(s, 2)
+        s.load_state_dict(state)
+        assert head + keys(loader) == whole, r
+
+
 def test_another_world_needs_every_ranks_state(data):
     s = stream_for(data, 0, 2)
     keys(make_loader(s, 0), 2)

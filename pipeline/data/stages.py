@@ -67,9 +67,11 @@ class SlotPlan:
     """The windows of the slots one (rank, worker) reads of one source, from their counts.
 
     A pair reads, window by window, the owned slot that has read the least of its
-    passes (the lowest first when even), so its slots move on together: when a run
-    stops, every slot has about the same share left, and a new world dealt those slots
-    gets an even share of what is left. A pair that owns no slot with samples (more
+    passes (when even, the one listed first: the first deal lists a pair's slots by
+    number, a re-deal those with most left first, which keeps a pair's part-read slots
+    for last), so its slots move on together: when a run stops, every slot has about
+    the same share left, and a new world dealt those slots gets an even share of what
+    is left. The order of `slots` is thus part of a pair's state (`state()` keeps it). A pair that owns no slot with samples (more
     pairs than pieces) is given one it borrows, read in orders of its own (`variant`):
     its samples then repeat another pair's.
     """

@@ -275,7 +275,8 @@ class MixedStream(torch.utils.data.IterableDataset):
                     per[w], got = self._owned(i, Worker(w, self.workers), seg), (seg.borrowed[i] if seg.borrowed else {}).get(w)
                 if got is not None:
                     lent[w] = got
-            counts.append({str(w): {str(k): v for k, v in sorted(m.items())} for w, m in per.items()})
+            # each pair's slots in the order its plan lists them (SlotPlan reads the first listed when even)
+            counts.append({str(w): {str(k): v for k, v in m.items()} for w, m in per.items()})
             borrowed.append({str(w): v for w, v in lent.items()})
         return {"version": STATE_VERSION, "sources": self.layout.names, "seed": self.seed, "epoch": seg.epoch,
                 "rank": self.topo.rank, "world": self.topo.world, "workers": self.workers,
