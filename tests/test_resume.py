@@ -242,6 +242,81 @@ def test_after_another_world_a_same_world_resume_continues_exactly(data):
         assert head + keys(loader) == whole, r
 
 
+@pytest.fixture(scope="module")
+def two_rank_states(data):
+    """Both ranks' states of a 2-rank, 2-worker stream after 5 batches, through JSON."""
+    states = []
+    for r in range(2):
+        s = stream_for(data, r, 2)
+        keys(make_loader(s, 2), 5)
+        states.append(json.loads(json.dumps(s.state_dict())))
+    return states
+
+
+def _set(rank, field, value):
+    def edit(states):
+        for r in range(len(states)) if rank is None else [rank]:
+            states[r][field] = value
+    return edit
+
+
+def _claim_rank1s_slots(states):
+    states[0]["counts"][0]["0"].update(states[1]["counts"][0]["0"])
+
+
+def _drop_a_slot(states):
+    states[0]["counts"][0]["0"].pop("16")
+
+
+HOSTILE_STATES = {  # a checkpoint's stream state is input: each edit must be refused in one line
+    "sources missing": (lambda st: st[0].__delitem__("sources"), "field sources missing"),
+    "a field missing": (lambda st: st[0].__delitem__("done"), "field done missing"),
+    "world a string": (_set(0, "world", "2"), "stream state world"),
+    "workers a string": (_set(0, "workers", "2"), "stream state workers"),
+    "workers enormous": (_set(None, "workers", 10 ** 9), "stream state workers"),
+    "rank twice": (_set(1, "rank", 0), "rank 0 appears twice"),
+    "batches differ across ranks": (_set(1, "batches", 41), "disagree on batches"),
+    "batches beyond the epoch": (_set(None, "batches", 10 ** 6), "more than this stream's epoch"),
+    "batches negative": (_set(None, "batches", -5), "stream state batches"),
+    "done differs across ranks": (lambda st: st[0]["done"].update({"0": 4}), "disagree on how many batches"),
+    "done beyond a worker's share": (lambda st: st[0]["done"].update({"0": 1000}), "more than its share"),
+    "epoch a string": (_set(None, "epoch", "0"), "stream state epoch"),
+    "a slot owned by two ranks": (_claim_rank1s_slots, "more than one"),
+    "a slot owned by none": (_drop_a_slot, "missing \\[16\\]"),
+    "K of another run": (_set(None, "slots", [21, 20]), "of the 21 slots"),
+    "K enormous": (_set(None, "slots", [1 << 22, 20]), "of the 4194304 slots"),
+    "K differs across ranks": (_set(1, "slots", [10, 10]), "disagree on slots"),
+    "seed differs across ranks": (_set(1, "seed", 5), "disagree on seed"),
+    "ranks not a list": (lambda st: {"ranks": 5}, "non-empty list"),
+    "ranks empty": (lambda st: {"ranks": []}, "non-empty list"),
+    "not a mapping": (lambda st: [1, 2], "a mapping expected"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_STATES))
+def test_a_hostile_stream_state_is_refused_in_one_line(data, two_rank_states, name):
+    edit, match = HOSTILE_STATES[name]
+    states = json.loads(json.dumps(two_rank_states))
+    got = edit(states)
+    state = {"ranks": states} if got is None else got
+    s = stream_for(data, 0, 2)
+    make_loader(s, 2)
+    with pytest.raises(ValueError, match=match):
+        s.load_state_dict(state)
+
+
+def test_a_state_of_another_batch_size_is_re_dealt_not_run_as_it_was(data, two_rank_states):
+    """The same world with another batch size: what is left is cut into this stream's
+    batches (as on another world), not run for the old batch count."""
+    states = json.loads(json.dumps(two_rank_states))
+    for st in states:
+        st["batch_size"] = 4  # 5 of 40 batches of 4 made on each rank: 280 samples left
+    s = stream_for(data, 0, 2)
+    loader = make_loader(s, 2)
+    s.load_state_dict({"ranks": states})
+    assert s.remaining() == 280 // 16 and len(keys(loader)) == 280 // 16
+
+
 def test_another_world_needs_every_ranks_state(data):
     s = stream_for(data, 0, 2)
     keys(make_loader(s, 0), 2)

@@ -13,6 +13,7 @@ drawn from a counter-based generator (numpy's Philox keyed by them), so any posi
 is reached directly, without replaying what came before. Keys start with a tag naming
 what they draw (numpy's SeedSequence gives [1, 2] and [1, 2, 0] one stream).
 """
+import itertools
 import math
 
 import numpy as np
@@ -201,6 +202,6 @@ def gather(states, slots, complete=True):
                 raise ValueError(f"slot {s} appears in more than one rank's state")
             merged[s] = v
     if complete and len(merged) != slots:
-        missing = sorted(set(range(slots)) - set(merged))
-        raise ValueError(f"the states hold {len(merged)} of the {slots} slots (missing {missing[:5]}...)")
+        missing = list(itertools.islice((s for s in range(slots) if s not in merged), 5))  # no K-sized set
+        raise ValueError(f"the states hold {len(merged)} of the {slots} slots (missing {missing}...)")
     return merged

@@ -20,6 +20,7 @@ interrupted epoch by one path whatever the world: the slots are dealt to this
 world's (rank, worker) pairs and each goes on from its count. With the same world
 size and workers that is exactly where the run stopped.
 """
+import collections
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -36,6 +37,8 @@ from pipeline.data.weights import check_weights, parse_weights  # noqa: F401  (p
 
 __all__ = ["MixedStream", "EvalStream", "Source", "resolve", "make_loader", "parse_weights", "check_weights"]
 STATE_VERSION = 2
+MAX_WORLD = 1 << 16  # ranks a stream state may say it ran on (as a checkpoint's world)
+MAX_WORKERS = 1 << 10  # DataLoader workers per rank (as --workers)
 
 
 @dataclass
@@ -295,10 +298,8 @@ class MixedStream(torch.utils.data.IterableDataset):
         """
         if self._shared is not None and self._shared[2].value:
             raise RuntimeError("load_state_dict after the loader's workers started: load it before the first pass")
-        ranks = state["ranks"] if "ranks" in state else [state]
+        ranks = _rank_states(state)
         first = ranks[0]
-        if first.get("version") != STATE_VERSION:
-            raise ValueError(f"stream state version {first.get('version')}, expected {STATE_VERSION}")
         if first["sources"] != self.layout.names or first["seed"] != self.seed:
             raise ValueError(f"the stream state is for sources {first['sources']} with seed {first['seed']}; "
                              f"this stream has {self.layout.names} with seed {self.seed}")
@@ -306,19 +307,27 @@ class MixedStream(torch.utils.data.IterableDataset):
         if self.asked is not None and slots != self.asked:
             raise ValueError(f"the interrupted epoch ran on {slots} slots per source, this stream asks for "
                              f"{self.asked}: the slots change only at an epoch boundary")
+        if first["batches"] * first["world"] * first["batch_size"] > self.epoch_samples:
+            raise ValueError(f"the stream state's epoch holds {first['batches']} batches of {first['world']} x "
+                             f"{first['batch_size']} samples, more than this stream's epoch of {self.epoch_samples}")
         self.slots, self._parts = slots, None
         self._pending = state
         self.epoch = first["epoch"]
         if self._shared is not None:
             self._shared[0].value = self.epoch
         same = first["world"] == self.topo.world and first["workers"] == self.workers and \
-            any(r["rank"] == self.topo.rank for r in ranks)
+            first["batch_size"] == self.batch_size and any(r["rank"] == self.topo.rank for r in ranks)
         if same:
             mine = next(r for r in ranks if r["rank"] == self.topo.rank)
-            done = _check_map(mine["done"], self.workers, "done")
+            done = self._check_done(mine)
             counts = [self._workers_counts(mine, i) for i in range(len(self.slots))]
+            every = len(ranks) == self.topo.world  # every rank's state: each slot owned once by one of them
+            if every and len({sum(self._check_done(r).values()) for r in ranks}) != 1:
+                raise ValueError(f"the ranks' stream states disagree on how many batches were consumed "
+                                 f"({sorted(sum(self._check_done(r).values()) for r in ranks)})")
             for i, per in enumerate(counts):
-                partition.gather(per.values(), self.slots[i], complete=False)  # no slot owned twice
+                maps = [m for r in ranks for m in self._workers_counts(r, i).values()] if every else per.values()
+                partition.gather(maps, self.slots[i], complete=every)  # no slot owned twice (or left out)
             borrowed = [_check_map(b, self.workers, "borrowed") for b in _per_source(mine, "borrowed", self.slots)]
             self.segment = Segment(mine["epoch"], mine["batches"], mine["generation"], counts, borrowed, done,
                                    rotation=sum(done.values()) % self.workers)
@@ -326,11 +335,22 @@ class MixedStream(torch.utils.data.IterableDataset):
             self.segment = self.redeal(ranks)
         self.consumed = {}
 
+    def _check_done(self, rank_state):
+        """{worker: batches made} of one rank's state: each worker's within its share of the
+        segment's batches (so what is left is never negative)."""
+        workers, batches = rank_state["workers"], rank_state["batches"]
+        done = _check_map(rank_state["done"], workers, "done")
+        over = [w for w, d in done.items() if d > batches // workers + (w < batches % workers)]
+        if over:
+            raise ValueError(f"stream state done: worker {over[0]} made {done[over[0]]} batches, more than its "
+                             f"share of the {batches} batches of {workers} worker(s)")
+        return done
+
     def _workers_counts(self, rank_state, i):
         """{worker: {slot: count}} of source i in one rank's state, checked."""
         per = _per_source(rank_state, "counts", self.slots)[i]
         workers = rank_state["workers"]
-        if not isinstance(per, dict) or sorted(per) != sorted(str(w) for w in range(workers)):
+        if not isinstance(per, dict) or len(per) != workers or sorted(per) != sorted(str(w) for w in range(workers)):
             raise ValueError(f"stream state counts of source {i}: one map per worker 0..{workers - 1} expected")
         return {int(w): _check_map(m, self.slots[i], f"counts[{i}][{w}]") for w, m in per.items()}
 
@@ -351,7 +371,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         if sorted(r["rank"] for r in ranks) != list(range(world)):
             raise ValueError(f"resuming on {self.topo.world} ranks from a run on {world} needs every rank's "
                              f"stream state; have ranks {sorted(r['rank'] for r in ranks)}")
-        done = {sum(_check_map(r["done"], workers, "done").values()) for r in ranks}
+        done = {sum(self._check_done(r).values()) for r in ranks}
         if len(done) != 1:
             raise ValueError(f"the ranks' stream states disagree on how many batches were consumed ({sorted(done)})")
         left = (first["batches"] - done.pop()) * world * first["batch_size"]
@@ -394,6 +414,49 @@ def _plan_state(plan, state):
     if isinstance(plan, Borrowed):
         return {"slots": plan.owned, "borrowed": state}
     return {"slots": state}
+
+
+STATE_FIELDS = {"version": None, "sources": None, "seed": None, "epoch": (0, partition.MAX_COUNT),
+                "rank": (0, MAX_WORLD - 1), "world": (1, MAX_WORLD), "workers": (1, MAX_WORKERS),
+                "batch_size": (1, partition.MAX_COUNT), "batches": (0, partition.MAX_COUNT),
+                "generation": (0, partition.MAX_COUNT), "slots": None, "counts": None, "borrowed": None, "done": None}
+SHARED = ("version", "sources", "seed", "epoch", "world", "workers", "batch_size", "batches", "generation", "slots")
+
+
+def _rank_states(state):
+    """The rank states of a loaded stream state (one rank's, or {"ranks": [...]}), checked
+    for their fields and against each other (a checkpoint is input): the ranks must agree
+    on everything but their own counts, and each rank appear once."""
+    if not isinstance(state, dict):
+        raise ValueError(f"stream state: a mapping expected, got {type(state).__name__}")
+    ranks = state["ranks"] if "ranks" in state else [state]
+    if not isinstance(ranks, list) or not ranks or not all(isinstance(r, dict) for r in ranks):
+        raise ValueError("stream state ranks: a non-empty list of per-rank mappings expected")
+    for r in ranks:
+        if r.get("version") != STATE_VERSION:
+            raise ValueError(f"stream state version {_short(r.get('version'))}, expected {STATE_VERSION}")
+        missing = [k for k in STATE_FIELDS if k not in r]
+        if missing:
+            raise ValueError(f"stream state: field {missing[0]} missing")
+        for k, bounds in STATE_FIELDS.items():
+            if bounds and (type(r[k]) is not int or not bounds[0] <= r[k] <= bounds[1]):
+                raise ValueError(f"stream state {k}: {_short(r[k])}; an integer in {bounds[0]}..{bounds[1]} expected")
+        if r["rank"] >= r["world"]:
+            raise ValueError(f"stream state rank {r['rank']} outside its world of {r['world']}")
+    first = ranks[0]
+    for r in ranks[1:]:
+        for k in SHARED:
+            if r[k] != first[k]:
+                raise ValueError(f"the ranks' stream states disagree on {k}: {_short(first[k])} and {_short(r[k])}")
+    twice = [k for k, n in collections.Counter(r["rank"] for r in ranks).items() if n > 1]
+    if twice:
+        raise ValueError(f"stream state: rank {twice[0]} appears twice")
+    return ranks
+
+
+def _short(value, n=60):
+    text = repr(value)
+    return text if len(text) <= n else text[:n] + "..."
 
 
 def _per_source(rank_state, key, slots):
