@@ -140,6 +140,9 @@ TAMPERED = {  # name: (which checkpoint, change to its state, the field the line
     "stream not an object": ("mid", edit_json("stream", lambda s: [5]), "stream[0]"),
     "stream generation negative": ("mid", edit_json("stream", setitem([0, "generation"], -1)),
                                    "stream[0].generation"),
+    "stream of another epoch": ("mid", edit_json("stream", setitem([0, "epoch"], 1)), "stream[0].epoch"),
+    "stream of another world": ("mid", edit_json("stream", setitem([0, "world"], 2)), "stream[0].world"),
+    "stream of another rank": ("mid", edit_json("stream", setitem([0, "rank"], 1)), "stream[0].rank"),
     "augment state short": ("mid", edit_json("augment", lambda g: [g[0][:100]]), "augment[0]"),
     "augment byte 256": ("mid", edit_json("augment", setitem([0, 7], 256)), "augment[0][7]"),
     "facts batches negative": ("mid", edit_json("facts", setitem([0, "batches"], -1)), "facts[0].batches"),
@@ -298,6 +301,31 @@ def test_a_checkpoint_stopped_inside_an_epoch_past_epochs_is_one_line(data, runs
 
 
 # ---------------------------------------------------------------- 2. --eval-only and other mismatches
+
+
+def test_a_stream_state_the_stream_refuses_is_one_line_from_the_trainer(data, runs, tmp_path, capsys):
+    """MixedStream checks the rest of a rank's stream state; what it refuses (a field
+    missing: a KeyError before) comes out of the trainer as one line."""
+    out = copy_run(runs["mid"], tmp_path / "run", edit_json("stream", lambda s: [s[0].pop("sources"), s][1]))
+    one_line(small(data, out, "--resume"), capsys, "stream state: field sources missing")
+
+
+def test_the_slots_of_a_checkpoint_stopped_inside_an_epoch_are_its_streams(data, runs, tmp_path, capsys):
+    out = copy_run(runs["mid"], tmp_path / "run", lambda s: s.update(slots=json.dumps([5, 5])))
+    one_line(small(data, out, "--resume"), capsys, "checkpoint field slots: [5, 5]", "stream ran on [10, 10]")
+
+
+def test_slots_change_only_at_an_epoch_boundary(data, runs, tmp_path, capsys):
+    """--slots other than the checkpoint's: refused inside an epoch, taken at its end (and
+    recorded); without --slots the run keeps the K it was first dealt."""
+    slots = json.loads(torch.load(runs["mid"] / "checkpoint.pt", weights_only=True)["slots"])
+    assert slots == [10, 10]  # 10 shards a source, one rank of one worker: a slot a shard
+    out = copy_run(runs["mid"], tmp_path / "mid")
+    one_line(small(data, out, "--resume", "--slots", "7"), capsys, "slots change only at an epoch boundary")
+    for extra, want in (([], slots), (["--slots", "7"], [7, 7])):
+        out = copy_run(runs["end"], tmp_path / f"end{len(extra)}")
+        assert run_main(small(data, out, "--resume", *extra), capsys)[0] == 0
+        assert json.loads(torch.load(out / "checkpoint.pt", weights_only=True)["slots"]) == want
 
 
 def test_eval_only_with_another_width_is_one_line(data, runs, tmp_path, capsys):

@@ -235,13 +235,17 @@ def trainer_state(state, path, limits):
         f.items(v, field, GENERATOR_STATE, lambda x, fd: f.integer(x, fd, 0, 255))
         return v
 
-    def stream(v, field):
-        f.mapping(v, field, ("generation",))
+    def stream(v, field):  # the rest of a rank's stream state is MixedStream.load_state_dict's to check
+        f.mapping(v, field, ("generation", "epoch", "world", "rank"))
         f.integer(v["generation"], f"{field}.generation", 0, MAX_COUNT)
+        f.integer(v["epoch"], f"{field}.epoch", epoch, epoch)  # the epoch the position stopped in, not another's
+        f.integer(v["world"], f"{field}.world", world, world)
         return v
 
     per_rank = samples // (world * b)
     out["stream"] = f.items(f.json("stream"), "stream", world, stream)
+    for r, v in enumerate(out["stream"]):
+        f.integer(v["rank"], f"stream[{r}].rank", r, r)
     out["augment"] = f.items(f.json("augment"), "augment", world, generator)
     out["facts"] = f.items(f.json("facts"), "facts", world, lambda v, field: facts(v, field, per_rank))
     carried = f.json("carried")
@@ -261,13 +265,17 @@ def trainer_state(state, path, limits):
     return out
 
 
-def slots_of(state, path, sources):
+def slots_of(state, path, sources, streams=None):
     """The canonical slots per source the run was dealt (`--slots`), or None in a checkpoint
-    written before they were recorded."""
+    written before they were recorded; inside an epoch, the same as the stream states'
+    (`streams`, trainer_state's)."""
     if "slots" not in state:
         return None
     f = _Fields(path, state)
-    return f.items(f.json("slots"), "slots", sources, lambda x, field: f.integer(x, field, 1, MAX_SLOTS))
+    slots = f.items(f.json("slots"), "slots", sources, lambda x, field: f.integer(x, field, 1, MAX_SLOTS))
+    if streams and streams[0].get("slots") != slots:
+        f.bad("slots", f"{_short(slots)}, but the interrupted epoch's stream ran on {_short(streams[0].get('slots'))}")
+    return slots
 
 
 def set_rng(state, path):

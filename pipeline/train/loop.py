@@ -210,7 +210,7 @@ class Run:
         limits = checkpoint.Limits(args.epochs, checkpoint.epoch_samples_of(saved, self.stream.epoch_samples),
                                    args.batch_size, len(self.names))
         got = checkpoint.trainer_state(state, path, limits)
-        slots = checkpoint.slots_of(state, path, len(self.names))
+        slots = checkpoint.slots_of(state, path, len(self.names), got.get("stream"))
         if slots is not None and args.slots is None:  # the run keeps the K it was first dealt
             self.stream.keep_slots(slots)
         data = checkpoint.data_changes(saved, self.fingerprint)
