@@ -317,6 +317,16 @@ def test_a_state_of_another_batch_size_is_re_dealt_not_run_as_it_was(data, two_r
     assert s.remaining() == 280 // 16 and len(keys(loader)) == 280 // 16
 
 
+def test_a_source_whose_manifest_lists_no_samples_is_one_line(data):
+    """Every slot of it would be empty, with none to borrow (a ZeroDivisionError before)."""
+    import dataclasses
+
+    mnist, cifar = sources(data)
+    empty = dataclasses.replace(cifar, counts=[0] * len(cifar.counts))
+    with pytest.raises(ValueError, match="cifar10: its manifest lists no samples"):
+        keys(make_loader(MixedStream([mnist, empty], WEIGHTS, 8, seed=4, epoch_samples=64), 0))
+
+
 def test_another_world_needs_every_ranks_state(data):
     s = stream_for(data, 0, 2)
     keys(make_loader(s, 0), 2)

@@ -90,6 +90,9 @@ class MixedStream(torch.utils.data.IterableDataset):
         self.layout = Layout(sources)
         self.sources = self.layout.sources
         self.probs = check_weights(weights, self.layout.names)
+        empty = [s.name for s in self.sources if not s.total]
+        if empty:  # no slot would hold a sample, nor any to borrow
+            raise ValueError(f"training source {empty[0]}: its manifest lists no samples")
         self.batch_size, self.topo, self.seed = batch_size, topo, seed
         self.epoch_samples = epoch_samples or sum(s.total for s in sources)
         if self.epoch_samples < topo.world * batch_size:
