@@ -33,7 +33,12 @@ class Parser(argparse.ArgumentParser):
             value = getattr(args, name)
             finite = not isinstance(value, float) or math.isfinite(value)  # ints of any size compare exactly
             if value is not None and not (finite and low <= value <= high):
-                self.error(f"--{name.replace('_', '-')} must be a finite number from {low:g} to {high:g}, got {value}")
+                self.error(f"--{name.replace('_', '-')} must be a finite number from {_num(low)} to {_num(high)}, "
+                           f"got {value}")
+
+
+def _num(x):
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 def size(text):

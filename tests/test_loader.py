@@ -132,3 +132,15 @@ def test_the_trainers_progress_bar_starts_no_monitor_thread():
     assert tqdm.monitor is None and tqdm.monitor_interval == 0
     bar.close()
     assert progress_bar(Topology(1, 2), 10, "epoch 1") is None  # rank 1 draws no bar
+
+
+def test_the_trainers_warnings_are_one_line_each():
+    import warnings
+
+    from pipeline.train import loop
+
+    line = loop.one_line_warning(UserWarning("s-000001.tar: not a tar header; skipped 3 sample(s)"), UserWarning,
+                                 "/x/pipeline/data/stages.py", 192, "self._piece(url)")
+    assert line == "pipeline.train: warning: s-000001.tar: not a tar header; skipped 3 sample(s)\n"
+    assert line.count("\n") == 1 and "stages.py" not in line
+    assert warnings.formatwarning is not loop.one_line_warning  # only the trainer's main() installs it

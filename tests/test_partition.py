@@ -89,27 +89,25 @@ def test_locate_reaches_any_position_directly_and_later_passes_reorder():
         0, 1, 10 * size + 3)
 
 
-def test_reading_a_resampled_slot_on_costs_a_draw_a_window_not_a_replay(monkeypatch):
-    """--resample windows vary in size, so a position is found by summing the windows
-    before it; a plan reading window after window must not sum them from the epoch's
-    start each time (quadratic: 1,000 windows took 500,000 draws), and the windows it
-    finds are the ones a fresh seek finds."""
+def test_a_resampled_slot_reaches_any_position_with_one_draw(monkeypatch):
+    """--resample windows each stand for the same span of positions, so any position is one
+    generator draw away: reading on costs a draw a window, and a hostile count near 2**53
+    costs no more than the first (summing earlier windows took 500,500 draws for 1,000)."""
     part = Partition([3, 4, 5, 6, 7, 8], 2, seed=0, source=0)
-    fresh = [part.resampled(1, 0, p, 2)[1:3] for p in (0, 50, 400)]
     calls = []
     real = partition.generator
-    monkeypatch.setattr(partition, "generator", lambda *key: calls.append(key) or real(*key))
-    windows, at = [], 0
+    monkeypatch.setattr(partition, "generator", lambda *key: (key[0] == partition.RESAMPLE and calls.append(key))
+                        or real(*key))
+    walk, at = [], 0
     for _ in range(1000):
-        rows, start, size, key = part.resampled(1, 0, at, 2)
-        windows.append((start, size))
+        _, start, size, key = part.resampled(1, 0, at, 2)
+        walk.append((start, size, key))
         at = start + size
-    assert len(calls) <= 1000 + 1
-    assert all(a[0] + a[1] == b[0] for a, b in zip(windows, windows[1:]))
-    again = Partition([3, 4, 5, 6, 7, 8], 2, seed=0, source=0)  # no hint: a seek from the start
-    assert [again.resampled(1, 0, p, 2)[1:3] for p in (windows[700][0], windows[3][0] + 1)] == \
-        [windows[700], windows[3]]
-    assert [part.resampled(1, 0, p, 2)[1:3] for p in (0, 50, 400)] == fresh  # back before the hint
+    assert len(calls) == 1000 and all(a[0] + a[1] == b[0] for a, b in zip(walk, walk[1:]))
+    calls.clear()
+    _, start, size, _ = part.resampled(1, 0, 2 ** 52, 2)
+    assert len(calls) == 1 and start <= 2 ** 52 < start + size
+    assert part.resampled(1, 0, walk[700][0] + 1, 2)[1:] == walk[700]
 
 
 @pytest.mark.parametrize("bad", [{"9": 1}, {"-1": 1}, {"x": 1}, {"1": -1}, {"1": 2 ** 60}, {"1": True},

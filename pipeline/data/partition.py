@@ -85,7 +85,6 @@ class Partition:
         hi = self.counts[shard] * (part + 1) // self.parts
         self.piece_shard, self.piece_lo, self.piece_hi = shard, lo, hi
         self._epoch, self._deal = None, None
-        self._resampled = {}  # (epoch, slot, width, variant): (window, start, size) last found, where seeks go on
 
     def deal(self, epoch):
         """Piece indices of every slot this epoch: one seeded permutation, piece i to slot i % K.
@@ -158,32 +157,21 @@ class Partition:
 
     def resampled(self, epoch, slot, position, width, variant=0):
         """Like `window`, for a slot that draws `width` of its pieces with replacement per
-        window, forever (--resample). Window sizes vary, so a position is found by summing
-        the slot's earlier window sizes, each a generator draw: from the window last found
-        when the position lies at or past it (a plan reading on costs a draw a window, not
-        a replay of the slot's epoch each time), else from the epoch's start."""
+        window, forever (--resample). Every window stands for the same span of positions,
+        `width` times the slot's largest piece, so any position is reached directly (window
+        position // span); the positions a window's drawn pieces leave empty are passed
+        over as a short shard's are, and cost nothing but the count."""
         if not 0 <= position < MAX_COUNT:
             raise ValueError(f"position {position} outside 0..{MAX_COUNT}")
         pieces = self.pieces(epoch, slot)
         sizes = pieces[:, 2] - pieces[:, 1]
         if not sizes.sum():
             raise ValueError(f"slot {slot} of source {self.source} holds no samples")
-        if self._resampled and next(iter(self._resampled))[0] != epoch:
-            self._resampled.clear()  # one epoch's windows at a time
-        hint = (epoch, slot, width, variant)
-        j, start, size = self._resampled.get(hint, (0, 0, 0))
-        if position < start:
-            j, start = 0, 0
-        elif position >= start + size > start:  # past the window found last: go on after it
-            j, start = j + 1, start + size
-        for j in range(j, MAX_COUNT):
-            rows = pieces[generator(RESAMPLE, self.seed, epoch, self.source, slot, j, variant).integers(
-                0, len(pieces), width)]
-            size = int((rows[:, 2] - rows[:, 1]).sum())
-            if position < start + size:
-                self._resampled[hint] = (j, start, size)
-                return rows, start, size, (RESHUFFLE, self.seed, epoch, self.source, slot, j, variant)
-            start += size
+        span = width * int(sizes.max())
+        j = position // span
+        rows = pieces[generator(RESAMPLE, self.seed, epoch, self.source, slot, j, variant).integers(
+            0, len(pieces), width)]
+        return rows, j * span, span, (RESHUFFLE, self.seed, epoch, self.source, slot, j, variant)
 
 
 def check_counts(counts, slots):

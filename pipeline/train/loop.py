@@ -684,6 +684,12 @@ def one_line(text):
     sys.stderr.flush()
 
 
+def one_line_warning(message, category, filename, lineno, line=None):
+    """Warnings as the trainer's other lines read: what happened, without the file, line
+    number and source line of the stage that noticed it."""
+    return f"pipeline.train: warning: {message}\n"
+
+
 def main(argv=None, args=None):
     """The trainer's entry point; returns the exit code: 0 done (or stopped by
     --stop-after/--stop-after-steps), 2 bad input (one line), 3 a non-finite loss, 128 + N
@@ -693,6 +699,7 @@ def main(argv=None, args=None):
     if args is None:
         args = options.parse(argv)
     dist.exit_with_launcher()
+    warnings.formatwarning = one_line_warning  # DataLoader workers fork with it
     stopper = stop.StopRequest([] if args.eval_only else stop.parse_signals(args.stop_signals), argv)
     try:
         with stopper, dist.distributed(timeout_s=args.timeout) as (topo, device):

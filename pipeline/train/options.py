@@ -95,7 +95,8 @@ def parse(argv=None):
     a("--slots", type=int, metavar="K",
       help="canonical slots per source, fixed when the run first starts; each (rank, worker) reads whole slots, so "
            "K bounds the largest world a resume can spread over (default: 12 per rank x worker while there are "
-           "shards for them; a resumed run keeps its checkpoint's, and takes another K only at an epoch boundary)")
+           "shards for them; a resumed run keeps its checkpoint's; another --slots is refused when the checkpoint "
+           "stopped inside an epoch and taken when it stopped at an epoch's end)")
     a("--sample-stage", action="append", default=[], metavar="MODULE:FUNCTION",
       help="a function of yours applied to every decoded training sample inside the workers, e.g. an "
            "augmentation (repeatable; see docs/training.md, 'Your own stage')")
