@@ -1,5 +1,7 @@
 """pipeline.loader: the hand-over from DataLoader workers (BatchRing buffers, uint8 in shared
 memory, normalisation on arrival) and persistent workers that follow set_epoch."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -143,4 +145,6 @@ def test_the_trainers_warnings_are_one_line_each():
                                  "/x/pipeline/data/stages.py", 192, "self._piece(url)")
     assert line == "pipeline.train: warning: s-000001.tar: not a tar header; skipped 3 sample(s)\n"
     assert line.count("\n") == 1 and "stages.py" not in line
-    assert warnings.formatwarning is not loop.one_line_warning  # only the trainer's main() installs it
+    assert warnings.formatwarning is not loop.one_line_warning  # only the command (pipeline/train/__main__.py) installs it
+    entry = Path(__file__).resolve().parents[1] / "pipeline" / "train" / "__main__.py"
+    assert "warnings.formatwarning = one_line_warning" in entry.read_text()

@@ -699,7 +699,6 @@ def main(argv=None, args=None):
     if args is None:
         args = options.parse(argv)
     dist.exit_with_launcher()
-    warnings.formatwarning = one_line_warning  # DataLoader workers fork with it
     stopper = stop.StopRequest([] if args.eval_only else stop.parse_signals(args.stop_signals), argv)
     try:
         with stopper, dist.distributed(timeout_s=args.timeout) as (topo, device):
