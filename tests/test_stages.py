@@ -186,6 +186,8 @@ def test_a_sources_chain_is_stages_with_state_nested_by_name(tmp_path):
     assert all(isinstance(node, Node) for _, node in first.stages) and isinstance(first, Node)
     assert state["slots"] == {1: 7} and all(state[k] == {} for k in state if k != "slots")
     rest = first.take(20)[0]
+    first.reset(json_roundtrip(state))  # reset goes back there in place
+    assert first.take(20)[0] == rest
     again = chain(json_roundtrip(state)["slots"])
     assert again.take(20)[0] == rest and head + rest == chain().take(27)[0]
     mix = stages.Mix([chain(), chain()], [1, 1], [0, 1], 4)

@@ -71,18 +71,24 @@ class SlotPlan:
     number, a re-deal those with most left first, which keeps a pair's part-read slots
     for last), so its slots move on together: when a run stops, every slot has about
     the same share left, and a new world dealt those slots gets an even share of what
-    is left. The order of `slots` is thus part of a pair's state (`state()` keeps it). A pair that owns no slot with samples (more
-    pairs than pieces) is given one it borrows, read in orders of its own (`variant`):
-    its samples then repeat another pair's.
+    is left. The order of `slots` is thus part of a pair's state (`state()` keeps it).
+    A pair that owns no slot with samples (more pairs than pieces) is given one it
+    borrows, read in orders of its own (`variant`): its samples then repeat another pair's.
     """
 
     def __init__(self, part, urls, epoch, slots, counts, *, width, resample=False, variant=0):
         self.part, self.urls, self.epoch, self.width = part, list(urls), epoch, width
         self.resample, self.variant = resample, variant
         sizes = part.sizes(epoch)
-        self.counts = {s: int(counts.get(s, 0)) for s in slots}
+        self.counts = dict.fromkeys(slots, 0)  # in the order given: the first listed is read first when even
         self.live = [s for s in slots if sizes[s] > 0]
         self.sizes = {s: int(sizes[s]) for s in self.live}
+        self.reset(counts)
+
+    def reset(self, counts=None):
+        """Go back to `counts` ({slot: count} of the owned slots; None: all at 0)."""
+        counts = counts or {}
+        self.counts = {s: int(counts.get(s, 0)) for s in self.counts}
         self.current = None
         # where each slot's window begins: the choice is made per window, so a slot
         # stopped inside one is chosen as it was when that window opened
@@ -117,13 +123,17 @@ class OncePlan:
     """Evaluation: each of the slot's shards once, whole and in order."""
 
     def __init__(self, urls):
-        self.windows = iter([Window(((u, 0, None),)) for u in urls])
+        self.urls = list(urls)
+        self.reset()
 
     def next(self):
         return next(self.windows, None)
 
     def state(self, pos=0):
         return {}
+
+    def reset(self, state=None):
+        self.windows = iter([Window(((u, 0, None),)) for u in self.urls])
 
 
 class WindowData:
@@ -370,6 +380,10 @@ class Positions(Node):
 
     def state(self):
         return self.plan.state(self.at - (self.window.skip if self.window else 0))
+
+    def reset(self, state=None):
+        self.plan.reset(state)
+        self.window, self.at = None, 0
 
 
 class Read(Node):

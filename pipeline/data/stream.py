@@ -209,7 +209,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         pair = self.topo.rank * worker.count + worker.id  # owns no samples: borrow a slot, in orders of its own
         full = np.flatnonzero(sizes)
         slot = int(full[pair % len(full)])
-        count = (seg.borrowed[i] if seg.borrowed else {}).get(worker.id, 0)
+        count = _borrowed_at(seg, i, worker.id) or 0
         return Borrowed(stages.SlotPlan(part, source.urls, seg.epoch, [slot], {slot: count}, width=width,
                                         resample=self.resample, variant=1 + pair), mine)
 
@@ -278,7 +278,7 @@ class MixedStream(torch.utils.data.IterableDataset):
                     src = self.consumed[w]["sources"][i]
                     per[w], got = src["slots"], src.get("borrowed")
                 else:
-                    per[w], got = self._owned(i, Worker(w, self.workers), seg), (seg.borrowed[i] if seg.borrowed else {}).get(w)
+                    per[w], got = self._owned(i, Worker(w, self.workers), seg), _borrowed_at(seg, i, w)
                 if got is not None:
                     lent[w] = got
             # each pair's slots in the order its plan lists them (SlotPlan reads the first listed when even)
@@ -325,9 +325,8 @@ class MixedStream(torch.utils.data.IterableDataset):
             done = self._check_done(mine)
             counts = [self._workers_counts(mine, i) for i in range(len(self.slots))]
             every = len(ranks) == self.topo.world  # every rank's state: each slot owned once by one of them
-            if every and len({sum(self._check_done(r).values()) for r in ranks}) != 1:
-                raise ValueError(f"the ranks' stream states disagree on how many batches were consumed "
-                                 f"({sorted(sum(self._check_done(r).values()) for r in ranks)})")
+            if every:
+                self._consumed(ranks)
             for i, per in enumerate(counts):
                 maps = [m for r in ranks for m in self._workers_counts(r, i).values()] if every else per.values()
                 partition.gather(maps, self.slots[i], complete=every)  # no slot owned twice (or left out)
@@ -337,6 +336,13 @@ class MixedStream(torch.utils.data.IterableDataset):
         else:
             self.segment = self.redeal(ranks)
         self.consumed = {}
+
+    def _consumed(self, ranks):
+        """The batches every rank had consumed: one number, or the states are refused."""
+        done = sorted({sum(self._check_done(r).values()) for r in ranks})
+        if len(done) != 1:
+            raise ValueError(f"the ranks' stream states disagree on how many batches were consumed ({done})")
+        return done[0]
 
     def _check_done(self, rank_state):
         """{worker: batches made} of one rank's state: each worker's within its share of the
@@ -374,10 +380,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         if sorted(r["rank"] for r in ranks) != list(range(world)):
             raise ValueError(f"resuming on {self.topo.world} ranks from a run on {world} needs every rank's "
                              f"stream state; have ranks {sorted(r['rank'] for r in ranks)}")
-        done = {sum(self._check_done(r).values()) for r in ranks}
-        if len(done) != 1:
-            raise ValueError(f"the ranks' stream states disagree on how many batches were consumed ({sorted(done)})")
-        left = (first["batches"] - done.pop()) * world * first["batch_size"]
+        left = (first["batches"] - self._consumed(ranks)) * world * first["batch_size"]
         counts = []
         for i, part in enumerate(self.partitions()):
             merged = partition.gather([m for r in ranks for m in self._workers_counts(r, i).values()], part.slots)
@@ -411,6 +414,14 @@ class Borrowed:
 
     def state(self, pos=0):
         return next(iter(self.plan.state(pos).values()))
+
+    def reset(self, count=None):
+        self.plan.reset(None if count is None else dict.fromkeys(self.plan.counts, count))
+
+
+def _borrowed_at(seg, i, worker):
+    """Where a logical worker that borrows a slot of source i stood in a segment, or None."""
+    return seg.borrowed[i].get(worker) if seg.borrowed else None
 
 
 def _plan_state(plan, state):
