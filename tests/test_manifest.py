@@ -35,6 +35,9 @@ def test_resolve_errors(data, tmp_path):
         resolve("mnist", str(tmp_path), "train")
     with pytest.raises(ShardError, match="index them in place with: python tools/make_shards.py --index"):
         resolve("mnist", str(tmp_path / "whatever.tar"), "train")
+    with pytest.raises(ShardError) as e:  # a pattern's hint writes the manifest where resolve looks for it
+        resolve("mnist", str(tmp_path / "x-{0..3}.tar"), "train")
+    assert str(e.value).endswith(f"--index 'mnist:train={tmp_path}/x-{{0..3}}.tar' --out {tmp_path}")
     with pytest.raises(ShardError, match="not in"):
         resolve("mnist", os.path.join(data.dir, "mnist-train-{000011..000012}.tar"), "train")
     # a manifest whose shard is gone

@@ -280,3 +280,4 @@ def test_verify_reports_size_and_empty_folder(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert len(shards.verify(str(empty))) == 1
+    assert shards.verify(str(tmp_path / "gone")) == [f"{tmp_path / 'gone'}: no such folder"]

@@ -364,7 +364,8 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
         url = _beside(pattern[0], manifest_name(name, split))
         if remote.kind(url) == "file" and not os.path.exists(url):
             raise ShardError(f"{name}={spec}: no manifest {url} beside these shards; index them in place with: "
-                             f"python tools/make_shards.py --index {shlex.quote(f'{name}:{split}={spec}')} --out DIR")
+                             f"python tools/make_shards.py --index {shlex.quote(f'{name}:{split}={spec}')} "
+                             f"--out {shlex.quote(os.path.dirname(url) or '.')}")
     m = load(url, policy)
     if m["dataset"] != name:
         warnings.warn(f"{name}={spec}: the manifest describes data set {m['dataset']!r}, not {name!r}", stacklevel=2)

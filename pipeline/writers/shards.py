@@ -267,6 +267,8 @@ def verify(folder, policy=None):
     from pipeline.data import remote
     from pipeline.data.manifest import locate
 
+    if not os.path.isdir(folder):
+        return [f"{folder}: no such folder"]
     problems = []
     manifests = sorted(f for f in os.listdir(folder) if f.endswith(".json") and ".part" not in f)
     if not manifests:
