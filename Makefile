@@ -1,5 +1,5 @@
 # make demo       set up, build shards (real data where found, else synthetic, saying so), train, draw the report
-# make test       set up and run the whole test suite; prints the 10 slowest tests
+# make test       set up and run the whole test suite in TEST_JOBS processes (2); prints the 10 slowest tests
 # make test-fast  everything but the torchrun, benchmark and rehearsal tests
 # make bench      the loader benchmark (needs MNIST_ROOT and CIFAR_FOLDER)
 # make gpu-check  the CUDA paths on a GPU machine (nccl, bf16, pinned memory), with figures
@@ -13,6 +13,9 @@ DOWNLOAD ?=
 SHARDS ?= shards
 RUN ?= runs/demo
 MNIST_ROOT ?= data
+TEST_JOBS ?= 2
+# loadgroup: tests that share an expensive module fixture (a torchrun run, the benchmark) run in one process
+PYTEST := $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup --durations=10
 CIFAR_FOLDER ?= data/cifar10-jpg/train
 
 .PHONY: setup demo test test-fast bench gpu-check rehearsal clean
@@ -35,10 +38,10 @@ demo: setup
 	$(PY) tools/report.py $(RUN)
 
 test: setup
-	$(PY) -m pytest -q --durations=10
+	$(PYTEST)
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" --durations=10
+	$(PYTEST) -m "not slow"
 
 bench: setup
 	$(PY) tools/bench_loader.py --mnist-root $(MNIST_ROOT) --cifar-folder $(CIFAR_FOLDER) --profile

@@ -1,7 +1,12 @@
 """Helpers shared by the shard tests: read shards with Python's tarfile (independent of
 pipeline.shards' own reader) and decode a sample the way a consumer would."""
 import io
+import os
 import tarfile
+
+# One torch thread in every test process and every process a test starts: the tensors are tiny,
+# and make test runs two test processes on two cores, where more threads only contend.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np
 import pytest

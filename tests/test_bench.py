@@ -36,6 +36,7 @@ def record(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+@pytest.mark.xdist_group("bench-record")  # shares the module's fixture run
 def test_throughput_entries(record):
     entries = {(e["method"], e["encoding"], e["workers"]): e for e in record["throughput"]}
     for w in (0, 2):
@@ -57,6 +58,7 @@ def test_throughput_entries(record):
     assert entries[("C", "raw", 0)]["runs"][0]["cpu_workers_s"] == 0
 
 
+@pytest.mark.xdist_group("bench-record")  # shares the module's fixture run
 def test_memory_entries(record):
     mem = record["memory"]
     assert mem["baseline"]["peak_rss_mib"] > 0
@@ -68,6 +70,7 @@ def test_memory_entries(record):
             assert e[scale]["samples"] == 512
 
 
+@pytest.mark.xdist_group("bench-record")  # shares the module's fixture run
 def test_profile_ceiling_and_decoders(record):
     assert record["profile"]["top"] and record["profile"]["samples"] == 512
     assert record["profile"]["method"] == "C" and record["profile_c8"]["method"] == "C8"

@@ -249,6 +249,7 @@ def test_an_image_outside_the_caps_is_refused_from_its_header(case):
                                            "decompression bomb", "undecodable")), str(e.value)
 
 
+@pytest.mark.slow
 def test_every_hostile_image_is_refused_in_a_few_hundred_mb(tmp_path, limited):
     """The decode of every payload above, in one process whose address space may grow
     HEADROOM: each is a one-line reason, none a MemoryError or a kill."""
@@ -278,6 +279,7 @@ def test_the_lying_jpeg_was_a_real_threat():
     assert decode.jpeg_size(data) is None
 
 
+@pytest.mark.slow
 def test_progressive_jpegs_decode_but_scan_bombs_do_not():
     data = jpeg_of(48, 40, progressive=True)
     assert 1 < data.count(b"\xff\xda") <= jpeg.MAX_SCANS
@@ -631,6 +633,7 @@ def test_the_trainer_skips_the_issues_two_images_under_an_address_space_limit(tm
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["skipped_samples"] == 2
 
 
+@pytest.mark.slow
 def test_a_manifest_that_is_a_fifo_is_one_line_not_a_hang(tmp_path):
     """--train NAME=PATH where PATH is a FIFO: opening it would block until someone writes."""
     from pipeline.data.manifest import resolve

@@ -300,6 +300,7 @@ print(json.dumps([str(x.message) for x in w]))
 """
 
 
+@pytest.mark.slow
 def test_processes_sharing_one_bounded_cache_never_see_a_partial_or_evicted_copy(tmp_path):
     """Three processes read eight shards at random through one folder that holds three: they
     write, evict and read each other's copies all the time. Every read must be the manifest's

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers import build_shards
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,6 +21,7 @@ def shards(tmp_path):
     return out
 
 
+@pytest.mark.slow
 def test_the_readme_api_example_runs_on_shards(tmp_path):
     block = re.search(r"## The streaming API in your own loop\n\n```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     assert block, "README.md has no streaming-API example"
@@ -28,6 +31,7 @@ def test_the_readme_api_example_runs_on_shards(tmp_path):
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_examples_stream_api_prints_shapes_and_state(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "examples" / "stream_api.py"), str(shards(tmp_path))],
                        capture_output=True, text=True, timeout=180, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})

@@ -113,7 +113,7 @@ class Server:
     def start(self):
         handler = functools.partial(_Quiet, directory=self.folder)
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), handler)
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
 
     def stop(self):
         self.httpd.shutdown()

@@ -82,6 +82,7 @@ def manifest_of(foreign, name, split="train"):
     return json.loads((foreign.out / f"{name}-{split}.json").read_text())
 
 
+@pytest.mark.slow
 def test_index_records_what_the_shards_hold(foreign):
     sw, gnu, i2d = (manifest_of(foreign, n) for n in ("sw", "gnu", "i2d"))
     for m, exts, label in ((sw, ["jpg"], "cls"), (gnu, ["png"], "cls"), (i2d, ["jpg"], "json:label")):
@@ -380,6 +381,7 @@ def test_gzip_shards_index_even_when_they_compress_well(tmp_path):
     assert resolve("m", str(tmp_path / "gz"), "train").total == 40
 
 
+@pytest.mark.slow
 def test_write_wds_writes_what_the_recipe_indexes(tmp_path):
     """tools/write_wds.py (the README's stand-in for somebody else's shards): an ImageFolder tree
     to wds.ShardWriter shards with class names in .json, indexed with both splits in one command."""

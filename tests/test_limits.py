@@ -244,6 +244,7 @@ def test_overwrite_on_a_shard_folder_from_the_trainer_deletes_nothing(data, tmp_
 # ---------------------------------------------------------------- one writer per folder
 
 
+@pytest.mark.slow
 def test_a_second_make_shards_on_one_out_is_refused_while_the_first_writes(tmp_path):
     out = tmp_path / "out"
     args = [TOOL, "--synthetic", "--datasets", "mnist", "--splits", "train", "--limit", "10000", "--maxcount", "100",
@@ -341,6 +342,7 @@ def limited(tmp_path_factory):
 @pytest.mark.parametrize("pattern", ["x-{0..999999999}.tar", *(pytest.param(p, marks=pytest.mark.slow) for p in (
     "x-{0..9}{0..9}{0..9}{0..9}{0..9}{0..9}{0..9}.tar", "x-{A..A}{0..99999999}.tar", "x-{0.." + "9" * 5000 + "}.tar",
     "{" * 3000 + "x" + "}" * 3000 + ".tar", "x-{0..3.tar"))])
+@pytest.mark.slow
 def test_a_brace_pattern_of_millions_is_one_line_within_a_memory_limit(tmp_path, pattern, limited):
     """Refused from counting, before braceexpand builds a single range (which it does in
     memory, whole, before yielding the first name), in both entry points, under 400 MB."""
@@ -352,6 +354,7 @@ def test_a_brace_pattern_of_millions_is_one_line_within_a_memory_limit(tmp_path,
     assert time.time() - t0 < 60
 
 
+@pytest.mark.slow
 def test_a_pattern_within_the_cap_still_expands_as_braceexpand_does(tmp_path):
     assert manifest.expand_pattern("a{0..2}/{x,y{1..2}}") == ["a0/x", "a0/y1", "a0/y2", "a1/x", "a1/y1", "a1/y2",
                                                               "a2/x", "a2/y1", "a2/y2"]

@@ -154,6 +154,7 @@ def test_elastic_redeal_goes_on_from_each_slots_count_and_reads_nothing_twice():
     assert len(read) == len(set(read))
 
 
+@pytest.mark.slow
 def test_scale_sim_prints_one_json_line_with_the_slots_covered_once():
     p = subprocess.run([sys.executable, str(TOOL), "--shards", "3000", "--world", "32", "--workers", "4",
                         "--to-world", "24", "--to-world", "40"], capture_output=True, text=True, timeout=120)

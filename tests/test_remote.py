@@ -186,6 +186,7 @@ def leftovers(folder):
 # ---------------------------------------------------------------- 1. deadlines on http
 
 
+@pytest.mark.slow
 def test_dripping_body_misses_its_deadline_and_fails():
     p = Policy(retries=2, delay=0.05, timeout=0.5, min_rate=1e6)
     with raw_server(lambda c, i, stop: drip(c, stop, head(length=1000))) as srv:
@@ -197,6 +198,7 @@ def test_dripping_body_misses_its_deadline_and_fails():
 
 
 @pytest.mark.parametrize("where", ["status line", "headers", "chunk size line"])
+@pytest.mark.slow
 def test_dripping_headers_or_chunk_framing_miss_the_deadline(where):
     """The deadline covers the whole transfer, not only body reads: a server that drips its
     headers (or the size line of a chunk) never trips the per-operation socket timeout."""
@@ -226,6 +228,7 @@ def tls(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("drips", [False, True])
+@pytest.mark.slow
 def test_https_reads_and_its_deadline(tls, drips):
     """The same over TLS: a whole read, and a status line dripped inside the TLS stream."""
     def handle(c, i, stop):
@@ -685,6 +688,7 @@ def chunked_drip(c, i, stop):
     drip(c, stop, head(chunked=True) + b"1\r\n", every=0.2, at_most=15)
 
 
+@pytest.mark.slow
 def test_a_manifest_that_overstates_a_shard_does_not_stretch_its_deadline():
     """The manifest says a terabyte; at 1 MB/s that would be a deadline of 12 days. The job's
     ceiling (max_bytes, --max-shard-bytes) bounds it: 0.5 s + 1 MB at 1 MB/s."""
@@ -710,6 +714,7 @@ def test_a_server_announcing_other_than_the_manifest_fails_at_once():
     assert took < SLACK and warned == [] and srv.conns == 1
 
 
+@pytest.mark.slow
 def test_an_announced_length_shortens_a_deadline_the_manifest_left_open():
     """No manifest size (make_shards --index reads shards nobody measured): the server's
     Content-Length, 1000 bytes, sets the deadline, not the 16 MiB assumed for a file of
@@ -739,6 +744,7 @@ def test_more_than_the_job_allows_is_refused(announced):
     assert srv.conns == 1 and warned == [] and took < SLACK
 
 
+@pytest.mark.slow
 def test_a_pipe_deadline_is_capped_too(tmp_path):
     p = Policy(retries=0, delay=0.05, timeout=0.5, min_rate=1e6, max_bytes=1 << 20)
     got, took, _ = quiet(read_url, "pipe:sleep 30", read_all, policy=p, nbytes=1 << 40)

@@ -91,6 +91,7 @@ def table_rows(stdout):
     return [dict(zip(head, cells)) for cells in rows]
 
 
+@pytest.mark.slow
 def test_cli_writes_a_png_and_a_table_per_epoch(run_dir):
     r = cli_subprocess(run_dir)
     assert r.returncode == 0, r.stderr
@@ -208,6 +209,7 @@ def test_unwritable_picture_fails_in_one_line(run_dir, tmp_path):
         assert not os.path.exists(out)
 
 
+@pytest.mark.slow
 def test_hostile_metrics_lines_cost_neither_a_traceback_nor_minutes(tmp_path):
     """Infinity and NaN epochs, a line nested 100,000 deep, 20,000 epochs: one picture, quickly."""
     import time
@@ -228,6 +230,7 @@ def test_hostile_metrics_lines_cost_neither_a_traceback_nor_minutes(tmp_path):
     assert "20000" in p.stdout
 
 
+@pytest.mark.slow
 def test_confusion_matrices_are_drawn_with_class_names(tmp_path):
     """An eval line with per-class accuracy and a confusion matrix (as pipeline.train writes it
     for sources of up to 20 classes) adds a panel per source, its axes the class names."""

@@ -125,6 +125,7 @@ def test_another_world_continues_the_epoch_without_reading_a_sample_twice(data, 
     assert len(after) == left // (w1 * 8) * w1 * 8 and left - len(after) < w1 * 8
 
 
+@pytest.mark.slow
 def test_four_worlds_in_a_row_read_no_key_twice(data):
     """(4 ranks, 2 workers) -> (3, 1) -> (6, 3) -> back to (4, 2), three batches a rank on
     each but the last, which finishes the epoch: the same slots are dealt to every world
@@ -215,6 +216,7 @@ def test_a_random_stage_drawn_from_the_samples_seed_resumes_exactly(data):
     assert len(common) > len(moved) // 2 and all(moved[k] == flipped[k] for k in common)
 
 
+@pytest.mark.slow
 def test_after_another_world_a_same_world_resume_continues_exactly(data):
     """2 ranks x 2 workers, then the rest on 3 ranks (the re-deal lists each pair's slots
     most-left first, and a pair reads the first listed when even), stopped after 3
@@ -409,6 +411,7 @@ def stopped(data, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [3, 1])
+@pytest.mark.xdist_group("resume-stopped")  # shares the module's fixture run
 def test_resumed_on_another_world_size_no_sample_twice_in_the_epoch(data, stopped, world):
     import shutil
 

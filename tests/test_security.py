@@ -273,6 +273,7 @@ def dripping(data):
         yield server.url
 
 
+@pytest.mark.slow
 def test_a_dripping_server_fails_at_its_deadline_instead_of_hanging(dripping):
     policy = remote.Policy(retries=1, delay=0.1, timeout=1.0, min_rate=1e6)
     src = resolve("mnist", dripping, "train", policy=policy)
@@ -584,6 +585,7 @@ class DripHeaders(Quiet, http.server.BaseHTTPRequestHandler):
         drip(self, b"X", 30, first=b"HTTP/1.1 200 OK\r\n")
 
 
+@pytest.mark.slow
 def test_a_head_check_that_drips_its_headers_ends_at_its_deadline():
     t0 = time.time()
     with serving(DripHeaders) as server:

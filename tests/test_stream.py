@@ -204,6 +204,7 @@ def test_repeats_stay_within_a_slot(data, world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.slow
 def test_mixture_shares_follow_weights(data, world):
     """10,000 samples a rank at 0.7/0.3: each source's share within 2 points, on every
     rank; new weights from set_epoch take effect."""
