@@ -11,6 +11,12 @@ _SIZE = re.compile(r"(\d+(?:\.\d+)?)([KMGT]?)(?:i?B)?\Z", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
+def printable(text):
+    """Names and origins come from files anyone can write: a control character (an escape
+    sequence, a carriage return) is shown as its escape instead of acting on the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
 class Parser(argparse.ArgumentParser):
     """argparse that reports a bad command line in one line (no usage dump), exit code 2."""
 

@@ -169,6 +169,14 @@ def test_text_from_the_run_is_drawn_literally(tmp_path):
     assert (folder / "report.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_control_characters_from_the_run_are_printed_as_escapes(tmp_path):
+    s = summary()
+    s["data"]["mnist"]["origin"] = "files\x1b[2J\rfrom here"
+    folder = write_run(tmp_path / "r", metrics_lines(), s)
+    text = report.table(report.load_run(str(folder)))
+    assert "\x1b" not in text and "\r" not in text and "files\\x1b[2J\\rfrom here" in text, text
+
+
 def test_importing_the_report_does_not_import_matplotlib():
     code = "import sys, pipeline.train.report; sys.exit('matplotlib' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], cwd=TOOL.parents[1], capture_output=True, text=True, timeout=60)

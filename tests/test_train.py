@@ -234,6 +234,8 @@ def test_a_class_with_no_test_samples_is_not_measured_not_zero():
     assert got == {"cat": 0.75, "dog": None, "emu": 0.25}
     assert json.loads(json.dumps(got))["dog"] is None  # null in summary.json
     assert loop.per_class_lines({"pets": {"per_class": got}}) == ["  pets per class: cat 0.750, dog n/a, emu 0.250"]
+    hostile = {"pets": {"per_class": {"cat\x1b[2J": 0.5}}}  # a class name from someone's manifest
+    assert loop.per_class_lines(hostile) == ["  pets per class: cat\\x1b[2J 0.500"]
 
 
 def test_the_epoch_line_names_the_data_each_accuracy_was_measured_on():

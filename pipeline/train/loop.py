@@ -385,7 +385,7 @@ def class_accuracies(classes, confusion):
 def per_class_lines(evals, digits=3):
     """'  NAME per class: airplane 0.950, cat n/a, ...' for each source evaluated per class
     (n/a: no test samples of that class)."""
-    return [f"  {k} per class: " + ", ".join(f"{c} {'n/a' if a is None else f'{a:.{digits}f}'}"
+    return [f"  {k} per class: " + ", ".join(f"{cli.printable(c)} {'n/a' if a is None else f'{a:.{digits}f}'}"
                                              for c, a in v["per_class"].items())
             for k, v in evals.items() if "per_class" in v]
 

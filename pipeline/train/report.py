@@ -15,6 +15,8 @@ import math
 import os
 import statistics
 
+from pipeline.cli import printable
+
 UNKNOWN = "origin unknown"
 
 
@@ -210,8 +212,10 @@ def table(run):
     body = [[str(r["epoch"])] + [_cell(v, ".4f") for v in r["loss"].values()]
             + [_cell(v, ".4f") for v in r["accuracy"].values()] + [_cell(r["samples_per_s"], ".1f")]
             for r in epoch_rows(run)]
+    head = [printable(c) for c in head]
     widths = [max(len(row[i]) for row in [head] + body) for i in range(len(head))]
-    return "\n".join(["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [head] + body] + data_lines(run))
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [head] + body]
+    return "\n".join(lines + [printable(ln) for ln in data_lines(run)])
 
 
 # ---------------------------------------------------------------- drawing
