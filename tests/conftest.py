@@ -57,3 +57,18 @@ def mixed_shards(tmp_path_factory):
     build_shards(out, "cifar10", "train", 200, shape=(3, 32, 32), encoding="raw", maxcount=20)
     build_shards(out, "mnist", "test", 40, shape=(1, 28, 28), encoding="raw", maxcount=20)
     return out
+
+
+# The longest jobs (a minute or so each on 2 cores), started first so that make test's two test
+# processes finish together instead of one running the longest job alone at the end.
+# None of them shares a module fixture with tests left behind, so no fixture is built twice.
+LONGEST_FIRST = ("test_the_defaults_learn_at_small_and_large_global_batches", "test_throughput_entries",
+                 "test_memory_entries", "test_profile_ceiling_and_decoders",
+                 "test_rehearsal_reports_startup_speed_memory_and_cache")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = getattr(item, "originalname", item.name)
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+    items.sort(key=rank)  # a stable sort: the rest keep the collection order
