@@ -59,6 +59,11 @@ def mixed_shards(tmp_path_factory):
     return out
 
 
+# The fixtures that run a torchrun job or the benchmark for several tests (test_train's ddp_run,
+# test_resume's whole and stopped, test_bench's record) are session-scoped though each serves one
+# file: an xdist worker may run another file's test between two of them, which would tear a
+# module fixture down and run its job again.
+
 # The longest jobs (a minute or so each on 2 cores), started first so that make test's two test
 # processes finish together instead of one running the longest job alone at the end.
 # None of them shares a module fixture with tests left behind, so no fixture is built twice.

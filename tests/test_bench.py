@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow  # one benchmark run in a subprocess: ~45 s
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_loader.py"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def record(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     out = tmp / "b.json"

@@ -20,7 +20,7 @@ from pipeline.data.topology import Topology
 WEIGHTS = {"mnist": 1.0, "cifar10": 1.0}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def data(tmp_path_factory):
     out = tmp_path_factory.mktemp("shards")
     build_shards(out, "mnist", "train", 400, shape=(1, 28, 28), encoding="raw", maxcount=20)
@@ -371,7 +371,7 @@ def position(out):
     return json.loads(state["position"])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def whole(data, tmp_path_factory):
     out = tmp_path_factory.mktemp("whole") / "run"
     run_ok(launch_train(common(data, out), 2))
@@ -396,7 +396,7 @@ def test_killed_inside_an_epoch_and_resumed_matches_the_uninterrupted_run(data, 
     assert s["eval"] == w["eval"] and s["resumed_from"]["step"] >= 9
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def stopped(data, tmp_path_factory):
     """(folder, a copy of it as it was): 2 ranks stopped after step 13 of epoch 1's 40, run once
     for both world sizes. Each resumes in the folder itself, its --out, after the copy is put back."""

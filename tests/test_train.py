@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 240  # a hang fails the test, not the CI run
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def data(tmp_path_factory):
     """Two sources of different shapes; 13 train shards for mnist, 11 for cifar10 (uneven on purpose)."""
     out = tmp_path_factory.mktemp("shards")
@@ -64,7 +64,7 @@ def metrics(out):
     return lines
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ddp_run(data, tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "ddp"
     run([*sources(data), *COMMON, "--out", str(out)])
