@@ -575,10 +575,10 @@ def throughput(setup, encodings, worker_counts, repeats, methods=("A", "B", "C",
         entry = {"method": method, "encoding": enc, "workers": w, "runs": rs,
                  "samples_per_s": spread([r["samples_per_s"] for r in rs]),
                  "samples_per_cpu_s": spread([r["samples_per_cpu_s"] for r in rs]), "ratios": {}}
-        read = enc or ("raw" if method in bench_peers.PEERS else None)  # the shards whose pixels it reads
+        pixels = enc or ("raw" if method in bench_peers.PEERS else None)  # the shards whose pixels it reads
         for base in ("A", "B", "C"):
-            key = (base, None if base == "A" else read, w)
-            if key in runs and method != base and (base == "A" or read):
+            key = (base, None if base == "A" else pixels, w)
+            if key in runs and method != base and (base == "A" or pixels):
                 pairs = list(zip(rs, runs[key]))
                 entry["ratios"][f"vs_{base}"] = {
                     m: spread([x[m] / y[m] for x, y in pairs]) for m in ("samples_per_s", "samples_per_cpu_s")}
