@@ -244,6 +244,15 @@ def write_mosaic(srcs, folder, work):
 # ---------------------------------------------------------------- the loaders
 
 
+def litdata_batch_decode():
+    """0 (one row deserialised at a time) unless LITDATA_BATCH_DECODE says otherwise ("auto" is
+    LitData's default). Its default window of 256 rows is a defect with 2 DataLoader workers:
+    on the MNIST chunks here (one chunk of 51 MB) one worker streams 67,878 samples/cpu-s and
+    two 1,679, 40x less; 0 gives 30,780 (docs/benchmarks.md). At 0 workers the two are alike."""
+    value = os.environ.get("LITDATA_BATCH_DECODE", "0")
+    return int(value) if value.lstrip("-").isdigit() else value
+
+
 def batches_litdata(srcs, folders, setup, workers, epoch):
     """LitData's recommended path: StreamingDataset per source, CombinedStreamingDataset with
     the weights, StreamingDataLoader. It has no epoch of a given length, so the run takes the
@@ -251,7 +260,7 @@ def batches_litdata(srcs, folders, setup, workers, epoch):
     import litdata as ld
 
     seed = setup.seed + epoch
-    datasets = [ld.StreamingDataset(f, shuffle=True, seed=seed, batch_decode=0) for f in folders]
+    datasets = [ld.StreamingDataset(f, shuffle=True, seed=seed, batch_decode=litdata_batch_decode()) for f in folders]
     mix = ld.CombinedStreamingDataset(datasets, seed=seed, weights=[0.5, 0.5], iterate_over_all=False)
     loader = ld.StreamingDataLoader(mix, batch_size=setup.batch_size, num_workers=workers, collate_fn=Collate(srcs),
                                     drop_last=True)
