@@ -261,7 +261,9 @@ def batches_litdata(srcs, folders, setup, workers, epoch):
 
     seed = setup.seed + epoch
     datasets = [ld.StreamingDataset(f, shuffle=True, seed=seed, batch_decode=litdata_batch_decode()) for f in folders]
+    # weights need iterate_over_all=False (LitData refuses both); the run ends long before a source runs out
     mix = ld.CombinedStreamingDataset(datasets, seed=seed, weights=[0.5, 0.5], iterate_over_all=False)
+    # StreamingDataLoader rather than torch's: LitData's README asks for it with combined datasets
     loader = ld.StreamingDataLoader(mix, batch_size=setup.batch_size, num_workers=workers, collate_fn=Collate(srcs),
                                     drop_last=True)
     return checked(loader, setup.batches, make_check(srcs, setup))
@@ -273,7 +275,9 @@ def batches_mosaic(srcs, folders, setup, workers, epoch):
     epoch exactly the run's samples, so its workers run out and exit on their own."""
     from streaming import Stream, StreamingDataset
 
-    streams = [Stream(local=f, proportion=0.5) for f in folders]
+    streams = [Stream(local=f, proportion=0.5) for f in folders]  # local only: read in place, nothing copied
+    # shuffle_algo stays py1e (the default its docs recommend for several streams); no persistent_workers, which
+    # its FAQ suggests between epochs, as every method here makes its loader once per run
     ds = StreamingDataset(streams=streams, shuffle=True, shuffle_seed=setup.seed + epoch,
                           batch_size=setup.batch_size, epoch_size=setup.samples)
     loader = torch.utils.data.DataLoader(ds, batch_size=setup.batch_size, num_workers=workers,
