@@ -9,18 +9,23 @@ machine slows both sides alike). The record's run makes 600 inputs a source rath
 --tar-format and --stages run main() in this process.
 """
 import functools
+import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from helpers import main_in_process, tool_module
 
-pytestmark = pytest.mark.slow  # one benchmark run in a subprocess: ~45 s
+SLOW = pytest.mark.slow  # one benchmark run in a subprocess: ~45 s
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_loader.py"
+PEERS = tool_module("bench_peers")  # imports no peer library
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +41,7 @@ def record(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+@SLOW
 @pytest.mark.xdist_group("bench-record")  # shares the module's fixture run
 def test_throughput_entries(record):
     entries = {(e["method"], e["encoding"], e["workers"]): e for e in record["throughput"]}
@@ -58,6 +64,7 @@ def test_throughput_entries(record):
     assert entries[("C", "raw", 0)]["runs"][0]["cpu_workers_s"] == 0
 
 
+@SLOW
 @pytest.mark.xdist_group("bench-record")  # shares the module's fixture run
 def test_memory_entries(record):
     mem = record["memory"]
@@ -70,6 +77,7 @@ def test_memory_entries(record):
             assert e[scale]["samples"] == 512
 
 
+@SLOW
 @pytest.mark.xdist_group("bench-record")  # shares the module's fixture run
 def test_profile_ceiling_and_decoders(record):
     assert record["profile"]["top"] and record["profile"]["samples"] == 512
@@ -81,12 +89,14 @@ def test_profile_ceiling_and_decoders(record):
     assert all(c["samples_per_s"]["median"] > 0 for c in record["read_ceiling"])
     assert all(0 < e["ceiling_share"] < 1 for e in record["throughput"] if e["method"] != "A")
     for e in (e for e in record["throughput"] if e["method"] != "A"):  # samples per CPU-second against the ceiling
-        ceiling = next(c for c in record["read_ceiling"] if c["encoding"] == e["encoding"])["samples_per_s"]["median"]
+        enc = e["encoding"] or "raw"  # the peers (where installed) hold the raw shards' pixels
+        ceiling = next(c for c in record["read_ceiling"] if c["encoding"] == enc)["samples_per_s"]["median"]
         assert e["ceiling_share_cpu"] == pytest.approx(e["samples_per_cpu_s"]["median"] / ceiling)
     chosen = {r["images"]: r["decoder"] for r in record["decoders"] if r["chosen"]}
     assert chosen == {"32x32 -> 32x32": "torchvision.io.decode_jpeg", "128x128 -> 32x32": "PIL draft"}
 
 
+@SLOW
 def test_stream_beats_the_tutorial_per_core(tmp_path):
     """In one process, raw shards: the stream's float and uint8 batches both at least 3x the
     tutorial's samples per CPU-second (about 13x and 20x on an idle 2-core machine)."""
@@ -103,6 +113,7 @@ def test_stream_beats_the_tutorial_per_core(tmp_path):
         assert ratio >= 3, f"{method} is only {ratio:.2f}x the tutorial per core"
 
 
+@SLOW
 def test_tar_format(tmp_path):
     out = tmp_path / "t.json"
     proc = main_in_process(tool_module("bench_loader").main, "bench_loader.py",
@@ -115,6 +126,7 @@ def test_tar_format(tmp_path):
         assert r["webdataset_samples_per_s"]["median"] > 0 and r["pipeline_read_samples_per_s"]["median"] > 0
 
 
+@SLOW
 def test_stage_costs(tmp_path, monkeypatch):
     """--stages in this process, over 20,000 samples rather than 200,000: the record's shape,
     not its figures, is what is checked here."""
@@ -127,3 +139,96 @@ def test_stage_costs(tmp_path, monkeypatch):
     assert set(rows) == {"shuffle", "mix"}
     for r in rows.values():
         assert r["webdataset_us_per_sample"]["median"] > 0 and r["pipeline_us_per_sample"]["median"] > 0
+
+
+def absent(monkeypatch):
+    """The peer libraries made to look uninstalled, whatever this venv holds (the project's own lacks them)."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name in ("litdata", "streaming") else real(name, *a, **k))
+
+
+@SLOW
+@pytest.mark.xdist_group("bench-record")  # shares the module's fixture run
+def test_record_names_the_peers_run_or_skipped(record):
+    """In a venv without the [bench] extra every peer is skipped with its line; with it, each ran
+    and its batches passed the check (a failed check fails the run)."""
+    for peer in PEERS.PEERS:
+        if PEERS.missing(peer):
+            assert f"{PEERS.missing(peer)}; skipped" in record["config"]["peers_skipped"]
+            assert not any(e["method"] == peer for e in record["throughput"])
+        else:
+            assert {e["workers"] for e in record["throughput"] if e["method"] == peer} == {0, 2}
+
+
+def test_peers_skipped_cleanly_when_absent(monkeypatch):
+    absent(monkeypatch)
+    tool = tool_module("bench_loader")
+    args = tool.parse_args(["--synthetic"])
+    assert args.methods == ["A", "B", "C", "C8"]
+    assert args.skipped == ["LitData: litdata is not installed (pip install -e '.[bench]'); skipped",
+                            "Mosaic: mosaicml-streaming is not installed (pip install -e '.[bench]'); skipped"]
+    proc = main_in_process(tool.main, "bench_loader.py", ["--synthetic", "--methods", "C", "Mosaic"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "bench_loader: error: Mosaic: mosaicml-streaming is not installed (pip install -e '.[bench]') (see --help)"]
+
+
+def test_peers_need_the_raw_shards_and_one_rank(monkeypatch):
+    tool = tool_module("bench_loader")
+    monkeypatch.setattr(tool.bench_peers, "missing", lambda peer: None)  # as if installed
+    args = tool.parse_args(["--synthetic", "--encoding", "png"])
+    assert args.methods == ["A", "B", "C", "C8"] and all("add raw to --encoding" in line for line in args.skipped)
+    proc = main_in_process(tool.main, "bench_loader.py", ["--synthetic", "--methods", "LitData", "--world", "2"])
+    assert proc.returncode == 2 and "single rank only" in proc.stderr
+
+
+def peer_batch(source, index, label=None, shape=None, dtype=torch.float32):
+    source = np.asarray(source)
+    label = np.where(source == 0, 3, 15) if label is None else np.asarray(label)
+    return {"image": torch.zeros(shape or (len(source), 3, 32, 32), dtype=dtype), "label": torch.from_numpy(label),
+            "source": torch.from_numpy(source), "index": torch.as_tensor(index)}
+
+
+def peer_run(batches, batch_size=64):
+    check = PEERS.Check(batch_size, (32, 32), [10, 10])
+    for b in batches:
+        check.add(b)
+    check.done()
+
+
+def halves(n_batches, batch_size=64, first=0.5):
+    """Batches with `first` of the samples from source 0, every (source, index) once."""
+    k = int(batch_size * first)
+    return [peer_batch([0] * k + [1] * (batch_size - k), [*range(i * k, (i + 1) * k),
+                                                          *range(i * (batch_size - k), (i + 1) * (batch_size - k))])
+            for i in range(n_batches)]
+
+
+def test_peer_check_passes_the_job():
+    peer_run(halves(10))
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("repeat", "delivered twice"), ("share", "share"), ("shape", "float32 (64, 3, 32, 32) expected"),
+    ("dtype", "float32 (64, 3, 32, 32) expected"), ("label", "label 12 of source 0 outside 0..9"),
+    ("cifar label", "label 5 of source 1 outside 10..19"), ("source", "source 2 outside 0..1")])
+def test_peer_check_fails_a_wrong_run(fault, message):
+    batches = halves(10)
+    b = batches[3]
+    if fault == "repeat":
+        batches.append(batches[0])
+    elif fault == "share":
+        batches = halves(10, first=0.625)  # 0.125 off, with 0.089 allowed for 640 samples
+    elif fault == "shape":
+        b["image"] = torch.zeros(64, 1, 28, 28)
+    elif fault == "dtype":
+        b["image"] = b["image"].to(torch.uint8)
+    elif fault == "label":
+        b["label"][0] = 12
+    elif fault == "cifar label":
+        b["label"][-1] = 5
+    elif fault == "source":
+        b["source"][0] = 2
+    with pytest.raises(PEERS.CheckError, match=re.escape(message)):
+        peer_run(batches)

@@ -14,6 +14,10 @@
   C  this project: pipeline.data.stream.resolve + MixedStream(normalize=True) + make_loader.
   C8 the same with normalize=False: uint8 batches, as the trainer takes them (it normalises
      on its device).
+  LitData, Mosaic  the libraries a user would pick instead (LitData 0.2.76, Mosaic Streaming
+     0.13.0; `pip install -e '.[bench]'`), each over the raw shards' pixels written once in its
+     own format under --work-dir, with its batches checked; see tools/bench_peers.py. A peer
+     that is not installed is skipped with one line (an error if --methods names it).
 
 Shard encodings: raw and png (make_shards), and jpg: MNIST (JPEG-encoded) and the CIFAR10
 JPEG files as they are, written by wds.ShardWriter (a PAX header per member) and indexed in
@@ -70,6 +74,9 @@ from pipeline.files import write_json_atomic  # noqa: E402
 from pipeline.cli import Parser  # noqa: E402
 from pipeline.data.topology import Topology  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_peers  # noqa: E402  (imports no peer library: they load where a peer runs)
+
 NAMES = ("mnist", "cifar10")
 # The tutorial's constants (the usual published per-channel statistics).
 TUTORIAL_NORM = {"mnist": ((0.1307,), (0.3081,)),
@@ -86,6 +93,7 @@ class Setup:
     cifar_root: str = None            # a torchvision root holding cifar-10-batches-py, if there is one
     cifar_cache: str = None           # where the decoded --cifar-folder array is kept between processes
     corpus10x: dict = field(default_factory=dict)  # encoding -> folder of the 10x corpus
+    peer_dirs: dict = field(default_factory=dict)  # peer -> its formatted copy of each source
     batch_size: int = 256
     batches: int = 78                 # per run and rank
     world: int = 1
@@ -529,7 +537,8 @@ def spread(values):
 
 
 def throughput(setup, encodings, worker_counts, repeats, methods=("A", "B", "C", "C8")):
-    """All A/B/C runs, interleaved by repeat so drift affects every method alike.
+    """All runs, interleaved by repeat so drift affects every method alike. The peers read
+    the raw shards' pixels, so their ratios to B and C are to B/raw and C/raw.
 
     One short untimed run of each configuration comes first: it pays for one-off costs
     (lazy imports, PIL plugins, starting a forkserver) that an epoch of training doesn't.
@@ -543,6 +552,9 @@ def throughput(setup, encodings, worker_counts, repeats, methods=("A", "B", "C",
             out.append(("B", enc, lambda enc=enc: batches_b(srcs[enc], st, w, rep)))
             out.append(("C", enc, lambda enc=enc: batches_c(srcs[enc], st, w, rep)))
             out.append(("C8", enc, lambda enc=enc: batches_c(srcs[enc], st, w, rep, normalize=False)))
+        for peer in st.peer_dirs:
+            out.append((peer, None, lambda peer=peer: bench_peers.LOADERS[peer](
+                srcs["raw"], st.peer_dirs[peer], st, w, rep)))
         return [p for p in out if p[0] in methods]
 
     warm = replace(setup, batches=max(2, max(worker_counts)))
@@ -563,9 +575,10 @@ def throughput(setup, encodings, worker_counts, repeats, methods=("A", "B", "C",
         entry = {"method": method, "encoding": enc, "workers": w, "runs": rs,
                  "samples_per_s": spread([r["samples_per_s"] for r in rs]),
                  "samples_per_cpu_s": spread([r["samples_per_cpu_s"] for r in rs]), "ratios": {}}
-        for base in ("A", "B"):
-            key = (base, None if base == "A" else enc, w)
-            if key in runs and method != base:
+        pixels = enc or ("raw" if method in bench_peers.PEERS else None)  # the shards whose pixels it reads
+        for base in ("A", "B", "C"):
+            key = (base, None if base == "A" else pixels, w)
+            if key in runs and method != base and (base == "A" or pixels):
                 pairs = list(zip(rs, runs[key]))
                 entry["ratios"][f"vs_{base}"] = {
                     m: spread([x[m] / y[m] for x, y in pairs]) for m in ("samples_per_s", "samples_per_cpu_s")}
@@ -840,18 +853,22 @@ def table(entries):
         r = e["ratios"].get(f"vs_{base}", {}).get(metric)
         return fmt_spread(r, 2) if r else "-"
 
-    head = (f"{'workers':>7} {'loader':<6} {'samples/s':>24} {'x A':>17} {'samples/cpu-s':>24} {'x A':>17}"
-            f" {'x B':>17}  cores  ceiling share")
-    lines = [head, f"{'':>7} {'':<6} {'':>24} {'(samples/s)':>17} {'(per busy core)':>24} {'(per core)':>17}"
-                   f" {'(per core)':>17}        /s  /cpu-s"]
-    order = {"A": 0, "B": 1, "C": 2, "C8": 3}
+    head = (f"{'workers':>7} {'loader':<7} {'samples/s':>24} {'x A':>17} {'samples/cpu-s':>24} {'x A':>17}"
+            f" {'x B':>17} {'x C':>17}  cores  ceiling share")
+    lines = [head, f"{'':>7} {'':<7} {'':>24} {'(samples/s)':>17} {'(per busy core)':>24} {'(per core)':>17}"
+                   f" {'(per core)':>17} {'(per core)':>17}        /s  /cpu-s"]
+    order = {"LitData": 0, "Mosaic": 1, "A": 2, "B": 3, "C": 4, "C8": 5}
     for e in sorted(entries, key=lambda e: (e["workers"], e["encoding"] or "", order[e["method"]])):
         name = e["method"] + (f"/{e['encoding']}" if e["encoding"] else "")
         cores = statistics.median(r["busy_cores"] for r in e["runs"])
-        lines.append(f"{e['workers']:>7} {name:<6} {fmt_spread(e['samples_per_s']):>24} "
+        lines.append(f"{e['workers']:>7} {name:<7} {fmt_spread(e['samples_per_s']):>24} "
                      f"{ratio(e, 'A', 'samples_per_s'):>17} {fmt_spread(e['samples_per_cpu_s']):>24} "
-                     f"{ratio(e, 'A', 'samples_per_cpu_s'):>17} {ratio(e, 'B', 'samples_per_cpu_s'):>17}  {cores:.2f}"
+                     f"{ratio(e, 'A', 'samples_per_cpu_s'):>17} {ratio(e, 'B', 'samples_per_cpu_s'):>17} "
+                     f"{ratio(e, 'C', 'samples_per_cpu_s'):>17}  {cores:.2f}"
                      + (f"  {e['ceiling_share']:4.1%}  {e['ceiling_share_cpu']:5.1%}" if "ceiling_share" in e else ""))
+    lines.append("A: the tutorial's torchvision loaders; B: stock webdataset (wds.RandomMix); C, C8: this stream, "
+                 "float and uint8 batches; LitData, Mosaic: those libraries over the raw pixels (x B, x C: to B/raw, "
+                 "C/raw)")
     return "\n".join(lines)
 
 
@@ -868,8 +885,9 @@ def parse_args(argv):
                    help="shard encodings for B and C: raw and png as make_shards writes them, jpg a JPEG WebDataset "
                         "written by wds.ShardWriter and indexed (default: raw png jpg; the first is used for memory "
                         "and --profile)")
-    p.add_argument("--methods", nargs="+", choices=("A", "B", "C", "C8"), default=["A", "B", "C", "C8"],
-                   help="loaders to time (default: all; A is always run, as the baseline of the ratios)")
+    p.add_argument("--methods", nargs="+", choices=("A", "B", "C", "C8", *bench_peers.PEERS),
+                   help="loaders to time (default: all, the peers where installed; A is always run, as the "
+                        "baseline of the ratios; LitData and Mosaic need raw among --encoding)")
     p.add_argument("--synthetic", action="store_true",
                    help="tiny generated inputs in a temporary folder; no data needed")
     p.add_argument("--synthetic-size", type=int, default=1200, metavar="N",
@@ -910,11 +928,34 @@ def parse_args(argv):
         p.error(f"--rank {args.rank} outside --world {args.world}")
     if not args.synthetic and not args.stages and not (args.mnist_root and (args.cifar_folder or args.tar_format)):
         p.error("give --mnist-root and --cifar-folder, or --synthetic")
+    args.skipped = choose_peers(p, args)
     if "A" not in args.methods:
         args.methods = ["A", *args.methods]
     if args.torch_threads is not None and args.torch_threads < 1:
         p.error("--torch-threads must be at least 1")
     return args
+
+
+def choose_peers(p, args):
+    """Settle which peers run: by default those installed, each other one skipped with a line
+    (returned); one that --methods names and can't run is an error."""
+    explicit = args.methods is not None
+    if not explicit:
+        args.methods = ["A", "B", "C", "C8", *bench_peers.PEERS]
+    skipped = []
+    for peer in [m for m in args.methods if m in bench_peers.PEERS]:
+        why = bench_peers.missing(peer)
+        if why is None and "raw" not in args.encoding:
+            why = f"{peer}: reads the raw shards' pixels; add raw to --encoding"
+        if why is None and args.world != 1:
+            why = f"{peer}: runs as a single rank only (--world 1)"
+        if why is None:
+            continue
+        if explicit:
+            p.error(why)
+        args.methods.remove(peer)
+        skipped.append(why + "; skipped")
+    return skipped
 
 
 def find_shards(args, mnist_root, cifar_folder, work, maxcount):
@@ -955,6 +996,10 @@ def describe(setup, synthetic):
         "CPU = the whole process tree's user+system time around each run (getrusage SELF+CHILDREN plus /proc of "
         "live descendants); every run ends with its workers exited and reaped.",
     ]
+    if setup.peer_dirs:
+        notes.append(f"{', '.join(setup.peer_dirs)}: the raw shards' uint8 pixels, written once in each library's "
+                     "format; batches made by C's own collate and normalisation (pipeline.data.batch.Layout) where "
+                     "the library collates; every run's batches checked (shape, dtype, labels, share, no repeat).")
     if synthetic:
         notes.append("--synthetic: tiny generated inputs; figures only check that the benchmark runs.")
     return notes
@@ -966,7 +1011,8 @@ def all_input_files(setup):
 
     return ([os.path.join(raw, f) for f in os.listdir(raw)]
             + ([p for p, _ in torchvision.datasets.ImageFolder(setup.cifar_folder).samples] if setup.cifar_folder else [])
-            + [u for d in setup.shards.values() for s in project_sources(d) for u in s.urls])
+            + [u for d in setup.shards.values() for s in project_sources(d) for u in s.urls]
+            + [os.path.join(d, f) for dirs in setup.peer_dirs.values() for d in dirs for f in os.listdir(d)])
 
 
 def write_record(path, record):
@@ -1012,6 +1058,13 @@ def run(args, work):
                   cifar_cache=os.path.join(work, "cifar10-train-uint8.npz"), batch_size=args.batch_size,
                   batches=args.samples // args.batch_size, world=args.world, rank=args.rank,
                   shuffle_buffer=args.shuffle_buffer)
+    for line in args.skipped:
+        log(line)
+    peers = [m for m in args.methods if m in bench_peers.PEERS]
+    srcs = project_sources(setup.shards["raw"]) if peers else []
+    for peer in peers:
+        log(f"{peer} {bench_peers.version(peer)}: its format of the raw shards, written once, under {work}/peers")
+        setup.peer_dirs[peer] = bench_peers.WRITERS[peer](srcs, setup.shards["raw"], work)
     notes = describe(setup, args.synthetic)
     for n in notes:
         log("note: " + n)
@@ -1019,7 +1072,8 @@ def run(args, work):
     record = {"command": [os.path.basename(sys.executable), *sys.argv], "notes": notes, "git": git_state(),
               "config": {**asdict(setup), "samples": setup.samples, "repeats": args.repeats,
                          "workers": args.workers, "encodings": args.encoding, "synthetic": args.synthetic,
-                         "torch_threads": torch.get_num_threads()},
+                         "torch_threads": torch.get_num_threads(),
+                         "peers": {m: bench_peers.version(m) for m in peers}, "peers_skipped": args.skipped},
               "host": host_facts()}
     log(f"throughput: {setup.samples} samples per run, batch {setup.batch_size}, rank {setup.rank} of "
         f"{setup.world}, {args.repeats} repeat(s)")
@@ -1029,9 +1083,10 @@ def run(args, work):
     record["read_ceiling"] = [read_ceiling(setup, enc) for enc in args.encoding]
     ceilings = {c["encoding"]: c["samples_per_s"]["median"] for c in record["read_ceiling"]}
     for e in record["throughput"]:
-        if e["encoding"]:
-            e["ceiling_share"] = e["samples_per_s"]["median"] / ceilings[e["encoding"]]
-            e["ceiling_share_cpu"] = e["samples_per_cpu_s"]["median"] / ceilings[e["encoding"]]
+        enc = e["encoding"] or ("raw" if e["method"] in bench_peers.PEERS else None)  # peers hold raw's pixels
+        if enc:
+            e["ceiling_share"] = e["samples_per_s"]["median"] / ceilings[enc]
+            e["ceiling_share_cpu"] = e["samples_per_cpu_s"]["median"] / ceilings[enc]
     if "jpg" in args.encoding and cifar_folder:
         record["decoders"] = decoder_choice(setup)
     primary = args.encoding[0]
