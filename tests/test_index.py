@@ -337,7 +337,7 @@ def test_foreign_webdatasets_train_next_to_our_shards_under_torchrun(foreign, tm
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                         f"--master_port={free_port()}", "-m", "pipeline.train", *args, "--epochs", "5",
                         "--weights", weights, "--epoch-samples", str(samples),
-                        "--batch-size", "16", "--workers", "2", "--width", "16", "--shuffle-buffer", "40",
+                        "--batch-size", "16", "--workers", "2", "--width", "8", "--shuffle-buffer", "40",
                         "--record-keys", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
