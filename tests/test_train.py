@@ -207,6 +207,7 @@ def test_a_users_sample_stage_runs_in_the_trainer(data, tmp_path, monkeypatch):
                           "--workers", "1", "--width", "4", "--sample-stage", "my_stages:invert", "--out", str(out)])
     assert p.returncode == 0, p.stderr[-2000:]
     assert read(out, "summary.json")["config"]["sample_stage"] == ["my_stages:invert"]
+    assert f"pictures: {sys.executable} tools/report.py {out}" in p.stdout  # the interpreter that ran, not `python`
     p = train_in_process([*sources(data)[:4], "--sample-stage", "no_such_module:f", "--out", str(tmp_path / "other")])
     assert p.returncode == 2 and "no_such_module" in p.stderr and "Traceback" not in p.stderr
 

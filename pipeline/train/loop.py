@@ -14,6 +14,7 @@ import math
 import os
 import re
 import resource
+import shlex
 import sys
 import time
 import warnings
@@ -673,7 +674,7 @@ def write_summary(run, evals, t_start, resumed_from, finished, sources):
         print(f"{state} in {summary['wall_time_s']:.0f} s; {tested}\n" +
               "".join(line + "\n" for line in per_class_lines(evals)) +
               f"metrics.jsonl, summary.json and checkpoint.pt are in {args.out}/; "
-              f"pictures: python tools/report.py {args.out}", flush=True)
+              f"pictures: {shlex.quote(sys.executable)} tools/report.py {shlex.quote(str(args.out))}", flush=True)
     return summary
 
 
