@@ -72,7 +72,13 @@ LONGEST_FIRST = ("test_the_defaults_learn_at_small_and_large_global_batches", "t
                  "test_rehearsal_reports_startup_speed_memory_and_cache")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects
 def pytest_collection_modifyitems(items):
+    for item in items:  # DataLoader workers are processes: such cases run in make test, their 0-worker twin in both
+        workers = getattr(item, "callspec", None) and item.callspec.params.get("workers")
+        if isinstance(workers, int) and workers > 0:
+            item.add_marker(pytest.mark.slow)
+
     def rank(item):
         name = getattr(item, "originalname", item.name)
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)

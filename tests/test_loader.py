@@ -97,6 +97,7 @@ def test_a_new_pass_frees_buffers_an_abandoned_pass_left_busy(data):
 
 
 
+@pytest.mark.slow
 def test_persistent_workers_follow_set_epoch_and_weights(even):
     """One loader for several epochs: its workers must see each set_epoch (and new weights)."""
     def fresh(epoch, weights):
