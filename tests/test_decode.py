@@ -45,6 +45,38 @@ def test_a_batch_decodes_at_once_whichever_path_each_image_took(shape):
     assert (out == np.stack(images)).all()
 
 
+@pytest.mark.parametrize("shape", [(3, 32, 32), (1, 28, 28)])
+@pytest.mark.parametrize("cut_scan", [False, True])
+def test_a_jpeg_batch_decodes_as_each_image_does_alone(shape, cut_scan, monkeypatch):
+    """The batch's one libjpeg-turbo call gives exactly what decode_image gives image by image
+    (pixels, random crops, refusals, PIL's draft path for large ones); a JPEG whose scan is
+    cut short makes that call fail, and the batch then goes image by image."""
+    c = shape[0]
+    datas = [encoded(pixels((c, 40, 56), seed=s), "JPEG") for s in range(3)]  # resized, then cropped
+    datas += [encoded(pixels(shape, seed=7), "JPEG"), encoded(pixels((c, 128, 128), seed=8), "JPEG"),
+              b"\xff\xd8 not a jpeg", encoded(pixels((c, 4, 400), seed=9), "JPEG")]  # too elongated
+    if cut_scan:
+        good = datas[3]
+        sos = good.find(b"\xff\xda")
+        datas.insert(2, good[:sos + 4 + int.from_bytes(good[sos + 2:sos + 4], "big") + 10])
+    crops = np.random.default_rng(0).random((len(datas), 2))
+    alone_out, alone_kept, alone_errors = [], [], []
+    for i, d in enumerate(datas):
+        try:
+            alone_out.append(decode.decode_image(d, "jpg", shape, crops[i]))
+            alone_kept.append(i)
+        except ValueError as e:
+            alone_errors.append((i, str(e)))
+    calls = []
+    real = decode._torchvision_jpegs
+    monkeypatch.setattr(decode, "_torchvision_jpegs", lambda ds, c: calls.append(len(ds)) or real(ds, c))
+    out, kept, errors = decode.decode_batch(datas, ["jpg"] * len(datas), Target(shape, ("jpg",)), crops)
+    assert calls[0] == 4 + cut_scan  # the images libjpeg-turbo takes at their size, in one call
+    assert len(calls) == (1 + 5 if cut_scan else 1)  # then, after a failure, one call an image
+    assert kept == alone_kept and errors == alone_errors and (out == np.stack(alone_out)).all()
+    assert len(kept) == 5 and [i for i, _ in errors][-2:] == [len(datas) - 2, len(datas) - 1]
+
+
 def test_raw_batches_check_their_length():
     shape = (1, 4, 4)
     good = [pixels(shape, s).tobytes() for s in range(3)]

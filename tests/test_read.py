@@ -183,6 +183,58 @@ def test_regular_reads_two_member_tars_of_other_writers(tmp_path):
     assert (keys, images, labels.tolist()) == sequential(buf, "jpg")
 
 
+def pax_tar(members, pax):
+    """A tar with a PAX header of pax(name) records before every member (tarfile)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size, info.pax_headers = len(data), pax(name)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("ext", ["raw", "jpg"])
+def test_regular_reads_wds_tarwriter_shards_exactly_as_the_sequential_reader(ext):
+    """wds.TarWriter sorts a sample's members (.cls first) and writes a PAX header before
+    each (its mtimes are floats): the fast path reads those shards too, keys with folders."""
+    import webdataset as wds
+
+    rng = np.random.default_rng(1)
+    buf = io.BytesIO()
+    with wds.TarWriter(buf) as sink:
+        for i in range(9):
+            data = rng.bytes(48) if ext == "raw" else rng.bytes(int(rng.integers(1, 2000)))
+            sink.write({"__key__": f"train/{i % 3}/{i:04d}", ext: data, "cls": str(i % 4).encode()})
+    buf = buf.getvalue()
+    found = read.regular(buf, ext, "cls")
+    assert found is not None and buf[156:157] == b"x"  # PAX headers, and still the fast path
+    keys, images, labels = found
+    want_keys, want_images, want_labels = sequential(buf, ext)
+    assert keys == want_keys and labels.tolist() == want_labels and len(keys) == 9
+    assert [bytes(x) for x in images] == want_images and keys[4] == "train/1/0004"
+
+
+def test_regular_leaves_pax_headers_that_change_a_member_to_the_sequential_reader():
+    members = [("a.raw", b"x" * 9), ("a.cls", b"1"), ("b.raw", b"y" * 9), ("b.cls", b"2")]
+    for pax in ({"path": "z.raw"}, {"size": "9"}, {"GNU.sparse.size": "9"}):
+        buf = pax_tar(members, lambda name, pax=pax: dict(pax) if name == "b.raw" else {"mtime": "1.5"})
+        assert read.regular(buf, "raw", "cls") is None
+    # a PAX header of several blocks before one member: the raw images are no longer evenly spaced
+    buf = pax_tar(members, lambda name: {"comment": "c" * 700} if name == "a.cls" else {"mtime": "1.5"})
+    keys, images, labels = read.regular(buf, "raw", "cls")
+    assert (keys, [bytes(x) for x in images], labels.tolist()) == sequential(buf, "raw") == (
+        ["a", "b"], [b"x" * 9, b"y" * 9], [1, 2])
+
+
+def test_regular_reads_samples_whose_label_comes_first():
+    buf = ustar([("s1.cls", b"3"), ("s1.jpg", b"one"), ("s2.cls", b"17"), ("s2.jpg", b"two!")])
+    keys, images, labels = read.regular(buf, "jpg", "cls")
+    assert (keys, images, labels.tolist()) == sequential(buf, "jpg") == (["s1", "s2"], [b"one", b"two!"], [3, 17])
+    mixed = ustar([("s1.cls", b"3"), ("s1.jpg", b"one"), ("s2.jpg", b"two!"), ("s2.cls", b"17")])
+    assert read.regular(mixed, "jpg", "cls") is None  # one order throughout, or the sequential reader
+
+
 def forged_headers_inside_data():
     """A member whose bytes are tar headers that pair up as samples would: only the chain
     of sizes from the first header shows they are data (iter_samples reads a, then c)."""
@@ -247,17 +299,6 @@ def test_damaged_gzip_is_a_shard_error():
 def test_forged_headers_read_as_data():
     keys, images, _ = sequential(forged_headers_inside_data(), "raw")
     assert keys == ["a", "c"] and len(images[0]) == 6 * 512
-
-
-def test_regular_skips_the_shard_webdataset_writes():
-    import webdataset as wds
-
-    buf = io.BytesIO()
-    with wds.TarWriter(buf) as w:
-        for i in range(4):
-            w.write({"__key__": f"k{i}", "raw": bytes(9), "cls": b"3"})
-    assert read.regular(buf.getvalue(), "raw", "cls") is None  # PAX headers: the sequential reader's
-    assert sequential(buf.getvalue(), "raw")[2] == [3] * 4
 
 
 # ---------------------------------------------------------------- the same samples as webdataset

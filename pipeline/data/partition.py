@@ -56,8 +56,9 @@ def generator(*key):
     (the two key words come from numpy's SeedSequence of them)."""
     if any(isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0 for k in key):
         raise ValueError(f"generator key must be non-negative integers, got {key}")
-    words = np.random.SeedSequence([int(k) for k in key]).generate_state(2, np.uint64)
-    return np.random.Generator(np.random.Philox(key=words))
+    # Philox keyed by a SeedSequence takes its key as generate_state(2, np.uint64), the same
+    # two words; Philox(key=...) would first seed itself from OS entropy only to drop it
+    return np.random.Generator(np.random.Philox(np.random.SeedSequence([int(k) for k in key])))
 
 
 def seed_of(key):

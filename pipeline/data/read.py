@@ -323,9 +323,11 @@ class _Prefixed:
 
 def regular(buf, image_ext="raw", label_ext="cls"):
     """A whole tar in memory whose samples are all [image member][label member of at most
-    18 digits], read at once with numpy: (keys, images, labels int64), images an (n, size)
-    uint8 array for raw members of one size (a read-only view into `buf`: its one copy is
-    the caller's, e.g. stages.WindowData.seal's concatenate), else a list of bytes. None for
+    18 digits], or the label first as wds.TarWriter sorts them, either with a PAX header
+    before each member that sets neither path nor size (as wds.TarWriter writes them), read
+    at once with numpy: (keys, images, labels int64), images an (n, size) uint8 array for
+    raw members of one size, evenly spaced (a read-only view into `buf`: its one copy is the
+    caller's, e.g. stages.WindowData.seal's concatenate), else a list of bytes. None for
     any other layout, which `iter_samples` then reads.
 
     The headers are found by where the USTAR magic stands, then proved to be the tar's
@@ -346,7 +348,7 @@ def regular(buf, image_ext="raw", label_ext="cls"):
     blocks = np.frombuffer(buf, np.uint8, n * 512).reshape(n, 512)
     magic = np.ndarray((n,), "<u8", buf, 257, (512,))  # bytes 257-264 of each block: one strided read, not 5 columns
     at = np.flatnonzero((magic & 0xFF_FFFF_FFFF) == _USTAR)
-    if len(at) < 2 or len(at) % 2:
+    if len(at) < 2:
         return None
     headers = np.take(blocks, at, axis=0)
     digits = headers[:, 124:135] - np.uint8(48)  # uint8: a byte below "0" wraps past 7
@@ -356,7 +358,16 @@ def regular(buf, image_ext="raw", label_ext="cls"):
     after = at + 1 + (sizes + 511) // 512
     if at[0] or (after[:-1] != at[1:]).any() or after[-1] >= n or blocks[after[-1]].any():
         return None
-    head, tail = headers[0::2], headers[1::2]
+    if headers[0, 156] == _PAX:  # wds.TarWriter's layout: a PAX header before every member
+        found = _past_pax(buf, at, headers, sizes)
+        if found is None:
+            return None
+        at, headers, sizes = found
+    if len(at) % 2:
+        return None
+    first = bytes(headers[0, :100]).split(b"\0", 1)[0]
+    i, j = (1, 0) if first[first.rfind(b".") + 1:] == label_ext.encode() else (0, 1)  # wds.TarWriter: .cls first
+    head, tail = headers[i::2], headers[j::2]  # the image members' headers, the labels'
     name1, name2 = bytes(head[0, :100]).split(b"\0", 1)[0], bytes(tail[0, :100]).split(b"\0", 1)[0]
     key_len = name1.rfind(b".")
     if (key_len < 1 or name1[key_len + 1:] != image_ext.encode() or name2 != name1[:key_len + 1] + label_ext.encode()
@@ -374,10 +385,10 @@ def regular(buf, image_ext="raw", label_ext="cls"):
             and (head[1:, :key_len] != head[:-1, :key_len]).any(1).all()
             and not _posix_prefix(headers)):
         return None
-    label_sizes, image_sizes = sizes[1::2], sizes[0::2]
+    label_sizes, image_sizes = sizes[j::2], sizes[i::2]
     if label_sizes.min() < 1 or label_sizes.max() > 18:  # 19 digits could pass int64: the sequential loop says why
         return None
-    texts = blocks[at[1::2] + 1, :int(label_sizes.max())].astype(np.int64) - 48
+    texts = blocks[at[j::2] + 1, :int(label_sizes.max())].astype(np.int64) - 48
     width = texts.shape[1]
     inside = np.arange(width) < label_sizes[:, None]
     if not ((texts >= 0) & (texts <= 9) | ~inside).all():
@@ -386,13 +397,33 @@ def regular(buf, image_ext="raw", label_ext="cls"):
     labels = (np.where(inside, texts, 0) * powers).sum(1)
     keys = [k.decode("utf-8", "replace") for k in
             np.ascontiguousarray(head[:, :key_len]).view(f"S{key_len}").ravel().tolist()]
-    starts = (at[0::2] + 1) * 512
-    if image_ext == "raw" and (image_sizes == image_sizes[0]).all():  # evenly spaced: one strided copy
-        size, period = int(image_sizes[0]), int(starts[1] - starts[0]) if len(starts) > 1 else 0
+    starts = (at[i::2] + 1) * 512
+    period = int(starts[1] - starts[0]) if len(starts) > 1 else 0
+    if image_ext == "raw" and (image_sizes == image_sizes[0]).all() and (np.diff(starts) == period).all():
+        size = int(image_sizes[0])  # evenly spaced (a PAX header may take more blocks): one strided view
         flat = np.frombuffer(buf, np.uint8)
         images = np.lib.stride_tricks.as_strided(flat[starts[0]:], (len(starts), size), (period, 1), writeable=False)
         return keys, images, labels
     return keys, [buf[a:a + z] for a, z in zip(starts.tolist(), image_sizes.tolist())], labels
+
+
+def _past_pax(buf, at, headers, sizes):
+    """(at, headers, sizes) of the members of a tar with a PAX header before each, as
+    wds.TarWriter writes them (for its float mtimes), if those headers change nothing that
+    `iter_samples` takes from them (path, size, sparse); else None. Each is parsed as
+    iter_samples parses it, so one it would refuse leaves the shard to it."""
+    kinds = headers[:, 156]
+    if len(at) % 2 or not (kinds[0::2] == _PAX).all() or (kinds[1::2] == _PAX).any():
+        return None
+    for a, size in zip(((at[0::2] + 1) * 512).tolist(), sizes[0::2].tolist()):
+        if size > 1 << 20:
+            return None
+        try:
+            if _pax_records(buf[a:a + size]):
+                return None
+        except ShardError:
+            return None
+    return at[1::2], headers[1::2], sizes[1::2]
 
 
 _USTAR = int.from_bytes(b"ustar", "little")

@@ -417,7 +417,9 @@ class Shuffle(Node):
             k = len(chunk.data)
             if self.shuffle and w.key is not None:
                 rng = partition.generator(*w.key)
-                self.order, self.crops = rng.permutation(k), rng.random((k, 2))
+                self.order = rng.permutation(k)
+                # crops place random crops of decoded images; raw pixels have none to place
+                self.crops = None if chunk.data.exts == "raw" else rng.random((k, 2))
             else:
                 self.order, self.crops = np.arange(k), None
             if w.size is not None:
@@ -538,6 +540,11 @@ class SourceStream(Node):
 
     def state(self):
         return {name: node.state() for name, node in self.stages}
+
+    def slots_state(self):
+        """The slots' part of `state()`, the only stage with one: what a worker's batch
+        carries, built per batch without the other stages' empty states."""
+        return self.stages[0][1].state()
 
     def reset(self, state=None):
         for name, node in self.stages:

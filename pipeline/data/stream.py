@@ -247,7 +247,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         while mix.at < count:
             batch = out.next()
             batch["state"] = {"worker": logical.id, "batches": mix.at,
-                              "sources": [_plan_state(stream.plan, stream.state()["slots"]) for stream in streams]}
+                              "sources": [_plan_state(stream.plan, stream.slots_state()) for stream in streams]}
             yield batch
 
     def _reader(self, source, errors):
