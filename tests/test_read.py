@@ -227,6 +227,18 @@ def test_regular_leaves_pax_headers_that_change_a_member_to_the_sequential_reade
         ["a", "b"], [b"x" * 9, b"y" * 9], [1, 2])
 
 
+def test_regular_reads_raw_images_spaced_unevenly_by_a_long_pax_header_exactly():
+    """Raw images of one size that a PAX header of several blocks spaces unevenly (the third
+    starts a block later than a period from the second would say): a strided view over them
+    would hand out the wrong bytes for every image after it. Two samples can't show it: two
+    starts always make one period."""
+    members = [(f"{k}.{e}", (k * 9).encode() if e == "raw" else b"1") for k in "abcd" for e in ("raw", "cls")]
+    buf = pax_tar(members, lambda name: {"comment": "c" * 700} if name == "b.cls" else {"mtime": "1.5"})
+    keys, images, labels = read.regular(buf, "raw", "cls")
+    assert (keys, [bytes(x) for x in images], labels.tolist()) == sequential(buf, "raw") == (
+        list("abcd"), [k.encode() * 9 for k in "abcd"], [1] * 4)
+
+
 def test_regular_reads_samples_whose_label_comes_first():
     buf = ustar([("s1.cls", b"3"), ("s1.jpg", b"one"), ("s2.cls", b"17"), ("s2.jpg", b"two!")])
     keys, images, labels = read.regular(buf, "jpg", "cls")
