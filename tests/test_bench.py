@@ -191,6 +191,19 @@ def test_a_module_of_a_peers_name_from_elsewhere_is_not_the_peer(tmp_path, monke
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("flags", [["--synthetic-size", "100"], ["--synthetic-size", "300", "--world", "2"]])
+def test_too_few_samples_for_a_is_one_line(tmp_path, flags):
+    """A reads each data set once: 4 batches of 64 from 100 samples (or 150 a rank) ended in
+    the RuntimeError "run delivered 200 samples, expected 256" after the shards were built."""
+    tool = tool_module("bench_loader")
+    proc = main_in_process(tool.main, "bench_loader.py", [
+        "--synthetic", *flags, "--samples", "512", "--batch-size", "128", "--encoding", "raw", "--methods", "C",
+        "--workers", "0", "--repeats", "1", "--skip-memory", "--json", tmp_path / "b.json"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("bench_loader: error: mnist holds ")
+    assert "A needs 256 (4 batches of 64)" in proc.stderr and not (tmp_path / "b.json").exists()
+
+
 def test_peers_need_the_raw_shards_and_one_rank(monkeypatch):
     tool = tool_module("bench_loader")
     monkeypatch.setattr(tool.bench_peers, "missing", lambda peer: None)  # as if installed
