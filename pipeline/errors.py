@@ -57,4 +57,6 @@ class Errors:
 def _warn(message):
     import warnings
 
-    warnings.warn(message, stacklevel=4)
+    from pipeline.cli import printable  # here: cli imports the data path, which imports this module
+
+    warnings.warn(printable(message), stacklevel=4)  # keys and URLs come from files anyone can write

@@ -174,6 +174,36 @@ def test_peers_skipped_cleanly_when_absent(monkeypatch):
         "bench_loader: error: Mosaic: mosaicml-streaming is not installed (pip install -e '.[bench]') (see --help)"]
 
 
+def test_a_module_of_a_peers_name_from_elsewhere_is_not_the_peer(tmp_path, monkeypatch):
+    """A folder named streaming on the path made find_spec say Mosaic was there, and reading its
+    version then ended the benchmark in a traceback (PackageNotFoundError)."""
+    import importlib.metadata
+
+    if list(importlib.metadata.distributions(name="mosaicml-streaming")):
+        pytest.skip("mosaicml-streaming is installed here: the stray module would not be asked about")
+    (tmp_path / "streaming").mkdir()
+    (tmp_path / "streaming" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert PEERS.missing("Mosaic") == ("Mosaic: a module streaming is importable but mosaicml-streaming is not "
+                                       "installed (pip install -e '.[bench]')")
+    tool = tool_module("bench_loader")
+    proc = main_in_process(tool.main, "bench_loader.py", ["--synthetic", "--methods", "C", "Mosaic"])
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("flags", [["--synthetic-size", "100"], ["--synthetic-size", "300", "--world", "2"]])
+def test_too_few_samples_for_a_is_one_line(tmp_path, flags):
+    """A reads each data set once: 4 batches of 64 from 100 samples (or 150 a rank) ended in
+    the RuntimeError "run delivered 200 samples, expected 256" after the shards were built."""
+    tool = tool_module("bench_loader")
+    proc = main_in_process(tool.main, "bench_loader.py", [
+        "--synthetic", *flags, "--samples", "512", "--batch-size", "128", "--encoding", "raw", "--methods", "C",
+        "--workers", "0", "--repeats", "1", "--skip-memory", "--json", tmp_path / "b.json"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("bench_loader: error: mnist holds ")
+    assert "A needs 256 (4 batches of 64)" in proc.stderr and not (tmp_path / "b.json").exists()
+
+
 def test_peers_need_the_raw_shards_and_one_rank(monkeypatch):
     tool = tool_module("bench_loader")
     monkeypatch.setattr(tool.bench_peers, "missing", lambda peer: None)  # as if installed

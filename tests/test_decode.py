@@ -77,6 +77,24 @@ def test_a_jpeg_batch_decodes_as_each_image_does_alone(shape, cut_scan, monkeypa
     assert len(kept) == 5 and [i for i, _ in errors][-2:] == [len(datas) - 2, len(datas) - 1]
 
 
+def test_a_jpeg_batch_holds_at_most_one_call_budget_of_full_size_pixels(monkeypatch):
+    """torchvision's call keeps every image it decodes until it returns: wide JPEGs that the
+    bounds let through at full size (60x1900 for a 32x32 target) go in calls of at most
+    JPEG_CALL_PIXELS together, not one call of the whole batch (128 such images of 100 KB at
+    447x14000 for 224x224 held 2.2 GiB that way), and still decode as each does alone."""
+    wide = [encoded(pixels((3, 60, 1900), seed=s), "JPEG", quality=20) for s in range(5)]
+    datas = wide[:2] + [encoded(pixels((3, 32, 32), seed=9), "JPEG")] + wide[2:]
+    budget = int(2.5 * 60 * 1900)
+    monkeypatch.setattr(decode, "JPEG_CALL_PIXELS", budget, raising=False)  # fails on calls, not on the name
+    calls = []
+    real = decode._torchvision_jpegs
+    monkeypatch.setattr(decode, "_torchvision_jpegs", lambda ds, c: calls.append(len(ds)) or real(ds, c))
+    out, kept, errors = decode.decode_batch(datas, ["jpg"] * len(datas), Target((3, 32, 32), ("jpg",)))
+    assert calls == [3, 2, 1]  # two wide and the 32x32, two wide, the last: never 3 wide (the budget is 2.5)
+    assert kept == list(range(6)) and not errors
+    assert (out == np.stack([decode.decode_image(d, "jpg", (3, 32, 32)) for d in datas])).all()
+
+
 def test_raw_batches_check_their_length():
     shape = (1, 4, 4)
     good = [pixels(shape, s).tobytes() for s in range(3)]

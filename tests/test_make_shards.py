@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from helpers import make_shards_in_process
+from helpers import make_shards_in_process, write_tar
 from pipeline.writers import shards, sources
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "make_shards.py"
@@ -391,3 +391,21 @@ def test_a_test_split_indexed_alone_with_other_classes_is_pointed_at_classes_fro
     code, said, err = main("--index", f"web:test={tmp_path}/test", "--label-key", "json:label", "--classes-from",
                            out / "web-train.json", "--out", out)
     assert code == 0 and "warning" not in said, err
+
+
+def test_a_key_with_control_characters_is_printed_as_escapes(main, tmp_path):
+    """A member name is whatever the shard's writer chose: an escape sequence in a key that
+    an error quotes is shown as its escape, not sent to the terminal (which it would clear)."""
+    evil = "evil\x1b[2J\x1b[31mowned"
+    write_tar(tmp_path / "s-000000.tar", [(f"{evil}.png", b"not a png"), (f"{evil}.cls", b"1")])
+    code, out, err = main("--index", f"x:train={tmp_path}/s-000000.tar", "--out", tmp_path / "out", "--quiet")
+    assert_one_error_line(code, err, "sample evil\\x1b[2J\\x1b[31mowned")
+    assert "\x1b" not in err
+
+
+def test_a_warning_quoting_a_key_escapes_its_control_characters():
+    from pipeline.errors import Errors
+
+    with pytest.warns(UserWarning) as caught:
+        Errors("warn")("s.tar: sample a\rb\x1b[2J: bad")
+    assert str(caught[0].message) == "s.tar: sample a\\rb\\x1b[2J: bad"

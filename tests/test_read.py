@@ -227,6 +227,32 @@ def test_regular_leaves_pax_headers_that_change_a_member_to_the_sequential_reade
         ["a", "b"], [b"x" * 9, b"y" * 9], [1, 2])
 
 
+def test_regular_reads_raw_images_spaced_unevenly_by_a_long_pax_header_exactly():
+    """Raw images of one size that a PAX header of several blocks spaces unevenly (the third
+    starts a block later than a period from the second would say): a strided view over them
+    would hand out the wrong bytes for every image after it. Two samples can't show it: two
+    starts always make one period."""
+    members = [(f"{k}.{e}", (k * 9).encode() if e == "raw" else b"1") for k in "abcd" for e in ("raw", "cls")]
+    buf = pax_tar(members, lambda name: {"comment": "c" * 700} if name == "b.cls" else {"mtime": "1.5"})
+    keys, images, labels = read.regular(buf, "raw", "cls")
+    assert (keys, [bytes(x) for x in images], labels.tolist()) == sequential(buf, "raw") == (
+        list("abcd"), [k.encode() * 9 for k in "abcd"], [1] * 4)
+
+
+def test_regular_leaves_a_last_member_without_its_pair_and_huge_pax_headers_to_the_sequential_reader():
+    """A tar whose last image has no label member (an odd count of members) and one whose PAX
+    header is over 1 MiB of harmless records (iter_samples refuses that size): neither is read
+    by the fast path, which would pair members wrongly or accept what the sequential reader refuses."""
+    members = [("a.raw", b"x" * 9), ("a.cls", b"1"), ("b.raw", b"y" * 9), ("b.cls", b"2")]
+    odd = ustar(members + [("c.raw", b"z" * 9)])
+    assert read.regular(odd, "raw", "cls") is None
+    assert [sorted(s) for s in read.iter_samples(io.BytesIO(odd))][-1] == ["__key__", "__url__", "raw"]
+    huge = pax_tar(members, lambda name: {"comment": "c" * (1 << 20)} if name == "b.raw" else {"mtime": "1.5"})
+    assert read.regular(huge, "raw", "cls") is None
+    with pytest.raises(ShardError, match="tar extension header of"):
+        list(read.iter_samples(io.BytesIO(huge)))
+
+
 def test_regular_reads_samples_whose_label_comes_first():
     buf = ustar([("s1.cls", b"3"), ("s1.jpg", b"one"), ("s2.cls", b"17"), ("s2.jpg", b"two!")])
     keys, images, labels = read.regular(buf, "jpg", "cls")

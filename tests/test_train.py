@@ -249,3 +249,12 @@ def test_the_epoch_line_names_the_data_each_accuracy_was_measured_on():
              "web": {"accuracy": 0.5, "manifest": "http://h/web-test.json", "data": "an indexed WebDataset"}}
     assert loop.epoch_line(0, 2, evals) == ("epoch 1/2: mnist 0.9812 (shards/mnist-test.json, real data, torchvision "
                                             "files), web 0.5000 (http://h/web-test.json, an indexed WebDataset)")
+
+
+def test_the_trainers_error_and_warning_lines_escape_control_characters(capsys):
+    """A skipped sample's warning and an input error quote keys and names from shards."""
+    from pipeline.train import loop
+
+    assert loop.one_line_warning("sample a\x1b[2J", UserWarning, "f.py", 1) == "pipeline.train: warning: sample a\\x1b[2J\n"
+    loop.one_line("pipeline.train: error: sample b\rc")
+    assert capsys.readouterr().err == "pipeline.train: error: sample b\\rc\n"

@@ -536,6 +536,21 @@ def spread(values):
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def check_a_fits(datasets, setup, worker_counts):
+    """A reads each data set once (its loaders end with their epoch), so each rank's share of
+    each must hold the run's half batches, the untimed first run's included; else one line
+    (exit 2) naming the flags, not the RuntimeError of a run that delivered too few samples."""
+    batches = max(setup.batches, 2, max(worker_counts))  # the untimed first run: see throughput
+    need = batches * (setup.batch_size // 2)
+    for name, ds in zip(NAMES, datasets):
+        share = -(-len(ds) // setup.world)  # DistributedSampler pads each rank's share to this
+        if share < need:
+            sys.stderr.write(f"bench_loader: error: {name} holds {len(ds)} samples, {share} a rank at --world "
+                             f"{setup.world}; A needs {need} ({batches} batches of {setup.batch_size // 2}): "
+                             f"lower --samples or --world, or raise --synthetic-size\n")
+            raise SystemExit(2)
+
+
 def throughput(setup, encodings, worker_counts, repeats, methods=("A", "B", "C", "C8")):
     """All runs, interleaved by repeat so drift affects every method alike. The peers read
     the raw shards' pixels, so their ratios to B and C are to B/raw and C/raw.
@@ -544,6 +559,7 @@ def throughput(setup, encodings, worker_counts, repeats, methods=("A", "B", "C",
     (lazy imports, PIL plugins, starting a forkserver) that an epoch of training doesn't.
     """
     a_data = tutorial_datasets(setup)
+    check_a_fits(a_data, setup, worker_counts)
     srcs = {enc: project_sources(setup.shards[enc]) for enc in encodings}
 
     def plan(st, w, rep):

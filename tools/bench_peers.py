@@ -54,6 +54,10 @@ def missing(method):
     module, dist, _ = PEERS[method]
     if importlib.util.find_spec(module) is None:
         return f"{method}: {dist} is not installed (pip install -e '.[bench]')"
+    try:  # a module of that name from elsewhere (a folder named streaming on the path) is not the peer
+        importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return f"{method}: a module {module} is importable but {dist} is not installed (pip install -e '.[bench]')"
     return None
 
 

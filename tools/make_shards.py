@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipeline.data import decode, manifest, remote
 from pipeline.writers import index, shards, sources  # noqa: E402
-from pipeline.cli import Parser, add_io_options, check_io, policy_of  # noqa: E402
+from pipeline.cli import Parser, add_io_options, check_io, policy_of, printable  # noqa: E402
 from pipeline.errors import ShardError  # noqa: E402
 from pipeline.data.manifest import NAME_RE  # noqa: E402
 
@@ -339,7 +339,7 @@ def main(argv=None):
     try:
         return run(args)
     except (sources.SourceError, ShardError, OSError) as e:
-        print(f"make_shards: error: {e}", file=sys.stderr)
+        print(f"make_shards: error: {printable(e)}", file=sys.stderr)  # it may quote a key from a shard
         return 2
     except KeyboardInterrupt:
         print("make_shards: interrupted; no manifest was written for the unfinished split", file=sys.stderr)

@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pipeline.cli import Parser  # noqa: E402
+from pipeline.cli import Parser, printable  # noqa: E402
 from pipeline.train.report import ReportError, report  # noqa: E402
 
 
@@ -29,7 +29,7 @@ def main(argv=None):
     try:
         path, table = report(args.run_dir, args.out)
     except ReportError as e:
-        print(f"report: error: {e}", file=sys.stderr)
+        print(f"report: error: {printable(e)}", file=sys.stderr)  # it may quote a name from the run
         return 2
     print(table)
     print(f"picture: {path}")

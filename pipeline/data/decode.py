@@ -243,26 +243,58 @@ def _jpeg_batch(images, exts, target, crops):
     """JPEGs as `decode_image` decodes them, those libjpeg-turbo takes at their own size in
     one torchvision call for the batch: its per-call cost (a deprecation warning, usage
     logging, argument checks), which was a third of a 32x32 image's, is then paid once a
-    batch. What that call refuses, and the rest, go image by image as before."""
+    batch. What that call refuses, and the rest, go image by image as before.
+
+    The call holds every image it decodes at full size until it returns, so a call takes
+    images of at most JPEG_CALL_PIXELS pixels together (one image as large as bounds allows):
+    128 wide JPEGs of 100 KB each that a 224x224 target lets through at 447x14000 would
+    otherwise hold 2.2 GiB at once, where image by image holds one (18 MiB)."""
     shape = tuple(target.shape)
-    sizes = {i: size for i, size in enumerate(_direct_size(d, shape) for d in images) if size is not None}
-    decoded = _torchvision_jpegs([images[i] for i in sizes], shape[0]) if sizes else []
-    if decoded is None:  # one of them failed: each on its own, as decode_image does
-        return _each(images, exts, target, crops, range(len(images)))
-    decoded = dict(zip(sizes, decoded))
+    sizes = [_direct_size(d, shape) for d in images]
     out, kept, errors = [], [], []
-    for i in range(len(images)):
-        crop = None if crops is None else crops[i]
-        try:
-            if i in decoded:
-                out.append(fit(_upright_as(decoded[i], sizes[i]), shape, crop))
+    for group in _calls(sizes):
+        crop = None if crops is None else crops[group[0]]
+        if sizes[group[0]] is None:  # refused, or PIL's draft path: as decode_image says
+            _decode_one(lambda: decode_image(images[group[0]], exts[group[0]], shape, crop), group[0], out, kept, errors)
+            continue
+        decoded = _torchvision_jpegs([images[i] for i in group], shape[0])
+        for n, i in enumerate(group):
+            crop = None if crops is None else crops[i]
+            if decoded is None:  # one of them failed: each on its own, as decode_image does
+                _decode_one(lambda: decode_image(images[i], exts[i], shape, crop), i, out, kept, errors)
             else:
-                out.append(decode_image(images[i], exts[i], shape, crop))
-            kept.append(i)
-        except ValueError as e:
-            errors.append((i, str(e)))
+                _decode_one(lambda: fit(_upright_as(decoded[n], sizes[i]), shape, crop), i, out, kept, errors)
+        del decoded
     c, h, w = shape
     return (np.stack(out) if out else np.zeros((0, c, h, w), np.uint8)), kept, errors
+
+
+JPEG_CALL_PIXELS = MAX_PIXELS  # what one torchvision call may decode at once, all its images together
+
+
+def _calls(sizes):
+    """Positions in order, as runs for one torchvision call each: consecutive images it takes
+    at their size (`sizes` not None) up to JPEG_CALL_PIXELS together, every other image alone."""
+    run, pixels = [], 0
+    for i, size in enumerate(sizes):
+        if run and (size is None or pixels + size[0] * size[1] > JPEG_CALL_PIXELS):
+            yield run
+            run, pixels = [], 0
+        if size is None:
+            yield [i]
+        else:
+            run.append(i)
+            pixels += size[0] * size[1]
+    if run:
+        yield run
+
+
+def _decode_one(make, i, out, kept, errors):
+    try:
+        out.append(make())
+        kept.append(i)
+    except ValueError as e:
+        errors.append((i, str(e)))
 
 
 def _direct_size(data, shape):

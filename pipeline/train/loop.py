@@ -681,14 +681,14 @@ def write_summary(run, evals, t_start, resumed_from, finished, sources):
 def one_line(text):
     """An error line in one write, so that the lines of ranks failing together under torchrun
     do not run into each other."""
-    sys.stderr.write(text + "\n")
+    sys.stderr.write(cli.printable(text) + "\n")  # an error may quote a key or a name from a file
     sys.stderr.flush()
 
 
 def one_line_warning(message, category, filename, lineno, line=None):
     """Warnings as the trainer's other lines read: what happened, without the file, line
     number and source line of the stage that noticed it."""
-    return f"pipeline.train: warning: {message}\n"
+    return f"pipeline.train: warning: {cli.printable(message)}\n"
 
 
 def main(argv=None, args=None):
