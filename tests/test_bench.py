@@ -204,6 +204,13 @@ def test_too_few_samples_for_a_is_one_line(tmp_path, flags):
     assert "A needs 256 (4 batches of 64)" in proc.stderr and not (tmp_path / "b.json").exists()
 
 
+def test_synthetic_samples_default_to_what_its_data_sets_hold():
+    tool = tool_module("bench_loader")
+    assert tool.parse_args(["--synthetic"]).samples == 2048  # 1,200 a data set, batches of 256: 8 timed + 1 spare
+    assert tool.parse_args(["--synthetic", "--synthetic-size", "100000"]).samples == 60000
+    assert tool.parse_args(["--synthetic", "--samples", "512"]).samples == 512
+
+
 def test_peers_need_the_raw_shards_and_one_rank(monkeypatch):
     tool = tool_module("bench_loader")
     monkeypatch.setattr(tool.bench_peers, "missing", lambda peer: None)  # as if installed

@@ -908,9 +908,10 @@ def parse_args(argv):
                    help="tiny generated inputs in a temporary folder; no data needed")
     p.add_argument("--synthetic-size", type=int, default=1200, metavar="N",
                    help="with --synthetic: training samples of each data set (default: 1200)")
-    p.add_argument("--samples", type=int, default=60000,
+    p.add_argument("--samples", type=int,
                    help="samples per run, rounded down to whole batches (default: 60000, about half an epoch of "
-                        "MNIST + CIFAR10, so per-epoch worker start-up counts as in training)")
+                        "MNIST + CIFAR10, so per-epoch worker start-up counts as in training; with --synthetic, "
+                        "what its data sets hold, at most 60000)")
     p.add_argument("--batch-size", type=int, default=256,
                    help="samples per batch; A loads half from each loader (default: 256)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each configuration (default: 3)")
@@ -936,6 +937,9 @@ def parse_args(argv):
         return args
     if args.batch_size < 2 or args.batch_size % 2:
         p.error("--batch-size must be even and at least 2 (A loads half a batch from each data set)")
+    if args.samples is None:  # the tutorial's loaders (A) read each data set once a run
+        fits = args.synthetic_size // max(args.world, 1) * 2 // args.batch_size * args.batch_size - args.batch_size
+        args.samples = min(60000, fits) if args.synthetic else 60000
     if args.samples < args.batch_size:
         p.error(f"--samples must be at least one batch ({args.batch_size})")
     if args.repeats < 1 or any(w < 0 for w in args.workers):
