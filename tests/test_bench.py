@@ -101,7 +101,7 @@ def test_stream_beats_the_tutorial_per_core(tmp_path):
     """In one process, raw shards: the stream's float and uint8 batches both at least 3x the
     tutorial's samples per CPU-second (about 13x and 20x on an idle 2-core machine)."""
     out = tmp_path / "ratio.json"
-    proc = subprocess.run([sys.executable, str(TOOL), "--synthetic", "--synthetic-size", "4096", "--samples", "8192",
+    proc = subprocess.run([sys.executable, str(TOOL), "--synthetic", "--synthetic-size", "2048", "--samples", "4096",
                            "--methods", "A", "C", "C8", "--encoding", "raw", "--workers", "0", "--repeats", "3",
                            "--skip-memory", "--json", str(out)], cwd=tmp_path, capture_output=True, text=True,
                           timeout=240)
