@@ -191,6 +191,7 @@ def test_a_module_of_a_peers_name_from_elsewhere_is_not_the_peer(tmp_path, monke
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
 
 
+@SLOW
 @pytest.mark.parametrize("flags", [["--synthetic-size", "100"], ["--synthetic-size", "300", "--world", "2"]])
 def test_too_few_samples_for_a_is_one_line(tmp_path, flags):
     """A reads each data set once: 4 batches of 64 from 100 samples (or 150 a rank) ended in

@@ -301,6 +301,7 @@ def test_the_caps_are_relative_to_the_target():
         bounds.check(0, 5)
 
 
+@pytest.mark.slow
 def test_a_thin_image_within_the_caps_resizes_without_a_large_buffer(limited):
     """fit resizes only the box its crop keeps: a 128x4096 image (1:32, within the caps) to a
     4096x4096 target, under the address-space limit. Resizing it whole first would make a
@@ -409,6 +410,7 @@ def test_images_smaller_than_the_model_takes_are_resized_up():
     assert MIN_SIDE == 4
 
 
+@pytest.mark.slow
 def test_tiny_images_decode_to_the_target():
     for ext, data in (("png", png_of(1, 1)), ("jpg", jpeg_of(1, 1)), ("bmp", bmp_of(1, 1, b"\x01\x05\x00\x01")),
                       ("ppm", ppm_of(1, 1, body=b"\x80"))):
