@@ -300,13 +300,20 @@ def _decode_one(make, i, out, kept, errors):
 def _direct_size(data, shape):
     """(height, width) of a JPEG that decode_image hands to libjpeg-turbo at its own size,
     else None (an image it refuses, or decodes through PIL's draft mode)."""
-    c, h, w = shape
     try:
         ih, iw = jpeg.header(data).upright
         bounds.check(iw, ih, shape)
     except ValueError:
         return None
-    return (ih, iw) if not (ih >= 2 * h and iw >= 2 * w) and ih * iw <= MAX_PIXELS else None
+    return (ih, iw) if _direct(ih, iw, shape) else None
+
+
+def _direct(ih, iw, shape):
+    """Whether libjpeg-turbo decodes an upright ih x iw JPEG at its own size for `shape`: not
+    when both sides are twice the target's or more (PIL's draft mode shrinks it while it
+    decodes), nor beyond MAX_PIXELS. The one rule for decode_image and the batch path."""
+    c, h, w = shape
+    return not (ih >= 2 * h and iw >= 2 * w) and ih * iw <= MAX_PIXELS
 
 
 def _raw(images, shape):
@@ -364,7 +371,7 @@ def decode_image(data, ext, shape, crop=None):
         head = jpeg.header(data)
         ih, iw = head.upright
         bounds.check(iw, ih, shape)
-        if not (ih >= 2 * h and iw >= 2 * w):
+        if _direct(ih, iw, shape):
             pixels = _torchvision_jpeg(data, c, (ih, iw))
             if pixels is not None:
                 return fit(pixels, shape, crop)
