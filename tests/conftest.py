@@ -59,15 +59,67 @@ def mixed_shards(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def mid_epoch_shards(tmp_path_factory):
+    """mnist 400 raw + cifar10 400 png, 20 per shard, and 60 mnist test: the data of the
+    stop-and-resume tests (test_resume, test_preempt), which compare with one uninterrupted run."""
+    from helpers import build_shards
+
+    out = tmp_path_factory.mktemp("shards")
+    build_shards(out, "mnist", "train", 400, shape=(1, 28, 28), encoding="raw", maxcount=20)
+    build_shards(out, "cifar10", "train", 400, shape=(3, 32, 32), encoding="png", maxcount=20)
+    build_shards(out, "mnist", "test", 60, shape=(1, 28, 28), encoding="raw", maxcount=20)
+    return out
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_run(mid_epoch_shards, tmp_path_factory):
+    """The run that SIGKILL (test_resume) and SIGTERM (test_preempt) interrupt, from start to
+    end: one torchrun job for both, whose tests share the xdist group "mid-epoch-runs".
+    --checkpoint-every writes checkpoints and nothing that the comparisons read."""
+    from helpers import finish, launch_train, mid_epoch_args
+
+    out = tmp_path_factory.mktemp("whole") / "run"
+    code, err = finish(launch_train(mid_epoch_args(mid_epoch_shards, out, "--checkpoint-every", "3"), 2), 240)
+    assert code == 0, err[-3000:]
+    return out
+
+
+@pytest.fixture(scope="session")
+def sigterm_stopped(mid_epoch_shards, tmp_path_factory):
+    """A 2-rank run without --checkpoint-every, stopped by SIGTERM to its launcher once epoch 1
+    has logged a step: (its folder, a copy of it as the stop left it, what the launcher printed).
+    test_preempt resumes it on 2 ranks, test_resume on 3 and on 1, each after putting the copy
+    back; their tests share the xdist group "mid-epoch-runs". The launcher is a fresh Python:
+    the resume command the trainer prints is read from the launcher's command line."""
+    import shutil
+    import signal
+    import time
+
+    from helpers import launch_train, mid_epoch_args, steps_logged
+
+    top = tmp_path_factory.mktemp("sigterm")
+    out = top / "run"
+    proc = launch_train(mid_epoch_args(mid_epoch_shards, out), 2, fresh=True)
+    t0 = time.time()
+    while not steps_logged(out):
+        assert proc.poll() is None and time.time() - t0 < 180, "no training step logged"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # to the launcher only, which forwards it to both ranks
+    stdout, stderr = proc.communicate(timeout=120)
+    shutil.copytree(out, top / "as-stopped")
+    return out, top / "as-stopped", stdout + stderr
+
+
 # The fixtures that run a torchrun job or the benchmark for several tests (test_train's ddp_run,
-# test_resume's whole and stopped, test_bench's record) are session-scoped though each serves one
+# uninterrupted_run, sigterm_stopped, test_bench's record) are session-scoped though each serves one
 # file: an xdist worker may run another file's test between two of them, which would tear a
 # module fixture down and run its job again.
 
 # The longest jobs (a minute or so each on 2 cores), started first so that make test's two test
 # processes finish together instead of one running the longest job alone at the end.
 # None of them shares a module fixture with tests left behind, so no fixture is built twice.
-LONGEST_FIRST = ("test_the_defaults_learn_at_small_and_large_global_batches", "test_throughput_entries",
+LONGEST_FIRST = ("test_the_defaults_learn_at_a_large_global_batch", "test_throughput_entries",
                  "test_memory_entries", "test_profile_ceiling_and_decoders", "test_record_names_the_peers_run_or_skipped",
                  "test_rehearsal_reports_startup_speed_memory_and_cache")
 

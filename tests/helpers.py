@@ -60,8 +60,12 @@ def write_tar(path, members):
             tar.addfile(info, io.BytesIO(data))
 
 
-def launch_train(args, nproc=2, extra_launcher=(), pythonpath=()):
-    """`python -m torch.distributed.run ... -m pipeline.train ARGS` in a session of its own."""
+def launch_train(args, nproc=2, extra_launcher=(), pythonpath=(), fresh=False):
+    """`python -m torch.distributed.run ... -m pipeline.train ARGS` in a session of its own,
+    forked from a Python that imported torch once (see Launchers); the ranks are fresh
+    Pythons started by torchrun, as on a cluster. fresh=True starts the launcher itself as
+    a new Python, for a test that needs its command line (the trainer reads it back to print
+    the resume command); test_index, test_scale and test_stream start theirs that way too."""
     import os
     import subprocess
     import sys
@@ -69,10 +73,201 @@ def launch_train(args, nproc=2, extra_launcher=(), pythonpath=()):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # PYTHONFAULTHANDLER: on a hang, finish() sends SIGABRT and every process prints its stacks
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *pythonpath]), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-           *extra_launcher, "-m", "pipeline.train", *map(str, args)]
-    return subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    argv = [f"--nproc_per_node={nproc}", f"--master_port={free_port()}", *extra_launcher, "-m", "pipeline.train",
+            *map(str, args)]
+    if not fresh:
+        return launchers().start(argv, env, root)
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+LAUNCHER = """
+import faulthandler, json, os, runpy, select, sys, traceback
+import torch.distributed.run  # what every launch would import again
+faulthandler.enable()
+children = set()
+while True:
+    if select.select([0], [], [], 0.05 if children else None)[0]:
+        request = sys.stdin.readline()
+        if not request:
+            break
+        argv, env, cwd, out, err = json.loads(request)
+        pid = os.fork()
+        if pid == 0:  # as `python -m torch.distributed.run ARGV` with start_new_session=True would run
+            os.setsid()
+            os.chdir(cwd)
+            os.environ.clear()
+            os.environ.update(env)
+            for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                                    (2, err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+                os.dup2(os.open(path, flags), fd)
+            sys.stdin = open(0, closefd=False)
+            sys.argv, status = [torch.distributed.run.__file__, *argv], 0
+            try:
+                runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+            except SystemExit as e:
+                status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except BaseException:
+                traceback.print_exc()
+                status = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        children.add(pid)
+        print("pid", pid, flush=True)
+    for pid in list(children):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            children.discard(pid)
+            print("exit", pid, os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+class Launchers:
+    """Forks torchrun launchers from one Python that imported torch once per test process.
+
+    `python -m torch.distributed.run` paid ~2.5 CPU-s to import torch before it started a
+    rank, some 30 times a test run on two cores. The fork runs the same module as __main__
+    with the same argv, environment, folder and session; the test holds a Launched, which
+    answers as the subprocess.Popen it replaces does."""
+
+    def __init__(self):
+        self.proc, self.exits, self.pending, self.folder, self.calls = None, {}, b"", None, 0
+
+    def start(self, argv, env, cwd):
+        import json
+        import os
+        import subprocess
+        import sys
+        import tempfile
+
+        if self.proc is None or self.proc.poll() is not None:
+            self.folder = tempfile.mkdtemp(prefix="launchers-")
+            self.proc = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+            self.pending = b""
+        self.calls += 1
+        out, err = (os.path.join(self.folder, f"{self.calls}.{s}") for s in ("out", "err"))
+        self.proc.stdin.write((json.dumps([argv, env, str(cwd), out, err]) + "\n").encode())
+        self.proc.stdin.flush()
+        while True:
+            word, pid, *code = self.line(60)
+            if word == "exit":
+                self.exits[pid] = code[0]
+            else:
+                return Launched(self, pid, ["torchrun", *argv], out, err)
+
+    def line(self, timeout):
+        """The launcher's next line as [word, pid, code...]; None if none came within `timeout` s."""
+        import os
+        import select
+
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            if not select.select([fd], [], [], timeout)[0]:
+                return None
+            chunk = os.read(fd, 4096)
+            assert chunk, "the process that forks the launchers died"
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        word, *numbers = line.decode().split()
+        return [word, *map(int, numbers)]
+
+    def exit_code(self, pid, timeout):
+        """pid's exit code once it has ended, reading what the forking process reports for up to `timeout` s."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while pid not in self.exits:
+            got = self.line(max(0.0, deadline - time.monotonic()))
+            if got is None:
+                return None
+            if got[0] == "exit":
+                self.exits[got[1]] = got[2]
+        return self.exits[pid]
+
+    def close(self):
+        import shutil
+
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(30)
+        if self.folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class Launched:
+    """A forked launcher, answering as subprocess.Popen(..., stdout=PIPE, stderr=PIPE, text=True)
+    does for what the tests use: pid, args, returncode, poll, wait, communicate, send_signal, kill."""
+
+    def __init__(self, launchers, pid, args, out, err):
+        self.launchers, self.pid, self.args, self.out, self.err, self.returncode = launchers, pid, args, out, err, None
+
+    def poll(self):
+        return self.wait(0) if self.returncode is None else self.returncode
+
+    def wait(self, timeout=None):
+        import subprocess
+
+        if self.returncode is None:
+            self.returncode = self.launchers.exit_code(self.pid, 10 ** 6 if timeout is None else timeout)
+            if self.returncode is None and timeout:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, timeout=None):
+        self.wait(timeout)
+
+        def read(path):
+            with open(path, errors="replace") as f:
+                return f.read()
+        return read(self.out), read(self.err)
+
+    def send_signal(self, sig):
+        import os
+
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self):
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+
+@functools.lru_cache(maxsize=None)
+def launchers():
+    import atexit
+
+    forker = Launchers()
+    atexit.register(forker.close)
+    return forker
+
+
+def mid_epoch_args(data, out, *extra):
+    """The trainer's arguments in the stop-and-resume tests: 2 epochs of 40 steps a rank at 2 ranks."""
+    return ["--train", f"mnist={data}/", "--train", f"cifar10={data}/", "--eval", f"mnist={data}/", "--epochs", "2",
+            "--epoch-samples", "640", "--batch-size", "8", "--workers", "2", "--width", "4", "--log-every", "4",
+            "--shuffle-buffer", "30", "--record-keys", "--out", str(out), *extra]
+
+
+def steps_logged(out):
+    """The steps of the training lines in OUT/metrics.jsonl so far ([] before the first)."""
+    import json
+    import os
+
+    try:
+        return [json.loads(ln)["step"] for ln in open(os.path.join(out, "metrics.jsonl")) if '"train"' in ln]
+    except (OSError, ValueError):
+        return []
+
+
+def put_back(out, copy):
+    """OUT as it was when COPY was made: a test resumes a shared stopped run in its own folder."""
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(copy, out)
 
 
 def finish(proc, timeout=180):

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import build_shards, finish, free_port, launch_train, train_in_process
+from helpers import free_port, mid_epoch_args, put_back, steps_logged, train_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -114,19 +114,13 @@ def test_an_internal_bug_keeps_its_traceback(tmp_path, monkeypatch, capsys):
 # ---------------------------------------------------------------- the trainer under torchrun
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shards")
-    build_shards(out, "mnist", "train", 400, shape=(1, 28, 28), encoding="raw", maxcount=20)
-    build_shards(out, "cifar10", "train", 400, shape=(3, 32, 32), encoding="raw", maxcount=20)
-    build_shards(out, "mnist", "test", 60, shape=(1, 28, 28), encoding="raw", maxcount=20)
-    return out
+@pytest.fixture(scope="session")
+def data(mid_epoch_shards):
+    return mid_epoch_shards
 
 
 def common(data, out):
-    return ["--train", f"mnist={data}/", "--train", f"cifar10={data}/", "--eval", f"mnist={data}/", "--epochs", "2",
-            "--epoch-samples", "640", "--batch-size", "8", "--workers", "2", "--width", "4", "--log-every", "4",
-            "--shuffle-buffer", "30", "--record-keys", "--out", str(out)]
+    return mid_epoch_args(data, out)
 
 
 def metrics(out):
@@ -140,28 +134,12 @@ def key_log(out):
     return {r: open(os.path.join(out, f"keys-rank{r}.txt")).read().splitlines() for r in range(2)}
 
 
-def steps_logged(out):
-    try:
-        return [json.loads(ln)["step"] for ln in open(os.path.join(out, "metrics.jsonl")) if '"train"' in ln]
-    except (OSError, ValueError):
-        return []
-
-
 @pytest.mark.slow
-def test_sigterm_to_torchrun_stops_with_a_checkpoint_and_the_resume_matches(data, tmp_path):
-    whole = tmp_path / "whole"
-    code, err = finish(launch_train(common(data, whole), 2), 240)
-    assert code == 0, err[-3000:]
-
-    out = tmp_path / "run"
-    proc = launch_train(common(data, out), 2)  # no --checkpoint-every: the signal alone writes one
-    t0 = time.time()
-    while not steps_logged(out):
-        assert proc.poll() is None and time.time() - t0 < 180, "no training step logged"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)  # to the launcher only, which forwards it to both ranks
-    stdout, stderr = proc.communicate(timeout=120)
-    said = stdout + stderr
+@pytest.mark.xdist_group("mid-epoch-runs")  # shares the session's stopped and uninterrupted runs with test_resume
+def test_sigterm_to_torchrun_stops_with_a_checkpoint_and_the_resume_matches(sigterm_stopped, uninterrupted_run):
+    out, as_stopped, said = sigterm_stopped
+    whole = uninterrupted_run
+    put_back(out, as_stopped)
     stops = re.findall(r"stopped at epoch (\d+), step (\d+); checkpoint saved in (\S+); resume with: (.*)", said)
     assert len(stops) == 1, said[-3000:]
     epoch, step, where, command = stops[0]

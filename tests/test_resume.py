@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import build_shards, finish, key_index, launch_train
+from helpers import finish, key_index, launch_train, mid_epoch_args, put_back
 from pipeline.data.stream import MixedStream, make_loader, resolve
 from pipeline.data.topology import Topology
 
@@ -21,12 +21,8 @@ WEIGHTS = {"mnist": 1.0, "cifar10": 1.0}
 
 
 @pytest.fixture(scope="session")
-def data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shards")
-    build_shards(out, "mnist", "train", 400, shape=(1, 28, 28), encoding="raw", maxcount=20)
-    build_shards(out, "cifar10", "train", 400, shape=(3, 32, 32), encoding="png", maxcount=20)
-    build_shards(out, "mnist", "test", 60, shape=(1, 28, 28), encoding="raw", maxcount=20)
-    return out
+def data(mid_epoch_shards):
+    return mid_epoch_shards
 
 
 def sources(data):
@@ -345,9 +341,7 @@ def run_ok(proc, timeout=240):
 
 
 def common(data, out):
-    return ["--train", f"mnist={data}/", "--train", f"cifar10={data}/", "--eval", f"mnist={data}/", "--epochs", "2",
-            "--epoch-samples", "640", "--batch-size", "8", "--workers", "2", "--width", "4", "--log-every", "4",
-            "--shuffle-buffer", "30", "--record-keys", "--checkpoint-every", "3", "--out", out]
+    return mid_epoch_args(data, out, "--checkpoint-every", "3")
 
 
 def metrics(out):
@@ -371,15 +365,10 @@ def position(out):
     return json.loads(state["position"])
 
 
-@pytest.fixture(scope="session")
-def whole(data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("whole") / "run"
-    run_ok(launch_train(common(data, out), 2))
-    return out
-
-
 @pytest.mark.slow
-def test_killed_inside_an_epoch_and_resumed_matches_the_uninterrupted_run(data, whole, tmp_path):
+@pytest.mark.xdist_group("mid-epoch-runs")  # shares the session's uninterrupted run with test_preempt
+def test_killed_inside_an_epoch_and_resumed_matches_the_uninterrupted_run(data, uninterrupted_run, tmp_path):
+    whole = uninterrupted_run
     out = tmp_path / "run"
     proc = launch_train(common(data, out), 2)
     t0 = time.time()
@@ -396,36 +385,21 @@ def test_killed_inside_an_epoch_and_resumed_matches_the_uninterrupted_run(data, 
     assert s["eval"] == w["eval"] and s["resumed_from"]["step"] >= 9
 
 
-@pytest.fixture(scope="session")
-def stopped(data, tmp_path_factory):
-    """(folder, a copy of it as it was): 2 ranks stopped after step 13 of epoch 1's 40, run once
-    for both world sizes. Each resumes in the folder itself, its --out, after the copy is put back."""
-    import shutil
-
-    top = tmp_path_factory.mktemp("stopped")
-    out = top / "run"
-    run_ok(launch_train([*common(data, out), "--stop-after-steps", "13"], 2))
-    shutil.copytree(out, top / "as-stopped")
-    return out, top / "as-stopped"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [3, 1])
-@pytest.mark.xdist_group("resume-stopped")  # shares the module's fixture run
-def test_resumed_on_another_world_size_no_sample_twice_in_the_epoch(data, stopped, world):
-    import shutil
-
-    out, as_stopped = stopped
-    shutil.rmtree(out)
-    shutil.copytree(as_stopped, out)
-    assert position(out) == {"epoch": 0, "mid": True, "step": 13, "seen": 13 * 16}
-    run_ok(launch_train([*common(data, out), "--resume"], world))
+@pytest.mark.xdist_group("mid-epoch-runs")  # resumes test_preempt's run, stopped by SIGTERM
+def test_resumed_on_another_world_size_no_sample_twice_in_the_epoch(data, sigterm_stopped, world):
+    out, as_stopped, _ = sigterm_stopped
+    put_back(out, as_stopped)
+    done = position(out)["step"]
+    assert position(out) == {"epoch": 0, "mid": True, "step": done, "seen": done * 16} and 4 <= done < 40
+    run_ok(launch_train([*mid_epoch_args(data, out), "--resume"], world))
     s = json.loads((out / "summary.json").read_text())
     assert s["world_size"] == world and s["epochs_done"] == 2
     lines = [ln.split("\t") for r in range(max(2, world)) for ln in key_log(out, max(2, world)).get(r, [])]
     first = [k for e, k in lines if e == "1"]
     assert len(first) == len(set(first)), "a sample read twice in the interrupted epoch"
-    left = 640 - 13 * 16
-    assert len(first) == 13 * 16 + left // (world * 8) * world * 8
+    left = 640 - done * 16
+    assert len(first) == done * 16 + left // (world * 8) * world * 8
     assert s["epochs"][0]["batches"] == {f"rank{r}": left // (world * 8) for r in range(world)}
     assert set(s["epochs"][0]["before_resume"]) == {"before_resume_rank0", "before_resume_rank1"}
