@@ -4,13 +4,11 @@ A manifest is data, never code: no shard name ever runs a command or opens a fil
 the shard set. Bad input is one line and exit code 2, before anything is trained or wiped.
 """
 import errno
-import functools
 import http.server
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -445,22 +443,7 @@ def test_members_a_source_does_not_use_cost_no_memory(tmp_path):
 # ---------------------------------------------------------------- weak spots: HEAD checks, launchers, numbers
 
 
-class Counting(Quiet, http.server.SimpleHTTPRequestHandler):
-    def do_HEAD(self):
-        with self.server.lock:
-            self.server.heads.append(self.path)
-        return super().do_HEAD()
-
-
-@pytest.mark.slow
-def test_each_http_shard_is_checked_once_per_job(data, tmp_path):
-    handler = functools.partial(Counting, directory=str(data))
-    with serving(handler, heads=[], lock=threading.Lock()) as server:
-        p = train("--train", f"mnist={server.url}", "--train", f"cifar10={server.url}", "--epochs", "1",
-                  "--batch-size", "16", "--workers", "1", "--width", "4", "--out", tmp_path / "run", nproc=2)
-    assert p.returncode == 0, p.stderr[-2000:]
-    shards = [s["name"] for n in ("mnist", "cifar10") for s in json.loads((data / f"{n}-train.json").read_text())["shards"]]
-    assert sorted(server.heads) == sorted(f"/{s}" for s in shards)  # once each, not once per rank
+# Each HTTP shard checked once per job, not once per rank: test_train's run over HTTP counts the HEADs.
 
 
 @pytest.mark.slow
@@ -616,12 +599,17 @@ def not_a_dict(sample):
                                            ("my_stages:boom", "raised KeyError"),
                                            ("my_stages:relabel", "returned label 1000000"),
                                            ("my_stages:not_a_dict", "returned int, not the sample dict")])
-def test_a_users_stage_that_fails_is_one_line(data, tmp_path, stage, needle):
+def test_a_users_stage_that_fails_is_one_line(data, tmp_path, monkeypatch, stage, needle):
+    """In process (main() as `python -m pipeline.train` runs it): the stage fails in the
+    DataLoader worker, and the error crosses back to the trainer as one line."""
     (tmp_path / "my_stages.py").write_text(STAGES)
     (tmp_path / "stage_broken.py").write_text("raise RuntimeError('broken on import')\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path)]), OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "pipeline.train", *small(data, tmp_path / "run", "--workers", "1"),
-                        "--sample-stage", stage], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        p = train_in_process([*small(data, tmp_path / "run", "--workers", "1"), "--sample-stage", stage])
+    finally:  # test_train imports a my_stages of its own
+        for module in ("my_stages", "stage_broken"):
+            sys.modules.pop(module, None)
     one_line_error(p, needle)
 
 
