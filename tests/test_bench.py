@@ -2,11 +2,12 @@
 
 One small subprocess run covers every part (A/B/C throughput at workers 0 and 2 for raw,
 png and JPEG-WebDataset shards, peak memory at 1x and 10x, profile, read ceiling, JPEG
-decoders) and the tests check the JSON record's structure, not its figures. A second,
-larger run checks the one figure that must hold on any machine: the stream does several
-times the tutorial's samples per CPU-second (a ratio measured in the same run, so a noisy
-machine slows both sides alike). The record's run makes 600 inputs a source rather than 1200;
---tar-format and --stages run main() in this process.
+decoders); the tests check the JSON record's structure and one figure, C and C8 against
+stock webdataset per CPU-second. A second, larger run, in this process, checks the other
+figure that must hold on any machine: the stream does several times the tutorial's samples
+per CPU-second. Both are ratios measured in one run, so a noisy machine slows both sides
+alike. The record's run makes 600 inputs a source rather than 1200; --tar-format and
+--stages run main() in this process too.
 """
 import functools
 import importlib.util
@@ -56,6 +57,9 @@ def test_throughput_entries(record):
                     r = e["ratios"]["vs_A"][metric]
                     assert 0 < r["min"] <= r["median"] <= r["max"]
             assert c["ratios"]["vs_B"]["samples_per_cpu_s"]["median"] > 0
+    for method in ("C", "C8"):  # the one ratio checked here: 17x and 19x on an idle 2-core machine (2026-12-02)
+        ratio = entries[(method, "raw", 0)]["ratios"]["vs_B"]["samples_per_cpu_s"]["median"]
+        assert ratio >= 3, f"{method} is only {ratio:.2f}x stock webdataset per core"
     for w in (0, 2):
         assert entries[("A", None, w)]["ratios"] == {}
         assert entries[("A", None, w)]["samples_per_s"]["median"] > 0
@@ -97,14 +101,15 @@ def test_profile_ceiling_and_decoders(record):
 
 
 @SLOW
-def test_stream_beats_the_tutorial_per_core(tmp_path):
-    """In one process, raw shards: the stream's float and uint8 batches both at least 3x the
-    tutorial's samples per CPU-second (about 13x and 20x on an idle 2-core machine)."""
+def test_stream_beats_the_tutorial_per_core(tmp_path, monkeypatch):
+    """In one process (this one: main() as the command runs it), raw shards: the stream's float
+    and uint8 batches both at least 3x the tutorial's samples per CPU-second (6.5x and 7.6x on
+    an idle 2-core machine, 2026-12-02). Against stock webdataset: test_throughput_entries."""
     out = tmp_path / "ratio.json"
-    proc = subprocess.run([sys.executable, str(TOOL), "--synthetic", "--synthetic-size", "2048", "--samples", "4096",
-                           "--methods", "A", "C", "C8", "--encoding", "raw", "--workers", "0", "--repeats", "3",
-                           "--skip-memory", "--json", str(out)], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=240)
+    monkeypatch.chdir(tmp_path)
+    proc = main_in_process(tool_module("bench_loader").main, "bench_loader.py", [
+        "--synthetic", "--synthetic-size", "2048", "--samples", "4096", "--methods", "A", "C", "C8", "--encoding", "raw",
+        "--workers", "0", "--repeats", "3", "--skip-memory", "--json", out])
     assert proc.returncode == 0, proc.stderr[-3000:]
     entries = {e["method"]: e for e in json.loads(out.read_text())["throughput"]}
     assert set(entries) == {"A", "C", "C8"}
