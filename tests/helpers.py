@@ -244,6 +244,35 @@ def launchers():
     return forker
 
 
+def built_once(tmp_path_factory, name, build):
+    """build(folder)'s value, with `folder` filled once per test run by whichever xdist worker
+    asks first; the others wait on a lock, then read the folder and the pickled value.
+
+    A session fixture runs once per test process, and under make test's two processes both
+    paid for read-only data that one of them could build. The folder is read-only for the
+    tests (copy or hard-link before changing anything)."""
+    import fcntl
+    import os
+    import pickle
+    import shutil
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-N/, this run's: each worker has pytest-N/popen-gwK/
+    folder, done = root / f"once-{name}", root / f"once-{name}.pickle"
+    with open(root / f"once-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            value = build(folder)
+            with open(f"{done}.tmp", "wb") as f:
+                pickle.dump(value, f)
+            os.replace(f"{done}.tmp", done)
+    with open(done, "rb") as f:
+        return pickle.load(f)
+
+
 def mid_epoch_args(data, out, *extra):
     """The trainer's arguments in the stop-and-resume tests: 2 epochs of 40 steps a rank at 2 ranks."""
     return ["--train", f"mnist={data}/", "--train", f"cifar10={data}/", "--eval", f"mnist={data}/", "--epochs", "2",

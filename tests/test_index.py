@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import (FOLDERS, NAMES, SYNSETS, build_shards, free_port, make_shards_in_process, train_in_process,
-                     write_gnu_tar, write_img2dataset, write_imagefolder_tar, write_multi_member,
+from helpers import (FOLDERS, NAMES, SYNSETS, build_shards, built_once, free_port, make_shards_in_process,
+                     train_in_process, write_gnu_tar, write_img2dataset, write_imagefolder_tar, write_multi_member,
                      write_named_shardwriter, write_shardwriter, write_synset_tar)
 from pipeline.writers.index import expand
 from pipeline.data.stream import MixedStream, make_loader, resolve
@@ -30,11 +30,15 @@ def make_shards(*args):
     return make_shards_in_process(["--quiet", *args])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def foreign(tmp_path_factory):
-    """Each foreign layout, train and test splits, indexed into one manifest folder."""
-    top = tmp_path_factory.mktemp("foreign")
-    keys = {}
+    """Each foreign layout, train and test splits, indexed into one manifest folder: built once
+    per test run, read only."""
+    return built_once(tmp_path_factory, "foreign", write_foreign)
+
+
+def write_foreign(top):
+    keys, foreign_lines = {}, []
     for split, n in SIZES.items():
         seed = 10 if split == "test" else 0
         keys["sw", split] = write_shardwriter(top / f"sw-{split}", n, seed=seed)
@@ -74,7 +78,6 @@ def foreign(tmp_path_factory):
     return SimpleNamespace(top=top, out=out, keys=keys, lines="".join(foreign_lines))
 
 
-foreign_lines = []
 PUBLIC = ("named", "nested", "syn", "tree", "multi")  # class names, not integers, each
 
 
