@@ -164,6 +164,13 @@ def test_other_image_formats_named_png_are_refused(fmt):
         decode.decode_image(data, "png", (3, 32, 32))
 
 
+def test_an_unidentified_image_is_named_without_a_memory_address():
+    """PIL names the BytesIO it was given, at an address that differs in every run."""
+    with pytest.raises(ValueError) as e:
+        decode.decode_image(b"not an image at all", "webp", (3, 32, 32))
+    assert str(e.value) == "undecodable image: cannot identify image file", str(e.value)
+
+
 def test_damaged_images_raise_value_error():
     good = encoded(pixels((3, 32, 32)), "JPEG")
     for ext, data in (("jpg", good[:len(good) // 3]), ("jpg", b"\xff\xd8garbage"), ("png", b""), ("webp", b"x")):

@@ -412,6 +412,12 @@ def _upright_as(t, size):
     return t.permute(1, 2, 0).numpy()
 
 
+def pil_reason(error):
+    """PIL's message without the repr of the BytesIO it was given ("cannot identify image file
+    <_io.BytesIO object at 0x7f...>"): an address that differs in every run says nothing."""
+    return re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", str(error)) or type(error).__name__
+
+
 def open_image(data, ext, shape=None, head=None):
     """(PIL image, EXIF orientation) of an image member, opened as the format its extension
     names, its size checked by `bounds.check` for `shape` before any pixel is decoded: the
@@ -431,7 +437,7 @@ def open_image(data, ext, shape=None, head=None):
     try:
         img = Image.open(io.BytesIO(data), formats=[_PIL_FORMATS[ext]])
     except (OSError, SyntaxError, Image.DecompressionBombError, KeyError) as e:
-        raise ValueError(f"undecodable image: {e}") from None
+        raise ValueError(f"undecodable image: {pil_reason(e)}") from None
     w, h = img.size
     orientation = 1
     if is_jpeg:
@@ -471,7 +477,7 @@ def _pil(data, ext, shape, head=None):
             img.draft("L" if c == 1 else "RGB", (h, w) if orientation >= 5 else (w, h))
         return _converted(upright(img, orientation), c)
     except (OSError, SyntaxError, Image.DecompressionBombError, KeyError) as e:
-        raise ValueError(f"undecodable image: {e}") from None
+        raise ValueError(f"undecodable image: {pil_reason(e)}") from None
 
 
 def _npy(data, target=None):

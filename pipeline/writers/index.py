@@ -28,8 +28,8 @@ import urllib.parse
 import numpy as np
 
 from pipeline.data import bounds, remote
-from pipeline.data.decode import (IMAGE_EXTS, LABEL_EXTS, Unlabelled, as_integer, as_name, image_format, label_member, open_image,
-                     parse_label_key, pixels_of, raw_label)
+from pipeline.data.decode import (IMAGE_EXTS, LABEL_EXTS, Unlabelled, as_integer, as_name, image_format, label_member,
+                                  open_image, parse_label_key, pil_reason, pixels_of, raw_label)
 from pipeline.errors import ShardError
 from pipeline.files import MAX_JSON, open_regular, write_json_atomic
 from pipeline.data.manifest import (FORMAT, NAME_RE, MAX_SIDE, check, expand_pattern, manifest_name, pipe_shard_name,
@@ -182,7 +182,7 @@ def _scan_sample(sample, facts, url):
     except ValueError as e:
         raise ShardError(f"{url}: sample {key}: {e}") from None
     except (OSError, SyntaxError, Image.DecompressionBombError) as e:
-        raise ShardError(f"{url}: sample {key}: undecodable .{ext} image ({e})") from None
+        raise ShardError(f"{url}: sample {key}: undecodable .{ext} image ({pil_reason(e)})") from None
     facts["samples"] += 1
     facts["exts"][ext] += 1
     facts["shapes"][(1 if mode in GREY_MODES else 3, h, w)] += 1
