@@ -1,6 +1,6 @@
 # make demo       set up, build shards (real data where found, else synthetic, saying so), train, draw the report
 # make test       set up and run the whole test suite in TEST_JOBS processes (2); prints the 10 slowest tests
-# make test-fast  everything but the torchrun, benchmark and rehearsal tests
+# make test-fast  all but the tests marked slow (those that start processes, train or wait on deadlines)
 # make bench      the loader benchmark (needs MNIST_ROOT and CIFAR_FOLDER)
 # make gpu-check  the CUDA paths on a GPU machine (nccl, bf16, pinned memory), with figures
 PYTHON ?= python3

@@ -122,7 +122,7 @@ def sigterm_stopped(mid_epoch_shards, tmp_path_factory):
 # The longest jobs (a minute or so each on 2 cores), started first so that make test's two test
 # processes finish together instead of one running the longest job alone at the end.
 # None of them shares a module fixture with tests left behind, so no fixture is built twice.
-LONGEST_FIRST = ("test_the_defaults_learn_at_a_large_global_batch", "test_throughput_entries",
+LONGEST_FIRST = ("test_the_defaults_learn_at_small_and_large_global_batches", "test_throughput_entries",
                  "test_memory_entries", "test_profile_ceiling_and_decoders", "test_record_names_the_peers_run_or_skipped",
                  "test_rehearsal_reports_startup_speed_memory_and_cache")
 

@@ -103,6 +103,7 @@ while True:
                 os.dup2(os.open(path, flags), fd)
             sys.stdin = open(0, closefd=False)
             sys.argv, status = [torch.distributed.run.__file__, *argv], 0
+            del sys.modules["torch.distributed.run"]  # as `python -m` finds it: not imported yet (no runpy warning)
             try:
                 runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
             except SystemExit as e:
@@ -143,7 +144,8 @@ class Launchers:
 
         if self.proc is None or self.proc.poll() is not None:
             self.folder = tempfile.mkdtemp(prefix="launchers-")
-            self.proc = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            self.proc = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE,
                                          env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
             self.pending = b""
         self.calls += 1
@@ -151,7 +153,9 @@ class Launchers:
         self.proc.stdin.write((json.dumps([argv, env, str(cwd), out, err]) + "\n").encode())
         self.proc.stdin.flush()
         while True:
-            word, pid, *code = self.line(60)
+            got = self.line(60)
+            assert got is not None, "the process that forks the launchers did not answer in 60 s"
+            word, pid, *code = got
             if word == "exit":
                 self.exits[pid] = code[0]
             else:
@@ -184,7 +188,7 @@ class Launchers:
                 return None
             if got[0] == "exit":
                 self.exits[got[1]] = got[2]
-        return self.exits[pid]
+        return self.exits.pop(pid)  # a pid the kernel hands out again is another launcher's
 
     def close(self):
         import shutil
@@ -224,10 +228,14 @@ class Launched:
         return read(self.out), read(self.err)
 
     def send_signal(self, sig):
+        """As Popen: nothing once the launcher has ended (its pid, reaped at once, may be reused)."""
         import os
 
-        if self.returncode is None:
-            os.kill(self.pid, sig)
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # ended since the poll
+                pass
 
     def kill(self):
         import signal

@@ -108,8 +108,8 @@ def test_stream_beats_the_tutorial_per_core(tmp_path, monkeypatch):
     out = tmp_path / "ratio.json"
     monkeypatch.chdir(tmp_path)
     proc = main_in_process(tool_module("bench_loader").main, "bench_loader.py", [
-        "--synthetic", "--synthetic-size", "2048", "--samples", "4096", "--methods", "A", "C", "C8", "--encoding", "raw",
-        "--workers", "0", "--repeats", "3", "--skip-memory", "--json", out])
+        "--synthetic", "--synthetic-size", "2048", "--samples", "4096", "--methods", "A", "C", "C8",
+        "--encoding", "raw", "--workers", "0", "--repeats", "3", "--skip-memory", "--json", out])
     assert proc.returncode == 0, proc.stderr[-3000:]
     entries = {e["method"]: e for e in json.loads(out.read_text())["throughput"]}
     assert set(entries) == {"A", "C", "C8"}

@@ -46,6 +46,16 @@ def test_resume_without_a_checkpoint_is_one_line_and_needs_no_torch(tmp_path):
     assert "no checkpoint" in p.stderr and "--resume-or-start" in p.stderr and len(p.stderr.splitlines()) == 1
 
 
+def test_a_local_folder_that_is_not_there_is_one_line_and_needs_no_torch(tmp_path):
+    spec = f"mnist={tmp_path}/shards/"
+    p = trainer("--train", spec, "--eval", spec, "--out", tmp_path / "run")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert f"mnist={tmp_path}/shards/: no such folder" in p.stderr
+    p = python("import sys; from pipeline.train import options\n"
+               "options.check_out(options.parse(sys.argv[1:]))", "--train", f"a={tmp_path}/nowhere")
+    assert p.returncode == 2 and "no such folder" in p.stderr  # from check_out, which runs before torch
+
+
 @pytest.mark.parametrize("bad, needle", [("KILL", "'KILL'"), ("TERM,NOPE", "'NOPE'"), ("9", "'9'"),
                                          ("CHLD", "'CHLD'"), ("WINCH", "'WINCH'"), ("SEGV", "'SEGV'")])
 def test_bad_stop_signals_are_one_line(bad, needle, capsys):

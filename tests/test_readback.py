@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -553,13 +554,18 @@ def test_a_mistyped_metrics_line_is_one_warning_on_resume(data, runs, tmp_path, 
 # ---------------------------------------------------------------- 6. manifests: one spelling per shard, sane statistics
 
 
-def write_manifest(folder, change):
-    m = json.loads((folder / "mnist-train.json").read_text())
+def write_manifest(folder, change, split="train"):
+    """A changed copy of mnist-SPLIT.json beside the shards (their names are relative to it),
+    under a name of its own: the folder is shared by both test processes (conftest.mixed_shards)."""
+    import tempfile
+
+    m = json.loads((folder / f"mnist-{split}.json").read_text())
     change(m)
     m["total"] = sum(s["samples"] for s in m["shards"])
-    path = folder / "mnist-x.json"
-    path.write_text(json.dumps(m))
-    return path
+    fd, path = tempfile.mkstemp(prefix="mnist-x-", suffix=".json", dir=folder)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(m))
+    return Path(path)
 
 
 @pytest.mark.parametrize("spell", [
@@ -573,7 +579,7 @@ def test_a_shard_listed_in_two_spellings_is_refused(data, spell):
     path = write_manifest(data, lambda m: m["shards"].append(dict(m["shards"][0], name=spell(str(data), first))))
     with pytest.raises(ShardError, match="are the same shard") as e:
         resolve("mnist", str(path), "train")
-    assert first in str(e.value) and "mnist-x.json" in str(e.value)
+    assert first in str(e.value) and path.name in str(e.value)
 
 
 def test_a_dot_slash_name_is_refused_before_it_could_be_read_twice(data):
@@ -652,12 +658,11 @@ def test_a_pattern_naming_a_shard_twice_is_refused(data):
 
 def test_a_shard_listed_twice_is_read_once_in_evaluation_or_refused(data):
     """The issue's case: `name` and `dir//name` in a test manifest."""
-    m = json.loads((data / "mnist-test.json").read_text())
-    m["shards"].append(dict(m["shards"][0], name=f"{data}//{m['shards'][0]['name']}"))
-    m["total"] += m["shards"][0]["samples"]
-    (data / "mnist-y.json").write_text(json.dumps(m))
+    def twice(m):
+        m["shards"].append(dict(m["shards"][0], name=f"{data}//{m['shards'][0]['name']}"))
+    path = write_manifest(data, twice, split="test")
     with pytest.raises(ShardError, match="are the same shard"):
-        resolve("mnist", str(data / "mnist-y.json"), "test")
+        resolve("mnist", str(path), "test")
 
 
 STATS = {

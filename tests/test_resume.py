@@ -393,7 +393,8 @@ def test_resumed_on_another_world_size_no_sample_twice_in_the_epoch(data, sigter
     put_back(out, as_stopped)
     done = position(out)["step"]
     assert position(out) == {"epoch": 0, "mid": True, "step": done, "seen": done * 16} and 4 <= done < 40
-    run_ok(launch_train([*mid_epoch_args(data, out), "--resume"], world))
+    # --checkpoint-every: checkpoints written on the new world too (the stopped run wrote only the signal's)
+    run_ok(launch_train([*mid_epoch_args(data, out, "--checkpoint-every", "3"), "--resume"], world))
     s = json.loads((out / "summary.json").read_text())
     assert s["world_size"] == world and s["epochs_done"] == 2
     lines = [ln.split("\t") for r in range(max(2, world)) for ln in key_log(out, max(2, world)).get(r, [])]
