@@ -38,7 +38,7 @@ import braceexpand as brace
 from pipeline.data import remote
 from pipeline.data.decode import IMAGE_EXTS, Target, image_format, parse_label_key
 from pipeline.errors import ShardError
-from pipeline.files import MAX_JSON, parse_json, read_json
+from pipeline.files import MAX_JSON, missing_folder, parse_json, read_json
 from pipeline.data.read import INFLATE_RATIO, INFLATE_SLACK
 
 FORMAT = "pipeline-shards/2"
@@ -357,8 +357,7 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
         if remote.kind(spec) == "file":
             _check_folder(name, split, spec, url)
     else:
-        if remote.kind(spec) == "file" and "{" not in spec and not spec.endswith((".tar", ".tar.gz", ".tgz")) \
-                and not os.path.exists(spec):  # neither a manifest nor a shard pattern: meant as a folder
+        if remote.kind(spec) == "file" and missing_folder(spec):  # neither a manifest nor a shard pattern
             raise ShardError(f"{name}={spec}: no such folder")
         pattern = expand_pattern(spec)
         url = _beside(pattern[0], manifest_name(name, split))

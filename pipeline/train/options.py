@@ -9,6 +9,7 @@ import math
 import os
 
 from pipeline.cli import Parser, add_io_options, byte_size, check_io
+from pipeline.files import missing_folder
 from pipeline.data.weights import check_weights, parse_weights
 from pipeline.train import stop
 
@@ -185,14 +186,6 @@ def specs(p, flag, items):
     return out
 
 
-def not_a_folder(spec):
-    """A local SPEC that can only mean a folder (a trailing '/', or no manifest, pattern or
-    shard name) and is not one; URLs and pipe: commands are left to manifest.resolve."""
-    if "://" in spec or spec.startswith("pipe:") or spec.endswith((".json", ".tar", ".tar.gz", ".tgz")) or "{" in spec:
-        return False
-    return not (os.path.isdir(spec) if spec.endswith("/") else os.path.exists(spec))
-
-
 def weights_at(args, epoch):
     """The mixture for an epoch: --weights, moving linearly to --final-weights."""
     if args.final_weights is None or args.epochs == 1:
@@ -216,6 +209,6 @@ def check_out(args):
     """Before torch is imported: --resume on a folder without a checkpoint, and a local folder
     SPEC that is not there (manifest.resolve says the same, 2 s later), end in one line, exit code 2."""
     message = resume_error(args) or next((f"{name}={spec}: no such folder" for name, spec in
-                                          [*args.train.items(), *args.eval.items()] if not_a_folder(spec)), None)
+                                          [*args.train.items(), *args.eval.items()] if missing_folder(spec)), None)
     if message:
         Parser(prog="pipeline.train").error(message)
