@@ -48,31 +48,25 @@ def decode_image():
 @pytest.fixture(scope="session")
 def mixed_shards(tmp_path_factory):
     """mnist train 200 + cifar10 train 200 + mnist test 40, raw, 20 per shard: built once per
-    test run (helpers.built_once) and shared by the files that only read it (test_security,
+    test run (helpers.shared_shards) and shared by the files that only read it (test_security,
     test_readback).
     Tests that change shards copy or hard-link them into their own tmp_path first."""
-    from helpers import build_shards, built_once
+    from helpers import shared_shards
 
-    def build(out):
-        build_shards(out, "mnist", "train", 200, shape=(1, 28, 28), encoding="raw", maxcount=20)
-        build_shards(out, "cifar10", "train", 200, shape=(3, 32, 32), encoding="raw", maxcount=20)
-        build_shards(out, "mnist", "test", 40, shape=(1, 28, 28), encoding="raw", maxcount=20)
-        return out
-    return built_once(tmp_path_factory, "mixed-shards", build)
+    return shared_shards(tmp_path_factory, "mixed-shards", [("mnist", "train", 200, "raw"),
+                                                           ("cifar10", "train", 200, "raw"),
+                                                           ("mnist", "test", 40, "raw")], maxcount=20)
 
 
 @pytest.fixture(scope="session")
 def mid_epoch_shards(tmp_path_factory):
     """mnist 400 raw + cifar10 400 png, 20 per shard, and 60 mnist test: the data of the
     stop-and-resume tests (test_resume, test_preempt), which compare with one uninterrupted run."""
-    from helpers import build_shards, built_once
+    from helpers import shared_shards
 
-    def build(out):
-        build_shards(out, "mnist", "train", 400, shape=(1, 28, 28), encoding="raw", maxcount=20)
-        build_shards(out, "cifar10", "train", 400, shape=(3, 32, 32), encoding="png", maxcount=20)
-        build_shards(out, "mnist", "test", 60, shape=(1, 28, 28), encoding="raw", maxcount=20)
-        return out
-    return built_once(tmp_path_factory, "mid-epoch-shards", build)
+    return shared_shards(tmp_path_factory, "mid-epoch-shards", [("mnist", "train", 400, "raw"),
+                                                               ("cifar10", "train", 400, "png"),
+                                                               ("mnist", "test", 60, "raw")], maxcount=20)
 
 
 @pytest.fixture(scope="session")

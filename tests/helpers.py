@@ -153,13 +153,17 @@ class Launchers:
         self.proc.stdin.write((json.dumps([argv, env, str(cwd), out, err]) + "\n").encode())
         self.proc.stdin.flush()
         while True:
-            got = self.line(60)
+            got = self.report(60)
             assert got is not None, "the process that forks the launchers did not answer in 60 s"
-            word, pid, *code = got
-            if word == "exit":
-                self.exits[pid] = code[0]
-            else:
-                return Launched(self, pid, ["torchrun", *argv], out, err)
+            if got[0] == "pid":
+                return Launched(self, got[1], ["torchrun", *argv], out, err)
+
+    def report(self, timeout):
+        """The next line, [word, pid, code...], with an exit noted; None if none came within `timeout` s."""
+        got = self.line(timeout)
+        if got is not None and got[0] == "exit":
+            self.exits[got[1]] = got[2]
+        return got
 
     def line(self, timeout):
         """The launcher's next line as [word, pid, code...]; None if none came within `timeout` s."""
@@ -183,11 +187,8 @@ class Launchers:
 
         deadline = time.monotonic() + timeout
         while pid not in self.exits:
-            got = self.line(max(0.0, deadline - time.monotonic()))
-            if got is None:
+            if self.report(max(0.0, deadline - time.monotonic())) is None:
                 return None
-            if got[0] == "exit":
-                self.exits[got[1]] = got[2]
         return self.exits.pop(pid)  # a pid the kernel hands out again is another launcher's
 
     def close(self):
@@ -279,6 +280,19 @@ def built_once(tmp_path_factory, name, build):
             os.replace(f"{done}.tmp", done)
     with open(done, "rb") as f:
         return pickle.load(f)
+
+
+SHAPES = {"mnist": (1, 28, 28), "cifar10": (3, 32, 32)}
+
+
+def shared_shards(tmp_path_factory, key, sets, maxcount):
+    """Shard sets [(name, split, samples, encoding)] in one folder, built once per test run
+    (built_once): read-only data that several test files, and both test processes, read."""
+    def build(out):
+        for name, split, n, encoding in sets:
+            build_shards(out, name, split, n, shape=SHAPES[name], encoding=encoding, maxcount=maxcount)
+        return out
+    return built_once(tmp_path_factory, key, build)
 
 
 def mid_epoch_args(data, out, *extra):

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from helpers import Quiet, build_shards, built_once, completed, launch_train, serving, train_in_process
+from helpers import Quiet, build_shards, completed, launch_train, serving, shared_shards, train_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 240  # a hang fails the test, not the CI run
@@ -18,13 +18,9 @@ TIMEOUT = 240  # a hang fails the test, not the CI run
 @pytest.fixture(scope="session")
 def data(tmp_path_factory):
     """Two sources of different shapes; 13 train shards for mnist, 11 for cifar10 (uneven on purpose)."""
-    def build(out):
-        build_shards(out, "mnist", "train", 640, shape=(1, 28, 28), encoding="png", maxcount=50)
-        build_shards(out, "cifar10", "train", 520, shape=(3, 32, 32), encoding="raw", maxcount=50)
-        build_shards(out, "mnist", "test", 230, shape=(1, 28, 28), encoding="png", maxcount=50)
-        build_shards(out, "cifar10", "test", 170, shape=(3, 32, 32), encoding="raw", maxcount=50)
-        return out
-    return built_once(tmp_path_factory, "train-shards", build)
+    sets = [("mnist", "train", 640, "png"), ("cifar10", "train", 520, "raw"),
+            ("mnist", "test", 230, "png"), ("cifar10", "test", 170, "raw")]
+    return shared_shards(tmp_path_factory, "train-shards", sets, maxcount=50)
 
 
 def sources(base):
