@@ -341,7 +341,10 @@ def completed(proc, timeout=180):
         import time
         os.killpg(proc.pid, signal.SIGABRT)  # faulthandler (PYTHONFAULTHANDLER=1) prints every process's stacks
         time.sleep(3)
-        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # SIGABRT ended them all: their stacks are what is wanted
+            pass
         try:
             _, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:  # a process outside the session still holds the pipes
