@@ -157,6 +157,8 @@ def test_same_run_over_http_matches_local(ddp_run, data, tmp_path):
     (["--weights", "mnist=1,imagenet=1"], "imagenet"),
     (["--batch-size", "0"], "--batch-size"),
     (["--eval", "svhn=x"], "svhn"),
+    (["--eval", "svhn", "shards/"], "expected NAME=SPEC, e.g. --eval svhn=shards/ (no space around =)"),
+    (["--bogus", "3"], "unrecognized arguments: --bogus 3"),
 ])
 def test_bad_command_lines_fail_in_one_line(data, tmp_path, bad, message):
     p = run([*sources(data), *bad, "--out", str(tmp_path / "o")], nproc=0, check=False)

@@ -105,7 +105,13 @@ def parse(argv=None):
       help=f"seconds a rank waits for the others in a collective before the job fails, at most {MAX_TIMEOUT} "
            f"(default: 600)")
     add_io_options(p)
-    args = p.parse_args(argv)
+    args, extra = p.parse_known_args(argv)
+    if extra:
+        spaced = [(f, v) for f in ("--train", "--eval") for v in getattr(args, f[2:]) if "=" not in v]
+        if spaced:  # `--train mnist shards/`: argparse would only name shards/ as unrecognised
+            flag, name = spaced[0]
+            p.error(f"{flag} {name} {extra[0]}: expected NAME=SPEC, e.g. {flag} {name}={extra[0]} (no space around =)")
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     check(p, args)
     return args
 
