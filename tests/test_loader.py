@@ -1,5 +1,7 @@
 """pipeline.loader: the hand-over from DataLoader workers (BatchRing buffers, uint8 in shared
 memory, normalisation on arrival) and persistent workers that follow set_epoch."""
+import io
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -137,15 +139,21 @@ def test_the_trainers_progress_bar_starts_no_monitor_thread():
     assert progress_bar(Topology(1, 2), 10, "epoch 1") is None  # rank 1 draws no bar
 
 
-def test_the_trainers_warnings_are_one_line_each():
+def test_the_trainers_warnings_are_one_line_each(monkeypatch):
     import warnings
 
     from pipeline.train import loop
 
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal, as in a log file
     line = loop.one_line_warning(UserWarning("s-000001.tar: not a tar header; skipped 3 sample(s)"), UserWarning,
                                  "/x/pipeline/data/stages.py", 192, "self._piece(url)")
     assert line == "pipeline.train: warning: s-000001.tar: not a tar header; skipped 3 sample(s)\n"
     assert line.count("\n") == 1 and "stages.py" not in line
     assert warnings.formatwarning is not loop.one_line_warning  # only the command (pipeline/train/__main__.py) installs it
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    monkeypatch.setattr(sys, "stderr", Terminal())  # a worker's warning on a terminal first clears the bar's line
+    assert loop.one_line_warning(UserWarning("w"), UserWarning, "f.py", 1) == "\r\x1b[Kpipeline.train: warning: w\n"
     entry = Path(__file__).resolve().parents[1] / "pipeline" / "train" / "__main__.py"
     assert "warnings.formatwarning = one_line_warning" in entry.read_text()

@@ -687,8 +687,19 @@ def one_line(text):
 
 def one_line_warning(message, category, filename, lineno, line=None):
     """Warnings as the trainer's other lines read: what happened, without the file, line
-    number and source line of the stage that noticed it."""
-    return f"pipeline.train: warning: {cli.printable(message)}\n"
+    number and source line of the stage that noticed it. On a terminal the line first
+    clears rank 0's progress bar (carriage return, erase line), which redraws below it on
+    its next update: a DataLoader worker or another rank can't reach that bar's
+    tqdm.write, and its warning would otherwise start in the middle of the bar."""
+    clear = "\r\x1b[K" if _is_terminal(sys.stderr) else ""
+    return f"{clear}pipeline.train: warning: {cli.printable(message)}\n"
+
+
+def _is_terminal(stream):
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without it, or closed
+        return False
 
 
 def main(argv=None, args=None):
