@@ -178,6 +178,18 @@ def test_scale_sim_prints_one_json_line_with_the_slots_covered_once():
     assert r["state_bytes_gathered"] >= 32 * 2
 
 
+def test_scale_sim_runs_where_a_worker_has_fewer_than_its_simulated_batches(capsys):
+    """10 shards on 16 ranks x 8 workers: 2 batches a rank, fewer than the 7 a worker had
+    made in the simulated interruption, which the resume then refused."""
+    from helpers import tool_module
+
+    tool_module("scale_sim").main(["--shards", "10", "--world", "16", "--to-world", "12"])
+    assert json.loads(capsys.readouterr().out)["covered_once"] is True
+    with pytest.raises(SystemExit) as e:  # checked before numpy and torch load: one line
+        tool_module("scale_sim").parse_args(["--shards", "1", "--world", "2"])
+    assert e.value.code == 2 and "less than one batch of 256 per rank on 768 ranks" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("rank, world, worker, workers", [(5, 4, 0, 0), (-1, 4, 0, 0), (0, 0, 0, 0), (0, 1, 3, 2),
                                                           (0, 1, 0, -2)])
 def test_owned_refuses_ranks_and_workers_out_of_range(rank, world, worker, workers):

@@ -63,19 +63,116 @@ from dataclasses import asdict, dataclass, field, replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from pipeline.cli import Parser  # noqa: E402
+from pipeline.writers import shards  # noqa: E402  (numpy, not torch)
+import bench_peers  # noqa: E402  (imports no peer library, nor torch: they load where a peer runs)
+
+
+def parse_args(argv):
+    """The command line, checked before torch loads (the `__main__` block parses it first), so
+    --help and a bad flag answer at once."""
+    p = Parser(prog="bench_loader", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mnist-root", help="torchvision root holding MNIST/raw (e.g. data, as make_shards --root)")
+    p.add_argument("--cifar-folder", help="ImageFolder tree of the CIFAR10 training JPEGs (train/<class>/*.jpg)")
+    p.add_argument("--cifar-root", help="torchvision root holding cifar-10-batches-py: A then reads CIFAR10 exactly as "
+                                        "the tutorial does (default: the --cifar-folder JPEGs, decoded once)")
+    p.add_argument("--shards", action="append", default=[], metavar="DIR",
+                   help="folder with mnist-train.json and cifar10-train.json shards (repeatable, one per encoding); "
+                        "encodings with no folder are built from the inputs under --work-dir")
+    p.add_argument("--encoding", nargs="+", choices=(*shards.ENCODINGS, "jpg"), default=["raw", "png", "jpg"],
+                   help="shard encodings for B and C: raw and png as make_shards writes them, jpg a JPEG WebDataset "
+                        "written by wds.ShardWriter and indexed (default: raw png jpg; the first is used for memory "
+                        "and --profile)")
+    p.add_argument("--methods", nargs="+", choices=("A", "B", "C", "C8", *bench_peers.PEERS),
+                   help="loaders to time (default: all, the peers where installed; A is always run, as the "
+                        "baseline of the ratios; LitData and Mosaic need raw among --encoding)")
+    p.add_argument("--synthetic", action="store_true",
+                   help="tiny generated inputs in a temporary folder; no data needed")
+    p.add_argument("--synthetic-size", type=int, default=1200, metavar="N",
+                   help="with --synthetic: training samples of each data set (default: 1200)")
+    p.add_argument("--samples", type=int,
+                   help="samples per run, rounded down to whole batches (default: 60000, about half an epoch of "
+                        "MNIST + CIFAR10, so per-epoch worker start-up counts as in training; with --synthetic, "
+                        "what its data sets hold, at most 60000)")
+    p.add_argument("--batch-size", type=int, default=256,
+                   help="samples per batch; A loads half from each loader (default: 256)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each configuration (default: 3)")
+    p.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="DataLoader worker counts (default: 0 2)")
+    p.add_argument("--world", type=int, default=1, help="simulated world size (default: 1)")
+    p.add_argument("--rank", type=int, default=0, help="simulated rank (default: 0)")
+    p.add_argument("--shuffle-buffer", type=int, default=1000, help="sample shuffle buffer of B and C (default: 1000)")
+    p.add_argument("--skip-memory", action="store_true", help="skip the peak-memory measurements")
+    p.add_argument("--profile", action="store_true", help="also cProfile C, and C8 if measured (workers=0)")
+    p.add_argument("--tar-format", action="store_true",
+                   help="only compare PAX (wds.TarWriter) and USTAR (pipeline.writers.shards) tars of 10,000 MNIST samples")
+    p.add_argument("--stages", action="store_true",
+                   help="only time the stages written here against webdataset's: shuffle and RandomMix, per sample")
+    p.add_argument("--torch-threads", type=int, metavar="N",
+                   help="torch.set_num_threads(N) in the benchmarking process (default: torch's own choice; "
+                        "C normalises whole batches, which torch spreads over its threads)")
+    p.add_argument("--work-dir", default="bench-out",
+                   help="built shards and the 10x corpus go here (default: bench-out)")
+    p.add_argument("--json", default="bench-out/bench.json", help="where to write the JSON record")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return args
+    if args.batch_size < 2 or args.batch_size % 2:
+        p.error("--batch-size must be even and at least 2 (A loads half a batch from each data set)")
+    if args.samples is None:  # the tutorial's loaders (A) read each data set once a run
+        fits = args.synthetic_size // max(args.world, 1) * 2 // args.batch_size * args.batch_size - args.batch_size
+        args.samples = min(60000, fits) if args.synthetic else 60000
+    if args.samples < args.batch_size:
+        p.error(f"--samples must be at least one batch ({args.batch_size})")
+    if args.repeats < 1 or any(w < 0 for w in args.workers):
+        p.error("--repeats must be >= 1 and --workers >= 0")
+    if not 0 <= args.rank < args.world:
+        p.error(f"--rank {args.rank} outside --world {args.world}")
+    if not args.synthetic and not args.stages and not (args.mnist_root and (args.cifar_folder or args.tar_format)):
+        p.error("give --mnist-root and --cifar-folder, or --synthetic")
+    args.skipped = choose_peers(p, args)
+    if "A" not in args.methods:
+        args.methods = ["A", *args.methods]
+    if args.torch_threads is not None and args.torch_threads < 1:
+        p.error("--torch-threads must be at least 1")
+    return args
+
+
+def choose_peers(p, args):
+    """Settle which peers run: by default those installed, each other one skipped with a line
+    (returned); one that --methods names and can't run is an error."""
+    explicit = args.methods is not None
+    if not explicit:
+        args.methods = ["A", "B", "C", "C8", *bench_peers.PEERS]
+    skipped = []
+    for peer in [m for m in args.methods if m in bench_peers.PEERS]:
+        why = bench_peers.missing(peer)
+        if why is None and "raw" not in args.encoding:
+            why = f"{peer}: reads the raw shards' pixels; add raw to --encoding"
+        if why is None and args.world != 1:
+            why = f"{peer}: runs as a single rank only (--world 1)"
+        if why is None:
+            continue
+        if explicit:
+            p.error(why)
+        args.methods.remove(peer)
+        skipped.append(why + "; skipped")
+    return skipped
+
+
+if __name__ == "__main__":
+    parse_args(sys.argv[1:])
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from pipeline.data import manifest, read, stream
-from pipeline.writers import shards, sources  # noqa: E402
+from pipeline.data import manifest, read, stream  # noqa: E402
+from pipeline.writers import sources  # noqa: E402
 from pipeline.errors import ShardError  # noqa: E402
 from pipeline.files import write_json_atomic  # noqa: E402
-from pipeline.cli import Parser  # noqa: E402
 from pipeline.data.topology import Topology  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_peers  # noqa: E402  (imports no peer library: they load where a peer runs)
 
 NAMES = ("mnist", "cifar10")
 # The tutorial's constants (the usual published per-channel statistics).
@@ -886,96 +983,6 @@ def table(entries):
                  "float and uint8 batches; LitData, Mosaic: those libraries over the raw pixels (x B, x C: to B/raw, "
                  "C/raw)")
     return "\n".join(lines)
-
-
-def parse_args(argv):
-    p = Parser(prog="bench_loader", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mnist-root", help="torchvision root holding MNIST/raw (e.g. data, as make_shards --root)")
-    p.add_argument("--cifar-folder", help="ImageFolder tree of the CIFAR10 training JPEGs (train/<class>/*.jpg)")
-    p.add_argument("--cifar-root", help="torchvision root holding cifar-10-batches-py: A then reads CIFAR10 exactly as "
-                                        "the tutorial does (default: the --cifar-folder JPEGs, decoded once)")
-    p.add_argument("--shards", action="append", default=[], metavar="DIR",
-                   help="folder with mnist-train.json and cifar10-train.json shards (repeatable, one per encoding); "
-                        "encodings with no folder are built from the inputs under --work-dir")
-    p.add_argument("--encoding", nargs="+", choices=(*shards.ENCODINGS, "jpg"), default=["raw", "png", "jpg"],
-                   help="shard encodings for B and C: raw and png as make_shards writes them, jpg a JPEG WebDataset "
-                        "written by wds.ShardWriter and indexed (default: raw png jpg; the first is used for memory "
-                        "and --profile)")
-    p.add_argument("--methods", nargs="+", choices=("A", "B", "C", "C8", *bench_peers.PEERS),
-                   help="loaders to time (default: all, the peers where installed; A is always run, as the "
-                        "baseline of the ratios; LitData and Mosaic need raw among --encoding)")
-    p.add_argument("--synthetic", action="store_true",
-                   help="tiny generated inputs in a temporary folder; no data needed")
-    p.add_argument("--synthetic-size", type=int, default=1200, metavar="N",
-                   help="with --synthetic: training samples of each data set (default: 1200)")
-    p.add_argument("--samples", type=int,
-                   help="samples per run, rounded down to whole batches (default: 60000, about half an epoch of "
-                        "MNIST + CIFAR10, so per-epoch worker start-up counts as in training; with --synthetic, "
-                        "what its data sets hold, at most 60000)")
-    p.add_argument("--batch-size", type=int, default=256,
-                   help="samples per batch; A loads half from each loader (default: 256)")
-    p.add_argument("--repeats", type=int, default=3, help="runs of each configuration (default: 3)")
-    p.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="DataLoader worker counts (default: 0 2)")
-    p.add_argument("--world", type=int, default=1, help="simulated world size (default: 1)")
-    p.add_argument("--rank", type=int, default=0, help="simulated rank (default: 0)")
-    p.add_argument("--shuffle-buffer", type=int, default=1000, help="sample shuffle buffer of B and C (default: 1000)")
-    p.add_argument("--skip-memory", action="store_true", help="skip the peak-memory measurements")
-    p.add_argument("--profile", action="store_true", help="also cProfile C, and C8 if measured (workers=0)")
-    p.add_argument("--tar-format", action="store_true",
-                   help="only compare PAX (wds.TarWriter) and USTAR (pipeline.writers.shards) tars of 10,000 MNIST samples")
-    p.add_argument("--stages", action="store_true",
-                   help="only time the stages written here against webdataset's: shuffle and RandomMix, per sample")
-    p.add_argument("--torch-threads", type=int, metavar="N",
-                   help="torch.set_num_threads(N) in the benchmarking process (default: torch's own choice; "
-                        "C normalises whole batches, which torch spreads over its threads)")
-    p.add_argument("--work-dir", default="bench-out",
-                   help="built shards and the 10x corpus go here (default: bench-out)")
-    p.add_argument("--json", default="bench-out/bench.json", help="where to write the JSON record")
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.child:
-        return args
-    if args.batch_size < 2 or args.batch_size % 2:
-        p.error("--batch-size must be even and at least 2 (A loads half a batch from each data set)")
-    if args.samples is None:  # the tutorial's loaders (A) read each data set once a run
-        fits = args.synthetic_size // max(args.world, 1) * 2 // args.batch_size * args.batch_size - args.batch_size
-        args.samples = min(60000, fits) if args.synthetic else 60000
-    if args.samples < args.batch_size:
-        p.error(f"--samples must be at least one batch ({args.batch_size})")
-    if args.repeats < 1 or any(w < 0 for w in args.workers):
-        p.error("--repeats must be >= 1 and --workers >= 0")
-    if not 0 <= args.rank < args.world:
-        p.error(f"--rank {args.rank} outside --world {args.world}")
-    if not args.synthetic and not args.stages and not (args.mnist_root and (args.cifar_folder or args.tar_format)):
-        p.error("give --mnist-root and --cifar-folder, or --synthetic")
-    args.skipped = choose_peers(p, args)
-    if "A" not in args.methods:
-        args.methods = ["A", *args.methods]
-    if args.torch_threads is not None and args.torch_threads < 1:
-        p.error("--torch-threads must be at least 1")
-    return args
-
-
-def choose_peers(p, args):
-    """Settle which peers run: by default those installed, each other one skipped with a line
-    (returned); one that --methods names and can't run is an error."""
-    explicit = args.methods is not None
-    if not explicit:
-        args.methods = ["A", "B", "C", "C8", *bench_peers.PEERS]
-    skipped = []
-    for peer in [m for m in args.methods if m in bench_peers.PEERS]:
-        why = bench_peers.missing(peer)
-        if why is None and "raw" not in args.encoding:
-            why = f"{peer}: reads the raw shards' pixels; add raw to --encoding"
-        if why is None and args.world != 1:
-            why = f"{peer}: runs as a single rank only (--world 1)"
-        if why is None:
-            continue
-        if explicit:
-            p.error(why)
-        args.methods.remove(peer)
-        skipped.append(why + "; skipped")
-    return skipped
 
 
 def find_shards(args, mnist_root, cifar_folder, work, maxcount):

@@ -24,7 +24,9 @@ transforms. Each run's batches pass `Check`, or the run fails (a failed check is
 a figure). The peers run as a single rank (bench_loader refuses --world > 1 for them).
 
 Nothing here is imported by the tests' own data path, the demo or pipeline/: the libraries are
-imported inside the functions that use them, so this module imports without them.
+imported inside the functions that use them, so this module imports without them; so are numpy,
+torch and the data path, so that bench_loader's command line (which lists PEERS) answers before
+they load.
 """
 import hashlib
 import importlib.metadata
@@ -33,12 +35,6 @@ import json
 import multiprocessing
 import os
 import shutil
-
-import numpy as np
-import torch
-
-from pipeline.data import manifest, read
-from pipeline.data.batch import NOTHING, Layout
 
 # method -> (module imported, distribution installed, the version the figures belong to)
 PEERS = {"LitData": ("litdata", "litdata", "0.2.76"),
@@ -80,11 +76,16 @@ class Check:
     """
 
     def __init__(self, batch_size, hw, class_counts, share=0.5):
+        import numpy as np
+
         self.shape = (batch_size, 3, *hw)
         self.bounds = np.cumsum([0, *class_counts])
         self.share, self.ids, self.n, self.first = share, [], 0, 0
 
     def add(self, batch):
+        import numpy as np
+        import torch
+
         image, label, source, index = (batch[k] for k in ("image", "label", "source", "index"))
         if tuple(image.shape) != self.shape or image.dtype != torch.float32:
             raise CheckError(f"batch of {image.dtype} {tuple(image.shape)}; float32 {self.shape} expected")
@@ -104,6 +105,8 @@ class Check:
         self.first += int((source == 0).sum())
 
     def done(self):
+        import numpy as np
+
         if not self.n:
             raise CheckError("no batch at all")
         got = self.first / self.n
@@ -143,9 +146,16 @@ class Collate:
     `Layout.normalize`. A class, so that spawned or forked workers can take it."""
 
     def __init__(self, sources):
+        from pipeline.data.batch import Layout
+
         self.layout = Layout(sources)
 
     def __call__(self, rows):
+        import numpy as np
+        import torch
+
+        from pipeline.data.batch import NOTHING
+
         source = np.fromiter((int(r["source"]) for r in rows), np.int64, len(rows))
         parts = []
         for s in range(len(self.layout.sources)):
@@ -162,6 +172,8 @@ class Collate:
 
 
 def make_check(srcs, setup):
+    from pipeline.data.batch import Layout
+
     layout = Layout(srcs)
     return Check(setup.batch_size, layout.hw, [len(s.classes) for s in srcs])
 
@@ -171,6 +183,10 @@ def make_check(srcs, setup):
 
 def raw_rows(spec):
     """The rows of one raw shard: (url, shape, source number, position of its first sample)."""
+    import numpy as np
+
+    from pipeline.data import read
+
     url, shape, number, first = spec
     with open(url, "rb") as f:
         for k, s in enumerate(read.iter_samples(f, want={"raw", "cls"})):
@@ -180,6 +196,8 @@ def raw_rows(spec):
 
 def shard_specs(src, number, folder):
     """One spec per raw shard, with where its samples start in the source (from the manifest)."""
+    from pipeline.data import manifest
+
     m = manifest.load(os.path.join(folder, manifest.manifest_name(src.name, "train")))
     specs, first = [], 0
     for url, entry in zip(src.urls, m["shards"]):
@@ -191,6 +209,8 @@ def shard_specs(src, number, folder):
 def cached(work, kind, src, folder, write):
     """The folder of `kind` for this source, written once by `write(out)` and reused while the raw
     shards' manifest is the same (its digest is in the folder's name)."""
+    from pipeline.data import manifest
+
     with open(os.path.join(folder, manifest.manifest_name(src.name, "train")), "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:12]
     out = os.path.join(work, "peers", f"{kind}-{src.name}-{digest}")
@@ -277,6 +297,7 @@ def batches_mosaic(srcs, folders, setup, workers, epoch):
     """Mosaic's recommended path: one StreamingDataset over two Streams with proportions,
     shuffle=True, batch_size given to the dataset (it partitions by it); epoch_size makes the
     epoch exactly the run's samples, so its workers run out and exit on their own."""
+    import torch
     from streaming import Stream, StreamingDataset
 
     streams = [Stream(local=f, proportion=0.5) for f in folders]  # local only: read in place, nothing copied

@@ -40,20 +40,7 @@ from contextlib import contextmanager, nullcontext
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
-import torch.distributed as tdist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-
-from pipeline.train import dist  # noqa: E402
-from pipeline.writers import shards  # noqa: E402
 from pipeline.cli import Parser  # noqa: E402
-from pipeline.files import read_json, write_json_atomic  # noqa: E402
-from pipeline.train.prefetch import ahead, on_device  # noqa: E402
-from pipeline.train.model import Net  # noqa: E402
-from pipeline.writers.sources import SyntheticSource  # noqa: E402
-from pipeline.data.stream import MixedStream, make_loader, resolve  # noqa: E402
-from pipeline.train.loop import autocast  # noqa: E402
 
 SHAPES = {"mnist": (1, 28, 28), "cifar10": (3, 32, 32)}
 TRAIN_N, TEST_N = 20000, 2000
@@ -63,15 +50,9 @@ TOLERANCE = 1e-5
 AFTER_TRAIN_S = 60  # kept back from the trainer for the in-process checks after it
 
 
-class Failed(Exception):
-    """A step that ran but whose figures are wrong; the figures still go in the report."""
-
-    def __init__(self, message, figures=None):
-        super().__init__(message)
-        self.figures = figures or {}
-
-
 def parse(argv=None):
+    """The command line, checked with nothing but the standard library: the `__main__` block
+    parses it before torch loads, so --help and a bad flag answer at once."""
     p = Parser(prog="gpu_check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shards", metavar="DIR", help="real shards: a folder holding mnist-train.json, "
                    "cifar10-train.json, mnist-test.json, cifar10-test.json (default: build synthetic ones)")
@@ -94,6 +75,32 @@ def parse(argv=None):
     if args.budget < 120:
         p.error(f"--budget must be at least 120, got {args.budget}")
     return args, p
+
+
+if __name__ == "__main__":
+    parse()
+
+import torch  # noqa: E402
+import torch.distributed as tdist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+from pipeline.train import dist  # noqa: E402
+from pipeline.writers import shards  # noqa: E402
+from pipeline.files import read_json, write_json_atomic  # noqa: E402
+from pipeline.train.prefetch import ahead, on_device  # noqa: E402
+from pipeline.train.model import Net  # noqa: E402
+from pipeline.writers.sources import SyntheticSource  # noqa: E402
+from pipeline.data.stream import MixedStream, make_loader, resolve  # noqa: E402
+from pipeline.train.loop import autocast  # noqa: E402
+
+
+class Failed(Exception):
+    """A step that ran but whose figures are wrong; the figures still go in the report."""
+
+    def __init__(self, message, figures=None):
+        super().__init__(message)
+        self.figures = figures or {}
 
 
 def cuda_device_count():

@@ -23,6 +23,38 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from pipeline.cli import Parser  # noqa: E402
+
+BATCH = 256
+
+
+def parse_args(argv=None):
+    """The command line, checked; it needs neither numpy nor torch, so --help and a bad
+    flag answer before they load (the `__main__` block parses first)."""
+    ap = Parser(prog="scale_sim", description=__doc__.splitlines()[0])
+    ap.add_argument("--shards", type=int, default=100_000)
+    ap.add_argument("--world", type=int, default=1024)
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--to-world", type=int, action="append", help="default: 768 and 1280")
+    ap.add_argument("--samples-per-shard", type=int, default=1000)
+    args = ap.parse_args(argv)
+    args.to_world = args.to_world or [768, 1280]
+    for flag, values, low in (("--shards", [args.shards], 1), ("--world", [args.world], 1),
+                              ("--workers", [args.workers], 0), ("--to-world", args.to_world, 1),
+                              ("--samples-per-shard", [args.samples_per_shard], 1)):
+        for v in values:
+            if not low <= v <= 10 ** 7:
+                ap.error(f"{flag} {v}: between {low} and 10000000")
+    total = args.shards * args.samples_per_shard
+    for world in (args.world, *args.to_world):
+        if total < world * BATCH:
+            ap.error(f"{total} samples are less than one batch of {BATCH} per rank on {world} ranks")
+    return args
+
+
+if __name__ == "__main__":
+    parse_args()
+
 import numpy as np  # noqa: E402
 
 from pipeline.data import partition  # noqa: E402
@@ -30,8 +62,6 @@ from pipeline.data.decode import Target  # noqa: E402
 from pipeline.data.manifest import Source  # noqa: E402
 from pipeline.data.stream import MixedStream, redeal_order  # noqa: E402
 from pipeline.data.topology import Topology, Worker  # noqa: E402
-
-BATCH = 256
 
 
 def big_source(shards, per_shard):
@@ -63,7 +93,8 @@ def interrupted(stream, workers, rng):
         mine = partition.owned(part.slots, stream.topo.rank, stream.topo.world, w, n)
         counts[w] = {s: int(rng.integers(0, max(int(sizes[s]), 1))) for s in mine}
     stream.segment.counts = [counts]
-    stream.segment.done = {w: 7 for w in range(n)}
+    batches = stream.segment.batches  # 7 made by each worker, or its whole share where that is less
+    stream.segment.done = {w: min(7, batches // n + (w < batches % n)) for w in range(n)}
     return stream.state_dict()
 
 
@@ -87,23 +118,9 @@ def covered_once(part, merged, world, workers):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shards", type=int, default=100_000)
-    ap.add_argument("--world", type=int, default=1024)
-    ap.add_argument("--workers", type=int, default=8)
-    ap.add_argument("--to-world", type=int, action="append", help="default: 768 and 1280")
-    ap.add_argument("--samples-per-shard", type=int, default=1000)
-    args = ap.parse_args(argv)
-    to_worlds = args.to_world or [768, 1280]
-    for flag, values, low in (("--shards", [args.shards], 1), ("--world", [args.world], 1),
-                              ("--workers", [args.workers], 0), ("--to-world", to_worlds, 1),
-                              ("--samples-per-shard", [args.samples_per_shard], 1)):
-        for v in values:
-            if not low <= v <= 10 ** 7:
-                ap.error(f"{flag} {v}: between {low} and 10000000")
+    args = parse_args(argv)
+    to_worlds = args.to_world
     src = big_source(args.shards, args.samples_per_shard)
-    if src.total < args.world * BATCH:
-        ap.error(f"{src.total} samples are less than one batch of {BATCH} per rank on {args.world} ranks")
 
     t = time.perf_counter()
     first = stream_at(src, 0, args.world, args.workers)
@@ -120,8 +137,6 @@ def main(argv=None):
     resume_s, covered = 0.0, True
     merged = partition.gather([m for s in states for m in s["counts"][0].values()], parts[0].slots)
     for world in to_worlds:
-        if src.total < world * BATCH:
-            ap.error(f"{src.total} samples are less than one batch of {BATCH} per rank on {world} ranks")
         for rank in (0, world - 1):
             t = time.perf_counter()
             resumed = stream_at(src, rank, world, args.workers)

@@ -36,11 +36,12 @@ def parse_args(argv):
 
 
 def main(argv=None):
+    args = parse_args(argv)  # --help and a bad command line answer before webdataset (and torch) load
+
     import json
 
     import webdataset as wds
 
-    args = parse_args(argv)
     classes = sorted(d for d in os.listdir(args.root) if os.path.isdir(os.path.join(args.root, d)))
     files = sorted((os.path.join(c, f), label) for label, c in enumerate(classes)
                    for f in os.listdir(os.path.join(args.root, c)))
