@@ -21,6 +21,7 @@ class Parser(argparse.ArgumentParser):
     """argparse that reports a bad command line in one line (no usage dump), exit code 2."""
 
     def error(self, message):
+        message = printable(message)  # it may echo the command line: a newline or an escape there stays one line
         sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")  # one write: ranks' lines don't interleave
         sys.stderr.flush()
         sys.exit(2)

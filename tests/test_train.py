@@ -158,11 +158,16 @@ def test_same_run_over_http_matches_local(ddp_run, data, tmp_path):
     (["--batch-size", "0"], "--batch-size"),
     (["--eval", "svhn=x"], "svhn"),
     (["--eval", "svhn", "shards/"], "expected NAME=SPEC, e.g. --eval svhn=shards/ (no space around =)"),
-    (["--bogus", "3"], "unrecognized arguments: --bogus 3"),
+    (["--eval", "svhn", "=", "shards/"], "e.g. --eval svhn=shards/ (no space"),
+    (["--eval=svhn=", "shards/"], "e.g. --eval svhn=shards/ (no space"),
+    (["--eval", "svhn", "--bogus", "3"], "unrecognized arguments: --bogus 3"),  # not "svhn=--bogus"
+    (["stray", "--epochs", "1"], "unrecognized arguments: stray"),
+    (["--eval", "sv\nhn\x1b[31m", "x"], "--eval sv\\nhn\\x1b[31m x: expected NAME=SPEC"),  # echoed as one line
 ])
 def test_bad_command_lines_fail_in_one_line(data, tmp_path, bad, message):
     p = run([*sources(data), *bad, "--out", str(tmp_path / "o")], nproc=0, check=False)
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.count("\n") == 1 and "\x1b" not in p.stderr, p.stderr
 
 
 def test_missing_test_shards_fail_before_training(data, tmp_path):

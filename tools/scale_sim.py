@@ -12,7 +12,8 @@ rank 0 and the last rank of each --to-world resume from it with `load_state_dict
 re-deal) and plan their workers' first windows. Prints one JSON line: plan_s, resume_s
 (the slowest resume, parsing the gathered state included), state_bytes_per_rank (the
 largest), state_bytes_gathered, covered_once (on every new world each slot is dealt to
-exactly one (rank, worker), every pair owns one, and the slots' pieces tile every shard).
+exactly one (rank, worker), every pair owns one, and the slots' pieces tile every shard),
+batches_left (the fewest a resumed rank still makes: the stop was inside the epoch).
 """
 import argparse
 import json
@@ -93,8 +94,8 @@ def interrupted(stream, workers, rng):
         mine = partition.owned(part.slots, stream.topo.rank, stream.topo.world, w, n)
         counts[w] = {s: int(rng.integers(0, max(int(sizes[s]), 1))) for s in mine}
     stream.segment.counts = [counts]
-    batches = stream.segment.batches  # 7 made by each worker, or its whole share where that is less
-    stream.segment.done = {w: min(7, batches // n + (w < batches % n)) for w in range(n)}
+    batches = stream.segment.batches  # 7 made by each worker, fewer where its share is small: some stay to resume
+    stream.segment.done = {w: max(0, min(7, batches // n + (w < batches % n) - 1)) for w in range(n)}
     return stream.state_dict()
 
 
@@ -134,7 +135,7 @@ def main(argv=None):
     per_rank = max(len(json.dumps(s)) for s in states)
     blob = json.dumps({"ranks": states})
 
-    resume_s, covered = 0.0, True
+    resume_s, covered, left = 0.0, True, None
     merged = partition.gather([m for s in states for m in s["counts"][0].values()], parts[0].slots)
     for world in to_worlds:
         for rank in (0, world - 1):
@@ -143,9 +144,15 @@ def main(argv=None):
             resumed.load_state_dict(json.loads(blob))
             plan(resumed, args.workers)
             resume_s = max(resume_s, time.perf_counter() - t)
+            left = resumed.segment.batches if left is None else min(left, resumed.segment.batches)
         covered &= covered_once(parts[0], merged, world, args.workers)
+        if world * max(args.workers, 1) > parts[0].slots:
+            print(f"scale_sim: note: {world} ranks x {max(args.workers, 1)} workers are more pairs than the "
+                  f"{parts[0].slots} slots: the pairs without one borrow a slot (make_loader warns so), and "
+                  f"covered_once, which needs every pair to own one, is false", file=sys.stderr)
     print(json.dumps({"plan_s": round(plan_s, 4), "resume_s": round(resume_s, 4), "state_bytes_per_rank": per_rank,
-                      "state_bytes_gathered": len(blob), "covered_once": bool(covered), "slots": parts[0].slots,
+                      "state_bytes_gathered": len(blob), "covered_once": bool(covered), "batches_left": left,
+                      "slots": parts[0].slots,
                       "shards": args.shards, "world": args.world, "workers": args.workers, "to_world": to_worlds}))
 
 

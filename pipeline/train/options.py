@@ -7,6 +7,7 @@ imports torch, webdataset or numpy: `--help` and every command-line error answer
 import argparse
 import math
 import os
+import sys
 
 from pipeline.cli import Parser, add_io_options, byte_size, check_io
 from pipeline.files import missing_folder
@@ -107,13 +108,39 @@ def parse(argv=None):
     add_io_options(p)
     args, extra = p.parse_known_args(argv)
     if extra:
-        spaced = [(f, v) for f in ("--train", "--eval") for v in getattr(args, f[2:]) if "=" not in v]
+        spaced = _spaced(sys.argv[1:] if argv is None else list(argv), extra)
         if spaced:  # `--train mnist shards/`: argparse would only name shards/ as unrecognised
-            flag, name = spaced[0]
-            p.error(f"{flag} {name} {extra[0]}: expected NAME=SPEC, e.g. {flag} {name}={extra[0]} (no space around =)")
+            flag, name, spec = spaced
+            p.error(f"{flag} {name} {spec}: expected NAME=SPEC, e.g. {flag} {name}={spec} (no space around =)")
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     check(p, args)
     return args
+
+
+def _spaced(argv, extra):
+    """(flag, NAME, SPEC) where argv writes a source with a space around its '=' (`--train
+    NAME SPEC`, `NAME =SPEC`, `NAME = SPEC`, `NAME= SPEC`) and what argparse left over is
+    that SPEC; else None, and the leftovers are just unrecognised."""
+    for i, token in enumerate(argv):
+        for flag in ("--train", "--eval"):
+            if token == flag:
+                value, rest = (argv[i + 1], argv[i + 2:]) if i + 1 < len(argv) else ("", [])
+            elif token.startswith(flag + "="):
+                value, rest = token[len(flag) + 1:], argv[i + 1:]
+            else:
+                continue
+            name = value[:-1] if value.endswith("=") else value
+            if not name or "=" in name or name.startswith("-") or not rest or rest[0] not in extra:
+                continue
+            if value.endswith("="):
+                spec = rest[0]
+            elif rest[0] == "=":
+                spec = rest[1] if len(rest) > 1 and rest[1] in extra else ""
+            else:
+                spec = rest[0][1:] if rest[0].startswith("=") else rest[0]
+            if spec and not spec.startswith("-"):
+                return flag, name, spec
+    return None
 
 
 def check(p, args):
