@@ -58,6 +58,14 @@ def mixed_shards(tmp_path_factory):
                                                            ("mnist", "test", 40, "raw")], maxcount=20)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def launch_folder(tmp_path_factory):
+    """The forked launchers' output goes under this test run's temporary folder (helpers.Launchers)."""
+    import helpers
+
+    helpers.LAUNCH_FOLDER = str(tmp_path_factory.getbasetemp())
+
+
 @pytest.fixture(scope="session")
 def mid_epoch_shards(tmp_path_factory):
     """mnist 400 raw + cifar10 400 png, 20 per shard, and 60 mnist test: the data of the

@@ -143,7 +143,9 @@ class Launchers:
         import tempfile
 
         if self.proc is None or self.proc.poll() is not None:
-            self.folder = tempfile.mkdtemp(prefix="launchers-")
+            # in the run's temporary folder (conftest sets it), which pytest removes with old runs
+            # even where this process dies before close()
+            self.folder = tempfile.mkdtemp(prefix="launchers-", dir=LAUNCH_FOLDER)
             self.proc = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE,
                                          env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
@@ -242,6 +244,9 @@ class Launched:
         import signal
 
         self.send_signal(signal.SIGKILL)
+
+
+LAUNCH_FOLDER = None  # where Launchers keeps the launchers' output: the test run's temporary folder (conftest)
 
 
 @functools.lru_cache(maxsize=None)
