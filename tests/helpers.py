@@ -344,7 +344,16 @@ def completed(proc, timeout=180):
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         import time
-        os.killpg(proc.pid, signal.SIGABRT)  # faulthandler (PYTHONFAULTHANDLER=1) prints every process's stacks
+        # faulthandler (PYTHONFAULTHANDLER=1) prints each process's stacks on SIGABRT; torchrun puts
+        # every rank in a process group of its own, so the ranks and their DataLoader workers are
+        # signalled one by one, the launcher's group last
+        for pid in descendants(proc.pid)[::-1]:
+            try:
+                os.kill(pid, signal.SIGABRT)
+            except ProcessLookupError:
+                pass
+        time.sleep(2)
+        os.killpg(proc.pid, signal.SIGABRT)
         time.sleep(3)
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -356,6 +365,27 @@ def completed(proc, timeout=180):
             err = ""
         pytest.fail(f"still running after {timeout} s: a hang; the processes' stacks:\n{(err or '')[-12000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def descendants(pid):
+    """Every live descendant of pid, parents before children (from each /proc/N/stat's parent)."""
+    import os
+
+    parents = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        kids = [c for c, parent in parents.items() if parent == p]
+        out += kids
+        todo += kids
+    return out
 
 
 def free_port():
