@@ -353,12 +353,12 @@ def completed(proc, timeout=180):
             except ProcessLookupError:
                 pass
         time.sleep(2)
-        os.killpg(proc.pid, signal.SIGABRT)
-        time.sleep(3)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:  # SIGABRT ended them all: their stacks are what is wanted
-            pass
+        for sig in (signal.SIGABRT, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:  # the launcher ended with its ranks: their stacks are what is wanted
+                pass
+            time.sleep(3 if sig == signal.SIGABRT else 0)
         try:
             _, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:  # a process outside the session still holds the pipes
