@@ -348,17 +348,11 @@ def completed(proc, timeout=180):
         # every rank in a process group of its own, so the ranks and their DataLoader workers are
         # signalled one by one, the launcher's group last
         for pid in descendants(proc.pid)[::-1]:
-            try:
-                os.kill(pid, signal.SIGABRT)
-            except ProcessLookupError:
-                pass
+            _signal(os.kill, pid, signal.SIGABRT)
         time.sleep(2)
-        for sig in (signal.SIGABRT, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:  # the launcher ended with its ranks: their stacks are what is wanted
-                pass
-            time.sleep(3 if sig == signal.SIGABRT else 0)
+        _signal(os.killpg, proc.pid, signal.SIGABRT)  # the launcher may have ended with its ranks
+        time.sleep(3)
+        _signal(os.killpg, proc.pid, signal.SIGKILL)
         try:
             _, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:  # a process outside the session still holds the pipes
@@ -367,22 +361,41 @@ def completed(proc, timeout=180):
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def descendants(pid):
-    """Every live descendant of pid, parents before children (from each /proc/N/stat's parent)."""
+def _signal(send, pid, sig):
+    """send(pid, sig) (os.kill or os.killpg), where the process may have ended already."""
+    try:
+        send(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def parents():
+    """{pid: parent pid} of every process, from field 4 of each /proc/N/stat (after the
+    parenthesised name, which may hold spaces)."""
     import os
 
-    parents = {}
+    out = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
                 with open(f"/proc/{name}/stat") as f:
-                    parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                    out[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
                 pass
-    out, todo = [], [pid]
+    return out
+
+
+def children(pid):
+    """Direct child pids of a process."""
+    return [c for c, parent in parents().items() if parent == pid]
+
+
+def descendants(pid):
+    """Every live descendant of pid, parents before children."""
+    tree, out, todo = parents(), [], [pid]
     while todo:
         p = todo.pop(0)
-        kids = [c for c, parent in parents.items() if parent == p]
+        kids = [c for c, parent in tree.items() if parent == p]
         out += kids
         todo += kids
     return out

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from helpers import build_shards, finish, free_port, launch_train, serve, train_in_process
+from helpers import build_shards, children, descendants, finish, free_port, launch_train, serve, train_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
@@ -43,20 +43,6 @@ def launch(args, nproc=2, extra_launcher=()):
 def summary(out):
     with open(os.path.join(out, "summary.json")) as f:
         return json.load(f)
-
-
-def children(pid):
-    """Direct child pids of a process, from /proc."""
-    kids = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                with open(f"/proc/{p}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        kids.append(int(p))
-            except (OSError, IndexError, ValueError):
-                pass
-    return kids
 
 
 def wait_for(path, proc, timeout=120):
@@ -195,8 +181,7 @@ def test_ctrl_c_on_the_launcher_ends_every_process(data, tmp_path):
     out = tmp_path / "run"
     proc = launch(args_for(data, out, "--epochs", "50"))
     wait_for(out / "checkpoint.pt", proc)
-    tree = children(proc.pid)
-    tree += [g for c in tree for g in children(c)]
+    tree = descendants(proc.pid)  # the ranks and their DataLoader workers
     proc.send_signal(signal.SIGINT)
     t0 = time.time()
     finish(proc, timeout=60)

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from helpers import Quiet, build_shards, drip, free_port, serving, train_in_process
+from helpers import Quiet, build_shards, children, drip, free_port, serving, train_in_process
 from pipeline.train import checkpoint
 from pipeline import files
 from pipeline.data import manifest, remote
@@ -460,7 +460,7 @@ def test_ranks_end_when_their_launcher_is_killed(data, tmp_path):
     while not (out / "metrics.jsonl").exists():
         assert time.time() - t0 < 120 and proc.poll() is None
         time.sleep(0.1)
-    ranks = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == proc.pid]
+    ranks = children(proc.pid)
     assert len(ranks) == 2
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group; each rank leads a group of its own
     proc.wait()
@@ -471,14 +471,6 @@ def test_ranks_end_when_their_launcher_is_killed(data, tmp_path):
     for r in left:
         os.kill(r, signal.SIGKILL)
     assert not left, "ranks kept running without their launcher"
-
-
-def _parent(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _alive(pid):

@@ -15,7 +15,6 @@ largest), state_bytes_gathered, covered_once (on every new world each slot is de
 exactly one (rank, worker), every pair owns one, and the slots' pieces tile every shard),
 batches_left (the fewest a resumed rank still makes: the stop was inside the epoch).
 """
-import argparse
 import json
 import os
 import sys
@@ -120,7 +119,6 @@ def covered_once(part, merged, world, workers):
 
 def main(argv=None):
     args = parse_args(argv)
-    to_worlds = args.to_world
     src = big_source(args.shards, args.samples_per_shard)
 
     t = time.perf_counter()
@@ -137,7 +135,7 @@ def main(argv=None):
 
     resume_s, covered, left = 0.0, True, None
     merged = partition.gather([m for s in states for m in s["counts"][0].values()], parts[0].slots)
-    for world in to_worlds:
+    for world in args.to_world:
         for rank in (0, world - 1):
             t = time.perf_counter()
             resumed = stream_at(src, rank, world, args.workers)
@@ -153,7 +151,7 @@ def main(argv=None):
     print(json.dumps({"plan_s": round(plan_s, 4), "resume_s": round(resume_s, 4), "state_bytes_per_rank": per_rank,
                       "state_bytes_gathered": len(blob), "covered_once": bool(covered), "batches_left": left,
                       "slots": parts[0].slots,
-                      "shards": args.shards, "world": args.world, "workers": args.workers, "to_world": to_worlds}))
+                      "shards": args.shards, "world": args.world, "workers": args.workers, "to_world": args.to_world}))
 
 
 if __name__ == "__main__":
