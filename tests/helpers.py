@@ -60,12 +60,16 @@ def write_tar(path, members):
             tar.addfile(info, io.BytesIO(data))
 
 
-def launch_train(args, nproc=2, extra_launcher=(), pythonpath=(), fresh=False):
+def launch_train(args, nproc=2, extra_launcher=(), pythonpath=(), fresh=False, fork_ranks=True):
     """`python -m torch.distributed.run ... -m pipeline.train ARGS` in a session of its own,
-    forked from a Python that imported torch once (see Launchers); the ranks are fresh
-    Pythons started by torchrun, as on a cluster. fresh=True starts the launcher itself as
-    a new Python, for a test that needs its command line (the trainer reads it back to print
-    the resume command); test_index, test_scale and test_stream start theirs that way too."""
+    forked from a Python that imported torch once (see Launchers). With fork_ranks, torchrun
+    forks each rank from that launcher (`--run-path tests/forked_rank.py --start-method fork`),
+    which runs the trainer as `-m pipeline.train` would, without paying ~3.4 CPU-s a rank to
+    import torch and the trainer again; else the ranks are fresh Pythons, as on a cluster.
+    fresh=True starts the launcher itself as a new Python with fresh ranks, for a test that
+    needs its command line (the trainer reads it back to print the resume command).
+    test_preempt, test_scale, test_stream, test_readback, test_security and test_limits start
+    `torchrun -m pipeline.train` as users do, so that path is tested as it runs."""
     import os
     import subprocess
     import sys
@@ -73,17 +77,31 @@ def launch_train(args, nproc=2, extra_launcher=(), pythonpath=(), fresh=False):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # PYTHONFAULTHANDLER: on a hang, finish() sends SIGABRT and every process prints its stacks
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *pythonpath]), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
-    argv = [f"--nproc_per_node={nproc}", f"--master_port={free_port()}", *extra_launcher, "-m", "pipeline.train",
-            *map(str, args)]
+    entry = ["--run-path", "--start-method=fork", os.path.join(root, "tests", "forked_rank.py")] \
+        if fork_ranks and not fresh else ["-m", "pipeline.train"]
+    argv = [f"--nproc_per_node={nproc}", f"--master_port={free_port()}", *extra_launcher, *entry, *map(str, args)]
     if not fresh:
         return launchers().start(argv, env, root)
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv], cwd=root, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
+def launch_trainer(args, pythonpath=()):
+    """`python -m pipeline.train ARGS`, one process without torchrun, forked as the launchers
+    are (see Launchers) from a Python that imported torch and the trainer once: for a test
+    that needs the trainer in a process of its own (its DataLoader workers' stderr seen)."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *map(str, pythonpath)]), OMP_NUM_THREADS="1",
+               PYTHONFAULTHANDLER="1")
+    return launchers().start(list(map(str, args)), env, root, module="pipeline.train")
+
+
 LAUNCHER = """
 import faulthandler, json, os, runpy, select, sys, traceback
 import torch.distributed.run  # what every launch would import again
+import torch._dynamo, pipeline.train.loop  # what every rank forked from a launcher would import again (DDP imports dynamo)
 faulthandler.enable()
 children = set()
 while True:
@@ -91,9 +109,9 @@ while True:
         request = sys.stdin.readline()
         if not request:
             break
-        argv, env, cwd, out, err = json.loads(request)
+        module, argv, env, cwd, out, err = json.loads(request)
         pid = os.fork()
-        if pid == 0:  # as `python -m torch.distributed.run ARGV` with start_new_session=True would run
+        if pid == 0:  # as `python -m MODULE ARGV` with start_new_session=True would run
             os.setsid()
             os.chdir(cwd)
             os.environ.clear()
@@ -102,10 +120,12 @@ while True:
                                     (2, err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
                 os.dup2(os.open(path, flags), fd)
             sys.stdin = open(0, closefd=False)
-            sys.argv, status = [torch.distributed.run.__file__, *argv], 0
-            del sys.modules["torch.distributed.run"]  # as `python -m` finds it: not imported yet (no runpy warning)
+            sys.path[:0] = [cwd, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+            sys.argv, status = [module, *argv], 0
+            if module == "torch.distributed.run":  # as `python -m` finds it: not imported yet (no runpy warning)
+                del sys.modules[module]
             try:
-                runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
             except SystemExit as e:
                 status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
             except BaseException:
@@ -125,17 +145,18 @@ while True:
 
 
 class Launchers:
-    """Forks torchrun launchers from one Python that imported torch once per test process.
+    """Forks torchrun launchers (or trainers) from one Python per test process that imported
+    torch, torch._dynamo and the trainer once.
 
     `python -m torch.distributed.run` paid ~2.5 CPU-s to import torch before it started a
-    rank, some 30 times a test run on two cores. The fork runs the same module as __main__
-    with the same argv, environment, folder and session; the test holds a Launched, which
-    answers as the subprocess.Popen it replaces does."""
+    rank, some 30 times a test run on two cores, and each rank ~3.4 CPU-s more. The fork runs
+    the same module as __main__ with the same argv, environment, folder and session; the
+    test holds a Launched, which answers as the subprocess.Popen it replaces does."""
 
     def __init__(self):
         self.proc, self.exits, self.pending, self.folder, self.calls = None, {}, b"", None, 0
 
-    def start(self, argv, env, cwd):
+    def start(self, argv, env, cwd, module="torch.distributed.run"):
         import json
         import os
         import subprocess
@@ -152,13 +173,14 @@ class Launchers:
             self.pending = b""
         self.calls += 1
         out, err = (os.path.join(self.folder, f"{self.calls}.{s}") for s in ("out", "err"))
-        self.proc.stdin.write((json.dumps([argv, env, str(cwd), out, err]) + "\n").encode())
+        self.proc.stdin.write((json.dumps([module, argv, env, str(cwd), out, err]) + "\n").encode())
         self.proc.stdin.flush()
         while True:
             got = self.report(60)
             assert got is not None, "the process that forks the launchers did not answer in 60 s"
             if got[0] == "pid":
-                return Launched(self, got[1], ["torchrun", *argv], out, err)
+                return Launched(self, got[1], ["torchrun" if module == "torch.distributed.run" else module, *argv],
+                                out, err)
 
     def report(self, timeout):
         """The next line, [word, pid, code...], with an exit noted; None if none came within `timeout` s."""

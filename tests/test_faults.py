@@ -36,8 +36,12 @@ def args_for(base, out, *extra):
             "--width", "8", "--epochs", "2", "--log-every", "10", "--out", str(out), *extra]
 
 
-def launch(args, nproc=2, extra_launcher=()):
-    return launch_train(args, nproc, extra_launcher, pythonpath=[os.path.join(ROOT, "tests")])
+def launch(args, nproc=2, extra_launcher=(), fork_ranks=True):
+    """torchrun with ranks forked from the launcher (helpers.launch_train). The tests of process
+    lifetimes (a killed rank restarted, Ctrl-C) take fresh ranks, which live as on a cluster:
+    torch.multiprocessing sends a forked rank SIGINT when its launcher dies, and a restart
+    forks the launcher again rather than starting a new Python."""
+    return launch_train(args, nproc, extra_launcher, pythonpath=[os.path.join(ROOT, "tests")], fork_ranks=fork_ranks)
 
 
 def summary(out):
@@ -164,7 +168,8 @@ def test_killed_rank_restarts_from_checkpoint_and_finishes(data, tmp_path):
     """Before `dist.restart_store`, the restarted attempt read the killed rank's gloo address
     from torchrun's store and failed with "Connection refused" in most runs."""
     out = tmp_path / "run"
-    proc = launch(args_for(data, out, "--epochs", "3", "--epoch-samples", "2000"), extra_launcher=["--max-restarts=1"])
+    proc = launch(args_for(data, out, "--epochs", "3", "--epoch-samples", "2000"), extra_launcher=["--max-restarts=1"],
+                  fork_ranks=False)
     wait_for(out / "checkpoint.pt", proc)
     victims = children(proc.pid)
     assert victims, "no trainer processes found"
@@ -179,7 +184,7 @@ def test_killed_rank_restarts_from_checkpoint_and_finishes(data, tmp_path):
 
 def test_ctrl_c_on_the_launcher_ends_every_process(data, tmp_path):
     out = tmp_path / "run"
-    proc = launch(args_for(data, out, "--epochs", "50"))
+    proc = launch(args_for(data, out, "--epochs", "50"), fork_ranks=False)
     wait_for(out / "checkpoint.pt", proc)
     tree = descendants(proc.pid)  # the ranks and their DataLoader workers
     proc.send_signal(signal.SIGINT)

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import (FOLDERS, NAMES, SYNSETS, build_shards, built_once, free_port, make_shards_in_process,
-                     train_in_process, write_gnu_tar, write_img2dataset, write_imagefolder_tar, write_multi_member,
-                     write_named_shardwriter, write_shardwriter, write_synset_tar)
+from helpers import (FOLDERS, NAMES, SYNSETS, build_shards, built_once, completed, launch_train,
+                     make_shards_in_process, train_in_process, write_gnu_tar, write_img2dataset, write_imagefolder_tar,
+                     write_multi_member, write_named_shardwriter, write_shardwriter, write_synset_tar)
 from pipeline.writers.index import expand
 from pipeline.data.stream import MixedStream, make_loader, resolve
 
@@ -336,13 +336,9 @@ def test_foreign_webdatasets_train_next_to_our_shards_under_torchrun(foreign, tm
     weights = ",".join(f"{n}={400 if n == 'mnist' else SIZES['train']}" for n in names)
     samples = (400 + SIZES["train"] * (len(names) - 1)) // 2 // 32 * 32  # half the data an epoch, by size:
     per_epoch = samples // 32                                               # no slot runs out of its shards
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                        f"--master_port={free_port()}", "-m", "pipeline.train", *args, "--epochs", "3",
-                        "--weights", weights, "--epoch-samples", str(samples),
-                        "--batch-size", "16", "--workers", "2", "--width", "8", "--shuffle-buffer", "40",
-                        "--record-keys", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
+    p = completed(launch_train([*args, "--epochs", "3", "--weights", weights, "--epoch-samples", samples,
+                                "--batch-size", "16", "--workers", "2", "--width", "8", "--shuffle-buffer", "40",
+                                "--record-keys", "--out", out]), 600)
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     assert s["global_batch"] == 32 and s["peak_lr"] == pytest.approx(0.1 * 32 / 256)

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from helpers import Quiet, build_shards, children, drip, free_port, serving, train_in_process
+from helpers import Quiet, build_shards, children, completed, drip, free_port, launch_trainer, serving, train_in_process
 from pipeline.train import checkpoint
 from pipeline import files
 from pipeline.data import manifest, remote
@@ -592,13 +592,12 @@ def not_a_dict(sample):
                                            ("my_stages:relabel", "returned label 1000000"),
                                            ("my_stages:not_a_dict", "returned int, not the sample dict")])
 def test_a_users_stage_that_fails_is_one_line(data, tmp_path, stage, needle):
-    """A subprocess, not main() in this process: the stage fails in a DataLoader worker, whose
-    own stderr (a traceback, a second error line) captured in process would not be seen."""
+    """A process of its own, not main() in this process: the stage fails in a DataLoader worker,
+    whose own stderr (a traceback, a second error line) captured in process would not be seen."""
     (tmp_path / "my_stages.py").write_text(STAGES)
     (tmp_path / "stage_broken.py").write_text("raise RuntimeError('broken on import')\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, str(tmp_path)]), OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "pipeline.train", *small(data, tmp_path / "run", "--workers", "1"),
-                        "--sample-stage", stage], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    p = completed(launch_trainer([*small(data, tmp_path / "run", "--workers", "1"), "--sample-stage", stage],
+                                 pythonpath=[tmp_path]))
     one_line_error(p, needle)
 
 
