@@ -307,6 +307,39 @@ def test_regular_leaves_every_other_layout_to_the_sequential_reader(make):
     assert read.regular(two_samples(), "raw", "cls") is not None  # the unbroken layout is read
 
 
+def test_regular_reads_keys_and_labels_of_every_form_as_the_sequential_reader():
+    """Keys that are not UTF-8 (decoded with replacement, a key at a time there, all at once
+    here), keys in folders, and labels of 1 to 18 digits."""
+    names = [b"caf\xc3\xa9", b"bad\xff\xfe", b"cut\xe2\x82", b"dir/x", b"\xe2\x82\xac!!"]  # 5 bytes each
+    digits = [b"7", b"42", b"123456789012345678", b"0", b"000000000000000009"]
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT, encoding="latin-1") as tar:
+        for i, (name, label) in enumerate(zip(names, digits)):
+            for ext, data in (("raw", bytes([i]) * 9), ("cls", label)):
+                info = tarfile.TarInfo(f"{name.decode('latin-1')}.{ext}")  # latin-1: the bytes as they are
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    buf = out.getvalue()
+    keys, images, labels = read.regular(buf, "raw", "cls")
+    assert (keys, [bytes(x) for x in images], labels.tolist()) == sequential(buf, "raw")
+    assert labels.tolist() == [int(d) for d in digits] and "\ufffd" in keys[1] and keys[3] == "dir/x"
+
+
+def test_regular_reads_evenly_spaced_samples_whose_data_holds_tar_magic():
+    """Image bytes that look like tar headers (the USTAR magic at byte 257 of a block): the
+    chain of sizes from the first header says where the headers are, so the shard is read,
+    exactly as the sequential reader reads it."""
+    fake = ustar([("x.raw", b"1"), ("x.cls", b"2")])[:512]  # a whole tar header as data
+    members = []
+    for i in range(6):
+        members += [(f"k{i}.raw", fake + bytes([i]) * 512), (f"k{i}.cls", str(i).encode())]
+    buf = ustar(members)
+    found = read.regular(buf, "raw", "cls")
+    assert found is not None
+    keys, images, labels = found
+    assert (keys, [bytes(x) for x in images], labels.tolist()) == sequential(buf, "raw")
+
+
 def test_regular_never_reads_one_extension_as_image_and_label():
     twice = ustar([("a.cls", b"1"), ("a.cls", b"1"), ("b.cls", b"2"), ("b.cls", b"2")])
     with pytest.raises(ShardError, match="twice"):
