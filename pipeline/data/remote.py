@@ -366,10 +366,17 @@ class _Local:
         self.f, self.path, self.limit, self.spent = f, path, limit, 0.0
 
     def read(self, n=-1):
+        return self._timed(self.f.read, n)
+
+    def readinto(self, buffer):
+        """Straight into `buffer` (a window's arena), as a file object's readinto."""
+        return self._timed(self.f.readinto, buffer)
+
+    def _timed(self, read, arg):
         if self.spent > self.limit:
             raise FetchError(f"{self.path}: not read within its {self.limit:.0f} s deadline")
         start = time.monotonic()
-        data = self.f.read(n)
+        data = read(arg)
         self.spent += time.monotonic() - start
         return data
 

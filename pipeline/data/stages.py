@@ -36,7 +36,8 @@ from pipeline.data import partition, remote
 from pipeline.data.node import Node
 from pipeline.data.decode import Unlabelled, class_index, decode_batch, image_format, image_of, label_of, parse_label_key
 from pipeline.errors import DigestError, Errors, InputError, ShardError
-from pipeline.data.read import is_meta, iter_samples, regular
+from pipeline.data.arena import Arena, Rows
+from pipeline.data.read import is_meta, iter_samples, regular_members
 
 
 def split(urls, topo, worker):
@@ -138,14 +139,15 @@ class OncePlan:
 
 class WindowData:
     """The samples of one window as columns: keys, labels (class indices), the shard each
-    came from, and images: one uint8 array (n, C*H*W) when every shard was read by
-    `read.regular` with raw pixels, else a list of encoded images with their extensions."""
+    came from, and images: `arena.Rows` (raw pixels where the window's shards were read)
+    when every shard was read by `read.regular_members` with raw pixels, else a list of
+    encoded images with their extensions."""
 
     def __init__(self):
         self.keys, self.labels, self.urls, self.chunks = [], [], [], []
 
     def add(self, keys, images, exts, labels, url):
-        """One shard's samples: images an array (exts "raw") or a list (exts a list)."""
+        """One shard's samples: images `Rows` (exts "raw") or a list (exts a list)."""
         self.keys += keys
         self.labels.append(np.asarray(labels, np.int64))
         self.urls += [url] * len(keys)
@@ -154,13 +156,13 @@ class WindowData:
     def seal(self):
         self.labels = np.concatenate(self.labels) if self.labels else np.zeros(0, np.int64)
         self.key_column = np.array(self.keys, dtype=object)  # taken by index arrays, as the other columns
-        if self.chunks and all(isinstance(images, np.ndarray) for images, _ in self.chunks):
-            self.images, self.exts = np.concatenate([images for images, _ in self.chunks]), "raw"
+        if self.chunks and all(isinstance(images, Rows) for images, _ in self.chunks):
+            self.images, self.exts = Rows.join([images for images, _ in self.chunks]), "raw"
         else:
             self.images, self.exts = [], []
             for images, exts in self.chunks:
-                dense = isinstance(images, np.ndarray)
-                self.images += [row.tobytes() for row in images] if dense else images
+                dense = isinstance(images, Rows)
+                self.images += images.tobytes() if dense else images
                 self.exts += [exts] * len(images) if dense else exts
         del self.chunks
         return self
@@ -191,6 +193,7 @@ class Reader:
         one_image = len(self.target.image_exts) == 1
         integers = field is None and self.target.names is None and label_ext != "dir"  # what read.regular parses
         self.regular = (self.target.image_exts[0], label_ext) if one_image and integers else None
+        self.arena = Arena() if self.regular and self.regular[0] == "raw" else None  # raw shards: read into it
         n = len(source.urls)
         self.facts = {u: (c, b, d) for u, c, b, d in zip(source.urls, source.counts, source.sizes or [None] * n,
                                                          source.digests or [None] * n)}
@@ -198,30 +201,39 @@ class Reader:
 
     def __call__(self, window):
         out, shards = WindowData(), {}
+        if self.arena is not None:  # the last window's rows were all taken before this one is read
+            claimed = sum(self.facts.get(url, (0, 0, 0))[1] or 0 for url in {url for url, _, _ in window.rows})
+            self.arena.clear(min(claimed, WHOLE_SHARD))  # a claim sizes the first room, never more than a shard
         for url, lo, hi in window.rows:
             if url not in shards:  # a slot may hold two pieces of one shard
-                shards[url] = self._read_shard(url)
+                shards[url] = self._read_shard(url, self.arena)
             self._piece(url, shards[url], lo, hi, out)
         return out.seal()
 
-    def _read_shard(self, url):
+    def _read_shard(self, url, arena=None):
         """Every sample of a shard: (columns, their positions in the shard, bad samples as
-        (position, key, error), how many positions it held, the error that ended it)."""
+        (position, key, error), how many positions it held, the error that ended it). Raw
+        shards read whole go into the window's `arena`, where their images stay."""
         count, nbytes, digest = self.facts.get(url, (None, None, None))
         whole = nbytes is not None and nbytes <= WHOLE_SHARD
         got, bad, cols = 0, [], None
+        begin = arena.used if arena is not None else 0
 
         def consume(stream):
             nonlocal got, cols
             got, cols = 0, ([], [], [], [], [])  # a retry starts the shard over
             bad.clear()
-            if whole:
-                buf = remote.read_all(stream, WHOLE_SHARD)  # the manifest's size is a claim: a local file may be larger
-                if self.regular:
-                    found = regular(buf, *self.regular)
-                    if found is not None:
-                        got, cols = len(found[0]), self._check_regular(*found, bad)
-                        return
+            if whole:  # the manifest's size is a claim: a local file may be larger than it says
+                if arena is not None:
+                    arena.rewind(begin)
+                    start, end = arena.read(stream, WHOLE_SHARD)
+                    buf = arena.view(start, end)
+                else:
+                    start, buf = None, remote.read_all(stream, WHOLE_SHARD)
+                found = regular_members(buf, *self.regular) if self.regular else None
+                if found is not None:
+                    got, cols = len(found[0]), self._check_regular(*self._images(found, buf, arena, start), bad)
+                    return
                 stream = io.BytesIO(buf)
             keys, images, exts, labels, where = cols
             for sample in iter_samples(stream, self.want, url):
@@ -290,19 +302,29 @@ class Reader:
             if not len(keep):
                 return
             keys = [keys[i] for i in keep.tolist()]
-            images = images[keep] if isinstance(images, np.ndarray) else [images[i] for i in keep.tolist()]
+            images = images[keep] if isinstance(images, Rows) else [images[i] for i in keep.tolist()]
             exts = exts if isinstance(exts, str) else [exts[i] for i in keep.tolist()]
             labels = np.asarray(labels)[keep]
         out.add(keys, images, exts, labels, url)
 
+    @staticmethod
+    def _images(found, buf, arena=None, start=0):
+        """(keys, images, labels) of a shard `read.regular_members` read in `buf`: images
+        `Rows` where `buf` is the arena's from `start` and they are all of one size, else a
+        list of bytes."""
+        keys, labels, starts, sizes = found
+        if arena is not None and (sizes == sizes[0]).all():
+            return keys, Rows(arena, starts + start, sizes[0]), labels
+        return keys, [bytes(buf[a:a + z]) for a, z in zip(starts.tolist(), sizes.tolist())], labels
+
     def _check_regular(self, keys, images, labels, bad):
         """Labels (and raw image sizes) of a shard read by read.regular, checked for all its
         samples at once. Returns the columns WindowData.add takes and their positions."""
-        dense = isinstance(images, np.ndarray)
+        dense = isinstance(images, Rows)
         nbytes = int(np.prod(self.target.shape))
         where = np.arange(len(keys))
-        if dense and images.shape[1] != nbytes:
-            bad += [(i, k, f"{images.shape[1]} raw bytes, expected {nbytes} for shape {self.target.shape}")
+        if dense and images.size != nbytes:
+            bad += [(i, k, f"{images.size} raw bytes, expected {nbytes} for shape {self.target.shape}")
                     for i, k in enumerate(keys)]
             return [], images[:0], "raw", labels[:0], where[:0]
         values = labels
@@ -442,8 +464,8 @@ class Decode(Node):
     def next(self, n):
         chunk = self.upstream.next(n)
         d, idx = chunk.data, chunk.idx
-        if isinstance(d.images, np.ndarray):
-            chunk.pixels = d.images[idx].reshape(len(idx), *self.target.shape)
+        if isinstance(d.images, Rows):
+            chunk.pixels = d.images.take(idx).reshape(len(idx), *self.target.shape)
         else:
             rows = idx.tolist()
             pixels, kept, errors = decode_batch([d.images[i] for i in rows], [d.exts[i] for i in rows], self.target,

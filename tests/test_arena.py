@@ -1,0 +1,141 @@
+"""pipeline.data.arena: a window's raw shards read into one buffer, rows gathered from it;
+and the Reader that reads raw windows through it."""
+import io
+import os
+
+import numpy as np
+import pytest
+
+from helpers import build_shards
+from pipeline.data import remote, stages
+from pipeline.data.arena import CHUNK, Arena, Rows
+from pipeline.data.manifest import resolve
+from pipeline.data.read import iter_samples
+from pipeline.errors import ShardError
+
+
+class Dribble:
+    """A stream without readinto that hands out at most `step` bytes a read, as a socket may."""
+
+    def __init__(self, data, step):
+        self.data, self.step = data, step
+
+    def read(self, n=-1):
+        out, self.data = self.data[:min(n, self.step)], self.data[min(n, self.step):]
+        return out
+
+
+def test_shards_read_one_after_another_keep_their_bytes_as_the_buffer_grows():
+    arena = Arena()
+    arena.clear(10)  # a manifest that claims far less than the shards hold: the buffer grows, copying
+    first, second = bytes(range(256)) * 300, bytes(range(255, -1, -1)) * (CHUNK // 100)
+    a = arena.read(io.BytesIO(first), len(first))  # a file object: readinto
+    b = arena.read(Dribble(second, 7777), len(second))  # read() only, in short pieces
+    assert a == (0, len(first)) and b == (len(first), len(first) + len(second))
+    assert arena.view(*a).tobytes() == first and arena.view(*b).tobytes() == second
+    assert len(arena.buf) > len(first) + len(second)
+
+
+@pytest.mark.parametrize("stream", [lambda d: io.BytesIO(d), lambda d: Dribble(d, 1000)])
+def test_a_shard_longer_than_its_limit_is_refused_after_one_byte_more(stream):
+    arena = Arena()
+    arena.clear(0)
+    with pytest.raises(ShardError, match="more than 5000 bytes"):
+        arena.read(stream(bytes(9000)), 5000)
+    assert arena.used == 5001  # what was read: the limit and the byte that says it is passed
+    arena.rewind(0)  # a retry starts the shard over
+    assert arena.read(stream(bytes(5000)), 5000) == (0, 5000)
+
+
+def test_rows_gather_images_at_any_offsets_and_refuse_a_window_read_over():
+    arena = Arena()
+    arena.clear(0)
+    data = np.arange(1000, dtype=np.uint8).tobytes()
+    arena.read(io.BytesIO(data), len(data))
+    rows = Rows(arena, [0, 3, 500, 990], 10)
+    assert rows.take([2, 0]).tolist() == [list(data[500:510]), list(data[0:10])]
+    assert rows[1:].take([0]).tolist() == [list(data[3:13])] and len(rows[1:]) == 3
+    joined = Rows.join([rows[:0], Rows(arena, [7], 10), rows[3:]])  # an empty part takes no part
+    assert joined.size == 10 and joined.take(slice(None)).tolist() == [list(data[7:17]), list(data[990:1000])]
+    assert rows[:2].tobytes() == [data[0:10], data[3:13]]
+    arena.clear(0)
+    with pytest.raises(RuntimeError, match="read over"):
+        rows.take([0])
+
+
+def window_of(src, shards=None):
+    return stages.Window(tuple((u, 0, None) for u in (shards or src.urls)))
+
+
+@pytest.fixture
+def raw_source(tmp_path):
+    build_shards(tmp_path, "toy", "train", 30, shape=(1, 5, 7), encoding="raw", maxcount=10)
+    return resolve("toy", str(tmp_path), "train")
+
+
+def sequential(urls):
+    """(keys, images, labels) of raw shards as the sequential reader reads them."""
+    keys, images, labels = [], [], []
+    for url in urls:
+        with open(url, "rb") as f:
+            for s in iter_samples(f, {"raw", "cls"}):
+                keys.append(s["__key__"])
+                images.append(s["raw"])
+                labels.append(int(s["cls"]))
+    return keys, images, labels
+
+
+def test_a_raw_window_reads_through_one_arena_exactly_as_the_sequential_reader(raw_source):
+    reader = stages.Reader(raw_source)
+    data = reader(window_of(raw_source))
+    assert isinstance(data.images, Rows) and data.images.arena is reader.arena
+    keys, images, labels = sequential(raw_source.urls)
+    assert data.keys == keys and data.labels.tolist() == labels
+    assert [bytes(r) for r in data.images.take(slice(None))] == images
+    again = reader(window_of(raw_source, raw_source.urls[:1]))  # the next window, in the same buffer
+    assert again.keys == keys[:10] and [bytes(r) for r in again.images.take(slice(None))] == images[:10]
+    with pytest.raises(RuntimeError, match="read over"):
+        data.images.take([0])
+
+
+def test_manifest_sizes_that_understate_or_claim_the_most_change_nothing_read(raw_source):
+    want = sequential(raw_source.urls)
+    for claim in (1, stages.WHOLE_SHARD):  # the arena grows past a small claim; a large one sizes no more
+        reader = stages.Reader(raw_source)
+        reader.facts = {u: (c, claim, d) for u, (c, _, d) in reader.facts.items()}
+        data = reader(window_of(raw_source))
+        assert (data.keys, [bytes(r) for r in data.images.take(slice(None))], data.labels.tolist()) == want
+        assert len(reader.arena.buf) <= stages.WHOLE_SHARD + (1 << 20)
+
+
+def test_a_read_retried_from_the_start_of_its_shard_overwrites_the_failed_attempt(raw_source, monkeypatch):
+    """read_url calls consume again after a transient error: the second shard's first attempt
+    broke off half way, and the retry must land where that attempt began, not after it."""
+    real = remote.read_url
+    failed = []
+
+    def flaky(url, consume, **kw):
+        if url == raw_source.urls[1] and not failed:
+            failed.append(url)
+            data = open(url, "rb").read()
+            with pytest.raises(OSError):
+                consume(BrokenHalfWay(data))
+        return real(url, consume, **kw)
+
+    monkeypatch.setattr(remote, "read_url", flaky)
+    reader = stages.Reader(raw_source)
+    data = reader(window_of(raw_source))
+    keys, images, labels = sequential(raw_source.urls)
+    assert failed and data.keys == keys and [bytes(r) for r in data.images.take(slice(None))] == images
+    assert reader.arena.used == sum(os.path.getsize(u) for u in raw_source.urls)  # no half shard left in between
+
+
+class BrokenHalfWay:
+    def __init__(self, data):
+        self.data, self.sent = data, False
+
+    def read(self, n=-1):
+        if self.sent:
+            raise OSError("connection reset")
+        self.sent = True
+        return self.data[:len(self.data) // 2]
