@@ -65,16 +65,6 @@ def test_collate_places_every_source_as_the_windowed_assignment_did(canvas, weig
         assert not batch["image"][grey][:, :, :2].any() and not batch["image"][grey][:, :, :, 30:].any()
 
 
-def test_collate_batch_after_batch_keeps_the_padding_zero_and_the_centre_new():
-    """The padded array is kept between batches (only its centre written again): batches of
-    more, then fewer, then more padded images place each exactly, borders zero."""
-    layout, rng = Layout(sources()), np.random.default_rng(5)
-    for n in (40, 7, 61, 61):
-        choice = rng.choice(3, size=n)
-        parts = parts_for(choice, layout, rng)
-        assert np.array_equal(layout.collate(choice, parts)["image"], old_collate(layout, choice, parts)[0])
-
-
 def test_collate_zeroes_the_places_of_a_source_that_gave_nothing():
     layout, rng = Layout(sources()), np.random.default_rng(3)
     choice = np.array([0, 1, 1, 2, 0])

@@ -40,33 +40,6 @@ def _shared_numpy(array):
 
 
 @pytest.mark.parametrize("normalize", [True, False])
-def test_without_workers_the_loader_gives_what_a_dataloader_without_workers_gave(data, normalize):
-    """make_loader(stream, 0) runs the stream in this process without a DataLoader (InProcess):
-    the same batches, images, labels, sources and states as wds.WebLoader(num_workers=0) gave."""
-    import webdataset as wds
-
-    from pipeline.data.loader import Arrival, InProcess
-
-    def stream():
-        s = MixedStream(train_sources(data.dir), {"mnist": 0.5, "cifar10": 0.5}, 16, seed=5, epoch_samples=160,
-                        normalize=normalize)
-        s.set_epoch(2)
-        return s
-
-    ours, theirs = stream(), stream()
-    loader = make_loader(ours, 0)
-    assert isinstance(loader, InProcess) and len(loader) == len(ours) == 10
-    old = wds.WebLoader(_RingFed(theirs), batch_size=None, collate_fn=_as_is).map(Arrival(theirs))
-    got, want = list(loader), list(old)
-    assert len(got) == len(want) == 10
-    for a, b in zip(got, want):
-        assert a["key"] == b["key"] and a["state"] == b["state"] and a["skipped"] == b["skipped"]
-        for k in ("image", "label", "source"):
-            assert torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype
-    assert ours.state_dict() == theirs.state_dict()
-
-
-@pytest.mark.parametrize("normalize", [True, False])
 def test_worker_batches_are_uint8_made_in_shared_memory(data, normalize):
     """A batch not made in shared memory is copied there when a worker sends it, and float
     images are 4x the bytes of uint8 (3 MB against 768 KB a batch of 256): the loader's

@@ -129,8 +129,7 @@ class Arrival:
 
 
 def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=4, start_method="fork"):
-    """A loader over a stream (MixedStream or EvalStream): `InProcess` without workers, else
-    a WebLoader; warns when shards are too few.
+    """A WebLoader over a stream (MixedStream or EvalStream); warns when shards are too few.
 
     Workers persist across epochs: make the loader once and call `set_epoch` before
     each pass. Forking a process while another of its Python threads starts or exits
@@ -151,7 +150,7 @@ def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=4, star
         stream.set_workers(max(1, num_workers))
     pin = pin_memory and torch.cuda.is_available()
     if not num_workers:
-        return InProcess(stream, pin)
+        return wds.WebLoader(_RingFed(stream), batch_size=None, collate_fn=_as_is).map(Arrival(stream, None, pin))
     ctx = worker_context(start_method)
     if hasattr(stream, "share"):
         stream.share(ctx)
@@ -160,22 +159,6 @@ def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=4, star
                            pin_memory=False, prefetch_factor=prefetch_factor, persistent_workers=True,
                            multiprocessing_context=ctx, worker_init_fn=functools.partial(_exit_with, os.getpid()))
     return loader.map(Arrival(stream, ring, pin))
-
-
-class InProcess:
-    """The loader without workers: the stream's batches made and finished (`Arrival`) in
-    the calling process. A DataLoader with num_workers=0 does the same through its
-    single-process fetcher and a profiler hook per batch, 7% of the uint8 stream's time
-    (docs/benchmarks.md, "Why some stages are our own")."""
-
-    def __init__(self, stream, pin=False):
-        self.stream, self.arrival = stream, Arrival(stream, None, pin)
-
-    def __len__(self):
-        return len(self.stream)
-
-    def __iter__(self):
-        return map(self.arrival, iter(_RingFed(self.stream)))
 
 
 def _as_is(batch):
