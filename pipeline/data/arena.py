@@ -4,7 +4,7 @@ A window of raw shards was read shard by shard into bytes, its images then copie
 into one array (a pass over every image), and each batch copied its rows out of that
 array. Read one after another into an `Arena`, the shards' images stay where they
 were read, and a batch gathers its rows from there in one numpy take (`Rows.take`):
-a pass over the images fewer (docs/benchmarks.md, "Where the time goes").
+a pass over the images fewer (docs/benchmarks.md, "Where the raw path's time goes").
 """
 import numpy as np
 
