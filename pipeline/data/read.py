@@ -414,7 +414,7 @@ def _periodic(buf, flat, n):
             if sizes is None or ((sizes + 511) // 512 != blocks - 1).any():
                 return None
         if not (head[:, 156] == head[0, 156]).all() or not (head[:, 262:265] == head[0, 262:265]).all() \
-                or _posix_prefix(head[:1]) or bytes(head[0, 262:265]) == b"\x0000" and head[:, 345].any():
+                or bytes(head[0, 262:265]) == b"\x0000" and head[:, 345].any():
             return None  # another type of member, another tar format, or a POSIX name prefix
         out.append((head, (np.arange(count) * period + first + 1) * 512, sizes))
     return out
