@@ -1,6 +1,7 @@
 """A rank as `python -u -m pipeline.train ARGS` runs it, forked by torchrun from a launcher
-that imported torch and the trainer once (helpers.launch_train, `--run-path` with
-`--start-method fork`): each fresh rank paid about 3.4 CPU-s for those imports.
+that imported torch and the trainer once (helpers.launch_train: `torchrun --run-path
+--start-method=fork /abs/path/tests/forked_rank.py ARGS`, the path absolute as --run-path
+asks): each fresh rank paid about 3.4 CPU-s for those imports.
 
 torchrun waits for a function rank's return value, so an exit with code 0 returns; any
 other code ends the process with it, as it ends a fresh rank."""

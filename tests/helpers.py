@@ -63,7 +63,7 @@ def write_tar(path, members):
 def launch_train(args, nproc=2, extra_launcher=(), pythonpath=(), fresh=False, fork_ranks=True):
     """`python -m torch.distributed.run ... -m pipeline.train ARGS` in a session of its own,
     forked from a Python that imported torch once (see Launchers). With fork_ranks, torchrun
-    forks each rank from that launcher (`--run-path tests/forked_rank.py --start-method fork`),
+    forks each rank from that launcher (`--run-path --start-method=fork /abs/tests/forked_rank.py`),
     which runs the trainer as `-m pipeline.train` would, without paying ~3.4 CPU-s a rank to
     import torch and the trainer again; else the ranks are fresh Pythons, as on a cluster.
     fresh=True starts the launcher itself as a new Python with fresh ranks, for a test that

@@ -265,6 +265,27 @@ def test_verify_cli(tmp_path):
     assert "1 problem(s)" in p.stdout and "Traceback" not in p.stderr
 
 
+def test_a_failed_download_is_named_in_one_line_and_not_suggested_again(tmp_path, main, monkeypatch):
+    """Offline, --download fails in torchvision with a multi-line error (one line per mirror
+    tried): the fallback says the download failed, with its cause, and does not tell the
+    user to pass the --download they passed; without the fallback the error is one line."""
+    import torchvision
+
+    def offline(*args, **kwargs):
+        raise RuntimeError("Error downloading train-images-idx3-ubyte.gz:\nTried https://a/, got:\n"
+                           "<urlopen error [Errno -2] Name or service not known>\n")
+
+    monkeypatch.setattr(torchvision.datasets, "MNIST", offline)
+    common = ["--datasets", "mnist", "--splits", "train", "--root", tmp_path, "--download", "--limit", 5,
+              "--workers", 1, "--quiet"]
+    code, out, err = main(*common, "--fallback-synthetic", "--out", tmp_path / "out")
+    assert code == 0, err
+    assert len(err.splitlines()) == 1 and "could not download" in err and "Name or service not known" in err, err
+    assert "SYNTHETIC" in err and "--download" not in err.split("for real data")[1]
+    code, out, err = main(*common, "--out", tmp_path / "out2")
+    assert code == 2 and len(err.splitlines()) == 1 and "could not download to" in err and "\\n" not in err, err
+
+
 def test_fallback_synthetic(tmp_path, main):
     (tmp_path / "empty").mkdir()
     code, out, err = main("--datasets", "mnist", "--splits", "train", "test", "--root", tmp_path / "empty",

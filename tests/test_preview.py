@@ -63,6 +63,7 @@ def test_title_names_the_data_set_and_says_synthetic(mnist):
     texts = "\n".join(figure_texts(pv.build_figure(str(path), n=8)))
     assert "SYNTHETIC" in texts
     assert "mnist / train" in texts and "8 of 40 samples" in texts
+    assert texts.count("look-alike") == 1, texts  # said once, not "SYNTHETIC look-alike data: ... look-alike data"
 
 
 def test_grey_images_are_shown_grey_and_match_the_source(mnist):

@@ -165,12 +165,13 @@ def load_sources(args):
                 continue
             try:
                 yield sources.torchvision_source(name, split, args.root, download=args.download)
-            except sources.SourceError:
+            except sources.SourceError as e:
                 if not args.fallback_synthetic:
                     raise
                 if not said:
-                    print(f"make_shards: {name}: no real data under {args.root}/, writing SYNTHETIC look-alike data; "
-                          f"for real data {real_data_hint(name)}", file=sys.stderr)
+                    why = printable(str(e)) if args.download else f"{name}: no real data under {args.root}/"
+                    print(f"make_shards: {why}, writing SYNTHETIC look-alike data; for real data "
+                          f"{real_data_hint(name, args.download)}", file=sys.stderr)
                     said = True
                 yield sources.synthetic_source(name, split, seed=args.seed)
     for name, split, folder in args.imagefolder:
@@ -181,11 +182,12 @@ def load_sources(args):
             yield src
 
 
-def real_data_hint(name):
+def real_data_hint(name, downloading=False):
+    fetch = "" if downloading else ", or pass --download (make demo DOWNLOAD=1)"
     if name == "mnist":
-        return "put MNIST/raw/ under --root (make demo DATA=DIR), or pass --download (make demo DOWNLOAD=1)"
-    return "put cifar-10-batches-py/ under --root (make demo DATA=DIR), pass --download (DOWNLOAD=1), or give " \
-           "--cifar10-dir DIR with train/ and test/ class folders of images (make demo CIFAR10_DIR=DIR)"
+        return f"put MNIST/raw/ under --root (make demo DATA=DIR){fetch}"
+    return f"put cifar-10-batches-py/ under --root (make demo DATA=DIR){fetch}, or give --cifar10-dir DIR with " \
+           "train/ and test/ class folders of images (make demo CIFAR10_DIR=DIR)"
 
 
 def describe(origin):

@@ -36,7 +36,9 @@ def origin_text(origin):
     origin = origin if isinstance(origin, dict) else {}
     kind = str(origin.get("kind", "not recorded"))
     details = "; ".join(str(origin[k]) for k in ("note", "dataset", "subset") if origin.get(k))
-    head = "SYNTHETIC look-alike data" if kind == "synthetic" else f"origin: {kind}"
+    if kind == "synthetic":  # its note says what it is: the head says it loudly instead of twice
+        return "SYNTHETIC: " + details if details else "SYNTHETIC look-alike data"
+    head = f"origin: {kind}"
     return f"{head}: {details}" if details else head
 
 

@@ -49,10 +49,12 @@ def torchvision_source(name, split, root, download=False):
     cls = {"mnist": torchvision.datasets.MNIST, "cifar10": torchvision.datasets.CIFAR10}[name]
     try:
         ds = cls(root=root, train=(split == "train"), download=download)
-    except (RuntimeError, AssertionError, ValueError) as e:  # not found, or a damaged file torchvision asserts on
-        hint = "" if download else (" (pass --download to fetch it, --cifar10-dir DIR for a folder of its images, or "
-                                    "--synthetic for look-alike data)" if name == "cifar10" else
-                                    " (pass --download to fetch it, or --synthetic for look-alike data)")
+    except (RuntimeError, AssertionError, ValueError) as e:  # not found, a damaged file, or a failed download
+        if download:
+            raise SourceError(f"{name} {split}: could not download to {root!r}: {_gist(e)}") from None
+        hint = (" (pass --download to fetch it, --cifar10-dir DIR for a folder of its images, or "
+                "--synthetic for look-alike data)" if name == "cifar10" else
+                " (pass --download to fetch it, or --synthetic for look-alike data)")
         raise SourceError(f"{name} {split}: no usable data under {root!r}{hint}: {e}") from None
     except OSError as e:  # download failed: no network
         raise SourceError(f"{name} {split}: could not download to {root!r}: {e}") from None
@@ -61,6 +63,13 @@ def torchvision_source(name, split, root, download=False):
     origin = {"kind": "torchvision", "dataset": cls.__name__, "root": os.path.abspath(root),
               "note": f"real {cls.__name__} {split} split, read by torchvision"}
     return ArraySource(name, split, np.ascontiguousarray(images), np.asarray(ds.targets), CLASSES[name], origin)
+
+
+def _gist(error):
+    """A multi-line error (torchvision's download failures list each mirror tried) as one
+    line: its first line and its last, where the cause is."""
+    lines = [" ".join(line.split()) for line in str(error).splitlines() if line.strip()]
+    return lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"
 
 
 class ImageFolderSource:
