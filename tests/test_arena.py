@@ -1,16 +1,15 @@
 """pipeline.data.arena: a window's raw shards read into one buffer, rows gathered from it;
 and the Reader that reads raw windows through it."""
 import io
-import os
 
 import numpy as np
 import pytest
 
-from helpers import build_shards
+from helpers import build_shards, read_members, write_tar
 from pipeline.data import remote, stages
 from pipeline.data.arena import CHUNK, Arena, Rows
 from pipeline.data.manifest import resolve
-from pipeline.data.read import iter_samples
+from pipeline.data.read import iter_samples, regular_members
 from pipeline.errors import ShardError
 
 
@@ -127,7 +126,8 @@ def test_a_read_retried_from_the_start_of_its_shard_overwrites_the_failed_attemp
     data = reader(window_of(raw_source))
     keys, images, labels = sequential(raw_source.urls)
     assert failed and data.keys == keys and [bytes(r) for r in data.images.take(slice(None))] == images
-    assert reader.arena.used == sum(os.path.getsize(u) for u in raw_source.urls)  # no half shard left in between
+    ends = [regular_members(open(u, "rb").read())[2:] for u in raw_source.urls]  # each shard up to its last image
+    assert reader.arena.used == sum(int(starts[-1] + sizes[-1]) for starts, sizes in ends)  # no half shard between
 
 
 class BrokenHalfWay:
@@ -139,3 +139,41 @@ class BrokenHalfWay:
             raise OSError("connection reset")
         self.sent = True
         return self.data[:len(self.data) // 2]
+
+
+def test_the_arena_keeps_no_more_than_the_images_need_and_gives_back_a_large_window(raw_source, tmp_path):
+    """A shard padded far past its end-of-archive block keeps nothing past its last image; a
+    shard left to the sequential reader (three members a sample) leaves the arena; and a
+    window much larger than the next two gives its buffer back."""
+    padded = tmp_path / "padded.tar"
+    padded.write_bytes(open(raw_source.urls[0], "rb").read() + bytes(8 << 20))  # zeros after the end: still read
+    reader = stages.Reader(raw_source)
+    reader.facts[str(padded)] = (10, padded.stat().st_size, None)
+    data = reader(stages.Window(((str(padded), 0, None),)))
+    assert len(data) == 10 and reader.arena.used < 64 << 10
+    assert len(reader.arena.buf) > 8 << 20  # the claim made room for the padding once
+
+    extra = tmp_path / "extra.tar"
+    members = read_members(raw_source.urls[0])
+    write_tar(extra, [m for name, body in members
+                      for m in [(name, body)] + ([(name[:-3] + "bin", b"x" * 1000)] if name.endswith(".cls") else [])])
+    reader.facts[str(extra)] = (10, extra.stat().st_size, None)
+    data = reader(stages.Window(((str(extra), 0, None),)))
+    assert len(data) == 10 and not isinstance(data.images, Rows) and reader.arena.used == 0
+    reader(window_of(raw_source, raw_source.urls[:1]))
+    assert len(reader.arena.buf) < 1 << 20  # two small windows after the large one: its memory is given back
+
+
+def test_a_local_shard_is_read_at_most_chunk_bytes_at_a_time(tmp_path):
+    """A local file's read deadline is checked between reads (remote._Local): the arena asks
+    for at most CHUNK bytes a read, as remote.read_all did."""
+    path = tmp_path / "big"
+    path.write_bytes(bytes(3 * CHUNK + 5))
+    asked = []
+    with remote.open_local(str(path)) as f:
+        real = f.f.readinto
+        f.f.readinto = lambda b: asked.append(len(b)) or real(b)
+        arena = Arena()
+        arena.clear(path.stat().st_size)
+        assert arena.read(f, 4 * CHUNK) == (0, 3 * CHUNK + 5)
+    assert max(asked) <= CHUNK and len(asked) >= 4

@@ -285,6 +285,13 @@ def test_a_failed_download_is_named_in_one_line_and_not_suggested_again(tmp_path
     code, out, err = main(*common, "--out", tmp_path / "out2")
     assert code == 2 and len(err.splitlines()) == 1 and "could not download to" in err and "\\n" not in err, err
 
+    def damaged(*args, **kwargs):
+        raise AssertionError()  # what torchvision asserts on files it finds damaged, without a message
+
+    monkeypatch.setattr(torchvision.datasets, "MNIST", damaged)
+    code, out, err = main(*common, "--out", tmp_path / "out3")
+    assert code == 2 and len(err.splitlines()) == 1 and err.rstrip().endswith("AssertionError"), err
+
 
 def test_fallback_synthetic(tmp_path, main):
     (tmp_path / "empty").mkdir()

@@ -340,6 +340,18 @@ def test_regular_reads_evenly_spaced_samples_whose_data_holds_tar_magic():
     assert (keys, [bytes(x) for x in images], labels.tolist()) == sequential(buf, "raw")
 
 
+def test_regular_leaves_a_member_over_the_member_limit_to_the_sequential_reader(monkeypatch):
+    """iter_samples refuses a wanted member over MAX_MEMBER bytes; the fast path must not read
+    it either (the Reader never hands it such a shard, a caller of `regular` might)."""
+    buf = ustar([("a.raw", b"x" * 101), ("a.cls", b"1"), ("b.raw", b"y" * 101), ("b.cls", b"2")])
+    monkeypatch.setattr(read, "MAX_MEMBER", 101)
+    assert read.regular(buf, "raw", "cls") is not None
+    monkeypatch.setattr(read, "MAX_MEMBER", 100)
+    assert read.regular(buf, "raw", "cls") is None
+    with pytest.raises(ShardError, match="claims 101 bytes"):
+        list(read.iter_samples(io.BytesIO(buf), {"raw", "cls"}, max_member=100))
+
+
 def test_regular_never_reads_one_extension_as_image_and_label():
     twice = ustar([("a.cls", b"1"), ("a.cls", b"1"), ("b.cls", b"2"), ("b.cls", b"2")])
     with pytest.raises(ShardError, match="twice"):

@@ -28,10 +28,13 @@ class Arena:
         self.buf, self.used, self.window = np.empty(0, np.uint8), 0, 0
 
     def clear(self, capacity=0):
-        """Empty, for a new window, with room for `capacity` bytes."""
+        """Empty, for a new window, with room for `capacity` bytes. A buffer more than twice
+        what both the last window used and `capacity` need is made anew at that size, so
+        one large window does not hold its memory for the rest of the run."""
+        need = max(int(capacity), self.used) + MIN_ROOM
         self.used, self.window = 0, self.window + 1
-        if len(self.buf) < capacity + MIN_ROOM:
-            self.buf = np.empty(capacity + MIN_ROOM, np.uint8)
+        if not need <= len(self.buf) <= 2 * need:
+            self.buf = np.empty(need, np.uint8)
 
     def read(self, stream, limit):
         """Everything left in `stream` (`readinto` where it has one, else `read`), appended;
@@ -39,11 +42,13 @@ class Arena:
         start = self.used
         readinto = getattr(stream, "readinto", None)
         while True:
-            room = self._room(limit + 1 - (self.used - start))  # one byte past the limit says it is passed
+            # one byte past the limit says it is passed; at most CHUNK a read, so that a local
+            # file's deadline (remote._Local) is checked as often as remote.read_all checked it
+            room = self._room(min(CHUNK, limit + 1 - (self.used - start)))
             if readinto is not None:
                 got = readinto(room)
-            else:  # a remote stream: at most CHUNK a read, as remote.read_all asks
-                data = stream.read(min(len(room), CHUNK))
+            else:
+                data = stream.read(len(room))
                 got = len(data)
                 room[:got] = data
             if not got:

@@ -369,8 +369,8 @@ def regular_members(buf, image_ext="raw", label_ext="cls"):
     head, starts, image_sizes = (h2, starts2, sizes2) if label_first else (h1, starts1, sizes1)
     tail, label_starts, label_sizes = (h1, starts1, sizes1) if label_first else (h2, starts2, sizes2)
     keys = _checked_keys(head, tail, image_ext, label_ext)
-    if keys is None or label_sizes.min() < 1 or label_sizes.max() > 18:  # 19 digits could pass int64
-        return None
+    if keys is None or label_sizes.min() < 1 or label_sizes.max() > 18 or image_sizes.max() > MAX_MEMBER:
+        return None  # 19 digits could pass int64; a member over MAX_MEMBER the sequential reader refuses
     labels = _labels(flat, label_starts, label_sizes)
     if labels is None:
         return None

@@ -232,9 +232,13 @@ class Reader:
                     start, buf = None, remote.read_all(stream, WHOLE_SHARD)
                 found = regular_members(buf, *self.regular) if self.regular else None
                 if found is not None:
+                    if arena is not None:  # the arena keeps the shard up to its last image, nothing after
+                        arena.rewind(start + int(found[2][-1] + found[3][-1]))
                     got, cols = len(found[0]), self._check_regular(*self._images(found, buf, arena, start), bad)
                     return
-                stream = io.BytesIO(buf)
+                stream = io.BytesIO(buf)  # a copy: the sequential reader's samples own their bytes
+                if arena is not None:
+                    arena.rewind(begin)
             keys, images, exts, labels, where = cols
             for sample in iter_samples(stream, self.want, url):
                 if is_meta(sample["__key__"]):  # a shard's __meta__ sample: no training sample, as in the index
@@ -267,7 +271,7 @@ class Reader:
                 raise ShardError(f"{url}: {e}") from None
             if isinstance(e, DigestError):  # the whole shard is suspect, not only its end
                 got, cols, bad = 0, None, []
-            error = e
+            error = e.with_traceback(None)  # its frames would hold the shard's bytes (the arena's buffer)
         else:
             if count is not None and got < count and self.errors.strict:  # a tar may end without its end blocks
                 raise ShardError(f"{url}: {got} samples, the manifest says {count}: the tar ends early (truncated)")

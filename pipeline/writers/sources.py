@@ -69,7 +69,9 @@ def _gist(error):
     """A multi-line error (torchvision's download failures list each mirror tried) as one
     line: its first line and its last, where the cause is."""
     lines = [" ".join(line.split()) for line in str(error).splitlines() if line.strip()]
-    return lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"
+    if not lines:  # a bare AssertionError from a damaged file
+        return error.__class__.__name__
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
 
 
 class ImageFolderSource:
