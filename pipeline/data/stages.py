@@ -206,14 +206,15 @@ class Reader:
             self.arena.clear(min(claimed, WHOLE_SHARD))  # a claim sizes the first room, never more than a shard
         for url, lo, hi in window.rows:
             if url not in shards:  # a slot may hold two pieces of one shard
-                shards[url] = self._read_shard(url, self.arena)
+                shards[url] = self._read_shard(url)
             self._piece(url, shards[url], lo, hi, out)
         return out.seal()
 
-    def _read_shard(self, url, arena=None):
+    def _read_shard(self, url):
         """Every sample of a shard: (columns, their positions in the shard, bad samples as
         (position, key, error), how many positions it held, the error that ended it). Raw
-        shards read whole go into the window's `arena`, where their images stay."""
+        shards read whole go into the window's arena, where their images stay."""
+        arena = self.arena
         count, nbytes, digest = self.facts.get(url, (None, None, None))
         whole = nbytes is not None and nbytes <= WHOLE_SHARD
         got, bad, cols = 0, [], None
