@@ -6,14 +6,12 @@ asks): each fresh rank paid about 3.4 CPU-s for those imports.
 torchrun waits for a function rank's return value, so an exit with code 0 returns; any
 other code ends the process with it, as it ends a fresh rank."""
 import io
-import os
 import runpy
 import sys
 
-# what `python -u -m` sets up: unbuffered output, the working folder and PYTHONPATH first on sys.path
+# what `python -u` sets up: unbuffered output (the launcher put the folder and PYTHONPATH on sys.path)
 sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
 sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
-sys.path[:0] = [os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
 try:
     runpy.run_module("pipeline.train", run_name="__main__", alter_sys=True)
 except SystemExit as e:

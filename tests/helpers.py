@@ -74,9 +74,7 @@ def launch_train(args, nproc=2, extra_launcher=(), pythonpath=(), fresh=False, f
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    # PYTHONFAULTHANDLER: on a hang, finish() sends SIGABRT and every process prints its stacks
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *pythonpath]), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    root, env = _launch_env(pythonpath)
     entry = ["--run-path", "--start-method=fork", os.path.join(root, "tests", "forked_rank.py")] \
         if fork_ranks and not fresh else ["-m", "pipeline.train"]
     argv = [f"--nproc_per_node={nproc}", f"--master_port={free_port()}", *extra_launcher, *entry, *map(str, args)]
@@ -90,12 +88,19 @@ def launch_trainer(args, pythonpath=()):
     """`python -m pipeline.train ARGS`, one process without torchrun, forked as the launchers
     are (see Launchers) from a Python that imported torch and the trainer once: for a test
     that needs the trainer in a process of its own (its DataLoader workers' stderr seen)."""
+    root, env = _launch_env(pythonpath)
+    return launchers().start(list(map(str, args)), env, root, module="pipeline.train")
+
+
+def _launch_env(pythonpath):
+    """(the repository root, the environment) a launched job runs in: the root and `pythonpath`
+    on PYTHONPATH, one torch thread, and PYTHONFAULTHANDLER, so that on a hang finish() can
+    send SIGABRT and every process prints its stacks."""
     import os
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *map(str, pythonpath)]), OMP_NUM_THREADS="1",
-               PYTHONFAULTHANDLER="1")
-    return launchers().start(list(map(str, args)), env, root, module="pipeline.train")
+    return root, dict(os.environ, PYTHONPATH=os.pathsep.join([root, *map(str, pythonpath)]), OMP_NUM_THREADS="1",
+                      PYTHONFAULTHANDLER="1")
 
 
 LAUNCHER = """
