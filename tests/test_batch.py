@@ -82,9 +82,17 @@ def old_normalize(layout, image, source):
     return o
 
 
-@pytest.mark.parametrize("threads", [1, 4])  # torch's own ops in one thread, else numpy
-def test_normalize_is_bit_identical_to_the_old_formula(monkeypatch, threads):
-    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+@pytest.fixture
+def torch_threads():
+    """Sets torch's thread count for one test and puts the old one back."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])  # normalize runs in one thread and leaves the count as it was
+def test_normalize_is_bit_identical_to_the_old_formula(torch_threads, threads):
+    torch_threads(threads)
     layout, rng = Layout(sources()), np.random.default_rng(2)
     choice = rng.integers(0, 3, 64)
     batch = layout.collate(choice, parts_for(choice, layout, rng))
@@ -100,3 +108,12 @@ def test_normalize_is_bit_identical_to_the_old_formula(monkeypatch, threads):
     assert np.abs(out.numpy() - exact).max() < 1e-5  # the textbook formula, to float32 rounding
     same = layout.normalize(torch.from_numpy(batch["image"]), torch.from_numpy(batch["source"]))
     assert torch.equal(same, out)
+    assert torch.get_num_threads() == threads
+
+
+def test_normalize_gives_the_thread_count_back_when_it_fails(torch_threads):
+    torch_threads(2)
+    layout = Layout(sources())
+    with pytest.raises(IndexError):
+        layout.normalize(np.zeros((2, 3, 32, 32), np.uint8), np.array([0, 7]))  # no source 7
+    assert torch.get_num_threads() == 2

@@ -108,7 +108,8 @@ def parse_args(argv):
     p.add_argument("--tar-format", action="store_true",
                    help="only compare PAX (wds.TarWriter) and USTAR (pipeline.writers.shards) tars of 10,000 MNIST samples")
     p.add_argument("--stages", action="store_true",
-                   help="only time the stages written here against webdataset's: shuffle and RandomMix, per sample")
+                   help="only time the stages written here against webdataset's (shuffle and RandomMix, per "
+                        "sample) and normalize's switch to one torch thread")
     p.add_argument("--torch-threads", type=int, metavar="N",
                    help="torch.set_num_threads(N) in the benchmarking process (default: torch's own choice; "
                         "C normalises whole batches, which torch spreads over its threads)")
@@ -906,6 +907,59 @@ def stage_costs(n=200_000, repeats=3):
     return rows
 
 
+def thread_switch(repeats=5):
+    """Why `Layout.normalize` runs torch in one thread: CPU us to normalise a 256-batch with
+    numpy (its route before) and with torch switched to one thread and back (torch in all its
+    threads looks cheap in this tight loop, but in the stream its idle threads spin between
+    batches: C/raw's figure shows it); and ms of CPU for one CPU training step of the
+    trainer's model at batch 64, with and without that switch before it (the switch was
+    thought to clear oneDNN's caches)."""
+    from pipeline.train.model import Net
+
+    rng = np.random.default_rng(0)
+    image = torch.from_numpy(rng.integers(0, 256, (256, 3, 32, 32), dtype=np.uint8))
+    source = torch.from_numpy(rng.integers(0, 2, 256))
+    scale, shift = torch.rand(2, 3, 1, 1) / 64, torch.rand(2, 3, 1, 1)
+    threads = torch.get_num_threads()
+
+    def numpy_route():
+        o = np.empty(image.shape, np.float32)
+        np.copyto(o, image.numpy())
+        o *= scale.numpy()[source.numpy()]
+        o -= shift.numpy()[source.numpy()]
+
+    def one_thread():
+        torch.set_num_threads(1)
+        torch.empty(image.shape).copy_(image).mul_(scale[source]).sub_(shift[source])
+        torch.set_num_threads(threads)
+
+    torch.manual_seed(0)
+    net = Net(20)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    x, y = torch.randn(64, 3, 32, 32), torch.randint(0, 20, (64,))
+
+    def step(switch):
+        if switch:
+            torch.set_num_threads(1)
+            torch.set_num_threads(threads)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+
+    rows = []
+    for name, fn, k, unit in (("normalize, numpy", numpy_route, 200, 1e6), ("normalize, torch one thread", one_thread, 200, 1e6),
+                              ("CPU step", lambda: step(False), 5, 1e3), ("CPU step after a switch", lambda: step(True), 5, 1e3)):
+        fn()
+        times = []
+        for _ in range(repeats):
+            c0 = time.process_time()
+            for _ in range(k):
+                fn()
+            times.append((time.process_time() - c0) / k * unit)
+        rows.append({"what": name, "cpu": spread(times), "unit": "us" if unit == 1e6 else "ms"})
+    return rows
+
+
 def decoder_choice(setup, n=2000, repeats=3):
     """Per-image cost of the JPEG decoders pipeline.data.decode chooses between, on the CIFAR10
     JPEGs: at their own size (libjpeg-turbo through torchvision.io against PIL), and made 4x
@@ -1065,8 +1119,12 @@ def run_stages(args):
     for r in rows:
         log(f"{r['stage']:<10}{fmt_spread(r['webdataset_us_per_sample'], 2):>24}"
             f"{fmt_spread(r['pipeline_us_per_sample'], 2):>24}")
+    switch = thread_switch()
+    log(f"\n{'torch threads (' + str(torch.get_num_threads()) + ')':<32}{'CPU time':>24}")
+    for r in switch:
+        log(f"{r['what']:<32}{fmt_spread(r['cpu'], 1) + ' ' + r['unit']:>24}")
     write_record(args.json, {"command": [os.path.basename(sys.executable), *sys.argv], "git": git_state(),
-                             "stages": rows})
+                             "stages": rows, "thread_switch": switch})
     return 0
 
 

@@ -92,17 +92,14 @@ class Layout:
     def normalize(self, image, source, pin_memory=None):
         """uint8 (B, 3, H, W) images -> normalised float32, on whatever device they are.
 
-        On the CPU this runs in one thread: torch spreads a batch this small over every
-        core, and its idle threads then spin, so the in-process loader used 1.95 cores
-        for the work of one (tools/bench_loader.py, C/raw, workers 0). Where torch has one
-        thread anyway (DataLoader workers, OMP_NUM_THREADS=1) its cast, multiply and
-        subtract take about a third of numpy's time (135 against 360-480 us for 256x3x32x32);
-        elsewhere numpy does them, a cast and then two float32 ufuncs in place (one
-        uint8 * float32 ufunc casts through small buffers, 10-30% slower). Switching torch
-        to one thread and back is no way out: every
-        torch.set_num_threads clears oneDNN's convolution cache. Every route gives the
-        same float32 result bit for bit: fl(fl(x * scale) - shift).
-        The result is pinned if `pin_memory`, by default if the images are.
+        On the CPU torch runs this in one thread: with more, it spreads a batch this small
+        over every core and its idle threads then spin (the in-process loader used 1.95
+        cores for the work of one), and numpy's broadcast multiply leaves its SIMD loops
+        (1.05-1.1 ms a 256-batch in the stream against 0.63-0.67 ms this way; tools/bench_loader.py
+        C/raw). torch.set_num_threads(1) and back costs 0.2 us, and CPU training steps
+        with the switch between them took as long as without (docs/benchmarks.md). The
+        result is fl(fl(x * scale) - shift), pinned if `pin_memory`, by default if the
+        images are.
         """
         if isinstance(image, np.ndarray):
             image = torch.from_numpy(image)
@@ -111,13 +108,12 @@ class Layout:
         if image.device.type == "cpu":
             pin = image.is_pinned() if pin_memory is None else pin_memory
             out = torch.empty(image.shape, dtype=torch.float32, pin_memory=pin)
-            if torch.get_num_threads() == 1:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
                 return out.copy_(image).mul_(self.scale[source]).sub_(self.shift[source])
-            o, src = out.numpy(), source.numpy()
-            np.copyto(o, image.numpy())
-            o *= self.scale.numpy()[src]
-            o -= self.shift.numpy()[src]
-            return out
+            finally:
+                torch.set_num_threads(threads)
         if image.device not in self._on_device:  # copy the stats to a GPU once, not every step
             self._on_device[image.device] = (self.scale.to(image.device), self.shift.to(image.device))
         scale, shift = self._on_device[image.device]
