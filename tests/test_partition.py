@@ -133,12 +133,14 @@ def test_generator_keys_must_be_integers():
 def test_generator_draws_what_its_keyed_philox_always_drew():
     """Checkpoints hold positions, not draws: every order a stream ever took must come back
     from its key, so the generator stays Philox keyed by SeedSequence(key).generate_state(2)."""
-    for key in [(0,), (3, 0, 1, 7), (5, 1 << 40, 2, 0, 9)]:
-        words = np.random.SeedSequence(list(key)).generate_state(2, np.uint64)
+    for key in [(0,), (0, 0), (3, 0, 1, 7), (5, 1 << 40, 2, 0, 9), ((1 << 32) - 1, 1 << 32, 1 << 64, (1 << 63) + 5),
+                (np.int64(7), 1 << 100)]:
+        words = np.random.SeedSequence(list(map(int, key))).generate_state(2, np.uint64)
         want = np.random.Generator(np.random.Philox(key=words))
         got = partition.generator(*key)
         assert np.array_equal(got.permutation(1000), want.permutation(1000))
         assert np.array_equal(got.random(257), want.random(257))
+        assert partition.seed_of(key) == int(np.random.SeedSequence(list(map(int, key))).generate_state(1, np.uint64)[0]) >> 1
 
 
 def test_elastic_redeal_goes_on_from_each_slots_count_and_reads_nothing_twice():

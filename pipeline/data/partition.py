@@ -54,16 +54,30 @@ def owned(slots, rank, world, worker=0, workers=0):
 def generator(*key):
     """A Philox generator keyed by non-negative integers: the same key, the same stream
     (the two key words come from numpy's SeedSequence of them)."""
-    if any(isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0 for k in key):
-        raise ValueError(f"generator key must be non-negative integers, got {key}")
     # Philox keyed by a SeedSequence takes its key as generate_state(2, np.uint64), the same
     # two words; Philox(key=...) would first seed itself from OS entropy only to drop it
-    return np.random.Generator(np.random.Philox(np.random.SeedSequence([int(k) for k in key])))
+    return np.random.Generator(np.random.Philox(np.random.SeedSequence(_words(key))))
 
 
 def seed_of(key):
     """A 63-bit integer drawn from a key, as `generator` would key its stream."""
-    return int(np.random.SeedSequence([int(k) for k in key]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+    return int(np.random.SeedSequence(_words(key)).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+def _words(key):
+    """The key as the uint32 words SeedSequence makes of a list of ints (each int's words,
+    low first; 0 is one word), which it takes as they are: 1.9 us against 7.3 for the list,
+    the same state (tests/test_partition.py)."""
+    words = []
+    for k in key:
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+            raise ValueError(f"generator key must be non-negative integers, got {key}")
+        k = int(k)
+        words.append(k & 0xFFFF_FFFF)
+        while k > 0xFFFF_FFFF:
+            k >>= 32
+            words.append(k & 0xFFFF_FFFF)
+    return np.array(words, np.uint32)
 
 
 class Partition:
