@@ -11,6 +11,8 @@ worker that made it stands; see MixedStream.state_dict).
 Images stay uint8 until `Layout.normalize`, with each source's own mean and std
 from its manifest: a quarter of the bytes through shared memory and to the GPU.
 """
+import contextlib
+
 import numpy as np
 import torch
 
@@ -19,6 +21,20 @@ from pipeline.data.node import Node
 
 def _rgb(values):
     return list(values) * 3 if len(values) == 1 else list(values)
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """torch's ops inside run in one thread; the count is put back after, also on an error."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _to_canvas(pixels, h, w):
@@ -94,12 +110,12 @@ class Layout:
 
         On the CPU torch runs this in one thread: with more, it spreads a batch this small
         over every core and its idle threads then spin (the in-process loader used 1.95
-        cores for the work of one), and numpy's broadcast multiply leaves its SIMD loops
-        (1.05-1.1 ms a 256-batch in the stream against 0.63-0.67 ms this way; tools/bench_loader.py
-        C/raw). torch.set_num_threads(1) and back costs 0.2 us, and CPU training steps
-        with the switch between them took as long as without (docs/benchmarks.md). The
-        result is fl(fl(x * scale) - shift), pinned if `pin_memory`, by default if the
-        images are.
+        cores for the work of one), and numpy's multiply by a per-sample operand leaves
+        its SIMD loops (336 against 122 us of CPU a 256-batch; docs/benchmarks.md, "Where
+        the raw path's time goes"). torch.set_num_threads(1) and back costs 0.2 us, CPU
+        training steps with the switch between them took as long as without, and other
+        threads keep their own count (OpenMP's is per thread). The result is
+        fl(fl(x * scale) - shift), pinned if `pin_memory`, by default if the images are.
         """
         if isinstance(image, np.ndarray):
             image = torch.from_numpy(image)
@@ -108,12 +124,8 @@ class Layout:
         if image.device.type == "cpu":
             pin = image.is_pinned() if pin_memory is None else pin_memory
             out = torch.empty(image.shape, dtype=torch.float32, pin_memory=pin)
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
+            with _one_thread():
                 return out.copy_(image).mul_(self.scale[source]).sub_(self.shift[source])
-            finally:
-                torch.set_num_threads(threads)
         if image.device not in self._on_device:  # copy the stats to a GPU once, not every step
             self._on_device[image.device] = (self.scale.to(image.device), self.shift.to(image.device))
         scale, shift = self._on_device[image.device]
