@@ -406,18 +406,23 @@ def _periodic(buf, flat, n):
     for first, blocks, head in zip((0, a), (a, b), heads):
         head = head[:count]
         # the first header is checked (_blocks); the others are asked to agree with it where
-        # they may differ without changing what is read, a few columns at a time
-        if (head[:, 124:135] == head[0, 124:135]).all():  # one size throughout, as raw images have
+        # they may differ without changing what is read: size, type and format, gathered in
+        # one take (three compares cost 13 us a 500-sample shard, the take 9)
+        cols = head[:, _SIZE_TYPE_FORMAT]
+        differ = (cols != cols[0]).any(axis=0).tolist()
+        if any(differ[11:]) or bytes(head[0, 262:265]) == b"\x0000" and head[:, 345].any():
+            return None  # another type of member, another tar format, or a POSIX name prefix
+        if not any(differ[:11]):  # one size throughout, as raw images have
             sizes = np.full(count, int(bytes(head[0, 124:135]), 8), np.int64)
         else:
             sizes = _sizes(head)
             if sizes is None or ((sizes + 511) // 512 != blocks - 1).any():
                 return None
-        if not (head[:, 156] == head[0, 156]).all() or not (head[:, 262:265] == head[0, 262:265]).all() \
-                or bytes(head[0, 262:265]) == b"\x0000" and head[:, 345].any():
-            return None  # another type of member, another tar format, or a POSIX name prefix
         out.append((head, (np.arange(count) * period + first + 1) * 512, sizes))
     return out
+
+
+_SIZE_TYPE_FORMAT = np.r_[124:135, 156, 262:265]  # a header's size digits, type flag, and magic's version
 
 
 def _blocks(buf, block):
@@ -493,16 +498,12 @@ def _checked_keys(head, tail, image_ext, label_ext):
     if not ((head[:, key_len:l1 + 1] == head[0, key_len:l1 + 1]).all()  # same extension, then NUL
             and (tail[:, key_len:l2 + 1] == tail[0, key_len:l2 + 1]).all()
             and (keys == tail[:, :key_len]).all()
-            and not _BAD_KEY_BYTE[keys].any()  # no dot, no NUL in a key
+            and keys.min() and not (keys == 46).any()  # no NUL, no dot in a key
             and (keys[:, -1] != 47).all()  # a key ends before its dot, not in a folder's slash
             and not ((head[:, 0] == 95) & (head[:, 1] == 95)).any()  # webdataset skips top-level __*__ names
             and (rows[1:] != rows[:-1]).all()):
         return None
     return keys
-
-
-_BAD_KEY_BYTE = np.zeros(256, bool)
-_BAD_KEY_BYTE[[0, 46]] = True  # NUL, "."
 
 
 def _labels(flat, starts, sizes):
