@@ -113,8 +113,10 @@ class Layout:
         cores for the work of one), and numpy's multiply by a per-sample operand leaves
         its SIMD loops (336 against 122 us of CPU a 256-batch; docs/benchmarks.md, "Where
         the raw path's time goes"). torch.set_num_threads(1) and back costs 0.2 us, CPU
-        training steps with the switch between them took as long as without, and other
-        threads keep their own count (OpenMP's is per thread). The result is
+        training steps with the switch between them took as long as without, and threads
+        that have run torch ops keep their own count (OpenMP's is per thread); a thread
+        whose first torch op falls inside the switch starts with one, as it would after
+        DataLoader's pin-memory thread calls torch.set_num_threads(1). The result is
         fl(fl(x * scale) - shift), pinned if `pin_memory`, by default if the images are.
         """
         if isinstance(image, np.ndarray):
