@@ -2,6 +2,8 @@
 they replaced give (a windowed, channel-broadcast assignment per source; uint8 * scale - shift)."""
 from types import SimpleNamespace
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -117,3 +119,26 @@ def test_normalize_gives_the_thread_count_back_when_it_fails(torch_threads):
     with pytest.raises(IndexError):
         layout.normalize(np.zeros((2, 3, 32, 32), np.uint8), np.array([0, 7]))  # no source 7
     assert torch.get_num_threads() == 2
+
+
+def test_normalize_from_several_threads_keeps_each_threads_count_and_values(torch_threads):
+    torch_threads(2)
+    layout, rng = Layout(sources()), np.random.default_rng(3)
+    choice = rng.integers(0, 3, 64)
+    batch = layout.collate(choice, parts_for(choice, layout, rng))
+    want = old_normalize(layout, batch["image"], batch["source"])
+    ready, seen = threading.Barrier(3), []
+
+    def work():
+        before = torch.get_num_threads()  # a thread that has run torch already has its count
+        ready.wait()
+        same = all(np.array_equal(layout.normalize(batch["image"], batch["source"]).numpy(), want) for _ in range(50))
+        seen.append((before, torch.get_num_threads(), same))
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    work()
+    for t in threads:
+        t.join()
+    assert seen == [(2, 2, True)] * 3
