@@ -946,17 +946,21 @@ def thread_switch(repeats=5):
         torch.nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
 
+    pairs = ((("normalize, numpy", numpy_route), ("normalize, torch one thread", one_thread), 200, 1e6, "us"),
+             (("CPU step", lambda: step(False)), ("CPU step after a switch", lambda: step(True)), 5, 1e3, "ms"))
     rows = []
-    for name, fn, k, unit in (("normalize, numpy", numpy_route, 200, 1e6), ("normalize, torch one thread", one_thread, 200, 1e6),
-                              ("CPU step", lambda: step(False), 5, 1e3), ("CPU step after a switch", lambda: step(True), 5, 1e3)):
-        fn()
-        times = []
-        for _ in range(repeats):
-            c0 = time.process_time()
-            for _ in range(k):
+    for first, second, k, unit, label in pairs:
+        for _, fn in (first, second):  # warm up, then alternate the two, so a drifting machine moves both alike
+            for _ in range(3):
                 fn()
-            times.append((time.process_time() - c0) / k * unit)
-        rows.append({"what": name, "cpu": spread(times), "unit": "us" if unit == 1e6 else "ms"})
+        times = {first[0]: [], second[0]: []}
+        for _ in range(repeats):
+            for name, fn in (first, second):
+                c0 = time.process_time()
+                for _ in range(k):
+                    fn()
+                times[name].append((time.process_time() - c0) / k * unit)
+        rows += [{"what": name, "cpu": spread(times[name]), "unit": label} for name in times]
     return rows
 
 

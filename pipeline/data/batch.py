@@ -111,7 +111,7 @@ class Layout:
         On the CPU torch runs this in one thread: with more, it spreads a batch this small
         over every core and its idle threads then spin (the in-process loader used 1.95
         cores for the work of one), and numpy's multiply by a per-sample operand leaves
-        its SIMD loops (336 against 122 us of CPU a 256-batch; docs/benchmarks.md, "Where
+        its SIMD loops (362 against 131 us of CPU a 256-batch; docs/benchmarks.md, "Where
         the raw path's time goes"). torch.set_num_threads(1) and back costs 0.2 us, CPU
         training steps with the switch between them took as long as without, and threads
         that have run torch ops keep their own count (OpenMP's is per thread); a thread
