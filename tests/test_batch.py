@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.data import batch as batch_module
 from pipeline.data.batch import Layout
 
 
@@ -142,3 +143,41 @@ def test_normalize_from_several_threads_keeps_each_threads_count_and_values(torc
     for t in threads:
         t.join()
     assert seen == [(2, 2, True)] * 3
+
+
+def test_normalize_switches_threads_only_where_no_other_python_thread_runs(torch_threads, monkeypatch):
+    """torch.set_num_threads also sets the count a thread takes at its first parallel op: a
+    thread reaching that op inside the switch would keep one thread for good."""
+    torch_threads(2)
+    layout, rng = Layout(sources()), np.random.default_rng(4)
+    choice = rng.integers(0, 3, 16)
+    batch = layout.collate(choice, parts_for(choice, layout, rng))
+    want = old_normalize(layout, batch["image"], batch["source"])
+    switched, real = [], torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (switched.append(n), real(n)))
+    for alone, switches in [(True, [1, 2]), (False, [])]:
+        monkeypatch.setattr(batch_module, "_alone", lambda: alone)
+        switched.clear()
+        assert np.array_equal(layout.normalize(batch["image"], batch["source"]).numpy(), want)
+        assert switched == switches
+
+
+def test_alone_means_no_other_thread_but_a_dataloaders_queue_feeders(monkeypatch):
+    me = threading.current_thread()
+
+    class Named:
+        def __init__(self, name):
+            self.name = name
+
+    for others, alone in [([], True), ([Named("QueueFeederThread")], True), ([Named("Thread-3 (serve)")], False)]:
+        monkeypatch.setattr(threading, "enumerate", lambda: [me, *others])
+        assert batch_module._alone() is alone
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int16, np.int32])
+def test_normalize_takes_source_indices_of_any_integer_type(dtype):
+    layout, rng = Layout(sources()), np.random.default_rng(5)
+    choice = rng.integers(0, 3, 16)
+    batch = layout.collate(choice, parts_for(choice, layout, rng))
+    want = layout.normalize(batch["image"], batch["source"])
+    assert torch.equal(layout.normalize(batch["image"], batch["source"].astype(dtype)), want)

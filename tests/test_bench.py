@@ -138,12 +138,17 @@ def test_stage_costs(tmp_path, monkeypatch):
     out = tmp_path / "s.json"
     tool = tool_module("bench_loader")
     monkeypatch.setattr(tool, "stage_costs", functools.partial(tool.stage_costs, n=20_000))
-    proc = main_in_process(tool.main, "bench_loader.py", ["--stages", "--json", out])
+    monkeypatch.setattr(tool, "thread_switch", functools.partial(tool.thread_switch, normalizes=5, steps=1))
+    proc = main_in_process(tool.main, "bench_loader.py", ["--stages", "--repeats", "2", "--json", out])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {r["stage"]: r for r in json.loads(out.read_text())["stages"]}
+    record = json.loads(out.read_text())
+    rows = {r["stage"]: r for r in record["stages"]}
     assert set(rows) == {"shuffle", "mix"}
     for r in rows.values():
         assert r["webdataset_us_per_sample"]["median"] > 0 and r["pipeline_us_per_sample"]["median"] > 0
+    switch = {r["what"]: r for r in record["thread_switch"]}
+    assert set(switch) == {"normalize, numpy", "normalize, torch one thread", "CPU step", "CPU step after a switch"}
+    assert all(r["cpu"]["median"] > 0 for r in switch.values())
 
 
 def absent(monkeypatch):

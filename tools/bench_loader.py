@@ -1,4 +1,5 @@
-"""Benchmark three ways of feeding MNIST + CIFAR10 to one model, on the same data, in one run.
+"""Benchmark this stream against the tutorial's loaders, stock webdataset and the peers (LitData,
+Mosaic Streaming), feeding MNIST + CIFAR10 to one model on the same data in one run.
 
     python tools/bench_loader.py --mnist-root MNIST_ROOT --cifar-folder CIFAR_JPEG_TRAIN_DIR \\
         --shards RAW_SHARDS --shards PNG_SHARDS --json bench-out/bench.json
@@ -112,14 +113,19 @@ def parse_args(argv):
                         "sample) and normalize's switch to one torch thread")
     p.add_argument("--torch-threads", type=int, metavar="N",
                    help="torch.set_num_threads(N) in the benchmarking process (default: torch's own choice; "
-                        "C normalises whole batches, which torch spreads over its threads)")
+                        "A's and B's per-sample torch calls use them; C normalises in one "
+                        "thread either way)")
     p.add_argument("--work-dir", default="bench-out",
                    help="built shards and the 10x corpus go here (default: bench-out)")
-    p.add_argument("--json", default="bench-out/bench.json", help="where to write the JSON record")
+    p.add_argument("--json", help="where to write the JSON record (default: bench-out/bench.json; with --stages "
+                                   "bench-out/stages.json, with --tar-format bench-out/tar-format.json)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         return args
+    if args.json is None:
+        args.json = os.path.join("bench-out", "stages.json" if args.stages else
+                                 "tar-format.json" if args.tar_format else "bench.json")
     if args.batch_size < 2 or args.batch_size % 2:
         p.error("--batch-size must be even and at least 2 (A loads half a batch from each data set)")
     if args.samples is None:  # the tutorial's loaders (A) read each data set once a run
@@ -907,7 +913,7 @@ def stage_costs(n=200_000, repeats=3):
     return rows
 
 
-def thread_switch(repeats=5):
+def thread_switch(repeats=5, normalizes=200, steps=5):
     """Why `Layout.normalize` runs torch in one thread: CPU us to normalise a 256-batch with
     numpy (its route before) and with torch switched to one thread and back (torch in all its
     threads looks cheap in this tight loop, but in the stream its idle threads spin between
@@ -946,8 +952,8 @@ def thread_switch(repeats=5):
         torch.nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
 
-    pairs = ((("normalize, numpy", numpy_route), ("normalize, torch one thread", one_thread), 200, 1e6, "us"),
-             (("CPU step", lambda: step(False)), ("CPU step after a switch", lambda: step(True)), 5, 1e3, "ms"))
+    pairs = ((("normalize, numpy", numpy_route), ("normalize, torch one thread", one_thread), normalizes, 1e6, "us"),
+             (("CPU step", lambda: step(False)), ("CPU step after a switch", lambda: step(True)), steps, 1e3, "ms"))
     rows = []
     for first, second, k, unit, label in pairs:
         for _, fn in (first, second):  # warm up, then alternate the two, so a drifting machine moves both alike
@@ -1118,13 +1124,15 @@ def run_tar_format(args, mnist_root):
 
 
 def run_stages(args):
-    rows = stage_costs()
+    rows = stage_costs(repeats=args.repeats)
+    log(f"medians [min-max] of {args.repeats} repeats")
     log(f"{'stage':<10}{'webdataset us/sample':>24}{'pipeline us/sample':>24}")
     for r in rows:
-        log(f"{r['stage']:<10}{fmt_spread(r['webdataset_us_per_sample'], 2):>24}"
-            f"{fmt_spread(r['pipeline_us_per_sample'], 2):>24}")
-    switch = thread_switch()
-    log(f"\n{'torch threads (' + str(torch.get_num_threads()) + ')':<32}{'CPU time':>24}")
+        log(f"{r['stage']:<10}{fmt_spread(r['webdataset_us_per_sample'], 3):>24}"
+            f"{fmt_spread(r['pipeline_us_per_sample'], 3):>24}")
+    switch = thread_switch(repeats=args.repeats)
+    log(f"\nnormalize: CPU us a 256-batch; CPU step: CPU ms a step of the trainer's model, batch 64, width 64; "
+        f"the two of each pair alternated, torch threads {torch.get_num_threads()}")
     for r in switch:
         log(f"{r['what']:<32}{fmt_spread(r['cpu'], 1) + ' ' + r['unit']:>24}")
     write_record(args.json, {"command": [os.path.basename(sys.executable), *sys.argv], "git": git_state(),

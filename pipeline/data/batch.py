@@ -12,6 +12,7 @@ Images stay uint8 until `Layout.normalize`, with each source's own mean and std
 from its manifest: a quarter of the bytes through shared memory and to the GPU.
 """
 import contextlib
+import threading
 
 import numpy as np
 import torch
@@ -21,6 +22,16 @@ from pipeline.data.node import Node
 
 def _rgb(values):
     return list(values) * 3 if len(values) == 1 else list(values)
+
+
+def _alone():
+    """True where torch may be switched to one thread for a moment: no other Python thread
+    runs but multiprocessing's queue feeders (a DataLoader's, which only pickle and write).
+    torch.set_num_threads also sets the count that a thread takes when it first runs a
+    parallel op, so another thread doing that inside the switch would keep one thread for
+    good, even after choosing its own count."""
+    me = threading.current_thread()
+    return all(t is me or t.name.startswith("QueueFeederThread") for t in threading.enumerate())
 
 
 @contextlib.contextmanager
@@ -113,25 +124,35 @@ class Layout:
         cores for the work of one), and numpy's multiply by a per-sample operand leaves
         its SIMD loops (362 against 131 us of CPU a 256-batch; docs/benchmarks.md, "Where
         the raw path's time goes"). torch.set_num_threads(1) and back costs 0.2 us, CPU
-        training steps with the switch between them took as long as without, and threads
-        that have run torch ops keep their own count (OpenMP's is per thread); a thread
-        whose first torch op falls inside the switch starts with one, as it would after
-        DataLoader's pin-memory thread calls torch.set_num_threads(1). The result is
-        fl(fl(x * scale) - shift), pinned if `pin_memory`, by default if the images are.
+        training steps with the switch between them took as long as without. The switch
+        is made only where no other Python thread could run torch ops meanwhile (`_alone`);
+        elsewhere numpy does it as before. Both give fl(fl(x * scale) - shift) bit for bit, pinned if
+        `pin_memory`, by default if the images are.
         """
         if isinstance(image, np.ndarray):
             image = torch.from_numpy(image)
         if isinstance(source, np.ndarray):
             source = torch.from_numpy(source)
+        source = source.long()  # a uint8 or bool tensor would index as a mask
         if image.device.type == "cpu":
             pin = image.is_pinned() if pin_memory is None else pin_memory
-            out = torch.empty(image.shape, dtype=torch.float32, pin_memory=pin)
-            with _one_thread():
-                return out.copy_(image).mul_(self.scale[source]).sub_(self.shift[source])
+            return self._normalize_cpu(torch.empty(image.shape, dtype=torch.float32, pin_memory=pin), image, source)
         if image.device not in self._on_device:  # copy the stats to a GPU once, not every step
             self._on_device[image.device] = (self.scale.to(image.device), self.shift.to(image.device))
         scale, shift = self._on_device[image.device]
         return image.float().mul_(scale[source]).sub_(shift[source])
+
+    def _normalize_cpu(self, out, image, source):
+        """Into `out`: torch's ops in one thread where this is the only Python thread or torch
+        has one anyway, else numpy's (slower, but no switch)."""
+        if _alone() or torch.get_num_threads() == 1:
+            with _one_thread():
+                return out.copy_(image).mul_(self.scale[source]).sub_(self.shift[source])
+        o, src = out.numpy(), source.numpy()
+        np.copyto(o, image.numpy())
+        o *= self.scale.numpy()[src]
+        o -= self.shift.numpy()[src]
+        return out
 
 
 NOTHING = ([], np.zeros((0, 1, 1, 1), np.uint8), np.zeros(0, np.int64))  # what a source not drawn gives

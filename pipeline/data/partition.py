@@ -60,7 +60,8 @@ def generator(*key):
 
 
 def seed_of(key):
-    """A 63-bit integer drawn from a key, as `generator` would key its stream."""
+    """A 63-bit integer drawn from a key, as `generator` would key its stream (the key checked
+    as `generator` checks it)."""
     return int(np.random.SeedSequence(_words(key)).generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
