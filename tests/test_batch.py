@@ -181,3 +181,14 @@ def test_normalize_takes_source_indices_of_any_integer_type(dtype):
     batch = layout.collate(choice, parts_for(choice, layout, rng))
     want = layout.normalize(batch["image"], batch["source"])
     assert torch.equal(layout.normalize(batch["image"], batch["source"].astype(dtype)), want)
+
+
+@pytest.mark.parametrize("source", [np.array([0.0, 1.0]), np.array([True, False]), torch.tensor([0.5, 1.0])])
+def test_normalize_refuses_source_indices_that_are_not_integers(source):
+    with pytest.raises(TypeError, match="integers"):
+        Layout(sources()).normalize(np.zeros((2, 3, 32, 32), np.uint8), source)
+
+
+def test_normalize_takes_a_list_of_source_indices():
+    layout, image = Layout(sources()), np.full((2, 3, 32, 32), 255, np.uint8)
+    assert torch.equal(layout.normalize(image, [0, 2]), layout.normalize(image, np.array([0, 2])))

@@ -131,9 +131,10 @@ class Layout:
         """
         if isinstance(image, np.ndarray):
             image = torch.from_numpy(image)
-        if isinstance(source, np.ndarray):
-            source = torch.from_numpy(source)
-        source = source.long()  # a uint8 or bool tensor would index as a mask
+        source = torch.as_tensor(source)
+        if source.dtype.is_floating_point or source.dtype == torch.bool:
+            raise TypeError(f"source indices must be integers, got {source.dtype}")
+        source = source.long()  # a uint8 tensor would index as a mask
         if image.device.type == "cpu":
             pin = image.is_pinned() if pin_memory is None else pin_memory
             return self._normalize_cpu(torch.empty(image.shape, dtype=torch.float32, pin_memory=pin), image, source)
