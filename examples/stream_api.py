@@ -1,7 +1,7 @@
 """The README's streaming-API example as a file: python examples/stream_api.py [SHARDS_DIR]
 
 Reads mnist and cifar10 manifests from SHARDS_DIR (default shards/, as `make demo` or
-`tools/make_shards.py --synthetic` writes them) for one epoch and prints the first batch's shapes
+`tools/make_shards.py --synthetic` writes them) for two epochs and prints the first batch's shapes
 and the saved stream state. Under torchrun each rank reads its own share.
 """
 import sys

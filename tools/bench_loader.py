@@ -76,7 +76,7 @@ def parse_args(argv):
     --help and a bad flag answer at once."""
     p = Parser(prog="bench_loader", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mnist-root", help="torchvision root holding MNIST/raw (e.g. data, as make_shards --root)")
-    p.add_argument("--cifar-folder", help="ImageFolder tree of the CIFAR10 training JPEGs (train/<class>/*.jpg)")
+    p.add_argument("--cifar-folder", help="ImageFolder tree of the CIFAR10 training JPEGs: DIR/<class>/*.jpg, e.g. CIFAR10_JPEGS/train")
     p.add_argument("--cifar-root", help="torchvision root holding cifar-10-batches-py: A then reads CIFAR10 exactly as "
                                         "the tutorial does (default: the --cifar-folder JPEGs, decoded once)")
     p.add_argument("--shards", action="append", default=[], metavar="DIR",
