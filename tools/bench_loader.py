@@ -76,7 +76,8 @@ def parse_args(argv):
     --help and a bad flag answer at once."""
     p = Parser(prog="bench_loader", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mnist-root", help="torchvision root holding MNIST/raw (e.g. data, as make_shards --root)")
-    p.add_argument("--cifar-folder", help="ImageFolder tree of the CIFAR10 training JPEGs: DIR/<class>/*.jpg, e.g. CIFAR10_JPEGS/train")
+    p.add_argument("--cifar-folder",
+                   help="ImageFolder tree of the CIFAR10 training JPEGs: DIR/<class>/*.jpg, e.g. CIFAR10_JPEGS/train")
     p.add_argument("--cifar-root", help="torchvision root holding cifar-10-batches-py: A then reads CIFAR10 exactly as "
                                         "the tutorial does (default: the --cifar-folder JPEGs, decoded once)")
     p.add_argument("--shards", action="append", default=[], metavar="DIR",
@@ -920,24 +921,19 @@ def thread_switch(repeats=5, normalizes=200, steps=5):
     batches: C/raw's figure shows it); and ms of CPU for one CPU training step of the
     trainer's model at batch 64, with and without that switch before it (the switch was
     thought to clear oneDNN's caches)."""
+    from pipeline.data.batch import one_torch_thread, by_numpy, by_torch
     from pipeline.train.model import Net
 
     rng = np.random.default_rng(0)
     image = torch.from_numpy(rng.integers(0, 256, (256, 3, 32, 32), dtype=np.uint8))
     source = torch.from_numpy(rng.integers(0, 2, 256))
     scale, shift = torch.rand(2, 3, 1, 1) / 64, torch.rand(2, 3, 1, 1)
-    threads = torch.get_num_threads()
 
     def numpy_route():
-        o = np.empty(image.shape, np.float32)
-        np.copyto(o, image.numpy())
-        o *= scale.numpy()[source.numpy()]
-        o -= shift.numpy()[source.numpy()]
+        by_numpy(torch.empty(image.shape), image, scale[source], shift[source])
 
     def one_thread():
-        torch.set_num_threads(1)
-        torch.empty(image.shape).copy_(image).mul_(scale[source]).sub_(shift[source])
-        torch.set_num_threads(threads)
+        by_torch(torch.empty(image.shape), image, scale[source], shift[source])
 
     torch.manual_seed(0)
     net = Net(20)
@@ -946,8 +942,8 @@ def thread_switch(repeats=5, normalizes=200, steps=5):
 
     def step(switch):
         if switch:
-            torch.set_num_threads(1)
-            torch.set_num_threads(threads)
+            with one_torch_thread():
+                pass
         opt.zero_grad()
         torch.nn.functional.cross_entropy(net(x), y).backward()
         opt.step()

@@ -35,7 +35,7 @@ def _alone():
 
 
 @contextlib.contextmanager
-def _one_thread():
+def one_torch_thread():
     """torch's ops inside run in one thread; the count is put back after, also on an error."""
     threads = torch.get_num_threads()
     if threads == 1:
@@ -144,16 +144,26 @@ class Layout:
         return image.float().mul_(scale[source]).sub_(shift[source])
 
     def _normalize_cpu(self, out, image, source):
-        """Into `out`: torch's ops in one thread where this is the only Python thread or torch
-        has one anyway, else numpy's (slower, but no switch)."""
-        if _alone() or torch.get_num_threads() == 1:
-            with _one_thread():
-                return out.copy_(image).mul_(self.scale[source]).sub_(self.shift[source])
-        o, src = out.numpy(), source.numpy()
-        np.copyto(o, image.numpy())
-        o *= self.scale.numpy()[src]
-        o -= self.shift.numpy()[src]
-        return out
+        """Into `out`: torch's ops in one thread where torch has one anyway or this is the only
+        Python thread, else numpy's (slower, but no switch)."""
+        route = by_torch if torch.get_num_threads() == 1 or _alone() else by_numpy
+        return route(out, image, self.scale[source], self.shift[source])
+
+
+def by_torch(out, image, scale, shift):
+    """fl(fl(image * scale) - shift) into float32 `out`, torch's ops in one thread
+    (`one_torch_thread`); scale and shift broadcast per sample and channel."""
+    with one_torch_thread():
+        return out.copy_(image).mul_(scale).sub_(shift)
+
+
+def by_numpy(out, image, scale, shift):
+    """The same, bit for bit, with numpy's ufuncs: a cast, then two in place."""
+    o = out.numpy()
+    np.copyto(o, image.numpy())
+    o *= scale.numpy()
+    o -= shift.numpy()
+    return out
 
 
 NOTHING = ([], np.zeros((0, 1, 1, 1), np.uint8), np.zeros(0, np.int64))  # what a source not drawn gives
