@@ -140,7 +140,8 @@ def test_generator_draws_what_its_keyed_philox_always_drew():
         got = partition.generator(*key)
         assert np.array_equal(got.permutation(1000), want.permutation(1000))
         assert np.array_equal(got.random(257), want.random(257))
-        assert partition.seed_of(key) == int(np.random.SeedSequence(list(map(int, key))).generate_state(1, np.uint64)[0]) >> 1
+        seed = np.random.SeedSequence(list(map(int, key))).generate_state(1, np.uint64)[0]
+        assert partition.seed_of(key) == int(seed) >> 1
 
 
 def test_elastic_redeal_goes_on_from_each_slots_count_and_reads_nothing_twice():

@@ -151,8 +151,9 @@ def test_the_fast_and_the_sequential_reader_agree_on_bad_labels(tmp_path, encodi
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             data = reader(Window(((src.urls[0], 0, None),)))
-        seen.append((data.keys, data.labels.tolist(), [bytes(x) for x in data.images] if encoding == "png" else
-                     data.images.take(slice(None)).tolist() if fast else None, [str(w.message) for w in caught], reader.errors.skipped))
+        images = ([bytes(x) for x in data.images] if encoding == "png" else
+                  data.images.take(slice(None)).tolist() if fast else None)
+        seen.append((data.keys, data.labels.tolist(), images, [str(w.message) for w in caught], reader.errors.skipped))
     (keys, labels, _, said, stats), (keys2, labels2, _, said2, stats2) = seen
     assert keys == keys2 and labels == labels2 and said == said2 and stats == stats2
     assert stats == 12 - len(keys) == len(said) and (len(keys) == 10 or sparse and len(keys) >= 1)

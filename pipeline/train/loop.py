@@ -593,7 +593,8 @@ def train(args, topo, device, stopper=None):
     t_start, evals = time.time(), {}
     if ckpt and run.epoch >= args.epochs and not run.mid:
         if topo.is_main:
-            print(f"nothing to do: the checkpoint in {args.out}/ has finished all {args.epochs} epoch{'s' if args.epochs != 1 else ''}; raise "
+            epochs = f"{args.epochs} epoch{'s' if args.epochs != 1 else ''}"
+            print(f"nothing to do: the checkpoint in {args.out}/ has finished all {epochs}; raise "
                   f"--epochs to train further (summary.json is left as it was)", flush=True)
         return None
     last_epoch = args.epochs if args.stop_after is None else min(args.epochs, run.epoch + args.stop_after)
