@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 import warnings
-from types import SimpleNamespace
 
 import pytest
 

@@ -326,7 +326,7 @@ def test_npy_claiming_more_pixels_than_it_holds_is_refused_before_any_array(tmp_
     side = int(decode.MAX_PIXELS ** 0.5) - 1
     npformat.write_array_header_1_0(buf, {"descr": "|u1", "fortran_order": False, "shape": (side, side, 4)})
     (tmp_path / "x.npy").write_bytes(buf.getvalue() + bytes(4096))
-    code = f"""
+    code = """
 import resource, sys
 import numpy as np
 from pipeline.data import decode

@@ -1,6 +1,5 @@
 """pipeline.shards on tiny synthetic data: format, reader, determinism, rebuilds, parts, verify."""
 import hashlib
-import io
 import json
 import os
 import re

@@ -1,6 +1,5 @@
 """pipeline.data.stages: shard lists split like webdataset splits them, the windows a
 slot reads from its count, per-window shuffles, RandomMix."""
-import numpy as np
 import pytest
 import webdataset as wds
 

@@ -22,14 +22,11 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import (build_shards, free_port, key_index, read_members, sample_key, serve, shard_keys,
-                     write_tar)
+from helpers import build_shards, free_port, key_index, read_members, sample_key, serve, write_tar
 from pipeline.errors import ShardError
-from pipeline.data.loader import BatchRing, RingBuffer, _as_is, _RingFed  # noqa: F401
-from pipeline.data.remote import cache_path
 
 from pipeline.data.stream import EvalStream, MixedStream, check_weights, make_loader, parse_weights, resolve
-from pipeline.data.topology import Topology, Worker
+from pipeline.data.topology import Topology
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HALF = {"mnist": 0.5, "cifar10": 0.5}

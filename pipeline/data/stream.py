@@ -376,7 +376,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         slot start afresh.
         """
         first = ranks[0]
-        world, workers = first["world"], first["workers"]
+        world = first["world"]
         if sorted(r["rank"] for r in ranks) != list(range(world)):
             raise ValueError(f"resuming on {self.topo.world} ranks from a run on {world} needs every rank's "
                              f"stream state; have ranks {sorted(r['rank'] for r in ranks)}")
