@@ -63,6 +63,9 @@ def test_throughput_entries(record):
     for w in (0, 2):
         assert entries[("A", None, w)]["ratios"] == {}
         assert entries[("A", None, w)]["samples_per_s"]["median"] > 0
+    for e in record["throughput"]:  # each run says how much of the host's CPU was stolen meanwhile
+        assert all(0 <= r["steal_share"] <= 1 for r in e["runs"])
+    assert {"cpu_model", "cpu_mhz"} <= set(record["host"])
     # the workers' CPU (reaped by us or by a forkserver) must be counted
     assert entries[("C", "raw", 2)]["runs"][0]["cpu_workers_s"] > 0
     assert entries[("C", "raw", 0)]["runs"][0]["cpu_workers_s"] == 0
@@ -149,6 +152,18 @@ def test_stage_costs(tmp_path, monkeypatch):
     switch = {r["what"]: r for r in record["thread_switch"]}
     assert set(switch) == {"normalize, numpy", "normalize, torch one thread", "CPU step", "CPU step after a switch"}
     assert all(r["cpu"]["median"] > 0 for r in switch.values())
+
+
+def test_host_facts_from_proc_text():
+    """Steal is the eighth number of /proc/stat's cpu line, the total the first eight (guest time
+    is already inside user); what cannot be read gives zeros or None, never an error."""
+    tool = tool_module("bench_loader")
+    assert tool.host_ticks("cpu  10 1 5 80 1 0 2 4 3 0\n") == (4, 103)
+    assert tool.host_ticks("cpu  10 1 5 80\n") == (0, 96)  # an old kernel without the steal column
+    assert tool.host_ticks("garbage x y\n") == (0, 0)
+    info = "processor\t: 0\nmodel name\t: Some CPU 9000\ncpu MHz\t\t: 2596.1\n\nprocessor\t: 1\nmodel name\t: Other\n"
+    assert tool.cpu_model(info) == {"cpu_model": "Some CPU 9000", "cpu_mhz": 2596.1}
+    assert tool.cpu_model("processor\t: 0\ncpu MHz\t: fast\n") == {"cpu_model": None, "cpu_mhz": None}
 
 
 def absent(monkeypatch):

@@ -620,13 +620,31 @@ def tree_pids(pid):
     return out
 
 
+def host_ticks(text=None):
+    """(steal, all) clock ticks of the host's CPUs so far, from /proc/stat's first line; (0, 0)
+    where it cannot be read. On a virtual machine, time the hypervisor gave this machine's
+    CPUs to others is steal; where it is not accounted as such it lands in the processes' own
+    CPU time, and every samples/cpu-s figure drops with it."""
+    try:
+        if text is None:
+            with open("/proc/stat") as f:
+                text = f.readline()
+        ticks = [int(x) for x in text.split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    # user nice system idle iowait irq softirq steal [guest guest_nice, already inside user and nice]
+    return (ticks[7] if len(ticks) > 7 else 0), sum(ticks[:8])
+
+
 def measure(batches, expected):
-    """Run one generator of batch sizes to its end; wall time, CPU time of the tree, samples/s."""
+    """Run one generator of batch sizes to its end; wall time, CPU time of the tree, samples/s,
+    and the share of the host's CPU ticks meanwhile that were stolen (`host_ticks`)."""
     gc.collect()
     settle()
-    (m0, r0), t0 = tree_cpu(), time.perf_counter()
+    (m0, r0), t0, (s0, a0) = tree_cpu(), time.perf_counter(), host_ticks()
     n = sum(batches)
     wall = time.perf_counter() - t0
+    s1, a1 = host_ticks()
     helpers = settle()  # what outlives the run, e.g. a forkserver or multiprocessing's resource tracker
     m1, r1 = tree_cpu()
     if n != expected:
@@ -634,7 +652,8 @@ def measure(batches, expected):
     cpu = (m1 - m0) + (r1 - r0)
     return {"samples": n, "wall_s": round(wall, 4), "cpu_s": round(cpu, 4), "cpu_main_s": round(m1 - m0, 4),
             "cpu_workers_s": round(r1 - r0, 4), "samples_per_s": n / wall, "samples_per_cpu_s": n / cpu,
-            "busy_cores": cpu / wall, "processes_left": len(helpers)}
+            "busy_cores": cpu / wall, "processes_left": len(helpers),
+            "steal_share": (s1 - s0) / (a1 - a0) if a1 > a0 else 0.0}
 
 
 def spread(values):
@@ -1218,7 +1237,9 @@ def host_facts():
     sample, so its speed follows torch's thread pools (each call may wake them) and the BLAS
     and OpenMP variables that size them, and the CPU a process may use (affinity, cgroup
     quota) rather than the host's core count; the with-workers figures also depend on seeing
-    the workers at all (/proc/<pid>/task/*/children, or the ppid scan that replaces it)."""
+    the workers at all (/proc/<pid>/task/*/children, or the ppid scan that replaces it). The
+    CPU's model and clock, and the steal each run records, tell a slower machine from slower
+    code when two records are compared."""
     def cgroup_quota():
         try:
             with open("/sys/fs/cgroup/cpu.max") as f:
@@ -1231,7 +1252,29 @@ def host_facts():
             "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
             "env": {k: os.environ.get(k) for k in env},
             "proc_children": bool(glob.glob(f"/proc/{os.getpid()}/task/*/children")),
-            "loadavg_at_start": os.getloadavg(), "torch": torch.__version__, "python": sys.version.split()[0]}
+            "loadavg_at_start": os.getloadavg(), "torch": torch.__version__, "python": sys.version.split()[0],
+            **cpu_model()}
+
+
+def cpu_model(text=None):
+    """{"cpu_model", "cpu_mhz"} of the first processor in /proc/cpuinfo (None where not given)."""
+    found = {"cpu_model": None, "cpu_mhz": None}
+    try:
+        if text is None:
+            with open("/proc/cpuinfo") as f:
+                text = f.read(1 << 16)
+    except OSError:
+        return found
+    for line in text.split("\n\n")[0].splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "model name":
+            found["cpu_model"] = value.strip()
+        elif name.strip() == "cpu MHz":
+            try:
+                found["cpu_mhz"] = float(value)
+            except ValueError:
+                pass
+    return found
 
 
 def git_state():
@@ -1251,6 +1294,10 @@ def report(record):
         f"{h['torch_threads']} (+{h['torch_interop_threads']} interop), "
         f"{'/proc children' if h['proc_children'] else 'ppid scan'}; "
         + ", ".join(f"{k}={v}" for k, v in h["env"].items() if v is not None))
+    steal = [r.get("steal_share", 0.0) for e in record["throughput"] for r in e["runs"]]
+    log(f"cpu: {h.get('cpu_model') or '?'}, {h.get('cpu_mhz') or '?'} MHz; steal during the runs: "
+        f"median {statistics.median(steal) * 100 if steal else 0:.1f}%, most {max(steal, default=0) * 100:.1f}% "
+        f"of the host's CPU ticks")
     log("\n" + table(record["throughput"]))
     if "memory" in record:
         base = record["memory"]["baseline"]["peak_rss_mib"]
