@@ -56,8 +56,9 @@ def torchvision_source(name, split, root, download=False):
                 "--synthetic for look-alike data)" if name == "cifar10" else
                 " (pass --download to fetch it, or --synthetic for look-alike data)")
         raise SourceError(f"{name} {split}: no usable data under {root!r}{hint}: {e}") from None
-    except OSError as e:  # download failed: no network
-        raise SourceError(f"{name} {split}: could not download to {root!r}: {e}") from None
+    except OSError as e:  # no network for a download; a file there that cannot be read
+        doing = "could not download to" if download else "could not read the files under"
+        raise SourceError(f"{name} {split}: {doing} {root!r}: {_gist(e)}") from None
     data = np.asarray(ds.data)
     images = data[:, None] if data.ndim == 3 else data.transpose(0, 3, 1, 2)  # MNIST NHW, CIFAR NHWC
     origin = {"kind": "torchvision", "dataset": cls.__name__, "root": os.path.abspath(root),
