@@ -118,8 +118,9 @@ def parse_args(argv):
                         "thread either way)")
     p.add_argument("--work-dir", default="bench-out",
                    help="built shards and the 10x corpus go here (default: bench-out)")
-    p.add_argument("--json", help="where to write the JSON record (default: bench-out/bench.json; with --stages "
-                                   "bench-out/stages.json, with --tar-format bench-out/tar-format.json)")
+    p.add_argument("--json", help="where to write the JSON record: every run's figures, the commit, the host (CPU "
+                                   "identity, threads), each run's stolen CPU share (default: bench-out/bench.json; "
+                                   "with --stages bench-out/stages.json, with --tar-format bench-out/tar-format.json)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -620,40 +621,61 @@ def tree_pids(pid):
     return out
 
 
-def host_ticks(text=None):
-    """(steal, all) clock ticks of the host's CPUs so far, from /proc/stat's first line; (0, 0)
-    where it cannot be read. On a virtual machine, time the hypervisor gave this machine's
-    CPUs to others is steal; where it is not accounted as such it lands in the processes' own
-    CPU time, and every samples/cpu-s figure drops with it."""
+def host_ticks(text=None, cpus=None):
+    """(stolen, busy) clock ticks so far of the CPUs this process may run on (`cpus`, by
+    default its affinity), summed from /proc/stat's cpuN lines; None where they cannot be read.
+    On a virtual machine, time the hypervisor gave those CPUs to others is steal; where it is
+    not accounted as such it lands in the processes' own CPU time, and every samples/cpu-s
+    figure drops with it. Busy is user, nice, system, irq and softirq (guest time is already
+    inside user and nice); idle and iowait are left out, so an idle CPU does not dilute it."""
     try:
         if text is None:
             with open("/proc/stat") as f:
-                text = f.readline()
-        ticks = [int(x) for x in text.split()[1:]]
+                text = f.read(1 << 20)
+        cpus = set(os.sched_getaffinity(0)) if cpus is None else set(cpus)
+        stolen = busy = seen = 0
+        for line in text.splitlines():
+            name, *fields = line.split()
+            if not (name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus):
+                continue
+            t = [int(x) for x in fields[:8]] + [0] * (8 - len(fields[:8]))
+            stolen, busy, seen = stolen + t[7], busy + t[0] + t[1] + t[2] + t[5] + t[6], seen + 1
     except (OSError, ValueError):
-        return 0, 0
-    # user nice system idle iowait irq softirq steal [guest guest_nice, already inside user and nice]
-    return (ticks[7] if len(ticks) > 7 else 0), sum(ticks[:8])
+        return None
+    return (stolen, busy) if seen else None
+
+
+def steal_share(before, after):
+    """Of the busy and stolen ticks between two `host_ticks`, the stolen share; None when it
+    cannot be told (no reading, no tick passed, a counter that went back)."""
+    if before is None or after is None:
+        return None
+    stolen, busy = after[0] - before[0], after[1] - before[1]
+    if stolen < 0 or busy < 0 or stolen + busy == 0:
+        return None
+    return stolen / (stolen + busy)
 
 
 def measure(batches, expected):
     """Run one generator of batch sizes to its end; wall time, CPU time of the tree, samples/s,
-    and the share of the host's CPU ticks meanwhile that were stolen (`host_ticks`)."""
+    and the share of this process's CPUs' busy time meanwhile that was stolen (`host_ticks`)."""
     gc.collect()
     settle()
-    (m0, r0), t0, (s0, a0) = tree_cpu(), time.perf_counter(), host_ticks()
+    ticks0 = host_ticks()  # outside the timed window: reading /proc/stat is not the run's work
+    (m0, r0), t0 = tree_cpu(), time.perf_counter()
     n = sum(batches)
     wall = time.perf_counter() - t0
-    s1, a1 = host_ticks()
     helpers = settle()  # what outlives the run, e.g. a forkserver or multiprocessing's resource tracker
     m1, r1 = tree_cpu()
+    ticks1 = host_ticks()
     if n != expected:
         raise RuntimeError(f"run delivered {n} samples, expected {expected}")
     cpu = (m1 - m0) + (r1 - r0)
     return {"samples": n, "wall_s": round(wall, 4), "cpu_s": round(cpu, 4), "cpu_main_s": round(m1 - m0, 4),
             "cpu_workers_s": round(r1 - r0, 4), "samples_per_s": n / wall, "samples_per_cpu_s": n / cpu,
             "busy_cores": cpu / wall, "processes_left": len(helpers),
-            "steal_share": (s1 - s0) / (a1 - a0) if a1 > a0 else 0.0}
+            "steal_share": steal_share(ticks0, ticks1),
+            "steal_ticks": None if ticks0 is None or ticks1 is None else ticks1[0] - ticks0[0]}
 
 
 def spread(values):
@@ -835,10 +857,12 @@ def read_ceiling(setup, encoding, repeats=3):
     warm_page_cache(paths)
     runs = []
     for _ in range(repeats):
+        ticks0 = host_ticks()
         c0, t0 = sum(tree_cpu()), time.perf_counter()
         warm_page_cache(paths)
         wall, cpu = time.perf_counter() - t0, sum(tree_cpu()) - c0
-        runs.append({"wall_s": wall, "cpu_s": cpu, "samples_per_s": total / wall})
+        runs.append({"wall_s": wall, "cpu_s": cpu, "samples_per_s": total / wall,
+                     "steal_share": steal_share(ticks0, host_ticks())})
     return {"encoding": encoding, "samples": total, "bytes": nbytes, "runs": runs,
             "samples_per_s": spread([r["samples_per_s"] for r in runs]),
             "mb_per_s": statistics.median(nbytes / 1e6 / r["wall_s"] for r in runs)}
@@ -1238,8 +1262,8 @@ def host_facts():
     and OpenMP variables that size them, and the CPU a process may use (affinity, cgroup
     quota) rather than the host's core count; the with-workers figures also depend on seeing
     the workers at all (/proc/<pid>/task/*/children, or the ppid scan that replaces it). The
-    CPU's model and clock, and the steal each run records, tell a slower machine from slower
-    code when two records are compared."""
+    CPU's identity (`cpu_model`) and the steal each run records may tell a slower machine from
+    slower code when two records are compared."""
     def cgroup_quota():
         try:
             with open("/sys/fs/cgroup/cpu.max") as f:
@@ -1256,35 +1280,46 @@ def host_facts():
             **cpu_model()}
 
 
-def cpu_model(text=None):
-    """{"cpu_model", "cpu_mhz"} of the first processor in /proc/cpuinfo (None where not given)."""
-    found = {"cpu_model": None, "cpu_mhz": None}
+CPU_FIELDS = ("model name", "vendor_id", "cpu family", "model", "stepping", "microcode", "cache size", "cpu MHz",
+              "CPU implementer", "CPU part", "CPU variant", "CPU revision")  # x86's, then ARM's names
+
+
+def cpu_model(text=None, max_khz=None):
+    """{"cpu": the first processor's CPU_FIELDS found in /proc/cpuinfo, as text, plus its
+    highest clock in kHz from cpufreq where the kernel gives one}; an empty dict where nothing
+    can be read. The model name alone ("AMD EPYC") does not tell two hosts apart; the family,
+    model, stepping, microcode and cache, or ARM's implementer and part, may."""
+    found = {}
     try:
         if text is None:
-            with open("/proc/cpuinfo") as f:
+            with open("/proc/cpuinfo", errors="replace") as f:
                 text = f.read(1 << 16)
     except OSError:
-        return found
+        text = ""
     for line in text.split("\n\n")[0].splitlines():
         name, _, value = line.partition(":")
-        if name.strip() == "model name":
-            found["cpu_model"] = value.strip()
-        elif name.strip() == "cpu MHz":
-            try:
-                found["cpu_mhz"] = float(value)
-            except ValueError:
-                pass
-    return found
+        if name.strip() in CPU_FIELDS and value.strip():
+            found.setdefault(name.strip(), value.strip())
+    try:
+        if max_khz is None:
+            with open("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq") as f:
+                max_khz = f.read()
+        found["max kHz"] = str(int(max_khz))
+    except (OSError, ValueError):
+        pass
+    return {"cpu": found}
 
 
 def git_state():
-    """The commit and any uncommitted change under pipeline/: the figures belong to that code."""
+    """The commit and any uncommitted change under pipeline/ or tools/: the figures belong to that
+    code, and to the harness that measured them."""
     def git(*a):
         try:
             return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
         except OSError:
             return ""
-    return {"commit": git("rev-parse", "HEAD"), "dirty": git("status", "--porcelain", "--", "pipeline").splitlines()}
+    return {"commit": git("rev-parse", "HEAD"),
+            "dirty": git("status", "--porcelain", "--", "pipeline", "tools").splitlines()}
 
 
 def report(record):
@@ -1292,12 +1327,14 @@ def report(record):
     h = record["host"]
     log(f"\nhost: {h['cpus']} cpus, affinity {h['affinity']}, cgroup quota {h['cgroup_cpus']}, torch threads "
         f"{h['torch_threads']} (+{h['torch_interop_threads']} interop), "
-        f"{'/proc children' if h['proc_children'] else 'ppid scan'}; "
-        + ", ".join(f"{k}={v}" for k, v in h["env"].items() if v is not None))
-    steal = [r.get("steal_share", 0.0) for e in record["throughput"] for r in e["runs"]]
-    log(f"cpu: {h.get('cpu_model') or '?'}, {h.get('cpu_mhz') or '?'} MHz; steal during the runs: "
-        f"median {statistics.median(steal) * 100 if steal else 0:.1f}%, most {max(steal, default=0) * 100:.1f}% "
-        f"of the host's CPU ticks")
+        f"{'/proc children' if h['proc_children'] else 'ppid scan'}"
+        + "".join(f", {k}={v}" for k, v in h["env"].items() if v is not None))
+    cpu = h.get("cpu", {})
+    log("cpu: " + (", ".join(f"{k} {v}" for k, v in cpu.items()) or "?"))
+    steal = [r["steal_share"] for e in record["throughput"] for r in e["runs"] if r.get("steal_share") is not None]
+    log(f"steal: {len(steal)} of the runs could tell" + (
+        f"; median {statistics.median(steal) * 100:.1f}%, most {max(steal) * 100:.1f}% of the busy time of this "
+        f"process's CPUs" if steal else ""))
     log("\n" + table(record["throughput"]))
     if "memory" in record:
         base = record["memory"]["baseline"]["peak_rss_mib"]
