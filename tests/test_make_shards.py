@@ -161,20 +161,23 @@ def write_cifar(root, rng, sizes):
     return rows
 
 
-@pytest.mark.parametrize("download, says", [(False, "could not read the files under"), (True, "could not download to")])
+@pytest.mark.parametrize("download, says", [(False, "could not read the files under"),
+                                             (True, "could not download to or read the files under")])
 def test_an_os_error_says_what_was_being_done(tmp_path, monkeypatch, download, says):
-    """An OSError from torchvision is a failed download only when one was asked for; without
-    --download it is a file that could not be read, and the message says so, on one line."""
+    """An OSError from torchvision is a failed download only maybe, and only when one was asked
+    for (torchvision reads the files it finds instead); without --download it is a file that
+    could not be read. The message says so on one line, with the error's last line, its cause."""
     import torchvision
 
     def unreadable(*args, **kwargs):
-        raise PermissionError("[Errno 13] Permission denied:\n'root/MNIST/raw/train-images-idx3-ubyte'")
+        raise PermissionError("reading 'root/MNIST/raw/train-images-idx3-ubyte' failed:\n[Errno 13] Permission denied")
 
     monkeypatch.setattr(torchvision.datasets, "MNIST", unreadable)
     with pytest.raises(sources.SourceError) as raised:
         sources.torchvision_source("mnist", "train", str(tmp_path), download=download)
     message = str(raised.value)
     assert says in message and "Permission denied" in message and "\n" not in message, message
+    assert ("could not download" in message) == download, message
 
 
 def test_cifar10_from_pickle_batches(tmp_path, monkeypatch, read_tar, decode_image):

@@ -622,38 +622,52 @@ def tree_pids(pid):
 
 
 def host_ticks(text=None, cpus=None):
-    """(stolen, busy) clock ticks so far of the CPUs this process may run on (`cpus`, by
-    default its affinity), summed from /proc/stat's cpuN lines; None where they cannot be read.
-    On a virtual machine, time the hypervisor gave those CPUs to others is steal; where it is
-    not accounted as such it lands in the processes' own CPU time, and every samples/cpu-s
-    figure drops with it. Busy is user, nice, system, irq and softirq (guest time is already
-    inside user and nice); idle and iowait are left out, so an idle CPU does not dilute it."""
+    """{cpu: (stolen, busy)} clock ticks so far of the CPUs this process may run on (`cpus`, by
+    default its affinity), from /proc/stat's cpuN lines; None where they cannot be read. On a
+    virtual machine, time the hypervisor gave those CPUs to others is steal; where it is not
+    accounted as such it lands in the processes' own CPU time, and every samples/cpu-s figure
+    drops with it. Busy is user, nice, system, irq and softirq (guest time is already inside
+    user and nice); idle and iowait are left out, so an idle CPU does not dilute it. A line
+    without the steal column (kernels before 2.6.11) gives no reading: 0 would be made up."""
     try:
         if text is None:
             with open("/proc/stat") as f:
                 text = f.read(1 << 20)
         cpus = set(os.sched_getaffinity(0)) if cpus is None else set(cpus)
-        stolen = busy = seen = 0
+        found = {}
         for line in text.splitlines():
-            name, *fields = line.split()
-            if not (name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus):
+            name, *fields = line.split() or [""]
+            number = name[3:]
+            if not (name.startswith("cpu") and number.isascii() and number.isdigit() and int(number) in cpus):
                 continue
-            t = [int(x) for x in fields[:8]] + [0] * (8 - len(fields[:8]))
-            stolen, busy, seen = stolen + t[7], busy + t[0] + t[1] + t[2] + t[5] + t[6], seen + 1
+            t = [int(x) for x in fields[:8]]
+            if len(t) < 8 or min(t) < 0 or int(number) in found:
+                return None
+            found[int(number)] = (t[7], t[0] + t[1] + t[2] + t[5] + t[6])
     except (OSError, ValueError):
         return None
-    return (stolen, busy) if seen else None
+    return found or None
 
 
-def steal_share(before, after):
-    """Of the busy and stolen ticks between two `host_ticks`, the stolen share; None when it
-    cannot be told (no reading, no tick passed, a counter that went back)."""
+def steal_ticks(before, after):
+    """(stolen, busy) ticks between two `host_ticks`, over the CPUs both saw; None when it cannot
+    be told: no reading, no CPU in common, or a CPU's counter that went back."""
     if before is None or after is None:
         return None
-    stolen, busy = after[0] - before[0], after[1] - before[1]
-    if stolen < 0 or busy < 0 or stolen + busy == 0:
+    common = before.keys() & after.keys()
+    deltas = [(after[c][0] - before[c][0], after[c][1] - before[c][1]) for c in common]
+    if not deltas or any(d < 0 for pair in deltas for d in pair):
         return None
-    return stolen / (stolen + busy)
+    return sum(d[0] for d in deltas), sum(d[1] for d in deltas)
+
+
+def steal_fields(before, after):
+    """A run's `steal_share` (stolen / (stolen + busy); None when no tick passed or it cannot be
+    told) and the ticks behind it, for pooling over runs."""
+    ticks = steal_ticks(before, after)
+    if ticks is None or sum(ticks) == 0:
+        return {"steal_share": None, "steal_ticks": ticks and ticks[0], "busy_ticks": ticks and ticks[1]}
+    return {"steal_share": ticks[0] / sum(ticks), "steal_ticks": ticks[0], "busy_ticks": ticks[1]}
 
 
 def measure(batches, expected):
@@ -673,9 +687,7 @@ def measure(batches, expected):
     cpu = (m1 - m0) + (r1 - r0)
     return {"samples": n, "wall_s": round(wall, 4), "cpu_s": round(cpu, 4), "cpu_main_s": round(m1 - m0, 4),
             "cpu_workers_s": round(r1 - r0, 4), "samples_per_s": n / wall, "samples_per_cpu_s": n / cpu,
-            "busy_cores": cpu / wall, "processes_left": len(helpers),
-            "steal_share": steal_share(ticks0, ticks1),
-            "steal_ticks": None if ticks0 is None or ticks1 is None else ticks1[0] - ticks0[0]}
+            "busy_cores": cpu / wall, "processes_left": len(helpers), **steal_fields(ticks0, ticks1)}
 
 
 def spread(values):
@@ -862,7 +874,7 @@ def read_ceiling(setup, encoding, repeats=3):
         warm_page_cache(paths)
         wall, cpu = time.perf_counter() - t0, sum(tree_cpu()) - c0
         runs.append({"wall_s": wall, "cpu_s": cpu, "samples_per_s": total / wall,
-                     "steal_share": steal_share(ticks0, host_ticks())})
+                     **steal_fields(ticks0, host_ticks())})
     return {"encoding": encoding, "samples": total, "bytes": nbytes, "runs": runs,
             "samples_per_s": spread([r["samples_per_s"] for r in runs]),
             "mb_per_s": statistics.median(nbytes / 1e6 / r["wall_s"] for r in runs)}
@@ -1280,8 +1292,8 @@ def host_facts():
             **cpu_model()}
 
 
-CPU_FIELDS = ("model name", "vendor_id", "cpu family", "model", "stepping", "microcode", "cache size", "cpu MHz",
-              "CPU implementer", "CPU part", "CPU variant", "CPU revision")  # x86's, then ARM's names
+CPU_FIELDS = ("model name", "vendor_id", "cpu family", "model", "stepping", "microcode", "cache size",
+              "CPU implementer", "CPU part", "CPU variant", "CPU revision")  # x86's, then ARM's; not the moving clock
 
 
 def cpu_model(text=None, max_khz=None):
@@ -1296,7 +1308,7 @@ def cpu_model(text=None, max_khz=None):
                 text = f.read(1 << 16)
     except OSError:
         text = ""
-    for line in text.split("\n\n")[0].splitlines():
+    for line in text.replace("\r\n", "\n").split("\n\n")[0].splitlines():
         name, _, value = line.partition(":")
         if name.strip() in CPU_FIELDS and value.strip():
             found.setdefault(name.strip(), value.strip())
@@ -1304,7 +1316,8 @@ def cpu_model(text=None, max_khz=None):
         if max_khz is None:
             with open("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq") as f:
                 max_khz = f.read()
-        found["max kHz"] = str(int(max_khz))
+        if int(max_khz) > 0:
+            found["max kHz"] = str(int(max_khz))
     except (OSError, ValueError):
         pass
     return {"cpu": found}
@@ -1319,7 +1332,7 @@ def git_state():
         except OSError:
             return ""
     return {"commit": git("rev-parse", "HEAD"),
-            "dirty": git("status", "--porcelain", "--", "pipeline", "tools").splitlines()}
+            "dirty": git("status", "--porcelain", "--untracked-files=no", "--", "pipeline", "tools").splitlines()}
 
 
 def report(record):
@@ -1331,10 +1344,12 @@ def report(record):
         + "".join(f", {k}={v}" for k, v in h["env"].items() if v is not None))
     cpu = h.get("cpu", {})
     log("cpu: " + (", ".join(f"{k} {v}" for k, v in cpu.items()) or "?"))
-    steal = [r["steal_share"] for e in record["throughput"] for r in e["runs"] if r.get("steal_share") is not None]
-    log(f"steal: {len(steal)} of the runs could tell" + (
-        f"; median {statistics.median(steal) * 100:.1f}%, most {max(steal) * 100:.1f}% of the busy time of this "
-        f"process's CPUs" if steal else ""))
+    runs = [r for e in record["throughput"] for r in e["runs"]]
+    told = [r for r in runs if r.get("steal_share") is not None]
+    stolen, busy = sum(r["steal_ticks"] for r in told), sum(r["busy_ticks"] for r in told)
+    log(f"steal: {len(told)} of {len(runs)} runs could tell" + (
+        f"; {stolen} of their {stolen + busy} busy and stolen ticks on this process's CPUs were stolen "
+        f"({stolen / (stolen + busy) * 100:.1f}%)" if told else ""))
     log("\n" + table(record["throughput"]))
     if "memory" in record:
         base = record["memory"]["baseline"]["peak_rss_mib"]

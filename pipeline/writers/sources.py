@@ -49,16 +49,16 @@ def torchvision_source(name, split, root, download=False):
     cls = {"mnist": torchvision.datasets.MNIST, "cifar10": torchvision.datasets.CIFAR10}[name]
     try:
         ds = cls(root=root, train=(split == "train"), download=download)
-    except (RuntimeError, AssertionError, ValueError) as e:  # not found, a damaged file, or a failed download
-        if download:
-            raise SourceError(f"{name} {split}: could not download to {root!r}: {_gist(e)}") from None
+    except (RuntimeError, AssertionError, ValueError, OSError) as e:  # not found, damaged, unreadable, no network
+        if download:  # torchvision reads files it finds instead of downloading: either may have failed
+            raise SourceError(f"{name} {split}: could not download to or read the files under {root!r}: "
+                              f"{_gist(e)}") from None
+        if isinstance(e, OSError):
+            raise SourceError(f"{name} {split}: could not read the files under {root!r}: {_gist(e)}") from None
         hint = (" (pass --download to fetch it, --cifar10-dir DIR for a folder of its images, or "
                 "--synthetic for look-alike data)" if name == "cifar10" else
                 " (pass --download to fetch it, or --synthetic for look-alike data)")
-        raise SourceError(f"{name} {split}: no usable data under {root!r}{hint}: {e}") from None
-    except OSError as e:  # no network for a download; a file there that cannot be read
-        doing = "could not download to" if download else "could not read the files under"
-        raise SourceError(f"{name} {split}: {doing} {root!r}: {_gist(e)}") from None
+        raise SourceError(f"{name} {split}: no usable data under {root!r}{hint}: {_gist(e)}") from None
     data = np.asarray(ds.data)
     images = data[:, None] if data.ndim == 3 else data.transpose(0, 3, 1, 2)  # MNIST NHW, CIFAR NHWC
     origin = {"kind": "torchvision", "dataset": cls.__name__, "root": os.path.abspath(root),
