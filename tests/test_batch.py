@@ -1,8 +1,7 @@
 """pipeline.data.batch: collate and normalize give exactly what the straightforward formulas
 they replaced give (a windowed, channel-broadcast assignment per source; uint8 * scale - shift)."""
-from types import SimpleNamespace
-
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest

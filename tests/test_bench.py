@@ -184,11 +184,11 @@ def test_host_facts_from_proc_text():
     assert tool.steal_fields(before, before) == {"steal_share": None, "steal_ticks": 0, "busy_ticks": 0}  # no tick
     info = ("processor\t: 0\r\nvendor_id\t: AuthenticAMD\r\nmodel name\t: Some CPU 9000\r\nstepping\t: 1\r\n"
             "cpu MHz\t\t: 2596.1\r\n\r\nprocessor\t: 1\r\nmodel name\t: Other\r\ncache size\t: 1 KB\r\n")
-    assert tool.cpu_model(info, max_khz="3500000\n") == {"cpu": {"vendor_id": "AuthenticAMD", "model name": "Some CPU 9000",
-                                                                 "stepping": "1", "max kHz": "3500000"}}
+    first = {"vendor_id": "AuthenticAMD", "model name": "Some CPU 9000", "stepping": "1", "max kHz": "3500000"}
+    assert tool.cpu_identity(info, max_khz="3500000\n") == {"cpu": first}  # the first processor's, no clock
     arm = "processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\nCPU part\t: 0xd0c\n"
     for khz in ("fast", "-1"):
-        assert tool.cpu_model(arm, max_khz=khz) == {"cpu": {"CPU implementer": "0x41", "CPU part": "0xd0c"}}
+        assert tool.cpu_identity(arm, max_khz=khz) == {"cpu": {"CPU implementer": "0x41", "CPU part": "0xd0c"}}
 
 
 def absent(monkeypatch):

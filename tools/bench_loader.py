@@ -1274,7 +1274,7 @@ def host_facts():
     and OpenMP variables that size them, and the CPU a process may use (affinity, cgroup
     quota) rather than the host's core count; the with-workers figures also depend on seeing
     the workers at all (/proc/<pid>/task/*/children, or the ppid scan that replaces it). The
-    CPU's identity (`cpu_model`) and the steal each run records may tell a slower machine from
+    CPU's identity (`cpu_identity`) and the steal each run records may tell a slower machine from
     slower code when two records are compared."""
     def cgroup_quota():
         try:
@@ -1289,14 +1289,14 @@ def host_facts():
             "env": {k: os.environ.get(k) for k in env},
             "proc_children": bool(glob.glob(f"/proc/{os.getpid()}/task/*/children")),
             "loadavg_at_start": os.getloadavg(), "torch": torch.__version__, "python": sys.version.split()[0],
-            **cpu_model()}
+            **cpu_identity()}
 
 
 CPU_FIELDS = ("model name", "vendor_id", "cpu family", "model", "stepping", "microcode", "cache size",
               "CPU implementer", "CPU part", "CPU variant", "CPU revision")  # x86's, then ARM's; not the moving clock
 
 
-def cpu_model(text=None, max_khz=None):
+def cpu_identity(text=None, max_khz=None):
     """{"cpu": the first processor's CPU_FIELDS found in /proc/cpuinfo, as text, plus its
     highest clock in kHz from cpufreq where the kernel gives one}; an empty dict where nothing
     can be read. The model name alone ("AMD EPYC") does not tell two hosts apart; the family,
