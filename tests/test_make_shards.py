@@ -456,3 +456,89 @@ def test_a_warning_quoting_a_key_escapes_its_control_characters():
     with pytest.warns(UserWarning) as caught:
         Errors("warn")("s.tar: sample a\rb\x1b[2J: bad")
     assert str(caught[0].message) == "s.tar: sample a\\rb\\x1b[2J: bad"
+
+
+# ---------------------------------------------------------------- the folder may hold other people's files
+
+
+SMALL = ("--synthetic", "--datasets", "mnist", "--splits", "train", "--limit", 12, "--maxcount", 5, "--workers", 1,
+         "--quiet", "--out", "out")
+
+
+def folder_bytes(folder):
+    return {f: (folder / f).read_bytes() for f in sorted(os.listdir(folder))}
+
+
+def test_a_file_no_manifest_names_is_left_alone(main, tmp_path, monkeypatch):
+    """A user's mnist-train-000099.tar in --out, no manifest: the build writes 000000-000002 and
+    the user's file is still there, byte for byte, on the first build and on a rebuild."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mnist-train-000099.tar").write_bytes(b"mine")
+    for _ in range(2):
+        code, out, err = main(*SMALL)
+        assert code == 0, err
+        assert (tmp_path / "out" / "mnist-train-000099.tar").read_bytes() == b"mine"
+    assert "replaced mnist-train.json" in out and "no other file touched" in out
+
+
+def test_a_name_the_build_needs_held_by_a_file_no_manifest_names_is_refused(main, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mnist-train-000001.tar").write_bytes(b"mine")
+    code, out, err = main(*SMALL)
+    assert_one_error_line(code, err, "out/mnist-train-000001.tar exists", "refusing to overwrite")
+    assert os.listdir(tmp_path / "out") == ["mnist-train-000001.tar"]
+    assert (tmp_path / "out" / "mnist-train-000001.tar").read_bytes() == b"mine"
+
+
+def test_a_rebuild_removes_only_the_shards_its_old_manifest_listed(main, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(*SMALL[:-2], "--limit", 30, "--out", "out")[0] == 0  # 6 shards
+    (tmp_path / "out" / "mnist-train-000042.tar").write_bytes(b"mine")
+    code, out, err = main(*SMALL)  # 3 shards: 3 old ones go, the user's stays
+    assert code == 0, err
+    assert "3 of its shards rewritten, 3 no longer listed removed" in out
+    assert sorted(os.listdir(tmp_path / "out")) == ["mnist-train-00000%d.tar" % i for i in range(3)] + [
+        "mnist-train-000042.tar", "mnist-train.json"]
+
+
+def test_a_rebuild_on_a_full_disk_keeps_the_old_set_usable(main, tmp_path, monkeypatch):
+    """The disk fills while the third new shard is written: the old manifest and its shards are
+    as they were, no .tmp file is left, and the error is one line."""
+    import errno
+    monkeypatch.chdir(tmp_path)
+    assert main(*SMALL)[0] == 0
+    before = folder_bytes(tmp_path / "out")
+    written = []
+    real = shards._add_member
+
+    def filling(tar, name, data):
+        written.append(name)
+        if len(written) > 22:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(tar, name, data)
+
+    monkeypatch.setattr(shards, "_add_member", filling)
+    code, out, err = main(*SMALL, "--seed", 1)
+    assert_one_error_line(code, err, "No space left on device")
+    assert folder_bytes(tmp_path / "out") == before
+    assert shards.verify(str(tmp_path / "out")) == []
+
+
+def test_a_rebuild_past_the_file_size_limit_keeps_the_old_set_usable(tmp_path):
+    """The same in a real process whose writes fail (RLIMIT_FSIZE, as a full disk would)."""
+    import resource
+    import signal
+
+    assert cli(tmp_path, *SMALL).returncode == 0
+    before = folder_bytes(tmp_path / "out")
+
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000))
+
+    p = subprocess.run([sys.executable, str(TOOL), *map(str, SMALL), "--seed", "1"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120, preexec_fn=limited)
+    assert_one_error_line(p.returncode, p.stderr, "File too large")
+    assert folder_bytes(tmp_path / "out") == before

@@ -195,26 +195,37 @@ class FailingSource:
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_interrupted_build_leaves_no_manifest_and_no_partial_shard(tmp_path, workers):
+def test_interrupted_build_leaves_the_old_set_whole_and_no_temporary_file(tmp_path, workers):
+    """A rebuild that fails half way (a bad sample here; a full disk in test_make_shards) changes
+    nothing a reader sees: the old manifest and every old shard stay, byte for byte."""
     src = array_source(30)
-    old = build(src, tmp_path, maxcount=10, seed=0)
+    build(src, tmp_path, maxcount=10, seed=0)
     old_bytes = folder_bytes(tmp_path)
     bad = shards.plan_shards(30, 10, 7)[1][1][4]  # 5th sample of the second shard in the new order
     with pytest.raises(RuntimeError, match="disk on fire"):
         build(FailingSource(src, bad), tmp_path, maxcount=10, seed=7, workers=workers)
 
-    assert not (tmp_path / "toy-train.json").exists()  # the old manifest no longer vouches for the set
-    for f in tar_files(tmp_path):
-        if f.endswith(".tar"):
-            assert f in {s["name"] for s in old["shards"]}
-            # whatever is under a final name is a complete shard: the old one or a finished new one
-            samples = project_samples(tmp_path / f)
-            assert len(samples) == 10 and all(set(s) == {"png", "cls"} for _, s in samples)
-    assert (tmp_path / "toy-train-000001.tar").read_bytes() == old_bytes["toy-train-000001.tar"]
+    assert folder_bytes(tmp_path) == old_bytes  # the old manifest still vouches for the same shards
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+    assert shards.verify(str(tmp_path)) == []
 
-    m = build(src, tmp_path, maxcount=10, seed=7)  # a rerun cleans up
+    m = build(src, tmp_path, maxcount=10, seed=7)  # a rerun replaces it
     assert tar_files(tmp_path) == [s["name"] for s in m["shards"]]
     assert shards.verify(str(tmp_path)) == []
+
+
+def test_parts_rebuilt_over_a_whole_set_in_one_folder_replace_it(tmp_path):
+    """Parts built where a whole set of more shards stands: each part may rewrite the names the
+    old manifest listed (carried in the part manifests once it is gone), the merge removes
+    the old shards no part wrote, and a file no manifest named stays."""
+    build(array_source(47, (3, 4, 4)), tmp_path, maxcount=5)  # 10 shards
+    (tmp_path / "toy-train-000077.tar").write_bytes(b"mine")
+    src = array_source(23, (3, 4, 4))
+    for i in range(3):
+        build(src, tmp_path, maxcount=5, part=(i, 3))
+    merged = shards.merge_parts(str(tmp_path), "toy", "train")
+    assert tar_files(tmp_path) == sorted([s["name"] for s in merged["shards"]] + ["toy-train-000077.tar"])
+    assert "replaces" not in merged and shards.verify(str(tmp_path)) == []
 
 
 # ---------------------------------------------------------------- parts and merge

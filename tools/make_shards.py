@@ -312,12 +312,10 @@ def run(args):
     rows, t_all = [], time.perf_counter()
     for src in load_sources(args):
         print(f"{src.name}-{src.split}: {describe(src.origin)}", flush=True)
-        old = os.path.join(args.out, manifest.manifest_name(src.name, src.split))
-        if os.path.exists(old) and args.part == (0, 1):
-            print(f"  replacing the {src.name}-{src.split} shard set already in {args.out}/", flush=True)
         t0 = time.perf_counter()
         m = shards.build(src, args.out, encoding=args.encoding, maxcount=args.maxcount, seed=args.seed,
-                         limit=args.limit, workers=args.workers, part=args.part, progress=not args.quiet)
+                         limit=args.limit, workers=args.workers, part=args.part, progress=not args.quiet,
+                         say=lambda line: print(line, flush=True))
         dt = time.perf_counter() - t0
         rows.append((f"{src.name}-{src.split}", len(m["shards"]), m["total"],
                      sum(s["bytes"] for s in m["shards"]), dt, src.origin.get("kind")))

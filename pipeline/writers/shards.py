@@ -8,11 +8,17 @@ Shards are plain USTAR with integer mtimes. webdataset's own TarWriter writes a 
 header per member because it passes float mtimes; every member then costs an extra
 header, and reading it through tarfile costs twice as much (docs/benchmarks.md, "Tar format").
 
-The manifest (see pipeline.data.manifest) is written last and atomically, and removed
-before a rebuild starts, so its presence means the shard set is complete. A folder
-is written by one writer at a time (`writing`): two builds into one folder would
-write the same temporary names, and both could report success over shards the
-other one cut short.
+A rebuild is atomic for readers: every new shard and the new manifest are written under
+temporary names (`*.tmp`) first, and only when all of them are complete (a full disk
+fails here, and the temporary files are removed) is the old manifest removed, the new
+shards renamed into place and the new manifest renamed last. So the old manifest and
+its shards stay usable until the new set is complete, and a manifest's presence means
+its set is complete. The folder may hold other people's files: a build replaces or
+removes only files named by a manifest make_shards wrote for this data set and split
+(`owned`), and its own temporary files; a file of the name it needs that no such
+manifest names is refused, never overwritten. A folder is written by one writer at a
+time (`writing`): two builds into one folder would write the same temporary names, and
+both could report success over shards the other one cut short.
 """
 import contextlib
 import hashlib
@@ -26,7 +32,7 @@ import numpy as np
 
 from pipeline.data import png
 from pipeline.errors import ShardError
-from pipeline.files import Busy, locked, read_json, write_json_atomic
+from pipeline.files import Busy, locked, read_json, write_atomic, write_json_atomic
 from pipeline.data.manifest import FORMAT, NAME_RE, check, manifest_name, shard_name
 from pipeline.data.read import iter_samples
 
@@ -64,14 +70,28 @@ def _add_member(tar, name, data):
     tar.addfile(info, io.BytesIO(data))
 
 
-def write_shard(path, source, indices, encoding):
-    """Write one shard under a temporary name and rename it when complete.
+def write_shard(path, source, indices, encoding, rename=True):
+    """Write one shard under a temporary name (`path`.tmp) and rename it when complete; with
+    rename=False it stays under the temporary name (a build renames all at once).
 
     Returns its manifest entry (name, samples, bytes, sha256, per-channel pixel sums).
+    On any error the temporary file is removed.
     """
+    tmp = path + ".tmp"
+    try:
+        entry = _write_tar(tmp, source, indices, encoding)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    if rename:
+        os.replace(tmp, path)
+    return dict(entry, name=os.path.basename(path))
+
+
+def _write_tar(tmp, source, indices, encoding):
     c = source.shape[0]
     pix_sum, pix_sumsq = np.zeros(c), np.zeros(c)
-    tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         with tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             for i in indices:
@@ -86,8 +106,7 @@ def write_shard(path, source, indices, encoding):
                 pix_sum += x.sum(1)
                 pix_sumsq += (x * x).sum(1)
     digest, size = file_sha256(tmp), os.path.getsize(tmp)
-    os.replace(tmp, path)
-    return {"name": os.path.basename(path), "samples": len(indices), "bytes": size, "sha256": digest,
+    return {"name": None, "samples": len(indices), "bytes": size, "sha256": digest,
             "pixel_sum": pix_sum.round(6).tolist(), "pixel_sumsq": pix_sumsq.round(6).tolist()}
 
 
@@ -104,7 +123,7 @@ _SOURCE = None  # the source being written, inherited by forked writer processes
 
 def _write_task(task):
     path, indices, encoding = task
-    return write_shard(path, _SOURCE, indices, encoding)
+    return write_shard(path, _SOURCE, indices, encoding, rename=False)
 
 
 def plan_shards(n, maxcount, seed, limit=None, part=(0, 1)):
@@ -122,12 +141,15 @@ def plan_shards(n, maxcount, seed, limit=None, part=(0, 1)):
 
 
 def build(source, out, *, encoding="png", maxcount=500, seed=0, limit=None, workers=1, part=(0, 1),
-          progress=True):
+          progress=True, say=None):
     """Write `source` as shards plus manifest under `out`; returns the manifest dict.
 
     With part=(i, n) only every n-th shard starting at i is written, under the same
     global names a whole build would use, and the manifest is a part manifest for
-    `merge_parts`. A rebuild removes the old manifest first and stale shards last.
+    `merge_parts`. A rebuild is atomic for readers and touches only files that a
+    make_shards manifest of this split names (see the module's docstring); `say` gets
+    one line saying what was replaced. Raises ShardError for a needed name that holds
+    a file no such manifest names, OSError when a write fails (nothing then changed).
     """
     if encoding not in ENCODINGS:
         raise ShardError(f"unknown encoding {encoding!r}; choose from {', '.join(ENCODINGS)}")
@@ -138,30 +160,86 @@ def build(source, out, *, encoding="png", maxcount=500, seed=0, limit=None, work
     if len(source) == 0:
         raise ShardError(f"{source.name} {source.split}: no samples")
     with writing(out):
-        return _build(source, out, encoding, maxcount, seed, limit, workers, part, progress)
+        return _build(source, out, encoding, maxcount, seed, limit, workers, part, progress,
+                      say or (lambda line: None))
 
 
-def _build(source, out, encoding, maxcount, seed, limit, workers, part, progress):
-    final = os.path.join(out, _manifest_file(source.name, source.split, part))
-    whole = os.path.join(out, manifest_name(source.name, source.split))
-    for old in {final, whole}:  # a part rewrites shards that a whole manifest may list
-        if os.path.exists(old):
-            os.remove(old)
+def _build(source, out, encoding, maxcount, seed, limit, workers, part, progress, say):
+    name, split = source.name, source.split
+    final = os.path.join(out, _manifest_file(name, split, part))
+    whole = os.path.join(out, manifest_name(name, split))
+    owned, old = owned_shards(out, name, split)
+    remove_own_temporaries(out, name, split)
+    every = {shard_name(name, split, k) for k, _ in plan_shards(len(source), maxcount, seed, limit)}
     plan = plan_shards(len(source), maxcount, seed, limit, part)
-    tasks = [(os.path.join(out, shard_name(source.name, source.split, k)), idx, encoding) for k, idx in plan]
-    entries = _run_tasks(source, tasks, workers, progress, f"{source.name}-{source.split}")
-    manifest = {
-        "format": FORMAT, "dataset": source.name, "split": source.split, "encoding": encoding,
-        "image_exts": [encoding], "label": "cls", "origin": _origin(source, limit),
-        "shape": list(source.shape), "classes": source.classes, "seed": seed, "maxcount": maxcount,
-        "part": list(part) if part[1] > 1 else None,
-        "shards": entries,
-    }
-    manifest = finish_manifest(manifest)
-    write_json_atomic(final, manifest)
-    if part[1] == 1:
-        remove_stale(out, manifest)
+    mine = [shard_name(name, split, k) for k, _ in plan]
+    for f in mine:
+        if os.path.lexists(os.path.join(out, f)) and f not in owned:
+            raise ShardError(f"{os.path.join(out, f)} exists and no make_shards manifest of {name}-{split} in {out} "
+                             f"names it: refusing to overwrite a file this tool did not write; move it away or "
+                             f"choose another --out")
+    tasks = [(os.path.join(out, f), idx, encoding) for f, (_, idx) in zip(mine, plan)]
+    temporaries = [t[0] + ".tmp" for t in tasks] + [final + ".tmp"]
+    try:
+        entries = _run_tasks(source, tasks, workers, progress, f"{name}-{split}")
+        manifest = {
+            "format": FORMAT, "dataset": name, "split": split, "encoding": encoding,
+            "image_exts": [encoding], "label": "cls", "origin": _origin(source, limit),
+            "shape": list(source.shape), "classes": source.classes, "seed": seed, "maxcount": maxcount,
+            "part": list(part) if part[1] > 1 else None,
+            "shards": entries,
+        }
+        manifest = finish_manifest(manifest)
+        if part[1] > 1:  # names of the replaced set that the other parts will write: still ours when they do
+            manifest["replaces"] = sorted((owned & every) - set(mine))
+        write_json_atomic(final + ".tmp", manifest)  # the disk is full here, or never
+    except BaseException:
+        for t in temporaries:
+            with contextlib.suppress(OSError):
+                os.remove(t)
+        raise
+    for m in {final, whole}:  # the new set is complete: the old manifest goes, the shards and manifest come
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(m)
+    for f in mine:
+        os.replace(os.path.join(out, f + ".tmp"), os.path.join(out, f))
+    os.replace(final + ".tmp", final)
+    gone = remove_stale(out, owned - (every if part[1] > 1 else set(mine)))
+    if old:
+        say(f"  replaced {', '.join(os.path.basename(m) for m in old)} in {out}/: {len(owned & set(mine))} of its "
+            f"shards rewritten, {len(gone)} no longer listed removed; no other file touched")
     return manifest
+
+
+def owned_shards(out, name, split):
+    """(names, manifests): the shard names that make_shards manifests of this split in `out` (whole
+    or part) list or replace, and those manifests' paths. Only plain names of make_shards' own
+    pattern count, and never those of an indexed manifest: its shards are somebody else's."""
+    pat = re.compile(rf"^{re.escape(name)}-{re.escape(split)}(\.part\d+of\d+)?\.json$")
+    shard = re.compile(rf"^{re.escape(name)}-{re.escape(split)}-\d+\.tar$")
+    names, found = set(), []
+    for f in sorted(os.listdir(out)):
+        if not pat.match(f):
+            continue
+        try:
+            m = read_json(os.path.join(out, f))
+            listed = [s["name"] for s in m["shards"]] + list(m.get("replaces") or [])
+            if (m.get("origin") or {}).get("kind") == "index":
+                continue
+        except (ShardError, OSError, KeyError, TypeError, AttributeError):
+            continue  # unreadable: it vouches for nothing
+        names |= {n for n in listed if isinstance(n, str) and shard.match(n)}
+        found.append(os.path.join(out, f))
+    return names, found
+
+
+def remove_own_temporaries(out, name, split):
+    """The `.tmp` shards a killed build of this split left behind (make_shards' own names)."""
+    pat = re.compile(rf"^{re.escape(name)}-{re.escape(split)}(-\d+\.tar|(\.part\d+of\d+)?\.json)\.tmp$")
+    for f in os.listdir(out):
+        if pat.match(f):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(out, f))
 
 
 def _origin(source, limit):
@@ -238,23 +316,27 @@ def _merge_parts(out, dataset, split):
     keys = ("encoding", "shape", "classes", "seed", "maxcount")
     if any(tuple(m[k] for k in keys) != tuple(loaded[0][k] for k in keys) for m in loaded):
         raise ShardError(f"{dataset}-{split}: parts were built with different settings ({', '.join(keys)})")
+    mine, _ = owned_shards(out, dataset, split)
     merged = dict(loaded[0], part=None)
+    merged.pop("replaces", None)
     merged["shards"] = sorted((e for m in loaded for e in m["shards"]), key=lambda e: e["name"])
     merged = finish_manifest({k: v for k, v in merged.items() if k not in ("total", "mean", "std")})
     write_json_atomic(os.path.join(out, manifest_name(dataset, split)), merged)
     for p in parts:
         os.remove(os.path.join(out, p[2]))
-    remove_stale(out, merged)
+    remove_stale(out, mine - {s["name"] for s in merged["shards"]})
     return merged
 
 
-def remove_stale(out, manifest):
-    """Delete shards of this dataset and split that the manifest does not list."""
-    pat = re.compile(rf"^{re.escape(manifest['dataset'])}-{re.escape(manifest['split'])}-\d+\.tar(\.tmp)?$")
-    keep = {s["name"] for s in manifest["shards"]}
-    for f in os.listdir(out):
-        if pat.match(f) and f not in keep:
+def remove_stale(out, names):
+    """Delete the shards `names` (ones an old manifest of ours listed and the new one does not);
+    returns those that were there."""
+    gone = []
+    for f in sorted(names):
+        with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(out, f))
+            gone.append(f)
+    return gone
 
 
 # ---------------------------------------------------------------- verifying
