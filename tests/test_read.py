@@ -503,3 +503,38 @@ def test_gnu_sparse_member_is_named(tmp_path):
     assert raw[156:157] == b"S"  # GNU tar really wrote a sparse member
     with pytest.raises(ShardError, match="'holes.img' is a GNU sparse file"):
         list(read.iter_samples(io.BytesIO(raw)))
+
+
+def test_a_gzip_shard_with_trailing_garbage_reads_as_webdataset_reads_it(tmp_path):
+    """Bytes after the gzip member (garbage, zero padding) end the data, as under webdataset's
+    tarfile: all 6 samples, where Python's gzip raised at the garbage and the shard gave none.
+    Another member after the first is read too (gzip's rule, which webdataset's tarfile does not
+    follow); damage inside a member stays damage."""
+    import webdataset as wds
+
+    raw = build_tar(6)
+    members = gzip.compress(raw[:3000], mtime=0) + gzip.compress(raw[3000:], mtime=0)
+    for tail in (b"this is not gzip" * 40, bytes(1000)):
+        for body in (gzip.compress(raw, mtime=0), members):
+            path = tmp_path / "garbage.tar.gz"
+            path.write_bytes(body + tail)
+            ours = [s["__key__"] for s in read.iter_samples(io.BytesIO(path.read_bytes()))]
+            assert ours == [f"s{i}" for i in range(6)]
+            if body is not members:  # webdataset's tarfile reads the first member only
+                assert ours == [s["__key__"] for s in wds.WebDataset(str(path), shardshuffle=False)]
+    whole = gzip.compress(raw, mtime=0)
+    for damaged in (whole[:-4], whole[:-8] + bytes(4) + whole[-4:], whole + whole[:20]):  # cut, bad CRC, bad 2nd member
+        with pytest.raises(ShardError, match="damaged gzip stream"):
+            list(read.iter_samples(io.BytesIO(damaged)))
+
+
+def build_tar(n):
+    """A USTAR tar of n samples s0..s{n-1}, each a .cls and a .bin member."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for i in range(n):
+            for ext, data in (("cls", str(i).encode()), ("bin", bytes([i]) * 700)):
+                info = tarfile.TarInfo(f"s{i}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()

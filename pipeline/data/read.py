@@ -26,7 +26,6 @@ reader took 90-300 us a sample here, this loop 5-10 us, and `regular`'s numpy pa
 shards of [image][label] samples 1.5-3.1 us (docs/benchmarks.md, "Tar format"; tools/bench_loader.py
 --tar-format).
 """
-import gzip
 import re
 import zlib
 
@@ -272,39 +271,60 @@ def _read(stream, n):
 
 
 class _Gunzip:
-    """A gzip stream whose damage is a ShardError (the shard is bad), while the I/O
-    errors of the stream under it stay what they are (they may be retried). It inflates
-    to at most INFLATE_RATIO times the compressed bytes read so far, plus INFLATE_SLACK."""
+    """A gzip stream read as webdataset reads it: the members, and nothing after them. Bytes
+    after a whole member that do not start another (trailing garbage, zero padding) end the
+    data quietly, where Python's gzip raises and the shard would give nothing; tarfile, under
+    webdataset, reads the tar before them. Damage inside a member is a ShardError (the shard
+    is bad), while the I/O errors of the stream under it stay what they are (they may be
+    retried). It inflates to at most INFLATE_RATIO times the compressed bytes read so far,
+    plus INFLATE_SLACK."""
 
     def __init__(self, raw):
-        self.raw = _Counted(raw)
-        self.stream = gzip.GzipFile(fileobj=self.raw)
-        self.inflated = 0
+        self.raw, self.got, self.inflated = raw, 0, 0
+        self.z, self.carry, self.done = zlib.decompressobj(31), b"", False  # 31: a gzip header and trailer
 
     def read(self, n=-1):
-        room = INFLATE_RATIO * self.raw.got + INFLATE_SLACK - self.inflated + 1  # one byte more says it overflows
-        try:
-            data = self.stream.read(min(n, room) if n >= 0 else room)
-        except (gzip.BadGzipFile, EOFError, zlib.error) as e:
-            raise ShardError(f"damaged gzip stream: {e}") from None
-        self.inflated += len(data)
-        if self.inflated > INFLATE_RATIO * self.raw.got + INFLATE_SLACK:
-            raise ShardError(f"gzip stream inflates {self.raw.got} compressed bytes to more than "
-                             f"{INFLATE_RATIO}x plus {INFLATE_SLACK >> 20} MiB (pipeline.data.read.INFLATE_RATIO): "
-                             f"a gzip bomb, or a shard to store uncompressed")
-        return data
+        out = b""
+        while not out and not self.done and n != 0:
+            if self.z.eof and not self._next_member():
+                break
+            room = INFLATE_RATIO * self.got + INFLATE_SLACK - self.inflated + 1  # one byte more says it overflows
+            data = self.z.unconsumed_tail or self._more(CHUNK)  # b"" at the end: what zlib still holds
+            try:
+                out = self.z.decompress(data, min(n, room) if n > 0 else room)
+            except zlib.error as e:
+                raise ShardError(f"damaged gzip stream: {e}") from None
+            if not data and not out and not self.z.eof:
+                raise ShardError("damaged gzip stream: it ends inside a compressed member")
+            self.inflated += len(out)
+            if self.inflated > INFLATE_RATIO * self.got + INFLATE_SLACK:
+                raise ShardError(f"gzip stream inflates {self.got} compressed bytes to more than "
+                                 f"{INFLATE_RATIO}x plus {INFLATE_SLACK >> 20} MiB (pipeline.data.read.INFLATE_RATIO): "
+                                 f"a gzip bomb, or a shard to store uncompressed")
+        return out
 
-
-class _Counted:
-    """The bytes read through it, counted."""
-
-    def __init__(self, stream):
-        self.stream, self.got = stream, 0
-
-    def read(self, n=-1):
-        data = self.stream.read(n)
+    def _more(self, n):
+        if self.carry:  # counted when read
+            data, self.carry = self.carry, b""
+            return data
+        data = self.raw.read(n)
         self.got += len(data)
         return data
+
+    def _next_member(self):
+        """After a member's end: start the next one (True), or end the data (False)."""
+        rest = self.z.unused_data
+        while len(rest) < 2:
+            more = self.raw.read(CHUNK)
+            if not more:
+                break
+            self.got += len(more)
+            rest += more
+        if rest[:2] != GZIP_MAGIC:
+            self.done = True
+            return False
+        self.z, self.carry = zlib.decompressobj(31), rest
+        return True
 
 
 class _Prefixed:
