@@ -129,7 +129,7 @@ class Arrival:
 
 
 def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=4, start_method="fork"):
-    """A WebLoader over a stream (MixedStream or EvalStream); warns when shards are too few.
+    """A WebLoader over a stream (MixedStream or EvalStream).
 
     Workers persist across epochs: make the loader once and call `set_epoch` before
     each pass. Forking a process while another of its Python threads starts or exits
@@ -141,11 +141,6 @@ def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=4, star
     caller at all, at ~300 MiB for the server and a re-import of the main script per
     worker (the script then needs an `if __name__ == "__main__":` guard).
     """
-    short = stream.short_sources(num_workers) if hasattr(stream, "short_sources") else []
-    if short:
-        warnings.warn(f"{', '.join(short)}: more ranks x workers ({stream.topo.world} x {max(1, num_workers)}) "
-                      f"than pieces of shards to deal them; the pairs left without one read another's, so "
-                      f"samples repeat across workers. Write more, smaller shards.", stacklevel=2)
     if hasattr(stream, "set_workers"):
         stream.set_workers(max(1, num_workers))
     pin = pin_memory and torch.cuda.is_available()

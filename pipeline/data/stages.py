@@ -1,38 +1,34 @@
 """The stages of one source's samples inside one (rank, DataLoader worker), in order:
 
-    partition   the source's shards (pieces of them for small sources) dealt to K
-                canonical slots; this (rank, worker) owns some (pipeline.data.partition)
-    plan        each owned slot read on from its consumed count, in windows of a few
-                pieces that never cross a pass (`SlotPlan`)
-    read        each piece of a window read once: members grouped into samples, labels
+    plan        the pair's run of the epoch's positions (pipeline.data.deal), as the
+                windows that hold them (pipeline.data.order): `RunPlan`
+    read        each window's shards read once: members grouped into samples, labels
                 parsed, members the source doesn't use dropped unread (`Reader`)
     shuffle     one seeded permutation of each window's samples
     take        the next n samples decoded, through the user's sample stages
                 (`SourceStream.take`)
 
-and across sources, `RandomMix` draws which source each sample of a batch comes from.
+and across sources, `Mix` takes each batch's samples from the sources its `deal.Choices`
+name.
 
-Every stage before `take` is a pure function of (seed, epoch, source, slot, count):
-where a stream stands is, per source, the consumed count of each slot it owns
+Every stage before `take` is a pure function of (seed, epoch, source, position):
+where a stream stands is, per source, how many positions of its run it has read
 (`SourceStream.state`), and any such point is reached again without reading what
-came before it. Counts run over positions in the windows' shuffled orders,
-whether the sample there was kept, skipped as damaged or dropped by a stage, so a
-pure stage of the user's resumes exactly.
+came before it. Positions count whether the sample there was kept, skipped as
+damaged or dropped by a stage, so a pure stage of the user's resumes exactly.
 
 Two stages are written here rather than taken from webdataset, for measured
 reasons (docs/benchmarks.md, "Why some stages are our own"): tar reading (`pipeline.data.read`),
 and the shuffle, a permutation per window instead of `wds.shuffle`'s buffer,
-which costs a `random.randint` per sample and holds state no checkpoint can
-reach. `RandomMix` keeps `wds.RandomMix`'s signature and adds a seed: the
-original draws from the global `random` module, so it can't be seeded per rank
-and worker, and it draws one sample at a time.
+which costs a `random.randint` per sample and holds state no checkpoint can reach.
 """
 import io
 from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.data import partition, remote
+from pipeline.data import order, remote
+from pipeline.data.topology import stride
 from pipeline.data.node import Node
 from pipeline.data.decode import Unlabelled, class_index, decode_batch, image_format, image_of, label_of, parse_label_key
 from pipeline.errors import DigestError, Errors, InputError, ShardError
@@ -41,87 +37,76 @@ from pipeline.data.read import is_meta, iter_samples, regular_members
 
 
 def split(urls, topo, worker):
-    """This (rank, worker)'s shards: the islice rule of `wds.split_by_node`, then
-    `wds.split_by_worker`, with the rank and worker handed in (partition.owned)."""
-    urls = list(urls)
-    return [urls[i] for i in partition.owned(len(urls), topo.rank, topo.world, worker.id, worker.count)]
+    """This (rank, worker)'s shards for evaluation: the islice rule of `wds.split_by_node`,
+    then `wds.split_by_worker`, with the rank and worker handed in (topology.stride)."""
+    first, step = stride(topo.rank, topo.world, worker.id, worker.count)
+    return list(urls)[first::step]
 
 
 @dataclass(frozen=True)
 class Window:
-    """A few pieces of shards read and shuffled together.
+    """Shards read and shuffled together, and which of its places a chain takes.
 
     rows: (url, lo, hi) sample ranges of shards in their own order (hi None: to the end);
-    key: the shuffle's generator key (None: read in order); slot, start, size: the
-    slot positions [start, start + size) the window stands for; skip: how many of them
-    were consumed before (a resumed slot)."""
+    key: the shuffle's generator key (None: read in order); places skip..size of the
+    window's shuffled order are taken, the first of them being the run's position
+    `start`. Two windows with the same rows and key hold the same samples in the same
+    order (`same`), so a chain reads and shuffles them once."""
 
     rows: tuple
     key: tuple = None
-    slot: int = -1
     start: int = 0
     size: int = None
     skip: int = 0
 
+    def same(self, other):
+        return other is not None and (other is self or (other.rows == self.rows and other.key == self.key))
 
-class SlotPlan:
-    """The windows of the slots one (rank, worker) reads of one source, from their counts.
 
-    A pair reads, window by window, the owned slot that has read the least of its
-    passes (when even, the one listed first: the first deal lists a pair's slots by
-    number, a re-deal those with most left first, which keeps a pair's part-read slots
-    for last), so its slots move on together: when a run stops, every slot has about
-    the same share left, and a new world dealt those slots gets an even share of what
-    is left. The order of `slots` is thus part of a pair's state (`state()` keeps it).
-    A pair that owns no slot with samples (more pairs than pieces) is given one it
-    borrows, read in orders of its own (`variant`): its samples then repeat another pair's.
+class RunPlan:
+    """The windows one (rank, worker) reads of one source: its run of the epoch's positions
+    (pipeline.data.deal), window by window (pipeline.data.order), from `at` positions in.
+
+    Each window is read whole and its positions taken where the run holds them. A run
+    is read once; a pair that passed over damaged samples and still owes samples reads
+    its run again from the start (those samples then repeat: the damage is counted).
     """
 
-    def __init__(self, part, urls, epoch, slots, counts, *, width, resample=False, variant=0):
-        self.part, self.urls, self.epoch, self.width = part, list(urls), epoch, width
-        self.resample, self.variant = resample, variant
-        sizes = part.sizes(epoch)
-        self.counts = dict.fromkeys(slots, 0)  # in the order given: the first listed is read first when even
-        self.live = [s for s in slots if sizes[s] > 0]
-        self.sizes = {s: int(sizes[s]) for s in self.live}
-        self.reset(counts)
+    def __init__(self, order, urls, run, at=0):
+        self.order, self.urls, self.run = order, list(urls), list(run)
+        self.ends = np.cumsum([n for _, n in self.run]) if self.run else np.zeros(0, np.int64)
+        self.length = int(self.ends[-1]) if self.run else 0
+        self.reset(at)
 
-    def reset(self, counts=None):
-        """Go back to `counts` ({slot: count} of the owned slots; None: all at 0)."""
-        counts = counts or {}
-        self.counts = {s: int(counts.get(s, 0)) for s in self.counts}
-        self.current = None
-        # where each slot's window begins: the choice is made per window, so a slot
-        # stopped inside one is chosen as it was when that window opened
-        self.marks = {s: self._draw(s, self.counts[s])[1] for s in self.live}
-
-    def _draw(self, slot, count):
-        draw = self.part.resampled if self.resample else self.part.window
-        return draw(self.epoch, slot, count, self.width, self.variant)
+    def reset(self, at=None):
+        self.at, self.current = int(at or 0), None
 
     def next(self):
-        """The window after the current one (which counts as read to its end)."""
+        """The window holding the run's next position (the current one counts as read)."""
         if self.current is not None:
             w = self.current
-            self.counts[w.slot] = self.marks[w.slot] = w.start + w.size
-        s = min(self.live, key=lambda s: self.marks[s] / self.sizes[s])
-        c = self.counts[s]
-        rows, start, size, key = self._draw(s, c)
-        self.current = Window(tuple((self.urls[i], lo, hi) for i, lo, hi in rows.tolist()), key, s, start, size,
-                              c - start)
+            self.at = w.start + w.size - w.skip
+        if not self.length:
+            raise StopIteration
+        place = self.at % self.length  # past the run's end only after damage
+        k = int(np.searchsorted(self.ends, place, side="right"))
+        start, n = self.run[k]
+        position = start + place - (int(self.ends[k]) - n)
+        q, j, offset = self.order.locate(position)
+        shards, size, key = self.order.window_of(q, j)
+        take = min(size - offset, int(self.ends[k]) - place)
+        rows = tuple((self.urls[i], 0, None) for i in shards.tolist())
+        self.current = Window(rows, key, start=self.at, size=offset + take, skip=offset)
         return self.current
 
     def state(self, pos=0):
-        """{slot: count}, the current window counted `pos` positions past where it began."""
-        counts = dict(self.counts)
+        """Positions of the run read: the current window counted `pos` positions past its start."""
         w = self.current
-        if w is not None:
-            counts[w.slot] = w.start + min(w.skip + pos, w.size)
-        return counts
+        return self.at if w is None else w.start + min(pos, w.size - w.skip)
 
 
 class OncePlan:
-    """Evaluation: each of the slot's shards once, whole and in order."""
+    """Evaluation: each of the pair's shards once, whole and in order."""
 
     def __init__(self, urls):
         self.urls = list(urls)
@@ -205,7 +190,7 @@ class Reader:
             claimed = sum(self.facts.get(url, (0, 0, 0))[1] or 0 for url in {url for url, _, _ in window.rows})
             self.arena.clear(min(claimed, WHOLE_SHARD))  # a claim sizes the first room, never more than a shard
         for url, lo, hi in window.rows:
-            if url not in shards:  # a slot may hold two pieces of one shard
+            if url not in shards:  # a window may list a shard twice (drawn with replacement)
                 shards[url] = self._read_shard(url)
             self._piece(url, shards[url], lo, hi, out)
         return out.seal()
@@ -381,8 +366,8 @@ class Chunk:
 
 
 class Positions(Node):
-    """The plan's windows, handed down as position ranges; its state is the plan's
-    {slot: count}, the current window counted to where the chain has taken it."""
+    """The plan's windows, handed down as ranges of their places; its state is how many
+    positions of the run the chain has taken."""
 
     def __init__(self, plan):
         self.plan, self.window, self.at = plan, None, 0
@@ -421,8 +406,9 @@ class Read(Node):
 
     def next(self, n):
         chunk = self.upstream.next(n)
-        if chunk.window is not self.window:
-            self.window, self.data = chunk.window, self.reader(chunk.window)
+        if not chunk.window.same(self.window):
+            self.data = self.reader(chunk.window)
+        self.window = chunk.window
         chunk.data = self.data
         return chunk
 
@@ -440,18 +426,17 @@ class Shuffle(Node):
     def next(self, n):
         chunk = self.upstream.next(n)
         w = chunk.window
-        if w is not self.window:
+        if not w.same(self.window):
             k = len(chunk.data)
             if self.shuffle and w.key is not None:
-                rng = partition.generator(*w.key)
+                rng = order.generator(*w.key)
                 self.order = rng.permutation(k)
                 # crops place random crops of decoded images; raw pixels have none to place
                 self.crops = None if chunk.data.exts == "raw" else rng.random((k, 2))
             else:
                 self.order, self.crops = np.arange(k), None
-            if w.size is not None:
-                self.order = self.order[:w.size]
-            self.window, self.seed0 = w, partition.seed_of(w.key) if w.key is not None else 0
+            self.seed0 = order.seed_of(w.key) if w.key is not None else 0
+        self.window = w
         chunk.idx, chunk.crops, chunk.seed0 = self.order[chunk.lo:chunk.hi], self.crops, self.seed0 + chunk.lo
         return chunk
 
@@ -540,22 +525,22 @@ class SourceStream(Node):
     """One source's samples for one (rank, worker): a chain of stages, each pulling from
     the one before, in this order:
 
-        slots    the plan's windows as position ranges (`Positions`): the only state
-        read     each window's pieces read once (`Read`)
+        positions  the plan's windows as ranges of places (`Positions`): the only state
+        read     each window's shards read once (`Read`)
         shuffle  a seeded permutation and crops per window (`Shuffle`)
         decode   images to the source's shape (`Decode`)
         stage:…  the user's sample stages, in order (`UserStage`)
 
     `take(n)` returns the next n good samples as (keys, uint8 images (n, C, H, W),
     labels); a training plan never runs out, an evaluation plan may return fewer.
-    `state()` nests each stage's state under its name; the slots' is {slot: count}, from
-    which a new chain goes on (`reset`).
+    `state()` nests each stage's state under its name; the positions' is how many
+    positions of the run were read, from which a new chain goes on (`reset`).
     """
 
     def __init__(self, plan, reader, *, shuffle=True, sample_stages=()):
         self.reader, self.target = reader, reader.target
         source = reader.source
-        self.stages = [("slots", Positions(plan)), ("read", Read(reader)), ("shuffle", Shuffle(shuffle)),
+        self.stages = [("positions", Positions(plan)), ("read", Read(reader)), ("shuffle", Shuffle(shuffle)),
                        ("decode", Decode(reader))]
         self.stages += [(f"stage:{_name(fn)}", UserStage(fn, source.name, self.target.shape, self.target.classes))
                         for fn in sample_stages]
@@ -563,13 +548,13 @@ class SourceStream(Node):
             after.upstream = before
         self.plan, self.last = plan, self.stages[-1][1]
         self.empty, self.window, self.window_good = 0, None, True  # windows in a row that gave nothing usable
-        self.limit = len(source.urls) * partition.MAX_PARTS + 2
+        self.limit = 2 * len(source.urls) + 2
 
     def state(self):
         return {name: node.state() for name, node in self.stages}
 
-    def slots_state(self):
-        """The slots' part of `state()`, the only stage with one: what a worker's batch
+    def position(self):
+        """The positions' part of `state()`, the only stage with one: what a worker's batch
         carries, built per batch without the other stages' empty states."""
         return self.stages[0][1].state()
 
@@ -604,7 +589,7 @@ class SourceStream(Node):
         return keys, parts[0] if len(parts) == 1 else np.concatenate(parts), np.concatenate(labels)
 
     def _opened(self, window):
-        """Raises ShardError when more windows in a row than the source has pieces gave no usable sample."""
+        """Raises ShardError when more windows in a row than twice the source's shards gave no usable sample."""
         self.empty = 0 if self.window_good else self.empty + 1
         if self.empty > self.limit:
             raise ShardError(f"{self.reader.source.name}: no readable samples in this worker's shards "
@@ -620,16 +605,16 @@ def _name(fn):
 
 
 class Mix(Node):
-    """A batch's worth of samples: which source each position comes from (`RandomMix`,
-    keyed by the batch's position `at`), then that many taken from each source's chain.
-    Its state is the batch position and, under "sources", each chain's."""
+    """A batch's worth of samples: which source each place comes from (the pair's
+    `deal.Choices`, batch `at`), then that many taken from each source's chain. Its state
+    is the batch position and, under "sources", each chain's."""
 
-    def __init__(self, streams, probs, key, batch_size, at=0):
-        self.streams, self.batch_size, self.at = list(streams), batch_size, at
-        self.mix = RandomMix(self.streams, probs, seed=key)
+    def __init__(self, streams, choices, batch_size, at=0):
+        self.streams, self.choices, self.batch_size, self.at = list(streams), choices, batch_size, at
 
     def next(self, n=None):
-        choice = self.mix.draw(n or self.batch_size, at=self.at)
+        n = n or self.batch_size
+        choice = self.choices.take(self.at * n, (self.at + 1) * n).astype(np.int64)
         self.at += 1
         wanted = np.bincount(choice, minlength=len(self.streams))
         return choice, [stream.take(int(k)) if k else None for stream, k in zip(self.streams, wanted)]
@@ -641,50 +626,3 @@ class Mix(Node):
         self.at = state["at"] if state else 0
         for stream, sub in zip(self.streams, state["sources"] if state else [None] * len(self.streams)):
             stream.reset(sub)
-
-
-class RandomMix:
-    """Draws which source each sample comes from, by weight.
-
-    `wds.RandomMix`'s signature (datasets, probs=None, longest=False) plus a `seed`
-    (an int or a sequence of ints, e.g. (seed, epoch, rank, worker)). Iterating yields
-    samples one at a time as wds.RandomMix does; `draw(n, at)` gives the n source
-    indices of batch `at` at once, drawn from a generator keyed by (seed, at), so a
-    resumed stream needs only the batch position. With longest=False iteration stops
-    when any source is exhausted, with longest=True it goes on with the rest.
-    `state()` and `restore()` save and reload the iteration's generator.
-    """
-
-    def __init__(self, datasets, probs=None, longest=False, seed=0):
-        self.datasets = list(datasets)
-        probs = [1.0] * len(self.datasets) if probs is None else [float(p) for p in probs]
-        if len(probs) != len(self.datasets) or any(not 0 <= p < float("inf") for p in probs) or sum(probs) <= 0:
-            raise ValueError(f"probs {probs}: one weight >= 0 per dataset, with a positive sum")
-        self.probs = [p / sum(probs) for p in probs]
-        self.cdf = np.cumsum(self.probs)
-        self.cdf /= self.cdf[-1]
-        self.longest = longest
-        self.key = tuple(int(k) for k in (seed if isinstance(seed, (list, tuple)) else [seed]))
-        self.rng = np.random.default_rng(seed)
-
-    def draw(self, n, at=None):
-        rng = self.rng if at is None else partition.generator(partition.MIX, *self.key, at)
-        return self.cdf.searchsorted(rng.random(n), side="right")  # what rng.choice(p=) draws, a third of its cost
-
-    def __iter__(self):
-        sources = [iter(d) for d in self.datasets]
-        probs = list(self.probs)
-        while sum(probs) > 0:
-            s = int(self.rng.choice(len(probs), p=[p / sum(probs) for p in probs]))
-            try:
-                yield next(sources[s])
-            except StopIteration:
-                if not self.longest:
-                    return
-                probs[s] = 0.0
-
-    def state(self):
-        return self.rng.bit_generator.state
-
-    def restore(self, state):
-        self.rng.bit_generator.state = state

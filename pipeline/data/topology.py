@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.data import partition
+import webdataset as wds
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,30 @@ class Worker:
         return cls(info.id, info.num_workers) if info else cls()
 
 
-def slot(topo, worker):
-    """(slot, slots): the position `wds.split_by_node` + `wds.split_by_worker` give this
-    (rank, worker) in a shard list (the one rule, `partition.stride`)."""
-    return partition.stride(topo.rank, topo.world, worker.id, worker.count)
+def stride(rank, world, worker=0, workers=0):
+    """(first, step) of what `wds.split_by_node` then `wds.split_by_worker` give a (rank,
+    worker) of a list: rank r takes every world-th item from r, its worker w every
+    workers-th of those, i.e. items r + w * world, stepping world * workers. Written out
+    for the places that need another pair's share (a re-deal, a simulation of a world);
+    a pair finds its own with webdataset's functions (`own_items`)."""
+    if not (world >= 1 and 0 <= rank < world and workers >= 0 and 0 <= worker < max(workers, 1)):
+        raise ValueError(f"rank {rank} of {world}, worker {worker} of {workers}: out of range")
+    return rank + worker * world, world * max(workers, 1)
+
+
+def own_items(items, topo, worker):
+    """This (rank, worker)'s items of a list. Where the process runs as `topo` and `worker`
+    say (under torchrun, in a DataLoader worker), `wds.split_by_node` and
+    `wds.split_by_worker` deal them, reading the environment as webdataset does, and the
+    written-out rule must agree; a simulated world (a test, a rehearsal) uses the rule."""
+    first, step = stride(topo.rank, topo.world, worker.id, worker.count)
+    ruled = list(items)[first::step]
+    env = Topology.from_env()
+    if (topo.rank, topo.world) == (env.rank, env.world) and worker == Worker.current():
+        dealt = list(wds.split_by_worker(wds.split_by_node(list(items))))
+        if dealt != ruled:
+            raise RuntimeError(f"wds.split_by_node/split_by_worker gave rank {topo.rank} worker {worker.id} "
+                               f"{len(dealt)} items, the stride rule {len(ruled)}: the environment disagrees "
+                               f"with the topology the stream was given")
+        return dealt
+    return ruled

@@ -17,14 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.data.partition import MAX_SLOTS
 from pipeline.errors import ShardError
 from pipeline.files import open_regular
 
 VERSION = 2
 MAX_WORLD = 1 << 16  # ranks a checkpoint may say it ran on
 MAX_COUNT = 1 << 53  # counts beyond this are not exact in the float64 sums they travel in
-GENERATOR_STATE = len(torch.Generator().get_state())  # bytes of a CPU generator's state (the augmentations')
 
 
 def fingerprint(args, sources):
@@ -180,8 +178,8 @@ def trainer_state(state, path, limits):
     """Everything a resume takes from a checkpoint besides the model, optimiser and stream
     internals, each number checked against the run (`limits`) and against the others:
     returns {"world", "epoch", "mid", "step", "seen", "history", "key_counts", "nonfinite",
-    and when `mid`: "stream" (a list of per-rank dicts, checked by MixedStream), "augment",
-    "facts", "carried", "log_sums"}."""
+    and when `mid`: "stream" (the stream's state, checked by MixedStream), "facts", "carried",
+    "log_sums"}."""
     f = _Fields(path, state)
     world = f.integer(state.get("world"), "world", 1, MAX_WORLD)
     pos = f.mapping(f.json("position"), "position", ("epoch", "mid", "step", "seen"))
@@ -231,22 +229,12 @@ def trainer_state(state, path, limits):
         f.number(v["busy"], f"{field}.busy")
         return v
 
-    def generator(v, field):
-        f.items(v, field, GENERATOR_STATE, lambda x, fd: f.integer(x, fd, 0, 255))
-        return v
-
-    def stream(v, field):  # the rest of a rank's stream state is MixedStream.load_state_dict's to check
-        f.mapping(v, field, ("generation", "epoch", "world", "rank"))
-        f.integer(v["generation"], f"{field}.generation", 0, MAX_COUNT)
-        f.integer(v["epoch"], f"{field}.epoch", epoch, epoch)  # the epoch the position stopped in, not another's
-        f.integer(v["world"], f"{field}.world", world, world)
-        return v
-
     per_rank = samples // (world * b)
-    out["stream"] = f.items(f.json("stream"), "stream", world, stream)
-    for r, v in enumerate(out["stream"]):
-        f.integer(v["rank"], f"stream[{r}].rank", r, r)
-    out["augment"] = f.items(f.json("augment"), "augment", world, generator)
+    streams = f.mapping(f.json("stream"), "stream", ("epoch", "ranks"))  # the rest is MixedStream's to check
+    f.integer(streams["epoch"], "stream.epoch", epoch, epoch)  # the epoch the position stopped in, not another's
+    if not isinstance(streams["ranks"], list) or len(streams["ranks"]) != world:
+        f.bad("stream.ranks", f"one entry per rank ({world}) expected")
+    out["stream"] = streams
     out["facts"] = f.items(f.json("facts"), "facts", world, lambda v, field: facts(v, field, per_rank))
     carried = f.json("carried")
     if carried is not None:
@@ -263,19 +251,6 @@ def trainer_state(state, path, limits):
         f.number(sums[2 * n], f"log_sums[{2 * n}]", 0, MAX_COUNT, whole=True)
     out["log_sums"] = sums
     return out
-
-
-def slots_of(state, path, sources, streams=None):
-    """The canonical slots per source the run was dealt (`--slots`), or None in a checkpoint
-    written before they were recorded; inside an epoch, the same as the stream states'
-    (`streams`, trainer_state's)."""
-    if "slots" not in state:
-        return None
-    f = _Fields(path, state)
-    slots = f.items(f.json("slots"), "slots", sources, lambda x, field: f.integer(x, field, 1, MAX_SLOTS))
-    if streams and streams[0].get("slots") != slots:
-        f.bad("slots", f"{_short(slots)}, but the interrupted epoch's stream ran on {_short(streams[0].get('slots'))}")
-    return slots
 
 
 def set_rng(state, path):

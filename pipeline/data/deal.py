@@ -1,0 +1,165 @@
+"""Who reads which positions: an epoch's samples dealt to (rank, worker) pairs, exactly.
+
+An epoch asks each source for `targets[s]` positions (pipeline.data.order): the
+epoch's samples split by the mixture weights. A `Segment` is the part of an epoch one
+world runs: per source a list of spans of those positions still to read, and the
+world (ranks, workers, batch size) that reads them. It reads `batches` batches per
+rank; their samples are split between the sources in proportion to what each has left
+(`quotas`), and between the pairs so that each pair's mix is exact (a seeded draw
+without replacement), and every pair reads one contiguous run of each source's spans.
+No position is given to two pairs, and what a segment leaves is less than one global
+batch.
+
+The pairs are listed in the order `wds.split_by_node` then `wds.split_by_worker`
+deal a list: item i belongs to rank i % world, worker i // world, so a (rank, worker)
+finds its own item by calling them (pipeline.data.topology).
+
+When a run stops, each pair has read a prefix of its runs. Resuming on the same world
+goes on from there with the same segment; on another world, what each pair left, and
+what no pair was given, become the spans of the next segment (`Segment.rest`). The
+state is small: the segment's spans and, per pair, the batches it made and the
+positions it passed over (damaged samples, samples a stage dropped); everything else
+is recomputed.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.data import order
+
+BLOCK = 1 << 16  # a pair's source choices are drawn in blocks of this many samples
+
+
+@dataclass(frozen=True)
+class Segment:
+    epoch: int
+    generation: int
+    world: int
+    workers: int
+    batch_size: int
+    batches: int  # per rank
+    spans: tuple  # per source: ((start, length), ...) of the epoch's positions, in reading order
+    seed: int = 0
+
+    @property
+    def pairs(self):
+        return self.world * self.workers
+
+    def left(self):
+        """Positions of each source the segment's spans hold."""
+        return np.array([sum(n for _, n in s) for s in self.spans], np.int64)
+
+    def worker_batches(self, worker):
+        """Batches one worker of each rank makes: a rank's batches dealt round-robin."""
+        return self.batches // self.workers + (worker < self.batches % self.workers)
+
+    def quotas(self):
+        """(P x S) samples each pair takes of each source, rows in split order; cached."""
+        cached = _QUOTAS.get(self)
+        if cached is None:
+            left = self.left()
+            wanted = order.apportion(self.batches * self.world * self.batch_size, left)
+            sizes = [self.worker_batches(i // self.world) * self.batch_size for i in range(self.pairs)]
+            rng = order.generator(order.QUOTA, self.seed, self.epoch, self.generation)
+            cached = order.split_exactly(rng, wanted, sizes)
+            if len(_QUOTAS) > 8:
+                _QUOTAS.clear()
+            _QUOTAS[self] = cached
+        return cached
+
+    def runs(self, pair):
+        """Per source, the spans of epoch positions pair `pair` reads, in order: its run."""
+        q = self.quotas()
+        before = q[:pair].sum(axis=0)
+        return [cut(spans, int(a), int(a + n)) for spans, a, n in zip(self.spans, before, q[pair])]
+
+    def choices(self, pair):
+        """The pair's `Choices`: which source each of its samples comes from."""
+        return Choices(self.quotas()[pair], (order.MIX, self.seed, self.epoch, self.generation, pair))
+
+    def rest(self, read, *, generation, world, workers, batch_size):
+        """The next segment, on another world: what every pair left of its runs, then what
+        no pair was given. read: per pair (in split order), the positions of each source
+        it read."""
+        q = self.quotas()
+        spans = []
+        for s, mine in enumerate(self.spans):
+            runs, at = [], 0
+            for i in range(self.pairs):
+                runs += cut(mine, at + min(int(read[i][s]), int(q[i, s])), at + int(q[i, s]))
+                at += int(q[i, s])
+            runs += cut(mine, at, sum(n for _, n in mine))
+            spans.append(merge(runs))
+        left = sum(n for s in spans for _, n in s)
+        return Segment(self.epoch, generation, world, workers, batch_size, left // (world * batch_size),
+                       tuple(spans), self.seed)
+
+
+_QUOTAS = {}
+
+
+def first(epoch, targets, *, world, workers, batch_size, batches, seed):
+    """The segment of an epoch that starts afresh: every source's positions 0..target."""
+    spans = tuple(((0, int(t)),) if t else () for t in targets)
+    return Segment(epoch, 0, world, workers, batch_size, batches, spans, seed)
+
+
+def cut(spans, lo, hi):
+    """The spans covering places lo..hi of the sequence `spans` lists, in order."""
+    out, at = [], 0
+    for start, n in spans:
+        a, b = max(lo, at), min(hi, at + n)
+        if a < b:
+            out.append((start + a - at, b - a))
+        at += n
+        if at >= hi:
+            break
+    return out
+
+
+def merge(spans):
+    """Adjacent spans joined (a span that goes on where the last ended)."""
+    out = []
+    for start, n in spans:
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((start, n))
+    return tuple(out)
+
+
+class Choices:
+    """Which source each of a pair's samples comes from: exactly `quota[s]` of source s in
+    all, in a seeded random order, drawn block by block so that any sample's choice is
+    found without drawing the ones before its block."""
+
+    def __init__(self, quota, key):
+        self.quota, self.key = np.asarray(quota, np.int64), key
+        total = int(self.quota.sum())
+        sizes = [min(BLOCK, total - b) for b in range(0, total, BLOCK)]
+        self.blocks = order.split_exactly(order.generator(*key), self.quota, sizes)
+        self._block = (None, None)
+
+    def block(self, b):
+        if self._block[0] != b:
+            labels = np.repeat(np.arange(len(self.quota), dtype=np.int8), self.blocks[b])
+            self._block = (b, labels[order.generator(*self.key, b).permutation(len(labels))])
+        return self._block[1]
+
+    def take(self, lo, hi):
+        """The sources of samples lo..hi."""
+        parts = []
+        while lo < hi:
+            b, at = divmod(lo, BLOCK)
+            n = min(hi - lo, BLOCK - at)
+            parts.append(self.block(b)[at:at + n])
+            lo += n
+        return np.concatenate(parts) if parts else np.zeros(0, np.int8)
+
+    def taken(self, n):
+        """How many of the first n samples come from each source."""
+        b, at = divmod(n, BLOCK)
+        out = self.blocks[:b].sum(axis=0)
+        if at:
+            out = out + np.bincount(self.block(b)[:at], minlength=len(self.quota))
+        return out
