@@ -6,15 +6,23 @@ import re
 import sys
 
 from pipeline.data import remote
+from pipeline.errors import LINE_LIMIT, cut, redact
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)([KMGT]?)(?:i?B)?\Z", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
-def printable(text):
-    """Names and origins come from files anyone can write: a control character (an escape
-    sequence, a carriage return) is shown as its escape instead of acting on the terminal."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+def printable(text, limit=LINE_LIMIT):
+    """One console line of `text`. Names and origins come from files anyone can write: a
+    control character (an escape sequence, a carriage return) is shown as its escape instead
+    of acting on the terminal, a line longer than `limit` is cut (`errors.cut`, saying how much
+    was left out: a class name or a member name may be a megabyte), and the credentials of
+    any URL in it are redacted (`errors.redact`). Every error and warning line goes through here."""
+    return cut(redact(text), limit, _escaped)
+
+
+def _escaped(text):
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class Parser(argparse.ArgumentParser):

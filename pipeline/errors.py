@@ -1,9 +1,25 @@
-"""The errors the data side raises; each message names what is wrong and where."""
+"""The errors the data side raises; each message names what is wrong and where, and the
+two filters every printed line goes through (`redact`, `cut`)."""
+import re
+
+LINE_LIMIT = 600  # characters of one console line (`cut`): a name from a file may be a megabyte
+NAME_LIMIT = 200  # characters of one name (a key, a class, a URL) quoted inside a message
+
+# userinfo (`//user:password@host`) and the query parameters of signed URLs (S3/GCS presigned,
+# CloudFront, Azure SAS, OAuth tokens) up to the ": " after a URL in a message: whoever reads a
+# log must not be able to fetch with them
+_USERINFO = re.compile(r"(//)([^/\s@:]*)(:[^/\s@]*)?@")
+_SECRET_QUERY = re.compile(r"([?&;](?:[\w.-]*(?:signature|credential|token|secret|password|passwd|apikey|api_key)"
+                           r"[\w.-]*|sig|key|policy|key-pair-id|auth|authorization)=)(?:[^&#\s'\":]|:(?!\s|$))*", re.IGNORECASE)
 
 
 class InputError(ValueError):
     """Bad input the user can fix (a command line, a file, a checkpoint): the entry points
-    print it as one line. Any other exception is a bug and keeps its traceback."""
+    print it as one line. Any other exception is a bug and keeps its traceback. A URL in its
+    message is shown without its credentials (`redact`), wherever the message ends up."""
+
+    def __init__(self, *args):
+        super().__init__(*_redacted(args))
 
 
 class ShardError(InputError):
@@ -11,7 +27,15 @@ class ShardError(InputError):
 
 
 class FetchError(OSError):
-    """Reading a URL failed for good: a permanent error (HTTP 404) or retries used up."""
+    """Reading a URL failed for good: a permanent error (HTTP 404) or retries used up. Its
+    message names the URL without its credentials (`redact`)."""
+
+    def __init__(self, *args):
+        super().__init__(*_redacted(args))
+
+
+def _redacted(args):
+    return [redact(a) if isinstance(a, str) else a for a in args]
 
 
 class DigestError(ShardError):
@@ -60,3 +84,25 @@ def _warn(message):
     from pipeline.cli import printable  # here: cli imports the data path, which imports this module
 
     warnings.warn(printable(message), stacklevel=4)  # keys and URLs come from files anyone can write
+
+
+def redact(text):
+    """`text` (a URL, or a message naming URLs) with its credentials replaced by `***`: the
+    password of `user:password@` (a lone `token@` too) and the values of signing query
+    parameters (X-Amz-Signature, X-Amz-Credential, Signature, sig, token, access_token, ...)."""
+    text = _USERINFO.sub(lambda m: f"{m[1]}{m[2]}:***@" if m[3] is not None else f"{m[1]}***@", str(text))
+    return _SECRET_QUERY.sub(r"\1***", text)
+
+
+def cut(text, limit=NAME_LIMIT, show=str):
+    """`text` as `show` shows it, in at most about `limit` characters: a longer one keeps its
+    start and its end (where a message says what to do) around a count of the characters left
+    out. Only the kept ends go through `show`, so a megabyte costs no more than a line."""
+    text = str(text)
+    if len(text) <= limit:
+        shown = show(text)
+        if len(shown) <= limit:
+            return shown
+    head, tail = limit * 2 // 3, limit // 3
+    first, last = show(text[:head])[:head], show(text[len(text) - tail:])[-tail:]
+    return f"{first}... ({len(text) - head - tail} more characters) ...{last}"

@@ -764,3 +764,27 @@ def test_retry_delays_double_up_to_a_minute():
     p = Policy(delay=1.0)
     assert [p.wait(a) for a in range(8)] == [1, 2, 4, 8, 16, 32, 60, 60]
     assert p.wait(10 ** 6) == 60
+
+
+def test_an_honest_content_length_raises_a_deadline_the_manifest_left_open(monkeypatch):
+    """make_shards --index of a shard larger than the UNKNOWN_SIZE guess, served honestly at
+    the job's --min-rate: its Content-Length raises the deadline (up to max_bytes), so it is
+    read whole, where the guess's deadline failed it (a 50 MB shard at 1 MB/s failed after
+    195 s). Scaled down: 100 kB at about 100 kB/s against a 10 kB guess."""
+    monkeypatch.setattr("pipeline.data.remote.UNKNOWN_SIZE", 10_000)
+    body = bytes(range(256)) * 400  # 102,400 bytes
+    p = Policy(retries=0, delay=0.05, timeout=0.5, min_rate=50_000, max_bytes=1 << 20)
+    assert p.deadline() < 1.0 < 2.5 < p.deadline(len(body))
+
+    def honest(c, i, stop):
+        read_request(c)
+        c.sendall(head(length=len(body)))
+        for at in range(0, len(body), 10_240):
+            if stop.wait(0.1):
+                return
+            c.sendall(body[at:at + 10_240])
+
+    with raw_server(honest) as srv:
+        got, took, warned = quiet(read_url, srv.url, read_all, policy=p)
+    assert got == body, got
+    assert warned == [] and 0.9 < took < p.deadline(len(body)) + SLACK

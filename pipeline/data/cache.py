@@ -26,7 +26,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
-from pipeline.errors import ShardError
+from pipeline.errors import ShardError, redact
 from pipeline.files import locked
 
 LOCK = ".lock"
@@ -53,8 +53,9 @@ def of(cache):
 
 
 def path(cache_dir, url):
-    """A file name under cache_dir derived from the URL that can't escape the folder."""
-    tail = re.sub(r"[^A-Za-z0-9_.-]", "_", url.rstrip("/ -").split("/")[-1])[-64:].lstrip(".")
+    """A file name under cache_dir derived from the URL that can't escape the folder, nor
+    carry a signed URL's query (its signature) into a name that warnings print."""
+    tail = re.sub(r"[^A-Za-z0-9_.-]", "_", url.split("?", 1)[0].rstrip("/ -").split("/")[-1])[-64:].lstrip(".")
     return os.path.join(cache_dir, f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{tail}")
 
 
@@ -110,7 +111,7 @@ def read(cache, url, consume, nbytes, digest, timed=None):
 
 
 def _stale(where, f, url, why):
-    warnings.warn(f"{url}: the cached copy {where} no longer matches the manifest ({why}; rebuilt on the "
+    warnings.warn(f"{redact(url)}: the cached copy {where} no longer matches the manifest ({why}; rebuilt on the "
                   f"server?); fetching it again", stacklevel=3)
     with contextlib.suppress(OSError):
         if os.stat(where).st_ino == os.fstat(f.fileno()).st_ino:  # not a good copy another process just put there

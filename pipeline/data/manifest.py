@@ -37,7 +37,7 @@ import braceexpand as brace
 
 from pipeline.data import remote
 from pipeline.data.decode import IMAGE_EXTS, Target, image_format, parse_label_key
-from pipeline.errors import ShardError
+from pipeline.errors import ShardError, redact
 from pipeline.files import MAX_JSON, missing_folder, parse_json, read_json
 from pipeline.data.read import INFLATE_RATIO, INFLATE_SLACK
 
@@ -367,7 +367,7 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
                              f"--out {shlex.quote(os.path.dirname(url) or '.')}")
     m = load(url, policy)
     if m["dataset"] != name:
-        warnings.warn(f"{name}={spec}: the manifest describes data set {m['dataset']!r}, not {name!r}", stacklevel=2)
+        warnings.warn(f"{name}={redact(spec)}: the manifest describes data set {m['dataset']!r}, not {name!r}", stacklevel=2)
     located = [locate(url, s["name"]) for s in m["shards"]]
     _once(located, f"{url}: field shards")
     listed = dict(zip(located, m["shards"]))
@@ -399,7 +399,7 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
             raise ShardError(f"{name}={spec}: {len(problems)} shard(s) unavailable, e.g. {problems[0]}")
         resized += more
     if resized:
-        warnings.warn(f"{name}={spec}: {len(resized)} shard(s) differ in size from the manifest, e.g. {resized[0]}; "
+        warnings.warn(f"{name}={redact(spec)}: {len(resized)} shard(s) differ in size from the manifest, e.g. {resized[0]}; "
                       f"they may be damaged (damage is skipped and counted; check with make_shards.py --verify)",
                       stacklevel=2)
     return Source(name, chosen, [e["samples"] for e in entries], target_of(m), list(m["classes"]),

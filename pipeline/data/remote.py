@@ -4,8 +4,9 @@ A remote read is bounded: every transfer has a total deadline (a base plus its
 byte size at a minimum rate), so a server that drips one byte every few seconds
 fails instead of hanging a rank that no collective timeout can reach (ranks
 wait in their DataLoader, not in an all-reduce). The size is the job's to bound,
-not the data's: the smallest of the manifest's size, the Content-Length the
-server announces, and the job's ceiling (`Policy.max_bytes`, --max-shard-bytes).
+not the data's: the manifest's size, else the Content-Length the server announces
+(else UNKNOWN_SIZE), never more than the job's ceiling (`Policy.max_bytes`,
+--max-shard-bytes).
 A server that announces another size than the manifest, or more than the
 ceiling, fails at once; a body that runs past either is cut off.
 
@@ -20,6 +21,7 @@ A remote shard is parsed while it streams in, hashed on the way, and checked
 against its manifest's sha256 and size at the end; only then is a cached copy
 renamed into place (see pipeline.data.cache).
 """
+import base64
 import contextlib
 import dataclasses
 import hashlib
@@ -32,13 +34,14 @@ import subprocess
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pipeline.data import cache as caching
-from pipeline.errors import DigestError, FetchError, ShardError
+from pipeline.errors import DigestError, FetchError, ShardError, cut, redact
 from pipeline.files import open_regular
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")
@@ -54,7 +57,7 @@ def kind(url):
         return "pipe"
     m = _SCHEME.match(url)
     if m:
-        raise ShardError(f"{url}: {m[1]}: URLs are not read directly; use http(s)://, a local path, "
+        raise ShardError(f"{cut(redact(url))}: {m[1]}: URLs are not read directly; use http(s)://, a local path, "
                          f"or pipe:COMMAND (e.g. 'pipe:aws s3 cp s3://bucket/x.json -')")
     return "file"
 
@@ -131,8 +134,21 @@ class _HttpOnly(urllib.request.HTTPRedirectHandler):
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):
         if not newurl.lower().startswith(("http://", "https://")):
-            raise urllib.error.HTTPError(req.full_url, 403, f"redirect to {newurl[:80]!r} refused", headers, fp)
+            raise urllib.error.HTTPError(req.full_url, 403, f"redirect to {cut(redact(newurl), 80)!r} refused", headers, fp)
         return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _request(url, method):
+    """A urllib Request for `url`; the `user:password@` of a URL becomes HTTP basic auth (urllib
+    would take it for part of the host name), sent to that host only, never after a redirect."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None:
+        return urllib.request.Request(url, method=method)
+    bare = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    req = urllib.request.Request(bare, method=method)
+    pair = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+    req.add_unredirected_header("Authorization", "Basic " + base64.b64encode(pair.encode()).decode())
+    return req
 
 
 class _HTTP:
@@ -145,7 +161,7 @@ class _HTTP:
         self._arm(policy.deadline(nbytes))
         try:
             opener = urllib.request.build_opener(_Watched(self._watch), _HttpOnly())
-            self.resp = opener.open(urllib.request.Request(url, method=method), timeout=policy.timeout)
+            self.resp = opener.open(_request(url, method), timeout=policy.timeout)
             self._late()  # headers cut short by the deadline read as if they had ended
             if method == "GET":
                 self._announced(policy, nbytes)
@@ -164,8 +180,10 @@ class _HTTP:
         self.timer.start()
 
     def _announced(self, policy, nbytes):
-        """Check the Content-Length against the manifest and the job's ceiling, and let a
-        shorter one shorten the deadline (a size the manifest left open, e.g. --index)."""
+        """Check the Content-Length against the manifest and the job's ceiling, and let it set
+        the deadline of a size the manifest left open (--index): shorter than the UNKNOWN_SIZE
+        guess for a small shard, longer for a large one served honestly, up to the job's
+        ceiling (max_bytes) and no further; past that it was refused above."""
         length = self.resp.length  # None: no Content-Length (chunked, or until the connection closes)
         if length is None:
             return
@@ -174,7 +192,7 @@ class _HTTP:
         if length > policy.max_bytes:
             raise ShardError(f"the server announces {length} bytes: more than {policy.max_bytes} bytes, the most this "
                              f"job allows ({policy.max_name})")
-        if policy.deadline(length) < self.limit:
+        if policy.deadline(length) != self.limit:
             self._arm(policy.deadline(length))
 
     def _watch(self, sock):
@@ -326,13 +344,13 @@ def read_url(url, consume, *, policy=Policy(), nbytes=None, digest=None, cache_d
             return result
         except Exception as e:  # noqa: BLE001 - sorted into permanent, transient and the rest below
             if permanent(e):
-                raise FetchError(f"{url}: {e}") from None
+                raise FetchError(f"{redact(url)}: {e}") from None
             if not transient(e):
                 raise
             if attempt == policy.retries:
-                raise FetchError(f"{url}: failed after {policy.retries + 1} attempts: {describe(e)}") from None
+                raise FetchError(f"{redact(url)}: failed after {policy.retries + 1} attempts: {describe(e)}") from None
             wait = policy.wait(attempt)
-            warnings.warn(f"{url}: {describe(e)}; retrying in {wait:g} s", stacklevel=2)
+            warnings.warn(f"{redact(url)}: {describe(e)}; retrying in {wait:g} s", stacklevel=2)
             time.sleep(wait)
         finally:
             if stream is not None:
@@ -430,6 +448,7 @@ def head_check(urls, sizes=None, *, policy=Policy(), threads=16):
     sizes = sizes or {}
 
     def check(url):
+        shown = redact(url)
         for attempt in range(policy.retries + 1):
             try:
                 head = _HTTP(url, policy, 0, method="HEAD")  # with a deadline: a dripping HEAD can't hold the job
@@ -438,17 +457,17 @@ def head_check(urls, sizes=None, *, policy=Policy(), threads=16):
                 finally:
                     head.close()
                 if length and length.isdigit() and url in sizes and int(length) != sizes[url]:
-                    return "resized", f"{url}: the server has {int(length)} bytes, the manifest says {sizes[url]}"
+                    return "resized", f"{shown}: the server has {int(length)} bytes, the manifest says {sizes[url]}"
                 return None
             except Exception as e:  # noqa: BLE001
                 if permanent(e):
-                    return "problem", f"{url}: missing (HTTP 404)" if e.code == 404 else f"{url}: HTTP {e.code} {e.reason}"
+                    return "problem", f"{shown}: missing (HTTP 404)" if e.code == 404 else f"{shown}: HTTP {e.code} {e.reason}"
                 if not transient(e):
                     raise
                 if attempt == policy.retries:
                     if isinstance(e, urllib.error.HTTPError):
-                        return "problem", f"{url}: server error {e.code} after {policy.retries + 1} attempts"
-                    return "problem", f"{url}: unreachable after {policy.retries + 1} attempts ({describe(e)})"
+                        return "problem", f"{shown}: server error {e.code} after {policy.retries + 1} attempts"
+                    return "problem", f"{shown}: unreachable after {policy.retries + 1} attempts ({describe(e)})"
                 time.sleep(policy.wait(attempt))
 
     with ThreadPoolExecutor(threads) as pool:
