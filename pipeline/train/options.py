@@ -51,6 +51,11 @@ def parse(argv=None):
       help="samples per epoch over all ranks (default: all training samples in the manifests)")
     a("--batch-size", type=int, default=256, metavar="N", help="samples per batch per rank (default: 256)")
     a("--workers", type=int, default=8, metavar="N", help="DataLoader workers per rank (default: 8)")
+    a("--max-batch-memory", type=byte_size, metavar="BYTES",
+      help="the most one rank's batches may take (suffixes K, M, G, T): the loader's queue of workers x 6 "
+           "batches, the batch and its float copy, the shuffle windows, from --batch-size, the manifests' image "
+           "shapes and --workers; a job over it is refused before it reads (default: half of this machine's "
+           "memory over the ranks torchrun starts on it)")
     a("--lr", type=float, default=0.1,
       help="peak SGD learning rate for a global batch of 256; the rate used is LR x global batch / 256, "
            "with global batch = ranks x --batch-size, after a linear warm-up (default: 0.1)")
@@ -154,7 +159,7 @@ def check(p, args):
         p.error(f"--strict stops at the first damage, --on-error {args.on_error} does not: give one of them")
     if args.cache_size is not None and args.cache_dir is None:
         p.error("--cache-size applies with --cache-dir only")
-    p.at_least(args, {"cache_size": 1})
+    p.at_least(args, {"cache_size": 1, "max_batch_memory": 1})
     if args.width > 1024:
         p.error(f"--width {args.width}: at most 1024")
     if not 0 <= args.seed < 2 ** 63:
