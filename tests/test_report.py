@@ -290,3 +290,57 @@ def test_equal_weights_stay_visible_and_the_share_axis_is_the_whole_0_to_1(tmp_p
     unequal = report.build_figure(report.load_run(str(write_run(tmp_path / "r2", metrics_lines(), summary()))))
     ax = next(a for a in unequal.axes if "mixture share" in a.get_title())
     assert {ln.get_label() for ln in ax.get_lines() if "weight" in ln.get_label()} == {"mnist weight", "cifar10 weight"}
+
+
+def test_an_infinite_or_nan_loss_is_left_out_and_said(tmp_path):
+    """A run that diverged logs Infinity and NaN losses: the picture draws the finite points and
+    says what it left out, under the picture and under the table; no traceback."""
+    lines = metrics_lines()
+    lines[1]["loss"] = {"mnist": float("inf"), "cifar10": float("nan")}
+    lines[5]["samples_per_s"] = float("inf")
+    folder = write_run(tmp_path / "r", lines, summary())
+    r = cli(folder)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    said = ("left out of the picture: 2 loss value(s), 1 samples/s value(s) that are not finite numbers "
+            "(Infinity or NaN)")
+    assert said in r.stdout.splitlines()
+    assert said in report.figure_texts(report.build_figure(report.load_run(str(folder))))
+
+
+def test_stops_and_resumes_are_marked(tmp_path):
+    """A 'stopped' line (with its signal), a resume that changed the weights (weights_changed)
+    and summary.json's resumed_from each give a dotted line with a label, and a table line."""
+    lines = metrics_lines()
+    lines.insert(4, {"kind": "stopped", "epoch": 1, "step": 12, "signal": "SIGTERM"})
+    s = dict(summary(), resumed_from={"epoch": 2, "step": 17})
+    folder = write_run(tmp_path / "r", lines, s)
+    fig = report.build_figure(report.load_run(str(folder)))
+    texts = report.figure_texts(fig)
+    assert "stopped (SIGTERM) and resumed at step 12" in texts and "resumed at step 17" in texts
+    dotted = [ln for ax in fig.axes for ln in ax.get_lines() if ln.get_linestyle() == ":"]
+    assert sorted({ln.get_xdata()[0] for ln in dotted}) == [12, 17] and len(dotted) == 6  # on 3 step panels
+    out = cli(folder).stdout.splitlines()
+    assert "run stopped (SIGTERM) and resumed at step 12" in out and "run resumed at step 17" in out
+
+
+@pytest.mark.parametrize("name", ["summary.json", "metrics.jsonl"])
+def test_a_fifo_in_the_run_folder_is_not_waited_on(run_dir, name):
+    """A FIFO named summary.json is left out (the report stands on metrics.jsonl); one named
+    metrics.jsonl is one error line. Neither blocks."""
+    os.remove(run_dir / name)
+    os.mkfifo(run_dir / name)
+    p = subprocess.run([sys.executable, str(TOOL), str(run_dir)], capture_output=True, text=True, timeout=60)
+    assert "Traceback" not in p.stderr
+    if name == "summary.json":
+        assert p.returncode == 0 and "picture:" in p.stdout
+    else:
+        assert p.returncode == 2 and p.stderr.splitlines() == [
+            f"report: error: {run_dir}/metrics.jsonl: {run_dir}/metrics.jsonl is a FIFO, not a regular file: refused"]
+
+
+def test_help_says_what_the_picture_holds():
+    r = cli("--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    assert "confusion matrix per source evaluated per class" in text and "six panels in all" in text
+    assert "stopped and resumed" in text and "Infinity or NaN" in text

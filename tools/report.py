@@ -1,5 +1,8 @@
-"""Draw the pictures of a training run: four panels in RUN_DIR/report.png (training loss,
-test accuracy, mixture share against weights, samples/s) and a per-epoch table on stdout.
+"""Draw the pictures of a training run in RUN_DIR/report.png and a per-epoch table on stdout.
+The picture: four panels (training loss, test accuracy, mixture share against weights,
+samples/s) with dotted lines where the run stopped and resumed, then one confusion matrix per
+source evaluated per class (MNIST and CIFAR10: six panels in all). Values that are not finite
+numbers (an Infinity or NaN loss) are left out and counted in a line under the picture.
 
     python tools/report.py runs/demo
     python tools/report.py runs/demo --out /tmp/demo.png

@@ -10,12 +10,15 @@ summary says "origin unknown" only for sources it has not evaluated yet.
 matplotlib is imported inside the drawing functions, never at import time: the
 trainer imports nothing from here, and a training image need not carry it.
 """
+import io
 import json
 import math
 import os
 import statistics
 
 from pipeline.cli import printable
+from pipeline.errors import ShardError
+from pipeline.files import open_regular
 
 UNKNOWN = "origin unknown"
 
@@ -31,7 +34,7 @@ def read_records(path):
     """The JSON objects of a .jsonl file, skipping lines that do not parse: a crash can tear
     the last line, and one bad line should not cost the picture of the rest."""
     out = []
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with io.TextIOWrapper(open_regular(path), encoding="utf-8", errors="replace") as f:  # a FIFO would block
         for line in f:
             try:
                 record = json.loads(line)
@@ -66,9 +69,9 @@ def read_summary(path):
     """summary.json, or None when there is none or it cannot be read: the report then
     stands on metrics.jsonl alone rather than failing."""
     try:
-        with open(path, encoding="utf-8") as f:
-            summary = json.load(f)
-    except (OSError, ValueError):
+        with open_regular(path) as f:  # a FIFO named summary.json is refused, not waited on
+            summary = json.loads(f.read())
+    except (OSError, ValueError, RecursionError, ShardError):
         return None
     return summary if isinstance(summary, dict) else None
 
@@ -78,17 +81,19 @@ def load_run(run_dir):
     if not os.path.isdir(run_dir):
         raise ReportError(f"{run_dir}: no such run folder")
     path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise ReportError(f"{run_dir}: no metrics.jsonl (is this a folder written by pipeline.train --out?)")
     try:
         records = read_records(path)
-    except OSError as e:
+    except (OSError, ShardError) as e:
         raise ReportError(f"{path}: {e}") from None
     train = [r for r in records if r.get("kind") == "train" and _train_ok(r)]
     if not train:
         raise ReportError(f"{path}: no training lines yet (the run has not logged its first --log-every steps)")
+    marks = [r for r in records if r.get("kind") in ("stopped", "weights_changed", "data_changed")
+             and _number(r.get("step"))]
     return {"dir": run_dir, "train": train, "eval": [r for r in records if r.get("kind") == "eval" and _eval_ok(r)],
-            "summary": read_summary(os.path.join(run_dir, "summary.json"))}
+            "marks": marks, "summary": read_summary(os.path.join(run_dir, "summary.json"))}
 
 
 def _ordered(keys_lists):
@@ -200,6 +205,75 @@ def epoch_rows(run):
     return rows
 
 
+def _finite(x):
+    """A value to draw: a finite number, else NaN (matplotlib leaves NaN out; Infinity would
+    stretch an axis to nothing, and a string fails the drawing)."""
+    return float(x) if _number(x) else math.nan
+
+
+def left_out(run):
+    """{what: how many values} the lines hold that are not finite numbers (Infinity, NaN, a
+    string): they are not drawn, and the picture and the table say so."""
+    counts = {}
+
+    def count(what, values):
+        bad = sum(1 for x in values if x is not None and not _number(x))
+        if bad:
+            counts[what] = counts.get(what, 0) + bad
+
+    for r in run["train"]:
+        count("loss", r["loss"].values())
+        count("samples/s", [r.get("samples_per_s")])
+        count("share", r.get("share", {}).values())
+        count("weight", r.get("weights", {}).values())
+    for r in run["eval"]:
+        count("accuracy", [v.get("accuracy") for v in r["eval"].values()])
+    return counts
+
+
+def left_out_line(run):
+    """'left out: 2 loss values ...', or None when every value is a finite number."""
+    counts = left_out(run)
+    if not counts:
+        return None
+    return ("left out of the picture: " + ", ".join(f"{n} {what} value(s)" for what, n in counts.items())
+            + " that are not finite numbers (Infinity or NaN)")
+
+
+MARKS_MAX = 20  # stop/resume markers drawn; a hostile file's thousands would hide the curves
+
+
+def stops_and_resumes(run):
+    """[(step, label)] in step order: where the run stopped (a 'stopped' line, with its signal)
+    and where it resumed (summary.json's resumed_from; a weights_changed or data_changed
+    line, which only a resume writes). A resume drops the 'stopped' line at its checkpoint
+    from metrics.jsonl, so an earlier stop shows as the resume that followed it."""
+    words = {}
+    for r in run["marks"]:
+        if r["kind"] == "stopped":
+            sig = r.get("signal")
+            word = "stopped" + (f" ({plain(sig, limit=20)})" if isinstance(sig, str) else "")
+        else:
+            word = "resumed"
+        words.setdefault(int(r["step"]), []).append(word)
+    resumed = (run["summary"] or {}).get("resumed_from")
+    if isinstance(resumed, dict) and _number(resumed.get("step")):
+        words.setdefault(int(resumed["step"]), []).append("resumed")
+    return [(step, " and ".join(dict.fromkeys(w)) + f" at step {step}") for step, w in sorted(words.items())]
+
+
+def draw_marks(axes, run):
+    """A dotted vertical line at each stop and resume on the step panels, labelled on the first."""
+    marks = stops_and_resumes(run)
+    for i, (step, label) in enumerate(marks[:MARKS_MAX]):
+        for ax in axes:
+            ax.axvline(step, color="grey", linestyle=":", linewidth=1)
+        last = i == MARKS_MAX - 1 and len(marks) > MARKS_MAX
+        text = label + (f" (and {len(marks) - MARKS_MAX} more, not drawn)" if last else "")
+        axes[0].text(step, 0.98, text, transform=axes[0].get_xaxis_transform(), rotation=90, ha="right", va="top",
+                     fontsize=7, color="dimgrey")
+
+
 def _cell(x, fmt):
     return "-" if x is None or math.isnan(x) else format(x, fmt)
 
@@ -215,7 +289,8 @@ def table(run):
     head = [printable(c) for c in head]
     widths = [max(len(row[i]) for row in [head] + body) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [head] + body]
-    return "\n".join(lines + [printable(ln) for ln in data_lines(run)])
+    notes = [ln for ln in (left_out_line(run),) if ln] + [f"run {label}" for _, label in stops_and_resumes(run)]
+    return "\n".join(lines + [printable(ln) for ln in data_lines(run) + notes])
 
 
 # ---------------------------------------------------------------- drawing
@@ -294,9 +369,9 @@ def draw_share(ax, run, colours):
     the first), hence the steps drawn back from each line."""
     steps = [r["step"] for r in run["train"]]
     names = train_names(run)
-    weights = {name: [r.get("weights", {}).get(name, math.nan) for r in run["train"]] for name in names}
+    weights = {name: [_finite(r.get("weights", {}).get(name)) for r in run["train"]] for name in names}
     for name in names:
-        share = [r.get("share", {}).get(name, math.nan) for r in run["train"]]
+        share = [_finite(r.get("share", {}).get(name)) for r in run["train"]]
         ax.plot(steps, share, color=colours[name], marker=_marker(steps), label=plain(f"{described(run, name)} share"))
     for group in equal_groups(weights):
         for i, name in enumerate(group):  # equal weights: dashes interleaved along one line, each colour seen
@@ -321,7 +396,7 @@ def equal_groups(series):
 
 def draw_speed(ax, run):
     steps = [r["step"] for r in run["train"]]
-    ax.plot(steps, [r.get("samples_per_s", math.nan) for r in run["train"]], color="black", marker=_marker(steps))
+    ax.plot(steps, [_finite(r.get("samples_per_s")) for r in run["train"]], color="black", marker=_marker(steps))
     ax.set(title="throughput", xlabel="step", ylabel="samples/s (all ranks)")
     wait = (run["summary"] or {}).get("data_wait_share")
     note = f"waiting for data: {wait:.1%} of the time" if _number(wait) else "data-wait share: no summary.json"
@@ -366,8 +441,10 @@ def draw_confusion(ax, name, classes, rows):
 
 
 def build_figure(run):
-    """The four-panel figure of a run (loss, accuracy, share, samples/s), and a row of
-    confusion matrices for the sources evaluated per class."""
+    """The figure of a run: four panels (training loss, test accuracy, mixture share against
+    weights, samples/s), stops and resumes marked on the step panels, then a row of one
+    confusion matrix per source evaluated per class (MNIST and CIFAR10: six panels in all),
+    and a line saying which values were not finite numbers and so not drawn."""
     matrices = confusions(run)
     n = len(matrices)
     fig = new_figure(max(14, 3.5 * n), 9 + (4.5 if n else 0))
@@ -382,11 +459,15 @@ def build_figure(run):
     draw_accuracy(b, run, colours)
     draw_share(c, run, colours)
     draw_speed(d, run)
+    draw_marks([a, c, d], run)
     for ax in (a, b, c):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     fig.suptitle(plain(figure_title(run), limit=1000))
-    fig.tight_layout()
+    note = left_out_line(run)
+    fig.tight_layout(rect=(0, 0.03, 1, 1) if note else None)
+    if note:
+        fig.text(0.5, 0.005, plain(note), ha="center", va="bottom", fontsize=9, color="darkred")
     return fig
 
 
