@@ -24,12 +24,15 @@ import functools
 import io
 import json
 import re
+import struct
 import warnings
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
 from pipeline.data import bounds, jpeg, png
+from pipeline.errors import cut
 
 IMAGE_EXTS = ("raw", "png", "jpg", "jpeg", "webp", "ppm", "pgm", "bmp", "tif", "tiff", "gif", "npy")
 LABEL_EXTS = ("cls", "txt", "index")
@@ -39,6 +42,13 @@ _PIL_FORMATS = {"png": "PNG", "jpg": "JPEG", "jpeg": "JPEG", "webp": "WEBP", "pp
 _MEMBER_EXT = re.compile(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*\Z")
 _INTEGER = re.compile(r"[+-]?[0-9]+\Z")
 UNLABELLED = -1  # what a label member holding -1 means: the sample has no label
+MAX_LABEL_JSON = 1 << 20  # bytes of a .json member parsed for its label: real ones hold a few kB
+# What parsing a sample's content may raise besides ValueError (a .json nested 100,000 deep, a
+# decoder's struct or zlib error, ...): each becomes a ValueError naming the sample's problem, so
+# the reader skips and counts it like any damage instead of ending the run
+CONTENT_ERRORS = (ArithmeticError, EOFError, LookupError, MemoryError, OSError, RuntimeError, SyntaxError,
+                  TypeError, struct.error, zlib.error)
+_LABEL_NAMES = re.compile(r"label|class|categor|target|cls", re.IGNORECASE)
 
 
 class Unlabelled(ValueError):
@@ -149,21 +159,100 @@ def raw_label(sample, rule):
         if not value:
             raise ValueError(f".{ext} is empty")
     else:
-        try:
-            value = json.loads(data)
-            for part in path:
-                value = value[part]
-        except ValueError:
-            raise ValueError(".json is not valid JSON") from None
-        except (KeyError, TypeError, IndexError):
-            raise Unlabelled(f".json has no {'.'.join(path)} field") from None
+        value = top = label_json(data)
+        for part in path:
+            if not isinstance(value, dict) or part not in value:
+                raise Unlabelled(f".json has no {'.'.join(path)} field; {json_hint(top)}")
+            value = value[part]
         if value is None:
             raise Unlabelled(f".json {'.'.join(path)} is null")
         if isinstance(value, bool) or not isinstance(value, (int, str)) or value == "":
-            raise ValueError(f".json {'.'.join(path)} is {value!r}, not an integer or a class name")
+            raise ValueError(f".json {'.'.join(path)} is {cut(repr(value), 60)}, not an integer or a class name")
     if value == UNLABELLED or value == str(UNLABELLED):
         raise Unlabelled(f"{describe_label(rule)} is {UNLABELLED}, which marks a sample without a label")
     return value
+
+
+def label_json(data):
+    """A .json member's content, parsed; ValueError (one line) for one too large, too deeply
+    nested or not JSON, checked before parsing where it can be."""
+    if len(data) > MAX_LABEL_JSON:
+        raise ValueError(f".json of {len(data)} bytes, more than the {MAX_LABEL_JSON} a label's .json may hold "
+                         f"(pipeline.data.decode.MAX_LABEL_JSON)")
+    try:
+        return json.loads(bytes(data))
+    except RecursionError:
+        raise ValueError(".json nested too deeply to read") from None
+    except (ValueError, MemoryError, TypeError) as e:  # UnicodeDecodeError is a ValueError
+        raise ValueError(f".json is not valid JSON ({cut(e, 80)})") from None
+
+
+def json_fields(value, limit=1000):
+    """(path, value) of a parsed .json's fields that hold anything but a non-empty object
+    (path ("annotation", "category") for `annotation.category`), in document order, from at
+    most `limit` fields visited."""
+    out, todo = [], [((), value)] if isinstance(value, dict) else []
+    while todo:
+        path, v = todo.pop()
+        if isinstance(v, dict) and (v or not path) and limit > 0:
+            children = list(v.items())[:limit]
+            limit -= len(children)
+            todo.extend((path + (k,), w) for k, w in reversed(children))
+        else:
+            out.append((path, v))
+    return out
+
+
+def json_hint(value):
+    """What a parsed .json holds (its field paths, cut to a line) and the --label-key that
+    would read a label from it: a field named like a label (label, class, category, target)
+    holding an integer or a name, else the first such field."""
+    if not isinstance(value, dict):
+        return f"it holds a JSON {type(value).__name__}, not an object with fields"
+    fields = json_fields(value)
+    if not fields:
+        return "it holds no fields"
+    shown = ", ".join(".".join(p) for p, _ in fields[:12])
+    shown += f" and {len(fields) - 12} more" if len(fields) > 12 else ""
+    usable = [p for p, v in fields if isinstance(v, (int, str)) and not isinstance(v, bool) and v != ""
+              and all(part and "." not in part and ":" not in part for part in p)]
+    best = next((p for p in usable if _LABEL_NAMES.search(p[-1])), usable[0] if usable else None)
+    hint = f"; e.g. --label-key json:{'.'.join(best)}" if best else ""
+    return f"it has {cut(shown, 300)}{cut(hint, 200)}"
+
+
+def label_hint(sample):
+    """One line on what a sample holds that could be its label: its members, the fields of its
+    .json, and a --label-key that reads one (for errors about a sample without a label)."""
+    have = sorted(k for k in sample if not k.startswith("__"))
+    line = f"sample {cut(sample['__key__'])} has members {cut(', '.join('.' + e for e in have), 200) or 'none'}"
+    rule = next((e for e in ("cls", "index", "txt") if sample.get(e) is not None), None)
+    if rule:
+        return f"{line}; e.g. --label-key {rule}"
+    if sample.get("json") is not None:
+        try:
+            return f"{line}; its .json: {json_hint(label_json(sample['json']))}"
+        except ValueError as e:
+            return f"{line}; {e}"
+    return line + ("; e.g. --label-key dir (its key's folder)" if "/" in sample["__key__"] else "")
+
+
+def default_label(sample):
+    """The label rule a sample's members suggest: .cls, .index, a "label" field of .json,
+    .txt, then the key's folder; None if none fits."""
+    for ext in ("cls", "index"):
+        if ext in sample:
+            return ext
+    if "json" in sample:
+        try:
+            value = label_json(sample["json"])
+        except ValueError:
+            value = None
+        if isinstance(value, dict) and "label" in value:
+            return "json:label"
+    if "txt" in sample:
+        return "txt"
+    return "dir" if "/" in sample["__key__"] else None
 
 
 def as_integer(value):
@@ -178,12 +267,22 @@ def as_name(value):
 
 
 def label_of(sample, target, lookup=None):
-    """The class index of a sample; Unlabelled or ValueError saying what is missing or wrong."""
+    """The class index of a sample; Unlabelled or ValueError saying what is missing or wrong,
+    whatever its label member holds."""
+    try:
+        return _label_of(sample, target, lookup)
+    except ValueError:
+        raise
+    except CONTENT_ERRORS as e:
+        raise ValueError(f"{describe_label(target.label)} unreadable ({type(e).__name__}: {cut(e, 80)})") from None
+
+
+def _label_of(sample, target, lookup):
     ext, path = parse_label_key(target.label)
     if path is None and target.names is None and sample.get(ext) is not None:  # the common case: an integer member
         try:
             number = int(sample[ext])
-        except ValueError:
+        except (ValueError, TypeError):
             number = UNLABELLED
         if number != UNLABELLED:
             return class_index(number, target, lookup)
@@ -192,11 +291,11 @@ def label_of(sample, target, lookup=None):
         name = as_name(value)
         index = lookup.get(name) if lookup is not None else None
         if index is None:
-            raise ValueError(f"class name {name[:60]!r} is not one of the source's {len(target.names)} classes")
+            raise ValueError(f"class name {cut(repr(name), 80)} is not one of the source's {len(target.names)} classes")
         return index
     number = as_integer(value)
     if number is None:
-        raise ValueError(f"{describe_label(target.label)} is {as_name(value)[:60]!r}, not an integer")
+        raise ValueError(f"{describe_label(target.label)} is {cut(repr(as_name(value)), 80)}, not an integer")
     return class_index(number, target, lookup)
 
 
@@ -357,7 +456,17 @@ def _each(images, exts, target, crops, positions):
 
 
 def decode_image(data, ext, shape, crop=None):
-    """One image member -> uint8 array of exactly `shape` (C, H, W); ValueError otherwise."""
+    """One image member -> uint8 array of exactly `shape` (C, H, W); ValueError otherwise,
+    whatever the member holds (a decoder's other errors become ValueErrors naming them)."""
+    try:
+        return _decode_image(data, ext, shape, crop)
+    except ValueError:
+        raise
+    except CONTENT_ERRORS as e:
+        raise ValueError(f"undecodable .{ext} image ({type(e).__name__}: {cut(pil_reason(e), 80)})") from None
+
+
+def _decode_image(data, ext, shape, crop):
     c, h, w = shape
     if ext == "raw":
         if len(data) != c * h * w:

@@ -19,7 +19,6 @@ with one line naming the shard and the sample.
 """
 import collections
 import hashlib
-import json
 import multiprocessing
 import os
 import re
@@ -28,8 +27,9 @@ import urllib.parse
 import numpy as np
 
 from pipeline.data import bounds, remote
-from pipeline.data.decode import (IMAGE_EXTS, LABEL_EXTS, Unlabelled, as_integer, as_name, image_format, label_member,
-                                  open_image, parse_label_key, pil_reason, pixels_of, raw_label)
+from pipeline.data.decode import (CONTENT_ERRORS, IMAGE_EXTS, LABEL_EXTS, Unlabelled, as_integer, as_name,
+                                  default_label, image_format, label_hint, label_member, open_image, parse_label_key,
+                                  pil_reason, pixels_of, raw_label)
 from pipeline.errors import ShardError
 from pipeline.files import MAX_JSON, open_regular, write_json_atomic
 from pipeline.data.manifest import (FORMAT, NAME_RE, MAX_SIDE, check, expand_pattern, manifest_name, pipe_shard_name,
@@ -118,23 +118,6 @@ def scan_shard(url, label, policy=remote.Policy(), image_key=None, skip_unlabell
     return facts
 
 
-def default_label(sample):
-    """The label rule the first sample's members suggest: .cls, .index, a "label" field of
-    .json, .txt, then the key's folder; None if none fits."""
-    for ext in ("cls", "index"):
-        if ext in sample:
-            return ext
-    if "json" in sample:
-        try:
-            if isinstance(json.loads(sample["json"]), dict) and "label" in json.loads(sample["json"]):
-                return "json:label"
-        except ValueError:
-            pass
-    if "txt" in sample:
-        return "txt"
-    return "dir" if "/" in sample["__key__"] else None
-
-
 def _scan_sample(sample, facts, url):
     from PIL import Image
 
@@ -142,8 +125,8 @@ def _scan_sample(sample, facts, url):
     if facts["label"] is None:  # the first sample decides
         facts["label"] = default_label(sample)
         if facts["label"] is None:
-            raise ShardError(f"{url}: sample {key}: no .cls, .txt, .index or .json label member and no folder in "
-                             f"its key; name the label with --label-key (e.g. --label-key json:label)")
+            raise ShardError(f"{url}: no .cls, .index, .txt, .json \"label\" field or key folder to read a label "
+                             f"from: {label_hint(sample)}; name the label with --label-key")
     images = [e for e in sample if not e.startswith("__") and image_format(e) in FOREIGN_EXTS and sample[e] is not None]
     if facts["image_key"]:
         images = [e for e in images if e == facts["image_key"]]
@@ -181,7 +164,7 @@ def _scan_sample(sample, facts, url):
         grey = pixels_of(img, 1).ravel() / 255.0
     except ValueError as e:
         raise ShardError(f"{url}: sample {key}: {e}") from None
-    except (OSError, SyntaxError, Image.DecompressionBombError) as e:
+    except (Image.DecompressionBombError, *CONTENT_ERRORS) as e:
         raise ShardError(f"{url}: sample {key}: undecodable .{ext} image ({pil_reason(e)})") from None
     facts["samples"] += 1
     facts["exts"][ext] += 1

@@ -1,0 +1,122 @@
+"""One sample never ends a run: whatever a label or image member holds, parsing it gives a
+ValueError (a skipped, counted sample; one line under --strict and in --index), and a
+sample without a label is named with what it holds and the --label-key that would read it."""
+import json
+import struct
+
+import pytest
+
+from helpers import encode_pil, foreign_image, make_shards_in_process, write_tar
+from pipeline.data import decode
+from pipeline.data.decode import Target, Unlabelled
+from pipeline.data.stream import MixedStream, resolve
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+NAMES = ("cat", "dog")
+
+
+def index(*args):
+    return make_shards_in_process(["--quiet", *args])
+
+
+def one_line(p, *needles):
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    errors = [ln for ln in p.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and len(errors[0]) < 1000, p.stderr[-3000:]
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+def json_tar(path, labels):
+    """Samples s0, s1, ... of a 16x16 PNG and a .json member each: `labels` gives each .json's bytes."""
+    members = []
+    for i, body in enumerate(labels):
+        members += [(f"s{i}.png", encode_pil(foreign_image(i % 2, (16, 16), seed=i), "PNG")), (f"s{i}.json", body)]
+    write_tar(path, members)
+
+
+def nested(i):
+    return json.dumps({"annotation": {"category": NAMES[i % 2], "id": i}, "caption": "a picture"}).encode()
+
+
+@pytest.mark.parametrize("body, needle", [
+    (DEEP, "nested too deeply"),
+    (b'{"label": ' + DEEP + b"}", "nested too deeply"),
+    (b" " * (decode.MAX_LABEL_JSON + 1), "more than the"),
+    (b"\xff\xfe\xfd", "not valid JSON"),
+    (b'{"label": ' + b"9" * 5000 + b"}", "not valid JSON"),
+    (b'{"label": 1e999}', "not an integer"),
+    (b'{"label": {"a": 1}}', "not an integer"),
+], ids=["deep", "deep field", "huge", "not utf-8", "5000 digits", "inf", "object"])
+def test_any_json_label_is_a_value_error_of_one_short_line(body, needle):
+    with pytest.raises(ValueError, match=needle) as e:
+        decode.label_of({"__key__": "k", "json": body}, Target((1, 4, 4), label="json:label"))
+    assert len(str(e.value)) < 300 and "\n" not in str(e.value)
+
+
+def test_other_label_and_image_content_is_a_value_error(monkeypatch):
+    cls = Target((1, 4, 4))
+    for body in (b"\xff\xfe", b"1" * 10_000, b"", b"  "):
+        with pytest.raises(ValueError):
+            decode.label_of({"__key__": "k", "cls": body}, cls)
+    names = Target((1, 4, 4), label="txt", classes=2, names=NAMES)
+    with pytest.raises(ValueError, match=r"more characters\) \.\.\..* is not one of") as e:
+        decode.label_of({"__key__": "k", "txt": b"x" * 100_000}, names, names.lookup())
+    assert len(str(e.value)) < 300
+
+    def broken(*args):  # a decoder failing in a way of its own
+        raise struct.error("unpack requires a buffer of 4 bytes")
+    monkeypatch.setattr(decode, "_pil", broken)
+    with pytest.raises(ValueError, match=r"undecodable .bmp image \(error: unpack requires"):
+        decode.decode_image(b"BM", "bmp", (1, 4, 4))
+    pixels, kept, errors = decode.decode_batch([b"BM", b"BM"], ["bmp", "bmp"], Target((1, 4, 4), ("bmp",)))
+    assert kept == [] and [i for i, _ in errors] == [0, 1]
+
+
+def test_a_deeply_nested_json_label_is_skipped_and_counted_and_one_line_in_index(tmp_path):
+    """The trial's case: a .json nested 100,000 deep ended the trainer and --index with a
+    RecursionError traceback."""
+    good = [json.dumps({"label": NAMES[i % 2]}).encode() for i in range(6)]
+    json_tar(tmp_path / "web-000000.tar", good)
+    p = index("--index", f"web:train={tmp_path}/web-000000.tar", "--label-key", "json:label", "--out", tmp_path)
+    assert p.returncode == 0, p.stderr
+    json_tar(tmp_path / "web-000000.tar", good[:2] + [b'{"label": ' + DEEP + b"}"] + good[3:])
+    src = resolve("web", str(tmp_path / "web-train.json"), "train")
+    with pytest.warns(UserWarning, match="s2: .json nested too deeply"):
+        batches = list(MixedStream([src], {"web": 1}, 3, epoch_samples=6).eval_stream(src))
+    assert sum(b["skipped"] for b in batches) == 1 and sum(len(b["key"]) for b in batches) == 5
+    for label in (["--label-key", "json:label"], []):  # the default label reads the .json too
+        p = index("--index", f"web:test={tmp_path}/web-000000.tar", *label, "--out", tmp_path / "again")
+        one_line(p, "nested too deeply")
+    json_tar(tmp_path / "first.tar", [DEEP] + good[1:])
+    one_line(index("--index", f"web:test={tmp_path}/first.tar", "--out", tmp_path / "again"), "s0")
+
+
+def test_a_label_nested_in_json_is_named_with_the_fields_and_a_key_that_works(tmp_path):
+    """The new user's afternoon: the default label error said the sample had no .json and
+    suggested json:label; --label-key json:label said there was no label field and no more."""
+    json_tar(tmp_path / "web-000000.tar", [nested(i) for i in range(6)])
+    spec = f"web:train={tmp_path}/web-000000.tar"
+    for label in ([], ["--label-key", "json:label"]):
+        line = one_line(index("--index", spec, *label, "--out", tmp_path),
+                        "annotation.category, annotation.id, caption", "--label-key json:annotation.category")
+        assert "no .json" not in line and "e.g. --label-key json:label" not in line
+    assert "sample s0 has members .json, .png; its .json: it has" in one_line(index("--index", spec, "--out", tmp_path))
+    p = index("--index", spec, "--label-key", "json:annotation.category", "--out", tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert json.loads((tmp_path / "web-train.json").read_text())["classes"] == list(NAMES)
+
+
+def test_json_hints_are_cut_to_a_line_and_suggest_only_keys_the_rule_can_read():
+    some, many = ({f"field{i}": {"deeper": i} for i in range(n)} for n in (50, 5000))
+    assert "and 38 more; e.g. --label-key json:field0.deeper" in decode.json_hint(some)
+    assert len(decode.json_hint(many)) < 600 and "more" in decode.json_hint(many)
+    odd = {"a.b": 1, "": 2, "flag": True, "class_name": "cat", "x": None}
+    assert decode.json_hint(odd).endswith("--label-key json:class_name")
+    assert "--label-key" not in decode.json_hint({"a.b": 1, "x": [1, 2]})
+    with pytest.raises(Unlabelled, match="it holds a JSON list"):
+        decode.raw_label({"__key__": "k", "json": b"[1]"}, "json:label")
+    long_key = {"__key__": "k" * 10_000, "json": json.dumps(many).encode()}
+    for text in (decode.json_hint(many), decode.label_hint(long_key)):
+        assert len(text) < 800, len(text)
