@@ -125,8 +125,10 @@ def _scan_sample(sample, facts, url):
     if facts["label"] is None:  # the first sample decides
         facts["label"] = default_label(sample)
         if facts["label"] is None:
-            raise ShardError(f"{url}: no .cls, .index, .txt, .json \"label\" field or key folder to read a label "
-                             f"from: {label_hint(sample)}; name the label with --label-key")
+            none = ("no .cls, .txt or .index member, no \"label\" field in its .json" if "json" in sample else
+                    "no .cls, .txt, .index or .json label member")
+            raise ShardError(f"{url}: {none} and no folder in its key: {label_hint(sample)}; name the label with "
+                             f"--label-key")
     images = [e for e in sample if not e.startswith("__") and image_format(e) in FOREIGN_EXTS and sample[e] is not None]
     if facts["image_key"]:
         images = [e for e in images if e == facts["image_key"]]
