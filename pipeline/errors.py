@@ -10,7 +10,8 @@ NAME_LIMIT = 200  # characters of one name (a key, a class, a URL) quoted inside
 # log must not be able to fetch with them
 _USERINFO = re.compile(r"(//)([^/\s@:]*)(:[^/\s@]*)?@")
 _SECRET_QUERY = re.compile(r"([?&;](?:[\w.-]*(?:signature|credential|token|secret|password|passwd|apikey|api_key)"
-                           r"[\w.-]*|sig|key|policy|key-pair-id|auth|authorization)=)(?:[^&#\s'\":]|:(?!\s|$))*", re.IGNORECASE)
+                           r"[\w.-]*|sig|key|policy|key-pair-id|auth|authorization)=)"
+                           r"(?:[^&#\s'\":]|:(?!\s|$))*", re.IGNORECASE)
 
 
 class InputError(ValueError):

@@ -77,7 +77,8 @@ def test_make_shards_index_never_prints_a_urls_credentials(tmp_path):
     write_tar(tmp_path / "x.tar", [("a.png", b"not a png"), ("a.cls", b"1")])
     with serving(Shards, files={"/x.tar": (tmp_path / "x.tar").read_bytes()}) as server:
         for path, needle in (("x.tar", "undecodable"), ("gone.tar", "404")):
-            p = subprocess.run([sys.executable, "tools/make_shards.py", "--index", f"toy:train={secret_url(server.url, path)}",
+            spec = f"toy:train={secret_url(server.url, path)}"
+            p = subprocess.run([sys.executable, "tools/make_shards.py", "--index", spec,
                                 "--out", tmp_path / "m", "--retries", "1", "--io-timeout", "2"],
                                cwd=ROOT, capture_output=True, text=True, timeout=120)
             said = p.stdout + p.stderr

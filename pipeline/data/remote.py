@@ -134,7 +134,8 @@ class _HttpOnly(urllib.request.HTTPRedirectHandler):
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):
         if not newurl.lower().startswith(("http://", "https://")):
-            raise urllib.error.HTTPError(req.full_url, 403, f"redirect to {cut(redact(newurl), 80)!r} refused", headers, fp)
+            shown = cut(redact(newurl), 80)
+            raise urllib.error.HTTPError(req.full_url, 403, f"redirect to {shown!r} refused", headers, fp)
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
@@ -461,7 +462,8 @@ def head_check(urls, sizes=None, *, policy=Policy(), threads=16):
                 return None
             except Exception as e:  # noqa: BLE001
                 if permanent(e):
-                    return "problem", f"{shown}: missing (HTTP 404)" if e.code == 404 else f"{shown}: HTTP {e.code} {e.reason}"
+                    return "problem", (f"{shown}: missing (HTTP 404)" if e.code == 404 else
+                                       f"{shown}: HTTP {e.code} {e.reason}")
                 if not transient(e):
                     raise
                 if attempt == policy.retries:
