@@ -22,3 +22,11 @@ def flip(sample):
     if np.random.default_rng(sample["__seed__"]).random() < 0.5:
         sample["image"] = np.ascontiguousarray(sample["image"][:, :, ::-1])
     return sample
+
+
+if __name__ == "__main__":  # a module of stages, not a program: --help says how to use it
+    import argparse
+
+    argparse.ArgumentParser(prog="my_stages", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    print(__doc__.strip().splitlines()[0])

@@ -4,13 +4,22 @@ Reads mnist and cifar10 manifests from SHARDS_DIR (default shards/, as `make dem
 `tools/make_shards.py --synthetic` writes them) for two epochs and prints the first batch's shapes
 and the saved stream state. Under torchrun each rank reads its own share.
 """
+import argparse
 import sys
 
-from pipeline.stream import MixedStream, make_loader, resolve
-from pipeline.topology import Topology
+p = argparse.ArgumentParser(prog="stream_api", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("shards", nargs="?", default="shards/", metavar="SHARDS_DIR",
+               help="a folder holding mnist-train.json and cifar10-train.json and their shards (default: shards/)")
+shards = p.parse_args().shards                     # --help answers before torch loads
 
-shards = sys.argv[1] if len(sys.argv) > 1 else "shards/"
-sources = [resolve("mnist", shards, "train"), resolve("cifar10", shards, "train")]
+from pipeline.errors import ShardError  # noqa: E402
+from pipeline.stream import MixedStream, make_loader, resolve  # noqa: E402
+from pipeline.topology import Topology  # noqa: E402
+
+try:
+    sources = [resolve("mnist", shards, "train"), resolve("cifar10", shards, "train")]
+except ShardError as e:                            # no such folder, no manifest: one line, not a traceback
+    sys.exit(f"stream_api: error: {e}")
 stream = MixedStream(sources, {"mnist": 0.5, "cifar10": 0.5}, batch_size=64, topo=Topology.from_env(), seed=0)
 loader = make_loader(stream, num_workers=2)        # make it once: its workers persist across epochs
 for epoch in range(2):

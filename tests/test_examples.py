@@ -56,3 +56,17 @@ def test_examples_my_stages_keep_shape_and_dtype_and_flip_by_seed():
                         for s in range(40)]  # the same seed, the same choice
     inv = stages.invert({"__source__": "cifar10", "image": image.copy()})["image"]
     assert (inv == 255 - image).all()
+
+
+SCRIPTS = sorted(str(p.relative_to(ROOT)) for d in ("tools", "examples") for p in (ROOT / d).glob("*.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_answers_help(script, tmp_path):
+    """`--help` of every tool and example exits 0 with a usage line and a description, run from
+    elsewhere (so no default folder of the repo is read), and writes nothing."""
+    r = subprocess.run([sys.executable, str(ROOT / script), "--help"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stdout.startswith("usage: ") and len(r.stdout.splitlines()) > 2, r.stdout
+    assert list(tmp_path.iterdir()) == []

@@ -1,6 +1,8 @@
 """The libraries a user would pick instead of this stream, doing bench_loader's job exactly.
+A module of tools/bench_loader.py, not a program of its own: time the peers with
 
     pip install -e '.[bench]'     # litdata==0.2.76, mosaicml-streaming==0.13.0
+    python tools/bench_loader.py --methods A C LitData Mosaic --encoding raw
 
 LitData  litdata.optimize writes each source once (chunks of 64 MB, its default), then one
          StreamingDataset(shuffle=True) per source, CombinedStreamingDataset(weights=[.5, .5],
@@ -186,9 +188,10 @@ def raw_rows(spec):
     import numpy as np
 
     from pipeline.data import read
+    from pipeline.files import open_regular
 
     url, shape, number, first = spec
-    with open(url, "rb") as f:
+    with open_regular(url) as f:
         for k, s in enumerate(read.iter_samples(f, want={"raw", "cls"})):
             yield {"image": np.frombuffer(s["raw"], np.uint8).reshape(shape).copy(), "label": int(s["cls"]),
                    "index": first + k, "source": number}
@@ -210,8 +213,9 @@ def cached(work, kind, src, folder, write):
     """The folder of `kind` for this source, written once by `write(out)` and reused while the raw
     shards' manifest is the same (its digest is in the folder's name)."""
     from pipeline.data import manifest
+    from pipeline.files import open_regular
 
-    with open(os.path.join(folder, manifest.manifest_name(src.name, "train")), "rb") as f:
+    with open_regular(os.path.join(folder, manifest.manifest_name(src.name, "train"))) as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:12]
     out = os.path.join(work, "peers", f"{kind}-{src.name}-{digest}")
     if os.path.exists(os.path.join(out, "index.json")):
@@ -312,3 +316,12 @@ def batches_mosaic(srcs, folders, setup, workers, epoch):
 
 WRITERS = {"LitData": write_litdata, "Mosaic": write_mosaic}
 LOADERS = {"LitData": batches_litdata, "Mosaic": batches_mosaic}
+
+
+if __name__ == "__main__":  # run directly: say what it is and how to run the peers, rather than nothing
+    import argparse
+
+    argparse.ArgumentParser(prog="bench_peers", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    print("bench_peers is a module of tools/bench_loader.py: run python tools/bench_loader.py --methods A C LitData "
+          "Mosaic --encoding raw (see --help)")

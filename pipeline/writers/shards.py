@@ -32,7 +32,7 @@ import numpy as np
 
 from pipeline.data import png
 from pipeline.errors import ShardError
-from pipeline.files import Busy, locked, read_json, write_atomic, write_json_atomic
+from pipeline.files import Busy, locked, open_regular, read_json, write_json_atomic
 from pipeline.data.manifest import FORMAT, NAME_RE, check, manifest_name, shard_name
 from pipeline.data.read import iter_samples
 
@@ -112,7 +112,7 @@ def _write_tar(tmp, source, indices, encoding):
 
 def file_sha256(path):
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:  # verify may meet a FIFO under a shard's name
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
