@@ -38,8 +38,9 @@ class Segment:
     workers: int
     batch_size: int
     batches: int  # per rank
-    spans: tuple  # per source: ((start, length), ...) of the epoch's positions, in reading order
+    spans: tuple  # per source: ((start, length), ...) of the epoch's positions, in order
     seed: int = 0
+    passes: tuple = ()  # per source, positions in a pass (its samples); 0: passes of other lengths (resampled)
 
     @property
     def pairs(self):
@@ -57,8 +58,7 @@ class Segment:
         """(P x S) samples each pair takes of each source, rows in split order; cached."""
         cached = _QUOTAS.get(self)
         if cached is None:
-            left = self.left()
-            wanted = order.apportion(self.batches * self.world * self.batch_size, left)
+            wanted = self.shares()
             sizes = [self.worker_batches(i // self.world) * self.batch_size for i in range(self.pairs)]
             rng = order.generator(order.QUOTA, self.seed, self.epoch, self.generation)
             cached = order.split_exactly(rng, wanted, sizes)
@@ -66,6 +66,24 @@ class Segment:
                 _QUOTAS.clear()
             _QUOTAS[self] = cached
         return cached
+
+    def shares(self):
+        """Samples of each source the segment reads: its spans split by what each holds,
+        leaving unread only positions of a source's last pass where it can (so that no
+        sample is read again while one of its pass is not), the highest first."""
+        left = self.left()
+        wanted = order.apportion(self.batches * self.world * self.batch_size, left)
+        unread = left - wanted
+        room = np.array([_last_pass(spans, n) if n else r for spans, n, r in
+                         zip(self.spans, self.passes or [0] * len(left), left)], np.int64)
+        over = int(np.maximum(unread - room, 0).sum())
+        if over and int(np.minimum(unread, room).sum()) + over <= int(room.sum()):
+            unread = np.minimum(unread, room)
+            for s in np.argsort(unread - room):  # the sources with the most room take the rest
+                more = min(over, int(room[s] - unread[s]))
+                unread[s] += more
+                over -= more
+        return left - unread
 
     def runs(self, pair):
         """Per source, the spans of epoch positions pair `pair` reads, in order: its run."""
@@ -89,19 +107,28 @@ class Segment:
                 runs += cut(mine, at + min(int(read[i][s]), int(q[i, s])), at + int(q[i, s]))
                 at += int(q[i, s])
             runs += cut(mine, at, sum(n for _, n in mine))
-            spans.append(merge(runs))
+            spans.append(merge(sorted(runs)))  # the lowest positions first: what is left unread is the highest
         left = sum(n for s in spans for _, n in s)
         return Segment(self.epoch, generation, world, workers, batch_size, left // (world * batch_size),
-                       tuple(spans), self.seed)
+                       tuple(spans), self.seed, self.passes)
 
 
 _QUOTAS = {}
 
 
-def first(epoch, targets, *, world, workers, batch_size, batches, seed):
+def first(epoch, targets, *, world, workers, batch_size, batches, seed, passes=()):
     """The segment of an epoch that starts afresh: every source's positions 0..target."""
     spans = tuple(((0, int(t)),) if t else () for t in targets)
-    return Segment(epoch, 0, world, workers, batch_size, batches, spans, seed)
+    return Segment(epoch, 0, world, workers, batch_size, batches, spans, seed, tuple(passes))
+
+
+def _last_pass(spans, n):
+    """Positions of the spans in the last pass they reach (passes of n positions)."""
+    if not spans:
+        return 0
+    start, length = spans[-1]
+    top = (start + length - 1) // n * n
+    return sum(max(0, a + k - max(a, top)) for a, k in spans)
 
 
 def cut(spans, lo, hi):

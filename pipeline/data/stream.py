@@ -116,12 +116,17 @@ class MixedStream(torch.utils.data.IterableDataset):
         """Positions of each source this epoch: the epoch's samples split by the weights."""
         return order.apportion(self.epoch_samples, self.probs)
 
+    def _passes(self):
+        """Positions in a pass of each source: its samples (0 when resampled: passes differ)."""
+        return tuple(0 if self.resample else int(s.total) for s in self.sources)
+
     def current(self):
         """The segment of the current epoch this stream runs: the epoch's first, or a resumed one."""
         seg = self.segment
         if seg is None or seg.epoch != self.epoch:
             seg = deal.first(self.epoch, self.targets(), world=self.topo.world, workers=self.workers,
-                             batch_size=self.batch_size, batches=self.batches_per_epoch, seed=self.seed)
+                             batch_size=self.batch_size, batches=self.batches_per_epoch, seed=self.seed,
+                             passes=self._passes())
             self.segment, self.start, self.consumed = seg, Start(), {}
             self._targets = [int(t) for t in self.targets()]
         return seg
@@ -307,7 +312,7 @@ class MixedStream(torch.utils.data.IterableDataset):
             raise ValueError(f"stream state segment spans: one list per source ({S}) expected")
         checked = tuple(_spans(x, t, i) for i, (x, t) in enumerate(zip(spans, targets)))
         seg = deal.Segment(epoch, v["generation"], v["world"], v["workers"], v["batch_size"], v["batches"],
-                           checked, self.seed)
+                           checked, self.seed, self._passes())
         if seg.batches * seg.world * seg.batch_size > int(seg.left().sum()):
             raise ValueError(f"stream state segment: {seg.batches} batches of {seg.world} x {seg.batch_size} "
                              f"samples, more than its spans hold ({int(seg.left().sum())})")
