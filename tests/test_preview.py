@@ -155,3 +155,27 @@ def test_captions_of_an_indexed_set_are_its_class_names(tmp_path):
     fig = pv.build_figure(str(tmp_path / "named-train.json"), n=8)
     captions = [ax.get_title() for ax in fig.axes if ax.get_images()]
     assert captions == [samples[k] for k in got]
+
+
+def test_a_remote_preview_is_written_under_out_or_a_temporary_folder_never_here(mnist, tmp_path):
+    """--preview of an HTTP manifest: under --out when given; without it in a new temporary
+    folder, never ./shards/ of wherever the command runs."""
+    import contextlib
+    import os
+
+    from helpers import make_shards_in_process, serve
+
+    here = tmp_path / "here"
+    here.mkdir()
+    with serve(mnist[0].parent) as url, contextlib.chdir(here):
+        p = make_shards_in_process(["--preview", url + "mnist-train.json"])
+        assert p.returncode == 0, p.stderr
+        written = Path(p.stdout.split("wrote ")[-1].strip())
+        assert written.name == "mnist-train-preview.png" and written.exists()
+        assert written.parent.name.startswith("make_shards-preview-") and list(here.iterdir()) == []
+        written.unlink()
+        written.parent.rmdir()
+        p = make_shards_in_process(["--preview", url + "mnist-train.json", "--out", tmp_path / "d"])
+        assert p.returncode == 0, p.stderr
+        assert (tmp_path / "d" / "mnist-train-preview.png").exists() and list(here.iterdir()) == []
+    assert not os.path.exists(here / "shards")

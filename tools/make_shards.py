@@ -9,6 +9,7 @@ See docs/data.md for the sample format and every option.
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,8 +72,9 @@ def parse_args(argv):
     a("--verify", action="store_true", help="check the shards under --out against their manifests, list every problem")
     a("--preview", metavar="MANIFEST", action="append", default=[],
       help="write a PNG grid of 64 samples of the shard set MANIFEST (e.g. shards/mnist-train.json) with their "
-           "class names, as NAME-SPLIT-preview.png beside a local manifest (in --out for a remote one; repeatable)")
-    a("--out", default="shards", metavar="DIR",
+           "class names, as NAME-SPLIT-preview.png beside a local manifest (for a remote one in --out when given, "
+           "else in a new temporary folder, never the current one; repeatable)")
+    a("--out", metavar="DIR",
       help="output folder (default: shards); one make_shards at a time writes a folder, a second one is refused")
     a("--quiet", action="store_true", help="no progress bars")
     io = p.add_argument_group("remote reads (--index and --verify of http(s) and pipe: shards; as in the trainer)")
@@ -83,6 +85,7 @@ def parse_args(argv):
 
 
 def check(p, args):
+    args.out_given, args.out = args.out is not None, args.out or "shards"
     args.part = parse_part(p, args.part)
     p.at_least(args, {"limit": 1, "maxcount": 1, "seed": 0, "workers": 1, "holdout": 1})
     p.within(args, {"workers": (1, 1024)})  # each one a process
@@ -280,9 +283,15 @@ def label_words(m):
 def run_preview(args):
     from pipeline.writers.preview import preview
 
+    temporary = None
     for path in args.preview:
         m = manifest.load(path)
-        folder = (os.path.dirname(path) or ".") if remote.kind(path) == "file" else args.out
+        if remote.kind(path) == "file":
+            folder = os.path.dirname(path) or "."
+        elif args.out_given:
+            folder = args.out
+        else:  # the default --out, shards/, is relative to wherever the command runs
+            folder = temporary = temporary or tempfile.mkdtemp(prefix="make_shards-preview-")
         os.makedirs(folder, exist_ok=True)
         out = preview(path, os.path.join(folder, f"{m['dataset']}-{m['split']}-preview.png"))
         print(f"wrote {out}")
