@@ -7,7 +7,8 @@ and the saved stream state. Under torchrun each rank reads its own share.
 import argparse
 import sys
 
-p = argparse.ArgumentParser(prog="stream_api", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p = argparse.ArgumentParser(prog="stream_api", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("shards", nargs="?", default="shards/", metavar="SHARDS_DIR",
                help="a folder holding mnist-train.json and cifar10-train.json and their shards (default: shards/)")
 shards = p.parse_args().shards                     # --help answers before torch loads

@@ -459,3 +459,27 @@ def test_a_wrong_label_key_names_the_members_the_samples_have(tmp_path):
     with pytest.raises(ShardError, match="no samples .10 unlabelled left out"):  # asked to skip: skipped
         index("web", "train", str(tmp_path / "web"), str(tmp_path / "out"), label="cls", skip_unlabelled=True,
               progress=False)
+
+
+def test_the_hint_for_an_unindexed_split_folder_indexes_both_splits_in_one_command(tmp_path, monkeypatch):
+    """THEIR_WDS/train and THEIR_WDS/test without manifests (what write_wds.py writes): the
+    trainer's hint is docs/data.md's recipe, both splits in one command so they share classes,
+    and the command it prints works as printed."""
+    import shlex
+
+    from helpers import write_shardwriter
+    from pipeline.errors import ShardError
+
+    monkeypatch.chdir(tmp_path)
+    write_shardwriter(tmp_path / "their" / "train", 20, classes=4)
+    write_shardwriter(tmp_path / "their" / "test", 8, classes=3, seed=1)  # a class short: alone, it would differ
+    with pytest.raises(ShardError) as e:
+        resolve("web", "their/train", "train")
+    said = str(e.value)
+    assert said.endswith(" then give web=their/ to --train and --eval"), said
+    command = said.split("so that they share classes: ")[1].split(", then give")[0]
+    assert command == "python tools/make_shards.py --index web:train=their/train --index web:test=their/test " \
+                      "--out their"
+    p = make_shards(*shlex.split(command)[2:])
+    assert p.returncode == 0, p.stderr
+    assert resolve("web", "their/", "train").classes == resolve("web", "their/", "test").classes

@@ -421,6 +421,17 @@ def _check_folder(name, split, folder, url):
         raise ShardError(f"{name}={folder}: no manifest {url}; the folder holds {len(others)} other(s): "
                          f"{', '.join(others[:5])}{', ...' if len(others) > 5 else ''}")
     tars = sorted(f for f in names if f.endswith((".tar", ".tar.gz", ".tgz")))
+    parent, here = os.path.split(os.path.abspath(folder))
+    other = {"train": "test", "test": "train"}.get(here)
+    if tars and other and os.path.isdir(os.path.join(parent, other)) and any(
+            f.endswith((".tar", ".tar.gz", ".tgz")) for f in os.listdir(os.path.join(parent, other))):
+        top = os.path.dirname(folder.rstrip("/")) or "."  # train/ and test/ side by side: index them together
+        raise ShardError(f"{name}={folder}: no manifest {url}, but {len(tars)} shard(s) ({tars[0]}, ...) and a "
+                         f"{other}/ folder of shards beside it; index both splits in one command, so that they share "
+                         f"classes: "
+                         f"python tools/make_shards.py --index {shlex.quote(f'{name}:train={top}/train')} --index "
+                         f"{shlex.quote(f'{name}:test={top}/test')} --out {shlex.quote(top)}, then give "
+                         f"{name}={top}/ to --train and --eval")
     if tars:
         where = folder.rstrip("/") or "/"
         raise ShardError(f"{name}={folder}: no manifest {url}, but {len(tars)} shard(s) ({tars[0]}, ...); index them "

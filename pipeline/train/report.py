@@ -236,8 +236,8 @@ def left_out_line(run):
     counts = left_out(run)
     if not counts:
         return None
-    return ("left out of the picture: " + ", ".join(f"{n} {what} value(s)" for what, n in counts.items())
-            + " that are not finite numbers (Infinity or NaN)")
+    said = ", ".join(f"{n} {what} value(s)" for what, n in counts.items())
+    return f"left out of the picture: {said} that are not finite numbers (Infinity or NaN)"
 
 
 MARKS_MAX = 20  # stop/resume markers drawn; a hostile file's thousands would hide the curves
