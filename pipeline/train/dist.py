@@ -14,7 +14,20 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from pipeline.data.budget import local_world_size
 from pipeline.data.topology import Topology  # noqa: F401  (re-exported: the trainer's "who am I")
+
+
+def set_threads(environ=os.environ):
+    """torch's threads for this process's share of the cores it may run on: the cores of its
+    affinity mask over the ranks torchrun starts on the machine (LOCAL_WORLD_SIZE). torch's
+    default is every core for every process, so N ranks on one machine ran N times as many
+    threads as cores, spinning against each other (docs/training.md, "Threads").
+    OMP_NUM_THREADS, when set, is kept. Returns the thread count."""
+    if not environ.get("OMP_NUM_THREADS"):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // local_world_size(environ)))
+    return torch.get_num_threads()
 
 
 def device_for(topo):

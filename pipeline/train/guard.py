@@ -1,0 +1,117 @@
+"""The trainer's start-up checks of a job against its machine, its --out folder and its data.
+
+Each answers before the first sample is read: a batch too large for the machine is one
+line, not an OOM kill; a second trainer on a live run's --out is one line, not two runs
+writing one folder; data that would make "test accuracy" mean something else (the same
+shards in training and evaluation, a manifest of the other split) is a warning naming both.
+"""
+import contextlib
+import inspect
+import os
+import re
+import warnings
+
+from pipeline.data import budget
+from pipeline.errors import InputError
+from pipeline.files import Busy, locked
+
+LOCK = ".train.lock"  # in --out while a trainer runs there; holds its pid
+EVAL_SPLITS = ("test", "val", "valid", "validation", "eval", "holdout")
+
+
+def check_memory(args, stream, eval_sources=0):
+    """ValueError (one line) when the job's batches may take more than --max-batch-memory
+    (pipeline.data.budget); `stream`: the training MixedStream, built but not yet read."""
+    from pipeline.data.loader import make_loader
+
+    prefetch = inspect.signature(make_loader).parameters["prefetch_factor"].default  # what the trainer's loaders use
+    cap = getattr(args, "max_batch_memory", None) or budget.default_cap()
+    return budget.check_budget(args.batch_size, {s.name: s.shape for s in stream.sources}, args.workers, cap,
+                               prefetch_factor=prefetch, window_bytes=getattr(stream, "window_bytes", 0),
+                               eval_sources=eval_sources)
+
+
+@contextlib.contextmanager
+def out_lock(out, topo):
+    """Rank 0 holds --out/LOCK for the job's life (one lock per job: the other ranks write
+    nothing before prepare_out's barrier, which rank 0 reaches holding it). A lock held by
+    another trainer is InputError naming its pid, before anything in --out is touched. The
+    kernel releases the lock with the process, however it ends; a folder made here only to
+    hold it is removed again if the job leaves it empty."""
+    if not topo.is_main:
+        yield
+        return
+    made = not os.path.isdir(out)
+    os.makedirs(out, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        if made:
+            stack.callback(_remove_if_empty, out)
+        try:
+            stack.enter_context(locked(os.path.join(out, LOCK), wait=False))
+        except Busy as e:
+            pid = re.search(r"\(pid ([^)]*)\)", e.strerror or "")
+            raise InputError(f"--out {out}: another trainer is running there (pid {pid[1] if pid else 'unknown'}); "
+                             f"nothing touched: wait for it to end, stop it, or choose another --out") from None
+        yield
+
+
+def _remove_if_empty(folder):
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)
+
+
+def earlier_run(out, names):
+    """The one line for --resume-or-start over an earlier run that left no checkpoint."""
+    return (f"--resume-or-start: {out} holds an earlier run's files ({', '.join(names)}) but no checkpoint.pt to "
+            f"continue from; nothing touched: to replace them run once with --overwrite instead of "
+            f"--resume-or-start, or choose another --out")
+
+
+def warn_data(train_sources, eval_sources):
+    """One warning line each: a train and an eval source sharing shards (the same file or URL,
+    or the same sha256); a training source holding the same bytes under two names; a --train
+    manifest of a test split, an --eval manifest of the training split."""
+    for tr in train_sources:
+        for ev in eval_sources:
+            shared = _shared(tr, ev)
+            if shared:
+                warnings.warn(f"--train {tr.name} ({tr.manifest}) and --eval {ev.name} ({ev.manifest}) share "
+                              f"{len(shared)} shard(s) (the same file or the same sha256), e.g. {shared[0]}: the test "
+                              f"accuracy is measured on data the model trains on", stacklevel=2)
+    for tr in train_sources:
+        twins = _twins(tr)
+        if twins:
+            warnings.warn(f"--train {tr.name}: {len(twins)} shard(s) hold the same bytes as another of its shards "
+                          f"(equal sha256), e.g. {twins[0][1]} and {twins[0][0]}: they are read twice an epoch",
+                          stacklevel=2)
+        if tr.split in EVAL_SPLITS:
+            warnings.warn(f"--train {tr.name}: {tr.manifest} records split {tr.split!r}: the model trains on "
+                          f"held-out data", stacklevel=2)
+    for ev in eval_sources:
+        if ev.split == "train":
+            warnings.warn(f"--eval {ev.name}: {ev.manifest} records split 'train': its \"test accuracy\" is "
+                          f"measured on training data (give the source's test manifest)", stacklevel=2)
+
+
+def _where(url):
+    """A shard's location compared as the file it names (links and '..' resolved) or the URL."""
+    return os.path.realpath(url) if "://" not in url and not url.startswith("pipe:") else url
+
+
+def _shared(a, b):
+    """The shards of source b that source a holds too: same location or same sha256."""
+    places = {_where(u) for u in a.urls}
+    digests = {d for d in (a.digests or []) if d}
+    return [u for u, d in zip(b.urls, b.digests or [None] * len(b.urls))
+            if _where(u) in places or (d and d in digests)]
+
+
+def _twins(source):
+    """(shard, an earlier shard of the same source with the same sha256) for each such shard."""
+    first, out = {}, []
+    for u, d in zip(source.urls, source.digests or []):
+        if d and d in first:
+            out.append((u, first[d]))
+        elif d:
+            first[d] = u
+    return out
