@@ -483,3 +483,43 @@ def test_the_hint_for_an_unindexed_split_folder_indexes_both_splits_in_one_comma
     p = make_shards(*shlex.split(command)[2:])
     assert p.returncode == 0, p.stderr
     assert resolve("web", "their/", "train").classes == resolve("web", "their/", "test").classes
+
+
+def test_the_same_shard_bytes_under_two_names_are_warned_in_one_line(tmp_path):
+    import shutil
+
+    build_shards(tmp_path / "s", "m", "train", 20, maxcount=10, encoding="png")
+    shutil.copy(tmp_path / "s" / "m-train-000001.tar", tmp_path / "s" / "m-train-000001-copy.tar")
+    p = make_shards("--index", f"c:train={tmp_path}/s", "--out", tmp_path / "out")
+    assert p.returncode == 0, p.stderr
+    said = [ln for ln in p.stdout.splitlines() if "same bytes" in ln]
+    assert said == [f"  warning: 1 shard(s) hold the same bytes (sha256) as another, e.g. {tmp_path}/s/"
+                    f"m-train-000001.tar = {tmp_path}/s/m-train-000001-copy.tar: each epoch would read them twice; "
+                    f"leave the copies out of {tmp_path}/s"]
+
+
+def test_classes_from_another_data_sets_manifest_is_warned_in_one_line(tmp_path):
+    build_shards(tmp_path / "a", "a", "train", 20, maxcount=10, encoding="png")
+    build_shards(tmp_path / "b", "b", "test", 20, maxcount=10, encoding="png")
+    p = make_shards("--index", f"b:test={tmp_path}/b", "--classes-from", tmp_path / "a" / "a-train.json",
+                    "--out", tmp_path / "out")
+    assert p.returncode == 0, p.stderr
+    said = [ln for ln in p.stdout.splitlines() if "warning" in ln]
+    assert said == [f"  warning: --classes-from {tmp_path}/a/a-train.json is data set 'a', not 'b': its classes "
+                    f"were used; check that it is this data set's training manifest"]
+    p = make_shards("--index", f"a:test={tmp_path}/b", "--classes-from", tmp_path / "a" / "a-train.json",
+                    "--out", tmp_path / "out2")
+    assert p.returncode == 0 and "warning" not in p.stdout, p.stdout
+
+
+def test_more_classes_than_a_manifest_holds_say_the_limit_and_why(tmp_path, monkeypatch):
+    """2 million distinct labels (a per-sample ID taken for a class) is refused naming the count,
+    the limit and the flag; the limit is lowered here so that a few samples reach it."""
+    from pipeline.writers import index as index_module
+
+    monkeypatch.setattr(index_module, "MAX_CLASSES", 3)
+    build_shards(tmp_path / "s", "m", "train", 20, maxcount=10, encoding="png")
+    p = make_shards("--index", f"c:train={tmp_path}/s", "--out", tmp_path / "out")
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
+    assert "distinct labels (.cls), more than the 3 classes a manifest may hold" in p.stderr
+    assert "--label-key" in p.stderr and "a non-empty list" not in p.stderr

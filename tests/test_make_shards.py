@@ -542,3 +542,10 @@ def test_a_rebuild_past_the_file_size_limit_keeps_the_old_set_usable(tmp_path):
                        text=True, timeout=120, preexec_fn=limited)
     assert_one_error_line(p.returncode, p.stderr, "File too large")
     assert folder_bytes(tmp_path / "out") == before
+
+
+def test_a_fifo_given_as_classes_is_one_line_not_a_hang(main, tmp_path):
+    os.mkfifo(tmp_path / "classes.txt")
+    code, out, err = main("--index", f"c:train={tmp_path}", "--classes", tmp_path / "classes.txt", "--out", tmp_path)
+    assert code == 2 and err.splitlines() == [f"make_shards: error: --classes {tmp_path}/classes.txt: not a regular "
+                                              f"file (see --help)"], err

@@ -129,10 +129,9 @@ def check(p, args):
             args.shape = None
         if not args.shape or len(args.shape) != 3:
             p.error("--shape: expected C,H,W, e.g. 3,64,64")
-    if args.classes is not None and not os.path.isfile(args.classes):
-        p.error(f"--classes {args.classes}: no such file")
-    if args.classes_from is not None and not os.path.isfile(args.classes_from):
-        p.error(f"--classes-from {args.classes_from}: no such manifest")
+    for flag, path, what in (("--classes", args.classes, "file"), ("--classes-from", args.classes_from, "manifest")):
+        if path is not None and not os.path.isfile(path):  # a FIFO or a device is never opened: it could block
+            p.error(f"{flag} {path}: " + (f"no such {what}" if not os.path.exists(path) else "not a regular file"))
 
 
 def parse_part(p, text):
@@ -241,6 +240,14 @@ def run_index(args):
               f"{'x'.join(map(str, m['shape']))} (.{', .'.join(m['image_exts'])}), in "
               f"{time.perf_counter() - t0:.1f} s -> {path}")
         print(f"  labels: {label_words(m)}" + (f", as in {classes_from[0]}" if classes_from else ""))
+        if classes_from and classes_from is given and given[1]["dataset"] != name:
+            print(printable(f"  warning: --classes-from {given[0]} is data set {given[1]['dataset']!r}, not {name!r}: "
+                            f"its classes were used; check that it is this data set's training manifest"))
+        twice = index.repeated(m)
+        if twice:
+            print(printable(f"  warning: {len(twice)} shard(s) hold the same bytes (sha256) as another, e.g. "
+                            f"{twice[0][1]} = {twice[0][0]}: each epoch would read them twice; leave the copies "
+                            f"out of {spec}"))
         if m.get("label_names") and len(m["classes"]) * 2 > m["total"] >= 20:
             print(f"  warning: {len(m['classes'])} class names for {m['total']} samples: is "
                   f"{decode.describe_label(m['label'])} a caption rather than a class? Choose the label with "

@@ -28,12 +28,12 @@ import numpy as np
 
 from pipeline.data import bounds, remote
 from pipeline.data.decode import (CONTENT_ERRORS, IMAGE_EXTS, LABEL_EXTS, Unlabelled, as_integer, as_name,
-                                  default_label, image_format, label_hint, label_member, open_image, parse_label_key,
-                                  pil_reason, pixels_of, raw_label)
+                                  default_label, describe_label, image_format, label_hint, label_member, open_image,
+                                  parse_label_key, pil_reason, pixels_of, raw_label)
 from pipeline.errors import ShardError
 from pipeline.files import MAX_JSON, open_regular, write_json_atomic
-from pipeline.data.manifest import (FORMAT, NAME_RE, MAX_SIDE, check, expand_pattern, manifest_name, pipe_shard_name,
-                                    plain_relative)
+from pipeline.data.manifest import (FORMAT, NAME_RE, MAX_CLASSES, MAX_SIDE, check, expand_pattern, manifest_name,
+                                    pipe_shard_name, plain_relative)
 from pipeline.data.read import is_meta, iter_samples
 from pipeline.writers.shards import writing
 
@@ -269,6 +269,19 @@ def _index(name, split, spec, out, urls, names, label, image_key, shape, classes
     return manifest
 
 
+def repeated(manifest):
+    """[(first name, later name)] for shards whose bytes (sha256) another shard already holds:
+    a copy under a second name would be read twice an epoch."""
+    seen, twice = {}, []
+    for s in manifest["shards"]:
+        digest = s.get("sha256")
+        if digest in seen:
+            twice.append((seen[digest], s["name"]))
+        elif digest:
+            seen[digest] = s["name"]
+    return twice
+
+
 def shard_locations(urls, out, base_url=None):
     """How the manifest in `out` names each shard (see shard_location); with base_url, local
     shards are named by their path under their common folder, appended to base_url."""
@@ -391,6 +404,11 @@ def summarise(name, split, spec, found, names, label, shape, classes_file, class
     if not (len(shape) == 3 and shape[0] in (1, 3) and all(1 <= x <= MAX_SIDE for x in shape[1:])):
         raise ShardError(f"--shape {shape}: C,H,W expected with C 1 or 3 and sides 1..{MAX_SIDE}")
     classes, label_values, label_names = resolve_classes(found, classes_file, classes_from)
+    if len(classes) > MAX_CLASSES:  # else check() would call the list malformed
+        raise ShardError(f"{spec}: {len(classes)} distinct labels ({describe_label(label)}), more than the "
+                         f"{MAX_CLASSES} classes a manifest may hold: the model has an output per class and every "
+                         f"worker keeps the class list; if the label is an ID or a caption, not a class, choose "
+                         f"another with --label-key")
     if shape[0] == 3:
         n, s, sq = rgb[0], rgb[1:4], rgb[4:7]
     else:
