@@ -1,38 +1,26 @@
 """pipeline.data.stages: shard lists split like webdataset splits them, the windows a
-slot reads from its count, per-window shuffles, RandomMix."""
+pair's run reads from its position, per-window shuffles, the chain's nested state."""
 import pytest
 import webdataset as wds
 
 from pipeline.data import stages
-from pipeline.data.partition import Partition
-from pipeline.data.stages import RandomMix, SlotPlan, Window
+from pipeline.data.order import SourceOrder
+from pipeline.data.stages import RunPlan, Window
 from pipeline.data.topology import Topology, Worker
 
 
-def plan_of(counts, slots, slot, start=0, *, seed=0, epoch=0, source=0, width=2, **kw):
-    part = Partition(counts, slots, seed=seed, source=source)
-    urls = [f"s{i}" for i in range(len(counts))]
-    return SlotPlan(part, urls, epoch, [slot], {slot: start}, width=width, **kw)
+def plan_of(counts, run, at=0, *, window=20, **kw):
+    o = SourceOrder(counts, seed=0, epoch=0, source=0, window_samples=window, window_bytes=1 << 30, **kw)
+    return RunPlan(o, [f"s{i}" for i in range(len(counts))], run, at)
 
 
-def windows(plan, n):
-    return [plan.next() for _ in range(n)]
-
-
-def test_every_slots_first_pass_is_a_partition_seeded_by_seed_epoch_source():
-    """The slots' first passes together read every shard once; the deal is the same each
-    time it is made and changes with the epoch, the seed and the source."""
-    def first_pass(**kw):
-        out = []
-        for slot in range(3):
-            plan = plan_of([10] * 12, 3, slot, **kw)
-            out.append([r for w in windows(plan, 2) for r in w.rows])  # 4 shards a slot, windows of 2
-        return out
-
-    base = first_pass()
-    assert sorted(u for part in base for u, _, _ in part) == sorted(f"s{i}" for i in range(12))
-    assert first_pass() == base
-    assert first_pass(epoch=1) != base and first_pass(seed=1) != base and first_pass(source=1) != base
+def places(plan, n):
+    """(window rows, key, place) of the run's next n positions, window by window."""
+    out = []
+    while len(out) < n:
+        w = plan.next()
+        out += [(w.rows, w.key, k) for k in range(w.skip, w.size)]
+    return out[:n]
 
 
 @pytest.mark.parametrize("world, workers", [(1, 1), (2, 1), (2, 3), (3, 2), (4, 4)])
@@ -51,76 +39,40 @@ def test_the_split_is_webdatasets_and_a_partition(world, workers, monkeypatch):
     assert sorted(u for p in parts for u in p) == urls
 
 
-def test_windows_repeat_a_slots_own_shards_in_a_new_order():
-    plan = plan_of([10] * 6, 2, 1)  # 3 shards in the slot: windows of 2, then 1
-    first = windows(plan, 2)
-    assert [len(w.rows) for w in first] == [2, 1] and [w.start for w in first] == [0, 20]
-    nxt = windows(plan, 2)
-    assert [w.start for w in nxt] == [30, 50]  # the second pass
-    assert sorted(r for w in first for r in w.rows) == sorted(r for w in nxt for r in w.rows)
-    assert [r for w in first for r in w.rows] != [r for w in nxt for r in w.rows]
-    assert len({w.key for w in first + nxt}) == 4  # every window shuffles with its own seed
+def test_a_run_reads_its_positions_window_by_window_across_spans():
+    counts = [7, 9, 11, 5, 8]
+    whole = places(plan_of(counts, [(0, 40)]), 40)
+    split = places(plan_of(counts, [(3, 10), (25, 5)]), 15)
+    assert split == whole[3:13] + whole[25:30]
+    assert len(set(whole)) == 40
 
 
-def test_a_plan_made_from_a_count_goes_on_where_the_old_one_stood():
-    """The slot's count is its whole state: a plan started from it opens the window that
-    holds that position, with the positions before it skipped."""
-    plan = plan_of([7, 9, 11, 5, 8], 1, 0)
-    walk = windows(plan, 5)
-    for w in walk:
-        for pos in (0, 3):
-            count = w.start + pos
-            again = plan_of([7, 9, 11, 5, 8], 1, 0, count).next()
-            assert (again.rows, again.key, again.start, again.size, again.skip) == (w.rows, w.key, w.start, w.size,
-                                                                                     pos)
-    half = plan_of([7, 9, 11, 5, 8], 1, 0)
+def test_a_plan_made_from_a_position_goes_on_where_the_old_one_stood():
+    """The position is the run's whole state: a plan started from it opens the window that
+    holds that position, with the places before it skipped."""
+    counts = [7, 9, 11, 5, 8]
+    run = [(5, 12), (30, 40)]
+    whole = places(plan_of(counts, run), 52)
+    for at in (0, 1, 11, 12, 13, 30, 51):
+        assert places(plan_of(counts, run, at), 52 - at) == whole[at:]
+    half = plan_of(counts, run)
     w = half.next()
-    assert half.state(4) == {0: w.start + 4} and half.state(10 ** 6) == {0: w.start + w.size}
+    assert half.state(3) == 3 and half.state(10 ** 6) == w.size - w.skip
 
 
-def test_resampled_windows_draw_a_slots_own_pieces_with_replacement():
-    plan = plan_of([10] * 8, 2, 0, resample=True, width=3)
-    drawn = windows(plan, 30)
-    mine = {r for w in windows(plan_of([10] * 8, 2, 0), 2) for r in w.rows}
-    assert {r for w in drawn for r in w.rows} == mine  # its own 4 shards, and each of them
-    assert any(len(set(w.rows)) < 3 for w in drawn)  # with replacement: a window may hold one twice
-    assert all(b.start == a.start + a.size for a, b in zip(drawn, drawn[1:]))
-    again = plan_of([10] * 8, 2, 0, drawn[7].start + 2, resample=True, width=3).next()
-    assert (again.rows, again.key, again.skip) == (drawn[7].rows, drawn[7].key, 2)
+def test_a_run_past_its_end_reads_itself_again():
+    """Only after damage: a pair that still owes samples re-reads its own run, not another's."""
+    plan = plan_of([10, 10], [(4, 6)])
+    first = places(plan, 6)
+    assert places(plan, 6) == first
 
 
-def test_a_slot_of_several_pieces_of_one_shard_reads_each_range():
-    plan = plan_of([12], 3, 2, width=1)  # one shard cut in 3 pieces (the most parts it allows here)
-    (url, lo, hi), = plan.next().rows
-    assert url == "s0" and hi - lo == 4
-
-
-def test_random_mix_has_webdatasets_signature_and_a_seed():
-    a, b = [("a", i) for i in range(1000)], [("b", i) for i in range(50)]
-    mixed = list(RandomMix([a, b], [0.5, 0.5], seed=3))  # longest=False: stops at the first source to end
-    assert sum(s == "b" for s, _ in mixed) == 50 and len(mixed) < 200
-    longest = list(RandomMix([a, b], [0.5, 0.5], longest=True, seed=3))
-    assert sorted(longest) == sorted(a + b)
-    assert list(RandomMix([a, b], seed=3)) == list(RandomMix([a, b], seed=3))  # probs=None: equal
-    assert list(RandomMix([a, b], seed=3)) != list(RandomMix([a, b], seed=4))
-    draws = RandomMix([a, b], [0.7, 0.3], seed=[0, 1, 2, 3]).draw(100_000)
-    assert abs((draws == 0).mean() - 0.7) < 0.01
-    at = RandomMix([a, b], [0.7, 0.3], seed=[0, 1, 2, 3]).draw(64, at=9)  # batch 9's draws, from its position alone
-    assert (at == RandomMix([a, b], [0.7, 0.3], seed=[0, 1, 2, 3]).draw(64, at=9)).all()
-    assert (at != RandomMix([a, b], [0.7, 0.3], seed=[0, 1, 2, 3]).draw(64, at=10)).any()
-    for bad in ([1.0], [-1.0, 2.0], [0.0, 0.0], [float("nan"), 1.0]):
-        with pytest.raises(ValueError):
-            RandomMix([a, b], bad)
-
-
-def test_random_mix_state_restores_the_draws():
-    mix = RandomMix([[], []], seed=7)
-    mix.draw(37)
-    state = mix.state()
-    after = mix.draw(50)
-    again = RandomMix([[], []], seed=0)
-    again.restore(state)
-    assert (again.draw(50) == after).all()
+def test_windows_of_a_resampled_source_hold_shards_drawn_with_replacement():
+    plan = plan_of([10] * 8, [(0, 2000)], window=30, resample=True)
+    rows = [places(plan, 1)[0][0]]
+    for _ in range(60):
+        rows.append(plan.next().rows)
+    assert any(len(set(r)) < len(r) for r in rows)
 
 
 @pytest.mark.parametrize("encoding", ["raw", "png"])
@@ -165,38 +117,35 @@ def _keep_all(sample):
 
 def test_a_sources_chain_is_stages_with_state_nested_by_name(tmp_path):
     """The chain is named stages (each a Node: next, state, reset); its state nests theirs,
-    only the slots' holds a position, and a chain rebuilt from that goes on identically."""
+    only the positions' holds one, and a chain rebuilt from that goes on identically."""
+    import json
+
     from helpers import build_shards
+    from pipeline.data import deal
     from pipeline.data.manifest import resolve
     from pipeline.data.node import Node
 
     build_shards(tmp_path, "toy", "train", 60, maxcount=10)
     src = resolve("toy", str(tmp_path), "train")
-    part = Partition(src.counts, 2, seed=0, source=0)
+    o = SourceOrder(src.counts, seed=0, epoch=0, source=0, window_samples=20, window_bytes=1 << 30)
 
-    def chain(counts=None):
-        plan = SlotPlan(part, src.urls, 0, [1], counts or {}, width=2)
+    def chain(at=0):
+        plan = RunPlan(o, src.urls, [(10, 40)], at)
         return stages.SourceStream(plan, stages.Reader(src), sample_stages=[_keep_all])
 
     first = chain()
     head = first.take(7)[0]
-    state = first.state()
-    assert [name for name, _ in first.stages] == ["slots", "read", "shuffle", "decode",
+    state = json.loads(json.dumps(first.state()))
+    assert [name for name, _ in first.stages] == ["positions", "read", "shuffle", "decode",
                                                   f"stage:{__name__}:_keep_all"]
     assert all(isinstance(node, Node) for _, node in first.stages) and isinstance(first, Node)
-    assert state["slots"] == {1: 7} and all(state[k] == {} for k in state if k != "slots")
+    assert state["positions"] == 7 and all(state[k] == {} for k in state if k != "positions")
     rest = first.take(20)[0]
-    first.reset(json_roundtrip(state))  # reset goes back there in place
+    first.reset(state)  # reset goes back there in place
     assert first.take(20)[0] == rest
-    again = chain(json_roundtrip(state)["slots"])
+    again = chain(state["positions"])
     assert again.take(20)[0] == rest and head + rest == chain().take(27)[0]
-    mix = stages.Mix([chain(), chain()], [1, 1], [0, 1], 4)
-    mix.next()
+    mix = stages.Mix([chain(), chain()], deal.Choices([4, 4], (0, 1)), 4)
+    choice, parts = mix.next()
     assert mix.state()["at"] == 1 and len(mix.state()["sources"]) == 2
-
-
-def json_roundtrip(state):
-    import json
-
-    return {k: ({int(s): c for s, c in v.items()} if k == "slots" else v)
-            for k, v in json.loads(json.dumps({k: {str(s): c for s, c in v.items()} for k, v in state.items()})).items()}
+    assert sum(len(p[0]) for p in parts if p is not None) == 4 and len(choice) == 4

@@ -123,11 +123,13 @@ class MixedStream(torch.utils.data.IterableDataset):
     def current(self):
         """The segment of the current epoch this stream runs: the epoch's first, or a resumed one."""
         seg = self.segment
-        if seg is None or seg.epoch != self.epoch:
+        if seg is not None and seg.epoch != self.epoch:  # a new epoch starts from its beginning
+            seg, self.start, self.consumed, self._pending = None, Start(), {}, None
+        if seg is None:
             seg = deal.first(self.epoch, self.targets(), world=self.topo.world, workers=self.workers,
                              batch_size=self.batch_size, batches=self.batches_per_epoch, seed=self.seed,
                              passes=self._passes())
-            self.segment, self.start, self.consumed = seg, Start(), {}
+            self.segment = seg
             self._targets = [int(t) for t in self.targets()]
         return seg
 
@@ -144,8 +146,6 @@ class MixedStream(torch.utils.data.IterableDataset):
         self.epoch = epoch
         if weights is not None:
             self.probs = check_weights(weights, self.layout.names)
-        if self.segment is not None and self.segment.epoch != epoch:
-            self._pending = None
         if self._shared is not None:
             self._shared[0].value = epoch
             self._shared[1][:] = self.probs
@@ -316,22 +316,23 @@ class MixedStream(torch.utils.data.IterableDataset):
         if seg.batches * seg.world * seg.batch_size > int(seg.left().sum()):
             raise ValueError(f"stream state segment: {seg.batches} batches of {seg.world} x {seg.batch_size} "
                              f"samples, more than its spans hold ({int(seg.left().sum())})")
-        seen = set()
+        seen, done = set(), {}
         for r in ranks:
             rank = _int(r.get("rank"), "rank", 0, seg.world - 1)
             if rank in seen:
                 raise ValueError(f"stream state: rank {rank} appears twice")
             seen.add(rank)
-            self._check_rank(seg, r)
-        done = {sum(r["done"].values()) for r in ranks}
-        if len(done) != 1:
+            done[rank] = self._check_done(seg, r)
+        if len({sum(d) for d in done.values()}) != 1:
             raise ValueError(f"the ranks' stream states disagree on how many batches were consumed "
-                             f"({sorted(done)})")
+                             f"({sorted({sum(d) for d in done.values()})})")
+        for r in ranks:
+            self._check_positions(seg, r, done[r["rank"]])
         return seg
 
-    def _check_rank(self, seg, r):
-        """One rank's workers: batches within their share, made in turn, positions no fewer
-        than the samples they took and no more than their runs hold on top."""
+    @staticmethod
+    def _check_done(seg, r):
+        """One rank's batches per worker: one entry each, within its share, made in turn."""
         keys = [str(w) for w in range(seg.workers)]
         for part in ("done", "positions"):
             if not isinstance(r.get(part), dict) or sorted(r[part]) != sorted(keys):
@@ -339,6 +340,12 @@ class MixedStream(torch.utils.data.IterableDataset):
         done = [_int(r["done"][k], f"rank {r['rank']} done[{k}]", 0, seg.worker_batches(int(k))) for k in keys]
         if max(done) - min(done) > 1:
             raise ValueError(f"stream state rank {r['rank']} done {done}: workers make batches in turn")
+        return done
+
+    def _check_positions(self, seg, r, done):
+        """One rank's positions: no fewer than the samples its workers took, no more than
+        their runs hold on top (positions passed over: damage, samples a stage dropped)."""
+        keys = [str(w) for w in range(seg.workers)]
         quotas = seg.quotas()
         for k, d in zip(keys, done):
             pair = r["rank"] + int(k) * seg.world
