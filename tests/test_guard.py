@@ -10,7 +10,9 @@ import time
 import pytest
 import torch
 
-from helpers import build_shards, finish, launch_trainer, launchers, steps_logged, train_in_process
+from helpers import build_shards, completed, finish, launch_train, launch_trainer, launchers, steps_logged, \
+    train_in_process
+from pipeline.files import locked
 from pipeline.data.stream import resolve
 from pipeline.train import dist, guard
 
@@ -71,6 +73,20 @@ def test_a_second_trainer_on_a_live_runs_out_is_one_line_and_touches_nothing(sha
     p = train_in_process(["--train", f"mnist={shards}/", "--epochs", "1", *SMALL, "--out", out, "--overwrite"])
     assert p.returncode == 0, p.stderr[-2000:]
     assert guard.LOCK not in os.listdir(out)
+
+
+def test_under_torchrun_every_rank_ends_on_the_lock_in_one_line(shards, tmp_path):
+    """Rank 0 alone takes the lock; the others learn its verdict and end with the same line,
+    rather than die in a collective waiting for rank 0 (a gloo 'Connection closed' traceback)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    with locked(str(out / guard.LOCK)):  # held by this process, as a live trainer would
+        p = completed(launch_train(["--train", f"mnist={shards}/", "--epochs", "1", *SMALL, "--out", out]), 120)
+    lines = [ln for ln in p.stderr.splitlines() if "pipeline.train: error:" in ln]
+    assert p.returncode != 0 and len(lines) == 2, p.stderr[-3000:]
+    assert all(f"pid {os.getpid()}" in ln and "nothing touched" in ln for ln in lines), lines
+    assert "Connection closed" not in p.stderr and "[rank1]: Traceback" not in p.stderr, p.stderr[-3000:]
+    assert os.listdir(out) == []
 
 
 def test_a_lock_left_by_a_killed_trainer_is_no_obstacle(shards, tmp_path):

@@ -35,23 +35,30 @@ def check_memory(args, stream, eval_sources=0):
 def out_lock(out, topo):
     """Rank 0 holds --out/LOCK for the job's life (one lock per job: the other ranks write
     nothing before prepare_out's barrier, which rank 0 reaches holding it). A lock held by
-    another trainer is InputError naming its pid, before anything in --out is touched. The
-    kernel releases the lock with the process, however it ends; a folder made here only to
-    hold it is removed again if the job leaves it empty."""
-    if not topo.is_main:
-        yield
-        return
-    made = not os.path.isdir(out)
-    os.makedirs(out, exist_ok=True)
+    another trainer is InputError naming its pid on every rank (they learn rank 0's verdict
+    in one all_gather, so none is left waiting for it in a collective), before anything in
+    --out is touched. The kernel releases the lock with the process, however it ends; a
+    folder made here only to hold it is removed again if the job leaves it empty."""
+    from pipeline.train import dist
+
     with contextlib.ExitStack() as stack:
-        if made:
-            stack.callback(_remove_if_empty, out)
-        try:
-            stack.enter_context(locked(os.path.join(out, LOCK), wait=False))
-        except Busy as e:
-            pid = re.search(r"\(pid ([^)]*)\)", e.strerror or "")
-            raise InputError(f"--out {out}: another trainer is running there (pid {pid[1] if pid else 'unknown'}); "
-                             f"nothing touched: wait for it to end, stop it, or choose another --out") from None
+        problem = None
+        if topo.is_main:
+            try:
+                if not os.path.isdir(out):
+                    with contextlib.suppress(FileExistsError):  # another job may make it at the same moment
+                        os.makedirs(out)
+                        stack.callback(_remove_if_empty, out)
+                stack.enter_context(locked(os.path.join(out, LOCK), wait=False))
+            except Busy as e:
+                pid = re.search(r"\(pid ([^)]*)\)", e.strerror or "")
+                problem = (f"--out {out}: another trainer is running there (pid {pid[1] if pid else 'unknown'}); "
+                           f"nothing touched: wait for it to end, stop it, or choose another --out")
+            except OSError as e:  # not writable, not a folder: every rank ends with it
+                problem = f"--out {out}: {e.strerror or e}"
+        problem = dist.all_gather(problem)[0]
+        if problem:
+            raise InputError(problem)
         yield
 
 
