@@ -87,12 +87,23 @@ BAD_IO = [
     (["--timeout", "9" * 30], "--timeout"), (["--timeout", "99999999999"], "--timeout"), (["--timeout", "0"], "--timeout"),
     (["--cache-size", "10G"], "--cache-dir"), (["--cache-dir", "c", "--cache-size", "0"], "--cache-size"),
     (["--cache-dir", "c", "--cache-size", "lots"], "--cache-size"), (["--workers", "100000"], "--workers"),
-    (["--slots", "0"], "--slots"), (["--slots", str(1 << 23)], "--slots"), (["--on-error", "ignore"], "--on-error"),
+    (["--shuffle-window", "0"], "--shuffle-window"), (["--shuffle-window", "9" * 40], "--shuffle-window"),
+    (["--shuffle-window", "1e400"], "--shuffle-window"), (["--shuffle-window", "-5"], "--shuffle-window"),
+    (["--shuffle-window", "lots"], "--shuffle-window"), (["--on-error", "ignore"], "--on-error"),
     (["--strict", "--on-error", "skip"], "--strict"),
 ])
 def test_the_trainer_refuses_overflowing_io_flags_in_one_line(capsys, bad, needle):
     err = parse_error(options.parse, ["--train", "a=x/", *bad], capsys)
     assert err.startswith("pipeline.train: error:") and needle in err, err
+
+
+@pytest.mark.parametrize("k", ["0", "7", str(1 << 23)])
+def test_slots_is_ignored_with_one_line(capsys, k):
+    """--slots went with the canonical slots: any value is taken, said to be ignored in one line."""
+    options.parse(["--train", "a=x/", "--slots", k])
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pipeline.train: --slots is no longer used"), lines
+    assert lines[0].endswith("ignored") and "error" not in lines[0], lines
 
 
 @pytest.mark.parametrize("bad, needle", BAD_IO + [(["--workers", "100000"], "--workers")])

@@ -137,15 +137,19 @@ TAMPERED = {  # name: (which checkpoint, change to its state, the field the line
                              "history.epochs[0].batches.rank0"),
     "history wait NaN": ("end", edit_json("history", setitem(["wait"], float("inf"))), "history.wait"),
     "history one epoch short": ("end", edit_json("history", setitem(["epochs"], [])), "position.epoch"),
-    "stream for two ranks": ("mid", edit_json("stream", lambda s: s * 2), "stream"),
-    "stream not an object": ("mid", edit_json("stream", lambda s: [5]), "stream[0]"),
-    "stream generation negative": ("mid", edit_json("stream", setitem([0, "generation"], -1)),
-                                   "stream[0].generation"),
-    "stream of another epoch": ("mid", edit_json("stream", setitem([0, "epoch"], 1)), "stream[0].epoch"),
-    "stream of another world": ("mid", edit_json("stream", setitem([0, "world"], 2)), "stream[0].world"),
-    "stream of another rank": ("mid", edit_json("stream", setitem([0, "rank"], 1)), "stream[0].rank"),
-    "augment state short": ("mid", edit_json("augment", lambda g: [g[0][:100]]), "augment[0]"),
-    "augment byte 256": ("mid", edit_json("augment", setitem([0, 7], 256)), "augment[0][7]"),
+    "stream ranks for two ranks in a one-rank checkpoint": (
+        "mid", edit_json("stream", lambda s: dict(s, ranks=s["ranks"] * 2)), "stream.ranks"),
+    "stream ranks empty": ("mid", edit_json("stream", setitem(["ranks"], [])), "stream.ranks"),
+    "stream ranks not a list": ("mid", edit_json("stream", lambda s: dict(s, ranks=s["ranks"][0])), "stream.ranks"),
+    "stream ranks missing": ("mid", edit_json("stream", lambda s: {k: v for k, v in s.items() if k != "ranks"}),
+                             "stream.ranks"),
+    "stream not an object": ("mid", edit_json("stream", lambda s: [5]), "stream"),
+    "stream a list of per-rank states": ("mid", edit_json("stream", lambda s: [s]), "stream"),
+    "stream not JSON": ("mid", lambda s: s.update(stream="{ranks"), "stream"),
+    "stream of another epoch": ("mid", edit_json("stream", setitem(["epoch"], 1)), "stream.epoch"),
+    "stream epoch as text": ("mid", edit_json("stream", setitem(["epoch"], "0")), "stream.epoch"),
+    "stream epoch missing": ("mid", edit_json("stream", lambda s: {k: v for k, v in s.items() if k != "epoch"}),
+                             "stream.epoch"),
     "facts batches negative": ("mid", edit_json("facts", setitem([0, "batches"], -1)), "facts[0].batches"),
     "facts batches past the epoch": ("mid", edit_json("facts", setitem([0, "batches"], 11)), "facts[0].batches"),
     "facts samples for 3 sources": ("mid", edit_json("facts", setitem([0, "samples"], [1, 2, 3])),
@@ -270,7 +274,8 @@ def test_the_optimisers_settings_come_from_the_command_line_not_the_checkpoint(r
     assert torch.equal(opt.state[group["params"][0]]["momentum_buffer"], saved)
 
 
-@pytest.mark.parametrize("case", ["seen negative", "stream generation negative", "facts samples for 3 sources"])
+@pytest.mark.parametrize("case", ["seen negative", "stream of another epoch",
+                                  "stream ranks for two ranks in a one-rank checkpoint", "facts samples for 3 sources"])
 def test_a_tampered_checkpoint_is_one_line_from_the_trainer(data, runs, tmp_path, capsys, case):
     which, change, field = TAMPERED[case]
     out = copy_run(runs[which], tmp_path / "run", change)
@@ -305,28 +310,134 @@ def test_a_checkpoint_stopped_inside_an_epoch_past_epochs_is_one_line(data, runs
 
 
 def test_a_stream_state_the_stream_refuses_is_one_line_from_the_trainer(data, runs, tmp_path, capsys):
-    """MixedStream checks the rest of a rank's stream state; what it refuses (a field
+    """MixedStream checks the rest of the stream's state; what it refuses (a field
     missing: a KeyError before) comes out of the trainer as one line."""
-    out = copy_run(runs["mid"], tmp_path / "run", edit_json("stream", lambda s: [s[0].pop("sources"), s][1]))
+    out = copy_run(runs["mid"], tmp_path / "run", edit_json("stream", lambda s: [s.pop("sources"), s][1]))
     one_line(small(data, out, "--resume"), capsys, "stream state: field sources missing")
 
 
-def test_the_slots_of_a_checkpoint_stopped_inside_an_epoch_are_its_streams(data, runs, tmp_path, capsys):
-    out = copy_run(runs["mid"], tmp_path / "run", lambda s: s.update(slots=json.dumps([5, 5])))
-    one_line(small(data, out, "--resume"), capsys, "checkpoint field slots: [5, 5]", "stream ran on [10, 10]")
+def fresh(rank):
+    """A rank's stream entry that has read nothing of its segment (one worker)."""
+    return {"rank": rank, "done": {"0": 0}, "positions": {"0": [0, 0]}}
 
 
-def test_slots_change_only_at_an_epoch_boundary(data, runs, tmp_path, capsys):
-    """--slots other than the checkpoint's: refused inside an epoch, taken at its end (and
-    recorded); without --slots the run keeps the K it was first dealt."""
-    slots = json.loads(torch.load(runs["mid"] / "checkpoint.pt", weights_only=True)["slots"])
-    assert slots == [10, 10]  # 10 shards a source, one rank of one worker: a slot a shard
-    out = copy_run(runs["mid"], tmp_path / "mid")
-    one_line(small(data, out, "--resume", "--slots", "7"), capsys, "slots change only at an epoch boundary")
-    for extra, want in (([], slots), (["--slots", "7"], [7, 7])):
-        out = copy_run(runs["end"], tmp_path / f"end{len(extra)}")
-        assert run_main(small(data, out, "--resume", *extra), capsys)[0] == 0
-        assert json.loads(torch.load(out / "checkpoint.pt", weights_only=True)["slots"]) == want
+def taken_by(segment, pair, batches):
+    """Positions of each source `pair` of a checkpoint's segment took in its first batches
+    (seed 0; a pass of either source is its 200 samples)."""
+    from pipeline.data import deal
+
+    seg = deal.Segment(0, segment["generation"], segment["world"], segment["workers"], segment["batch_size"],
+                       segment["batches"], tuple(tuple(map(tuple, x)) for x in segment["spans"]), 0, (200, 200))
+    return [int(n) for n in seg.choices(pair).taken(batches * segment["batch_size"])]
+
+
+def at(segment, rank, done):
+    """A rank's stream entry (one worker) that made `done` batches and passed over nothing."""
+    return {"rank": rank, "done": {"0": done}, "positions": {"0": taken_by(segment, rank, done)}}
+
+
+def two_ranks(entries=None):
+    """The mid checkpoint as two ranks of one worker would have written it after their
+    second step (a metrics line just written), its stream's ranks `entries(segment)` if given."""
+    def change(state):
+        stream = json.loads(state["stream"])
+        seg = stream["segment"]
+        seg.update(world=2, batches=seg["batches"] // 2)
+        ranks = [at(seg, 0, 2), at(seg, 1, 2)]
+        stream["ranks"] = entries(seg) if entries else ranks
+        facts = json.loads(state["facts"])[0]
+        state.update(world=2, stream=json.dumps(stream), key_counts=json.dumps([0, 0]), nonfinite=json.dumps(0),
+                     position=json.dumps({"epoch": 0, "mid": True, "step": 2, "seen": 2 * 2 * 16}),
+                     facts=json.dumps([dict(facts, batches=2, samples=r["positions"]["0"]) for r in ranks]),
+                     log_sums=json.dumps([0.0] * 5))
+    return change
+
+
+def _rank(change):
+    return edit_json("stream", lambda s: [change(s["ranks"][0]), s][1])
+
+
+STREAM = {  # name: (change to the mid checkpoint's state, what its one line must say)
+    "segment generation negative": (edit_json("stream", setitem(["segment", "generation"], -1)),
+                                    "stream state segment generation: -1"),
+    "segment generation as text": (edit_json("stream", setitem(["segment", "generation"], "0")),
+                                   "stream state segment generation"),
+    "segment workers zero": (edit_json("stream", setitem(["segment", "workers"], 0)), "segment workers: 0"),
+    "segment batch size huge": (edit_json("stream", setitem(["segment", "batch_size"], 10 ** 30)),
+                                "segment batch_size"),
+    "segment not an object": (edit_json("stream", setitem(["segment"], [1, 16])), "segment: a mapping expected"),
+    "segment of more batches than its spans hold": (edit_json("stream", setitem(["segment", "batches"], 11)),
+                                                    "more than its spans hold"),
+    "segment of another world": (edit_json("stream", setitem(["segment", "world"], 2)), "more than its spans hold"),
+    "segment of two ranks in a one-rank checkpoint": (
+        edit_json("stream", lambda s: [s["segment"].update(world=2, batches=5), dict(s, ranks=[fresh(0)])][1]),
+        "needs every rank's stream state; have ranks [0]"),
+    "spans overlapping": (edit_json("stream", setitem(["segment", "spans", 0], [[0, 50], [40, 40]])),
+                          "spans of source 0: [40, 40] overlaps"),
+    "spans out of order": (edit_json("stream", setitem(["segment", "spans", 0], [[40, 40], [0, 40]])),
+                           "spans of source 0: [0, 40] overlaps"),
+    "spans past the epoch's targets": (edit_json("stream", setitem(["segment", "spans", 1], [[0, 81]])),
+                                       "lies past the epoch's 80 positions"),
+    "spans of length zero": (edit_json("stream", setitem(["segment", "spans", 1], [[0, 80], [80, 0]])),
+                             "spans of source 1"),
+    "spans for one source": (edit_json("stream", lambda s: [s["segment"]["spans"].pop(), s][1]),
+                             "segment spans: one list per source (2)"),
+    "targets of another mixture": (edit_json("stream", setitem(["targets"], [100, 60])),
+                                   "changed inside an epoch"),
+    "sources of another run": (edit_json("stream", setitem(["sources"], ["cifar10", "mnist"])), "for sources"),
+    "seed of another run": (edit_json("stream", setitem(["seed"], 1)), "with seed 1"),
+    "version 2": (edit_json("stream", setitem(["version"], 2)), "stream state version 2, expected 3"),
+    "stream of another rank": (_rank(lambda r: r.update(rank=1)), "stream state rank: 1"),
+    "rank as text": (_rank(lambda r: r.update(rank="0")), "stream state rank: '0'"),
+    "done beyond a worker's share": (_rank(lambda r: r.update(done={"0": 11})), "rank 0 done[0]: 11"),
+    "done negative": (_rank(lambda r: r.update(done={"0": -1})), "rank 0 done[0]: -1"),
+    "done of another worker": (_rank(lambda r: r.update(done={"1": 5})), "rank 0 done: one entry per worker"),
+    "positions beyond a worker's run": (_rank(lambda r: r["positions"]["0"].__setitem__(1, 10 ** 6)),
+                                        "worker 0 source 1: 1000000 positions read"),
+    "positions before what its batches took": (_rank(lambda r: r["positions"].update({"0": [0, 0]})),
+                                               "worker 0 source 0: 0 positions read"),
+    "positions for three sources": (_rank(lambda r: r["positions"]["0"].append(0)), "rank 0 positions[0]"),
+    "positions missing": (_rank(lambda r: r.pop("positions")), "rank 0 positions: one entry per worker"),
+    "a rank twice": (two_ranks(lambda seg: [at(seg, 0, 2), at(seg, 0, 2)]), "rank 0 appears twice"),
+    "ranks disagreeing on the batches consumed": (two_ranks(lambda seg: [at(seg, 0, 2), at(seg, 1, 1)]),
+                                                  "disagree on how many batches were consumed"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STREAM))
+def test_every_number_of_a_stream_state_is_one_line_from_the_trainer(data, runs, tmp_path, capsys, case):
+    """The stream's state in a checkpoint stopped inside an epoch: what trainer_state leaves
+    to MixedStream.load_state_dict is refused there, one line and exit code 2, no traceback,
+    nothing written."""
+    change, needle = STREAM[case]
+    out = copy_run(runs["mid"], tmp_path / "run", change)
+    before = (out / "metrics.jsonl").read_text()
+    one_line(small(data, out, "--resume"), capsys, needle)
+    assert (out / "metrics.jsonl").read_text() == before
+
+
+def test_a_two_rank_stream_state_of_the_same_checkpoint_resumes_on_one_rank(data, runs, tmp_path, capsys):
+    """The control of the two-rank cases above: untampered, it resumes on one rank (a
+    re-deal of what the two left) and its epoch ends where the checkpoint's epoch would."""
+    out = copy_run(runs["mid"], tmp_path / "run", two_ranks())
+    checkpoint.trainer_state(torch.load(out / "checkpoint.pt", weights_only=True), "ckpt.pt", limits_for(None))
+    code, errors, err = run_main(small(data, out, "--resume", "--stop-after", "1"), capsys)
+    assert code == 0 and not errors and "Traceback" not in err, err[-2000:]
+    position = json.loads(torch.load(out / "checkpoint.pt", weights_only=True)["position"])
+    assert position == {"epoch": 1, "mid": False, "step": 2 + (160 - 64) // 16, "seen": 160}, position
+
+
+def test_slots_on_resume_is_ignored_with_one_line_and_the_run_resumes(data, runs, tmp_path, capsys):
+    """--slots went with the canonical slots: given on resume, inside an epoch or at its end,
+    it is said to be ignored in one line and the run goes on from the checkpoint."""
+    for which, step in (("mid", 5), ("end", 10)):
+        out = copy_run(runs[which], tmp_path / which)
+        code, errors, err = run_main(small(data, out, "--resume", "--slots", "7", "--stop-after-steps", "1"), capsys)
+        assert code == 0 and not errors and "Traceback" not in err, err[-2000:]
+        said = [ln for ln in err.splitlines() if "--slots" in ln]
+        assert len(said) == 1 and "no longer used" in said[0] and said[0].endswith("ignored"), said
+        state = torch.load(out / "checkpoint.pt", weights_only=True)
+        assert json.loads(state["position"])["step"] == step + 1 and "slots" not in state
 
 
 def test_eval_only_with_another_width_is_one_line(data, runs, tmp_path, capsys):
