@@ -21,13 +21,14 @@ state is small: the segment's spans and, per pair, the batches it made and the
 positions it passed over (damaged samples, samples a stage dropped); everything else
 is recomputed.
 """
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
 from pipeline.data import order
 
-BLOCK = 1 << 16  # a pair's source choices are drawn in blocks of this many samples
+BLOCK = 1 << 12  # a pair's source choices are drawn in blocks of this many samples (a resume draws one)
 
 
 @dataclass(frozen=True)
@@ -54,18 +55,15 @@ class Segment:
         """Batches one worker of each rank makes: a rank's batches dealt round-robin."""
         return self.batches // self.workers + (worker < self.batches % self.workers)
 
+    @functools.cached_property
+    def _quotas(self):
+        sizes = [self.worker_batches(i // self.world) * self.batch_size for i in range(self.pairs)]
+        rng = order.generator(order.QUOTA, self.seed, self.epoch, self.generation)
+        return order.split_exactly(rng, self.shares(), sizes)
+
     def quotas(self):
-        """(P x S) samples each pair takes of each source, rows in split order; cached."""
-        cached = _QUOTAS.get(self)
-        if cached is None:
-            wanted = self.shares()
-            sizes = [self.worker_batches(i // self.world) * self.batch_size for i in range(self.pairs)]
-            rng = order.generator(order.QUOTA, self.seed, self.epoch, self.generation)
-            cached = order.split_exactly(rng, wanted, sizes)
-            if len(_QUOTAS) > 8:
-                _QUOTAS.clear()
-            _QUOTAS[self] = cached
-        return cached
+        """(P x S) samples each pair takes of each source, rows in split order."""
+        return self._quotas
 
     def shares(self):
         """Samples of each source the segment reads: its spans split by what each holds,
@@ -111,9 +109,6 @@ class Segment:
         left = sum(n for s in spans for _, n in s)
         return Segment(self.epoch, generation, world, workers, batch_size, left // (world * batch_size),
                        tuple(spans), self.seed, self.passes)
-
-
-_QUOTAS = {}
 
 
 def first(epoch, targets, *, world, workers, batch_size, batches, seed, passes=()):
@@ -185,6 +180,8 @@ class Choices:
 
     def taken(self, n):
         """How many of the first n samples come from each source."""
+        if (self.quota > 0).sum() <= 1:  # one source: no order to draw
+            return np.where(self.quota > 0, min(n, int(self.quota.sum())), 0)
         b, at = divmod(n, BLOCK)
         out = self.blocks[:b].sum(axis=0)
         if at:

@@ -65,9 +65,13 @@ def split_exactly(rng, colours, sizes):
     the parts before it left: every part's mix is exact in total and random in detail."""
     left = np.asarray(colours, np.int64).copy()
     out = np.zeros((len(sizes), len(left)), np.int64)
+    present = np.flatnonzero(left)
+    if len(present) <= 1:  # one colour: nothing to draw
+        out[:, present] = np.asarray(sizes, np.int64)[:, None]
+        return out
     for i, n in enumerate(sizes):
         if n:
-            out[i] = rng.multivariate_hypergeometric(left, int(n)) if (left > 0).sum() > 1 else np.where(left > 0, n, 0)
+            out[i] = rng.multivariate_hypergeometric(left, int(n))
             left -= out[i]
     return out
 

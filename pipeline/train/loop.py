@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from pipeline.data import cache, remote, stream
-from pipeline.train import checkpoint, dist, options, prefetch, stop
+from pipeline.data import cache, order, remote, stream
+from pipeline.train import checkpoint, dist, guard, options, prefetch, stop
 from pipeline import cli
 from pipeline.errors import InputError
 from pipeline.files import write_json_atomic
@@ -104,11 +104,12 @@ class Run:
         self.sources = train_sources
         self.stream = stream.MixedStream(
             train_sources, options.weights_at(args, 0), args.batch_size, topo, seed=args.seed,
-            epoch_samples=args.epoch_samples, shuffle_buffer=args.shuffle_buffer, resample=args.resample,
+            epoch_samples=args.epoch_samples, shuffle_buffer=args.shuffle_buffer, window_bytes=args.shuffle_window,
+            resample=args.resample,
             strict=args.strict, on_error=args.on_error,
             cache_dir=args.cache_dir and cache.Cache(args.cache_dir, args.cache_size),
             policy=policy, normalize=False,
-            sample_stages=load_stages(args.sample_stage), slots=args.slots)
+            sample_stages=load_stages(args.sample_stage))
         self.stream.set_workers(max(1, args.workers))  # before a resume: it decides same world or not
         self.evals = [self.stream.eval_stream(src) for src in eval_sources]  # class and shape checks, before --out
         self.layout = self.stream.layout
@@ -128,7 +129,7 @@ class Run:
         self.epoch, self.step, self.seen, self.mid = 0, 0, 0, False
         self.nonfinite = 0  # steps skipped for a non-finite loss (--max-nonfinite), over the whole run
         self.history = {"epochs": []}
-        self.gen_state = self.carried = self.log_sums = None
+        self.carried = self.log_sums = None
         self.key_counts = []
         self.facts = self.new_facts()
         self.startup, self.t0 = startup, started
@@ -168,11 +169,12 @@ class Run:
 
     # ------------------------------------------------------------ checkpoints
 
-    def state(self, gen, log, keys):
+    def state(self, log, keys):
         """The checkpoint's content (a collective: every rank calls it, rank 0 keeps it)."""
         keys.flush()
         stream_states = dist.all_gather(self.stream.state_dict() if self.mid else None)
-        gens = dist.all_gather(gen.get_state().tolist() if self.mid else None)
+        if self.mid:  # one state: the segment once, every rank's place in it
+            stream_states = dict(stream_states[0], ranks=[r for s in stream_states for r in s["ranks"]])
         facts = dist.all_gather(self.facts if self.mid else None)
         counts = dist.all_gather(keys.count)
         sums = log.shared(self.topo.is_main)
@@ -180,13 +182,13 @@ class Run:
                 "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
                 "rng": torch.get_rng_state(), "world": self.topo.world,
                 "position": json.dumps({"epoch": self.epoch, "mid": self.mid, "step": self.step, "seen": self.seen}),
-                "nonfinite": json.dumps(self.nonfinite), "slots": json.dumps(self.stream.slots_fixed()),
-                "stream": json.dumps(stream_states), "augment": json.dumps(gens), "facts": json.dumps(facts),
+                "nonfinite": json.dumps(self.nonfinite),
+                "stream": json.dumps(stream_states), "facts": json.dumps(facts),
                 "carried": json.dumps(self.carried), "log_sums": json.dumps(sums), "key_counts": json.dumps(counts),
                 "history": json.dumps(self.history), "config": json.dumps(vars(self.args))}
 
-    def save(self, gen, log, keys):
-        state = self.state(gen, log, keys)
+    def save(self, log, keys):
+        state = self.state(log, keys)
         if self.topo.is_main:
             checkpoint.save(os.path.join(self.args.out, "checkpoint.pt"), state)
         dist.barrier()
@@ -211,9 +213,6 @@ class Run:
         limits = checkpoint.Limits(args.epochs, checkpoint.epoch_samples_of(saved, self.stream.epoch_samples),
                                    args.batch_size, len(self.names))
         got = checkpoint.trainer_state(state, path, limits)
-        slots = checkpoint.slots_of(state, path, len(self.names), got.get("stream"))
-        if slots is not None and args.slots is None:  # the run keeps the K it was first dealt
-            self.stream.keep_slots(slots)
         data = checkpoint.data_changes(saved, self.fingerprint)
         if checkpoint.legacy(saved) and self.topo.is_main:
             warnings.warn(f"{path}: written before checkpoints recorded their shard lists, so this resume cannot "
@@ -230,10 +229,10 @@ class Run:
         if self.mid:
             streams = got["stream"]
             self.stream.set_epoch(self.epoch, options.weights_at(args, self.epoch))
-            self.stream.load_state_dict({"ranks": streams})
-            facts, gens, carried = got["facts"], got["augment"], got["carried"]
-            if self.stream.segment.generation == streams[0]["generation"]:  # same world and workers
-                self.facts, self.gen_state, self.carried = facts[self.topo.rank], gens[self.topo.rank], carried
+            dealt = self.stream.load_state_dict(streams)
+            facts, carried = got["facts"], got["carried"]
+            if dealt["deal"] == "same":  # same world and workers
+                self.facts, self.carried = facts[self.topo.rank], carried
             else:  # another world size: what the old ranks did this epoch is carried into the summary
                 self.carried = _merge_facts(facts, carried)
             self.log_sums = got["log_sums"]
@@ -286,6 +285,8 @@ def prepare_out(args, topo):
         if not os.path.exists(ckpt):
             raise InputError(options.resume_error(args))
         return ckpt
+    if previous and either and not (args.overwrite or restarted):  # an earlier run's files, not this job's
+        raise InputError(guard.earlier_run(args.out, run_files(args.out, "--resume-or-start")))
     if previous and not (args.overwrite or restarted or either):
         raise InputError(f"{args.out} holds a previous run; pass --resume to continue it or --overwrite to replace it")
     why = ("--overwrite" if args.overwrite else "restarted without a checkpoint" if restarted else
@@ -313,7 +314,7 @@ def run_files(folder, why="--overwrite"):
     """The files of a previous run in `folder`, to delete; InputError if anything else is there
     (shards, manifests, folders, a mistyped --out): a run writes only into a folder of its own,
     and --overwrite deletes only what a run wrote."""
-    names = sorted(os.listdir(folder))
+    names = sorted(n for n in os.listdir(folder) if n != guard.LOCK)  # the running trainer's own lock
     for name in names:
         path = os.path.join(folder, name)
         if not RUN_FILE.match(name) or os.path.islink(path) or not os.path.isfile(path):
@@ -430,15 +431,13 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
         run.stream.set_epoch(epoch, weights)
         run.facts = run.new_facts()
     gen = torch.Generator()
-    if resumed and run.gen_state is not None:
-        gen.set_state(torch.tensor(run.gen_state, dtype=torch.uint8))
-    else:
-        gen.manual_seed(args.seed * 100003 + epoch * 1009 + topo.rank + 7919 * run.stream.segment.generation)
     log = StepLog(run.names, run.device)
     if resumed:
         log.restore(run.log_sums, topo.is_main)
     run.mid = True
     left = run.stream.remaining()
+    segment = run.stream.current()
+    made = segment.batches - left  # this rank's batches of the segment before this pass
     done_before = run.facts["batches"]
     bar = progress_bar(topo, done_before + left, f"epoch {epoch + 1}/{args.epochs}", done_before)
     per_source = torch.zeros(len(run.names), dtype=torch.int64)
@@ -449,6 +448,9 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
         run.startup.setdefault("first_batch_s", round(t1 - run.t0, 3))
         run.facts["wait"] += t1 - t0
         counts = torch.bincount(batch["source"], minlength=len(run.names))  # on the CPU: no wait for the device
+        # augmentation keyed by the batch's place, as the data's order is: a resume on the same world
+        # draws the same, and no two ranks or batches share a key
+        gen.manual_seed(order.seed_of((order.AUGMENT, args.seed, epoch, segment.generation, topo.rank, made + got)))
         losses, source, bad = run.step_once(batch, gen)
         got += 1
         run.facts["batches"] += 1
@@ -478,7 +480,7 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
         if not last and (args.checkpoint_every and run.step % args.checkpoint_every == 0 or ending):
             run.facts["samples"] = [a + b for a, b in zip(run.facts["samples"], per_source.tolist())]
             per_source.zero_()
-            run.save(gen, log, keys)
+            run.save(log, keys)
             if ending:
                 if bar is not None:
                     bar.close()
@@ -555,9 +557,12 @@ def train(args, topo, device, stopper=None):
     check = http_check(topo, policy)
     train_sources = [stream.resolve(n, spec, "train", policy=policy, check_http=check) for n, spec in args.train.items()]
     eval_sources = [stream.resolve(n, spec, "test", policy=policy, check_http=check) for n, spec in args.eval.items()]
-    startup = {"resolve_s": round(time.perf_counter() - t0, 3)}  # manifests and HEAD checks
+    startup = {"resolve_s": round(time.perf_counter() - t0, 3), "torch_threads": torch.get_num_threads()}
+    if topo.is_main:
+        guard.warn_data(train_sources, eval_sources)
     try:
         run = Run(args, topo, device, train_sources, eval_sources, policy=policy, started=t0, startup=startup)
+        guard.check_memory(args, run.stream, len(eval_sources))  # before any loader starts or reads
     except InputError:
         raise
     except ValueError as e:  # the stream's checks of the options against the data (an epoch too short, ...)
@@ -613,7 +618,7 @@ def train(args, topo, device, stopper=None):
             if topo.is_main:
                 print(epoch_line(epoch, args.epochs, evals), flush=True)
         run.epoch = epoch + 1
-        run.save(torch.Generator(), StepLog(run.names, run.device), keys)
+        run.save(StepLog(run.names, run.device), keys)
         if stopper and run.stopping is None:  # a signal during the epoch's last step, evaluation or save
             run.stopping = stopper.agreed(dist.all_reduce_sum(torch.tensor(stopper.vector(), dtype=torch.float64)))
         if run.stopping is not None and run.epoch < args.epochs:
@@ -714,7 +719,7 @@ def main(argv=None, args=None):
     dist.exit_with_launcher()
     stopper = stop.StopRequest([] if args.eval_only else stop.parse_signals(args.stop_signals), argv)
     try:
-        with stopper, dist.distributed(timeout_s=args.timeout) as (topo, device):
+        with stopper, dist.distributed(timeout_s=args.timeout) as (topo, device), guard.out_lock(args.out, topo):
             summary = train(args, topo, device, stopper)
     except (InputError, OSError) as e:
         # bad input or the environment (disk, network); errors re-raised from a DataLoader worker

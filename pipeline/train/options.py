@@ -97,13 +97,14 @@ def parse(argv=None):
       help="what a damaged sample or shard does: warn (skip it, count it, say so; the default), skip (skip and "
            "count quietly: the count still reaches the metrics and the summary), raise (stop the run)")
     a("--strict", action="store_true", help="stop at the first malformed sample: --on-error raise")
-    a("--shuffle-buffer", type=int, default=2000, metavar="N",
-      help="samples shuffled together: whole shards, at least N samples (default: 2000)")
-    a("--slots", type=int, metavar="K",
-      help="canonical slots per source, fixed when the run first starts; each (rank, worker) reads whole slots, so "
-           "K bounds the largest world a resume can spread over (default: 12 per rank x worker while there are "
-           "shards for them; a resumed run keeps its checkpoint's; another --slots is refused when the checkpoint "
-           "stopped inside an epoch and taken when it stopped at an epoch's end)")
+    a("--shuffle-buffer", type=int, default=10_000, metavar="N",
+      help="samples a shuffle window holds: whole shards, in a seeded order, adding up to about N samples; a batch "
+           "draws on every shard of its window, so shards written in class order still give mixed batches "
+           "(default: 10000)")
+    a("--shuffle-window", type=byte_size, default=256 << 20, metavar="BYTES",
+      help="the most bytes a shuffle window holds, per source and DataLoader worker, plus one shard (suffixes K, M, "
+           "G; default: 256M)")
+    a("--slots", type=int, metavar="K", help=argparse.SUPPRESS)  # gone with the canonical slots; warned and ignored
     a("--sample-stage", action="append", default=[], metavar="MODULE:FUNCTION",
       help="a function of yours applied to every decoded training sample inside the workers, e.g. an "
            "augmentation (repeatable; see docs/training.md, 'Your own stage')")
@@ -153,7 +154,11 @@ def check(p, args):
     p.at_least(args, {"epochs": 1, "batch_size": 1, "log_every": 1, "shuffle_buffer": 1, "workers": 0, "width": 1,
                       "epoch_samples": 1, "stop_after": 1, "stop_after_steps": 1, "checkpoint_every": 1, "timeout": 1,
                       "retries": 0, "max_nonfinite": 0})
-    p.within(args, {"timeout": (1, MAX_TIMEOUT), "workers": (0, 1024), "slots": (1, 1 << 22)})
+    p.within(args, {"timeout": (1, MAX_TIMEOUT), "workers": (0, 1024)})
+    p.at_least(args, {"shuffle_window": 1})
+    if args.slots is not None:
+        print("pipeline.train: --slots is no longer used (every world change is dealt exactly without it); ignored",
+              file=sys.stderr)
     check_io(p, args)
     if args.strict and args.on_error not in (None, "raise"):
         p.error(f"--strict stops at the first damage, --on-error {args.on_error} does not: give one of them")
