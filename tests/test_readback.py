@@ -397,6 +397,10 @@ STREAM = {  # name: (change to the mid checkpoint's state, what its one line mus
     "positions before what its batches took": (_rank(lambda r: r["positions"].update({"0": [0, 0]})),
                                                "worker 0 source 0: 0 positions read"),
     "positions for three sources": (_rank(lambda r: r["positions"]["0"].append(0)), "rank 0 positions[0]"),
+    # consistent in itself, but 3 batches where the run counted 5: an epoch of 12 would follow (192 of 160 samples)
+    "done and positions of fewer batches than the run made": (
+        _rank(lambda r: r.update(done={"0": 3})),
+        "the stream state says the ranks made {0: 3} batches of this epoch, the run counted {0: 5}"),
     "positions missing": (_rank(lambda r: r.pop("positions")), "rank 0 positions: one entry per worker"),
     "a rank twice": (two_ranks(lambda seg: [at(seg, 0, 2), at(seg, 0, 2)]), "rank 0 appears twice"),
     "ranks disagreeing on the batches consumed": (two_ranks(lambda seg: [at(seg, 0, 2), at(seg, 1, 1)]),

@@ -229,8 +229,13 @@ class Run:
         if self.mid:
             streams = got["stream"]
             self.stream.set_epoch(self.epoch, options.weights_at(args, self.epoch))
-            dealt = self.stream.load_state_dict(streams)
+            dealt = self.stream.load_state_dict(streams)  # every field of the stream state checked
             facts, carried = got["facts"], got["carried"]
+            made = {r["rank"]: sum(r["done"].values()) for r in streams["ranks"]}
+            counted = {r: f["batches"] for r, f in enumerate(facts)}
+            if made != counted:  # the stream's place and the run's counts must tell one story
+                raise InputError(f"{path}: the stream state says the ranks made {_short(made)} batches of this "
+                                 f"epoch, the run counted {_short(counted)}; the checkpoint is damaged")
             if dealt["deal"] == "same":  # same world and workers
                 self.facts, self.carried = facts[self.topo.rank], carried
             else:  # another world size: what the old ranks did this epoch is carried into the summary
@@ -748,3 +753,8 @@ def signal_of(name):
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _short(value, n=80):
+    text = repr(value)
+    return text if len(text) <= n else text[:n] + "..."
