@@ -928,13 +928,13 @@ def stage_costs(n=200_000, repeats=3):
     """Per-sample cost of two of the stages written here rather than taken from webdataset
     (tar reading, the third, is measured by `tar_format`): the shuffle (wds.shuffle's buffer
     of 1000, against one seeded permutation per window of 1000) and the mix (wds.RandomMix,
-    one draw per sample, against pipeline.data.stages.RandomMix drawing a batch of 256
-    sources at once)."""
+    one draw per sample, against pipeline.data.deal.Choices taking a batch of 256 sources
+    at once from an exact, seeded mix)."""
     import random
 
     import webdataset as wds
 
-    from pipeline.data.stages import RandomMix
+    from pipeline.data.deal import Choices
 
     samples = [{"__key__": str(i)} for i in range(n)]
 
@@ -952,8 +952,8 @@ def stage_costs(n=200_000, repeats=3):
         return sum(1 for _ in itertools.islice(iter(mix), n))
 
     def our_mix():
-        mix = RandomMix([None, None], [0.5, 0.5], seed=0)
-        return sum(len(mix.draw(256)) for _ in range(n // 256))
+        mix = Choices([n // 2, n - n // 2], (0,))
+        return sum(len(mix.take(at, at + 256)) for at in range(0, n - 255, 256))
 
     rows = []
     for stage, theirs, ours in (("shuffle", wds_shuffle, window_shuffle), ("mix", wds_mix, our_mix)):
