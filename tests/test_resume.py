@@ -429,3 +429,32 @@ def test_resumed_on_another_world_size_no_sample_twice_in_the_epoch(data, sigter
     assert len(first) == done * 16 + left // (world * 8) * world * 8
     assert s["epochs"][0]["batches"] == {f"rank{r}": left // (world * 8) for r in range(world)}
     assert set(s["epochs"][0]["before_resume"]) == {"before_resume_rank0", "before_resume_rank1"}
+
+
+@pytest.fixture(scope="module")
+def one_source(tmp_path_factory):
+    """The reported case's data: one source of 1,200 samples in 100-sample shards."""
+    from helpers import build_shards
+
+    out = tmp_path_factory.mktemp("one-source")
+    build_shards(out, "mnist", "train", 1200, maxcount=100)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before, after, stop", [((2, 1), (3, 1), 13), ((3, 1), (2, 1), 9), ((1, 1), (1, 2), 5),
+                                                 ((1, 1), (2, 1), 5)])
+def test_the_trainer_resumed_on_another_world_reads_no_sample_twice(one_source, tmp_path, before, after, stop):
+    """torchrun, --record-keys: stopped after `stop` steps on `before` (ranks, workers),
+    resumed on `after`: over the epoch no key twice, fewer unread than one global batch."""
+    out = tmp_path / "run"
+    args = ["--train", f"mnist={one_source}/", "--batch-size", "16", "--epochs", "1", "--width", "4",
+            "--record-keys", "--out", str(out)]
+    run_ok(launch_train([*args, "--workers", str(before[1]), "--checkpoint-every", str(stop),
+                         "--stop-after-steps", str(stop)], before[0]))
+    assert position(out)["step"] == stop
+    run_ok(launch_train([*args, "--workers", str(after[1]), "--resume"], after[0]))
+    keys = [ln.split("\t")[1] for r in range(max(before[0], after[0]))
+            for ln in key_log(out, max(before[0], after[0])).get(r, [])]
+    assert len(keys) == len(set(keys)), "a sample read twice in the epoch"
+    assert 0 <= 1200 - len(keys) < after[0] * 16
