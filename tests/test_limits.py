@@ -17,7 +17,7 @@ import pytest
 from helpers import Forker, Quiet, build_shards, drip, make_shards_in_process, serving, train_in_process
 from pipeline import cli
 from pipeline.data import manifest, remote
-from pipeline.train import options, loop as train
+from pipeline.train import options, outdir
 from pipeline.writers import shards
 from pipeline.errors import ShardError
 from pipeline.writers.sources import SyntheticSource
@@ -211,7 +211,7 @@ def test_overwrite_deletes_a_previous_run_and_says_what(tmp_path, capsys):
              "summary.json", "summary.json.tmp"]
     for n in names:
         (out / n).write_text("x")
-    assert train.prepare_out(fake_args(out), SimpleNamespace(is_main=True)) is None
+    assert outdir.prepare_out(fake_args(out), SimpleNamespace(is_main=True)) is None
     said = capsys.readouterr().out
     assert said.startswith(f"--overwrite: deleting the previous run in {out}/: ") and all(n in said for n in names)
     assert out.is_dir() and os.listdir(out) == []
@@ -232,7 +232,7 @@ def test_overwrite_refuses_a_folder_holding_anything_else(tmp_path, capsys, fore
         (out / foreign).write_text("keep")
     before = sorted(os.listdir(out))
     with pytest.raises(ValueError, match="nothing deleted"):
-        train.prepare_out(fake_args(out), SimpleNamespace(is_main=True))
+        outdir.prepare_out(fake_args(out), SimpleNamespace(is_main=True))
     assert sorted(os.listdir(out)) == before and capsys.readouterr().out == ""
     assert (tmp_path / "elsewhere").read_text() == "keep" if foreign == "link" else True
 
@@ -449,12 +449,12 @@ def test_overwrite_refuses_a_folder_of_other_files_with_no_run_in_it(tmp_path, c
     else:
         (out / foreign).write_text("keep")
     with pytest.raises(ValueError, match=f"holds '{foreign.rstrip('/')}'.*nothing deleted"):
-        train.prepare_out(fake_args(out), SimpleNamespace(is_main=True))
+        outdir.prepare_out(fake_args(out), SimpleNamespace(is_main=True))
     assert os.listdir(out) == [foreign.rstrip("/")] and capsys.readouterr().out == ""
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert train.prepare_out(fake_args(empty), SimpleNamespace(is_main=True)) is None  # an empty folder is fine
-    assert train.prepare_out(fake_args(tmp_path / "new"), SimpleNamespace(is_main=True)) is None
+    assert outdir.prepare_out(fake_args(empty), SimpleNamespace(is_main=True)) is None  # an empty folder is fine
+    assert outdir.prepare_out(fake_args(tmp_path / "new"), SimpleNamespace(is_main=True)) is None
     assert (tmp_path / "new").is_dir()
 
 
@@ -466,6 +466,6 @@ def test_a_run_starts_only_in_a_folder_it_can_later_overwrite(tmp_path, capsys, 
     out.mkdir()
     (out / "mnist-train-000000.tar").write_text("keep")
     with pytest.raises(ValueError, match=f"^{why}: .*holds 'mnist-train-000000.tar'.*nothing deleted"):
-        train.prepare_out(SimpleNamespace(out=str(out), resume=False, overwrite=False, **kw),
+        outdir.prepare_out(SimpleNamespace(out=str(out), resume=False, overwrite=False, **kw),
                           SimpleNamespace(is_main=True))
     assert os.listdir(out) == ["mnist-train-000000.tar"] and capsys.readouterr().out == ""

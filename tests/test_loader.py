@@ -126,7 +126,7 @@ def test_the_trainers_progress_bar_starts_no_monitor_thread():
     from tqdm import tqdm
 
     from pipeline.data.topology import Topology
-    from pipeline.train.loop import progress_bar
+    from pipeline.train.console import progress_bar
 
     tqdm.monitor_interval = 10  # tqdm's default
     if tqdm.monitor is not None:
@@ -142,18 +142,18 @@ def test_the_trainers_progress_bar_starts_no_monitor_thread():
 def test_the_trainers_warnings_are_one_line_each(monkeypatch):
     import warnings
 
-    from pipeline.train import loop
+    from pipeline.train import console
 
     monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal, as in a log file
-    line = loop.one_line_warning(UserWarning("s-000001.tar: not a tar header; skipped 3 sample(s)"), UserWarning,
+    line = console.one_line_warning(UserWarning("s-000001.tar: not a tar header; skipped 3 sample(s)"), UserWarning,
                                  "/x/pipeline/data/stages.py", 192, "self._piece(url)")
     assert line == "pipeline.train: warning: s-000001.tar: not a tar header; skipped 3 sample(s)\n"
     assert line.count("\n") == 1 and "stages.py" not in line
-    assert warnings.formatwarning is not loop.one_line_warning  # only the command (pipeline/train/__main__.py) installs it
+    assert warnings.formatwarning is not console.one_line_warning  # only the command (pipeline/train/__main__.py) installs it
     class Terminal(io.StringIO):
         def isatty(self):
             return True
     monkeypatch.setattr(sys, "stderr", Terminal())  # a worker's warning on a terminal first clears the bar's line
-    assert loop.one_line_warning(UserWarning("w"), UserWarning, "f.py", 1) == "\r\x1b[Kpipeline.train: warning: w\n"
+    assert console.one_line_warning(UserWarning("w"), UserWarning, "f.py", 1) == "\r\x1b[Kpipeline.train: warning: w\n"
     entry = Path(__file__).resolve().parents[1] / "pipeline" / "train" / "__main__.py"
     assert "warnings.formatwarning = one_line_warning" in entry.read_text()

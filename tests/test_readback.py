@@ -21,6 +21,7 @@ import torch
 
 from helpers import build_shards, finish, free_port
 from pipeline.train import checkpoint, options, loop as train
+from pipeline.train.run import Run
 from pipeline.data import manifest, remote
 from pipeline.errors import ShardError
 from pipeline.train.metrics import Metrics
@@ -556,12 +557,12 @@ class NanAt:
 def test_skipped_steps_leave_the_weights_and_running_stats_alone(data, tmp_path, monkeypatch):
     args = options.parse(small(data, tmp_path / "run"))
     srcs = [resolve(n, spec, "train") for n, spec in args.train.items()]
-    run = train.Run(args, Topology(), torch.device("cpu"), srcs, [], policy=remote.Policy(), started=0.0, startup={})
+    run = Run(args, Topology(), torch.device("cpu"), srcs, [], policy=remote.Policy(), started=0.0, startup={})
     batch = next(iter(make_loader(run.stream, 0)))
     gen = torch.Generator().manual_seed(0)
     run.step_once(batch, gen)  # momentum buffers exist from here on
     before = copy.deepcopy(run.model.state_dict())
-    monkeypatch.setattr(train.F, "cross_entropy", NanAt([1]))
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", NanAt([1]))
     losses, source, bad = run.step_once(batch, gen)
     assert sum(bad) == 16 and not torch.isfinite(losses).any()
     after = run.model.state_dict()
@@ -573,7 +574,7 @@ def test_skipped_steps_leave_the_weights_and_running_stats_alone(data, tmp_path,
 
 @pytest.mark.slow
 def test_max_nonfinite_allows_that_many_skipped_steps_then_stops(data, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(train.F, "cross_entropy", NanAt([3, 7]))
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", NanAt([3, 7]))
     out = tmp_path / "run"
     assert train.main(small(data, out, "--epochs", "1", "--max-nonfinite", "2")) == 0
     s = json.loads((out / "summary.json").read_text())
@@ -581,7 +582,7 @@ def test_max_nonfinite_allows_that_many_skipped_steps_then_stops(data, tmp_path,
     assert s["nonfinite_steps"] == 2 and [ln["step"] for ln in lines if ln["kind"] == "nonfinite"] == [3, 7]
     assert all(math.isfinite(v) for ln in lines if ln["kind"] == "train" for v in ln["loss"].values())
     capsys.readouterr()
-    monkeypatch.setattr(train.F, "cross_entropy", NanAt([3, 7]))
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", NanAt([3, 7]))
     one_line(small(data, tmp_path / "run2", "--epochs", "1", "--max-nonfinite", "1"), capsys, "step 7 ",
              "2 such step(s), --max-nonfinite 1", code=3)
 
@@ -589,9 +590,9 @@ def test_max_nonfinite_allows_that_many_skipped_steps_then_stops(data, tmp_path,
 @pytest.mark.slow  # trains twice
 def test_the_count_of_skipped_steps_carries_across_a_resume(data, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
-    monkeypatch.setattr(train.F, "cross_entropy", NanAt([2]))
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", NanAt([2]))
     assert train.main(small(data, out, "--max-nonfinite", "1", "--stop-after-steps", "4")) == 0
-    monkeypatch.setattr(train.F, "cross_entropy", NanAt([3]))  # step 7 of the run
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", NanAt([3]))  # step 7 of the run
     capsys.readouterr()
     one_line(small(data, out, "--max-nonfinite", "1", "--resume"), capsys, "step 7 ", "2 such step(s)", code=3)
 
@@ -605,7 +606,7 @@ def ce(logits, y, **kw):
     out = real(logits, y, **kw)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     return out * float("nan") if rank == 1 and calls[0] == 4 else out
-t.F.cross_entropy = ce
+torch.nn.functional.cross_entropy = ce
 sys.exit(t.main())
 """
 

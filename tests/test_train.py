@@ -257,30 +257,30 @@ def test_prefetch_passes_cpu_batches_through_and_moves_them_on_demand():
 def test_a_class_with_no_test_samples_is_not_measured_not_zero():
     import json
 
-    from pipeline.train import loop
+    from pipeline.train import evaluate
 
-    got = loop.class_accuracies(["cat", "dog", "emu"], [[3, 1, 0, 0], [0, 0, 0, 0], [0, 1, 1, 2]])
+    got = evaluate.class_accuracies(["cat", "dog", "emu"], [[3, 1, 0, 0], [0, 0, 0, 0], [0, 1, 1, 2]])
     assert got == {"cat": 0.75, "dog": None, "emu": 0.25}
     assert json.loads(json.dumps(got))["dog"] is None  # null in summary.json
-    assert loop.per_class_lines({"pets": {"per_class": got}}) == ["  pets per class: cat 0.750, dog n/a, emu 0.250"]
+    assert evaluate.per_class_lines({"pets": {"per_class": got}}) == ["  pets per class: cat 0.750, dog n/a, emu 0.250"]
     hostile = {"pets": {"per_class": {"cat\x1b[2J": 0.5}}}  # a class name from someone's manifest
-    assert loop.per_class_lines(hostile) == ["  pets per class: cat\\x1b[2J 0.500"]
+    assert evaluate.per_class_lines(hostile) == ["  pets per class: cat\\x1b[2J 0.500"]
 
 
 def test_the_epoch_line_names_the_data_each_accuracy_was_measured_on():
-    from pipeline.train import loop
+    from pipeline.train import evaluate
 
     evals = {"mnist": {"accuracy": 0.98125, "manifest": "shards/mnist-test.json",
                        "data": "real data, torchvision files"},
              "web": {"accuracy": 0.5, "manifest": "http://h/web-test.json", "data": "an indexed WebDataset"}}
-    assert loop.epoch_line(0, 2, evals) == ("epoch 1/2: mnist 0.9812 (shards/mnist-test.json, real data, torchvision "
-                                            "files), web 0.5000 (http://h/web-test.json, an indexed WebDataset)")
+    assert evaluate.epoch_line(0, 2, evals) == ("epoch 1/2: mnist 0.9812 (shards/mnist-test.json, real data, torchvision "
+                                                "files), web 0.5000 (http://h/web-test.json, an indexed WebDataset)")
 
 
 def test_the_trainers_error_and_warning_lines_escape_control_characters(capsys):
     """A skipped sample's warning and an input error quote keys and names from shards."""
-    from pipeline.train import loop
+    from pipeline.train import console
 
-    assert loop.one_line_warning("sample a\x1b[2J", UserWarning, "f.py", 1) == "pipeline.train: warning: sample a\\x1b[2J\n"
-    loop.one_line("pipeline.train: error: sample b\rc")
+    assert console.one_line_warning("sample a\x1b[2J", UserWarning, "f.py", 1) == "pipeline.train: warning: sample a\\x1b[2J\n"
+    console.one_line("pipeline.train: error: sample b\rc")
     assert capsys.readouterr().err == "pipeline.train: error: sample b\\rc\n"

@@ -92,7 +92,7 @@ from pipeline.train.prefetch import ahead, on_device  # noqa: E402
 from pipeline.train.model import Net  # noqa: E402
 from pipeline.writers.sources import SyntheticSource  # noqa: E402
 from pipeline.data.stream import MixedStream, make_loader, resolve  # noqa: E402
-from pipeline.train.loop import autocast  # noqa: E402
+from pipeline.train.run import autocast  # noqa: E402
 
 
 class Failed(Exception):

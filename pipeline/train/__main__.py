@@ -10,7 +10,8 @@ from pipeline.train import options
 args = options.parse()
 options.check_out(args)
 
-from pipeline.train.loop import main, one_line_warning  # noqa: E402  (torch: only for a good command line)
+from pipeline.train.loop import main  # noqa: E402  (torch: only for a good command line)
+from pipeline.train.console import one_line_warning  # noqa: E402
 from pipeline.train.dist import set_threads  # noqa: E402
 
 set_threads()  # this process's share of the cores (main() called from Python leaves its caller's setting)

@@ -90,6 +90,17 @@ def all_gather(obj):
     return out
 
 
+def gather_to_main(obj):
+    """Every rank's `obj` (picklable) in rank order on rank 0, None on the other ranks; [obj]
+    in a single process. One collective for what only rank 0 needs (the checkpoint it writes).
+    On nccl the objects travel through the current CUDA device, which device_for sets."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
 def exit_with_launcher():
     """Under torchrun, end this rank when its launcher dies, even by SIGKILL.
 

@@ -1,0 +1,49 @@
+"""The console: rank 0's progress bar, and error and warning lines that stay one line each.
+
+Apart from the training because what reaches a terminal has rules of its own: ranks
+and DataLoader workers share one stderr, and a name read from a file may hold control
+characters (cli.printable).
+"""
+import sys
+
+from pipeline import cli
+
+
+def progress_bar(topo, total, desc, initial=0):
+    """A tqdm bar on rank 0; the other ranks stay quiet.
+
+    Without tqdm's monitor thread: it starts with the first bar and exits with the last,
+    and a DataLoader worker forked while a thread starts or exits can deadlock in
+    os.fork() on Python 3.8-3.11 (CPython gh-112275: the child waits forever on the
+    interpreter's HEAD_LOCK). That was this project's intermittent hang: rank 0 forking
+    the evaluation loader's worker just as the epoch's bar closed (seen with gdb)."""
+    if not topo.is_main:
+        return None
+    from tqdm import tqdm
+
+    tqdm.monitor_interval = 0
+    return tqdm(total=total, initial=initial, desc=desc, unit="batch", dynamic_ncols=True, file=sys.stderr)
+
+
+def one_line(text):
+    """An error line in one write, so that the lines of ranks failing together under torchrun
+    do not run into each other."""
+    sys.stderr.write(cli.printable(text) + "\n")  # an error may quote a key or a name from a file
+    sys.stderr.flush()
+
+
+def one_line_warning(message, category, filename, lineno, line=None):
+    """Warnings as the trainer's other lines read: what happened, without the file, line
+    number and source line of the stage that noticed it. On a terminal the line first
+    clears rank 0's progress bar (carriage return, erase line), which redraws below it on
+    its next update: a DataLoader worker or another rank can't reach that bar's
+    tqdm.write, and its warning would otherwise start in the middle of the bar."""
+    clear = "\r\x1b[K" if _is_terminal(sys.stderr) else ""
+    return f"{clear}pipeline.train: warning: {cli.printable(message)}\n"
+
+
+def _is_terminal(stream):
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without it, or closed
+        return False

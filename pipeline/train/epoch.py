@@ -1,0 +1,124 @@
+"""One epoch over the mixed stream: steps, metrics lines, key logs, mid-epoch checkpoints,
+and the epoch's entry in the run's history.
+
+Apart from the run's state (pipeline.train.run) so that the order of things within a
+step, which a resume must reproduce exactly, reads top to bottom in one function.
+"""
+import sys
+import time
+
+import torch
+
+from pipeline.data import order
+from pipeline.train import dist, options, prefetch
+from pipeline.train.console import progress_bar
+from pipeline.train.metrics import StepLog
+from pipeline.train.run import NonFiniteLoss
+
+
+def train_epoch(run, loader, epoch, metrics, keys, budget):
+    """One epoch (or its rest) over the mixed stream; returns False if --stop-after-steps or
+    a stop signal (run.stopping) ended it early (a checkpoint was written)."""
+    args, topo = run.args, run.topo
+    weights = options.weights_at(args, epoch)
+    resumed = run.in_epoch
+    if not resumed:
+        run.stream.set_epoch(epoch, weights)
+        run.tally = run.new_tally()
+    gen = torch.Generator()
+    log = StepLog(run.names, run.device)
+    if resumed:
+        log.restore(run.unlogged, topo.is_main)
+    run.in_epoch = True
+    left = run.stream.remaining()
+    segment = run.stream.current()
+    made = segment.batches - left  # this rank's batches of the segment before this pass
+    done_before = run.tally["batches"]
+    bar = progress_bar(topo, done_before + left, f"epoch {epoch + 1}/{args.epochs}", done_before)
+    per_source = torch.zeros(len(run.names), dtype=torch.int64)
+    t0 = time.perf_counter()
+    got = 0
+    for batch in prefetch.ahead(loader, run.device):  # workers persist across epochs and pick up set_epoch
+        t1 = time.perf_counter()
+        run.startup.setdefault("first_batch_s", round(t1 - run.t0, 3))
+        run.tally["wait"] += t1 - t0
+        counts = torch.bincount(batch["source"], minlength=len(run.names))  # on the CPU: no wait for the device
+        # augmentation keyed by the batch's place, as the data's order is: a resume on the same world
+        # draws the same, and no two ranks or batches share a key
+        gen.manual_seed(order.seed_of((order.AUGMENT, args.seed, epoch, segment.generation, topo.rank, made + got)))
+        losses, source, bad = run.step_once(batch, gen)
+        got += 1
+        run.tally["batches"] += 1
+        run.tally["skipped"] += batch["skipped"]
+        per_source += counts
+        if any(bad):
+            try:
+                skip_nonfinite(run, metrics, epoch, bad)
+            except NonFiniteLoss:
+                if bar is not None:
+                    bar.close()  # the error line starts a line of its own
+                raise
+        else:
+            log.add(losses, source, counts, batch["skipped"])
+        if args.record_keys:
+            keys.add(epoch + 1, batch["key"])
+        last = got == left
+        if run.step % args.log_every == 0 or last:
+            line = log.flush()
+            if bar is not None:
+                bar.set_postfix(loss=f"{sum(line['loss'][k] * line['share'][k] for k in run.names):.3f}")
+            metrics.log(kind="train", epoch=epoch + 1, step=run.step, lr=run.opt.param_groups[0]["lr"],
+                        weights=weights, **line)
+        if bar is not None:
+            bar.update(1)
+        ending = budget(run.step) or run.stopping is not None
+        if not last and (args.checkpoint_every and run.step % args.checkpoint_every == 0 or ending):
+            run.tally["samples"] = [a + b for a, b in zip(run.tally["samples"], per_source.tolist())]
+            per_source.zero_()
+            run.save(log, keys)
+            if ending:
+                if bar is not None:
+                    bar.close()
+                return False
+        t0 = time.perf_counter()
+        run.tally["busy"] += t0 - t1
+    if bar is not None:
+        bar.close()
+    run.tally["samples"] = [a + b for a, b in zip(run.tally["samples"], per_source.tolist())]
+    gather_epoch(run, epoch)
+    run.in_epoch = False
+    return True
+
+
+def skip_nonfinite(run, metrics, epoch, bad):
+    """A step whose loss was not finite (its weights were not updated): recorded in
+    metrics.jsonl, and the end of the run once more than --max-nonfinite were skipped."""
+    run.nonfinite += 1
+    where = {n: c for n, c in zip(run.names, bad) if c}
+    metrics.log(kind="nonfinite", epoch=epoch + 1, step=run.step, samples=where, skipped_steps=run.nonfinite)
+    allowed = run.args.max_nonfinite
+    if run.nonfinite > allowed:
+        raise NonFiniteLoss(
+            f"step {run.step} (epoch {epoch + 1}): the loss is not finite for "
+            f"{', '.join(f'{n} ({c} of its samples)' for n, c in where.items())}; the weights were not updated and any "
+            f"checkpoint in {run.args.out}/ is from before it ({run.nonfinite} such step(s), --max-nonfinite "
+            f"{allowed}; a lower --lr often helps)")
+    if run.topo.is_main:
+        print(f"step {run.step}: non-finite loss for {', '.join(where)}; step skipped "
+              f"({run.nonfinite} of at most {allowed})", file=sys.stderr, flush=True)
+
+
+def gather_epoch(run, epoch):
+    """Add one epoch's batches and samples per rank (and skipped samples) to the history."""
+    tallies = dist.all_gather(run.tally)
+    entry = {"epoch": epoch + 1, "batches": {f"rank{r}": f["batches"] for r, f in enumerate(tallies)},
+             "samples": {n: {f"rank{r}": f["samples"][i] for r, f in enumerate(tallies)}
+                         for i, n in enumerate(run.names)},
+             "skipped": sum(f["skipped"] for f in tallies)}
+    if run.before_resume:
+        entry["before_resume"] = run.before_resume
+        entry["skipped"] += sum(f.get("skipped", 0) for f in run.before_resume.values())
+        run.before_resume = None
+    run.history["epochs"].append(entry)
+    run.history["wait"] = run.history.get("wait", 0.0) + tallies[0]["wait"]
+    run.history["busy"] = run.history.get("busy", 0.0) + tallies[0]["busy"]

@@ -1,0 +1,247 @@
+"""The run's state: sources, stream, model, optimiser, where the run stands, and the
+checkpoint that holds all of it (assembled here, restored here).
+
+One class, because a checkpoint must save and restore the same fields: a field added to
+`state()` and forgotten in `resume()` shows in one screen. The file format's checks
+live in pipeline.train.checkpoint.
+"""
+import importlib
+import json
+import os
+import warnings
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from pipeline.data import cache, stream
+from pipeline.errors import InputError
+from pipeline.train import checkpoint, dist, options, prefetch
+from pipeline.train.model import Net, augment
+from pipeline.train.schedule import learning_rate
+
+
+def load_stages(names):
+    """--sample-stage MODULE:FUNCTION -> the functions."""
+    out = []
+    for item in names:
+        module, _, function = item.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), function)
+        except Exception as e:  # noqa: BLE001 - whatever a user's module raises on import, in one line
+            raise InputError(f"--sample-stage {item}: {e.__class__.__name__}: {e}") from None
+        if not callable(fn):
+            raise InputError(f"--sample-stage {item}: not a function")
+        out.append(fn)
+    return out
+
+
+def autocast(device):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+
+
+class Run:
+    """Everything one training run holds: sources, stream, model, optimiser, where it stands."""
+
+    def __init__(self, args, topo, device, train_sources, eval_sources, *, policy, started, startup):
+        """policy: the remote reads' retries and deadlines; started: perf_counter() when the job
+        began; startup: the start-up timings so far, which the first batch completes."""
+        self.args, self.topo, self.device = args, topo, device
+        self.sources = train_sources
+        self.stream = stream.MixedStream(
+            train_sources, options.weights_at(args, 0), args.batch_size, topo, seed=args.seed,
+            epoch_samples=args.epoch_samples, shuffle_buffer=args.shuffle_buffer, window_bytes=args.shuffle_window,
+            resample=args.resample,
+            strict=args.strict, on_error=args.on_error,
+            cache_dir=args.cache_dir and cache.Cache(args.cache_dir, args.cache_size),
+            policy=policy, normalize=False,
+            sample_stages=load_stages(args.sample_stage))
+        self.stream.set_workers(max(1, args.workers))  # before a resume: it decides same world or not
+        self.evals = [self.stream.eval_stream(src) for src in eval_sources]  # class and shape checks, before --out
+        self.layout = self.stream.layout
+        self.names = self.layout.names
+        self.flip_ids = [self.layout.index(n) for n in args.flip]
+        torch.manual_seed(args.seed)
+        self.model = Net(self.layout.num_classes, args.width).to(device)
+        self.ddp = (DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+                    if topo.world > 1 else self.model)
+        self.buffers = list(self.model.buffers())  # BatchNorm's running stats: a skipped step leaves them too
+        self.kept_buffers = [b.clone() for b in self.buffers]
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
+                                   weight_decay=args.weight_decay)
+        self.global_batch = topo.world * args.batch_size
+        self.total = self.stream.epoch_samples * args.epochs
+        self.fingerprint = checkpoint.fingerprint(args, train_sources)
+        self.epoch, self.step, self.seen = 0, 0, 0
+        self.in_epoch = False  # stopped (or checkpointed) inside an epoch: the checkpoint's position.mid
+        self.nonfinite = 0  # steps skipped for a non-finite loss (--max-nonfinite), over the whole run
+        self.history = {"epochs": []}
+        self.before_resume = None  # this epoch's tallies from a world size before the resume ("carried")
+        self.unlogged = None  # the loss sums not yet in metrics.jsonl at the checkpoint ("log_sums")
+        self.key_counts = []
+        self.tally = self.new_tally()  # this rank's counters of the epoch ("facts" in the checkpoint)
+        self.startup, self.t0 = startup, started
+        self.stopper = None  # a stop.StopRequest while training
+        self.stopping = None  # the stop signal all ranks agreed on, at a step or an epoch boundary
+
+    def new_tally(self):
+        return {"batches": 0, "samples": [0] * len(self.names), "skipped": 0, "wait": 0.0, "busy": 0.0}
+
+    def lr(self):
+        return learning_rate(self.args, self.global_batch, self.seen, self.total)
+
+    def step_once(self, batch, gen):
+        """One optimiser step; returns per-sample losses (detached) and source ids on the device,
+        and per source the samples whose loss was not finite on any rank (then the weights
+        were left as they were: every rank sees the same counts and skips the same step)."""
+        x, y, s = prefetch.on_device(batch, self.device)
+        x = augment(self.layout.normalize(x, s), s, self.flip_ids, gen)
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr()
+        torch._foreach_copy_(self.kept_buffers, self.buffers)
+        with autocast(self.device):
+            losses = F.cross_entropy(self.ddp(x).float(), y, reduction="none")
+        self.opt.zero_grad(set_to_none=True)
+        losses.mean().backward()  # every rank, always: DDP's gradient all-reduce must not be left waiting
+        votes = self.stopper.vector() if self.stopper else []
+        bad, stops = nonfinite_counts(losses.detach(), s, len(self.names), votes)
+        if self.stopper and self.stopping is None:
+            self.stopping = self.stopper.agreed(stops)
+        if any(bad):
+            torch._foreach_copy_(self.buffers, self.kept_buffers)  # the forward pass moved them
+        else:
+            self.opt.step()
+        self.seen += self.global_batch
+        self.step += 1
+        return losses.detach(), s, bad
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state(self, log, keys):
+        """The checkpoint's content on rank 0, None on the other ranks (a collective: every rank
+        calls it). Each rank's own part (its place in the stream, its tally, its key count)
+        reaches rank 0 in one gather: only rank 0 writes the file."""
+        keys.flush()
+        parts = dist.gather_to_main({"stream": self.stream.state_dict() if self.in_epoch else None,
+                                     "tally": self.tally if self.in_epoch else None, "keys": keys.count})
+        sums = log.shared(self.topo.is_main)
+        if parts is None:
+            return None
+        stream_states = [p["stream"] for p in parts]
+        if self.in_epoch:  # one state: the segment once, every rank's place in it
+            stream_states = dict(stream_states[0], ranks=[r for s in stream_states for r in s["ranks"]])
+        tallies = [p["tally"] for p in parts]
+        counts = [p["keys"] for p in parts]
+        return {"version": checkpoint.VERSION, "fingerprint": json.dumps(self.fingerprint),
+                "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                "rng": torch.get_rng_state(), "world": self.topo.world,
+                "position": json.dumps({"epoch": self.epoch, "mid": self.in_epoch, "step": self.step,
+                                        "seen": self.seen}),
+                "nonfinite": json.dumps(self.nonfinite),
+                "stream": json.dumps(stream_states), "facts": json.dumps(tallies),
+                "carried": json.dumps(self.before_resume), "log_sums": json.dumps(sums),
+                "key_counts": json.dumps(counts),
+                "history": json.dumps(self.history), "config": json.dumps(vars(self.args))}
+
+    def save(self, log, keys):
+        state = self.state(log, keys)
+        if self.topo.is_main:
+            checkpoint.save(os.path.join(self.args.out, "checkpoint.pt"), state)
+        dist.barrier()
+
+    def resume(self, path):
+        """Restore from a checkpoint, every field checked first (one line naming the first bad
+        one); returns what changed on purpose: {"weights": ..., "data": ...}, each if it did.
+        The checks raise ValueError; they come out as InputError (bad input, one line)."""
+        try:
+            return self._resume(path)
+        except InputError:
+            raise
+        except ValueError as e:
+            raise InputError(str(e)) from e
+
+    def _resume(self, path):
+        state = checkpoint.load(path, self.device)
+        saved = checkpoint.fingerprint_of(state, path)
+        args = self.args
+        checkpoint.check_resume(saved, self.fingerprint, allow_weights=args.change_weights,
+                                allow_data=args.change_data)
+        limits = checkpoint.Limits(args.epochs, checkpoint.epoch_samples_of(saved, self.stream.epoch_samples),
+                                   args.batch_size, len(self.names))
+        got = checkpoint.trainer_state(state, path, limits)
+        data = checkpoint.data_changes(saved, self.fingerprint)
+        if checkpoint.legacy(saved) and self.topo.is_main:
+            warnings.warn(f"{path}: written before checkpoints recorded their shard lists, so this resume cannot "
+                          f"check that the sources hold the same shards", stacklevel=2)
+        if data and got["mid"]:
+            raise InputError(f"--change-data: the checkpoint stopped inside epoch {got['epoch'] + 1}; other data can "
+                             f"only come in at an epoch boundary: finish that epoch on its own data first "
+                             f"(--resume --stop-after 1), or start over with --overwrite")
+        checkpoint.load_model(self.model, state, path)
+        checkpoint.load_optimizer(self.opt, state, path)
+        checkpoint.set_rng(state, path)
+        self.epoch, self.in_epoch, self.step, self.seen = got["epoch"], got["mid"], got["step"], got["seen"]
+        self.history, self.key_counts, self.nonfinite = got["history"], got["key_counts"], got["nonfinite"]
+        if self.in_epoch:
+            streams = got["stream"]
+            self.stream.set_epoch(self.epoch, options.weights_at(args, self.epoch))
+            dealt = self.stream.load_state_dict(streams)  # every field of the stream state checked
+            tallies, before = got["facts"], got["carried"]
+            made = {r["rank"]: sum(r["done"].values()) for r in streams["ranks"]}
+            counted = {r: f["batches"] for r, f in enumerate(tallies)}
+            if made != counted:  # the stream's place and the run's counts must tell one story
+                raise InputError(f"{path}: the stream state says the ranks made {_short(made)} batches of this "
+                                 f"epoch, the run counted {_short(counted)}; the checkpoint is damaged")
+            if dealt["deal"] == "same":  # same world and workers
+                self.tally, self.before_resume = tallies[self.topo.rank], before
+            else:  # another world size: what the old ranks did this epoch is carried into the summary
+                self.before_resume = _before_resume(tallies, before)
+            self.unlogged = got["log_sums"]
+        changed = {}
+        if saved.get("weights") != self.fingerprint["weights"] or \
+                saved.get("final_weights") != self.fingerprint["final_weights"]:
+            changed["weights"] = {"from": saved.get("weights"), "to": self.fingerprint["weights"]}
+        if data:
+            changed["data"] = {name: {"from": was, "to": now} for name, (was, now) in data.items()}
+        return changed
+
+
+def nonfinite_counts(losses, source, n, votes=()):
+    """Per source, the samples of this step whose loss is not finite, summed over all ranks:
+    the same list on every rank, so all of them skip a step or none does (one small
+    all-reduce, and a wait for the device, per step). The ranks' stop votes (one slot per
+    stop signal, see pipeline.train.stop) ride in the same all-reduce: returns (counts, the
+    summed votes), and every rank learns after the same step that one of them got a signal."""
+    bad = torch.zeros(n + len(votes), dtype=torch.float64, device=losses.device)
+    bad.index_add_(0, source, (~torch.isfinite(losses)).double())
+    if votes:
+        bad[n:] = torch.tensor(votes, dtype=torch.float64)
+    sums = dist.all_reduce_sum(bad).tolist()
+    return [int(c) for c in sums[:n]], sums[n:]
+
+
+class NonFiniteLoss(Exception):
+    """The loss stopped being a number: the run stops rather than train on (exit code 3)."""
+
+
+def _before_resume(tallies, before):
+    """Per-rank tallies of the part of an epoch run on another world size, for the summary;
+    `before`: those of still earlier world sizes."""
+    out = dict(before or {})
+    for r, f in enumerate(tallies):
+        out[f"before_resume_rank{r}"] = f
+    return out
+
+
+def where(run):
+    """'epoch E, step S' inside an epoch, 'the end of epoch E, step S' between two (E from 1)."""
+    if run.in_epoch:
+        return f"epoch {run.epoch + 1}, step {run.step}"
+    return f"the end of epoch {run.epoch}, step {run.step}"
+
+
+def _short(value, n=80):
+    text = repr(value)
+    return text if len(text) <= n else text[:n] + "..."
