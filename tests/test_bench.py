@@ -27,6 +27,8 @@ SLOW = pytest.mark.slow  # one benchmark run in a subprocess: ~45 s
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_loader.py"
 PEERS = tool_module("bench_peers")  # imports no peer library
+sys.path.insert(0, str(TOOL.parent))  # the benchmark's parts, tools/bench/
+from bench import cpu, host, micro  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -66,7 +68,7 @@ def test_throughput_entries(record):
     for e in record["throughput"]:  # each run says how much of its CPUs' time was stolen, where Linux tells
         for r in e["runs"]:
             assert r["steal_share"] is None or (0 <= r["steal_share"] <= 1 and r["busy_ticks"] + r["steal_ticks"] > 0)
-    if tool_module("bench_loader").host_ticks() is not None:  # this host's /proc/stat tells it
+    if cpu.host_ticks() is not None:  # this host's /proc/stat tells it
         assert any(r["steal_share"] is not None for e in record["throughput"] for r in e["runs"])
     assert isinstance(record["host"]["cpu"], dict)
     # the workers' CPU (reaped by us or by a forkserver) must be counted
@@ -143,8 +145,8 @@ def test_stage_costs(tmp_path, monkeypatch):
     not its figures, is what is checked here."""
     out = tmp_path / "s.json"
     tool = tool_module("bench_loader")
-    monkeypatch.setattr(tool, "stage_costs", functools.partial(tool.stage_costs, n=20_000))
-    monkeypatch.setattr(tool, "thread_switch", functools.partial(tool.thread_switch, normalizes=5, steps=1))
+    monkeypatch.setattr(micro, "stage_costs", functools.partial(micro.stage_costs, n=20_000))
+    monkeypatch.setattr(micro, "thread_switch", functools.partial(micro.thread_switch, normalizes=5, steps=1))
     proc = main_in_process(tool.main, "bench_loader.py", ["--stages", "--repeats", "2", "--json", out])
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
@@ -161,34 +163,33 @@ def test_host_facts_from_proc_text():
     """Steal is the eighth number of a cpuN line of /proc/stat, counted only for the CPUs given
     and against their busy time (user, nice, system, irq, softirq), so an idle CPU does not
     dilute it; what cannot be read or told gives None, never an error or a made-up 0%."""
-    tool = tool_module("bench_loader")
     stat = ("cpu  30 1 5 900 1 3 2 14 3 0\n"
             "cpu0 10 1 5 100 1 3 2 4 3 0\n"  # busy 10+1+5+3+2 = 21 (idle, iowait and guest left out), stolen 4
             "\n"
             "cpu1 20 0 0 800 0 0 0 10 0 0\n"
             "intr 1 2 3\n")
-    assert tool.host_ticks(stat, cpus={0}) == {0: (4, 21)}
-    assert tool.host_ticks(stat, cpus={0, 1}) == {0: (4, 21), 1: (10, 20)}
-    assert tool.host_ticks(stat, cpus={7}) is None  # none of the CPUs given
+    assert cpu.host_ticks(stat, cpus={0}) == {0: (4, 21)}
+    assert cpu.host_ticks(stat, cpus={0, 1}) == {0: (4, 21), 1: (10, 20)}
+    assert cpu.host_ticks(stat, cpus={7}) is None  # none of the CPUs given
     for bad in ("cpu0 10 1 5 80\n",  # an old kernel without the steal column: no reading, not 0
                 "cpu0 x y\n", "cpu0 1 1 1 1 1 1 1 -1\n", "cpu0 1 1 1 1 1 1 1 1\ncpu00 1 1 1 1 1 1 1 1\n"):
-        assert tool.host_ticks(bad, cpus={0}) is None, bad
+        assert cpu.host_ticks(bad, cpus={0}) is None, bad
     before, after = {0: (4, 21), 1: (10, 20)}, {0: (9, 36), 1: (10, 30), 2: (50, 50)}
-    assert tool.steal_ticks(before, after) == (5, 25)  # over the CPUs both readings saw
-    assert tool.steal_fields(before, after) == {"steal_share": 5 / 30, "steal_ticks": 5, "busy_ticks": 25}
+    assert cpu.steal_ticks(before, after) == (5, 25)  # over the CPUs both readings saw
+    assert cpu.steal_fields(before, after) == {"steal_share": 5 / 30, "steal_ticks": 5, "busy_ticks": 25}
     for a, b in ((before, {0: (2, 40), 1: (20, 30)}),  # cpu0's steal went back, hidden by cpu1's rise
                  (before, {0: (4, 20), 1: (10, 20)}),  # busy went back
                  (before, {2: (1, 1)}), (None, before)):
-        assert tool.steal_ticks(a, b) is None
-        assert tool.steal_fields(a, b)["steal_share"] is None
-    assert tool.steal_fields(before, before) == {"steal_share": None, "steal_ticks": 0, "busy_ticks": 0}  # no tick
+        assert cpu.steal_ticks(a, b) is None
+        assert cpu.steal_fields(a, b)["steal_share"] is None
+    assert cpu.steal_fields(before, before) == {"steal_share": None, "steal_ticks": 0, "busy_ticks": 0}  # no tick
     info = ("processor\t: 0\r\nvendor_id\t: AuthenticAMD\r\nmodel name\t: Some CPU 9000\r\nstepping\t: 1\r\n"
             "cpu MHz\t\t: 2596.1\r\n\r\nprocessor\t: 1\r\nmodel name\t: Other\r\ncache size\t: 1 KB\r\n")
     first = {"vendor_id": "AuthenticAMD", "model name": "Some CPU 9000", "stepping": "1", "max kHz": "3500000"}
-    assert tool.cpu_identity(info, max_khz="3500000\n") == {"cpu": first}  # the first processor's, no clock
+    assert host.cpu_identity(info, max_khz="3500000\n") == {"cpu": first}  # the first processor's, no clock
     arm = "processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\nCPU part\t: 0xd0c\n"
     for khz in ("fast", "-1"):
-        assert tool.cpu_identity(arm, max_khz=khz) == {"cpu": {"CPU implementer": "0x41", "CPU part": "0xd0c"}}
+        assert host.cpu_identity(arm, max_khz=khz) == {"cpu": {"CPU implementer": "0x41", "CPU part": "0xd0c"}}
 
 
 def absent(monkeypatch):
