@@ -1,28 +1,17 @@
 """Command-line plumbing shared by the entry points: the one-line error parser, byte sizes,
-and the remote-read flags the trainer and `make_shards --index` share."""
+and the remote-read flags the trainer and `make_shards --index` share. It imports nothing
+from `data`, `writers` or `train`: the flags fill the data path's limits
+(`pipeline.data.remote.Policy(**io_limits(args))`), the caller builds them."""
 import argparse
 import math
 import re
 import sys
+import threading
 
-from pipeline.data import remote
-from pipeline.errors import LINE_LIMIT, cut, redact
+from pipeline.errors import printable  # here for the entry points that print their own lines
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)([KMGT]?)(?:i?B)?\Z", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def printable(text, limit=LINE_LIMIT):
-    """One console line of `text`. Names and origins come from files anyone can write: a
-    control character (an escape sequence, a carriage return) is shown as its escape instead
-    of acting on the terminal, a line longer than `limit` is cut (`errors.cut`, saying how much
-    was left out: a class name or a member name may be a megabyte), and the credentials of
-    any URL in it are redacted (`errors.redact`). Every error and warning line goes through here."""
-    return cut(redact(text), limit, _escaped)
-
-
-def _escaped(text):
-    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class Parser(argparse.ArgumentParser):
@@ -79,7 +68,7 @@ IO_RANGES = {"io_timeout": (0.001, 3600.0), "min_rate": (0.001, 1e6), "retries":
 
 
 def add_io_options(p):
-    """The flags that bound every remote read (see pipeline.data.remote.Policy)."""
+    """The flags that bound every remote read (see pipeline.data.remote.Policy, and io_limits)."""
     a = p.add_argument
     a("--io-timeout", type=float, default=30.0, metavar="S",
       help="seconds one network read may stall, and the base of each shard's deadline (default: 30)")
@@ -87,25 +76,28 @@ def add_io_options(p):
       help="a remote shard must arrive at this average rate or its fetch fails and is retried: its deadline is "
            "--io-timeout + its size at this rate (default: 1 MB/s)")
     a("--retries", type=int, default=3, metavar="N",
-      help=f"retries of a failed remote read, 1, 2, 4 ... s apart, at most {remote.MAX_DELAY:g} s (default: 3)")
-    a("--max-shard-bytes", type=byte_size, default=remote.Policy.max_bytes, metavar="BYTES",
+      help=f"retries of a failed remote read, 1, 2, 4 ... s apart, at most {MAX_DELAY:g} s (default: 3)")
+    a("--max-shard-bytes", type=byte_size, default=1 << 30, metavar="BYTES",
       help="the largest shard this job reads (suffixes K, M, G, T): a manifest listing a larger one is refused, "
            "and no transfer's deadline exceeds --io-timeout + this size at --min-rate, whatever a manifest or "
            "server claims (default: 1G)")
 
 
+MAX_DELAY = 60.0  # what --help says of the retry delays: pipeline.data.remote.MAX_DELAY (tests/test_limits.py)
+
+
 def check_io(p, args):
     """Reject I/O flags out of range, or whose longest deadline no timer can hold (one line)."""
     p.within(args, IO_RANGES)
-    try:
-        policy_of(args)
-    except ValueError:
+    deadline = args.io_timeout + args.max_shard_bytes / (args.min_rate * 1e6)  # remote.Policy.deadline(max_bytes)
+    if deadline > threading.TIMEOUT_MAX:
         p.error(f"--max-shard-bytes {args.max_shard_bytes} at --min-rate {args.min_rate:g} MB/s gives a deadline of "
-                f"{args.io_timeout + args.max_shard_bytes / (args.min_rate * 1e6):.3g} s; raise --min-rate or lower "
-                f"--max-shard-bytes")
+                f"{deadline:.3g} s; raise --min-rate or lower --max-shard-bytes")
 
 
-def policy_of(args):
-    """The remote.Policy of the I/O flags (checked by check_io)."""
-    return remote.Policy(retries=args.retries, timeout=args.io_timeout, min_rate=args.min_rate * 1e6,
-                         max_bytes=args.max_shard_bytes)
+def io_limits(args):
+    """The I/O flags (checked by check_io) as the keyword arguments of the data path's limits:
+    `pipeline.data.remote.Policy(**io_limits(args))`. A read past the ceiling names the flag."""
+    return {"retries": args.retries, "timeout": args.io_timeout, "min_rate": args.min_rate * 1e6,
+            "max_bytes": args.max_shard_bytes, "max_source": "--max-shard-bytes"}
+

@@ -1,6 +1,8 @@
 """The errors the data side raises; each message names what is wrong and where, and the
-two filters every printed line goes through (`redact`, `cut`)."""
+filters every printed line goes through (`printable`, which applies `redact` and `cut`).
+It imports nothing from the project: every layer uses it."""
 import re
+import warnings
 
 LINE_LIMIT = 600  # characters of one console line (`cut`): a name from a file may be a megabyte
 NAME_LIMIT = 200  # characters of one name (a key, a class, a URL) quoted inside a message
@@ -80,11 +82,20 @@ class Errors:
 
 
 def _warn(message):
-    import warnings
-
-    from pipeline.cli import printable  # here: cli imports the data path, which imports this module
-
     warnings.warn(printable(message), stacklevel=4)  # keys and URLs come from files anyone can write
+
+
+def printable(text, limit=LINE_LIMIT):
+    """One console line of `text`. Names and origins come from files anyone can write: a
+    control character (an escape sequence, a carriage return) is shown as its escape instead
+    of acting on the terminal, a line longer than `limit` is cut (`cut`, saying how much
+    was left out: a class name or a member name may be a megabyte), and the credentials of
+    any URL in it are redacted (`redact`). Every error and warning line goes through here."""
+    return cut(redact(text), limit, _escaped)
+
+
+def _escaped(text):
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def redact(text):

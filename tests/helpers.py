@@ -849,3 +849,10 @@ class Forker:
             self.pending += chunk
         line, self.pending = self.pending.split(b"\n", 1)
         return int(line)
+
+
+def figure_texts(fig):
+    """Every string drawn on a figure (titles, labels, legends, notes), to check what a picture says."""
+    from matplotlib.text import Text
+
+    return [t.get_text() for t in fig.findobj(Text) if t.get_text()]

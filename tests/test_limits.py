@@ -125,10 +125,12 @@ def test_both_entry_points_share_one_definition_of_the_io_flags(tool, capsys):
 def test_good_io_flags_make_the_policy(tool):
     args = options.parse(["--train", "a=x/", "--io-timeout", "2.5", "--min-rate", "4", "--retries", "0",
                           "--max-shard-bytes", "64M", "--cache-dir", "c", "--cache-size", "1.5G"])
-    assert cli.policy_of(args) == remote.Policy(retries=0, timeout=2.5, min_rate=4e6, max_bytes=64 << 20)
+    assert remote.Policy(**cli.io_limits(args)) == remote.Policy(retries=0, timeout=2.5, min_rate=4e6,
+                                                                 max_bytes=64 << 20)
     assert args.cache_size == int(1.5 * (1 << 30))
     json.dumps(vars(args))  # the config goes into summary.json and the checkpoint as it is
-    assert cli.policy_of(tool.parse_args(["--index", "a:train=x/", "--retries", "7"])).retries == 7
+    assert remote.Policy(**cli.io_limits(tool.parse_args(["--index", "a:train=x/", "--retries", "7"]))).retries == 7
+    assert cli.MAX_DELAY == remote.MAX_DELAY  # --help's "at most 60 s" is the data path's
     assert [cli.size(t) for t in ("1", "2K", "3m", "1GiB", "1gb", "0.5T")] == [1, 2048, 3 << 20, 1 << 30, 1 << 30, 1 << 39]
 
 
@@ -429,7 +431,7 @@ def test_a_local_file_past_the_ceiling_is_refused_before_it_is_read(tmp_path):
     with open(path, "wb") as f:
         f.truncate((2 << 20) + 1)
     read = []
-    policy = remote.Policy(max_bytes=2 << 20)
+    policy = remote.Policy(**cli.io_limits(options.parse(["--train", "a=x/", "--max-shard-bytes", "2M"])))
     with pytest.raises(ShardError, match=r"b.tar: 2097153 bytes, more than 2097152 bytes.*--max-shard-bytes"):
         remote.read_url(str(path), read.append, policy=policy)
     assert not read

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from helpers import build_shards, key_index
+from helpers import build_shards, figure_texts, key_index
 from pipeline.writers import preview as pv
 from pipeline.errors import ShardError
-from pipeline.train.report import figure_texts
 
 
 @pytest.fixture(scope="module")

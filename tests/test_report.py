@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import main_in_process, tool_module
+from helpers import figure_texts, main_in_process, tool_module
 from pipeline.train import report
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "report.py"
@@ -116,7 +116,7 @@ def test_out_puts_the_picture_elsewhere(run_dir, tmp_path):
 
 
 def test_figure_says_which_data_each_source_is(run_dir):
-    texts = report.figure_texts(report.build_figure(report.load_run(str(run_dir))))
+    texts = figure_texts(report.build_figure(report.load_run(str(run_dir))))
     joined = "\n".join(texts)
     for name, origin in ORIGINS.items():
         assert f"{name} ({origin})" in joined
@@ -129,7 +129,7 @@ def test_figure_says_which_data_each_source_is(run_dir):
 def test_summary_alone_says_which_data_each_source_is(tmp_path):
     """Before any eval line (or with no --eval sources) only summary.json knows the origins."""
     folder = write_run(tmp_path / "r", metrics_lines()[:3], summary())
-    joined = "\n".join(report.figure_texts(report.build_figure(report.load_run(str(folder)))))
+    joined = "\n".join(figure_texts(report.build_figure(report.load_run(str(folder)))))
     for name, origin in ORIGINS.items():
         assert f"{name} ({origin})" in joined
 
@@ -140,13 +140,13 @@ def test_without_summary_origins_are_unknown_until_evaluated(tmp_path):
     r = cli(folder)
     assert r.returncode == 0, r.stderr
     assert (folder / "report.png").read_bytes()[:4] == b"\x89PNG"
-    joined = "\n".join(report.figure_texts(report.build_figure(report.load_run(str(folder)))))
+    joined = "\n".join(figure_texts(report.build_figure(report.load_run(str(folder)))))
     assert "mnist (origin unknown)" in joined and "cifar10 (origin unknown)" in joined
     assert "no summary.json" in joined
     assert [row["epoch"] for row in table_rows(r.stdout)] == ["1"]
 
     folder = write_run(tmp_path / "evaluated", lines[:4])  # an eval line says what data it tested on
-    joined = "\n".join(report.figure_texts(report.build_figure(report.load_run(str(folder)))))
+    joined = "\n".join(figure_texts(report.build_figure(report.load_run(str(folder)))))
     assert f"mnist ({ORIGINS['mnist']})" in joined and "origin unknown" not in joined
 
 
@@ -248,7 +248,7 @@ def test_confusion_matrices_are_drawn_with_class_names(tmp_path):
     lines[-1]["eval"]["mnist"].update(per_class={"0": 1.0}, confusion=[[1, 2, 3]])  # malformed: rows of 2 expected
     folder = write_run(tmp_path / "r", lines, summary())
     fig = report.build_figure(report.load_run(str(folder)))
-    texts = report.figure_texts(fig)
+    texts = figure_texts(fig)
     assert any("cifar10: confusion, accuracy 0.750" in t for t in texts)
     assert not any("mnist: confusion" in t for t in texts)
     labels = {t.get_text() for ax in fig.axes for t in ax.get_xticklabels() + ax.get_yticklabels()}
@@ -286,7 +286,7 @@ def test_equal_weights_stay_visible_and_the_share_axis_is_the_whole_0_to_1(tmp_p
     a, b = dashed.values()
     assert list(a.get_ydata()) == list(b.get_ydata())  # the same values, drawn truthfully
     assert a._dash_pattern != b._dash_pattern  # but dashes that interleave: both colours show
-    assert any("equal to" in t for t in report.figure_texts(fig))  # in the legend
+    assert any("equal to" in t for t in figure_texts(fig))  # in the legend
     unequal = report.build_figure(report.load_run(str(write_run(tmp_path / "r2", metrics_lines(), summary()))))
     ax = next(a for a in unequal.axes if "mixture share" in a.get_title())
     assert {ln.get_label() for ln in ax.get_lines() if "weight" in ln.get_label()} == {"mnist weight", "cifar10 weight"}
@@ -304,7 +304,7 @@ def test_an_infinite_or_nan_loss_is_left_out_and_said(tmp_path):
     said = ("left out of the picture: 2 loss value(s), 1 samples/s value(s) that are not finite numbers "
             "(Infinity or NaN)")
     assert said in r.stdout.splitlines()
-    assert said in report.figure_texts(report.build_figure(report.load_run(str(folder))))
+    assert said in figure_texts(report.build_figure(report.load_run(str(folder))))
 
 
 def test_stops_and_resumes_are_marked(tmp_path):
@@ -315,7 +315,7 @@ def test_stops_and_resumes_are_marked(tmp_path):
     s = dict(summary(), resumed_from={"epoch": 2, "step": 17})
     folder = write_run(tmp_path / "r", lines, s)
     fig = report.build_figure(report.load_run(str(folder)))
-    texts = report.figure_texts(fig)
+    texts = figure_texts(fig)
     assert "stopped (SIGTERM) and resumed at step 12" in texts and "resumed at step 17" in texts
     dotted = [ln for ax in fig.axes for ln in ax.get_lines() if ln.get_linestyle() == ":"]
     assert sorted({ln.get_xdata()[0] for ln in dotted}) == [12, 17] and len(dotted) == 6  # on 3 step panels

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipeline.data import decode, manifest, remote
 from pipeline.writers import index, shards, sources  # noqa: E402
-from pipeline.cli import Parser, add_io_options, check_io, policy_of, printable  # noqa: E402
+from pipeline.cli import Parser, add_io_options, check_io, io_limits, printable  # noqa: E402
 from pipeline.errors import ShardError  # noqa: E402
 from pipeline.data.manifest import NAME_RE  # noqa: E402
 
@@ -220,7 +220,7 @@ def index_order(pairs):
 
 
 def run_index(args):
-    policy = policy_of(args)
+    policy = remote.Policy(**io_limits(args))
     given = (args.classes_from, manifest.load(args.classes_from, policy)) if args.classes_from else None
     trained = {}  # data set -> (path, manifest) of its train split indexed in this command
     for name, split, spec in index_order(args.index):
@@ -309,7 +309,7 @@ def run(args):
     if args.preview:
         return run_preview(args)
     if args.verify:
-        problems = shards.verify(args.out, policy_of(args))
+        problems = shards.verify(args.out, remote.Policy(**io_limits(args)))
         for line in problems:
             print(f"FAIL {line}")
         print(f"verify {args.out}: {'OK' if not problems else f'{len(problems)} problem(s)'}")

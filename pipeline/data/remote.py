@@ -5,7 +5,7 @@ byte size at a minimum rate), so a server that drips one byte every few seconds
 fails instead of hanging a rank that no collective timeout can reach (ranks
 wait in their DataLoader, not in an all-reduce). The size is the job's to bound,
 not the data's: the manifest's size, else the Content-Length the server announces
-(else UNKNOWN_SIZE), never more than the job's ceiling (`Policy.max_bytes`,
+(else UNKNOWN_SIZE), never more than the job's ceiling (`Policy.max_bytes`; the command line's
 --max-shard-bytes).
 A server that announces another size than the manifest, or more than the
 ceiling, fails at once; a body that runs past either is cut off.
@@ -67,14 +67,16 @@ class Policy:
     """How hard to try: `retries` after the first attempt, `delay` seconds before the first
     retry (doubling up to MAX_DELAY), `timeout` seconds for one socket operation, a deadline
     per transfer of `timeout` + its bytes at `min_rate` bytes a second, and `max_bytes`, the
-    most a transfer may be (and so the longest its deadline may be)."""
+    most a transfer may be (and so the longest its deadline may be). `max_source` names where
+    that ceiling comes from in the message of a transfer refused for it (the command line
+    fills it with its flag: pipeline.cli.io_limits)."""
 
     retries: int = 3
     delay: float = 1.0
     timeout: float = 30.0
     min_rate: float = 1 << 20
     max_bytes: int = 1 << 30
-    max_name: str = dataclasses.field(default="--max-shard-bytes", compare=False)  # where max_bytes comes from
+    max_source: str = dataclasses.field(default="Policy.max_bytes", compare=False)
 
     def __post_init__(self):
         if not (0 <= self.retries <= 1000 and 0 <= self.delay <= MAX_DELAY and 0 < self.timeout <= 86400
@@ -192,7 +194,7 @@ class _HTTP:
             raise DigestError(f"the server announces {length} bytes, the manifest says {nbytes}")
         if length > policy.max_bytes:
             raise ShardError(f"the server announces {length} bytes: more than {policy.max_bytes} bytes, the most this "
-                             f"job allows ({policy.max_name})")
+                             f"job allows ({policy.max_source})")
         if policy.deadline(length) != self.limit:
             self._arm(policy.deadline(length))
 
@@ -286,7 +288,8 @@ class _Checked:
         if self.nbytes is not None and self.got > self.nbytes:  # an endless body would fill the cache
             raise DigestError(f"more than the {self.nbytes} bytes the manifest says")
         if self.got > self.policy.max_bytes:
-            raise ShardError(f"more than {self.policy.max_bytes} bytes, the most this job allows ({self.policy.max_name})")
+            raise ShardError(f"more than {self.policy.max_bytes} bytes, the most this job allows "
+                             f"({self.policy.max_source})")
         if self.hash:
             self.hash.update(data)
         if self.copy:
@@ -372,7 +375,7 @@ def open_local(path, policy=Policy()):
     if size > policy.max_bytes:
         f.close()
         raise ShardError(f"{path}: {size} bytes, more than {policy.max_bytes} bytes, the most this job allows "
-                         f"({policy.max_name})")
+                         f"({policy.max_source})")
     return _Local(f, path, policy.deadline(size))
 
 
@@ -421,7 +424,7 @@ def fetch(url, *, policy=Policy(), nbytes=None, limit=None, limit_name="the limi
     """All bytes at `url` (local, http(s) or pipe:), with retries and a deadline; ShardError
     past `limit` bytes (refused from the Content-Length when a server announces more)."""
     if limit is not None and limit < policy.max_bytes:
-        policy = dataclasses.replace(policy, max_bytes=limit, max_name=limit_name)
+        policy = dataclasses.replace(policy, max_bytes=limit, max_source=limit_name)
     return read_url(url, lambda f: read_all(f, limit), policy=policy, nbytes=nbytes)
 
 

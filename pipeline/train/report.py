@@ -16,8 +16,8 @@ import math
 import os
 import statistics
 
-from pipeline.cli import printable
-from pipeline.errors import ShardError
+from pipeline.errors import ShardError, printable
+from pipeline.figures import new_figure, plain
 from pipeline.files import open_regular
 
 UNKNOWN = "origin unknown"
@@ -294,33 +294,6 @@ def table(run):
 
 
 # ---------------------------------------------------------------- drawing
-
-
-def plain(text, limit=200):
-    """Text from a run or a manifest, shown as it is: `$` would start matplotlib's math
-    mode (and a stray one fails the whole drawing), and a long note would overflow."""
-    text = str(text)
-    if len(text) > limit:
-        text = text[:limit - 1] + "…"
-    return text.replace("$", r"\$")
-
-
-def new_figure(width, height, dpi=100):
-    """A figure on the Agg canvas without pyplot, so nothing global (backend, open
-    figures) changes in the process that draws it."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), dpi=dpi)
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def figure_texts(fig):
-    """Every string drawn on a figure (titles, labels, legends, notes), to check what a picture says."""
-    from matplotlib.text import Text
-
-    return [t.get_text() for t in fig.findobj(Text) if t.get_text()]
 
 
 def _colours(names):

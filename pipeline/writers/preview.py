@@ -12,7 +12,7 @@ import textwrap
 import numpy as np
 
 from pipeline.data import manifest, stages
-from pipeline.train.report import new_figure, plain
+from pipeline.figures import new_figure, plain
 
 
 CELL = 1.3  # inches per sample

@@ -1,0 +1,139 @@
+"""The house's layers, read from the source (nothing is imported): no import circle in
+pipeline/ or tools/, and no import from a lower layer to a higher one. Every import counts,
+a lazy one inside a function too: it is a circle all the same, only hidden.
+
+Layers, bottom first: the shared modules (cli, errors, files, figures) < pipeline.data <
+pipeline.writers < pipeline.train < tools. A module may import its own layer and those below.
+"""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BOTTOM = {"pipeline", "pipeline.cli", "pipeline.errors", "pipeline.files", "pipeline.figures"}
+ORDER = ["bottom", "pipeline.data", "pipeline.writers", "pipeline.train", "tools"]
+# pipeline.stream and pipeline.topology only stand for pipeline.data.stream and .topology
+STAND_INS = {"pipeline.stream": "pipeline.data", "pipeline.topology": "pipeline.data"}
+
+
+def module_files():
+    """{module name: path} of every .py file under pipeline/ and tools/. A tool imports another
+    tool by its bare name (tools/ is on its sys.path): `tools.` is added here to tell them apart."""
+    out = {}
+    for top in ("pipeline", "tools"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def imports(name, path, modules):
+    """[(imported module, line)] of the project's modules that `path` (module `name`) imports."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            targets = [f"{base}.{a.name}" for a in node.names]  # a submodule, else a name in `base`
+        else:
+            continue
+        for target in dict.fromkeys(resolve(t, name, modules) for t in targets):
+            if target:
+                found.append((target, node.lineno))
+    return found
+
+
+def resolve(target, importer, modules):
+    """The project module `target` names (the longest known prefix), or None for the outside world."""
+    candidates = [target]
+    if importer.startswith("tools."):
+        candidates.append(f"tools.{target}")
+    for candidate in candidates:
+        parts = candidate.split(".")
+        for n in range(len(parts), 0, -1):
+            if ".".join(parts[:n]) in modules and (n > 1 or parts[0] == "pipeline"):
+                return ".".join(parts[:n])
+    return None
+
+
+def layer(module):
+    if module in BOTTOM:
+        return "bottom"
+    if module in STAND_INS:
+        return STAND_INS[module]
+    for top in ORDER[1:]:
+        if module == top or module.startswith(top + "."):
+            return top
+    raise AssertionError(f"{module}: in no layer; add it to one in tests/test_layers.py")
+
+
+def graph():
+    modules = module_files()
+    return {name: imports(name, path, modules) for name, path in modules.items()}
+
+
+def circles(edges):
+    """The strongly connected parts of more than one module (or one that imports itself), each
+    as a list of 'a -> b (line n)' ties (Tarjan)."""
+    index, low, stack, on, parts = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w, _ in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1 or any(w == v for w, _ in edges[v]):
+                parts.append([f"{a} -> {b} (line {line})" for a in sorted(part) for b, line in edges[a] if b in part])
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return parts
+
+
+def test_the_reader_sees_the_imports_it_should():
+    edges = graph()
+    assert [m for m, _ in edges["pipeline.files"]] == ["pipeline.errors"]
+    assert {"pipeline.data.decode", "pipeline.data.manifest", "pipeline.data.remote"} <= {
+        m for m, _ in edges["tools.make_shards"]}  # `from pipeline.data import decode, manifest, remote`
+    assert "pipeline.data.remote" in [m for m, _ in edges["pipeline.data.manifest"]]
+    assert "tools.bench_peers" in [m for m, _ in edges["tools.bench_loader"]]
+    assert {"pipeline", "pipeline.data", "pipeline.train", "tools.make_shards"} <= set(edges)
+
+
+def test_no_import_circle():
+    found = circles(graph())
+    assert not found, "import circles:\n" + "\n".join("  " + "; ".join(c) for c in found)
+
+
+def test_no_import_from_a_lower_layer_to_a_higher_one():
+    up = [f"{a} (line {line}) imports {b}: {layer(a)} may not import {layer(b)}"
+          for a, targets in graph().items() for b, line in targets
+          if ORDER.index(layer(a)) < ORDER.index(layer(b))]
+    assert not up, "imports that run up the layers:\n" + "\n".join("  " + u for u in up)
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert circles({"a": [("b", 1)], "b": [("c", 2)], "c": [("a", 3)], "d": [("a", 4)]}) == [
+        ["a -> b (line 1)", "b -> c (line 2)", "c -> a (line 3)"]]
+    assert circles({"a": [("a", 7)]}) == [["a -> a (line 7)"]]
+    assert circles({"a": [("b", 1)], "b": []}) == []
