@@ -101,7 +101,7 @@ def test_manifest_sizes_that_understate_or_claim_the_most_change_nothing_read(ra
     want = sequential(raw_source.urls)
     for claim in (1, stages.WHOLE_SHARD):  # the arena grows past a small claim; a large one sizes no more
         reader = stages.Reader(raw_source)
-        reader.facts = {u: (c, claim, d) for u, (c, _, d) in reader.facts.items()}
+        reader.expected = {u: (c, claim, d) for u, (c, _, d) in reader.expected.items()}
         data = reader(window_of(raw_source))
         assert (data.keys, [bytes(r) for r in data.images.take(slice(None))], data.labels.tolist()) == want
         assert len(reader.arena.buf) <= stages.WHOLE_SHARD + (1 << 20)
@@ -148,7 +148,7 @@ def test_the_arena_keeps_no_more_than_the_images_need_and_gives_back_a_large_win
     padded = tmp_path / "padded.tar"
     padded.write_bytes(open(raw_source.urls[0], "rb").read() + bytes(8 << 20))  # zeros after the end: still read
     reader = stages.Reader(raw_source)
-    reader.facts[str(padded)] = (10, padded.stat().st_size, None)
+    reader.expected[str(padded)] = (10, padded.stat().st_size, None)
     data = reader(stages.Window(((str(padded), 0, None),)))
     assert len(data) == 10 and reader.arena.used < 64 << 10
     assert len(reader.arena.buf) > 8 << 20  # the claim made room for the padding once
@@ -157,7 +157,7 @@ def test_the_arena_keeps_no_more_than_the_images_need_and_gives_back_a_large_win
     members = read_members(raw_source.urls[0])
     write_tar(extra, [m for name, body in members
                       for m in [(name, body)] + ([(name[:-3] + "bin", b"x" * 1000)] if name.endswith(".cls") else [])])
-    reader.facts[str(extra)] = (10, extra.stat().st_size, None)
+    reader.expected[str(extra)] = (10, extra.stat().st_size, None)
     data = reader(stages.Window(((str(extra), 0, None),)))
     assert len(data) == 10 and not isinstance(data.images, Rows) and reader.arena.used == 0
     reader(window_of(raw_source, raw_source.urls[:1]))

@@ -23,7 +23,7 @@ class _AsSent(torch.utils.data.IterableDataset):
     def __iter__(self):
         ring = _RingFed(self.stream, BatchRing(1, 1, self.stream.layout.batch_shape(self.stream.batch_size)))
         ring.ring.busy.fill_(1)  # every ring buffer busy: the worker falls back to a new shared tensor
-        for b in self.stream.batches(Worker.current(), lambda n: ring._lend(0, n)):
+        for b in self.stream.batches(Worker.current(), lambda n: ring._borrow_buffer(0, n)):
             yield torch.from_numpy(b["image"]).is_shared() or _shared_numpy(b["image"]), b["image"].dtype
 
 

@@ -172,14 +172,15 @@ NOTHING = ([], np.zeros((0, 1, 1, 1), np.uint8), np.zeros(0, np.int64))  # what 
 class Collate(Node):
     """The last stage: what `upstream` (a `stages.Mix`) took, as one batch in this layout,
     with the samples skipped since the last batch (`errors.skipped`), into a buffer from
-    `lend(n)` when given (a worker's BatchRing)."""
+    `borrow_buffer(n)` when given (a worker's BatchRing)."""
 
-    def __init__(self, upstream, layout, errors, lend=None):
-        self.upstream, self.layout, self.errors, self.lend, self.reported = upstream, layout, errors, lend, 0
+    def __init__(self, upstream, layout, errors, borrow_buffer=None):
+        self.upstream, self.layout, self.errors, self.borrow_buffer = upstream, layout, errors, borrow_buffer
+        self.reported = 0
 
     def next(self, n=None):
         choice, parts = self.upstream.next(n)
-        handle, canvas = self.lend(len(choice)) if self.lend else (None, None)
+        handle, canvas = self.borrow_buffer(len(choice)) if self.borrow_buffer else (None, None)
         batch = self.layout.collate(choice, [p if p is not None else NOTHING for p in parts],
                                     self.errors.skipped - self.reported, canvas)
         self.reported = self.errors.skipped

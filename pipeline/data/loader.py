@@ -86,9 +86,9 @@ class _RingFed(torch.utils.data.IterableDataset):
         if self.ring is None:
             return self.stream.batches(worker)
         self.ring.free(worker.id)
-        return self.stream.batches(worker, functools.partial(self._lend, worker.id))
+        return self.stream.batches(worker, functools.partial(self._borrow_buffer, worker.id))
 
-    def _lend(self, worker, n):
+    def _borrow_buffer(self, worker, n):
         handle, images = self.ring.take(worker, n)
         if handle is None:
             images = shared_zeros((n, *self.ring.images.shape[3:]), np.uint8).numpy()

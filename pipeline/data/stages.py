@@ -180,14 +180,14 @@ class Reader:
         self.regular = (self.target.image_exts[0], label_ext) if one_image and integers else None
         self.arena = Arena() if self.regular and self.regular[0] == "raw" else None  # raw shards: read into it
         n = len(source.urls)
-        self.facts = {u: (c, b, d) for u, c, b, d in zip(source.urls, source.counts, source.sizes or [None] * n,
+        self.expected = {u: (c, b, d) for u, c, b, d in zip(source.urls, source.counts, source.sizes or [None] * n,
                                                          source.digests or [None] * n)}
-        self.named = set()
+        self.miscount_said = set()  # urls whose count differing from the manifest was reported
 
     def __call__(self, window):
         out, shards = WindowData(), {}
         if self.arena is not None:  # the last window's rows were all taken before this one is read
-            claimed = sum(self.facts.get(url, (0, 0, 0))[1] or 0 for url in {url for url, _, _ in window.rows})
+            claimed = sum(self.expected.get(url, (0, 0, 0))[1] or 0 for url in {url for url, _, _ in window.rows})
             self.arena.clear(min(claimed, WHOLE_SHARD))  # a claim sizes the first room, never more than a shard
         for url, lo, hi in window.rows:
             if url not in shards:  # a window may list a shard twice (drawn with replacement)
@@ -200,7 +200,7 @@ class Reader:
         (position, key, error), how many positions it held, the error that ended it). Raw
         shards read whole go into the window's arena, where their images stay."""
         arena = self.arena
-        count, nbytes, digest = self.facts.get(url, (None, None, None))
+        count, nbytes, digest = self.expected.get(url, (None, None, None))
         whole = nbytes is not None and nbytes <= WHOLE_SHARD
         got, bad, cols = 0, [], None
         begin = arena.used if arena is not None else 0
@@ -261,8 +261,8 @@ class Reader:
         else:
             if count is not None and got < count and self.errors.strict:  # a tar may end without its end blocks
                 raise ShardError(f"{url}: {got} samples, the manifest says {count}: the tar ends early (truncated)")
-            if count is not None and got != count and url not in self.named:
-                self.named.add(url)
+            if count is not None and got != count and url not in self.miscount_said:
+                self.miscount_said.add(url)
                 lost = max(count - got, 0)
                 self.errors.note(f"{url}: {got} samples, the manifest says {count}" +
                                  (f"; the {lost} missing counted as skipped" if lost else ""))

@@ -47,12 +47,13 @@ HEADER_BYTES = 1024  # a sample's tar headers, for sources whose manifest gives 
 @dataclasses.dataclass
 class Start:
     """Where each of this rank's logical workers starts in the segment: batches made,
-    positions read per source; rotation: which logical worker DataLoader's worker 0
-    plays, so batches arrive in the order an uninterrupted run has them."""
+    positions read per source; first_logical: the logical worker DataLoader's worker 0
+    plays (worker w plays (first_logical + w) % workers), so batches arrive in the order an
+    uninterrupted run has them."""
 
     done: dict = dataclasses.field(default_factory=dict)
     positions: dict = dataclasses.field(default_factory=dict)
-    rotation: int = 0
+    first_logical: int = 0
 
 
 class MixedStream(torch.utils.data.IterableDataset):
@@ -99,7 +100,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         self.workers = 1
         self.epoch = 0
         self.segment, self.start = None, Start()
-        self.consumed = {}
+        self.arrived = {}
         self._pending, self._targets = None, None
         self._orders = {}
         self._shared = None  # (epoch, probs, started) in shared memory once persistent workers hold copies
@@ -124,7 +125,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         """The segment of the current epoch this stream runs: the epoch's first, or a resumed one."""
         seg = self.segment
         if seg is not None and seg.epoch != self.epoch:  # a new epoch starts from its beginning
-            seg, self.start, self.consumed, self._pending = None, Start(), {}, None
+            seg, self.start, self.arrived, self._pending = None, Start(), {}, None
         if seg is None:
             seg = deal.first(self.epoch, self.targets(), world=self.topo.world, workers=self.workers,
                              batch_size=self.batch_size, batches=self.batches_per_epoch, seed=self.seed,
@@ -184,9 +185,9 @@ class MixedStream(torch.utils.data.IterableDataset):
     def __iter__(self):
         return map(Arrival(self), self.batches())
 
-    def batches(self, worker=None, lend=None):
+    def batches(self, worker=None, borrow_buffer=None):
         """This epoch's batches for the calling rank and worker, as a worker sends them:
-        uint8 images (in a buffer from `lend(n)` when given), numpy labels and sources,
+        uint8 images (in a buffer from `borrow_buffer(n)` when given), numpy labels and sources,
         and the worker's `state` after the batch."""
         if self._shared is not None:  # a persistent worker: take what the main process set
             self.epoch, self.probs = self._shared[0].value, list(self._shared[1])
@@ -196,8 +197,8 @@ class MixedStream(torch.utils.data.IterableDataset):
         if worker.count != seg.workers:
             raise RuntimeError(f"{worker.count} DataLoader workers, the stream was set for {seg.workers}")
         # the list of pairs as split_by_node / split_by_worker deal it, each physical worker
-        # playing the logical one the rotation gives it
-        pairs = [r + ((w + start.rotation) % seg.workers) * seg.world
+        # playing the logical one `start.first_logical` gives it
+        pairs = [r + ((w + start.first_logical) % seg.workers) * seg.world
                  for w in range(seg.workers) for r in range(seg.world)]
         pair = own_items(pairs, self.topo, worker)[0]
         logical = pair // seg.world
@@ -208,7 +209,7 @@ class MixedStream(torch.utils.data.IterableDataset):
                                        self._reader(s, errors), sample_stages=self.sample_stages)
                    for i, s in enumerate(self.sources)]
         mix = stages.Mix(streams, seg.choices(pair), self.batch_size, at=start.done.get(logical, 0))
-        out = Collate(mix, self.layout, errors, lend)
+        out = Collate(mix, self.layout, errors, borrow_buffer)
         count = seg.worker_batches(logical)
         while mix.at < count:
             batch = out.next()
@@ -221,12 +222,12 @@ class MixedStream(torch.utils.data.IterableDataset):
     # ------------------------------------------------------------ state
 
     def record(self, state):
-        """A consumed batch's worker state (the hand-over calls this in the consuming process)."""
-        self.consumed[state["worker"]] = state
+        """The worker state of a batch that arrived (the hand-over calls this in the consuming process)."""
+        self.arrived[state["worker"]] = state
 
     def _done(self):
         done = dict(self.start.done)
-        done.update({w: s["batches"] for w, s in self.consumed.items()})
+        done.update({w: s["batches"] for w, s in self.arrived.items()})
         return done
 
     def state_dict(self):
@@ -235,7 +236,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         rank's (or one, to go on on the same world)."""
         seg = self.current()
         positions = {w: list(p) for w, p in self.start.positions.items()}
-        positions.update({w: list(s["positions"]) for w, s in self.consumed.items()})
+        positions.update({w: list(s["positions"]) for w, s in self.arrived.items()})
         mine = {"rank": self.topo.rank,
                 "done": {str(w): int(self._done().get(w, 0)) for w in range(seg.workers)},
                 "positions": {str(w): [int(x) for x in positions.get(w, [0] * len(self.sources))]
@@ -271,7 +272,7 @@ class MixedStream(torch.utils.data.IterableDataset):
             done = {int(w): d for w, d in mine["done"].items()}
             self.segment = seg
             self.start = Start(done, {int(w): p for w, p in mine["positions"].items()},
-                               rotation=sum(done.values()) % seg.workers)
+                               first_logical=sum(done.values()) % seg.workers)
             deal_kind = "same"
         else:
             if len(ranks) != seg.world:
@@ -285,7 +286,7 @@ class MixedStream(torch.utils.data.IterableDataset):
                                     batch_size=here[2])
             self.start = Start()
             deal_kind = "re-deal"
-        self.consumed = {}
+        self.arrived = {}
         return {"deal": deal_kind, "generation": self.segment.generation, "from": list(was), "to": list(here)}
 
     def _check(self, root, ranks):
@@ -458,7 +459,7 @@ class EvalStream(torch.utils.data.IterableDataset):
     def __iter__(self):
         return map(Arrival(self), self.batches())
 
-    def batches(self, worker=None, lend=None):
+    def batches(self, worker=None, borrow_buffer=None):
         """This worker's share of the test batches, as a worker sends them."""
         worker = worker or Worker.current()
         errors = Errors(self.on_error)
@@ -472,7 +473,7 @@ class EvalStream(torch.utils.data.IterableDataset):
             if not keys and errors.skipped == reported:
                 return
             parts[self.index] = (keys, pixels, labels)
-            handle, canvas = lend(len(keys)) if lend else (None, None)
+            handle, canvas = borrow_buffer(len(keys)) if borrow_buffer else (None, None)
             batch = self.layout.collate(np.full(len(keys), self.index), parts, errors.skipped - reported, canvas)
             reported = errors.skipped
             if handle is not None:
