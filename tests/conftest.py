@@ -1,5 +1,6 @@
-"""Helpers shared by the shard tests: read shards with Python's tarfile (independent of
-pipeline.shards' own reader) and decode a sample the way a consumer would."""
+"""Fixtures shared by the test modules (plain functions live in helpers.py): read shards with
+Python's tarfile (independent of pipeline.shards' own reader) and decode a sample the way a
+consumer would, the shard sets several modules read, and the runs several modules compare."""
 import io
 import os
 import tarfile
@@ -56,6 +57,35 @@ def mixed_shards(tmp_path_factory):
     return shared_shards(tmp_path_factory, "mixed-shards", [("mnist", "train", 200, "raw"),
                                                            ("cifar10", "train", 200, "raw"),
                                                            ("mnist", "test", 40, "raw")], maxcount=20)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """The stream tests' shards (helpers.STREAM_SPECS), built once a module, as a namespace:
+    .dir, .synth[name, split] (each key's true image and label), .manifests[name, split].
+    test_stream, test_loader and test_manifest read them; modules with data of their own
+    (test_train, test_security, ...) define a `data` fixture of their own, which overrides this one."""
+    from types import SimpleNamespace
+
+    from helpers import STREAM_SPECS, build_shards
+
+    folder = tmp_path_factory.mktemp("shards")
+    synth, manifests = {}, {}
+    for (name, split), (n, shape, enc, maxcount) in STREAM_SPECS.items():
+        manifests[name, split], synth[name, split] = build_shards(folder, name, split, n, shape=shape,
+                                                                  encoding=enc, maxcount=maxcount)
+    return SimpleNamespace(dir=str(folder), synth=synth, manifests=manifests)
+
+
+@pytest.fixture(scope="module")
+def even(tmp_path_factory):
+    """Shards that divide evenly over 4 slots: mnist 16 x 10, cifar10 8 x 10 (test_stream, test_loader)."""
+    from helpers import build_shards
+
+    folder = tmp_path_factory.mktemp("even")
+    build_shards(folder, "mnist", "train", 160, maxcount=10)
+    build_shards(folder, "cifar10", "train", 80, shape=(3, 32, 32), maxcount=10)
+    return str(folder)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -60,6 +60,124 @@ def write_tar(path, members):
             tar.addfile(info, io.BytesIO(data))
 
 
+# ---------------------------------------------------------------- the stream tests' data and runs
+
+HALF = {"mnist": 0.5, "cifar10": 0.5}
+
+STREAM_SPECS = {  # the module fixture `data` (conftest): (name, split): (samples, shape, encoding, maxcount)
+    ("mnist", "train"): (230, (1, 28, 28), "raw", 20),
+    ("cifar10", "train"): (50, (3, 32, 32), "raw", 8),
+    ("tiny", "train"): (12, (3, 32, 32), "raw", 6),
+    ("mnist", "test"): (50, (1, 28, 28), "png", 20),
+    ("cifar10", "test"): (30, (3, 32, 32), "png", 8),
+    ("tiny", "test"): (7, (3, 32, 32), "png", 4),
+}
+
+
+def train_sources(folder, names=("mnist", "cifar10")):
+    """The train splits of `names` under `folder`, resolved as the trainer resolves --train."""
+    from pipeline.data.stream import resolve
+
+    return [resolve(n, folder, "train") for n in names]
+
+
+def run_epoch(stream, workers=0):
+    """Every batch of one epoch through make_loader, reduced to plain lists."""
+    from types import SimpleNamespace
+
+    from pipeline.data.stream import make_loader
+
+    out = []
+    for b in make_loader(stream, workers):
+        assert len(b["key"]) == len(b["label"]) == len(b["source"]) == b["image"].shape[0]
+        out.append(SimpleNamespace(key=list(b["key"]), source=b["source"].tolist(), skipped=int(b["skipped"])))
+    return out
+
+
+def keys_of(batches):
+    return [k for b in batches for k in b.key]
+
+
+# ---------------------------------------------------------------- shards of in-memory arrays (test_shards, test_read)
+
+CLASSES = [str(i) for i in range(10)]
+
+
+def array_source(n, shape=(1, 8, 8), name="toy", split="train", seed=0):
+    """An ArraySource of n random uint8 images with random labels 0-9, the same for the same seed."""
+    import numpy as np
+
+    from pipeline.writers import sources
+
+    rng = np.random.default_rng(seed)
+    images = rng.integers(0, 256, size=(n, *shape), dtype=np.uint8)
+    return sources.ArraySource(name, split, images, rng.integers(0, 10, n), CLASSES)
+
+
+def build_source(src, out, **kw):
+    """shards.build(src) into `out`, 5 samples a shard unless `maxcount` says otherwise; returns the manifest."""
+    kw.setdefault("maxcount", 5)
+    return shards.build(src, str(out), progress=False, **kw)
+
+
+def project_samples(path, stream=None, **kw):
+    """[(key, {ext: bytes})] as pipeline.read reads them, from `path` or an open stream."""
+    from pipeline.data import read
+
+    with (stream or open(path, "rb")) as f:
+        return [(s.pop("__key__"), {k: v for k, v in s.items() if k != "__url__"})
+                for s in read.iter_samples(f, **kw)]
+
+
+# ---------------------------------------------------------------- PNGs (test_png, test_decode)
+
+def pixels(shape, seed=0):
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+def pil_png(a, **kw):
+    """uint8 CHW array `a` as PIL writes it as a PNG (`kw` to PIL's save)."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(a[0] if a.shape[0] == 1 else a.transpose(1, 2, 0)).save(buf, format="PNG", **kw)
+    return buf.getvalue()
+
+
+def handmade_png(a, filter_type):
+    """A PNG whose every row carries `filter_type`, with that filter applied (None or Sub)."""
+    import struct
+    import zlib
+
+    import numpy as np
+
+    from pipeline.data import png
+
+    c, h, w = a.shape
+    rows = a.transpose(1, 2, 0).reshape(h, w * c).astype(np.int16)
+    if filter_type == 1:  # Sub: difference from the pixel one to the left
+        rows = rows - np.concatenate([np.zeros((h, c), np.int16), rows[:, :-c]], axis=1)
+    body = np.concatenate([np.full((h, 1), filter_type), rows % 256], axis=1).astype(np.uint8)
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 0 if c == 1 else 2, 0, 0, 0)
+    return png.SIGNATURE + png._chunk(b"IHDR", ihdr) + png._chunk(b"IDAT", zlib.compress(body.tobytes())) \
+        + png._chunk(b"IEND", b"")
+
+
+# ---------------------------------------------------------------- commands
+
+def one_line_error(p, *needles):
+    """The one `error:` line of a command that exited 2 without a traceback; each needle in it."""
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
+    errors = [ln for ln in p.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1, p.stderr[-2000:]
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
 def launch_train(args, nproc=2, extra_launcher=(), pythonpath=(), fresh=False, fork_ranks=True):
     """`python -m torch.distributed.run ... -m pipeline.train ARGS` in a session of its own,
     forked from a Python that imported torch once (see Launchers). With fork_ranks, torchrun

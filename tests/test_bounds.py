@@ -23,8 +23,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from helpers import Forker, make_shards_in_process, write_tar
-from test_security import one_line_error
+from helpers import Forker, make_shards_in_process, one_line_error, write_tar
 from pipeline.data import bounds, decode, jpeg, png, read, remote
 from pipeline.errors import ShardError
 from pipeline.data.manifest import FORMAT

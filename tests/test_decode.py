@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from helpers import handmade_png, pil_png, pixels
 from pipeline.data import decode, png
 from pipeline.data.decode import Target
-from test_png import handmade_png, pil_png, pixels
 
 SHAPES = [(1, 28, 28), (3, 32, 32), (3, 5, 7)]
 

@@ -8,7 +8,6 @@ from helpers import build_shards, shard_keys
 from pipeline.data import manifest
 from pipeline.errors import ShardError
 from pipeline.data.stream import MixedStream, resolve
-from test_stream import data  # noqa: F401,F811 (fixture)
 
 
 def test_resolve_manifest_folder_and_pattern(data):

@@ -1,38 +1,15 @@
 """pipeline/png.py: our PNGs take the zlib fast path; every other PNG still decodes (through
 PIL) or fails with a ValueError, never with garbage pixels."""
 import io
-import struct
-import zlib
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from helpers import handmade_png, pil_png, pixels
 from pipeline.data import png
 
 SHAPES = [(1, 28, 28), (3, 32, 32), (3, 5, 7)]
-
-
-def pixels(shape, seed=0):
-    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
-
-
-def pil_png(a, **kw):
-    buf = io.BytesIO()
-    Image.fromarray(a[0] if a.shape[0] == 1 else a.transpose(1, 2, 0)).save(buf, format="PNG", **kw)
-    return buf.getvalue()
-
-
-def handmade_png(a, filter_type):
-    """A PNG whose every row carries `filter_type`, with that filter applied (None or Sub)."""
-    c, h, w = a.shape
-    rows = a.transpose(1, 2, 0).reshape(h, w * c).astype(np.int16)
-    if filter_type == 1:  # Sub: difference from the pixel one to the left
-        rows = rows - np.concatenate([np.zeros((h, c), np.int16), rows[:, :-c]], axis=1)
-    body = np.concatenate([np.full((h, 1), filter_type), rows % 256], axis=1).astype(np.uint8)
-    ihdr = struct.pack(">IIBBBBB", w, h, 8, 0 if c == 1 else 2, 0, 0, 0)
-    return png.SIGNATURE + png._chunk(b"IHDR", ihdr) + png._chunk(b"IDAT", zlib.compress(body.tobytes())) \
-        + png._chunk(b"IEND", b"")
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from helpers import array_source, build_source, project_samples
 from pipeline.data import read
 from pipeline.writers import shards
 from pipeline.errors import ShardError
-from test_shards import array_source, build, project_samples
 
 
 def member_list(stream, **kw):
@@ -34,7 +34,7 @@ class Trickle(io.RawIOBase):
 
 @pytest.mark.parametrize("encoding", shards.ENCODINGS)
 def test_reader_matches_tarfile(tmp_path, read_tar, encoding):
-    m = build(array_source(12, (3, 9, 9)), tmp_path, encoding=encoding, maxcount=12)
+    m = build_source(array_source(12, (3, 9, 9)), tmp_path, encoding=encoding, maxcount=12)
     path = tmp_path / m["shards"][0]["name"]
     expected = read_tar(path)
     assert len(expected) == 12
@@ -63,7 +63,7 @@ def test_reader_reads_webdataset_pax_shards(tmp_path, read_tar):
 
 
 def small_shard(tmp_path):
-    m = build(array_source(4, (1, 20, 20)), tmp_path, encoding="raw", maxcount=4)
+    m = build_source(array_source(4, (1, 20, 20)), tmp_path, encoding="raw", maxcount=4)
     path = tmp_path / m["shards"][0]["name"]
     with tarfile.open(path) as tar:
         return path.read_bytes(), tar.getmembers()
@@ -159,7 +159,7 @@ def ustar(members):
 def test_regular_reads_project_shards_exactly_as_the_sequential_reader(tmp_path, encoding):
     src = array_source(23, (3, 9, 9))
     src.images[::3] = 0  # these compress: png members of different sizes
-    m = build(src, tmp_path, encoding=encoding, maxcount=23)
+    m = build_source(src, tmp_path, encoding=encoding, maxcount=23)
     buf = (tmp_path / m["shards"][0]["name"]).read_bytes()
     found = read.regular(buf, encoding, "cls")
     assert found is not None  # the fast path is taken for the shards make_shards writes

@@ -14,7 +14,8 @@ import time
 import pytest
 import torch
 
-from helpers import Quiet, build_shards, children, completed, drip, free_port, launch_trainer, serving, train_in_process
+from helpers import (Quiet, build_shards, children, completed, drip, free_port, launch_trainer, one_line_error, serving,
+                     train_in_process)
 from pipeline.train import checkpoint
 from pipeline import files
 from pipeline.data import manifest, remote
@@ -38,16 +39,6 @@ def train(*args, nproc=0, timeout=180):
                 f"--master_port={free_port()}"] if nproc else [sys.executable]
     return subprocess.run([*launcher, "-m", "pipeline.train", *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
-
-
-def one_line_error(p, *needles):
-    assert p.returncode == 2, p.stderr[-2000:]
-    assert "Traceback" not in p.stderr, p.stderr[-2000:]
-    errors = [ln for ln in p.stderr.splitlines() if "error:" in ln]
-    assert len(errors) == 1, p.stderr[-2000:]
-    for needle in needles:
-        assert needle in errors[0], errors[0]
-    return errors[0]
 
 
 def small(data, out, *extra):

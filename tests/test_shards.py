@@ -9,21 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from helpers import CLASSES, array_source, build_source, project_samples
 from pipeline.writers import shards, sources
-
-CLASSES = [str(i) for i in range(10)]
-
-
-def array_source(n, shape=(1, 8, 8), name="toy", split="train", seed=0):
-    rng = np.random.default_rng(seed)
-    images = rng.integers(0, 256, size=(n, *shape), dtype=np.uint8)
-    return sources.ArraySource(name, split, images, rng.integers(0, 10, n), CLASSES)
-
-
-def build(src, out, **kw):
-    kw.setdefault("maxcount", 5)
-    return shards.build(src, str(out), progress=False, **kw)
-
 
 def tar_files(folder):
     return sorted(f for f in os.listdir(folder) if ".tar" in f)
@@ -31,15 +18,6 @@ def tar_files(folder):
 
 def folder_bytes(folder):
     return {f: (folder / f).read_bytes() for f in sorted(os.listdir(folder))}
-
-
-def project_samples(path, stream=None, **kw):
-    """[(key, {ext: bytes})] as pipeline.read reads them, from `path` or an open stream."""
-    from pipeline.data import read
-
-    with (stream or open(path, "rb")) as f:
-        return [(s.pop("__key__"), {k: v for k, v in s.items() if k != "__url__"})
-                for s in read.iter_samples(f, **kw)]
 
 
 def check_plain_ustar(path):
@@ -72,7 +50,7 @@ def check_plain_ustar(path):
 def test_round_trip(tmp_path, read_tar, decode_image, encoding, shape):
     n = 23
     src = array_source(n, shape, name="toy_set", split="train")
-    m = build(src, tmp_path, encoding=encoding, maxcount=5, seed=1)
+    m = build_source(src, tmp_path, encoding=encoding, maxcount=5, seed=1)
 
     assert json.loads((tmp_path / "toy_set-train.json").read_text()) == m
     assert sorted(os.listdir(tmp_path)) == sorted([s["name"] for s in m["shards"]] + ["toy_set-train.json"])
@@ -108,13 +86,13 @@ def test_round_trip(tmp_path, read_tar, decode_image, encoding, shape):
 
 def test_build_rejects_bad_settings(tmp_path):
     with pytest.raises(shards.ShardError, match="encoding"):
-        build(array_source(3), tmp_path, encoding="jpg")
+        build_source(array_source(3), tmp_path, encoding="jpg")
     with pytest.raises(shards.ShardError, match="dataset name"):
-        build(array_source(3, name="a.b"), tmp_path)
+        build_source(array_source(3, name="a.b"), tmp_path)
     with pytest.raises(shards.ShardError, match="maxcount"):
-        build(array_source(3), tmp_path, maxcount=0)
+        build_source(array_source(3), tmp_path, maxcount=0)
     with pytest.raises(shards.ShardError, match="no samples"):
-        build(array_source(0), tmp_path)
+        build_source(array_source(0), tmp_path)
     assert os.listdir(tmp_path) == []
 
 
@@ -123,9 +101,9 @@ def test_build_rejects_bad_settings(tmp_path):
 
 def test_same_seed_gives_identical_bytes(tmp_path):
     src = array_source(40, (3, 6, 6))
-    build(src, tmp_path / "a", maxcount=8, seed=5)
-    build(src, tmp_path / "b", maxcount=8, seed=5)
-    build(src, tmp_path / "c", maxcount=8, seed=5, workers=2)
+    build_source(src, tmp_path / "a", maxcount=8, seed=5)
+    build_source(src, tmp_path / "b", maxcount=8, seed=5)
+    build_source(src, tmp_path / "c", maxcount=8, seed=5, workers=2)
     a = folder_bytes(tmp_path / "a")
     assert len(a) == 6
     assert folder_bytes(tmp_path / "b") == a
@@ -136,7 +114,7 @@ def test_different_seed_gives_different_order(tmp_path, read_tar):
     src = array_source(40, (1, 4, 4))
     keys = {}
     for seed in (0, 1):
-        m = build(src, tmp_path / str(seed), maxcount=8, seed=seed)
+        m = build_source(src, tmp_path / str(seed), maxcount=8, seed=seed)
         keys[seed] = [k for s in m["shards"] for k, _ in read_tar(tmp_path / str(seed) / s["name"])]
     assert keys[0] != keys[1]
     assert sorted(keys[0]) == sorted(keys[1])
@@ -151,7 +129,7 @@ def test_class_sorted_imagefolder_is_shuffled_across_shards(tmp_path, read_tar):
     src = sources.ImageFolderSource("pets", "train", str(tmp_path / "in"))
     labels = [src.label(i) for i in range(len(src))]
     assert labels == sorted(labels)  # the source really is class-sorted
-    m = build(src, tmp_path / "out", maxcount=6)
+    m = build_source(src, tmp_path / "out", maxcount=6)
     assert len(m["shards"]) == 6
     for s in m["shards"]:
         shard_labels = {x["cls"] for _, x in read_tar(tmp_path / "out" / s["name"])}
@@ -163,11 +141,11 @@ def test_class_sorted_imagefolder_is_shuffled_across_shards(tmp_path, read_tar):
 
 def test_rebuild_with_fewer_samples_removes_stale_shards(tmp_path):
     src = array_source(50)
-    build(src, tmp_path, maxcount=10)
-    other = build(array_source(10, split="test"), tmp_path, maxcount=10)
+    build_source(src, tmp_path, maxcount=10)
+    other = build_source(array_source(10, split="test"), tmp_path, maxcount=10)
     (tmp_path / "toy-train-000009.tar.tmp").write_bytes(b"left over")
     assert len(tar_files(tmp_path)) == 7
-    m = build(src, tmp_path, maxcount=10, limit=15)
+    m = build_source(src, tmp_path, maxcount=10, limit=15)
     assert m["total"] == 15
     listed = {s["name"] for s in m["shards"]} | {s["name"] for s in other["shards"]}
     assert set(tar_files(tmp_path)) == listed  # other splits' shards are kept
@@ -199,17 +177,17 @@ def test_interrupted_build_leaves_the_old_set_whole_and_no_temporary_file(tmp_pa
     """A rebuild that fails half way (a bad sample here; a full disk in test_make_shards) changes
     nothing a reader sees: the old manifest and every old shard stay, byte for byte."""
     src = array_source(30)
-    build(src, tmp_path, maxcount=10, seed=0)
+    build_source(src, tmp_path, maxcount=10, seed=0)
     old_bytes = folder_bytes(tmp_path)
     bad = shards.plan_shards(30, 10, 7)[1][1][4]  # 5th sample of the second shard in the new order
     with pytest.raises(RuntimeError, match="disk on fire"):
-        build(FailingSource(src, bad), tmp_path, maxcount=10, seed=7, workers=workers)
+        build_source(FailingSource(src, bad), tmp_path, maxcount=10, seed=7, workers=workers)
 
     assert folder_bytes(tmp_path) == old_bytes  # the old manifest still vouches for the same shards
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
     assert shards.verify(str(tmp_path)) == []
 
-    m = build(src, tmp_path, maxcount=10, seed=7)  # a rerun replaces it
+    m = build_source(src, tmp_path, maxcount=10, seed=7)  # a rerun replaces it
     assert tar_files(tmp_path) == [s["name"] for s in m["shards"]]
     assert shards.verify(str(tmp_path)) == []
 
@@ -218,11 +196,11 @@ def test_parts_rebuilt_over_a_whole_set_in_one_folder_replace_it(tmp_path):
     """Parts built where a whole set of more shards stands: each part may rewrite the names the
     old manifest listed (carried in the part manifests once it is gone), the merge removes
     the old shards no part wrote, and a file no manifest named stays."""
-    build(array_source(47, (3, 4, 4)), tmp_path, maxcount=5)  # 10 shards
+    build_source(array_source(47, (3, 4, 4)), tmp_path, maxcount=5)  # 10 shards
     (tmp_path / "toy-train-000077.tar").write_bytes(b"mine")
     src = array_source(23, (3, 4, 4))
     for i in range(3):
-        build(src, tmp_path, maxcount=5, part=(i, 3))
+        build_source(src, tmp_path, maxcount=5, part=(i, 3))
     merged = shards.merge_parts(str(tmp_path), "toy", "train")
     assert tar_files(tmp_path) == sorted([s["name"] for s in merged["shards"]] + ["toy-train-000077.tar"])
     assert "replaces" not in merged and shards.verify(str(tmp_path)) == []
@@ -233,9 +211,9 @@ def test_parts_rebuilt_over_a_whole_set_in_one_folder_replace_it(tmp_path):
 
 def test_parts_merge_to_the_whole_build(tmp_path):
     src = array_source(47, (3, 4, 4))
-    whole = build(src, tmp_path / "whole", maxcount=5, seed=3)
+    whole = build_source(src, tmp_path / "whole", maxcount=5, seed=3)
     for i in range(3):
-        p = build(src, tmp_path / "parts", maxcount=5, seed=3, part=(i, 3))
+        p = build_source(src, tmp_path / "parts", maxcount=5, seed=3, part=(i, 3))
         assert p["part"] == [i, 3] and [int(s["name"][-10:-4]) % 3 for s in p["shards"]] == [i] * len(p["shards"])
     assert not (tmp_path / "parts" / "toy-train.json").exists()
     merged = shards.merge_parts(str(tmp_path / "parts"), "toy", "train")
@@ -246,10 +224,10 @@ def test_parts_merge_to_the_whole_build(tmp_path):
 def test_merge_needs_every_part(tmp_path):
     src = array_source(20)
     for i in (0, 2):
-        build(src, tmp_path, maxcount=5, part=(i, 3))
+        build_source(src, tmp_path, maxcount=5, part=(i, 3))
     with pytest.raises(shards.ShardError, match="need 0..2 of 3"):
         shards.merge_parts(str(tmp_path), "toy", "train")
-    build(src, tmp_path, maxcount=5, seed=9, part=(1, 3))
+    build_source(src, tmp_path, maxcount=5, seed=9, part=(1, 3))
     with pytest.raises(shards.ShardError, match="different settings"):
         shards.merge_parts(str(tmp_path), "toy", "train")
     assert not (tmp_path / "toy-train.json").exists()
@@ -257,8 +235,8 @@ def test_merge_needs_every_part(tmp_path):
 
 def test_part_build_removes_the_whole_manifest(tmp_path):
     src = array_source(20)
-    build(src, tmp_path, maxcount=5, seed=0)
-    build(src, tmp_path, maxcount=5, seed=1, part=(0, 2))  # rewrites shards 0 and 2 in another order
+    build_source(src, tmp_path, maxcount=5, seed=0)
+    build_source(src, tmp_path, maxcount=5, seed=1, part=(0, 2))  # rewrites shards 0 and 2 in another order
     assert not (tmp_path / "toy-train.json").exists()  # else it would list shards it no longer matches
 
 
@@ -266,8 +244,8 @@ def test_part_build_removes_the_whole_manifest(tmp_path):
 
 
 def test_verify(tmp_path):
-    m = build(array_source(20), tmp_path, maxcount=5)
-    build(array_source(6, split="test"), tmp_path, maxcount=5)
+    m = build_source(array_source(20), tmp_path, maxcount=5)
+    build_source(array_source(6, split="test"), tmp_path, maxcount=5)
     assert shards.verify(str(tmp_path)) == []
 
     first, second = (tmp_path / s["name"] for s in m["shards"][:2])
@@ -282,7 +260,7 @@ def test_verify(tmp_path):
 
 
 def test_verify_reports_size_and_empty_folder(tmp_path):
-    m = build(array_source(10), tmp_path, maxcount=5)
+    m = build_source(array_source(10), tmp_path, maxcount=5)
     path = tmp_path / m["shards"][1]["name"]
     path.write_bytes(path.read_bytes()[:-512])
     assert shards.verify(str(tmp_path)) == [f"toy-train.json: {path.name}: {m['shards'][1]['bytes'] - 512} bytes, "

@@ -1,7 +1,7 @@
 """The stream's guarantees, checked on tiny synthetic shards in one process (any world
 size via an explicit Topology) and once under real torchrun processes.
 
-Data (module fixture `data`, built once):
+Data (conftest's module fixture `data`, built once a module; helpers.STREAM_SPECS):
     mnist-train    230 raw 1x28x28, 20 a shard -> 12 shards, the last one short
     cifar10-train   50 raw 3x32x32,  8 a shard ->  7 shards: much smaller than mnist
     tiny-train      12 raw 3x32x32,  6 a shard ->  2 shards: fewer than most slot counts
@@ -22,61 +22,14 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import build_shards, free_port, key_index, read_members, sample_key, serve, write_tar
+from helpers import (HALF, STREAM_SPECS, build_shards, free_port, key_index, keys_of, read_members, run_epoch, sample_key,
+                     serve, train_sources, write_tar)
 from pipeline.errors import ShardError
 
 from pipeline.data.stream import EvalStream, MixedStream, check_weights, make_loader, parse_weights, resolve
 from pipeline.data.topology import Topology
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HALF = {"mnist": 0.5, "cifar10": 0.5}
-
-SPECS = {  # (name, split): (samples, shape, encoding, maxcount)
-    ("mnist", "train"): (230, (1, 28, 28), "raw", 20),
-    ("cifar10", "train"): (50, (3, 32, 32), "raw", 8),
-    ("tiny", "train"): (12, (3, 32, 32), "raw", 6),
-    ("mnist", "test"): (50, (1, 28, 28), "png", 20),
-    ("cifar10", "test"): (30, (3, 32, 32), "png", 8),
-    ("tiny", "test"): (7, (3, 32, 32), "png", 4),
-}
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("shards")
-    synth, manifests = {}, {}
-    for (name, split), (n, shape, enc, maxcount) in SPECS.items():
-        manifests[name, split], synth[name, split] = build_shards(folder, name, split, n, shape=shape,
-                                                                  encoding=enc, maxcount=maxcount)
-    return SimpleNamespace(dir=str(folder), synth=synth, manifests=manifests)
-
-
-@pytest.fixture(scope="module")
-def even(tmp_path_factory):
-    """Shards that divide evenly over 4 slots: mnist 16 x 10, cifar10 8 x 10."""
-    folder = tmp_path_factory.mktemp("even")
-    build_shards(folder, "mnist", "train", 160, maxcount=10)
-    build_shards(folder, "cifar10", "train", 80, shape=(3, 32, 32), maxcount=10)
-    return str(folder)
-
-
-def train_sources(folder, names=("mnist", "cifar10")):
-    return [resolve(n, folder, "train") for n in names]
-
-
-def run_epoch(stream, workers=0):
-    """Every batch of one epoch through make_loader, reduced to plain lists."""
-    out = []
-    for b in make_loader(stream, workers):
-        assert len(b["key"]) == len(b["label"]) == len(b["source"]) == b["image"].shape[0]
-        out.append(SimpleNamespace(key=list(b["key"]), source=b["source"].tolist(), skipped=int(b["skipped"])))
-    return out
-
-
-def keys_of(batches):
-    return [k for b in batches for k in b.key]
-
-
 def run_slot(stream, worker, workers, monkeypatch):
     """One DataLoader worker's batches, run in this process by faking get_worker_info."""
     stream.set_workers(workers)
@@ -86,7 +39,7 @@ def run_slot(stream, worker, workers, monkeypatch):
 
 
 def all_keys(name, split):
-    n = SPECS[name, split][0]
+    n = STREAM_SPECS[name, split][0]
     return {sample_key(name, split, i) for i in range(n)}
 
 
@@ -293,7 +246,7 @@ def test_eval_batches_decode_png_like_training(data):
                 assert (img[:, 2:30, 2:30] == original[0]).all() if name == "mnist" else (img == original).all()
                 assert int(b["label"][i]) == synth.label(key_index(key)) + offset
                 seen += 1
-        assert seen == SPECS[name, "test"][0]
+        assert seen == STREAM_SPECS[name, "test"][0]
 
 
 def test_eval_split_of_another_shape_is_resized_unless_raw(data, tmp_path):
