@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import HALF, key_index, keys_of, run_epoch, train_sources
 from pipeline.data.loader import BatchRing, RingBuffer, _as_is, _RingFed
 from pipeline.data.stream import MixedStream, make_loader
 from pipeline.data.topology import Worker
-from test_stream import HALF, data, even, key_index, keys_of, run_epoch, train_sources  # noqa: F401,F811 (fixtures)
 
 
 class _AsSent(torch.utils.data.IterableDataset):
