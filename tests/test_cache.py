@@ -5,6 +5,7 @@ import hashlib
 import http.server
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -299,6 +300,54 @@ print(json.dumps([str(x.message) for x in w]))
 """
 
 
+SHARED = {f"s{i}.tar": blob(f"s{i}", (16 + i) * KB) for i in range(8)}  # what the SHARER processes read
+SHARED_SIZE = 3 * 20 * KB  # holds two or three of them (16 to 23 KB each)
+
+
+def sharer_draws(seed):
+    """The names one SHARER process reads, in its order."""
+    rng = random.Random(seed)
+    return [rng.choice(sorted(SHARED)) for _ in range(150)]
+
+
+def lru_fetches(draws):
+    """The GETs of one reader of `draws` through a cache of SHARED_SIZE that, before it writes a
+    new copy, evicts the least recently used ones until the copy fits (cache.make_room)."""
+    held, fetches = [], 0  # least recently used first
+    for name in draws:
+        if name in held:
+            held.remove(name)
+        else:
+            fetches += 1
+            while sum(len(SHARED[k]) for k in held) > SHARED_SIZE - len(SHARED[name]):
+                held.pop(0)
+        held.append(name)
+    return fetches
+
+
+def run_sharers(folder, seeds):
+    """SHARER processes, one a seed, reading SHARED through one cache folder at once: [(process,
+    stdout, stderr)] and the GETs the server saw."""
+    want = json.dumps({k: [len(v), sha(v)] for k, v in SHARED.items()})
+    with files_server({"/" + k: v for k, v in SHARED.items()}) as srv:
+        procs = [subprocess.Popen([sys.executable, "-c", SHARER, srv.url, str(folder), str(SHARED_SIZE), str(seed),
+                                   want], env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for seed in seeds]
+        outs = [(p, *p.communicate(timeout=120)) for p in procs]
+        return outs, sum(srv.hits.values())
+
+
+def test_one_reader_fetches_exactly_what_lru_eviction_must(tmp_path):
+    """One SHARER alone: 150 reads of 8 shards through a cache that holds 2 or 3 of them fetch
+    107 (lru_fetches); a cache that served nothing would fetch 150, one that evicted in
+    order of writing (uses not counted) 102, one that evicted the newest copy 96."""
+    outs, hits = run_sharers(tmp_path / "cache", [0])
+    (p, out, err), = outs
+    assert p.returncode == 0, err[-2000:]
+    assert json.loads(out.strip().splitlines()[-1]) == [], out
+    assert hits == lru_fetches(sharer_draws(0)) == 107
+
+
 @pytest.mark.slow
 def test_processes_sharing_one_bounded_cache_never_see_a_partial_or_evicted_copy(tmp_path):
     """Three processes read eight shards at random through one folder that holds three: they
@@ -306,25 +355,23 @@ def test_processes_sharing_one_bounded_cache_never_see_a_partial_or_evicted_copy
     bytes from the first look (no 'no longer matches' warning: nobody saw half a file), the
     folder stays within its size, and nothing partial is left."""
     folder = str(tmp_path / "cache")
-    datas = {f"s{i}.tar": blob(f"s{i}", (16 + i) * KB) for i in range(8)}
-    size = 3 * 20 * KB
-    want = json.dumps({k: [len(v), sha(v)] for k, v in datas.items()})
-    with files_server({"/" + k: v for k, v in datas.items()}) as srv:
-        procs = [subprocess.Popen([sys.executable, "-c", SHARER, srv.url, folder, str(size), str(seed), want],
-                                  env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for seed in range(3)]
-        outs = [p.communicate(timeout=120) for p in procs]
-        hits = sum(srv.hits.values())
-    for p, (out, err) in zip(procs, outs):
+    outs, hits = run_sharers(folder, range(3))
+    for p, out, err in outs:
         assert p.returncode == 0, err[-2000:]
         assert json.loads(out.strip().splitlines()[-1]) == [], out
-    assert 8 <= hits < 450  # the cache served part of the 450 reads
+    # The three processes' reads, merged in whatever order they run, are one uniform random
+    # stream of 450 reads over the 8 shards, which the shared LRU copies miss about as often as
+    # each process's own stream alone: 107 + 99 + 93 = 299 fetches apart; 293-337 were measured
+    # together (two processes may fetch the same shard at once). A cache that served nothing
+    # would fetch 450, one that held a single copy ~387.
+    apart = sum(lru_fetches(sharer_draws(seed)) for seed in range(3))
+    assert apart == 299 and 0.8 * apart <= hits <= 1.2 * apart, hits
     left = entries(folder)
     assert not [f for f in left if f.endswith(".tmp")]
-    assert sum(os.path.getsize(os.path.join(folder, f)) for f in left) <= size
+    assert sum(os.path.getsize(os.path.join(folder, f)) for f in left) <= SHARED_SIZE
     for f in left:
         data = open(os.path.join(folder, f), "rb").read()
-        assert data in datas.values()
+        assert data in SHARED.values()
 
 
 def test_an_unbounded_cache_leaves_no_lock_file(tmp_path):
@@ -388,5 +435,6 @@ def test_the_shard_reader_through_a_bounded_cache_reads_every_sample_and_stays_w
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # no copy ever seen stale
                 assert _keys_of(remote_src, cache) == want
-            held = entries(cache.folder)
-            assert 1 <= len(held) <= 2 and sum(os.path.getsize(os.path.join(cache.folder, f)) for f in held) <= size
+            held = entries(cache.folder)  # 5 shards of equal size read in order: the last two stay
+            assert held == sorted(os.path.basename(cache_path(cache.folder, u)) for u in remote_src.urls[-2:])
+            assert sum(os.path.getsize(os.path.join(cache.folder, f)) for f in held) <= size
