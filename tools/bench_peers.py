@@ -275,8 +275,9 @@ def write_mosaic(srcs, folder, work):
 def litdata_batch_decode():
     """0 (one row deserialised at a time) unless LITDATA_BATCH_DECODE says otherwise ("auto" is
     LitData's default). Its default window of 256 rows is a defect with 2 DataLoader workers:
-    on the MNIST chunks here (one chunk of 51 MB) one worker streams 67,878 samples/cpu-s and
-    two 1,679, 40x less; 0 gives 30,780 (docs/benchmarks.md). At 0 workers the two are alike."""
+    two workers sharing one large chunk deserialise its windows many times over, and read far
+    fewer samples per CPU-second than one (docs/benchmarks.md, "Where the peers' time
+    goes", has the figures and the command). At 0 workers the two are alike."""
     value = os.environ.get("LITDATA_BATCH_DECODE", "0")
     return int(value) if value.lstrip("-").isdigit() else value
 
