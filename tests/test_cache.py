@@ -15,9 +15,9 @@ import pytest
 
 from helpers import Quiet, build_shards, serving
 from pipeline.data import cache as caching
-from pipeline.data.cache import Cache
+from pipeline.data.cache import Cache, path as cache_path
 from pipeline.errors import ShardError
-from pipeline.data.remote import Policy, cache_path, read_all, read_url
+from pipeline.data.remote import Policy, read_all, read_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = Policy(retries=1, delay=0.05, timeout=2.0, min_rate=1e6)

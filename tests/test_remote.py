@@ -21,7 +21,8 @@ import pytest
 
 from helpers import free_port
 from pipeline.errors import DigestError, FetchError, ShardError
-from pipeline.data.remote import Policy, cache_path, fetch, head_check, kind, read_all, read_url
+from pipeline.data.cache import path as cache_path
+from pipeline.data.remote import Policy, fetch, head_check, kind, read_all, read_url
 
 FAST = Policy(retries=2, delay=0.05, timeout=1.0, min_rate=1e6)
 DATA = bytes(range(256)) * 64  # 16 KiB

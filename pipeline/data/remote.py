@@ -478,6 +478,3 @@ def head_check(urls, sizes=None, *, policy=Policy(), threads=16):
     with ThreadPoolExecutor(threads) as pool:
         found = [r for r in pool.map(check, urls) if r]
     return [m for k, m in found if k == "problem"], [m for k, m in found if k == "resized"]
-
-
-cache_path = caching.path

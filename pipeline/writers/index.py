@@ -91,20 +91,20 @@ class _Wanted:
 
 
 def scan_shard(url, label, policy=remote.Policy(), image_key=None, skip_unlabelled=False):
-    """One shard's facts: samples, bytes, sha256, image members and shapes, raw labels (with
+    """What a scan of one shard found: samples, bytes, sha256, image members and shapes, raw labels (with
     the first key of each), unlabelled samples left out, pixel sums."""
-    facts = {}
+    scan = {}
 
     def consume(stream):  # a retry after a broken transfer starts the counts over
-        facts.update(url=url, samples=0, unlabelled=0, exts=collections.Counter(), shapes=collections.Counter(),
+        scan.update(url=url, samples=0, unlabelled=0, exts=collections.Counter(), shapes=collections.Counter(),
                      labels=collections.Counter(), first={}, rgb=np.zeros(7), grey=np.zeros(3), label=label,
                      image_key=image_key, skip_unlabelled=skip_unlabelled, wide=(0, None, 0, 0), tall=(0, None, 0, 0))
         h = _Hashing(stream)
         for sample in iter_samples(h, _Wanted(image_key, label), url):
             if not is_meta(sample["__key__"]):  # a __meta__ sample describes the shard: not a sample to index
-                _scan_sample(sample, facts, url)
+                _scan_sample(sample, scan, url)
         h.rest()
-        facts["bytes"], facts["sha256"] = h.bytes, h.hash.hexdigest()
+        scan["bytes"], scan["sha256"] = h.bytes, h.hash.hexdigest()
 
     try:
         remote.read_url(url, consume, policy=policy)
@@ -112,37 +112,37 @@ def scan_shard(url, label, policy=remote.Policy(), image_key=None, skip_unlabell
         raise ShardError(str(e) if str(e).startswith(url) else f"{url}: {e}") from None
     except OSError as e:
         raise ShardError(f"{url}: unreadable ({e})") from None
-    if facts["samples"] == 0:
-        raise ShardError(f"{url}: no samples" + (f" ({facts['unlabelled']} unlabelled left out)"
-                                                 if facts["unlabelled"] else ""))
-    return facts
+    if scan["samples"] == 0:
+        raise ShardError(f"{url}: no samples" + (f" ({scan['unlabelled']} unlabelled left out)"
+                                                 if scan["unlabelled"] else ""))
+    return scan
 
 
-def _scan_sample(sample, facts, url):
+def _scan_sample(sample, scan, url):
     from PIL import Image
 
     key = sample["__key__"]
-    if facts["label"] is None:  # the first sample decides
-        facts["label"] = default_label(sample)
-        if facts["label"] is None:
+    if scan["label"] is None:  # the first sample decides
+        scan["label"] = default_label(sample)
+        if scan["label"] is None:
             none = ("no .cls, .txt or .index member, no \"label\" field in its .json" if "json" in sample else
                     "no .cls, .txt, .index or .json label member")
             raise ShardError(f"{url}: {none} and no folder in its key: {label_hint(sample)}; name the label with "
                              f"--label-key")
     images = [e for e in sample if not e.startswith("__") and image_format(e) in FOREIGN_EXTS and sample[e] is not None]
-    if facts["image_key"]:
-        images = [e for e in images if e == facts["image_key"]]
+    if scan["image_key"]:
+        images = [e for e in images if e == scan["image_key"]]
     elif len(images) > 1:
         raise ShardError(f"{url}: sample {key} has {len(images)} image members ({', '.join('.' + e for e in images)}); "
                          f"choose one with --image-key (e.g. --image-key {images[0]})")
     try:
-        value = raw_label(sample, facts["label"])
+        value = raw_label(sample, scan["label"])
     except Unlabelled as e:
-        member = label_member(facts["label"])
-        if member and member not in sample and not facts["skip_unlabelled"] and not facts["samples"]:
-            raise ShardError(wrong_label_key(url, sample, facts["label"], member)) from None
-        if facts["skip_unlabelled"]:
-            facts["unlabelled"] += 1
+        member = label_member(scan["label"])
+        if member and member not in sample and not scan["skip_unlabelled"] and not scan["samples"]:
+            raise ShardError(wrong_label_key(url, sample, scan["label"], member)) from None
+        if scan["skip_unlabelled"]:
+            scan["unlabelled"] += 1
             return
         raise ShardError(f"{url}: sample {key} has no label ({e}); pass --skip-unlabelled to leave such samples "
                          f"out (they are counted), or choose the label with --label-key") from None
@@ -150,7 +150,7 @@ def _scan_sample(sample, facts, url):
         raise ShardError(f"{url}: sample {key}: {e}") from None
     if not images:
         have = sorted(k for k in sample if not k.startswith("__"))
-        wanted = f".{facts['image_key']}" if facts["image_key"] else f"image member (.{', .'.join(FOREIGN_EXTS)})"
+        wanted = f".{scan['image_key']}" if scan["image_key"] else f"image member (.{', .'.join(FOREIGN_EXTS)})"
         raise ShardError(f"{url}: sample {key}: no {wanted} (has {have or 'nothing'})")
     ext = images[0]
     data = sample[ext]
@@ -168,16 +168,16 @@ def _scan_sample(sample, facts, url):
         raise ShardError(f"{url}: sample {key}: {e}") from None
     except (Image.DecompressionBombError, *CONTENT_ERRORS) as e:
         raise ShardError(f"{url}: sample {key}: undecodable .{ext} image ({pil_reason(e)})") from None
-    facts["samples"] += 1
-    facts["exts"][ext] += 1
-    facts["shapes"][(1 if mode in GREY_MODES else 3, h, w)] += 1
-    facts["labels"][value] += 1
-    facts["first"].setdefault(value, key)
-    facts["rgb"] += [len(rgb), *rgb.sum(0), *(rgb * rgb).sum(0)]
-    facts["grey"] += [len(grey), grey.sum(), (grey * grey).sum()]
+    scan["samples"] += 1
+    scan["exts"][ext] += 1
+    scan["shapes"][(1 if mode in GREY_MODES else 3, h, w)] += 1
+    scan["labels"][value] += 1
+    scan["first"].setdefault(value, key)
+    scan["rgb"] += [len(rgb), *rgb.sum(0), *(rgb * rgb).sum(0)]
+    scan["grey"] += [len(grey), grey.sum(), (grey * grey).sum()]
     for side, ratio in (("wide", w / h), ("tall", h / w)):  # the most elongated images, checked against the shape
-        if ratio > facts[side][0]:
-            facts[side] = (ratio, key, w, h)
+        if ratio > scan[side][0]:
+            scan[side] = (ratio, key, w, h)
 
 
 def wrong_label_key(url, sample, label, member):
@@ -246,8 +246,8 @@ def _index(name, split, spec, out, urls, names, label, image_key, shape, classes
     try:
         if workers > 1 and len(urls) > 1:
             with multiprocessing.get_context("fork").Pool(min(workers, len(urls))) as pool:
-                for facts in pool.imap(_scan_task, tasks):
-                    found.append(facts)
+                for scan in pool.imap(_scan_task, tasks):
+                    found.append(scan)
                     bar.update(1)
         else:
             for task in tasks:
@@ -389,7 +389,7 @@ def _at(first, value, problem):
 
 
 def summarise(name, split, spec, found, names, label, shape, classes_file, classes_from=None):
-    """The manifest from every shard's facts."""
+    """The manifest from every shard's scan."""
     shapes = collections.Counter()
     exts = collections.Counter()
     rgb, grey = np.zeros(7), np.zeros(3)
