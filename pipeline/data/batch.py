@@ -53,8 +53,8 @@ def _to_canvas(pixels, h, w):
     here, in a small array, and then placing whole rows in the batch with one fancy
     assignment costs half what one windowed assignment into the batch did (it copies
     28-byte runs for MNIST). A grey channel is not repeated here: the assignment into the
-    batch broadcasts it to 3, which took half the time of np.repeat and then the assignment
-    (65 against 34 us for 128 MNIST images)."""
+    batch broadcasts it to 3, which costs about half of np.repeat and then the assignment
+    (docs/benchmarks.md, "Small choices in the batch code")."""
     c, sh, sw = pixels.shape[1:]
     if (sh, sw) != (h, w):
         top, left = (h - sh) // 2, (w - sw) // 2
@@ -120,11 +120,11 @@ class Layout:
         """uint8 (B, 3, H, W) images -> normalised float32, on whatever device they are.
 
         On the CPU torch runs this in one thread: with more, it spreads a batch this small
-        over every core and its idle threads then spin (the in-process loader used 1.95
+        over every core and its idle threads then spin (the in-process loader used about two
         cores for the work of one), and numpy's multiply by a per-sample operand leaves
-        its SIMD loops (362 against 131 us of CPU a 256-batch; docs/benchmarks.md, "Where
-        the raw path's time goes"). torch.set_num_threads(1) and back costs 0.2 us, CPU
-        training steps with the switch between them took as long as without. The switch
+        its SIMD loops, costing nearly three times torch's ops in one thread. Switching to
+        one thread and back is cheap, and CPU training steps with the switch between them
+        took as long as without (docs/benchmarks.md, "Where the raw path's time goes"). The switch
         is made only where no other Python thread could run torch ops meanwhile (`_alone`);
         elsewhere numpy does it as before. Both give fl(fl(x * scale) - shift) bit for bit, pinned if
         `pin_memory`, by default if the images are.

@@ -158,7 +158,8 @@ def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=4, star
 
 def _as_is(batch):
     """Batches are already collated; DataLoader's default_convert would walk every key
-    string of every batch (13% of the loader's time in a profile)."""
+    string of every batch, a large share of the loader's time (docs/benchmarks.md, "Small
+    choices in the batch code")."""
     return batch
 
 
