@@ -221,8 +221,27 @@ def _launch_env(pythonpath):
                       PYTHONFAULTHANDLER="1")
 
 
-LAUNCHER = """
-import faulthandler, json, os, runpy, select, sys, traceback
+CHILD = """
+import os, sys, traceback
+
+
+def _run_and_exit(run):
+    # in a forked child: run(), then end with the status `python -m`/`-c` would give
+    status = 0
+    try:
+        run()
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+"""
+
+LAUNCHER = CHILD + """
+import faulthandler, json, runpy, select
 import torch.distributed.run  # what every launch would import again
 import torch._dynamo, pipeline.train.loop  # what every rank forked from a launcher would import again (DDP imports dynamo)
 faulthandler.enable()
@@ -244,19 +263,10 @@ while True:
                 os.dup2(os.open(path, flags), fd)
             sys.stdin = open(0, closefd=False)
             sys.path[:0] = [cwd, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
-            sys.argv, status = [module, *argv], 0
+            sys.argv = [module, *argv]
             if module == "torch.distributed.run":  # as `python -m` finds it: not imported yet (no runpy warning)
                 del sys.modules[module]
-            try:
-                runpy.run_module(module, run_name="__main__", alter_sys=True)
-            except SystemExit as e:
-                status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            except BaseException:
-                traceback.print_exc()
-                status = 1
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(status)
+            _run_and_exit(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
         children.add(pid)
         print("pid", pid, flush=True)
     for pid in list(children):
@@ -314,18 +324,10 @@ class Launchers:
 
     def line(self, timeout):
         """The launcher's next line as [word, pid, code...]; None if none came within `timeout` s."""
-        import os
-        import select
-
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self.pending:
-            if not select.select([fd], [], [], timeout)[0]:
-                return None
-            chunk = os.read(fd, 4096)
-            assert chunk, "the process that forks the launchers died"
-            self.pending += chunk
-        line, self.pending = self.pending.split(b"\n", 1)
-        word, *numbers = line.decode().split()
+        line, self.pending = next_line(self.proc, self.pending, timeout, "launchers")
+        if line is None:
+            return None
+        word, *numbers = line.split()
         return [word, *map(int, numbers)]
 
     def exit_code(self, pid, timeout):
@@ -369,11 +371,7 @@ class Launched:
 
     def communicate(self, timeout=None):
         self.wait(timeout)
-
-        def read(path):
-            with open(path, errors="replace") as f:
-                return f.read()
-        return read(self.out), read(self.err)
+        return read_text(self.out), read_text(self.err)
 
     def send_signal(self, sig):
         """As Popen: nothing once the launcher has ended (its pid, reaped at once, may be reused)."""
@@ -469,6 +467,30 @@ def put_back(out, copy):
 
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(copy, out)
+
+
+def next_line(proc, pending, timeout, what):
+    """(the next line `proc` writes, without its newline, or None if none came within `timeout` s;
+    what is left of the bytes read). Read unbuffered from its stdout: select sees only the pipe,
+    not a buffer. `what` it forks, for the message if it died."""
+    import os
+    import select
+
+    fd = proc.stdout.fileno()
+    while b"\n" not in pending:
+        if not select.select([fd], [], [], timeout)[0]:
+            return None, pending
+        chunk = os.read(fd, 4096)
+        assert chunk, f"the process that forks the {what} died"
+        pending += chunk
+    line, pending = pending.split(b"\n", 1)
+    return line.decode(), pending
+
+
+def read_text(path):
+    """A child's captured output, undecodable bytes replaced."""
+    with open(path, errors="replace") as f:
+        return f.read()
 
 
 def finish(proc, timeout=180):
@@ -653,30 +675,44 @@ def write_shardwriter(folder, n, *, classes=4, per_shard=20, seed=0):
     return keys
 
 
-def write_gnu_tar(folder, n, *, classes=4, per_shard=25, seed=1):
-    """GNU `tar` over a folder of name.png + name.cls (long names included). Returns the keys."""
+def shard_runs(n, per_shard):
+    """(shard number, the sample indices it holds) for n samples, per_shard a shard."""
+    return [(s // per_shard, range(s, min(n, s + per_shard))) for s in range(0, n, per_shard)]
+
+
+def gnu_tar(path, members):
+    """GNU `tar` of [(relative name, bytes)], written as files first (folders made as needed)."""
     import os
     import shutil
     import subprocess
+    import tempfile
+
+    src = tempfile.mkdtemp(dir=os.path.dirname(str(path)))
+    try:
+        for rel, data in members:
+            os.makedirs(os.path.dirname(os.path.join(src, rel)), exist_ok=True)
+            with open(os.path.join(src, rel), "wb") as f:
+                f.write(data)
+        subprocess.run(["tar", "--format=gnu", "-cf", str(path), "-C", src, *(rel for rel, _ in members)], check=True)
+    finally:
+        shutil.rmtree(src)
+
+
+def write_gnu_tar(folder, n, *, classes=4, per_shard=25, seed=1):
+    """GNU `tar` over a folder of name.png + name.cls (long names included). Returns the keys."""
+    import os
 
     os.makedirs(folder, exist_ok=True)
     keys = []
-    for s in range(0, n, per_shard):
-        src = os.path.join(str(folder), f"src{s}")
-        os.makedirs(src)
+    for shard, indices in shard_runs(n, per_shard):
         members = []
-        for i in range(s, min(n, s + per_shard)):
+        for i in indices:
             label = i % classes
             name = f"sample_{i:05d}" + ("_with_a_rather_long_file_name" * 3 if i % 5 == 0 else "")
-            with open(os.path.join(src, name + ".png"), "wb") as f:
-                f.write(encode_pil(foreign_image(label, (32, 32), seed * 100003 + i, colour=6), "PNG"))
-            with open(os.path.join(src, name + ".cls"), "w") as f:
-                f.write(f"{label}\n")
-            members += [name + ".png", name + ".cls"]
+            members += [(name + ".png", encode_pil(foreign_image(label, (32, 32), seed * 100003 + i, colour=6), "PNG")),
+                        (name + ".cls", f"{label}\n".encode())]
             keys.append(name)
-        subprocess.run(["tar", "--format=gnu", "-cf", os.path.join(str(folder), f"gnu-{s // per_shard:04d}.tar"),
-                        "-C", src, *members], check=True)
-        shutil.rmtree(src)
+        gnu_tar(os.path.join(str(folder), f"gnu-{shard:04d}.tar"), members)
     return keys
 
 
@@ -688,12 +724,12 @@ def write_img2dataset(folder, n, *, classes=4, per_shard=20, seed=2, gz=False):
 
     os.makedirs(folder, exist_ok=True)
     keys = []
-    for s in range(0, n, per_shard):
-        path = os.path.join(str(folder), f"{s // per_shard:05d}.tar" + (".gz" if gz else ""))
+    for shard, indices in shard_runs(n, per_shard):
+        path = os.path.join(str(folder), f"{shard:05d}.tar" + (".gz" if gz else ""))
         with tarfile.open(path, "w:gz" if gz else "w", format=tarfile.USTAR_FORMAT) as tar:
-            for i in range(s, min(n, s + per_shard)):
+            for i in indices:
                 label = i % classes
-                key = f"{s // per_shard:05d}{i:04d}"
+                key = f"{shard:05d}{i:04d}"
                 body = {"jpg": encode_pil(foreign_image(label, (48, 48), seed * 100003 + i), "JPEG", quality=90),
                         "json": json.dumps({"key": key, "label": label, "width": 48}).encode(),
                         "txt": f"a picture of class {label}".encode()}
@@ -745,15 +781,15 @@ def write_synset_tar(folder, n, *, per_shard=20, seed=4, end_blocks=True):
 
     os.makedirs(folder, exist_ok=True)
     keys = []
-    for s in range(0, n, per_shard):
+    for shard, indices in shard_runs(n, per_shard):
         members = []
-        for i in range(s, min(n, s + per_shard)):
+        for i in indices:
             label = i % 4
             key = f"{SYNSETS[label]}_{i:05d}"
             members += [(f"{key}.png", encode_pil(foreign_image(label, (32, 32), seed * 100003 + i, colour=4), "PNG")),
                         (f"{key}.cls", SYNSETS[label].encode())]
             keys.append(key)
-        path = os.path.join(str(folder), f"syn-{s // per_shard:04d}.tar")
+        path = os.path.join(str(folder), f"syn-{shard:04d}.tar")
         write_tar(path, members)
         if not end_blocks:
             with tarfile.open(path) as tar:
@@ -766,25 +802,18 @@ def write_imagefolder_tar(folder, n, *, split="train", per_shard=20, seed=5):
     """GNU `tar` over an ImageFolder tree `SPLIT/257.clutter/257_0002.jpg`: the label is the key's
     last folder. Returns the keys."""
     import os
-    import shutil
-    import subprocess
 
     os.makedirs(folder, exist_ok=True)
     keys = []
-    for s in range(0, n, per_shard):
-        src = os.path.join(str(folder), f"src{s}")
+    for shard, indices in shard_runs(n, per_shard):
         members = []
-        for i in range(s, min(n, s + per_shard)):
+        for i in indices:
             label = i % 4
             rel = f"{split}/{FOLDERS[label]}/{FOLDERS[label][:3]}_{i:04d}.jpg"
-            os.makedirs(os.path.dirname(os.path.join(src, rel)), exist_ok=True)
-            with open(os.path.join(src, rel), "wb") as f:
-                f.write(encode_pil(foreign_image(label, (36, 36), seed * 100003 + i, colour=3), "JPEG", quality=90))
-            members.append(rel)
+            image = foreign_image(label, (36, 36), seed * 100003 + i, colour=3)
+            members.append((rel, encode_pil(image, "JPEG", quality=90)))
             keys.append(rel[:-4])
-        subprocess.run(["tar", "--format=gnu", "-cf", os.path.join(str(folder), f"tree-{s // per_shard:04d}.tar"),
-                        "-C", src, *members], check=True)
-        shutil.rmtree(src)
+        gnu_tar(os.path.join(str(folder), f"tree-{shard:04d}.tar"), members)
     return keys
 
 
@@ -798,9 +827,9 @@ def write_multi_member(folder, n, *, per_shard=20, seed=6):
 
     os.makedirs(folder, exist_ok=True)
     keys = []
-    for s in range(0, n, per_shard):
+    for shard, indices in shard_runs(n, per_shard):
         members = []
-        for i in range(s, min(n, s + per_shard)):
+        for i in indices:
             label = i % 4
             key = f"scene/{i:06d}"
             depth = io.BytesIO()
@@ -810,7 +839,7 @@ def write_multi_member(folder, n, *, per_shard=20, seed=6):
                         (f"{key}.depth.npy", depth.getvalue()),
                         (f"{key}.json", json.dumps({"label": NAMES[label]}).encode())]
             keys.append(key)
-        write_tar(os.path.join(str(folder), f"multi-{s // per_shard:04d}.tar"), members)
+        write_tar(os.path.join(str(folder), f"multi-{shard:04d}.tar"), members)
     return keys
 
 
@@ -875,8 +904,8 @@ def make_shards_in_process(args):
     return main_in_process(tool_module("make_shards").main, "make_shards.py", args)
 
 
-FORKER = """
-import json, os, sys, traceback
+FORKER = CHILD.replace("{", "{{").replace("}", "}}") + """
+import json
 {preamble}
 for _request in sys.stdin:
     _code, _args, _out, _err = json.loads(_request)
@@ -885,17 +914,8 @@ for _request in sys.stdin:
         os.setpgid(0, 0)
         for _fd, _path in ((1, _out), (2, _err)):
             os.dup2(os.open(_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), _fd)
-        sys.argv, _status = ["-c", *_args], 0
-        try:
-            exec(compile(_code, "<forked>", "exec"), globals())
-        except SystemExit as e:
-            _status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except BaseException:
-            traceback.print_exc()
-            _status = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(_status)
+        sys.argv = ["-c", *_args]
+        _run_and_exit(lambda: exec(compile(_code, "<forked>", "exec"), globals()))
     print(_pid, flush=True)
     print(os.waitstatus_to_exitcode(os.waitpid(_pid, 0)[1]), flush=True)
 """
@@ -941,31 +961,21 @@ class Forker:
         self.proc.stdin.flush()
         pid = self._line(timeout)
         status = self._line(timeout, pid)
-
-        def read(path):
-            with open(path, errors="replace") as f:
-                return f.read()
-        return subprocess.CompletedProcess(["forked", *args], status, read(out), read(err))
+        return subprocess.CompletedProcess(["forked", *args], status, read_text(out), read_text(err))
 
     def _line(self, timeout, child=None):
-        """The forking process's next line, read unbuffered (select sees only the pipe, not a buffer)."""
+        """The forking process's next line as an int; on a timeout the child and the forker are killed."""
         import os
-        import select
         import signal
         import subprocess
 
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self.pending:
-            if not select.select([fd], [], [], timeout)[0]:
-                if child:
-                    os.killpg(child, signal.SIGKILL)
-                self.proc.kill()
-                self.proc.wait()
-                raise subprocess.TimeoutExpired("forked", timeout)
-            chunk = os.read(fd, 4096)
-            assert chunk, "the process that forks the runs died"
-            self.pending += chunk
-        line, self.pending = self.pending.split(b"\n", 1)
+        line, self.pending = next_line(self.proc, self.pending, timeout, "runs")
+        if line is None:
+            if child:
+                os.killpg(child, signal.SIGKILL)
+            self.proc.kill()
+            self.proc.wait()
+            raise subprocess.TimeoutExpired("forked", timeout)
         return int(line)
 
 
