@@ -45,7 +45,7 @@ def http_check(topo, policy):
 def train(args, topo, device, stopper=None):
     """The run; `stopper`: the stop signals' StopRequest (None: no stop on a signal)."""
     t0 = time.perf_counter()
-    policy = cli.policy_of(args)
+    policy = remote.Policy(**cli.io_limits(args))
     check = http_check(topo, policy)
     train_sources = [stream.resolve(n, spec, "train", policy=policy, check_http=check) for n, spec in args.train.items()]
     eval_sources = [stream.resolve(n, spec, "test", policy=policy, check_http=check) for n, spec in args.eval.items()]
