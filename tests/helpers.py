@@ -51,9 +51,9 @@ def shard_keys(path):
     return keys
 
 
-def write_tar(path, members):
-    """Write [(name, bytes)] as a plain USTAR tar file, the format make_shards writes."""
-    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+def write_tar(path, members, gz=False):
+    """Write [(name, bytes)] as a plain USTAR tar file, the format make_shards writes (gzip-compressed with gz)."""
+    with tarfile.open(path, "w:gz" if gz else "w", format=tarfile.USTAR_FORMAT) as tar:
         for name, data in members:
             info = tarfile.TarInfo(name)
             info.size, info.mtime, info.mode = len(data), 0, 0o644
@@ -675,9 +675,21 @@ def write_shardwriter(folder, n, *, classes=4, per_shard=20, seed=0):
     return keys
 
 
-def shard_runs(n, per_shard):
-    """(shard number, the sample indices it holds) for n samples, per_shard a shard."""
-    return [(s // per_shard, range(s, min(n, s + per_shard))) for s in range(0, n, per_shard)]
+def write_foreign(folder, n, per_shard, name, sample, write=write_tar):
+    """n samples, per_shard a shard, as FOLDER/name.format(shard number), each written by
+    write(path, [(member name, bytes)]); sample(i) gives (key, its members). Returns the keys."""
+    import os
+
+    os.makedirs(folder, exist_ok=True)
+    keys = []
+    for start in range(0, n, per_shard):
+        members = []
+        for i in range(start, min(n, start + per_shard)):
+            key, more = sample(i)
+            keys.append(key)
+            members += more
+        write(os.path.join(str(folder), name.format(start // per_shard)), members)
+    return keys
 
 
 def gnu_tar(path, members):
@@ -700,45 +712,27 @@ def gnu_tar(path, members):
 
 def write_gnu_tar(folder, n, *, classes=4, per_shard=25, seed=1):
     """GNU `tar` over a folder of name.png + name.cls (long names included). Returns the keys."""
-    import os
-
-    os.makedirs(folder, exist_ok=True)
-    keys = []
-    for shard, indices in shard_runs(n, per_shard):
-        members = []
-        for i in indices:
-            label = i % classes
-            name = f"sample_{i:05d}" + ("_with_a_rather_long_file_name" * 3 if i % 5 == 0 else "")
-            members += [(name + ".png", encode_pil(foreign_image(label, (32, 32), seed * 100003 + i, colour=6), "PNG")),
-                        (name + ".cls", f"{label}\n".encode())]
-            keys.append(name)
-        gnu_tar(os.path.join(str(folder), f"gnu-{shard:04d}.tar"), members)
-    return keys
+    def sample(i):
+        label = i % classes
+        name = f"sample_{i:05d}" + ("_with_a_rather_long_file_name" * 3 if i % 5 == 0 else "")
+        return name, [(name + ".png", encode_pil(foreign_image(label, (32, 32), seed * 100003 + i, colour=6), "PNG")),
+                      (name + ".cls", f"{label}\n".encode())]
+    return write_foreign(folder, n, per_shard, "gnu-{:04d}.tar", sample, gnu_tar)
 
 
 def write_img2dataset(folder, n, *, classes=4, per_shard=20, seed=2, gz=False):
     """img2dataset's layout: 000012345.jpg, .json (label in a field), .txt caption; plain
     USTAR written by tarfile, optionally gzip-compressed. Returns the keys."""
     import json
-    import os
 
-    os.makedirs(folder, exist_ok=True)
-    keys = []
-    for shard, indices in shard_runs(n, per_shard):
-        path = os.path.join(str(folder), f"{shard:05d}.tar" + (".gz" if gz else ""))
-        with tarfile.open(path, "w:gz" if gz else "w", format=tarfile.USTAR_FORMAT) as tar:
-            for i in indices:
-                label = i % classes
-                key = f"{shard:05d}{i:04d}"
-                body = {"jpg": encode_pil(foreign_image(label, (48, 48), seed * 100003 + i), "JPEG", quality=90),
-                        "json": json.dumps({"key": key, "label": label, "width": 48}).encode(),
-                        "txt": f"a picture of class {label}".encode()}
-                for ext, data in body.items():
-                    info = tarfile.TarInfo(f"{key}.{ext}")
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-                keys.append(key)
-    return keys
+    def sample(i):
+        label = i % classes
+        key = f"{i // per_shard:05d}{i:04d}"
+        return key, [(f"{key}.jpg", encode_pil(foreign_image(label, (48, 48), seed * 100003 + i), "JPEG", quality=90)),
+                     (f"{key}.json", json.dumps({"key": key, "label": label, "width": 48}).encode()),
+                     (f"{key}.txt", f"a picture of class {label}".encode())]
+    return write_foreign(folder, n, per_shard, "{:05d}.tar" + (".gz" if gz else ""), sample,
+                         functools.partial(write_tar, gz=gz))
 
 
 NAMES = ("airplane", "cat", "dog", "ship")  # class i's name: the sorted order is the label order
@@ -779,68 +773,48 @@ def write_synset_tar(folder, n, *, per_shard=20, seed=4, end_blocks=True):
     tars stop after their last member, as a writer that never closed them leaves them. Returns the keys."""
     import os
 
-    os.makedirs(folder, exist_ok=True)
-    keys = []
-    for shard, indices in shard_runs(n, per_shard):
-        members = []
-        for i in indices:
-            label = i % 4
-            key = f"{SYNSETS[label]}_{i:05d}"
-            members += [(f"{key}.png", encode_pil(foreign_image(label, (32, 32), seed * 100003 + i, colour=4), "PNG")),
-                        (f"{key}.cls", SYNSETS[label].encode())]
-            keys.append(key)
-        path = os.path.join(str(folder), f"syn-{shard:04d}.tar")
+    def sample(i):
+        label = i % 4
+        key = f"{SYNSETS[label]}_{i:05d}"
+        return key, [(f"{key}.png", encode_pil(foreign_image(label, (32, 32), seed * 100003 + i, colour=4), "PNG")),
+                     (f"{key}.cls", SYNSETS[label].encode())]
+
+    def write(path, members):
         write_tar(path, members)
         if not end_blocks:
             with tarfile.open(path) as tar:
                 last = tar.getmembers()[-1]
             os.truncate(path, last.offset_data + (last.size + 511) // 512 * 512)
-    return keys
+    return write_foreign(folder, n, per_shard, "syn-{:04d}.tar", sample, write)
 
 
 def write_imagefolder_tar(folder, n, *, split="train", per_shard=20, seed=5):
     """GNU `tar` over an ImageFolder tree `SPLIT/257.clutter/257_0002.jpg`: the label is the key's
     last folder. Returns the keys."""
-    import os
-
-    os.makedirs(folder, exist_ok=True)
-    keys = []
-    for shard, indices in shard_runs(n, per_shard):
-        members = []
-        for i in indices:
-            label = i % 4
-            rel = f"{split}/{FOLDERS[label]}/{FOLDERS[label][:3]}_{i:04d}.jpg"
-            image = foreign_image(label, (36, 36), seed * 100003 + i, colour=3)
-            members.append((rel, encode_pil(image, "JPEG", quality=90)))
-            keys.append(rel[:-4])
-        gnu_tar(os.path.join(str(folder), f"tree-{shard:04d}.tar"), members)
-    return keys
+    def sample(i):
+        label = i % 4
+        rel = f"{split}/{FOLDERS[label]}/{FOLDERS[label][:3]}_{i:04d}.jpg"
+        return rel[:-4], [(rel, encode_pil(foreign_image(label, (36, 36), seed * 100003 + i, colour=3), "JPEG",
+                                           quality=90))]
+    return write_foreign(folder, n, per_shard, "tree-{:04d}.tar", sample, gnu_tar)
 
 
 def write_multi_member(folder, n, *, per_shard=20, seed=6):
     """Samples of `rgb.png` + `depth.npy` + `.json` (the class name in "label"): two image members,
     one chosen with --image-key rgb.png. Returns the keys."""
     import json
-    import os
 
     import numpy as np
 
-    os.makedirs(folder, exist_ok=True)
-    keys = []
-    for shard, indices in shard_runs(n, per_shard):
-        members = []
-        for i in indices:
-            label = i % 4
-            key = f"scene/{i:06d}"
-            depth = io.BytesIO()
-            np.save(depth, np.zeros((32, 32), np.uint8))  # grey and blank: a run that learns read rgb.png
-            rgb = foreign_image(label, (32, 32), seed * 100003 + i, colour=5)
-            members += [(f"{key}.rgb.png", encode_pil(rgb, "PNG")),
-                        (f"{key}.depth.npy", depth.getvalue()),
-                        (f"{key}.json", json.dumps({"label": NAMES[label]}).encode())]
-            keys.append(key)
-        write_tar(os.path.join(str(folder), f"multi-{shard:04d}.tar"), members)
-    return keys
+    def sample(i):
+        label = i % 4
+        key = f"scene/{i:06d}"
+        depth = io.BytesIO()
+        np.save(depth, np.zeros((32, 32), np.uint8))  # grey and blank: a run that learns read rgb.png
+        rgb = foreign_image(label, (32, 32), seed * 100003 + i, colour=5)
+        return key, [(f"{key}.rgb.png", encode_pil(rgb, "PNG")), (f"{key}.depth.npy", depth.getvalue()),
+                     (f"{key}.json", json.dumps({"label": NAMES[label]}).encode())]
+    return write_foreign(folder, n, per_shard, "multi-{:04d}.tar", sample)
 
 
 def train_in_process(args):
