@@ -167,6 +167,17 @@ class MixedStream(torch.utils.data.IterableDataset):
             self._shared = (ctx.Value("q", self.epoch, lock=False), ctx.Array("d", self.probs, lock=False),
                             ctx.Value("b", 0, lock=False))
 
+    def window_held(self):
+        """The most bytes one (rank, worker) holds for a shuffle window of one source: about
+        `shuffle_buffer` samples, at most `window_bytes`, plus the one shard that crosses it."""
+        most = 0
+        for s in self.sources:
+            per = sum(s.sizes) / s.total if s.sizes else float(np.prod(s.shape) + HEADER_BYTES)
+            window = max(1, min(self.shuffle_buffer, self.window_bytes // max(per, 1.0)))
+            largest = max(s.sizes) if s.sizes else max(s.counts) * per
+            most = max(most, int(window * per + largest))
+        return most
+
     def source_order(self, i, epoch):
         """Source i's `order.SourceOrder` for an epoch (kept for the current one)."""
         key = (i, epoch)

@@ -27,8 +27,7 @@ def check_memory(args, stream, eval_sources=0):
     prefetch = inspect.signature(make_loader).parameters["prefetch_factor"].default  # what the trainer's loaders use
     cap = getattr(args, "max_batch_memory", None) or budget.default_cap()
     return budget.check_budget(args.batch_size, {s.name: s.shape for s in stream.sources}, args.workers, cap,
-                               prefetch_factor=prefetch, window_bytes=getattr(stream, "window_bytes", 0),
-                               eval_sources=eval_sources)
+                               prefetch_factor=prefetch, window_bytes=stream.window_held(), eval_sources=eval_sources)
 
 
 @contextlib.contextmanager
