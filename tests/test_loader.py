@@ -1,9 +1,5 @@
 """pipeline.loader: the hand-over from DataLoader workers (BatchRing buffers, uint8 in shared
 memory, normalisation on arrival) and persistent workers that follow set_epoch."""
-import io
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -116,44 +112,3 @@ def test_persistent_workers_follow_set_epoch_and_weights(even):
         assert seen[-1] == fresh(epoch, weights)
     assert seen[0] != seen[1]
     assert all(k.startswith("mnist") for k in seen[2])
-
-
-
-
-def test_the_trainers_progress_bar_starts_no_monitor_thread():
-    """tqdm's monitor thread starts with the first bar and exits with the last; a loader
-    worker forked as it exits can deadlock on Python 3.11 (CPython gh-112275)."""
-    from tqdm import tqdm
-
-    from pipeline.data.topology import Topology
-    from pipeline.train.console import progress_bar
-
-    tqdm.monitor_interval = 10  # tqdm's default
-    if tqdm.monitor is not None:
-        tqdm.monitor.exit()
-        tqdm.monitor = None
-    bar = progress_bar(Topology(), 10, "epoch 1")
-    bar.update(3)
-    assert tqdm.monitor is None and tqdm.monitor_interval == 0
-    bar.close()
-    assert progress_bar(Topology(1, 2), 10, "epoch 1") is None  # rank 1 draws no bar
-
-
-def test_the_trainers_warnings_are_one_line_each(monkeypatch):
-    import warnings
-
-    from pipeline.train import console
-
-    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal, as in a log file
-    line = console.one_line_warning(UserWarning("s-000001.tar: not a tar header; skipped 3 sample(s)"), UserWarning,
-                                 "/x/pipeline/data/stages.py", 192, "self._piece(url)")
-    assert line == "pipeline.train: warning: s-000001.tar: not a tar header; skipped 3 sample(s)\n"
-    assert line.count("\n") == 1 and "stages.py" not in line
-    assert warnings.formatwarning is not console.one_line_warning  # only the command (pipeline/train/__main__.py) installs it
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
-    monkeypatch.setattr(sys, "stderr", Terminal())  # a worker's warning on a terminal first clears the bar's line
-    assert console.one_line_warning(UserWarning("w"), UserWarning, "f.py", 1) == "\r\x1b[Kpipeline.train: warning: w\n"
-    entry = Path(__file__).resolve().parents[1] / "pipeline" / "train" / "__main__.py"
-    assert "warnings.formatwarning = one_line_warning" in entry.read_text()

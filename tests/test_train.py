@@ -284,3 +284,56 @@ def test_the_trainers_error_and_warning_lines_escape_control_characters(capsys):
     assert console.one_line_warning("sample a\x1b[2J", UserWarning, "f.py", 1) == "pipeline.train: warning: sample a\\x1b[2J\n"
     console.one_line("pipeline.train: error: sample b\rc")
     assert capsys.readouterr().err == "pipeline.train: error: sample b\\rc\n"
+
+
+def test_the_trainers_progress_bar_starts_no_monitor_thread():
+    """tqdm's monitor thread starts with the first bar and exits with the last; a loader
+    worker forked as it exits can deadlock on Python 3.11 (CPython gh-112275)."""
+    from tqdm import tqdm
+
+    from pipeline.data.topology import Topology
+    from pipeline.train.console import progress_bar
+
+    tqdm.monitor_interval = 10  # tqdm's default
+    if tqdm.monitor is not None:
+        tqdm.monitor.exit()
+        tqdm.monitor = None
+    bar = progress_bar(Topology(), 10, "epoch 1")
+    bar.update(3)
+    assert tqdm.monitor is None and tqdm.monitor_interval == 0
+    bar.close()
+    assert progress_bar(Topology(1, 2), 10, "epoch 1") is None  # rank 1 draws no bar
+
+
+def test_the_trainers_warnings_are_one_line_each(monkeypatch):
+    import io
+    import warnings
+
+    from pipeline.train import console
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal, as in a log file
+    line = console.one_line_warning(UserWarning("s-000001.tar: not a tar header; skipped 3 sample(s)"), UserWarning,
+                                 "/x/pipeline/data/stages.py", 192, "self._piece(url)")
+    assert line == "pipeline.train: warning: s-000001.tar: not a tar header; skipped 3 sample(s)\n"
+    assert line.count("\n") == 1 and "stages.py" not in line
+    assert warnings.formatwarning is not console.one_line_warning  # only the command (pipeline/train/__main__.py) installs it
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    monkeypatch.setattr(sys, "stderr", Terminal())  # a worker's warning on a terminal first clears the bar's line
+    assert console.one_line_warning(UserWarning("w"), UserWarning, "f.py", 1) == "\r\x1b[Kpipeline.train: warning: w\n"
+
+
+def test_the_command_installs_the_one_line_warnings(data, tmp_path):
+    """`python -m pipeline.train` formats its warnings as one line each (main() called from
+    Python leaves the format alone, test above): a --train manifest of a test split warns,
+    then an epoch shorter than one batch ends the run before any training."""
+    p = subprocess.run([sys.executable, "-m", "pipeline.train", "--train", f"mnist={data}/mnist-test.json",
+                        "--batch-size", "100000000", "--out", str(tmp_path / "o")], cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=TIMEOUT)
+    lines = p.stderr.splitlines()
+    assert p.returncode == 2 and len(lines) == 2, p.stderr  # a warning in Python's format takes two lines
+    warning, error = lines
+    assert warning == (f"pipeline.train: warning: --train mnist: {data}/mnist-test.json records split 'test': "
+                       "the model trains on held-out data"), p.stderr
+    assert error.startswith("pipeline.train: error: an epoch of 230 samples is less than one batch"), p.stderr
