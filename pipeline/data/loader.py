@@ -72,6 +72,32 @@ class BatchRing:
         self.busy[worker].numpy().fill(0)
 
 
+class EpochShare:
+    """The epoch and mixture weights the main process sets, as persistent DataLoader
+    workers see them: each worker holds a pickled copy of the stream, made at the
+    loader's first pass, so later `set_epoch` calls reach it only through shared memory.
+    `started` tells the main process a worker has taken its copy (a state loaded after
+    that would not reach it)."""
+
+    def __init__(self, ctx, epoch, probs):
+        self._epoch = ctx.Value("q", epoch, lock=False)
+        self._probs = ctx.Array("d", list(probs), lock=False)
+        self._started = ctx.Value("b", 0, lock=False)
+
+    def publish(self, epoch, probs):
+        self._epoch.value = epoch
+        self._probs[:] = list(probs)
+
+    def take(self):
+        """(epoch, probs) as the main process last set them; marks a worker started."""
+        self._started.value = 1
+        return self._epoch.value, list(self._probs)
+
+    @property
+    def started(self):
+        return bool(self._started.value)
+
+
 class _RingFed(torch.utils.data.IterableDataset):
     """A stream's raw batches; in workers their images leave through a `BatchRing`."""
 

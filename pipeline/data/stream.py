@@ -27,18 +27,15 @@ import numpy as np
 import torch
 
 from pipeline.data import deal, order, remote, stages
+from pipeline.data import state as codec
 from pipeline.data.batch import NOTHING, Collate, Layout
 from pipeline.errors import Errors, ShardError
-from pipeline.data.loader import Arrival, make_loader  # noqa: F401  (part of this module's API)
+from pipeline.data.loader import Arrival, EpochShare, make_loader  # noqa: F401  (make_loader: this module's API)
 from pipeline.data.manifest import Source, resolve  # noqa: F401  (part of this module's API)
 from pipeline.data.topology import Topology, Worker, own_items
 from pipeline.data.weights import check_weights, parse_weights  # noqa: F401  (part of this module's API)
 
 __all__ = ["MixedStream", "EvalStream", "Source", "resolve", "make_loader", "parse_weights", "check_weights"]
-STATE_VERSION = 3
-MAX_WORLD = 1 << 16  # ranks a stream state may say it ran on (as a checkpoint's world)
-MAX_WORKERS = 1 << 10  # DataLoader workers per rank (as --workers)
-MAX_SPANS = 1 << 24  # spans a segment may list per source
 WINDOW_SAMPLES = 10_000  # a shuffle window: shards adding up to about this many samples...
 WINDOW_BYTES = 256 << 20  # ...and no more bytes than this (plus one shard)
 HEADER_BYTES = 1024  # a sample's tar headers, for sources whose manifest gives no shard sizes
@@ -103,7 +100,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         self.arrived = {}
         self._pending, self._targets = None, None
         self._orders = {}
-        self._shared = None  # (epoch, probs, started) in shared memory once persistent workers hold copies
+        self._shared = None  # a loader.EpochShare once persistent workers hold copies
 
     @property
     def weights(self):
@@ -148,8 +145,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         if weights is not None:
             self.probs = check_weights(weights, self.layout.names)
         if self._shared is not None:
-            self._shared[0].value = epoch
-            self._shared[1][:] = self.probs
+            self._shared.publish(epoch, self.probs)
 
     def set_workers(self, workers):
         """How many DataLoader workers iterate this stream (make_loader says); a state loaded
@@ -164,8 +160,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         """Keep epoch and weights in shared memory, so that persistent DataLoader workers
         (each holding a pickled copy of this stream) see every later `set_epoch`."""
         if self._shared is None:
-            self._shared = (ctx.Value("q", self.epoch, lock=False), ctx.Array("d", self.probs, lock=False),
-                            ctx.Value("b", 0, lock=False))
+            self._shared = EpochShare(ctx, self.epoch, self.probs)
 
     def window_held(self):
         """The most bytes one (rank, worker) holds for a shuffle window of one source: about
@@ -201,8 +196,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         uint8 images (in a buffer from `borrow_buffer(n)` when given), numpy labels and sources,
         and the worker's `state` after the batch."""
         if self._shared is not None:  # a persistent worker: take what the main process set
-            self.epoch, self.probs = self._shared[0].value, list(self._shared[1])
-            self._shared[2].value = 1
+            self.epoch, self.probs = self._shared.take()
         seg, start = self.current(), self.start
         worker = worker or Worker.current()
         if worker.count != seg.workers:
@@ -248,16 +242,10 @@ class MixedStream(torch.utils.data.IterableDataset):
         seg = self.current()
         positions = {w: list(p) for w, p in self.start.positions.items()}
         positions.update({w: list(s["positions"]) for w, s in self.arrived.items()})
-        mine = {"rank": self.topo.rank,
-                "done": {str(w): int(self._done().get(w, 0)) for w in range(seg.workers)},
-                "positions": {str(w): [int(x) for x in positions.get(w, [0] * len(self.sources))]
-                              for w in range(seg.workers)}}
-        return {"version": STATE_VERSION, "sources": self.layout.names, "seed": self.seed, "epoch": seg.epoch,
-                "targets": list(self._targets),
-                "segment": {"generation": seg.generation, "world": seg.world, "workers": seg.workers,
-                            "batch_size": seg.batch_size, "batches": seg.batches,
-                            "spans": [[[int(a), int(n)] for a, n in spans] for spans in seg.spans]},
-                "ranks": [mine]}
+        done = self._done()
+        return codec.encode(seg, self._targets, self.layout.names, self.seed, self.topo.rank,
+                            {w: done.get(w, 0) for w in range(seg.workers)},
+                            {w: positions.get(w, [0] * len(self.sources)) for w in range(seg.workers)})
 
     def load_state_dict(self, state):
         """Go on from `state_dict()`: one rank's, or a list of every rank's. Call it after
@@ -267,14 +255,15 @@ class MixedStream(torch.utils.data.IterableDataset):
         otherwise every rank's state is needed, and what each pair left is dealt to this
         world. Returns what it did: {"deal": "same" or "re-deal", "generation": ...,
         "from": [world, workers, batch size], "to": [...]}."""
-        if self._shared is not None and self._shared[2].value:
+        if self._shared is not None and self._shared.started:
             raise RuntimeError("load_state_dict after the loader's workers started: load it before the first pass")
-        root, ranks = _merge(state)
-        seg = self._check(root, ranks)
+        root, ranks = codec.merge(state)
+        seg = codec.check(root, ranks, names=self.layout.names, seed=self.seed, targets=self.targets(),
+                          passes=self._passes())
         self._pending = state
         self.epoch = seg.epoch
         if self._shared is not None:
-            self._shared[0].value = self.epoch
+            self._shared.publish(self.epoch, self.probs)
         here = (self.topo.world, self.workers, self.batch_size)
         was = (seg.world, seg.workers, seg.batch_size)
         mine = next((r for r in ranks if r["rank"] == self.topo.rank), None)
@@ -300,135 +289,10 @@ class MixedStream(torch.utils.data.IterableDataset):
         self.arrived = {}
         return {"deal": deal_kind, "generation": self.segment.generation, "from": list(was), "to": list(here)}
 
-    def _check(self, root, ranks):
-        """The loaded segment, every number checked against the manifests and itself (a
-        checkpoint is input): ValueError naming the first that is off."""
-        names, S = self.layout.names, len(self.sources)
-        if root["sources"] != names or root["seed"] != self.seed:
-            raise ValueError(f"the stream state is for sources {_short(root['sources'])} with seed "
-                             f"{_short(root['seed'])}; this stream has {names} with seed {self.seed}")
-        epoch = _int(root["epoch"], "epoch", 0, order.MAX_COUNT)
-        targets = _ints(root["targets"], "targets", S, 0, order.MAX_COUNT)
-        if targets != [int(t) for t in self.targets()]:
-            raise ValueError(f"the stream state's epoch splits its samples {targets} between the sources, this "
-                             f"stream {self.targets().tolist()}: the weights or the epoch's samples changed inside "
-                             f"an epoch; change them at an epoch boundary")
-        g = root["segment"]
-        if not isinstance(g, dict):
-            raise ValueError("stream state segment: a mapping expected")
-        fields = {"generation": (0, order.MAX_COUNT), "world": (1, MAX_WORLD), "workers": (1, MAX_WORKERS),
-                  "batch_size": (1, order.MAX_COUNT), "batches": (0, order.MAX_COUNT)}
-        v = {k: _int(g.get(k), f"segment {k}", *b) for k, b in fields.items()}
-        spans = g.get("spans")
-        if not isinstance(spans, list) or len(spans) != S:
-            raise ValueError(f"stream state segment spans: one list per source ({S}) expected")
-        checked = tuple(_spans(x, t, i) for i, (x, t) in enumerate(zip(spans, targets)))
-        seg = deal.Segment(epoch, v["generation"], v["world"], v["workers"], v["batch_size"], v["batches"],
-                           checked, self.seed, self._passes())
-        if seg.batches * seg.world * seg.batch_size > int(seg.left().sum()):
-            raise ValueError(f"stream state segment: {seg.batches} batches of {seg.world} x {seg.batch_size} "
-                             f"samples, more than its spans hold ({int(seg.left().sum())})")
-        seen, done = set(), {}
-        for r in ranks:
-            rank = _int(r.get("rank"), "rank", 0, seg.world - 1)
-            if rank in seen:
-                raise ValueError(f"stream state: rank {rank} appears twice")
-            seen.add(rank)
-            done[rank] = self._check_done(seg, r)
-        if len({sum(d) for d in done.values()}) != 1:
-            raise ValueError(f"the ranks' stream states disagree on how many batches were consumed "
-                             f"({sorted({sum(d) for d in done.values()})})")
-        for r in ranks:
-            self._check_positions(seg, r, done[r["rank"]])
-        return seg
-
-    @staticmethod
-    def _check_done(seg, r):
-        """One rank's batches per worker: one entry each, within its share, made in turn."""
-        keys = [str(w) for w in range(seg.workers)]
-        for part in ("done", "positions"):
-            if not isinstance(r.get(part), dict) or sorted(r[part]) != sorted(keys):
-                raise ValueError(f"stream state rank {r['rank']} {part}: one entry per worker 0..{seg.workers - 1}")
-        done = [_int(r["done"][k], f"rank {r['rank']} done[{k}]", 0, seg.worker_batches(int(k))) for k in keys]
-        if max(done) - min(done) > 1:
-            raise ValueError(f"stream state rank {r['rank']} done {done}: workers make batches in turn")
-        return done
-
-    def _check_positions(self, seg, r, done):
-        """One rank's positions: no fewer than the samples its workers took, no more than
-        their runs hold on top (positions passed over: damage, samples a stage dropped)."""
-        keys = [str(w) for w in range(seg.workers)]
-        quotas = seg.quotas()
-        for k, d in zip(keys, done):
-            pair = r["rank"] + int(k) * seg.world
-            got = _ints(r["positions"][k], f"rank {r['rank']} positions[{k}]", len(self.sources), 0, order.MAX_COUNT)
-            taken = seg.choices(pair).taken(d * seg.batch_size)
-            for s, (p, t, q) in enumerate(zip(got, taken, quotas[pair])):
-                if not t <= p <= t + q:
-                    raise ValueError(f"stream state rank {r['rank']} worker {k} source {s}: {p} positions read, "
-                                     f"but its {d} batches took {int(t)} samples of a run of {int(q)}")
-
     def eval_stream(self, source, batch_size=None):
         """A finite stream over one source's test shards in this stream's batch format."""
         return EvalStream(self.layout, source, batch_size or self.batch_size, self.topo, on_error=self.on_error,
                           cache_dir=self.cache_dir, policy=self.policy, normalize=self.normalize)
-
-
-def _merge(state):
-    """(root, ranks) of a loaded state: one root, or a list of roots (one per rank) that
-    must agree on everything but their ranks."""
-    roots = state if isinstance(state, list) else [state]
-    if not roots or not all(isinstance(r, dict) for r in roots):
-        raise ValueError("stream state: a mapping, or a non-empty list of per-rank mappings, expected")
-    for r in roots:
-        if r.get("version") != STATE_VERSION:
-            raise ValueError(f"stream state version {_short(r.get('version'))}, expected {STATE_VERSION}")
-        missing = [k for k in ("sources", "seed", "epoch", "targets", "segment", "ranks") if k not in r]
-        if missing:
-            raise ValueError(f"stream state: field {missing[0]} missing")
-        if not isinstance(r["ranks"], list) or not all(isinstance(x, dict) for x in r["ranks"]):
-            raise ValueError("stream state ranks: a list of per-rank mappings expected")
-    first = roots[0]
-    for r in roots[1:]:
-        for k in ("sources", "seed", "epoch", "targets", "segment"):
-            if r[k] != first[k]:
-                raise ValueError(f"the ranks' stream states disagree on {k}")
-    return first, [x for r in roots for x in r["ranks"]]
-
-
-def _int(v, what, lo, hi):
-    if type(v) is not int or not lo <= v <= hi:
-        raise ValueError(f"stream state {what}: {_short(v)}; an integer in {lo}..{hi} expected")
-    return v
-
-
-def _ints(v, what, n, lo, hi):
-    if not isinstance(v, list) or len(v) != n:
-        raise ValueError(f"stream state {what}: a list of {n} integers expected")
-    return [_int(x, what, lo, hi) for x in v]
-
-
-def _spans(spans, target, source):
-    """A source's spans: [start, length] pairs, in order, apart, inside 0..target."""
-    if not isinstance(spans, list) or len(spans) > MAX_SPANS:
-        raise ValueError(f"stream state spans of source {source}: a list of at most {MAX_SPANS} expected")
-    out, end = [], -1
-    for x in spans:
-        if not isinstance(x, list) or len(x) != 2:
-            raise ValueError(f"stream state spans of source {source}: [start, length] pairs expected")
-        a, n = _int(x[0], f"spans of source {source}", 0, order.MAX_COUNT), _int(x[1], f"spans of source {source}",
-                                                                                 1, order.MAX_COUNT)
-        if a <= end or a + n > target:
-            raise ValueError(f"stream state spans of source {source}: [{a}, {n}] overlaps the span before it or "
-                             f"lies past the epoch's {target} positions")
-        end = a + n - 1
-        out.append((a, n))
-    return tuple(out)
-
-
-def _short(value, n=60):
-    text = repr(value)
-    return text if len(text) <= n else text[:n] + "..."
 
 
 def _error_mode(on_error, strict):
