@@ -90,11 +90,11 @@ def serve(folder, port):
 def tree_memory_mib(pid):
     """(sum of VmRSS, sum of Pss) over a process and all its descendants, in MiB. RSS counts
     pages forked workers share with their parent once per process; Pss splits them."""
-    import bench_loader
+    from bench.proc import proc_kib, tree_pids  # /proc only: neither torch nor numpy
 
-    pids = bench_loader.tree_pids(pid)
-    return (sum(bench_loader.proc_kib(f"/proc/{p}/status", "VmRSS:") for p in pids) / 1024,
-            sum(bench_loader.proc_kib(f"/proc/{p}/smaps_rollup", "Pss:") for p in pids) / 1024)
+    pids = tree_pids(pid)
+    return (sum(proc_kib(f"/proc/{p}/status", "VmRSS:") for p in pids) / 1024,
+            sum(proc_kib(f"/proc/{p}/smaps_rollup", "Pss:") for p in pids) / 1024)
 
 
 def train(base, work, steps, cache, samples):
