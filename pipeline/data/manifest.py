@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import braceexpand as brace
 
-from pipeline.data import remote
+from pipeline.data import remote, storage
 from pipeline.data.decode import IMAGE_EXTS, Target, image_format, parse_label_key
 from pipeline.errors import ShardError, redact
 from pipeline.files import MAX_JSON, missing_folder, parse_json, read_json
@@ -199,9 +199,13 @@ def locate(manifest_url, name):
         if not _URL_SAFE.match(name):
             raise ShardError(f"{manifest_url}: shard {name!r}: a URL with spaces or control characters")
         return name
+    if storage.scheme_of(name):
+        if not _URL_SAFE.match(name):
+            raise ShardError(f"{manifest_url}: shard {name!r}: a URL with spaces or control characters")
+        return name
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:", name):
-        raise ShardError(f"{manifest_url}: shard {name!r}: a manifest may name plain files, absolute paths or "
-                         f"http(s) URLs, never commands or other schemes")
+        raise ShardError(f"{manifest_url}: shard {name!r}: a manifest may name plain files, absolute paths, "
+                         f"http(s) URLs or object-store URLs (s3://...), never commands or other schemes")
     if name.startswith("/"):
         if where != "file":
             raise ShardError(f"{manifest_url}: shard {name!r}: an absolute path in a remote manifest; index the "
@@ -221,7 +225,8 @@ def locate(manifest_url, name):
             raise ShardError(f"{manifest_url}: shard {name!r} resolves to {real}, outside the manifest's folder")
         return path
     head, _, tail = manifest_url.rpartition(_manifest_file(manifest_url))
-    return head + (urllib.parse.quote(name) if where == "http" else shlex.quote(name)) + tail
+    quoted = {"http": urllib.parse.quote(name), "store": name}.get(where, shlex.quote(name))
+    return head + quoted + tail
 
 
 def plain_relative(name):
@@ -464,6 +469,9 @@ def canonical(location, folders=None):
         return os.path.join(folders[folder], name)
     if where == "pipe":
         return location
+    if where == "store":  # scheme://bucket/key: the key's // and . collapsed
+        scheme, _, path = location.partition("://")
+        return f"{scheme.lower()}://{posixpath.normpath(re.sub('/+', '/', path))}"
     u = urllib.parse.urlsplit(location)
     try:
         port = u.port

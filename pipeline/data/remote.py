@@ -1,4 +1,5 @@
-"""Reading bytes from wherever shards live: local files, http(s) URLs and pipe: commands.
+"""Reading bytes from wherever shards live: local files, http(s) URLs, pipe: commands and object
+stores (pipeline.data.storage).
 
 A remote read is bounded: every transfer has a total deadline (a base plus its
 byte size at a minimum rate), so a server that drips one byte every few seconds
@@ -41,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pipeline.data import cache as caching
+from pipeline.data import storage
 from pipeline.errors import DigestError, FetchError, ShardError, cut, redact
 from pipeline.files import open_regular
 
@@ -50,15 +52,18 @@ MAX_DELAY = 60.0  # seconds: retry delays double up to this
 
 
 def kind(url):
-    """'http', 'pipe' or 'file'. Raises ShardError for any other scheme (s3:, gs:, file:, ...)."""
+    """'http', 'pipe', 'store' (s3://, gs://, hf://, any fsspec protocol: pipeline.data.storage)
+    or 'file'. Raises ShardError for any other scheme."""
     if url.startswith(("http://", "https://")):
         return "http"
     if url.startswith("pipe:"):
         return "pipe"
+    if storage.scheme_of(url):
+        return "store"
     m = _SCHEME.match(url)
     if m:
-        raise ShardError(f"{cut(redact(url))}: {m[1]}: URLs are not read directly; use http(s)://, a local path, "
-                         f"or pipe:COMMAND (e.g. 'pipe:aws s3 cp s3://bucket/x.json -')")
+        raise ShardError(f"{cut(redact(url))}: {m[1]}: not a scheme this job reads; use a local path, http(s)://, "
+                         f"s3://, gs://, hf:// (or another fsspec protocol), or pipe:COMMAND")
     return "file"
 
 
@@ -100,7 +105,10 @@ class Transient(OSError):
 
 
 def permanent(error):
-    """True for an HTTP client error that waiting won't fix (404, 403, ...)."""
+    """True for an HTTP client error that waiting won't fix (404, 403, ...), or a store's
+    missing object, bucket or permission."""
+    if isinstance(error, storage.Missing):
+        return True
     return isinstance(error, urllib.error.HTTPError) and 400 <= error.code < 500 and error.code not in (408, 429)
 
 
@@ -313,7 +321,10 @@ class _Checked:
 
 
 def _open_raw(url, policy, nbytes):
-    return (_HTTP if kind(url) == "http" else _Pipe)(url, policy, nbytes)
+    where = kind(url)
+    if where == "store":
+        return storage.Reader(url, policy.deadline(nbytes))
+    return (_HTTP if where == "http" else _Pipe)(url, policy, nbytes)
 
 
 def read_url(url, consume, *, policy=Policy(), nbytes=None, digest=None, cache_dir=None):

@@ -26,6 +26,7 @@ import urllib.parse
 
 import numpy as np
 
+from pipeline.data import storage
 from pipeline.data import bounds, remote
 from pipeline.data.decode import (CONTENT_ERRORS, IMAGE_EXTS, LABEL_EXTS, Unlabelled, as_integer, as_name,
                                   default_label, describe_label, image_format, label_hint, label_member, open_image,
@@ -48,6 +49,8 @@ def expand(spec):
     (its *.tar, *.tar.gz and *.tgz files, sorted). Raises ShardError when nothing matches."""
     if remote.kind(spec) == "file" and os.path.isdir(spec):
         urls = sorted(os.path.join(spec, f) for f in os.listdir(spec) if f.endswith(SHARD_SUFFIXES))
+    elif remote.kind(spec) == "store" and "{" not in spec and not spec.endswith(SHARD_SUFFIXES):
+        urls = storage.listing(spec, SHARD_SUFFIXES)  # a prefix: the shards under it, read where they are
     else:
         urls = expand_pattern(spec)
         missing = [u for u in urls if remote.kind(u) == "file" and not os.path.exists(u)]
@@ -303,6 +306,10 @@ def shard_location(url, out):
     command, the shard's file name (the manifest must then be placed beside the shards and
     read through the same command)."""
     kind = remote.kind(url)
+    if kind == "store":  # relative to a manifest written under the same prefix, else the URL itself
+        base = str(out).rstrip("/") + "/"
+        rel = url[len(base):] if url.startswith(base) else None
+        return rel if rel and plain_relative(rel) else url
     if kind == "http":
         return url
     if kind == "pipe":

@@ -1,0 +1,202 @@
+"""Object stores: S3 and S3-compatible servers, Google Cloud Storage, the Hugging Face Hub and
+any fsspec protocol, behind one small table.
+
+A location is parsed once (`Location`); its scheme names the entry that reads, lists and
+writes it. Stores go through fsspec's implementations (s3fs, gcsfs, huggingface_hub's
+HfFileSystem), installed as extras (`pip install 'pipeline[s3]'`); credentials come the
+way each ecosystem finds them (the AWS chain: environment, config files, instance roles,
+`AWS_ENDPOINT_URL` for S3-compatible servers; `HF_TOKEN` and `HF_ENDPOINT` for the Hub;
+Google's application default credentials), never from the URL. What the project
+promises for HTTP holds here too: pipeline.data.remote wraps a store's reader with the
+job's deadline, retries, byte cap, sha256 check and cache.
+"""
+import contextlib
+import posixpath
+import re
+import time
+from dataclasses import dataclass
+
+from pipeline.errors import FetchError, ShardError, cut, redact
+
+# scheme -> (the extra that installs its fsspec implementation, the package it imports)
+STORES = {"s3": ("s3", "s3fs"), "s3a": ("s3", "s3fs"), "gs": ("gcs", "gcsfs"), "gcs": ("gcs", "gcsfs"),
+          "hf": ("hf", "huggingface_hub"), "az": ("azure", "adlfs"), "abfs": ("azure", "adlfs")}
+OURS = ("file", "http", "https", "pipe")  # read by pipeline.data.remote itself
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
+BLOCK = 8 << 20  # bytes a store's reader asks for at a time
+
+
+@dataclass(frozen=True)
+class Location:
+    """A store URL, parsed once: scheme and the path fsspec takes (bucket/key...)."""
+
+    url: str
+    scheme: str
+    path: str
+
+    @property
+    def shown(self):
+        return cut(redact(self.url))
+
+
+def scheme_of(url):
+    """A store's scheme for a URL it reads (s3, gs, hf, az, or another fsspec protocol),
+    else None (local paths, http(s), pipe:)."""
+    m = _SCHEME.match(url)
+    if not m or m[1].lower() in OURS:
+        return None
+    scheme = m[1].lower()
+    if scheme in STORES or _registered(scheme):
+        return scheme
+    return None
+
+
+def _registered(scheme):
+    """A protocol a user registered with fsspec (register_implementation), or one fsspec knows."""
+    try:
+        import fsspec
+    except ImportError:
+        return False
+    return scheme in fsspec.available_protocols()
+
+
+def parse(url):
+    scheme = scheme_of(url)
+    if scheme is None:
+        raise ShardError(f"{cut(redact(url))}: not an object-store URL")
+    path = url[len(_SCHEME.match(url)[0]):]
+    if not path or path.startswith("/"):
+        raise ShardError(f"{cut(redact(url))}: no bucket (write {scheme}://BUCKET/KEY)")
+    return Location(url, scheme, path)
+
+
+def filesystem(loc):
+    """The fsspec filesystem of a location's scheme; ShardError naming the extra to install
+    when its implementation is missing."""
+    import fsspec
+
+    extra, package = STORES.get(loc.scheme, (None, None))
+    try:
+        return fsspec.filesystem(loc.scheme, **_options(loc.scheme))
+    except ImportError:
+        hint = f"pip install 'pipeline[{extra}]' (or {package})" if extra else "install its fsspec implementation"
+        raise ShardError(f"{loc.shown}: reading {loc.scheme}:// needs {package or 'a package'}: {hint}") from None
+
+
+def _options(scheme):
+    """Per-scheme settings: none beyond each ecosystem's own configuration, but fsspec's
+    instance cache off, so a forked DataLoader worker never shares its parent's event loop."""
+    return {"skip_instance_cache": True} if scheme in ("s3", "s3a", "gs", "gcs") else {}
+
+
+class Reader:
+    """A store object read front to back, block by block, within a total deadline checked
+    between reads (a store's client has its own per-request timeouts). Errors come out as
+    `Missing` (no such object, bucket or permission: permanent) or `Unreachable` (worth
+    another attempt)."""
+
+    def __init__(self, url, limit):
+        self.loc = parse(url)
+        self.limit, self.spent, self.f = limit, 0.0, None
+        fs = filesystem(self.loc)
+        self.f = _call(self.loc, lambda: fs.open(self.loc.path, "rb", block_size=BLOCK, cache_type="readahead"))
+
+    def read(self, n):
+        if self.spent > self.limit:
+            raise Unreachable(f"transfer not finished within its {self.limit:.0f} s deadline")
+        start = time.monotonic()
+        data = _call(self.loc, lambda: self.f.read(n))
+        self.spent += time.monotonic() - start
+        return data
+
+    def close(self):
+        if self.f is not None:
+            with contextlib.suppress(Exception):
+                self.f.close()
+
+
+class Missing(FileNotFoundError):
+    """No such object or bucket, or no permission to read it: waiting won't help."""
+
+
+class Unreachable(ConnectionError):
+    """The store did not answer as it should: another attempt may."""
+
+
+def _call(loc, fn):
+    try:
+        return fn()
+    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
+        raise Missing(_reason(e)) from None
+    except ShardError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a client's own exceptions (botocore, aiohttp, gcsfs...)
+        if _denied(e):
+            raise Missing(_reason(e)) from None
+        raise Unreachable(_reason(e)) from None
+
+
+def _denied(error):
+    """Errors a store's client raises that no retry fixes: unknown keys, bad signatures, a
+    bucket that does not exist."""
+    text = f"{error.__class__.__name__} {error}"
+    return any(w in text for w in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket", "AccessDenied",
+                                   "Forbidden", "NoCredentials", "Unable to locate credentials"))
+
+
+def _reason(error):
+    text = " ".join(str(error).split()) or error.__class__.__name__
+    return cut(redact(text), 300)
+
+
+def size(url):
+    """Bytes of the object at a store URL (FetchError when it cannot be told)."""
+    loc = parse(url)
+    try:
+        return int(_call(loc, lambda: filesystem(loc).info(loc.path))["size"])
+    except (Missing, Unreachable) as e:
+        raise FetchError(f"{loc.shown}: {e}") from None
+
+
+def listing(url, suffixes=(".tar", ".tar.gz", ".tgz")):
+    """The objects under a store prefix (a "folder") whose names end in `suffixes`, as full
+    URLs in name order; FetchError when the prefix cannot be listed."""
+    loc = parse(url.rstrip("/") + "/")
+    fs = filesystem(loc)
+    try:
+        names = _call(loc, lambda: fs.ls(loc.path.rstrip("/"), detail=False))
+    except (Missing, Unreachable) as e:
+        raise FetchError(f"{loc.shown}: cannot list: {e}") from None
+    base = f"{loc.scheme}://"
+    return sorted(base + n.lstrip("/") for n in names if n.endswith(suffixes))
+
+
+def put(local_path, url):
+    """Upload a local file to a store URL (the file at a temporary key first would not make it
+    safer: a store writes an object whole or not at all)."""
+    loc = parse(url)
+    try:
+        _call(loc, lambda: filesystem(loc).put_file(local_path, loc.path))
+    except (Missing, Unreachable) as e:
+        raise FetchError(f"{loc.shown}: cannot write: {e}") from None
+
+
+def remove(url):
+    loc = parse(url)
+    with contextlib.suppress(Missing, Unreachable):
+        _call(loc, lambda: filesystem(loc).rm_file(loc.path))
+
+
+def exists(url):
+    loc = parse(url)
+    try:
+        return bool(_call(loc, lambda: filesystem(loc).exists(loc.path)))
+    except Missing:
+        return False
+    except Unreachable as e:
+        raise FetchError(f"{loc.shown}: {e}") from None
+
+
+def join(base, name):
+    """`name` (a plain relative name) in the store "folder" `base`."""
+    return base.rstrip("/") + "/" + posixpath.normpath(name)
