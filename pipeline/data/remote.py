@@ -149,17 +149,40 @@ class _HttpOnly(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
+AUTH_VARIABLE = "PIPELINE_HTTP_AUTHORIZATION"  # an Authorization header's value for http(s) reads
+AUTH_HOSTS_VARIABLE = "PIPELINE_HTTP_AUTH_HOSTS"  # optional: the hosts (host or host:port, commas) it goes to
+
+
 def _request(url, method):
-    """A urllib Request for `url`; the `user:password@` of a URL becomes HTTP basic auth (urllib
-    would take it for part of the host name), sent to that host only, never after a redirect."""
+    """A urllib Request for `url`. The `user:password@` of a URL becomes HTTP basic auth (urllib
+    would take it for part of the host name); else $PIPELINE_HTTP_AUTHORIZATION, when set, is sent
+    as the Authorization header (`Bearer TOKEN`, `Basic ...`), to the hosts named in
+    $PIPELINE_HTTP_AUTH_HOSTS when that is set, else to every host the job reads. Either goes to
+    that host only (add_unredirected_header: never to a host a redirect leads to), and neither
+    is ever part of a message: errors name the URL through errors.redact."""
     parts = urllib.parse.urlsplit(url)
     if parts.username is None:
-        return urllib.request.Request(url, method=method)
+        req = urllib.request.Request(url, method=method)
+        header = os.environ.get(AUTH_VARIABLE, "").strip()
+        if header and _auth_host(parts):
+            req.add_unredirected_header("Authorization", header)
+        return req
     bare = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
     req = urllib.request.Request(bare, method=method)
     pair = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
     req.add_unredirected_header("Authorization", "Basic " + base64.b64encode(pair.encode()).decode())
     return req
+
+
+def _auth_host(parts):
+    """True if $PIPELINE_HTTP_AUTHORIZATION goes to this URL's host: every host unless
+    $PIPELINE_HTTP_AUTH_HOSTS names some (a name alone matches any port)."""
+    hosts = [h.strip().lower() for h in os.environ.get(AUTH_HOSTS_VARIABLE, "").split(",") if h.strip()]
+    if not hosts:
+        return True
+    host = (parts.hostname or "").lower()
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return any(h == host or h == f"{host}:{port}" or h == f"[{host}]:{port}" for h in hosts)
 
 
 class _HTTP:

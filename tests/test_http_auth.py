@@ -1,0 +1,133 @@
+"""Credentials for plain HTTP(S): an Authorization header from $PIPELINE_HTTP_AUTHORIZATION
+(pipeline.data.remote._request), against a server on 127.0.0.1 that answers 401 without it.
+The header goes to the hosts the job reads (or those $PIPELINE_HTTP_AUTH_HOSTS names), never to
+a host a redirect leads to, and never into a message."""
+import functools
+import http.server
+
+import pytest
+
+from helpers import Quiet, build_shards, serving, train_in_process
+from pipeline.data import remote
+from pipeline.errors import FetchError
+
+TOKEN = "Bearer http-t0ken-never-printed-9876"
+FAST = remote.Policy(retries=1, delay=0.01, timeout=5)
+
+
+class Guarded(Quiet, http.server.SimpleHTTPRequestHandler):
+    """Serves a folder to requests that carry the server's `token` (401 without); /away/NAME
+    redirects to server.elsewhere + NAME. Every Authorization header it saw goes to server.seen."""
+
+    def do_GET(self):
+        self._guard(super().do_GET)
+
+    def do_HEAD(self):
+        self._guard(super().do_HEAD)
+
+    def _guard(self, serve):
+        self.server.seen.append(self.headers.get("Authorization"))
+        if self.server.token is not None and self.headers.get("Authorization") != self.server.token:
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", 'Bearer realm="shards"')
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if self.path.startswith("/away/"):
+            self.send_response(302)
+            self.send_header("Location", self.server.elsewhere + self.path[len("/away/"):])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        serve()
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("guarded")
+    build_shards(folder, "mnist", "train", 60, maxcount=20)
+    return folder
+
+
+@pytest.fixture
+def guarded(shards):
+    """(the guarded server, an open one on another port): both serve `shards`."""
+    handler = functools.partial(Guarded, directory=str(shards))
+    with serving(handler, token=None, seen=[], elsewhere="") as other, \
+            serving(handler, token=TOKEN, seen=[], elsewhere=None) as server:
+        server.elsewhere = other.url
+        yield server, other
+
+
+def test_a_read_with_the_variable_gets_the_bytes(guarded, shards, monkeypatch):
+    server, _ = guarded
+    monkeypatch.setenv(remote.AUTH_VARIABLE, TOKEN)
+    assert remote.fetch(server.url + "mnist-train.json", policy=FAST) == (shards / "mnist-train.json").read_bytes()
+    assert server.seen == [TOKEN]
+
+
+def test_without_the_variable_a_401_is_one_line_at_once(guarded, monkeypatch):
+    server, _ = guarded
+    monkeypatch.delenv(remote.AUTH_VARIABLE, raising=False)
+    with pytest.raises(FetchError) as e:
+        remote.fetch(server.url + "mnist-train.json", policy=remote.Policy(retries=3, delay=5.0, timeout=5))
+    assert "401" in str(e.value) and "mnist-train.json" in str(e.value) and "\n" not in str(e.value)
+    assert server.seen == [None]  # permanent: not retried (15 s of retries if it were)
+
+
+def test_a_wrong_header_is_refused_and_never_shown(guarded, monkeypatch):
+    server, _ = guarded
+    monkeypatch.setenv(remote.AUTH_VARIABLE, "Bearer wrong-t0ken-also-secret")
+    with pytest.raises(FetchError) as e:
+        remote.fetch(server.url + "mnist-train.json", policy=FAST)
+    assert "401" in str(e.value) and "wrong-t0ken" not in str(e.value)
+
+
+def test_the_header_never_follows_a_redirect(guarded, shards, monkeypatch):
+    server, other = guarded
+    monkeypatch.setenv(remote.AUTH_VARIABLE, TOKEN)
+    got = remote.fetch(server.url + "away/mnist-train.json", policy=FAST)
+    assert got == (shards / "mnist-train.json").read_bytes()
+    assert server.seen == [TOKEN] and other.seen == [None]
+
+
+@pytest.mark.parametrize("hosts, sent", [("127.0.0.1", True), ("127.0.0.1:{port}", True), ("LOCALHOST, 127.0.0.1", True),
+                                         ("shards.example.org", False), ("127.0.0.1:1", False)])
+def test_the_hosts_variable_limits_where_the_header_goes(guarded, monkeypatch, hosts, sent):
+    server, _ = guarded
+    monkeypatch.setenv(remote.AUTH_VARIABLE, TOKEN)
+    monkeypatch.setenv(remote.AUTH_HOSTS_VARIABLE, hosts.format(port=server.server_address[1]))
+    if sent:
+        remote.fetch(server.url + "mnist-train.json", policy=FAST)
+    else:
+        with pytest.raises(FetchError, match="401"):
+            remote.fetch(server.url + "mnist-train.json", policy=FAST)
+    assert server.seen == [TOKEN if sent else None]
+
+
+def test_a_user_password_url_wins_over_the_variable(guarded, monkeypatch):
+    """The URL's own credentials are the more specific: basic auth from them, not the variable."""
+    server, _ = guarded
+    monkeypatch.setenv(remote.AUTH_VARIABLE, TOKEN)
+    url = server.url.replace("http://", "http://user:pw-secret@") + "mnist-train.json"
+    with pytest.raises(FetchError) as e:
+        remote.fetch(url, policy=FAST)
+    assert server.seen[0].startswith("Basic ") and "pw-secret" not in str(e.value) and "user:***@" in str(e.value)
+
+
+def test_the_trainer_reads_a_guarded_server_with_the_variable_and_says_one_line_without(guarded, tmp_path,
+                                                                                         monkeypatch):
+    server, _ = guarded
+    args = ["--train", f"mnist={server.url}", "--epochs", "1", "--batch-size", "8", "--workers", "0", "--width", "4",
+            "--retries", "1", "--io-timeout", "5"]
+    monkeypatch.delenv(remote.AUTH_VARIABLE, raising=False)
+    p = train_in_process([*args, "--out", tmp_path / "without"])
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    errors = [ln for ln in p.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and "401" in errors[0] and "mnist-train.json" in errors[0], p.stderr[-2000:]
+    monkeypatch.setenv(remote.AUTH_VARIABLE, TOKEN)
+    p = train_in_process([*args, "--out", tmp_path / "with"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert TOKEN.split()[1] not in p.stdout + p.stderr
+    for name in ("metrics.jsonl", "summary.json", "checkpoint.pt"):
+        assert TOKEN.split()[1].encode() not in (tmp_path / "with" / name).read_bytes(), name
