@@ -153,10 +153,11 @@ def common(data, out):
 
 
 def metrics(out):
+    """The run's figures, without the line a resume adds to say where it began."""
     lines = [json.loads(ln) for ln in open(os.path.join(out, "metrics.jsonl"))]
     for ln in lines:
         ln.pop("samples_per_s", None)
-    return lines
+    return [ln for ln in lines if ln["kind"] != "resumed"]
 
 
 def key_log(out):

@@ -370,10 +370,11 @@ def common(data, out):
 
 
 def metrics(out):
+    """The run's figures, without the line a resume adds to say where it began."""
     lines = [json.loads(ln) for ln in open(os.path.join(out, "metrics.jsonl"))]
     for ln in lines:
         ln.pop("samples_per_s", None)
-    return lines
+    return [ln for ln in lines if ln["kind"] != "resumed"]
 
 
 def key_log(out, world):
@@ -408,6 +409,8 @@ def test_killed_inside_an_epoch_and_resumed_matches_the_uninterrupted_run(data, 
     assert key_log(out, 2) == key_log(whole, 2)
     s, w = (json.loads((d / "summary.json").read_text()) for d in (out, whole))
     assert s["eval"] == w["eval"] and s["resumed_from"]["step"] >= 9
+    resumed = [json.loads(ln) for ln in open(out / "metrics.jsonl") if '"resumed"' in ln]
+    assert [(r["step"], r["world"]) for r in resumed] == [(s["resumed_from"]["step"], 2)]  # the report marks it
 
 
 @pytest.mark.slow

@@ -68,6 +68,8 @@ def train(args, topo, device, stopper=None):
         saved = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(os.path.getmtime(ckpt)))
         print(f"resumed from {where(run)} (saved at {saved})", flush=True)
     metrics = Metrics(os.path.join(args.out, "metrics.jsonl"), topo.is_main, resume_step=run.step if ckpt else None)
+    if ckpt:  # where a resume began, on which world (the report marks it)
+        metrics.log(kind="resumed", epoch=run.epoch + 1, step=run.step, world=topo.world, workers=args.workers)
     if "weights" in changed:
         metrics.log(kind="weights_changed", epoch=run.epoch + 1, step=run.step, **changed["weights"])
     if "data" in changed:

@@ -89,7 +89,7 @@ class StepLog:
 
     Loss sums stay on the device and sample counts on the CPU (counted from the batch
     before it is copied), so this log adds no wait for the device to a step (the one wait
-    a step has is the non-finite check, loop.nonfinite_counts); both are all-reduced once
+    a step has is the non-finite check, run.nonfinite_counts); both are all-reduced once
     per line. `shared()` all-reduces the partial sums for a checkpoint; resuming puts
     them on rank 0 only, which the next all-reduce turns into the same line on any
     world size.

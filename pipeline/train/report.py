@@ -90,7 +90,7 @@ def load_run(run_dir):
     train = [r for r in records if r.get("kind") == "train" and _train_ok(r)]
     if not train:
         raise ReportError(f"{path}: no training lines yet (the run has not logged its first --log-every steps)")
-    marks = [r for r in records if r.get("kind") in ("stopped", "weights_changed", "data_changed")
+    marks = [r for r in records if r.get("kind") in ("stopped", "resumed", "weights_changed", "data_changed")
              and _number(r.get("step"))]
     return {"dir": run_dir, "train": train, "eval": [r for r in records if r.get("kind") == "eval" and _eval_ok(r)],
             "marks": marks, "summary": read_summary(os.path.join(run_dir, "summary.json"))}
@@ -245,8 +245,8 @@ MARKS_MAX = 20  # stop/resume markers drawn; a hostile file's thousands would hi
 
 def stops_and_resumes(run):
     """[(step, label)] in step order: where the run stopped (a 'stopped' line, with its signal)
-    and where it resumed (summary.json's resumed_from; a weights_changed or data_changed
-    line, which only a resume writes). A resume drops the 'stopped' line at its checkpoint
+    and where it resumed (a 'resumed' line, summary.json's resumed_from; a weights_changed or
+    data_changed line, which only a resume writes). A resume drops the 'stopped' line at its checkpoint
     from metrics.jsonl, so an earlier stop shows as the resume that followed it."""
     words = {}
     for r in run["marks"]:
