@@ -23,6 +23,11 @@ and the shuffle, a permutation per window instead of `wds.shuffle`'s buffer,
 which costs a `random.randint` per sample and holds state no checkpoint can reach.
 """
 import io
+import os
+import queue
+import threading
+import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,6 +104,16 @@ class RunPlan:
         self.current = Window(rows, key, start=self.at, size=offset + take, skip=offset)
         return self.current
 
+    def peek(self):
+        """The window `next` will give after the current one, without advancing (None: none)."""
+        at, current = self.at, self.current
+        try:
+            return self.next()
+        except StopIteration:
+            return None
+        finally:
+            self.at, self.current = at, current
+
     def state(self, pos=0):
         """Positions of the run read: the current window counted `pos` positions past its start."""
         w = self.current
@@ -113,13 +128,17 @@ class OncePlan:
         self.reset()
 
     def next(self):
-        return next(self.windows, None)
+        self.at += 1
+        return self.windows[self.at - 1] if self.at <= len(self.windows) else None
+
+    def peek(self):
+        return self.windows[self.at] if self.at < len(self.windows) else None
 
     def state(self, pos=0):
         return {}
 
     def reset(self, state=None):
-        self.windows = iter([Window(((u, 0, None),)) for u in self.urls])
+        self.windows, self.at = [Window(((u, 0, None),)) for u in self.urls], 0
 
 
 class WindowData:
@@ -157,6 +176,83 @@ class WindowData:
 
 
 WHOLE_SHARD = 64 << 20  # shards up to this size are read into memory at once (see read.regular)
+PREFETCH_THREADS = 4  # transfers of remote shards one (rank, worker) runs at once ahead of its reading; 0: none
+
+
+def _fetch(url, policy, nbytes, digest, cache_dir):
+    """A remote shard's bytes, fetched ahead (in a `_Fetcher` thread) through `remote.read_url`
+    as the reader would read it, with its retries, deadline, sha256 check and cache: (bytes,
+    None), or (None, the error), or, for bytes that arrived whole but differ from the manifest,
+    (those bytes, the DigestError): parsing them comes first, as when a shard streams in."""
+    got = []
+
+    def grab(stream):
+        got.clear()
+        got.append(remote.read_all(stream, WHOLE_SHARD))
+        return got[0]
+
+    try:
+        return remote.read_url(url, grab, policy=policy, nbytes=nbytes, digest=digest, cache_dir=cache_dir), None
+    except DigestError as e:
+        return (got[0] if got else None), e.with_traceback(None)
+    except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it where it would have met it
+        return None, e.with_traceback(None)
+
+
+def _take(fetched, consume):
+    """consume(stream) on a shard fetched ahead (a Future of `_fetch`); its fetch's error
+    raised as `remote.read_url` would have raised it to the reader."""
+    data, error = fetched.result()
+    if error is None:
+        return consume(io.BytesIO(data))
+    if data is not None:
+        consume(io.BytesIO(data))  # a ShardError of parsing is what the reader would have met first
+    raise error
+
+
+def _work(jobs, stopped):
+    while not stopped.is_set():
+        job = jobs.get()
+        if job is None:
+            return
+        future, args = job
+        if stopped.is_set() or not future.set_running_or_notify_cancel():
+            continue
+        future.set_result(_fetch(*args))
+
+
+class _Fetcher:
+    """Daemon threads fetching remote shards into memory ahead of a `Reader`, started as work
+    comes (a source of local files never starts one). Daemon, and holding no reference to the
+    reader: a transfer in flight never holds up an exit, and a reader that is collected stops
+    them (`stop`, by its weakref.finalize). A forked process has none of them: a reader notices
+    the new pid and starts its own (`Reader._ahead`)."""
+
+    def __init__(self, threads):
+        self.pid, self.size, self.threads = os.getpid(), threads, []
+        self.jobs, self.stopped = queue.SimpleQueue(), threading.Event()
+
+    def submit(self, *args):
+        future = Future()
+        self.jobs.put((future, args))
+        if len(self.threads) < self.size:
+            t = threading.Thread(target=_work, args=(self.jobs, self.stopped), name="pipeline-prefetch", daemon=True)
+            t.start()
+            self.threads.append(t)
+        return future
+
+    def stop(self):
+        """Each thread ends after its transfer in flight; queued ones never start."""
+        self.stopped.set()
+        for _ in self.threads:
+            self.jobs.put(None)
+
+
+def _remote(url):
+    try:
+        return remote.kind(url) in ("http", "store")
+    except ShardError:  # said when it is read
+        return False
 
 
 class Reader:
@@ -183,19 +279,54 @@ class Reader:
         self.expected = {u: (c, b, d) for u, c, b, d in zip(source.urls, source.counts, source.sizes or [None] * n,
                                                          source.digests or [None] * n)}
         self.miscount_said = set()  # urls whose count differing from the manifest was reported
+        # remote shards read whole: fetched ahead of the reading (`_ahead`); never local files or pipe: commands
+        self.fetchable = {u for u, (_, b, _) in self.expected.items() if b is not None and b <= WHOLE_SHARD
+                          and _remote(u)}
+        self.fetcher, self.fetched = None, {}  # url -> Future of `_fetch`
 
-    def __call__(self, window):
+    def __call__(self, window, upcoming=None):
+        """The window's samples. upcoming(): the window after it (RunPlan.peek), whose remote
+        shards are fetched while this one is read, within this one's bytes."""
+        if self.fetchable and PREFETCH_THREADS > 0:
+            self._ahead(window, upcoming)
         out, shards = WindowData(), {}
         if self.arena is not None:  # the last window's rows were all taken before this one is read
             claimed = sum(self.expected.get(url, (0, 0, 0))[1] or 0 for url in {url for url, _, _ in window.rows})
             self.arena.clear(min(claimed, WHOLE_SHARD))  # a claim sizes the first room, never more than a shard
         for url, lo, hi in window.rows:
             if url not in shards:  # a window may list a shard twice (drawn with replacement)
-                shards[url] = self._read_shard(url)
+                shards[url] = self._read_shard(url, self.fetched.pop(url, None))
             self._piece(url, shards[url], lo, hi, out)
         return out.seal()
 
-    def _read_shard(self, url):
+    def _ahead(self, window, upcoming):
+        """Start the transfers of this window's remote shards (read in order as they arrive) and,
+        up to this window's bytes (at least one shard), those of the window after it. Fetches
+        of shards neither names (the plan went another way) are dropped."""
+        if self.fetcher is None or self.fetcher.pid != os.getpid():  # a forked copy: the parent's threads aren't here
+            self.fetcher, self.fetched = _Fetcher(PREFETCH_THREADS), {}
+            weakref.finalize(self, self.fetcher.stop)
+        now = [u for u in dict.fromkeys(u for u, _, _ in window.rows) if u in self.fetchable]
+        following = upcoming() if upcoming is not None else None
+        later = [] if following is None else [u for u in dict.fromkeys(u for u, _, _ in following.rows)
+                                              if u in self.fetchable and u not in now]
+        keep = set(now) | set(later)
+        for url in [u for u in self.fetched if u not in keep]:
+            self.fetched.pop(url).cancel()
+        budget = sum(self.expected[u][1] for u in now)
+        held = sum(self.expected[u][1] for u in later if u in self.fetched)
+        for url in now + later:
+            if url in self.fetched:
+                continue
+            size = self.expected[url][1]
+            if url in later:
+                if held and held + size > budget:
+                    break
+                held += size
+            _, nbytes, digest = self.expected[url]
+            self.fetched[url] = self.fetcher.submit(url, self.policy, nbytes, digest, self.cache_dir)
+
+    def _read_shard(self, url, fetched=None):
         """Every sample of a shard: (columns, their positions in the shard, bad samples as
         (position, key, error), how many positions it held, the error that ended it). Raw
         shards read whole go into the window's arena, where their images stay."""
@@ -251,7 +382,11 @@ class Reader:
 
         error = None
         try:
-            remote.read_url(url, consume, policy=self.policy, nbytes=nbytes, digest=digest, cache_dir=self.cache_dir)
+            if fetched is not None:
+                _take(fetched, consume)
+            else:
+                remote.read_url(url, consume, policy=self.policy, nbytes=nbytes, digest=digest,
+                                cache_dir=self.cache_dir)
         except ShardError as e:
             if self.errors.strict:
                 raise ShardError(f"{url}: {e}") from None
@@ -401,13 +536,14 @@ class Positions(Node):
 class Read(Node):
     """Each window's pieces read once (`Reader`), kept while its positions are taken."""
 
-    def __init__(self, reader):
+    def __init__(self, reader, plan=None):
         self.reader, self.window, self.data = reader, None, None
+        self.peek = getattr(plan, "peek", None)  # the next window, whose remote shards are fetched meanwhile
 
     def next(self, n):
         chunk = self.upstream.next(n)
         if not chunk.window.same(self.window):
-            self.data = self.reader(chunk.window)
+            self.data = self.reader(chunk.window, self.peek)
         self.window = chunk.window
         chunk.data = self.data
         return chunk
@@ -540,7 +676,7 @@ class SourceStream(Node):
     def __init__(self, plan, reader, *, shuffle=True, sample_stages=()):
         self.reader, self.target = reader, reader.target
         source = reader.source
-        self.stages = [("positions", Positions(plan)), ("read", Read(reader)), ("shuffle", Shuffle(shuffle)),
+        self.stages = [("positions", Positions(plan)), ("read", Read(reader, plan)), ("shuffle", Shuffle(shuffle)),
                        ("decode", Decode(reader))]
         self.stages += [(f"stage:{_name(fn)}", UserStage(fn, source.name, self.target.shape, self.target.classes))
                         for fn in sample_stages]

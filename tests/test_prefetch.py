@@ -1,0 +1,205 @@
+"""Remote shards fetched ahead of the reader (pipeline.data.stages.Reader, `_Fetcher`): over a
+local HTTP server that waits before every answer, an epoch reads the same keys in clearly less
+time than one shard after another; damage and missing shards are said in the same line as
+without fetching ahead; local sources start no thread; a reader's threads end with it, and a
+forked copy starts its own."""
+import functools
+import gc
+import http.server
+import os
+import threading
+import time
+import warnings
+
+import pytest
+
+from helpers import Quiet, build_shards, serving, shard_keys
+from pipeline.data import remote, stages
+from pipeline.data.manifest import resolve
+from pipeline.data.stream import MixedStream
+from pipeline.errors import FetchError
+
+DELAY = 0.2  # seconds the server waits before each answer
+
+
+class _Slow(Quiet, http.server.SimpleHTTPRequestHandler):
+    def do_GET(self):
+        time.sleep(self.server.delay)
+        super().do_GET()
+
+
+@pytest.fixture
+def slow_server(tmp_path):
+    """8 mnist shards of 20 raw samples, served on 127.0.0.1 DELAY seconds after each request:
+    (their folder, the base URL)."""
+    folder = tmp_path / "srv"
+    build_shards(folder, "mnist", "train", 160, maxcount=20)
+    with serving(functools.partial(_Slow, directory=str(folder)), delay=DELAY) as server:
+        yield folder, server.url
+
+
+def prefetching(threads):
+    """stages.PREFETCH_THREADS set for a block (0: each shard read when its turn comes)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def block():
+        saved, stages.PREFETCH_THREADS = stages.PREFETCH_THREADS, threads
+        try:
+            yield
+        finally:
+            stages.PREFETCH_THREADS = saved
+    return block()
+
+
+def epoch(src, **kw):
+    """An epoch's keys (workers=0: read in this process) and its wall time."""
+    t0 = time.perf_counter()
+    keys = [k for b in MixedStream([src], {"mnist": 1}, 8, seed=3, **kw) for k in b["key"]]
+    return keys, time.perf_counter() - t0
+
+
+def fetch_threads():
+    return [t for t in threading.enumerate() if t.name == "pipeline-prefetch" and t.is_alive()]
+
+
+def wait_for_no_fetch_threads(timeout=5.0):
+    deadline = time.time() + timeout
+    while fetch_threads() and time.time() < deadline:
+        gc.collect()
+        time.sleep(0.02)
+    return fetch_threads()
+
+
+def test_an_epoch_over_a_slow_server_reads_the_same_keys_in_much_less_time(slow_server):
+    folder, url = slow_server
+    src = resolve("mnist", url, "train")
+    assert len(src.urls) == 8 and remote.kind(src.urls[0]) == "http"
+    with prefetching(0):
+        one_by_one, slow = epoch(src)
+    assert slow >= 8 * DELAY  # each shard waited for in turn
+    with prefetching(4):
+        ahead, fast = epoch(src)
+    assert ahead == one_by_one == epoch(resolve("mnist", str(folder), "train"))[0]
+    assert fast <= 0.7 * slow, f"fetched ahead {fast:.2f} s, one by one {slow:.2f} s"
+    assert not wait_for_no_fetch_threads(), "the epoch's fetch threads outlived it"
+
+
+def test_the_next_window_is_fetched_while_this_one_is_read(slow_server):
+    """Windows of one shard each: reading window k starts window k+1's transfer, so a reader
+    that takes DELAY per window itself waits for (almost) none of the later ones."""
+    _, url = slow_server
+    src = resolve("mnist", url, "train")
+    reader = stages.Reader(src)
+    windows = [stages.Window(((u, 0, None),)) for u in src.urls]
+    t0 = time.perf_counter()
+    reader(windows[0], lambda: windows[1])
+    waited = 0.0
+    for k in range(1, len(windows)):
+        time.sleep(DELAY)  # the consumer's work on the window before
+        t = time.perf_counter()
+        data = reader(windows[k], (lambda k=k: windows[k + 1]) if k + 1 < len(windows) else None)
+        waited += time.perf_counter() - t
+        assert len(data) == 20
+    assert waited < 0.5 * (len(windows) - 1) * DELAY, f"waited {waited:.2f} s in {time.perf_counter() - t0:.2f} s"
+
+
+def _damage(path):
+    """One byte of the first image changed: the tar still parses, its sha256 differs."""
+    import tarfile
+
+    with tarfile.open(path) as tar:
+        at = next(m.offset_data for m in tar.getmembers() if m.name.endswith(".raw"))
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _warned(src):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        keys, _ = epoch(src)
+    return keys, [str(w.message) for w in caught]
+
+
+def test_a_damaged_shard_fetched_ahead_is_named_in_the_same_line(slow_server):
+    folder, url = slow_server
+    src = resolve("mnist", url, "train")
+    path = os.path.join(folder, os.path.basename(src.urls[3]))
+    lost = shard_keys(path)
+    _damage(path)
+    with prefetching(0):
+        keys0, said0 = _warned(src)
+    with prefetching(4):
+        keys1, said1 = _warned(src)
+    assert keys1 == keys0 and len(lost) == 20 and not set(lost) & set(keys0)  # skipped (others read again instead)
+    damaged = [line for line in said1 if "sha256 differs from the manifest" in line]
+    assert len(damaged) == 1 and src.urls[3] in damaged[0] and "\n" not in damaged[0]
+    assert said1 == said0
+
+
+def test_a_missing_shard_fetched_ahead_fails_with_the_same_line(slow_server):
+    folder, url = slow_server
+    src = resolve("mnist", url, "train")
+    os.remove(os.path.join(folder, os.path.basename(src.urls[5])))
+    said = []
+    for threads in (0, 4):
+        with prefetching(threads), pytest.raises(FetchError) as e:
+            epoch(src)
+        said.append(str(e.value))
+        del e  # its frames hold the stream and its reader
+    assert said[0] == said[1] and "HTTP Error 404" in said[0] and src.urls[5] in said[0] and "\n" not in said[0]
+    assert not wait_for_no_fetch_threads()
+
+
+def test_a_local_source_starts_no_thread(tmp_path):
+    build_shards(tmp_path, "mnist", "train", 60, maxcount=20)
+    src = resolve("mnist", str(tmp_path), "train")
+    seen = []
+    stream = MixedStream([src], {"mnist": 1}, 8, seed=3, sample_stages=[lambda s: seen.append(len(fetch_threads()))
+                                                                        or s])
+    assert sum(len(b["key"]) for b in stream) >= 56
+    assert seen and max(seen) == 0
+    assert stages.Reader(src).fetchable == set()
+
+
+def test_a_stream_dropped_mid_epoch_stops_its_threads(slow_server):
+    _, url = slow_server
+    src = resolve("mnist", url, "train")
+    it = iter(MixedStream([src], {"mnist": 1}, 8, seed=3, shuffle_buffer=20))  # windows of a shard or two
+    next(it)
+    assert fetch_threads()
+    del it
+    assert not wait_for_no_fetch_threads(), "a dropped stream's fetch threads went on"
+
+
+def test_a_forked_reader_starts_its_own_threads(slow_server):
+    """A reader whose threads were started before a fork reads on in the child (a
+    DataLoader worker forked from a process that read with workers=0) instead of waiting
+    for transfers that no thread there will finish."""
+    _, url = slow_server
+    src = resolve("mnist", url, "train")
+    reader = stages.Reader(src)
+    windows = [stages.Window(((u, 0, None),)) for u in src.urls]
+    reader(windows[0], lambda: windows[1])  # windows[1] is now in flight in this process
+    pid = os.fork()
+    if pid == 0:  # the child: read the window the parent's threads were fetching
+        code = 1
+        try:
+            code = 0 if len(reader(windows[1])) == 20 and reader.fetcher.pid == os.getpid() else 3
+        finally:
+            os._exit(code)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked reader waited for its parent's transfer")
+    assert len(reader(windows[1])) == 20
