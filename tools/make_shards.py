@@ -3,18 +3,20 @@ WebDatasets that other tools wrote, in place.
 
     python tools/make_shards.py --datasets mnist cifar10 --splits train test --root data --out shards
     python tools/make_shards.py --index pets:train='/data/pets/{000000..000099}.tar' --out shards
+    python tools/make_shards.py --datasets mnist --out s3://bucket/shards     (any object store: docs/data.md)
 
 See docs/data.md for the sample format and every option.
 """
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pipeline.data import decode, manifest, remote
+from pipeline.data import decode, manifest, remote, storage
 from pipeline.writers import index, shards, sources  # noqa: E402
 from pipeline.cli import Parser, add_io_options, check_io, io_limits, printable  # noqa: E402
 from pipeline.errors import ShardError  # noqa: E402
@@ -75,7 +77,9 @@ def parse_args(argv):
            "class names, as NAME-SPLIT-preview.png beside a local manifest (for a remote one in --out when given, "
            "else in a new temporary folder, never the current one; repeatable)")
     a("--out", metavar="DIR",
-      help="output folder (default: shards); one make_shards at a time writes a folder, a second one is refused")
+      help="output folder (default: shards), or an object-store prefix (s3://BUCKET/PREFIX, gs://, hf://...) the "
+           "shards and manifests are uploaded to, each manifest last; one make_shards at a time writes a folder, a "
+           "second one is refused")
     a("--quiet", action="store_true", help="no progress bars")
     io = p.add_argument_group("remote reads (--index and --verify of http(s) and pipe: shards; as in the trainer)")
     add_io_options(io)
@@ -86,7 +90,17 @@ def parse_args(argv):
 
 def check(p, args):
     args.out_given, args.out = args.out is not None, args.out or "shards"
+    kind = out_kind(p, args.out)
+    if kind in ("http", "pipe") and not args.preview:
+        p.error(f"--out {printable(args.out)}: make_shards writes to a local folder or an object store (s3://, gs://, "
+                f"hf://...), not to an http(s) URL or a command")
+    args.store = kind == "store"
     args.part = parse_part(p, args.part)
+    if args.store:
+        args.out = args.out.rstrip("/")
+        if args.merge or args.part != (0, 1):
+            p.error(f"--out {args.out}: --part and --merge need a local --out; build and merge the parts in a local "
+                    f"folder, or write the whole split to the store in one make_shards")
     p.at_least(args, {"limit": 1, "maxcount": 1, "seed": 0, "workers": 1, "holdout": 1})
     p.within(args, {"workers": (1, 1024)})  # each one a process
     check_io(p, args)
@@ -130,8 +144,19 @@ def check(p, args):
         if not args.shape or len(args.shape) != 3:
             p.error("--shape: expected C,H,W, e.g. 3,64,64")
     for flag, path, what in (("--classes", args.classes, "file"), ("--classes-from", args.classes_from, "manifest")):
+        if path is not None and out_kind(p, path) != "file":
+            continue  # a URL: read (with the job's deadlines) when it is used
         if path is not None and not os.path.isfile(path):  # a FIFO or a device is never opened: it could block
             p.error(f"{flag} {path}: " + (f"no such {what}" if not os.path.exists(path) else "not a regular file"))
+
+
+def out_kind(p, where):
+    """remote.kind of --out (or another location flag), refusing what make_shards cannot write in one line."""
+    try:
+        kind = remote.kind(where)
+    except ShardError as e:
+        p.error(str(e))
+    return kind
 
 
 def parse_part(p, text):
@@ -219,7 +244,14 @@ def index_order(pairs):
     return sorted(pairs, key=lambda p: (p[1] != "train",))
 
 
-def run_index(args):
+def place(out, name):
+    """`name` in the folder or store prefix `out`."""
+    return storage.join(out, name) if remote.kind(out) == "store" else os.path.join(out, name)
+
+
+def run_index(args, stage=None):
+    """Index each --index pair into --out; for a store --out the manifest is written in the local
+    folder `stage` and uploaded (it names the shards as seen from --out)."""
     policy = remote.Policy(**io_limits(args))
     given = (args.classes_from, manifest.load(args.classes_from, policy)) if args.classes_from else None
     trained = {}  # data set -> (path, manifest) of its train split indexed in this command
@@ -230,8 +262,10 @@ def run_index(args):
         m = index.index(name, split, spec, args.out, label=label, image_key=args.image_key,
                         shape=args.shape, classes_file=args.classes, classes_from=classes_from,
                         skip_unlabelled=args.skip_unlabelled, base_url=args.base_url, workers=args.workers,
-                        policy=policy, progress=not args.quiet)
-        path = os.path.join(args.out, manifest.manifest_name(name, split))
+                        policy=policy, progress=not args.quiet, stage=stage)
+        path = place(args.out, manifest.manifest_name(name, split))
+        if stage is not None:
+            storage.put(os.path.join(stage, manifest.manifest_name(name, split)), path)
         if split == "train":
             trained[name] = (path, m)
         unlabelled = sum(s.get("unlabelled", 0) for s in m["shards"])
@@ -265,12 +299,12 @@ def run_index(args):
 def classes_hint(out, name, m):
     """A warning line when a split indexed on its own has other classes than the training split
     beside it (the trainer refuses that pair), with the flag that makes them one."""
-    train = os.path.join(out, manifest.manifest_name(name, "train"))
-    if not os.path.isfile(train):
-        return None
+    train = place(out, manifest.manifest_name(name, "train"))
     try:
+        if not (storage.exists(train) if remote.kind(out) == "store" else os.path.isfile(train)):
+            return None
         classes = manifest.load(train)["classes"]
-    except ShardError:
+    except (ShardError, OSError):
         return None
     if list(classes) == list(m["classes"]):
         return None
@@ -295,7 +329,7 @@ def run_preview(args):
         m = manifest.load(path)
         if remote.kind(path) == "file":
             folder = os.path.dirname(path) or "."
-        elif args.out_given:
+        elif args.out_given and not args.store:
             folder = args.out
         else:  # the default --out, shards/, is relative to wherever the command runs
             folder = temporary = temporary or tempfile.mkdtemp(prefix="make_shards-preview-")
@@ -314,9 +348,27 @@ def run(args):
             print(f"FAIL {line}")
         print(f"verify {args.out}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
         return 1 if problems else 0
+    if args.store:
+        return run_store(args)
     check_writable(args.out)
+    return write(args)
+
+
+def run_store(args):
+    """Everything built or indexed in a local temporary folder, as for a local --out, then
+    uploaded to the store prefix --out (shards.publish: the manifest last)."""
+    stage = tempfile.mkdtemp(prefix="make_shards-stage-")
+    try:
+        with shards.store_writing(args.out):
+            return write(args, stage)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def write(args, stage=None):
+    """Index, merge or build into --out, or through the local folder `stage` into a store --out."""
     if args.index:
-        run_index(args)
+        run_index(args, stage)
         if not args.datasets and not args.imagefolder:
             return 0
     if args.merge:
@@ -329,9 +381,13 @@ def run(args):
     for src in load_sources(args):
         print(f"{src.name}-{src.split}: {describe(src.origin)}", flush=True)
         t0 = time.perf_counter()
-        m = shards.build(src, args.out, encoding=args.encoding, maxcount=args.maxcount, seed=args.seed,
-                         limit=args.limit, workers=args.workers, part=args.part, progress=not args.quiet,
-                         say=lambda line: print(line, flush=True))
+        say = lambda line: print(line, flush=True)  # noqa: E731
+        m = shards.build(src, stage or args.out, encoding=args.encoding, maxcount=args.maxcount, seed=args.seed,
+                         limit=args.limit, workers=args.workers, part=args.part, progress=not args.quiet, say=say)
+        if stage is not None:
+            shards.publish(stage, args.out, src.name, src.split, progress=not args.quiet, say=say)
+            for s in m["shards"]:  # uploaded: the stage need not hold every split at once
+                os.remove(os.path.join(stage, s["name"]))
         dt = time.perf_counter() - t0
         rows.append((f"{src.name}-{src.split}", len(m["shards"]), m["total"],
                      sum(s["bytes"] for s in m["shards"]), dt, src.origin.get("kind")))
@@ -358,7 +414,8 @@ def main(argv=None):
         print(f"make_shards: error: {printable(e)}", file=sys.stderr)  # it may quote a key from a shard
         return 2
     except KeyboardInterrupt:
-        print("make_shards: interrupted; no manifest was written for the unfinished split", file=sys.stderr)
+        print("make_shards: interrupted; no manifest was written for the unfinished split"
+              + (" (its temporary keys were removed)" if args.store else ""), file=sys.stderr)
         return 130
 
 

@@ -200,3 +200,71 @@ def exists(url):
 def join(base, name):
     """`name` (a plain relative name) in the store "folder" `base`."""
     return base.rstrip("/") + "/" + posixpath.normpath(name)
+
+
+
+# ---------------------------------------------------------------- writing (make_shards.py --out URL)
+
+
+class Writer:
+    """Objects under one store prefix, written, moved, removed and listed through one client:
+    a client per call (as the functions above make) spends most of a small upload starting
+    its session. Names are relative to the prefix; a failure is a FetchError naming the URL."""
+
+    def __init__(self, prefix):
+        self.prefix = prefix.rstrip("/")
+        self.loc = parse(self.prefix + "/")
+        self.fs = filesystem(self.loc)
+
+    def url(self, name):
+        return join(self.prefix, name)
+
+    def _do(self, name, what, fn):
+        loc = parse(self.url(name))
+        try:
+            return _call(loc, lambda: fn(loc.path))
+        except (Missing, Unreachable) as e:
+            raise FetchError(f"{loc.shown}: cannot {what}: {e}") from None
+
+    def keys(self):
+        """Every name directly under the prefix, sorted; empty when it holds nothing (a missing
+        bucket too: a write there says so)."""
+        top = self.loc.path.rstrip("/") + "/"
+        try:
+            found = _call(self.loc, lambda: self.fs.find(top.rstrip("/"), maxdepth=1))
+        except (Missing, Unreachable) as e:
+            raise FetchError(f"{self.loc.shown}: cannot list: {e}") from None
+        return sorted(n.lstrip("/")[len(top):] for n in found if n.lstrip("/").startswith(top))
+
+    def exists(self, name):
+        try:
+            return bool(self._do(name, "tell", self.fs.exists))
+        except FetchError:
+            return False
+
+    def put(self, local_path, name):
+        self._do(name, "write", lambda path: self.fs.put_file(local_path, path))
+
+    def write_bytes(self, data, name):
+        self._do(name, "write", lambda path: self.fs.pipe_file(path, data))
+
+    def move(self, src, dst):
+        """`src` becomes `dst` (a server-side copy, then `src` removed: a store has no rename)."""
+        target = parse(self.url(dst)).path
+        self._do(src, f"copy to {dst}", lambda path: self.fs.copy(path, target))
+        self.remove(src)
+
+    def remove(self, name):
+        with contextlib.suppress(FetchError):
+            self._do(name, "remove", self.fs.rm_file)
+
+
+def keys(url):
+    """The names (not URLs) of every object directly under a store prefix, sorted."""
+    return Writer(url).keys()
+
+
+def write_bytes(data, url):
+    """Write `data` as the object at a store URL."""
+    base, _, name = url.rpartition("/")
+    Writer(base).write_bytes(data, name)

@@ -214,8 +214,12 @@ def _scan_task(task):
 
 
 def index(name, split, spec, out, *, label=None, image_key=None, shape=None, classes_file=None, classes_from=None,
-          skip_unlabelled=False, base_url=None, workers=1, policy=remote.Policy(), progress=True):
+          skip_unlabelled=False, base_url=None, workers=1, policy=remote.Policy(), progress=True, stage=None):
     """Index the shards SPEC names as data set NAME, split SPLIT; writes and returns OUT/NAME-SPLIT.json.
+
+    stage: a local folder the manifest is written to instead, for an OUT that is a store
+    prefix (make_shards uploads it there): the manifest still names the shards as seen from
+    OUT, relative to it when they lie under it.
 
     classes_from: (path, manifest) of another split of the same data set, whose classes this
     one must use (names mapping to the same indices); base_url: the URL the shards' folder
@@ -234,8 +238,15 @@ def index(name, split, spec, out, *, label=None, image_key=None, shape=None, cla
                          f"{', '.join(FOREIGN_EXTS)} expected (e.g. jpg, rgb.png, input.jpg)")
     urls = expand(spec)
     names = shard_locations(urls, out, base_url)
-    with writing(out):
-        return _index(name, split, spec, out, urls, names, label, image_key, shape, classes_file, classes_from,
+    if remote.kind(out) == "store":
+        local = [n for n, u in zip(names, urls) if remote.kind(u) == "file"]
+        if local:
+            raise ShardError(f"--out {out}: a manifest in a store cannot name local files ({local[0]}); upload the "
+                             f"shards under {out}/ and index them there, or give a local --out")
+        if stage is None:
+            raise ShardError(f"--out {out}: a store prefix; the manifest is written to a local stage and uploaded")
+    with writing(stage or out):
+        return _index(name, split, spec, stage or out, urls, names, label, image_key, shape, classes_file, classes_from,
                       skip_unlabelled, workers, policy, progress)
 
 

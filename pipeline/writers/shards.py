@@ -19,6 +19,16 @@ removes only files named by a manifest make_shards wrote for this data set and s
 manifest names is refused, never overwritten. A folder is written by one writer at a
 time (`writing`): two builds into one folder would write the same temporary names, and
 both could report success over shards the other one cut short.
+
+An object store (`--out s3://bucket/prefix`) gets the same promise through `publish`: the
+split is built in a local temporary folder as for a local --out, then every shard is
+uploaded under a temporary key (`NAME.tmp-<pid>`), and only when all are there are they
+moved into place and the manifest written, last. A failed or interrupted upload removes
+its temporary keys and has touched nothing else. The same ownership rule holds (a key of
+a needed name that no make_shards manifest of this split there names is refused), shards
+whose bytes a store already holds under their name are not uploaded again, and a marker
+key (`store_writing`) keeps a second make_shards from writing the prefix meanwhile (best
+effort: a store has no lock file).
 """
 import contextlib
 import hashlib
@@ -26,13 +36,16 @@ import io
 import multiprocessing
 import os
 import re
+import socket
 import tarfile
+import time
 
 import numpy as np
 
 from pipeline.data import png
-from pipeline.errors import ShardError
-from pipeline.files import Busy, locked, open_regular, read_json, write_json_atomic
+from pipeline.errors import FetchError, ShardError
+from pipeline.files import (MAX_JSON, Busy, locked, open_regular, parse_json, read_json,
+                            write_json_atomic)
 from pipeline.data.manifest import FORMAT, NAME_RE, check, manifest_name, shard_name
 from pipeline.data.read import iter_samples
 
@@ -339,6 +352,106 @@ def remove_stale(out, names):
     return gone
 
 
+# ---------------------------------------------------------------- object stores
+
+
+@contextlib.contextmanager
+def store_writing(out):
+    """The store version of `writing`: a marker key `out/.make_shards.lock` while a make_shards
+    writes the prefix; ShardError at once when one is there. Writing it is also the check
+    that the prefix is writable (a missing bucket or a refused key says so in one line)."""
+    from pipeline.data import storage
+
+    store = storage.Writer(out)
+    if store.exists(LOCK):
+        raise ShardError(f"{out}: another make_shards is writing this prefix ({store.url(LOCK)} is there); wait for "
+                         f"it to finish, or remove that key if no make_shards is running (a killed one leaves it)")
+    store.write_bytes(f"{socket.gethostname()} pid {os.getpid()} since {time.time():.0f}\n".encode(), LOCK)
+    try:
+        yield
+    finally:
+        store.remove(LOCK)
+
+
+def store_owned(out, name, split, present):
+    """(names, entries): the shard names the make_shards manifest of this split under the store
+    prefix `out` lists, and its entries as name -> (bytes, sha256); empty when there is none,
+    it is unreadable, or it indexed somebody else's shards. `present`: the names under `out`."""
+    from pipeline.data import remote, storage
+
+    if manifest_name(name, split) not in present:
+        return set(), {}
+    url = storage.join(out, manifest_name(name, split))
+    shard = re.compile(rf"^{re.escape(name)}-{re.escape(split)}-\d+\.tar$")
+    try:
+        m = parse_json(remote.fetch(url, limit=MAX_JSON), url)
+        if (m.get("origin") or {}).get("kind") == "index":
+            return set(), {}
+        entries = {s["name"]: (s.get("bytes"), s.get("sha256")) for s in m["shards"]
+                   if isinstance(s.get("name"), str) and shard.match(s["name"])}
+    except (ShardError, OSError, KeyError, TypeError, AttributeError):
+        return set(), {}  # unreadable: it vouches for nothing
+    return set(entries), entries
+
+
+def publish(stage, out, name, split, *, progress=True, say=None):
+    """Upload the split `build` wrote into the local folder `stage` to the store prefix `out`
+    (see the module's docstring); returns the manifest. Raises ShardError for a needed key
+    that holds an object no make_shards manifest of this split names, FetchError when an
+    upload fails (its temporary keys are then removed and nothing else was touched)."""
+    from tqdm import tqdm
+
+    from pipeline.data import storage
+
+    say = say or (lambda line: None)
+    mname = manifest_name(name, split)
+    manifest = read_json(os.path.join(stage, mname))
+    store = storage.Writer(out)
+    present = set(store.keys())
+    owned, old = store_owned(out, name, split, present)
+    ours = re.compile(rf"^{re.escape(name)}-{re.escape(split)}-\d+\.tar\.tmp-\d+$")
+    for f in sorted(present):  # a killed run's temporaries (the marker says no run is writing now)
+        if ours.match(f):
+            store.remove(f)
+    new = [s["name"] for s in manifest["shards"]]
+    for f in new:
+        if f in present and f not in owned:
+            raise ShardError(f"{store.url(f)} exists and no make_shards manifest of {name}-{split} in {out} "
+                             f"names it: refusing to overwrite an object this tool did not write; move it away or "
+                             f"choose another --out")
+    todo = [s for s in manifest["shards"]
+            if not (s["name"] in present and old.get(s["name"]) == (s["bytes"], s["sha256"]))]
+    tag = f".tmp-{os.getpid()}"
+    pending = []  # temporary keys written and not yet moved into place
+    bar = tqdm(total=sum(s["bytes"] for s in todo), unit="B", unit_scale=True, desc=f"upload {name}-{split}",
+               disable=not progress, dynamic_ncols=True)
+    try:
+        for s in todo:
+            pending.append(s["name"] + tag)
+            store.put(os.path.join(stage, s["name"]), pending[-1])
+            bar.update(s["bytes"])
+        bar.close()
+        if old and any(s["name"] in owned for s in todo):  # its shards are about to change: it goes first
+            store.remove(mname)
+        while pending:
+            store.move(pending[0], pending[0][:-len(tag)])
+            pending.pop(0)
+        store.put(os.path.join(stage, mname), mname)  # last: an object is written whole or not at all
+    except BaseException:
+        bar.close()
+        for t in pending:
+            store.remove(t)
+        raise
+    gone = [f for f in sorted(owned - set(new)) if f in present]
+    for f in gone:
+        store.remove(f)
+    if old:
+        say(f"  replaced {mname} in {out}/: {len([s for s in todo if s['name'] in owned])} of its shards rewritten, "
+            f"{len(manifest['shards']) - len(todo)} unchanged kept, {len(gone)} no longer listed removed; no other "
+            f"key touched")
+    return manifest
+
+
 # ---------------------------------------------------------------- verifying
 
 
@@ -349,6 +462,8 @@ def verify(folder, policy=None):
     from pipeline.data import remote
     from pipeline.data.manifest import locate
 
+    if remote.kind(folder) == "store":
+        return _verify_store(folder, policy or remote.Policy())
     if not os.path.isdir(folder):
         return [f"{folder}: no such folder"]
     problems = []
@@ -369,6 +484,35 @@ def verify(folder, policy=None):
                 problems.append(str(e))
                 continue
             problem = _verify_shard(url, s, policy or remote.Policy())
+            if problem:
+                problems.append(f"{mf}: {s['name']}: {problem}")
+    return problems
+
+
+def _verify_store(prefix, policy):
+    """verify() for a store prefix: its manifests, each shard streamed once against its entry."""
+    from pipeline.data import storage
+    from pipeline.data.manifest import load, locate
+
+    try:
+        manifests = [f for f in storage.keys(prefix) if f.endswith(".json") and ".part" not in f]
+    except FetchError as e:
+        return [str(e)]
+    if not manifests:
+        return [f"{prefix}: no manifests (*.json) found"]
+    problems = []
+    for mf in manifests:
+        url = storage.join(prefix, mf)
+        try:
+            m = load(url, policy)
+        except ShardError as e:
+            problems.append(str(e))
+            continue
+        for s in m["shards"]:
+            try:
+                problem = _verify_shard(locate(url, s["name"]), s, policy)
+            except ShardError as e:
+                problem = str(e)
             if problem:
                 problems.append(f"{mf}: {s['name']}: {problem}")
     return problems
