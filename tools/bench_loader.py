@@ -101,6 +101,9 @@ def parse_args(argv):
     p.add_argument("--stages", action="store_true",
                    help="only time the stages written here against webdataset's (shuffle and RandomMix, per "
                         "sample) and normalize's switch to one torch thread")
+    p.add_argument("--stores", action="store_true",
+                   help="only read the same mnist shards from local files, HTTP, a local S3-compatible server and "
+                        "that server behind 50 ms of latency (tools/bench/stores.py; --synthetic or --shards DIR)")
     p.add_argument("--torch-threads", type=int, metavar="N",
                    help="torch.set_num_threads(N) in the benchmarking process (default: torch's own choice; "
                         "A's and B's per-sample torch calls use them; C normalises in one "
@@ -115,7 +118,7 @@ def parse_args(argv):
     if args.child:
         return args
     if args.json is None:
-        args.json = os.path.join("bench-out", "stages.json" if args.stages else
+        args.json = os.path.join("bench-out", "stages.json" if args.stages else "stores.json" if args.stores else
                                  "tar-format.json" if args.tar_format else "bench.json")
     if args.batch_size < 2 or args.batch_size % 2:
         p.error("--batch-size must be even and at least 2 (A loads half a batch from each data set)")
@@ -128,7 +131,9 @@ def parse_args(argv):
         p.error("--repeats must be >= 1 and --workers >= 0")
     if not 0 <= args.rank < args.world:
         p.error(f"--rank {args.rank} outside --world {args.world}")
-    if not args.synthetic and not args.stages and not (args.mnist_root and (args.cifar_folder or args.tar_format)):
+    if args.stores and not (args.synthetic or args.shards):
+        p.error("--stores reads --shards DIR (its mnist-train.json) or --synthetic shards")
+    if not args.synthetic and not args.stages and not args.stores and not (args.mnist_root and (args.cifar_folder or args.tar_format)):
         p.error("give --mnist-root and --cifar-folder, or --synthetic")
     args.skipped = choose_peers(p, args)
     if "A" not in args.methods:
@@ -175,6 +180,9 @@ def main(argv=None):
         return memory.child_main(json.loads(args.child))
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
+    if args.stores:
+        from bench import stores
+        return stores.main(args)
     if not args.synthetic:
         return suite.run(args, args.work_dir)
     tmp = tempfile.mkdtemp(prefix="bench-loader-")

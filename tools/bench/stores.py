@@ -1,0 +1,267 @@
+"""`bench_loader.py --stores`: the same shards read from local files, over plain HTTP, from a local
+S3-compatible server (moto's server mode, reached through AWS_ENDPOINT_URL as users reach MinIO
+or R2), and from that server behind 50 ms of added first-byte latency, in one run (issue 39,
+"fetched ahead"). Each path is this stream (MixedStream, uint8 batches, as the trainer takes
+them) over one epoch of the mnist source, interleaved by repeat; the S3 + latency path is also
+run without fetching ahead (stages.PREFETCH_THREADS = 0), to show what fetching ahead buys.
+
+The servers run in a process of their own (`serve`), and its CPU time is taken out of the
+figures: CPU per sample is the reading side's, the benchmarking process and its DataLoader
+workers. The latency is a TCP proxy on 127.0.0.1 that holds the first byte of each answer
+(the first bytes from the server after bytes from the client) for 50 ms.
+
+    python tools/bench_loader.py --stores --synthetic --workers 0   # 40 shards of 500 MNIST-shaped samples
+    python tools/bench_loader.py --stores --shards DIR               # DIR's mnist-train.json shards
+"""
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+LATENCY = 0.050  # seconds added before each answer's first byte
+BUCKET = "bench-stores"
+SHARDS, PER_SHARD = 40, 500  # --synthetic: MNIST-shaped raw shards
+
+
+# ------------------------------------------------------------ the servers' process
+
+
+def serve(folder, latency=LATENCY):
+    """moto's S3 server, a latency proxy in front of it and an HTTP server of `folder`, all on
+    127.0.0.1; prints their ports as one JSON line, then runs until stdin closes."""
+    import functools
+    import http.server
+    import logging
+    import socket
+    import threading
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s3_port = s.getsockname()[1]
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=s3_port, verbose=False)
+    moto.start()
+
+    def pump(src, dst, before=None, after=None):
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                if before:
+                    before()
+                dst.sendall(data)
+                if after:
+                    after()
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def proxied(client):
+        upstream = socket.create_connection(("127.0.0.1", s3_port))
+        for s in (client, upstream):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        asked = threading.Event()  # the client sent a request: the next answer's first byte waits
+
+        def hold():
+            if asked.is_set():
+                time.sleep(latency)
+                asked.clear()
+        threading.Thread(target=pump, args=(client, upstream), kwargs={"after": asked.set}, daemon=True).start()
+        pump(upstream, client, before=hold)
+
+    proxy = socket.create_server(("127.0.0.1", 0))
+
+    def accept():
+        while True:
+            client, _ = proxy.accept()
+            threading.Thread(target=proxied, args=(client,), daemon=True).start()
+    threading.Thread(target=accept, daemon=True).start()
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=folder))
+    web.daemon_threads = True
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    print(json.dumps({"s3": s3_port, "s3_latency": proxy.getsockname()[1], "http": web.server_address[1]}),
+          flush=True)
+    sys.stdin.read()
+    moto.stop()
+
+
+@contextlib.contextmanager
+def servers(folder):
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "serve", folder], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        ports = json.loads(proc.stdout.readline())
+        ports["pid"] = proc.pid
+        yield ports
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# ------------------------------------------------------------ the runs
+
+
+def build(work):
+    from pipeline.writers import shards
+    from pipeline.writers.sources import SyntheticSource
+
+    out = os.path.join(work, "store-shards")
+    shards.build(SyntheticSource("mnist", "train", SHARDS * PER_SHARD, (1, 28, 28), 0), out, encoding="raw",
+                 maxcount=PER_SHARD, progress=False)
+    return out
+
+
+def upload(folder, base):
+    from pipeline.data import storage
+
+    storage.filesystem(storage.parse(base)).mkdir(BUCKET)
+    names = [n for n in sorted(os.listdir(folder)) if n.startswith("mnist-train")]
+    for name in names:
+        storage.put(os.path.join(folder, name), f"{base}{name}")
+    return names
+
+
+def epoch(src, workers, batch_size, shuffle_buffer, seed):
+    """One epoch of `src` as uint8 batches: a generator of batch sizes."""
+    from pipeline.data import stream
+
+    ms = stream.MixedStream([src], {src.name: 1.0}, batch_size, seed=seed, shuffle_buffer=shuffle_buffer,
+                            normalize=False)
+    for batch in stream.make_loader(ms, num_workers=workers):
+        yield len(batch["image"])
+
+
+@contextlib.contextmanager
+def configured(endpoint=None, threads=None):
+    """AWS_ENDPOINT_URL and stages.PREFETCH_THREADS for one run."""
+    from pipeline.data import stages
+
+    saved = os.environ.get("AWS_ENDPOINT_URL"), stages.PREFETCH_THREADS
+    if endpoint:
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()  # a client cached for the other endpoint would go on using it
+    if threads is not None:
+        stages.PREFETCH_THREADS = threads
+    try:
+        yield
+    finally:
+        if saved[0] is None:
+            os.environ.pop("AWS_ENDPOINT_URL", None)
+        else:
+            os.environ["AWS_ENDPOINT_URL"] = saved[0]
+        stages.PREFETCH_THREADS = saved[1]
+
+
+def measure_run(gen, expected, server_pid):
+    """bench.cpu.measure, less the servers' CPU time meanwhile."""
+    from bench.cpu import measure
+    from bench.proc import proc_stat
+
+    before = proc_stat(server_pid)
+    r = measure(gen, expected)
+    after = proc_stat(server_pid)
+    served = (after[1] - before[1]) if before and after else 0.0
+    r["server_cpu_s"] = round(served, 4)
+    r["cpu_s"] = round(r["cpu_s"] - served, 4)
+    r["us_per_sample"] = 1e6 * r["cpu_s"] / r["samples"]
+    return r
+
+
+def run(args, work):
+    from pipeline.data import stages, stream
+    from pipeline.files import write_json_atomic
+
+    from bench.host import git_state, host_facts
+    from bench.report import log, spread
+
+    folder = build(work) if args.synthetic else args.shards[0]
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench-key-id")  # moto takes any key
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench-secret")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    base = f"s3://{BUCKET}/shards/"
+    with servers(folder) as ports:
+        direct, slow = (f"http://127.0.0.1:{ports[k]}" for k in ("s3", "s3_latency"))
+        with configured(direct):
+            upload(folder, base)
+            s3_src = stream.resolve("mnist", base, "train")
+        local_src = stream.resolve("mnist", folder, "train")
+        http_src = stream.resolve("mnist", f"http://127.0.0.1:{ports['http']}/", "train")
+        paths = [("local", local_src, None, None), ("http", http_src, None, None), ("s3", s3_src, direct, None),
+                 ("s3+50ms", s3_src, slow, None), ("s3+50ms no-prefetch", s3_src, slow, 0)]
+        n = local_src.total // args.batch_size * args.batch_size
+        log(f"stores: {len(local_src.urls)} shards, {local_src.total} samples (epoch {n}), batch {args.batch_size}, "
+            f"shuffle buffer {args.shuffle_buffer}, prefetch threads {stages.PREFETCH_THREADS}, latency "
+            f"{LATENCY * 1000:.0f} ms, {args.repeats} repeat(s)")
+        rows = {}
+        for workers in args.workers:
+            for name, src, endpoint, threads in paths:  # untimed: imports, connections, the page cache
+                with configured(endpoint, threads):
+                    sum(epoch(src, workers, args.batch_size, args.shuffle_buffer, 0))
+            for r in range(args.repeats):
+                for name, src, endpoint, threads in paths:
+                    with configured(endpoint, threads):
+                        m = measure_run(epoch(src, workers, args.batch_size, args.shuffle_buffer, r + 1), n,
+                                        ports["pid"])
+                    rows.setdefault((workers, name), []).append(m)
+                    log(f"  workers {workers} {name:<20} {m['samples_per_s']:>9,.0f} samples/s "
+                        f"{m['us_per_sample']:>7.1f} CPU us/sample")
+    entries = []
+    for (workers, name), runs in rows.items():
+        entries.append({"workers": workers, "path": name, "samples_per_s": spread([m["samples_per_s"] for m in runs]),
+                        "us_per_sample": spread([m["us_per_sample"] for m in runs]), "runs": runs})
+    log(f"\nmedians [min-max] of {args.repeats}; CPU: the reading side's, the servers' process left out")
+    log(f"{'workers':>7} {'path':<21}{'samples/s':>26}{'CPU us/sample':>24}{'x s3 (samples/s)':>18}"
+        f"{'x http (CPU)':>14}")
+    for e in entries:
+        same = {x["path"]: x for x in entries if x["workers"] == e["workers"]}
+        rate = e["samples_per_s"]["median"] / same["s3"]["samples_per_s"]["median"]
+        cpu = e["us_per_sample"]["median"] / same["http"]["us_per_sample"]["median"]
+        e["vs_s3_samples_per_s"], e["vs_http_cpu"] = rate, cpu
+        log(f"{e['workers']:>7} {e['path']:<21}{_fmt(e['samples_per_s'], 0):>26}{_fmt(e['us_per_sample'], 1):>24}"
+            f"{rate:>18.2f}{cpu:>14.2f}")
+    record = {"command": [os.path.basename(sys.executable), *sys.argv], "git": git_state(), "host": host_facts(),
+              "latency_s": LATENCY, "prefetch_threads": stages.PREFETCH_THREADS, "shards": len(local_src.urls),
+              "samples": local_src.total, "batch_size": args.batch_size, "shuffle_buffer": args.shuffle_buffer,
+              "stores": entries, "loadavg_at_end": os.getloadavg()}
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    write_json_atomic(args.json, record)
+    log(f"record: {args.json}")
+    return 0
+
+
+def _fmt(s, digits):
+    return f"{s['median']:,.{digits}f} [{s['min']:,.{digits}f}-{s['max']:,.{digits}f}]"
+
+
+def main(args):
+    if args.synthetic:
+        work = tempfile.mkdtemp(prefix="bench-stores-")
+        try:
+            return run(args, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return run(args, args.work_dir)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
+    serve(sys.argv[2])
