@@ -104,8 +104,6 @@ def test_indexing_a_prefix_into_the_store_names_the_shards_beside_the_manifest(f
     assert sorted(keys(src, "pets")) == sorted(f"train/c{i % 4}/{i:06d}" for i in range(60))
 
 
-@pytest.mark.xfail(strict=True, reason="pipeline.data.manifest.locate checks a store URL against _URL_SAFE, which "
-                                        "matches http(s):// only, so it refuses s3:// names; passes once it does not")
 def test_indexing_a_prefix_into_a_local_folder_names_the_shards_by_url(foreign_in_s3, tmp_path):
     _, prefix = foreign_in_s3
     make_shards("--index", f"pets:train={prefix}/", "--out", tmp_path / "local", "--workers", "1", "--quiet")

@@ -45,7 +45,7 @@ FORMAT = "pipeline-shards/2"
 FORMATS = ("pipeline-shards/1", FORMAT)  # /1: make_shards before origins and label keys; same fields otherwise
 NAME_RE = re.compile(r"[A-Za-z0-9_]+\Z")  # \Z, not $: "$" also matches before a final newline
 _SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*\Z")
-_URL_SAFE = re.compile(r"https?://[^\s\x00-\x1f\x7f]+\Z")
+_URL_SAFE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\x00-\x1f\x7f]+\Z")
 # a shard's file name inside a pipe: command; the longest suffix first, or "x.tar.gz" would be read as "x.tar"
 # A shard's file name inside a pipe: command: it ends where a shell word ends (space, quote,
 # ; | & < > ) or the end), and holds no $ ( ) ` that the shell would expand.
