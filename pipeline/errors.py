@@ -106,6 +106,18 @@ def redact(text):
     return _SECRET_QUERY.sub(r"\1***", text)
 
 
+def redacted(value):
+    """A JSON-like value (a run's config, a record) with `redact` applied to every string in it:
+    what run files, checkpoints and summaries keep of the command line holds no credential."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: redacted(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redacted(v) for v in value]
+    return value
+
+
 def cut(text, limit=NAME_LIMIT, show=str):
     """`text` as `show` shows it, in at most about `limit` characters: a longer one keeps its
     start and its end (where a message says what to do) around a count of the characters left

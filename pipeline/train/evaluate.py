@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.data import stream
-from pipeline.errors import InputError
+from pipeline.errors import InputError, redact
 from pipeline import cli
 from pipeline.files import write_json_atomic
 from pipeline.train import checkpoint, dist, prefetch
@@ -71,7 +71,7 @@ def evaluate(run, loaders):
         n, correct, loss, skipped = row
         out[ev.source.name] = {"count": int(n), "correct": int(correct), "accuracy": correct / max(n, 1),
                                "loss": loss / max(n, 1), "skipped": int(skipped), "data": origin_label(ev.source),
-                               "manifest": ev.source.manifest}
+                               "manifest": redact(ev.source.manifest)}
         if confusion is not None:
             counts = confusion.round().to(torch.int64).tolist()
             out[ev.source.name]["per_class"] = class_accuracies(ev.source.classes, counts)

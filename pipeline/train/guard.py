@@ -12,7 +12,7 @@ import re
 import warnings
 
 from pipeline.data import budget
-from pipeline.errors import InputError
+from pipeline.errors import InputError, redact
 from pipeline.files import Busy, locked
 
 LOCK = ".train.lock"  # in --out while a trainer runs there; holds its pid
@@ -81,7 +81,7 @@ def warn_data(train_sources, eval_sources):
         for ev in eval_sources:
             shared = _shared(tr, ev)
             if shared:
-                warnings.warn(f"--train {tr.name} ({tr.manifest}) and --eval {ev.name} ({ev.manifest}) share "
+                warnings.warn(f"--train {tr.name} ({redact(tr.manifest)}) and --eval {ev.name} ({redact(ev.manifest)}) share "
                               f"{len(shared)} shard(s) (the same file or the same sha256), e.g. {shared[0]}: the test "
                               f"accuracy is measured on data the model trains on", stacklevel=2)
     for tr in train_sources:
@@ -91,11 +91,11 @@ def warn_data(train_sources, eval_sources):
                           f"(equal sha256), e.g. {twins[0][1]} and {twins[0][0]}: they are read twice an epoch",
                           stacklevel=2)
         if tr.split in EVAL_SPLITS:
-            warnings.warn(f"--train {tr.name}: {tr.manifest} records split {tr.split!r}: the model trains on "
+            warnings.warn(f"--train {tr.name}: {redact(tr.manifest)} records split {tr.split!r}: the model trains on "
                           f"held-out data", stacklevel=2)
     for ev in eval_sources:
         if ev.split == "train":
-            warnings.warn(f"--eval {ev.name}: {ev.manifest} records split 'train': its \"test accuracy\" is "
+            warnings.warn(f"--eval {ev.name}: {redact(ev.manifest)} records split 'train': its \"test accuracy\" is "
                           f"measured on training data (give the source's test manifest)", stacklevel=2)
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pipeline.data import cache, stream
-from pipeline.errors import InputError
+from pipeline.errors import InputError, redacted
 from pipeline.train import checkpoint, dist, options, prefetch
 from pipeline.train.model import Net, augment
 from pipeline.train.schedule import learning_rate
@@ -143,7 +143,7 @@ class Run:
                 "stream": json.dumps(stream_states), "facts": json.dumps(tallies),
                 "carried": json.dumps(self.before_resume), "log_sums": json.dumps(sums),
                 "key_counts": json.dumps(counts),
-                "history": json.dumps(self.history), "config": json.dumps(vars(self.args))}
+                "history": json.dumps(self.history), "config": json.dumps(redacted(vars(self.args)))}
 
     def save(self, log, keys):
         state = self.state(log, keys)

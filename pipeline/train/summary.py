@@ -10,6 +10,7 @@ import shlex
 import sys
 import time
 
+from pipeline.errors import redact, redacted
 from pipeline.files import write_json_atomic
 from pipeline.train import stop
 from pipeline.train.evaluate import origin_label, per_class_lines
@@ -30,7 +31,7 @@ def write_summary(run, evals, t_start, resumed_from, finished, sources):
     if run.in_epoch:  # stopped inside an epoch: its share of waiting counts too
         wait, busy = wait + run.tally["wait"], busy + run.tally["busy"]
     summary = {
-        "data": {s.name: {"origin": origin_label(s), "synthetic": s.synthetic, "manifest": s.manifest,
+        "data": {s.name: {"origin": origin_label(s), "synthetic": s.synthetic, "manifest": redact(s.manifest),
                           "train_samples": s.total} for s in sources},
         "accuracy": {k: v["accuracy"] for k, v in evals.items()},
         "per_class_accuracy": {k: v["per_class"] for k, v in evals.items() if "per_class" in v},
@@ -52,7 +53,7 @@ def write_summary(run, evals, t_start, resumed_from, finished, sources):
         "global_batch": run.global_batch,
         "peak_lr": args.lr * run.global_batch / BASE_BATCH,
         "device": str(run.device),
-        "config": vars(args),
+        "config": redacted(vars(args)),
     }
     if topo.is_main and run.stopping:
         write_json_atomic(os.path.join(args.out, "summary.json"), summary)

@@ -31,7 +31,7 @@ from pipeline.data import bounds, remote
 from pipeline.data.decode import (CONTENT_ERRORS, IMAGE_EXTS, LABEL_EXTS, Unlabelled, as_integer, as_name,
                                   default_label, describe_label, image_format, label_hint, label_member, open_image,
                                   parse_label_key, pil_reason, pixels_of, raw_label)
-from pipeline.errors import ShardError
+from pipeline.errors import ShardError, redact
 from pipeline.files import MAX_JSON, open_regular, write_json_atomic
 from pipeline.data.manifest import (FORMAT, NAME_RE, MAX_CLASSES, MAX_SIDE, check, expand_pattern, manifest_name,
                                     pipe_shard_name, plain_relative)
@@ -437,7 +437,7 @@ def summarise(name, split, spec, found, names, label, shape, classes_file, class
     manifest = {
         "format": FORMAT, "dataset": name, "split": split, "encoding": image_format(image_exts[0]),
         "image_exts": image_exts, "label": label,
-        "origin": {"kind": "index", "spec": spec, "note": "an existing WebDataset, indexed in place, not rewritten",
+        "origin": {"kind": "index", "spec": redact(spec), "note": "an existing WebDataset, indexed in place, not rewritten",
                    "image_shapes": len(shapes), "most_common_shape": list(shapes.most_common(1)[0][0])},
         "shape": list(shape), "classes": classes,
         "shards": [dict({"name": n_, "samples": f["samples"], "bytes": f["bytes"], "sha256": f["sha256"]},
