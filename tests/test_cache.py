@@ -419,9 +419,12 @@ def test_a_planted_lock_link_is_refused_not_truncated(tmp_path):
     assert target.read_text() == "keep me"
 
 
-def test_the_shard_reader_through_a_bounded_cache_reads_every_sample_and_stays_within_it(tmp_path):
+def test_the_shard_reader_through_a_bounded_cache_reads_every_sample_and_stays_within_it(tmp_path, monkeypatch):
     from helpers import serve
+    from pipeline.data import stages
     from pipeline.data.manifest import resolve
+
+    monkeypatch.setattr(stages, "PREFETCH_THREADS", 0)  # one shard after another: the LRU order is the reading order
 
     folder = tmp_path / "srv"
     build_shards(folder, "mnist", "train", 100, maxcount=20, seed=0)

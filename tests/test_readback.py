@@ -368,8 +368,9 @@ STREAM = {  # name: (change to the mid checkpoint's state, what its one line mus
                                 "segment batch_size"),
     "segment not an object": (edit_json("stream", setitem(["segment"], [1, 16])), "segment: a mapping expected"),
     "segment of more batches than its spans hold": (edit_json("stream", setitem(["segment", "batches"], 11)),
-                                                    "more than its spans hold"),
-    "segment of another world": (edit_json("stream", setitem(["segment", "world"], 2)), "more than its spans hold"),
+                                                    "its targets in 10 batches a rank; this one 11"),
+    "segment of another world": (edit_json("stream", setitem(["segment", "world"], 2)),
+                                 "its targets in 5 batches a rank; this one 10"),
     "segment of two ranks in a one-rank checkpoint": (
         edit_json("stream", lambda s: [s["segment"].update(world=2, batches=5), dict(s, ranks=[fresh(0)])][1]),
         "needs every rank's stream state; have ranks [0]"),
@@ -388,6 +389,18 @@ STREAM = {  # name: (change to the mid checkpoint's state, what its one line mus
     "sources of another run": (edit_json("stream", setitem(["sources"], ["cifar10", "mnist"])), "for sources"),
     "seed of another run": (edit_json("stream", setitem(["seed"], 1)), "with seed 1"),
     "version 2": (edit_json("stream", setitem(["version"], 2)), "stream state version 2, expected 3"),
+    # consistent in itself, but not what an epoch's first segment is made to be: the epoch would end early
+    "segment of fewer batches than its epoch": (edit_json("stream", setitem(["segment", "batches"], 8)),
+                                                "an epoch's first segment holds every position of its targets"),
+    "spans of another shape in a first segment": (
+        edit_json("stream", lambda s: [s["segment"]["spans"][0].__setitem__(0, [0, 79]), s][1]),
+        "an epoch's first segment holds every position"),
+    "order settings of another run": (edit_json("stream", setitem(["order", "window_samples"], 7)),
+                                      "which sample each position holds would change"),
+    # positions inside the run, but passed over without a sample where the run counted none skipped
+    "positions passed over where nothing was skipped": (
+        _rank(lambda r: r["positions"]["0"].__setitem__(0, r["positions"]["0"][0] + 20)),
+        "passed over 20 positions without a sample, the run counted 0 skipped"),
     "stream of another rank": (_rank(lambda r: r.update(rank=1)), "stream state rank: 1"),
     "rank as text": (_rank(lambda r: r.update(rank="0")), "stream state rank: '0'"),
     "done beyond a worker's share": (_rank(lambda r: r.update(done={"0": 11})), "rank 0 done[0]: 11"),

@@ -76,7 +76,9 @@ def test_a_piped_manifest_never_runs_its_shard_names(data, tmp_path, evil):
 
 def test_a_local_manifest_cannot_name_a_command(data, tmp_path):
     canary = tmp_path / "canary"
-    for name in (f"pipe:touch {canary}", f"PIPE:touch {canary}", "file:///etc/passwd", "s3://bucket/x.tar"):
+    # object-store URLs (s3://, gs://, hf://) are shards a manifest may name; fsspec's other protocols are not
+    for name in (f"pipe:touch {canary}", f"PIPE:touch {canary}", "file:///etc/passwd", "local:///etc/passwd",
+                 "reference://x", "memory://x.tar"):
         path = rewrite_manifest(data, tmp_path / "m", "mnist", "train", lambda m: m["shards"][0].update(name=name))
         rel = os.path.relpath(path, ROOT)  # a bare relative path, as users type it
         p = train("--train", f"mnist={rel}", "--out", tmp_path / "run")

@@ -337,3 +337,31 @@ def test_the_command_installs_the_one_line_warnings(data, tmp_path):
     assert warning == (f"pipeline.train: warning: --train mnist: {data}/mnist-test.json records split 'test': "
                        "the model trains on held-out data"), p.stderr
     assert error.startswith("pipeline.train: error: an epoch of 230 samples is less than one batch"), p.stderr
+
+
+def test_a_checkpoint_taken_while_the_next_batch_is_prefetched_counts_only_trained_batches(tmp_path, monkeypatch):
+    """On a GPU, prefetch.ahead pulls batch n+1 before step n: the stream's place must still be
+    after batch n when step n's checkpoint is written (it counted n+1, and the resume refused
+    the checkpoint as damaged). The same look-ahead on the CPU, then a resume that finishes the
+    epoch with every key once."""
+    from helpers import build_shards, train_in_process
+    from pipeline.train import epoch as epoch_module
+
+    def one_ahead(batches, device):
+        it = iter(batches)
+        pending = next(it, None)
+        while pending is not None:
+            upcoming = next(it, None)  # pulled, as the CUDA path does, before the batch is used
+            yield pending
+            pending = upcoming
+
+    monkeypatch.setattr(epoch_module.prefetch, "ahead", one_ahead)
+    build_shards(tmp_path, "mnist", "train", 320, maxcount=40)
+    args = ["--train", f"mnist={tmp_path}/", "--epochs", "1", "--batch-size", "16", "--workers", "1", "--width", "4",
+            "--record-keys", "--out", str(tmp_path / "run")]
+    p = train_in_process([*args, "--checkpoint-every", "5", "--stop-after-steps", "5"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    p = train_in_process([*args, "--resume"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    keys = [ln.split("\t")[1] for ln in (tmp_path / "run" / "keys-rank0.txt").read_text().splitlines()]
+    assert len(keys) == len(set(keys)) == 320

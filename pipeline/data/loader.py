@@ -130,8 +130,8 @@ class Arrival:
     normalising cost less CPU than sending floats (tools/bench_loader.py).
     """
 
-    def __init__(self, stream, ring=None, pin=False):
-        self.stream, self.ring, self.pin = stream, ring, pin
+    def __init__(self, stream, ring=None, pin=False, record=True):
+        self.stream, self.ring, self.pin, self.record = stream, ring, pin, record
         self.layout = stream.layout if getattr(stream, "normalize", True) else None
 
     def __call__(self, batch):
@@ -149,13 +149,16 @@ class Arrival:
         else:
             image = torch.from_numpy(image) if isinstance(image, np.ndarray) else image
             batch["image"] = self.layout.normalize(image, source, self.pin) if self.layout is not None else image
-        if "state" in batch:
+        if "state" in batch and self.record:
             self.stream.record(batch["state"])
         return batch
 
 
-def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=4, start_method="fork"):
-    """A WebLoader over a stream (MixedStream or EvalStream).
+def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=4, start_method="fork", record=True):
+    """A WebLoader over a stream (MixedStream or EvalStream). With record=False the stream
+    does not take a batch's place as it arrives: a consumer that pulls batches ahead of
+    using them (the trainer's copy to the GPU one step ahead) records each one as it uses
+    it (`stream.record(batch["state"])`), so a checkpoint never counts a batch not trained.
 
     Workers persist across epochs: make the loader once and call `set_epoch` before
     each pass. Forking a process while another of its Python threads starts or exits
@@ -171,7 +174,8 @@ def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=4, star
         stream.set_workers(max(1, num_workers))
     pin = pin_memory and torch.cuda.is_available()
     if not num_workers:
-        return wds.WebLoader(_RingFed(stream), batch_size=None, collate_fn=_as_is).map(Arrival(stream, None, pin))
+        return wds.WebLoader(_RingFed(stream), batch_size=None, collate_fn=_as_is).map(Arrival(stream, None, pin,
+                                                                                               record))
     ctx = worker_context(start_method)
     if hasattr(stream, "share"):
         stream.share(ctx)
@@ -179,7 +183,7 @@ def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=4, star
     loader = wds.WebLoader(_RingFed(stream, ring), batch_size=None, collate_fn=_as_is, num_workers=num_workers,
                            pin_memory=False, prefetch_factor=prefetch_factor, persistent_workers=True,
                            multiprocessing_context=ctx, worker_init_fn=functools.partial(_exit_with, os.getpid()))
-    return loader.map(Arrival(stream, ring, pin))
+    return loader.map(Arrival(stream, ring, pin, record))
 
 
 def _as_is(batch):

@@ -199,7 +199,7 @@ def locate(manifest_url, name):
         if not _URL_SAFE.match(name):
             raise ShardError(f"{manifest_url}: shard {name!r}: a URL with spaces or control characters")
         return name
-    if storage.scheme_of(name):
+    if storage.known_store(name):
         if not _URL_SAFE.match(name):
             raise ShardError(f"{manifest_url}: shard {name!r}: a URL with spaces or control characters")
         return name

@@ -728,8 +728,10 @@ class SourceStream(Node):
         """Raises ShardError when more windows in a row than twice the source's shards gave no usable sample."""
         self.empty = 0 if self.window_good else self.empty + 1
         if self.empty > self.limit:
+            stages = [name for name, _ in self.stages if name.startswith("stage:")]
+            why = f", or the sample stages ({', '.join(s[6:] for s in stages)}) dropped every one" if stages else ""
             raise ShardError(f"{self.reader.source.name}: no readable samples in this worker's shards "
-                             f"(e.g. {self.reader.source.urls[0]})")
+                             f"(e.g. {self.reader.source.urls[0]}){why}")
         self.window, self.window_good = window, False
 
 

@@ -2,6 +2,7 @@
 read back here with every number checked (a checkpoint is input).
 
     {"version": 3, "sources": [names], "seed", "epoch", "targets": [positions per source],
+     "order": {"window_samples", "window_bytes", "resample"},
      "segment": {"generation", "world", "workers", "batch_size", "batches",
                  "spans": [[[start, length], ...] per source]},
      "ranks": [{"rank", "done": {worker: batches}, "positions": {worker: [per source]}}]}
@@ -15,13 +16,15 @@ from pipeline.data import deal, order
 VERSION = 3
 MAX_WORLD = 1 << 16  # ranks a stream state may say it ran on (as a checkpoint's world)
 MAX_WORKERS = 1 << 10  # DataLoader workers per rank (as --workers)
-MAX_SPANS = 1 << 24  # spans a segment may list per source
+MAX_SPANS = 1 << 20  # spans a segment may list per source: each re-deal adds at most one per old pair
 
 
-def encode(seg, targets, names, seed, rank, done, positions):
-    """One rank's state: the segment, and this rank's workers' batches and positions."""
+def encode(seg, targets, names, seed, rank, done, positions, order_of):
+    """One rank's state: the segment, and this rank's workers' batches and positions.
+    `order_of`: the settings that decide which sample each position holds (the shuffle
+    window, resampling), which must not change inside an epoch."""
     return {"version": VERSION, "sources": list(names), "seed": seed, "epoch": seg.epoch,
-            "targets": [int(t) for t in targets],
+            "targets": [int(t) for t in targets], "order": dict(order_of),
             "segment": {"generation": seg.generation, "world": seg.world, "workers": seg.workers,
                         "batch_size": seg.batch_size, "batches": seg.batches,
                         "spans": [[[int(a), int(n)] for a, n in spans] for spans in seg.spans]},
@@ -38,14 +41,14 @@ def merge(state):
     for r in roots:
         if r.get("version") != VERSION:
             raise ValueError(f"stream state version {_short(r.get('version'))}, expected {VERSION}")
-        missing = [k for k in ("sources", "seed", "epoch", "targets", "segment", "ranks") if k not in r]
+        missing = [k for k in ("sources", "seed", "epoch", "targets", "order", "segment", "ranks") if k not in r]
         if missing:
             raise ValueError(f"stream state: field {missing[0]} missing")
         if not isinstance(r["ranks"], list) or not all(isinstance(x, dict) for x in r["ranks"]):
             raise ValueError("stream state ranks: a list of per-rank mappings expected")
     first = roots[0]
     for r in roots[1:]:
-        for k in ("sources", "seed", "epoch", "targets", "segment"):
+        for k in ("sources", "seed", "epoch", "targets", "order", "segment"):
             if r[k] != first[k]:
                 raise ValueError(f"the ranks' stream states disagree on {k}")
     return first, [x for r in roots for x in r["ranks"]]
@@ -86,10 +89,11 @@ def _short(value, n=60):
     return text if len(text) <= n else text[:n] + "..."
 
 
-def check(root, ranks, *, names, seed, targets, passes):
-    """The loaded segment (a deal.Segment), every number checked against the stream's
-    sources, seed and epoch targets and against the others (a checkpoint is input):
-    ValueError naming the first that is off."""
+def check(root, ranks, *, names, seed, targets, passes, order_of, epoch_samples):
+    """(the loaded segment, a deal.Segment; per rank, the positions its workers passed over
+    without a sample), every number checked against the stream's sources, seed, epoch and
+    order settings and against the others (a checkpoint is input): ValueError naming the
+    first that is off."""
     S = len(names)
     if root["sources"] != names or root["seed"] != seed:
         raise ValueError(f"the stream state is for sources {_short(root['sources'])} with seed "
@@ -100,6 +104,13 @@ def check(root, ranks, *, names, seed, targets, passes):
         raise ValueError(f"the stream state's epoch splits its samples {got} between the sources, this "
                          f"stream {[int(t) for t in targets]}: the weights or the epoch's samples changed inside "
                          f"an epoch; change them at an epoch boundary")
+    if root["order"] != dict(order_of):
+        said = ", ".join(f"{k} {_short(root['order'].get(k)) if isinstance(root['order'], dict) else '?'}"
+                         for k in order_of)
+        raise ValueError(f"the interrupted epoch ran with {said}; this stream has "
+                         f"{', '.join(f'{k} {v}' for k, v in order_of.items())}: which sample each position holds "
+                         f"would change (--shuffle-buffer, --shuffle-window, --resample); change them at an epoch "
+                         f"boundary")
     g = root["segment"]
     if not isinstance(g, dict):
         raise ValueError("stream state segment: a mapping expected")
@@ -112,9 +123,22 @@ def check(root, ranks, *, names, seed, targets, passes):
     checked = tuple(_spans(x, t, i) for i, (x, t) in enumerate(zip(spans, got)))
     seg = deal.Segment(epoch, v["generation"], v["world"], v["workers"], v["batch_size"], v["batches"],
                        checked, seed, tuple(passes))
-    if seg.batches * seg.world * seg.batch_size > int(seg.left().sum()):
+    # what each segment is made to be: an epoch's first its whole targets in batches of its
+    # world, a re-dealt one all its spans hold
+    if seg.generation == 0:
+        whole = tuple(((0, int(t)),) if t else () for t in got)
+        if seg.spans != whole or seg.batches != epoch_samples // (seg.world * seg.batch_size):
+            raise ValueError(f"stream state segment: an epoch's first segment holds every position of its targets "
+                             f"in {epoch_samples // (seg.world * seg.batch_size)} batches a rank; this one "
+                             f"{seg.batches} batches over other spans")
+    elif seg.batches * seg.world * seg.batch_size > int(seg.left().sum()):
         raise ValueError(f"stream state segment: {seg.batches} batches of {seg.world} x {seg.batch_size} "
                          f"samples, more than its spans hold ({int(seg.left().sum())})")
+    elif seg.batches != int(seg.left().sum()) // (seg.world * seg.batch_size):
+        raise ValueError(f"stream state segment: {seg.batches} batches, where its spans make "
+                         f"{int(seg.left().sum()) // (seg.world * seg.batch_size)} of {seg.world} x {seg.batch_size}")
+    if 1 < len(ranks) != seg.world:  # one rank's own state (same world), or every rank's
+        raise ValueError(f"stream state: {len(ranks)} ranks' states for a segment of {seg.world} ranks")
     seen, done = set(), {}
     for r in ranks:
         rank = _int(r.get("rank"), "rank", 0, seg.world - 1)
@@ -125,9 +149,9 @@ def check(root, ranks, *, names, seed, targets, passes):
     if len({sum(d) for d in done.values()}) != 1:
         raise ValueError(f"the ranks' stream states disagree on how many batches were consumed "
                          f"({sorted({sum(d) for d in done.values()})})")
-    for r in ranks:
-        _check_positions(seg, r, done[r["rank"]], S)
-    return seg
+    passed = {r["rank"]: _check_positions(seg, r, done[r["rank"]], S) for r in ranks}
+    return seg, passed
+
 
 def _check_done(seg, r):
     """One rank's batches per worker: one entry each, within its share, made in turn."""
@@ -145,6 +169,7 @@ def _check_positions(seg, r, done, sources):
     their runs hold on top (positions passed over: damage, samples a stage dropped)."""
     keys = [str(w) for w in range(seg.workers)]
     quotas = seg.quotas()
+    passed = 0
     for k, d in zip(keys, done):
         pair = r["rank"] + int(k) * seg.world
         got = _ints(r["positions"][k], f"rank {r['rank']} positions[{k}]", sources, 0, order.MAX_COUNT)
@@ -153,3 +178,5 @@ def _check_positions(seg, r, done, sources):
             if not t <= p <= t + q:
                 raise ValueError(f"stream state rank {r['rank']} worker {k} source {s}: {p} positions read, "
                                  f"but its {d} batches took {int(t)} samples of a run of {int(q)}")
+            passed += int(p - t)
+    return passed

@@ -52,6 +52,14 @@ def scheme_of(url):
     return None
 
 
+def known_store(url):
+    """True for a URL of one of the stores in STORES (s3, gs, hf, az): the only schemes a
+    manifest may name. A manifest is data: it may not send the job to fsspec's other
+    protocols (local://, ssh://, reference://...), which a user may still type."""
+    m = _SCHEME.match(url)
+    return bool(m) and m[1].lower() in STORES
+
+
 def _registered(scheme):
     """A protocol a user registered with fsspec (register_implementation), or one fsspec knows."""
     try:

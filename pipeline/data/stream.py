@@ -164,13 +164,15 @@ class MixedStream(torch.utils.data.IterableDataset):
 
     def window_held(self):
         """The most bytes one (rank, worker) holds for a shuffle window of one source: about
-        `shuffle_buffer` samples, at most `window_bytes`, plus the one shard that crosses it."""
+        `shuffle_buffer` samples, at most `window_bytes`, plus the one shard that crosses it;
+        twice that for a remote source, whose next window is fetched ahead (stages.Reader)."""
         most = 0
         for s in self.sources:
             per = sum(s.sizes) / s.total if s.sizes else float(np.prod(s.shape) + HEADER_BYTES)
             window = max(1, min(self.shuffle_buffer, self.window_bytes // max(per, 1.0)))
             largest = max(s.sizes) if s.sizes else max(s.counts) * per
-            most = max(most, int(window * per + largest))
+            ahead = 2 if any(remote.kind(u) in ("http", "store") for u in s.urls[:1]) else 1
+            most = max(most, ahead * int(window * per + largest))
         return most
 
     def source_order(self, i, epoch):
@@ -245,7 +247,12 @@ class MixedStream(torch.utils.data.IterableDataset):
         done = self._done()
         return codec.encode(seg, self._targets, self.layout.names, self.seed, self.topo.rank,
                             {w: done.get(w, 0) for w in range(seg.workers)},
-                            {w: positions.get(w, [0] * len(self.sources)) for w in range(seg.workers)})
+                            {w: positions.get(w, [0] * len(self.sources)) for w in range(seg.workers)},
+                            self._order_settings())
+
+    def _order_settings(self):
+        return {"window_samples": self.shuffle_buffer, "window_bytes": self.window_bytes,
+                "resample": bool(self.resample)}
 
     def load_state_dict(self, state):
         """Go on from `state_dict()`: one rank's, or a list of every rank's. Call it after
@@ -258,8 +265,9 @@ class MixedStream(torch.utils.data.IterableDataset):
         if self._shared is not None and self._shared.started:
             raise RuntimeError("load_state_dict after the loader's workers started: load it before the first pass")
         root, ranks = codec.merge(state)
-        seg = codec.check(root, ranks, names=self.layout.names, seed=self.seed, targets=self.targets(),
-                          passes=self._passes())
+        seg, passed = codec.check(root, ranks, names=self.layout.names, seed=self.seed, targets=self.targets(),
+                                  passes=self._passes(), order_of=self._order_settings(),
+                                  epoch_samples=self.epoch_samples)
         self._pending = state
         self.epoch = seg.epoch
         if self._shared is not None:
@@ -287,7 +295,8 @@ class MixedStream(torch.utils.data.IterableDataset):
             self.start = Start()
             deal_kind = "re-deal"
         self.arrived = {}
-        return {"deal": deal_kind, "generation": self.segment.generation, "from": list(was), "to": list(here)}
+        return {"deal": deal_kind, "generation": self.segment.generation, "from": list(was), "to": list(here),
+                "passed": passed}
 
     def eval_stream(self, source, batch_size=None):
         """A finite stream over one source's test shards in this stream's batch format."""

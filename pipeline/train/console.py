@@ -28,7 +28,8 @@ def progress_bar(topo, total, desc, initial=0):
 def one_line(text):
     """An error line in one write, so that the lines of ranks failing together under torchrun
     do not run into each other."""
-    sys.stderr.write(cli.printable(text) + "\n")  # an error may quote a key or a name from a file
+    clear = "\r\x1b[K" if _is_terminal(sys.stderr) else ""  # off rank 0's progress bar, as warnings are
+    sys.stderr.write(clear + cli.printable(text) + "\n")  # an error may quote a key or a name from a file
     sys.stderr.flush()
 
 

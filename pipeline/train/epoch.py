@@ -39,6 +39,7 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
     t0 = time.perf_counter()
     got = 0
     for batch in prefetch.ahead(loader, run.device):  # workers persist across epochs and pick up set_epoch
+        run.stream.record(batch["state"])  # this batch is trained now: the stream's place is after it
         t1 = time.perf_counter()
         run.startup.setdefault("first_batch_s", round(t1 - run.t0, 3))
         run.tally["wait"] += t1 - t0

@@ -14,6 +14,7 @@ checkpoint), epoch (the steps of one epoch), evaluate, summary, outdir (--out) a
 console (progress bar, error and warning lines).
 """
 import os
+import re
 import sys
 import time
 
@@ -81,7 +82,8 @@ def train(args, topo, device, stopper=None):
 
         for r in range(topo.world, len(run.key_counts)):  # key logs of ranks this world no longer has
             truncate_keys(os.path.join(args.out, f"keys-rank{r}.txt"), run.key_counts[r])
-    loader = stream.make_loader(run.stream, args.workers, pin_memory=device.type == "cuda")
+    # record=False: prefetch.ahead pulls batch n+1 before step n; the epoch records each batch as it trains it
+    loader = stream.make_loader(run.stream, args.workers, pin_memory=device.type == "cuda", record=False)
     evals_from = eval_loaders(run)
     started = run.step
     resumed_from = {"epoch": run.epoch + 1, "step": run.step} if ckpt else None
@@ -141,7 +143,9 @@ def main(argv=None, args=None):
     except (InputError, OSError) as e:
         # bad input or the environment (disk, network); errors re-raised from a DataLoader worker
         # carry its whole traceback in their message: keep the last line
-        one_line(f"pipeline.train: error: {str(e).strip().splitlines()[-1]}")
+        last = str(e).strip().splitlines()[-1]
+        last = re.sub(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): ", "", last)  # a worker's "pkg.Class: "
+        one_line(f"pipeline.train: error: {last}")
         return 2
     except NonFiniteLoss as e:
         one_line(f"pipeline.train: error: {e}")

@@ -188,12 +188,22 @@ class Run:
             streams = got["stream"]
             self.stream.set_epoch(self.epoch, options.weights_at(args, self.epoch))
             dealt = self.stream.load_state_dict(streams)  # every field of the stream state checked
+            if streams["segment"]["world"] != got["world"]:  # else some ranks would go on and the others refuse
+                raise InputError(f"{path}: the stream state's segment ran on {streams['segment']['world']} ranks, the "
+                                 f"checkpoint on {got['world']}; the checkpoint is damaged")
             tallies, before = got["facts"], got["carried"]
             made = {r["rank"]: sum(r["done"].values()) for r in streams["ranks"]}
             counted = {r: f["batches"] for r, f in enumerate(tallies)}
             if made != counted:  # the stream's place and the run's counts must tell one story
                 raise InputError(f"{path}: the stream state says the ranks made {_short(made)} batches of this "
                                  f"epoch, the run counted {_short(counted)}; the checkpoint is damaged")
+            if not args.sample_stage:  # without stages that drop samples, only damage passes positions over
+                over = {r: n for r, n in dealt["passed"].items() if n > tallies[r]["skipped"]}
+                if over:
+                    r = next(iter(over))
+                    raise InputError(f"{path}: the stream state says rank {r} passed over {over[r]} positions "
+                                     f"without a sample, the run counted {tallies[r]['skipped']} skipped; the "
+                                     f"checkpoint is damaged")
             if dealt["deal"] == "same":  # same world and workers
                 self.tally, self.before_resume = tallies[self.topo.rank], before
             else:  # another world size: what the old ranks did this epoch is carried into the summary
