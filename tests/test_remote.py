@@ -634,11 +634,15 @@ def test_head_check_of_nothing():
 # ---------------------------------------------------------------- 10. kind
 
 
-@pytest.mark.parametrize("url", ["s3://b/x", "file:///etc/passwd", "gs://x", "ftp://127.0.0.1/x.tar",
-                                 "hdfs://nn/x.tar", "HTTP2://x", "ssh:host/x.tar"])
+@pytest.mark.parametrize("url", ["file:///etc/passwd", "HTTP2://x", "ssh:host/x.tar", "gopher://h/x.tar"])
 def test_kind_refuses_other_schemes(url):
     with pytest.raises(ShardError, match="pipe:"):
         kind(url)
+
+
+@pytest.mark.parametrize("url", ["s3://b/x", "gs://x", "hf://datasets/u/d/x.tar", "ftp://127.0.0.1/x.tar"])
+def test_object_stores_and_fsspec_protocols_are_stores(url):
+    assert kind(url) == "store"  # read through pipeline.data.storage
 
 
 @pytest.mark.parametrize("url, want", [
