@@ -59,11 +59,22 @@ def epoch(src, **kw):
     return keys, time.perf_counter() - t0
 
 
+@pytest.fixture(autouse=True)
+def earlier_threads():
+    """Fetch threads other tests in this process left running (their streams not yet
+    collected): each test here looks only at the threads it started."""
+    EARLIER.clear()
+    EARLIER.update(t for t in threading.enumerate() if t.name == "pipeline-prefetch")
+
+
+EARLIER = set()
+
+
 def fetch_threads():
-    return [t for t in threading.enumerate() if t.name == "pipeline-prefetch" and t.is_alive()]
+    return [t for t in threading.enumerate() if t.name == "pipeline-prefetch" and t.is_alive() and t not in EARLIER]
 
 
-def wait_for_no_fetch_threads(timeout=5.0):
+def wait_for_no_fetch_threads(timeout=15.0):
     deadline = time.time() + timeout
     while fetch_threads() and time.time() < deadline:
         gc.collect()

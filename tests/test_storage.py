@@ -104,4 +104,11 @@ def test_a_store_whose_package_is_missing_names_the_extra(monkeypatch):
         pass
     with pytest.raises(ShardError) as e:
         storage.filesystem(storage.parse("gs://bucket/x.tar"))
-    assert "pip install 'pipeline[gcs]'" in str(e.value) and "\n" not in str(e.value)
+    assert "pip install gcsfs (the project's [gcs] extra" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_prefix_without_its_slash_is_a_folder_and_a_missing_key_says_so(mnist_in_s3, s3_bucket):
+    local, url = mnist_in_s3
+    assert resolve("mnist", url.rstrip("/"), "train").urls == resolve("mnist", url, "train").urls
+    with pytest.raises(ShardError, match="no such object"):
+        resolve("mnist", f"s3://{s3_bucket}/elsewhere/", "train")

@@ -355,6 +355,8 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
     (default: a HEAD request each, see remote.head_check).
     """
     pattern = None
+    if remote.kind(spec) == "store" and "{" not in spec and not spec.endswith((".json", ".tar", ".tar.gz", ".tgz")):
+        spec += "/"  # a prefix is a folder, as a local folder is with or without its '/'
     if spec.endswith(".json"):
         url = spec
     elif spec.endswith("/") or (remote.kind(spec) == "file" and os.path.isdir(spec)):

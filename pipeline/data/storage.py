@@ -3,7 +3,7 @@ any fsspec protocol, behind one small table.
 
 A location is parsed once (`Location`); its scheme names the entry that reads, lists and
 writes it. Stores go through fsspec's implementations (s3fs, gcsfs, huggingface_hub's
-HfFileSystem), installed as extras (`pip install 'pipeline[s3]'`); credentials come the
+HfFileSystem), installed as the project's extras (`pip install -e '.[s3]'`); credentials come the
 way each ecosystem finds them (the AWS chain: environment, config files, instance roles,
 `AWS_ENDPOINT_URL` for S3-compatible servers; `HF_TOKEN` and `HF_ENDPOINT` for the Hub;
 Google's application default credentials), never from the URL. What the project
@@ -93,7 +93,8 @@ def filesystem(loc):
         _CLIENTS[key] = fs = fsspec.filesystem(loc.scheme, **_options(loc.scheme))
         return fs
     except ImportError:
-        hint = f"pip install 'pipeline[{extra}]' (or {package})" if extra else "install its fsspec implementation"
+        hint = (f"pip install {package} (the project's [{extra}] extra: pip install -e '.[{extra}]')" if extra
+                else "install its fsspec implementation")
         raise ShardError(f"{loc.shown}: reading {loc.scheme}:// needs {package or 'a package'}: {hint}") from None
 
 
@@ -146,7 +147,11 @@ class Unreachable(ConnectionError):
 def _call(loc, fn):
     try:
         return fn()
-    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
+    except FileNotFoundError as e:
+        text = " ".join(str(e).split())
+        bare = not text or loc.path.rstrip("/").endswith(text.strip("'\"").rstrip("/"))  # s3fs's text: the key alone
+        raise Missing("no such object" if bare else _reason(e)) from None
+    except (PermissionError, IsADirectoryError, NotADirectoryError) as e:
         raise Missing(_reason(e)) from None
     except ShardError:
         raise
