@@ -128,7 +128,7 @@ def test_four_worlds_in_a_row_read_no_key_twice(data):
     world, so no key is read twice in the epoch, and only the last world's partial batch
     is lost."""
     epoch, batch = 480, 8
-    states, seen, lost, left = None, [], 0, epoch
+    states, seen, left = None, [], epoch
     hops = [(4, 2), (3, 1), (6, 3), (4, 2)]
     for hop, (world, workers) in enumerate(hops):
         new_states, batches = [], None

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from helpers import CLASSES, array_source, build_source, project_samples
+from helpers import CLASSES, array_source, build_source
 from pipeline.writers import shards, sources
 
 def tar_files(folder):

@@ -362,7 +362,8 @@ def _jpeg_batch(images, exts, target, crops):
             if decoded is None:  # one of them failed: each on its own, as decode_image does
                 _decode_one(lambda: decode_image(images[i], exts[i], shape, crop), i, out, kept, errors)
             else:
-                _decode_one(lambda: fit(_upright_as(decoded[n], sizes[i]), shape, crop), i, out, kept, errors)
+                _decode_one(lambda image=decoded[n]: fit(_upright_as(image, sizes[i]), shape, crop), i, out, kept,
+                            errors)
         del decoded
     c, h, w = shape
     return (np.stack(out) if out else np.zeros((0, c, h, w), np.uint8)), kept, errors

@@ -16,7 +16,6 @@ import os
 import threading
 import time
 import typing
-import warnings
 
 import numpy as np
 import torch
