@@ -93,6 +93,7 @@ class SourceOrder:
         self.key = (seed, epoch, source)
         self.resample = resample
         per = (float(np.sum(nbytes)) / self.total) if nbytes is not None and len(nbytes) else float(sample_bytes)
+        self.sample_bytes = per  # a sample's bytes on average, as the manifest's sizes (or the estimate) say
         self.window = int(max(1, min(window_samples, window_bytes // max(per, 1.0))))
         self._passes = {}
         self._starts = [0]  # where each pass begins (resampled passes differ in length)

@@ -167,12 +167,11 @@ class MixedStream(torch.utils.data.IterableDataset):
         `shuffle_buffer` samples, at most `window_bytes`, plus the one shard that crosses it;
         twice that for a remote source, whose next window is fetched ahead (stages.Reader)."""
         most = 0
-        for s in self.sources:
-            per = sum(s.sizes) / s.total if s.sizes else float(np.prod(s.shape) + HEADER_BYTES)
-            window = max(1, min(self.shuffle_buffer, self.window_bytes // max(per, 1.0)))
-            largest = max(s.sizes) if s.sizes else max(s.counts) * per
+        for i, s in enumerate(self.sources):
+            o = self.source_order(i, self.epoch)  # the window as the order cuts it
+            largest = max(s.sizes) if s.sizes else max(s.counts) * o.sample_bytes
             ahead = 2 if any(remote.kind(u) in ("http", "store") for u in s.urls[:1]) else 1
-            most = max(most, ahead * int(window * per + largest))
+            most = max(most, ahead * int(o.window * o.sample_bytes + largest))
         return most
 
     def source_order(self, i, epoch):
