@@ -100,12 +100,11 @@ class Segment:
         q = self.quotas()
         spans = []
         for s, mine in enumerate(self.spans):
-            runs, at = [], 0
-            for i in range(self.pairs):
-                runs += cut(mine, at + min(int(read[i][s]), int(q[i, s])), at + int(q[i, s]))
-                at += int(q[i, s])
-            runs += cut(mine, at, sum(n for _, n in mine))
-            spans.append(merge(sorted(runs)))  # the lowest positions first: what is left unread is the highest
+            ends = np.cumsum(q[:, s])
+            done = np.minimum([int(r[s]) for r in read], q[:, s])
+            left = [(int(e - n + d), int(e)) for e, n, d in zip(ends, q[:, s], done)]  # each pair's unread places
+            left.append((int(ends[-1]) if len(ends) else 0, sum(n for _, n in mine)))  # what no pair was given
+            spans.append(merge(sorted(cut_all(mine, left))))  # the lowest positions first: the highest go unread
         left = sum(n for s in spans for _, n in s)
         return Segment(self.epoch, generation, world, workers, batch_size, left // (world * batch_size),
                        tuple(spans), self.seed, self.passes)
@@ -124,6 +123,25 @@ def _last_pass(spans, n):
     start, length = spans[-1]
     top = (start + length - 1) // n * n
     return sum(max(0, a + k - max(a, top)) for a, k in spans)
+
+
+def cut_all(spans, ranges):
+    """The spans covering each (lo, hi) range of places in the sequence `spans` lists, the
+    ranges in order and apart: one walk over the spans for all of them, where a `cut` each
+    would walk them once a range (a re-deal of many pairs over many spans)."""
+    out, ranges = [], [(lo, hi) for lo, hi in ranges if lo < hi]
+    k, at = 0, 0
+    for start, n in spans:
+        while k < len(ranges) and ranges[k][0] < at + n:
+            lo, hi = ranges[k]
+            a, b = max(lo, at), min(hi, at + n)
+            if a < b:
+                out.append((start + a - at, b - a))
+            if hi > at + n:
+                break  # the range goes on in the next span
+            k += 1
+        at += n
+    return out
 
 
 def cut(spans, lo, hi):
