@@ -52,7 +52,17 @@ _LABEL_NAMES = re.compile(r"label|class|categor|target|cls", re.IGNORECASE)
 
 
 class Unlabelled(ValueError):
-    """A sample without a label: a missing label member or field, or a label of -1."""
+    """A sample without a label: a missing label member or field, or a label of -1. `hint`
+    gives the rest of the message (the fields the sample has) only when it is shown: a
+    source that skips unlabelled samples drops most of these unread."""
+
+    def __init__(self, message, hint=None):
+        super().__init__(message)
+        self.hint = hint
+
+    def __str__(self):
+        text = super().__str__()
+        return f"{text}; {self.hint()}" if self.hint else text
 
 
 @dataclass(frozen=True)
@@ -162,7 +172,7 @@ def raw_label(sample, rule):
         value = top = label_json(data)
         for part in path:
             if not isinstance(value, dict) or part not in value:
-                raise Unlabelled(f".json has no {'.'.join(path)} field; {json_hint(top)}")
+                raise Unlabelled(f".json has no {'.'.join(path)} field", hint=lambda top=top: json_hint(top))
             value = value[part]
         if value is None:
             raise Unlabelled(f".json {'.'.join(path)} is null")

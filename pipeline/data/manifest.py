@@ -195,11 +195,7 @@ def target_of(m):
 def locate(manifest_url, name):
     """Where a shard that the manifest at `manifest_url` names lives (see the module docstring)."""
     where = remote.kind(manifest_url)
-    if name.startswith(("http://", "https://")):
-        if not _URL_SAFE.match(name):
-            raise ShardError(f"{manifest_url}: shard {name!r}: a URL with spaces or control characters")
-        return name
-    if storage.known_store(name):
+    if name.startswith(("http://", "https://")) or storage.known_store(name):
         if not _URL_SAFE.match(name):
             raise ShardError(f"{manifest_url}: shard {name!r}: a URL with spaces or control characters")
         return name
@@ -225,8 +221,8 @@ def locate(manifest_url, name):
             raise ShardError(f"{manifest_url}: shard {name!r} resolves to {real}, outside the manifest's folder")
         return path
     head, _, tail = manifest_url.rpartition(_manifest_file(manifest_url))
-    quoted = {"http": urllib.parse.quote(name), "store": name}.get(where, shlex.quote(name))
-    return head + quoted + tail
+    quote = {"http": urllib.parse.quote, "store": str}.get(where, shlex.quote)
+    return head + quote(name) + tail
 
 
 def plain_relative(name):

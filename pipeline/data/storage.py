@@ -174,15 +174,6 @@ def _reason(error):
     return cut(redact(text), 300)
 
 
-def size(url):
-    """Bytes of the object at a store URL (FetchError when it cannot be told)."""
-    loc = parse(url)
-    try:
-        return int(_call(loc, lambda: filesystem(loc).info(loc.path))["size"])
-    except (Missing, Unreachable) as e:
-        raise FetchError(f"{loc.shown}: {e}") from None
-
-
 def listing(url, suffixes=(".tar", ".tar.gz", ".tgz")):
     """The objects under a store prefix (a "folder") whose names end in `suffixes`, as full
     URLs in name order; FetchError when the prefix cannot be listed."""
@@ -204,12 +195,6 @@ def put(local_path, url):
         _call(loc, lambda: filesystem(loc).put_file(local_path, loc.path))
     except (Missing, Unreachable) as e:
         raise FetchError(f"{loc.shown}: cannot write: {e}") from None
-
-
-def remove(url):
-    loc = parse(url)
-    with contextlib.suppress(Missing, Unreachable):
-        _call(loc, lambda: filesystem(loc).rm_file(loc.path))
 
 
 def exists(url):
