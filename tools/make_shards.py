@@ -277,7 +277,7 @@ def run_index(args, stage=None):
         if classes_from and classes_from is given and given[1]["dataset"] != name:
             print(printable(f"  warning: --classes-from {given[0]} is data set {given[1]['dataset']!r}, not {name!r}: "
                             f"its classes were used; check that it is this data set's training manifest"))
-        twice = index.repeated(m)
+        twice = manifest.repeated((s["name"], s.get("sha256")) for s in m["shards"])
         if twice:
             print(printable(f"  warning: {len(twice)} shard(s) hold the same bytes (sha256) as another, e.g. "
                             f"{twice[0][1]} = {twice[0][0]}: each epoch would read them twice; leave the copies "

@@ -485,6 +485,19 @@ def canonical(location, folders=None):
     return urllib.parse.urlunsplit((u.scheme.lower(), netloc, path, u.query, ""))
 
 
+def repeated(named):
+    """[(first name, later name)] for (name, sha256) pairs whose bytes an earlier name already
+    holds: a copy under a second name is read twice an epoch (the indexer and the trainer
+    both warn of it)."""
+    seen, twice = {}, []
+    for name, digest in named:
+        if digest in seen:
+            twice.append((seen[digest], name))
+        elif digest:
+            seen[digest] = name
+    return twice
+
+
 def _once(locations, where):
     """Refuse two spellings of one shard: it would be read twice, in training and in evaluation."""
     seen, folders = {}, {}

@@ -11,7 +11,8 @@ import os
 import re
 import warnings
 
-from pipeline.data import budget
+from pipeline.data import budget, remote
+from pipeline.data.manifest import repeated
 from pipeline.errors import InputError, redact
 from pipeline.files import Busy, locked
 
@@ -85,10 +86,10 @@ def warn_data(train_sources, eval_sources):
                               f"{len(shared)} shard(s) (the same file or the same sha256), e.g. {shared[0]}: the test "
                               f"accuracy is measured on data the model trains on", stacklevel=2)
     for tr in train_sources:
-        twins = _twins(tr)
+        twins = repeated(zip(tr.urls, tr.digests or []))
         if twins:
             warnings.warn(f"--train {tr.name}: {len(twins)} shard(s) hold the same bytes as another of its shards "
-                          f"(equal sha256), e.g. {twins[0][1]} and {twins[0][0]}: they are read twice an epoch",
+                          f"(equal sha256), e.g. {twins[0][0]} and {twins[0][1]}: they are read twice an epoch",
                           stacklevel=2)
         if tr.split in EVAL_SPLITS:
             warnings.warn(f"--train {tr.name}: {redact(tr.manifest)} records split {tr.split!r}: the model trains on "
@@ -101,7 +102,7 @@ def warn_data(train_sources, eval_sources):
 
 def _where(url):
     """A shard's location compared as the file it names (links and '..' resolved) or the URL."""
-    return os.path.realpath(url) if "://" not in url and not url.startswith("pipe:") else url
+    return os.path.realpath(url) if remote.kind(url) == "file" else url
 
 
 def _shared(a, b):
@@ -112,12 +113,3 @@ def _shared(a, b):
             if _where(u) in places or (d and d in digests)]
 
 
-def _twins(source):
-    """(shard, an earlier shard of the same source with the same sha256) for each such shard."""
-    first, out = {}, []
-    for u, d in zip(source.urls, source.digests or []):
-        if d and d in first:
-            out.append((u, first[d]))
-        elif d:
-            first[d] = u
-    return out

@@ -283,19 +283,6 @@ def _index(name, split, spec, out, urls, names, label, image_key, shape, classes
     return manifest
 
 
-def repeated(manifest):
-    """[(first name, later name)] for shards whose bytes (sha256) another shard already holds:
-    a copy under a second name would be read twice an epoch."""
-    seen, twice = {}, []
-    for s in manifest["shards"]:
-        digest = s.get("sha256")
-        if digest in seen:
-            twice.append((seen[digest], s["name"]))
-        elif digest:
-            seen[digest] = s["name"]
-    return twice
-
-
 def shard_locations(urls, out, base_url=None):
     """How the manifest in `out` names each shard (see shard_location); with base_url, local
     shards are named by their path under their common folder, appended to base_url."""
