@@ -10,6 +10,8 @@ Pure arithmetic, no imports of torch: the numbers are the caller's.
 """
 import os
 
+PREFETCH = 4  # batches a loader's worker prepares ahead (make_loader's prefetch_factor): the ring holds 2 more
+
 
 
 def batch_bytes(batch_size, shapes):
@@ -19,7 +21,7 @@ def batch_bytes(batch_size, shapes):
     return batch_size * 3 * max(s[1] for s in shapes) * max(s[2] for s in shapes)
 
 
-def needed(batch_size, shapes, workers, *, prefetch_factor=4, window_bytes=0, eval_sources=0):
+def needed(batch_size, shapes, workers, *, prefetch_factor=PREFETCH, window_bytes=0, eval_sources=0):
     """{"batch", "ring", "eval_ring", "trainer", "windows", "total"}: bytes one rank's loaders
     and step may hold. ring: the training loader's workers x (prefetch_factor + 2) batches;
     eval_ring: the same for each evaluation loader, which keeps min(workers, 2) workers;
@@ -36,7 +38,7 @@ def needed(batch_size, shapes, workers, *, prefetch_factor=4, window_bytes=0, ev
     return parts
 
 
-def check_budget(batch_size, shapes, workers, cap, *, prefetch_factor=4, window_bytes=0, eval_sources=0):
+def check_budget(batch_size, shapes, workers, cap, *, prefetch_factor=PREFETCH, window_bytes=0, eval_sources=0):
     """The bytes `needed` gives (its dict) if their total fits in `cap`; else ValueError, one line
     naming the batch's bytes, the workers, the total and the flags that change them.
     `shapes`: {source name: (C, H, W)} as the manifests give them."""

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import webdataset as wds
 
+from pipeline.data.budget import PREFETCH
 from pipeline.data.topology import Worker
 
 
@@ -153,7 +154,7 @@ class Arrival:
         return batch
 
 
-def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=4, start_method="fork", record=True):
+def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=PREFETCH, start_method="fork", record=True):
     """A WebLoader over a stream (MixedStream or EvalStream). With record=False the stream
     does not take a batch's place as it arrives: a consumer that pulls batches ahead of
     using them (the trainer's copy to the GPU one step ahead) records each one as it uses

@@ -6,7 +6,6 @@ writing one folder; data that would make "test accuracy" mean something else (th
 shards in training and evaluation, a manifest of the other split) is a warning naming both.
 """
 import contextlib
-import inspect
 import os
 import re
 import warnings
@@ -23,12 +22,9 @@ EVAL_SPLITS = ("test", "val", "valid", "validation", "eval", "holdout")
 def check_memory(args, stream, eval_sources=0):
     """ValueError (one line) when the job's batches may take more than --max-batch-memory
     (pipeline.data.budget); `stream`: the training MixedStream, built but not yet read."""
-    from pipeline.data.loader import make_loader
-
-    prefetch = inspect.signature(make_loader).parameters["prefetch_factor"].default  # what the trainer's loaders use
     cap = getattr(args, "max_batch_memory", None) or budget.default_cap()
     return budget.check_budget(args.batch_size, {s.name: s.shape for s in stream.sources}, args.workers, cap,
-                               prefetch_factor=prefetch, window_bytes=stream.window_held(), eval_sources=eval_sources)
+                               window_bytes=stream.window_held(), eval_sources=eval_sources)  # the loaders' PREFETCH
 
 
 @contextlib.contextmanager
