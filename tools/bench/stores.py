@@ -192,7 +192,7 @@ def run(args, work):
     from pipeline.files import write_json_atomic
 
     from bench.host import git_state, host_facts
-    from bench.report import log, spread
+    from bench.report import fmt_spread, log, spread
 
     folder = build(work) if args.synthetic else args.shards[0]
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench-key-id")  # moto takes any key
@@ -237,7 +237,8 @@ def run(args, work):
         rate = e["samples_per_s"]["median"] / same["s3"]["samples_per_s"]["median"]
         cpu = e["us_per_sample"]["median"] / same["http"]["us_per_sample"]["median"]
         e["vs_s3_samples_per_s"], e["vs_http_cpu"] = rate, cpu
-        log(f"{e['workers']:>7} {e['path']:<21}{_fmt(e['samples_per_s'], 0):>26}{_fmt(e['us_per_sample'], 1):>24}"
+        log(f"{e['workers']:>7} {e['path']:<21}{fmt_spread(e['samples_per_s'], 0):>26}"
+            f"{fmt_spread(e['us_per_sample'], 1):>24}"
             f"{rate:>18.2f}{cpu:>14.2f}")
     record = {"command": [os.path.basename(sys.executable), *sys.argv], "git": git_state(), "host": host_facts(),
               "latency_s": LATENCY, "prefetch_threads": stages.PREFETCH_THREADS, "shards": len(local_src.urls),
@@ -247,10 +248,6 @@ def run(args, work):
     write_json_atomic(args.json, record)
     log(f"record: {args.json}")
     return 0
-
-
-def _fmt(s, digits):
-    return f"{s['median']:,.{digits}f} [{s['min']:,.{digits}f}-{s['max']:,.{digits}f}]"
 
 
 def main(args):
