@@ -277,10 +277,20 @@ def _run_tasks(source, tasks, workers, progress, desc):
     entries = []
     try:
         if workers > 1 and len(tasks) > 1:
-            with multiprocessing.get_context("fork").Pool(workers) as pool:
+            pool = multiprocessing.get_context("fork").Pool(workers)
+            try:
                 for entry in pool.imap(_write_task, tasks):
                     entries.append(entry)
                     bar.update(entry["samples"])
+            except KeyboardInterrupt:
+                pool.terminate()
+                raise
+            finally:
+                # a task's error ends the pool by letting the others finish, not by terminate(): killing a
+                # worker while it holds the result queue's lock left terminate() waiting for it for good
+                # (seen once in CI, a hung --imagefolder build with a bad image)
+                pool.close()
+                pool.join()
         else:
             for task in tasks:
                 entries.append(_write_task(task))
