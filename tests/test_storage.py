@@ -2,9 +2,11 @@
 127.0.0.1 (moto's server mode, tests/conftest.py's s3_server): read a source from s3://,
 the same batches as from local files, one line for a wrong bucket or key, secrets never
 shown; gs:// and hf:// as far as they go offline."""
+import http.server
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -112,3 +114,84 @@ def test_a_prefix_without_its_slash_is_a_folder_and_a_missing_key_says_so(mnist_
     assert resolve("mnist", url.rstrip("/"), "train").urls == resolve("mnist", url, "train").urls
     with pytest.raises(ShardError, match="no such object"):
         resolve("mnist", f"s3://{s3_bucket}/elsewhere/", "train")
+
+
+def test_signed_urls_are_botocore_s_own_for_any_key_region_and_endpoint(monkeypatch):
+    """storage._Signer writes the key into the form botocore's client gives one URL and signs it
+    with botocore's SigV4 query signer: over random keys (spaces, unicode, reserved characters),
+    regions and both addressing styles it must give exactly the client's own presigned URL
+    (made in the same second: the signature covers the time)."""
+    import random
+
+    import botocore.config
+    import botocore.session
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
+    session = botocore.session.get_session()
+    rng = random.Random(11)
+    for case in range(300):
+        region = rng.choice(["us-east-1", "eu-west-1", "ap-southeast-2", "us-west-2"])
+        endpoint = rng.choice([None, "http://127.0.0.1:9000", "https://minio.example:9443"])
+        client = session.create_client("s3", region_name=region, endpoint_url=endpoint,
+                                       config=botocore.config.Config(signature_version="s3v4"))
+        signer = storage._Signer(client, "my-bucket", session.get_credentials())
+        key = "".join(rng.choice("ab/ _-.~+=&?%#:@!*'()ü中") for _ in range(rng.randint(1, 40)))
+        for _ in range(3):
+            ours = signer.url(key)
+            theirs = client.generate_presigned_url("get_object", Params={"Bucket": "my-bucket", "Key": key},
+                                                   ExpiresIn=storage.SIGNED_FOR)
+            if ours == theirs:
+                break
+        assert ours == theirs, (case, key)
+        assert S3_SECRET not in ours
+
+
+class _S3Refusing(http.server.BaseHTTPRequestHandler):
+    """An S3 endpoint answering every request as S3 answers it with `server.answer`: the
+    status and an XML body with the error's Code and Message (HEAD: no body)."""
+
+    def log_message(self, *args):
+        pass
+
+    def _answer(self):
+        self.server.seen.append(self.command)
+        status, code, message = self.server.answer
+        body = f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}</Message>' \
+               f'<RequestId>1</RequestId></Error>'.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    do_GET = do_HEAD = _answer
+
+
+@pytest.mark.parametrize("answer, said, gets", [
+    ((403, "InvalidAccessKeyId", "The AWS Access Key Id you provided does not exist in our records."),
+     "does not exist in our records. (InvalidAccessKeyId)", 1),
+    ((403, "SignatureDoesNotMatch", "The request signature we calculated does not match the signature you provided."),
+     "(SignatureDoesNotMatch)", 1),
+    ((404, "NoSuchBucket", "The specified bucket does not exist"), "The specified bucket does not exist", 1),
+    ((503, "SlowDown", "Please reduce your request rate."), "failed after 3 attempts: Unreachable: Please reduce "
+                                                            "your request rate. (SlowDown)", 3)])
+def test_a_store_s_refusal_is_one_line_naming_its_code_and_throttling_is_retried(monkeypatch, answer, said, gets):
+    """A wrong key, a bad signature or a missing bucket fail at once in one line that names
+    the store's code; throttling (503 SlowDown) is retried, then one line."""
+    from helpers import serving
+
+    with serving(_S3Refusing, answer=answer, seen=[]) as server:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", server.url.rstrip("/"))
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(FetchError) as e:
+                remote.fetch(f"s3://some-bucket-{answer[1].lower()}/shards/x.tar",
+                             policy=remote.Policy(retries=2, delay=0.01))
+        text = str(e.value)
+        assert said in text and text.startswith("s3://some-bucket") and "\n" not in text, text
+        assert server.seen.count("GET") == gets and len(caught) == gets - 1
+        assert S3_SECRET not in text + "".join(str(w.message) for w in caught)
