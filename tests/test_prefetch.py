@@ -104,12 +104,12 @@ def test_the_next_window_is_fetched_while_this_one_is_read(slow_server):
     reader = stages.Reader(src)
     windows = [stages.Window(((u, 0, None),)) for u in src.urls]
     t0 = time.perf_counter()
-    reader(windows[0], lambda: windows[1])
+    reader(windows[0], lambda: windows[1:2])
     waited = 0.0
     for k in range(1, len(windows)):
         time.sleep(DELAY)  # the consumer's work on the window before
         t = time.perf_counter()
-        data = reader(windows[k], (lambda k=k: windows[k + 1]) if k + 1 < len(windows) else None)
+        data = reader(windows[k], lambda k=k: windows[k + 1:k + 2])
         waited += time.perf_counter() - t
         assert len(data) == 20
     assert waited < 0.5 * (len(windows) - 1) * DELAY, f"waited {waited:.2f} s in {time.perf_counter() - t0:.2f} s"
@@ -194,7 +194,7 @@ def test_a_forked_reader_starts_its_own_threads(slow_server):
     src = resolve("mnist", url, "train")
     reader = stages.Reader(src)
     windows = [stages.Window(((u, 0, None),)) for u in src.urls]
-    reader(windows[0], lambda: windows[1])  # windows[1] is now in flight in this process
+    reader(windows[0], lambda: windows[1:2])  # windows[1] is now in flight in this process
     pid = os.fork()
     if pid == 0:  # the child: read the window the parent's threads were fetching
         code = 1
@@ -214,3 +214,53 @@ def test_a_forked_reader_starts_its_own_threads(slow_server):
         os.waitpid(pid, 0)
         pytest.fail("the forked reader waited for its parent's transfer")
     assert len(reader(windows[1])) == 20
+
+
+@pytest.mark.parametrize("ahead_shards", [0, 1, 3, 20])
+def test_shards_are_fetched_ahead_across_windows_up_to_the_bytes_ahead(slow_server, ahead_shards):
+    """Windows of one shard each: reading the first starts the transfers of the next shards
+    whose bytes add up to `ahead` (at least one, however small `ahead` is), not more."""
+    _, url = slow_server
+    src = resolve("mnist", url, "train")
+    size = max(src.sizes)
+    reader = stages.Reader(src, ahead=ahead_shards * size)
+    windows = [stages.Window(((u, 0, None),)) for u in src.urls]
+    for k in range(len(windows)):
+        reader(windows[k], lambda k=k: iter(windows[k + 1:]))
+        expected = src.urls[k + 1:k + 1 + max(1, ahead_shards)]
+        assert list(reader.fetched) == expected
+        assert sum(src.sizes[src.urls.index(u)] for u in reader.fetched) <= max(ahead_shards * size, size)
+
+
+def test_a_plan_looks_ahead_to_its_run_s_end_and_no_further():
+    """Over random orders and runs, the windows `upcoming` gives after each window are the
+    ones `next` goes on to give, up to the run's end: none of the run's start again (that is
+    read only after damage), none left out."""
+    import random
+
+    import numpy as np
+
+    from pipeline.data import order
+
+    rng = random.Random(7)
+    for case in range(200):
+        counts = [rng.randint(1, 40) for _ in range(rng.randint(1, 12))]
+        o = order.SourceOrder(counts, None, seed=case, epoch=rng.randint(0, 3), source=0,
+                              window_samples=rng.randint(1, 120), window_bytes=1 << 30, sample_bytes=10)
+        cuts = sorted(rng.sample(range(3 * o.total + 8), 2 * rng.randint(1, 4)))
+        run = [(a, b - a) for a, b in zip(cuts[::2], cuts[1::2])]
+        plan = stages.RunPlan(o, [f"s{i}" for i in range(len(counts))], run)
+        length = sum(n for _, n in run)
+        seen = []
+        while True:
+            ahead = list(plan.upcoming())
+            w = plan.next()
+            seen.append(w)
+            if w.start + w.size - w.skip >= length:
+                break
+            assert ahead and ahead[0] == w
+        rest = [(w.rows, w.start) for w in seen[1:]]
+        first = stages.RunPlan(o, plan.urls, run)
+        first.next()
+        assert [(w.rows, w.start) for w in first.upcoming()] == rest, case
+        assert sum(w.size - w.skip for w in seen) == length and np.all(np.diff([w.start for w in seen]) > 0)

@@ -93,7 +93,11 @@ class RunPlan:
             self.at = w.start + w.size - w.skip
         if not self.length:
             raise StopIteration
-        place = self.at % self.length  # past the run's end only after damage
+        self.current = self._window_at(self.at)
+        return self.current
+
+    def _window_at(self, at):
+        place = at % self.length  # past the run's end only after damage
         k = int(np.searchsorted(self.ends, place, side="right"))
         start, n = self.run[k]
         position = start + place - (int(self.ends[k]) - n)
@@ -101,18 +105,17 @@ class RunPlan:
         shards, size, key = self.order.window_of(q, j)
         take = min(size - offset, int(self.ends[k]) - place)
         rows = tuple((self.urls[i], 0, None) for i in shards.tolist())
-        self.current = Window(rows, key, start=self.at, size=offset + take, skip=offset)
-        return self.current
+        return Window(rows, key, start=at, size=offset + take, skip=offset)
 
-    def peek(self):
-        """The window `next` will give after the current one, without advancing (None: none)."""
-        at, current = self.at, self.current
-        try:
-            return self.next()
-        except StopIteration:
-            return None
-        finally:
-            self.at, self.current = at, current
+    def upcoming(self):
+        """The windows after the current one, to the run's end: what a reader fetches ahead.
+        It stops at the end, where only damage makes a pair read its run again."""
+        w = self.current
+        at = self.at if w is None else w.start + w.size - w.skip
+        while at < self.length:
+            w = self._window_at(at)
+            yield w
+            at = w.start + w.size - w.skip
 
     def state(self, pos=0):
         """Positions of the run read: the current window counted `pos` positions past its start."""
@@ -131,8 +134,8 @@ class OncePlan:
         self.at += 1
         return self.windows[self.at - 1] if self.at <= len(self.windows) else None
 
-    def peek(self):
-        return self.windows[self.at] if self.at < len(self.windows) else None
+    def upcoming(self):
+        return iter(self.windows[self.at:])
 
     def state(self, pos=0):
         return {}
@@ -176,7 +179,8 @@ class WindowData:
 
 
 WHOLE_SHARD = 64 << 20  # shards up to this size are read into memory at once (see read.regular)
-PREFETCH_THREADS = 4  # transfers of remote shards one (rank, worker) runs at once ahead of its reading; 0: none
+PREFETCH_THREADS = 16  # transfers of remote shards one (rank, worker) runs at once ahead of its reading; 0: none
+FETCH_AHEAD = 64 << 20  # bytes of later windows' remote shards one (rank, worker) fetches ahead, per source
 
 
 def _fetch(url, policy, nbytes, digest, cache_dir):
@@ -264,8 +268,8 @@ class Reader:
     is named once. I/O errors that outlast the retries always raise.
     """
 
-    def __init__(self, source, errors=None, *, policy=remote.Policy(), cache_dir=None):
-        self.source, self.policy, self.cache_dir = source, policy, cache_dir
+    def __init__(self, source, errors=None, *, policy=remote.Policy(), cache_dir=None, ahead=FETCH_AHEAD):
+        self.source, self.policy, self.cache_dir, self.ahead = source, policy, cache_dir, ahead
         self.errors = errors or Errors()
         self.target = source.target
         self.lookup = self.target.lookup()
@@ -285,8 +289,8 @@ class Reader:
         self.fetcher, self.fetched = None, {}  # url -> Future of `_fetch`
 
     def __call__(self, window, upcoming=None):
-        """The window's samples. upcoming(): the window after it (RunPlan.peek), whose remote
-        shards are fetched while this one is read, within this one's bytes."""
+        """The window's samples. upcoming(): the windows after it (RunPlan.upcoming), whose
+        remote shards are fetched while this one is read, up to `ahead` bytes."""
         if self.fetchable and PREFETCH_THREADS > 0:
             self._ahead(window, upcoming)
         out, shards = WindowData(), {}
@@ -300,31 +304,41 @@ class Reader:
         return out.seal()
 
     def _ahead(self, window, upcoming):
-        """Start the transfers of this window's remote shards (read in order as they arrive) and,
-        up to this window's bytes (at least one shard), those of the window after it. Fetches
-        of shards neither names (the plan went another way) are dropped."""
-        if self.fetcher is None or self.fetcher.pid != os.getpid():  # a forked copy: the parent's threads aren't here
+        """Start the transfers of this window's remote shards (read in order as they arrive) and
+        of the shards of the windows after it, in reading order, up to `ahead` bytes (at least
+        one shard): enough transfers at once that a store's per-request latency is spent while
+        earlier shards are read. Fetches for shards no longer ahead are cancelled."""
+        if self.fetcher is None or self.fetcher.pid != os.getpid():
             self.fetcher, self.fetched = _Fetcher(PREFETCH_THREADS), {}
             weakref.finalize(self, self.fetcher.stop)
         now = [u for u in dict.fromkeys(u for u, _, _ in window.rows) if u in self.fetchable]
-        following = upcoming() if upcoming is not None else None
-        later = [] if following is None else [u for u in dict.fromkeys(u for u, _, _ in following.rows)
-                                              if u in self.fetchable and u not in now]
+        later = self._later(set(now), upcoming() if upcoming is not None else ())
         keep = set(now) | set(later)
         for url in [u for u in self.fetched if u not in keep]:
             self.fetched.pop(url).cancel()
-        budget = sum(self.expected[u][1] for u in now)
-        held = sum(self.expected[u][1] for u in later if u in self.fetched)
         for url in now + later:
-            if url in self.fetched:
-                continue
-            size = self.expected[url][1]
-            if url in later:
-                if held and held + size > budget:
-                    break
+            if url not in self.fetched:
+                _, nbytes, digest = self.expected[url]
+                self.fetched[url] = self.fetcher.submit(url, self.policy, nbytes, digest, self.cache_dir)
+
+    def _later(self, now, windows):
+        """The remote shards among the next `ahead` bytes of reading in `windows` (at least one
+        shard), not in `now`, in reading order. Shards too large to hold count for their size
+        though they are streamed when read: the look-ahead never walks far past its bytes."""
+        later, seen, held = [], set(now), 0
+        for w in windows:
+            for url in dict.fromkeys(u for u, _, _ in w.rows):
+                if url in seen:
+                    continue
+                size = self.expected.get(url, (0, None, 0))[1]
+                size = self.ahead if size is None else size
+                if len(seen) > len(now) and held + size > self.ahead:
+                    return later
+                seen.add(url)
                 held += size
-            _, nbytes, digest = self.expected[url]
-            self.fetched[url] = self.fetcher.submit(url, self.policy, nbytes, digest, self.cache_dir)
+                if url in self.fetchable:
+                    later.append(url)
+        return later
 
     def _read_shard(self, url, fetched=None):
         """Every sample of a shard: (columns, their positions in the shard, bad samples as
@@ -538,12 +552,12 @@ class Read(Node):
 
     def __init__(self, reader, plan=None):
         self.reader, self.window, self.data = reader, None, None
-        self.peek = getattr(plan, "peek", None)  # the next window, whose remote shards are fetched meanwhile
+        self.upcoming = getattr(plan, "upcoming", None)  # the windows after, whose remote shards are fetched ahead
 
     def next(self, n):
         chunk = self.upstream.next(n)
         if not chunk.window.same(self.window):
-            self.data = self.reader(chunk.window, self.peek)
+            self.data = self.reader(chunk.window, self.upcoming)
         self.window = chunk.window
         chunk.data = self.data
         return chunk

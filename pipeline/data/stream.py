@@ -72,7 +72,8 @@ class MixedStream(torch.utils.data.IterableDataset):
 
     def __init__(self, sources, weights, batch_size, topo=Topology(), *, seed=0, epoch_samples=None,
                  shuffle_buffer=WINDOW_SAMPLES, window_bytes=WINDOW_BYTES, resample=False, strict=False,
-                 cache_dir=None, policy=remote.Policy(), normalize=True, sample_stages=(), on_error=None):
+                 cache_dir=None, policy=remote.Policy(), normalize=True, sample_stages=(), on_error=None,
+                 fetch_ahead=stages.FETCH_AHEAD):
         if batch_size < 1:
             raise ValueError(f"batch size must be at least 1, got {batch_size}")
         if shuffle_buffer < 1 or window_bytes < 1:
@@ -94,6 +95,9 @@ class MixedStream(torch.utils.data.IterableDataset):
         Errors(self.on_error)  # checked now, not in a worker
         self.normalize, self.sample_stages = normalize, tuple(sample_stages)
         self.shuffle_buffer, self.window_bytes = shuffle_buffer, window_bytes
+        if fetch_ahead < 0:
+            raise ValueError(f"fetch_ahead must be at least 0 bytes, got {fetch_ahead}")
+        self.fetch_ahead = fetch_ahead
         self.workers = 1
         self.epoch = 0
         self.segment, self.start = None, Start()
@@ -165,13 +169,15 @@ class MixedStream(torch.utils.data.IterableDataset):
     def window_held(self):
         """The most bytes one (rank, worker) holds for a shuffle window of one source: about
         `shuffle_buffer` samples, at most `window_bytes`, plus the one shard that crosses it;
-        twice that for a remote source, whose next window is fetched ahead (stages.Reader)."""
+        for a remote source, also the later shards fetched ahead (stages.Reader): at most
+        `fetch_ahead` bytes, or one shard."""
         most = 0
         for i, s in enumerate(self.sources):
             o = self.source_order(i, self.epoch)  # the window as the order cuts it
-            largest = max(s.sizes) if s.sizes else max(s.counts) * o.sample_bytes
-            ahead = 2 if any(remote.kind(u) in ("http", "store") for u in s.urls[:1]) else 1
-            most = max(most, ahead * int(o.window * o.sample_bytes + largest))
+            largest = int(max(s.sizes) if s.sizes else max(s.counts) * o.sample_bytes)
+            remote_source = any(remote.kind(u) in ("http", "store") for u in s.urls[:1])
+            ahead = max(self.fetch_ahead, min(largest, stages.WHOLE_SHARD)) if remote_source else 0
+            most = max(most, int(o.window * o.sample_bytes + largest) + ahead)
         return most
 
     def source_order(self, i, epoch):
@@ -223,7 +229,7 @@ class MixedStream(torch.utils.data.IterableDataset):
             yield batch
 
     def _reader(self, source, errors):
-        return stages.Reader(source, errors, policy=self.policy, cache_dir=self.cache_dir)
+        return stages.Reader(source, errors, policy=self.policy, cache_dir=self.cache_dir, ahead=self.fetch_ahead)
 
     # ------------------------------------------------------------ state
 

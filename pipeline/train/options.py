@@ -104,6 +104,10 @@ def parse(argv=None):
     a("--shuffle-window", type=byte_size, default=256 << 20, metavar="BYTES",
       help="the most bytes a shuffle window holds, per source and DataLoader worker, plus one shard (suffixes K, M, "
            "G; default: 256M)")
+    a("--fetch-ahead", type=byte_size, default=64 << 20, metavar="BYTES",
+      help="for shards read over HTTP or from an object store: the bytes of later shards each DataLoader worker "
+           "fetches per source while it reads the current window, 16 transfers at a time, so a store's latency "
+           "is spent meanwhile; at least one shard, 0 for just that (suffixes K, M, G; default: 64M)")
     a("--slots", type=int, metavar="K", help=argparse.SUPPRESS)  # gone with the canonical slots; warned and ignored
     a("--sample-stage", action="append", default=[], metavar="MODULE:FUNCTION",
       help="a function of yours applied to every decoded training sample inside the workers, e.g. an "

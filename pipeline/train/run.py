@@ -53,7 +53,7 @@ class Run:
         self.stream = stream.MixedStream(
             train_sources, options.weights_at(args, 0), args.batch_size, topo, seed=args.seed,
             epoch_samples=args.epoch_samples, shuffle_buffer=args.shuffle_buffer, window_bytes=args.shuffle_window,
-            resample=args.resample,
+            fetch_ahead=args.fetch_ahead, resample=args.resample,
             strict=args.strict, on_error=args.on_error,
             cache_dir=args.cache_dir and cache.Cache(args.cache_dir, args.cache_size),
             policy=policy, normalize=False,
