@@ -264,3 +264,16 @@ def test_a_plan_looks_ahead_to_its_run_s_end_and_no_further():
         first.next()
         assert [(w.rows, w.start) for w in first.upcoming()] == rest, case
         assert sum(w.size - w.skip for w in seen) == length and np.all(np.diff([w.start for w in seen]) > 0)
+
+
+def test_the_bytes_fetched_ahead_count_in_the_memory_budget(slow_server):
+    """What a remote source's reader may hold ahead (`fetch_ahead`, at least a shard) is part of
+    what the trainer checks against --max-batch-memory (MixedStream.window_held)."""
+    folder, url = slow_server
+    local, far = resolve("mnist", str(folder), "train"), resolve("mnist", url, "train")
+    base = MixedStream([local], {"mnist": 1}, 8).window_held()
+    for ahead in (0, 1, 5 << 20):
+        assert MixedStream([far], {"mnist": 1}, 8, fetch_ahead=ahead).window_held() == base + max(ahead, max(far.sizes))
+    assert MixedStream([local], {"mnist": 1}, 8, fetch_ahead=5 << 20).window_held() == base
+    with pytest.raises(ValueError, match="fetch_ahead"):
+        MixedStream([far], {"mnist": 1}, 8, fetch_ahead=-1)

@@ -96,6 +96,15 @@ def test_urls_of_stores_parse_once_and_unknown_schemes_are_one_line():
         remote.kind("gopher://h/x.tar")
 
 
+def test_a_bucket_or_prefix_read_as_a_shard_is_refused_not_listed(s3_bucket):
+    """A GET of s3://BUCKET/ or of a prefix would answer with the bucket's XML listing, which
+    would be read as a damaged shard: refused at once in one line instead."""
+    for url in (f"s3://{s3_bucket}", f"s3://{s3_bucket}/", f"s3://{s3_bucket}/shards/"):
+        with pytest.raises(FetchError, match="a prefix, not an object") as e:
+            remote.fetch(url, policy=remote.Policy(retries=3, delay=5.0))
+        assert "\n" not in str(e.value)
+
+
 def test_a_store_whose_package_is_missing_names_the_extra(monkeypatch):
     """gcsfs is not installed here: gs:// says which extra brings it, in one line."""
     pytest.importorskip("fsspec")

@@ -128,6 +128,8 @@ def signed(url):
     if loc.scheme not in SIGNED:
         return None
     bucket, _, key = loc.path.partition("/")
+    if not key or key.endswith("/"):  # a GET of it would be the bucket's listing, read as a damaged shard
+        raise Missing("a prefix, not an object: name a shard (s3://BUCKET/KEY)")
     return _call(loc, lambda: _signer(loc, bucket).url(key))
 
 

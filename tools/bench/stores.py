@@ -10,9 +10,10 @@
     ... no-prefetch   the same without fetching ahead (stages.PREFETCH_THREADS = 0)
 
 Each path is this stream (MixedStream, uint8 batches, as the trainer takes them) over one
-epoch of the mnist source, interleaved by repeat. The targets: s3's CPU per sample against
-http's, and the rate with 50 ms against the same proxy's without (after the first batch:
-the wait for an epoch's first window is paid once an epoch and shown apart).
+epoch of the mnist source, interleaved by repeat, each repeat starting one path later. The
+targets: s3's CPU per sample against http's, and the rate with 50 ms against the same proxy's
+without (after the first batch: the wait for an epoch's first window is paid once an epoch
+and shown apart).
 
 The servers run in a process of their own (`serve`), and its CPU time is taken out of the
 figures: CPU per sample is the reading side's, the benchmarking process and its DataLoader
@@ -235,8 +236,8 @@ def run(args, work):
             for name, src, endpoint, threads in paths:  # untimed: imports, connections, the page cache
                 with configured(endpoint, threads):
                     sum(epoch(src, workers, args.batch_size, args.shuffle_buffer, 0, []))
-            for r in range(args.repeats):
-                for name, src, endpoint, threads in paths:
+            for r in range(args.repeats):  # each repeat starts one path later: none always follows the same one
+                for name, src, endpoint, threads in paths[r % len(paths):] + paths[:r % len(paths)]:
                     with configured(endpoint, threads):
                         m = measure_run(src, workers, args, r + 1, n, ports["pid"])
                     rows.setdefault((workers, name), []).append(m)
