@@ -153,7 +153,7 @@ AUTH_VARIABLE = "PIPELINE_HTTP_AUTHORIZATION"  # an Authorization header's value
 AUTH_HOSTS_VARIABLE = "PIPELINE_HTTP_AUTH_HOSTS"  # optional: the hosts (host or host:port, commas) it goes to
 
 
-def _request(url, method, signed=False):
+def _request(url, method, direct=None):
     """A urllib Request for `url`. The `user:password@` of a URL becomes HTTP basic auth (urllib
     would take it for part of the host name); else $PIPELINE_HTTP_AUTHORIZATION, when set, is sent
     as the Authorization header (`Bearer TOKEN`, `Basic ...`), to the hosts named in
@@ -161,10 +161,15 @@ def _request(url, method, signed=False):
     that host only (add_unredirected_header: never to a host a redirect leads to), and neither
     is ever part of a message: errors name the URL through errors.redact."""
     parts = urllib.parse.urlsplit(url)
+    if direct is not None:  # a store's: its own credentials (a signed URL carries them; a second is refused)
+        req = urllib.request.Request(url, method=method)
+        if direct.header:
+            req.add_unredirected_header("Authorization", direct.header)
+        return req
     if parts.username is None:
         req = urllib.request.Request(url, method=method)
         header = os.environ.get(AUTH_VARIABLE, "").strip()
-        if header and not signed and _auth_host(parts):  # a signed URL carries its own; a second is refused
+        if header and _auth_host(parts):
             req.add_unredirected_header("Authorization", header)
         return req
     bare = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
@@ -189,24 +194,24 @@ class _HTTP:
     """A response whose sockets are shut at the deadline: a server that drips its status
     line, headers or chunk sizes never trips the per-operation socket timeout either."""
 
-    def __init__(self, url, policy, nbytes, method="GET", signed=False):
-        """signed: `url` is a store's signed URL (storage.signed), whose error answers say
-        what went wrong in their body (storage.s3_error)."""
+    def __init__(self, url, policy, nbytes, method="GET", direct=None):
+        """direct: a store's `storage.Direct` read: `url` is its URL, sent with its header,
+        and its error answers say what went wrong (Direct.refused)."""
         self.start = time.monotonic()
         self.socks, self.expired, self.resp, self.timer = [], threading.Event(), None, None
         self._arm(policy.deadline(nbytes))
         try:
             opener = urllib.request.build_opener(_Watched(self._watch), _HttpOnly())
             try:
-                self.resp = opener.open(_request(url, method, signed), timeout=policy.timeout)
+                self.resp = opener.open(_request(url, method, direct), timeout=policy.timeout)
             except urllib.error.HTTPError as e:
-                if not signed:
+                if direct is None:
                     raise
                 body = b""
                 with contextlib.suppress(Exception):  # the answer's body says why; its want is no error
                     body = e.read(1 << 16)
                 e.close()
-                raise storage.s3_error(e.code, body) from None
+                raise direct.refused(e.code, e.headers, body) from None
             self._late()  # headers cut short by the deadline read as if they had ended
             if method == "GET":
                 self._announced(policy, nbytes)
@@ -357,8 +362,8 @@ class _Checked:
 def _open_raw(url, policy, nbytes):
     where = kind(url)
     if where == "store":
-        signed = storage.signed(url)
-        return _HTTP(signed, policy, nbytes, signed=True) if signed else storage.Reader(url, policy.deadline(nbytes))
+        direct = storage.direct(url)
+        return _HTTP(direct.url, policy, nbytes, direct=direct) if direct else storage.Reader(url, policy.deadline(nbytes))
     return (_HTTP if where == "http" else _Pipe)(url, policy, nbytes)
 
 

@@ -112,25 +112,94 @@ def _options(scheme):
     return {"skip_instance_cache": True} if scheme in ("s3", "s3a", "gs", "gcs") else {}
 
 
-SIGNED = ("s3", "s3a")  # stores read through a signed https URL by pipeline.data.remote's HTTP client
-SIGNED_FOR = 3600  # seconds a signed URL is good for: checked when a request starts, never during it
+SIGNED_FOR = 3600  # seconds a signed S3 URL is good for: checked when a request starts, never during it
 
 
-def signed(url):
-    """An http(s) GET URL of the object at an S3 URL, signed (SigV4, botocore's signer) for
-    the bucket's region with the AWS chain's credentials, unsigned when the chain has none (a
-    public bucket); None for other stores. pipeline.data.remote reads shards through it with
-    its own HTTP client instead of s3fs's file object: one request instead of two (s3fs asks
-    for the object's size first), and about the plain HTTP path's CPU per sample instead of
-    1.9x it (`python tools/bench_loader.py --stores --synthetic`, docs/stores.md). The URL
-    carries its signature in its query string: it is never shown (errors.redact)."""
+@dataclass(frozen=True)
+class Direct:
+    """A store object read with one plain GET by pipeline.data.remote's own HTTP client, the
+    one that reads http(s):// shards: its URL, the Authorization header's value sent with it
+    (to that host only, never after a redirect; None: none), and `refused(status, headers,
+    body)`, the exception for an error answer (`Missing` or `Unreachable`, one line)."""
+
+    url: str
+    header: object
+    refused: object
+
+
+def direct(url):
+    """The `Direct` read of a store URL: S3 (a signed URL) and the Hugging Face Hub (its
+    resolve URL); None for stores read through fsspec. One request per shard where s3fs makes
+    two (it asks for the size first), and about the plain HTTP path's CPU per sample where
+    s3fs's client cost about twice it (`python tools/bench_loader.py --stores --synthetic`,
+    docs/benchmarks.md#object-stores); reading the Hub needs no package."""
     loc = parse(url)
-    if loc.scheme not in SIGNED:
-        return None
-    bucket, _, key = loc.path.partition("/")
-    if not key or key.endswith("/"):  # a GET of it would be the bucket's listing, read as a damaged shard
-        raise Missing("a prefix, not an object: name a shard (s3://BUCKET/KEY)")
-    return _call(loc, lambda: _signer(loc, bucket).url(key))
+    if loc.scheme in ("s3", "s3a"):
+        bucket, _, key = loc.path.partition("/")
+        if not key or key.endswith("/"):  # a GET of it would be the bucket's listing, read as a damaged shard
+            raise Missing("a prefix, not an object: name a shard (s3://BUCKET/KEY)")
+        return Direct(_call(loc, lambda: _signer(loc, bucket).url(key)), None, s3_error)
+    if loc.scheme == "hf":
+        return Direct(hub_url(loc), hub_token(), hub_error)
+    return None
+
+
+# ---------------------------------------------------------------- the Hugging Face Hub
+
+HUB = "https://huggingface.co"
+
+
+def hub_url(loc):
+    """The resolve URL of an hf:// file, as huggingface_hub downloads it: hf://datasets/USER/REPO
+    [@REVISION]/PATH (spaces/... likewise, USER/REPO/PATH a model) ->
+    $HF_ENDPOINT/datasets/USER/REPO/resolve/REVISION/PATH, the revision `main` when none is given
+    (one with a slash written %2F, as HfFileSystem takes it)."""
+    parts = loc.path.split("/")
+    kind = parts[0] if parts[0] in ("datasets", "spaces", "models") else None
+    rest = parts[1:] if kind else parts
+    if len(rest) < 3 or not all(rest[:2]) or not rest[-1]:
+        raise Missing("not a file of a repository: write hf://datasets/USER/REPO/PATH")
+    repo, _, revision = rest[1].partition("@")
+    revision = urllib.parse.unquote(revision) or "main"
+    endpoint = (os.environ.get("HF_ENDPOINT") or HUB).rstrip("/")
+    prefix = "" if kind in (None, "models") else kind + "/"
+    return (f"{endpoint}/{prefix}{rest[0]}/{repo}/resolve/{urllib.parse.quote(revision, safe='')}/"
+            f"{urllib.parse.quote('/'.join(rest[2:]))}")
+
+
+def hub_token():
+    """`Bearer TOKEN` from where huggingface_hub finds it: $HF_TOKEN, else the file `huggingface-cli
+    login` writes ($HF_TOKEN_PATH, else $HF_HOME/token, else ~/.cache/huggingface/token); None
+    without one (public repositories)."""
+    token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+    if not token:
+        home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+        path = os.environ.get("HF_TOKEN_PATH") or os.path.join(home, "token")
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            with open(path, encoding="utf-8") as f:
+                token = f.read(4096).strip()
+    return f"Bearer {token}" if token else None
+
+
+def hub_error(status, headers, body):
+    """The exception for an error answer of the Hub: its X-Error-Message (or the JSON body's
+    "error") and X-Error-Code; `Missing` for 4xx but 408 and 429, else `Unreachable`."""
+    said = (headers.get("X-Error-Message") if headers else None) or _json_error(body) or f"HTTP {status}"
+    code = headers.get("X-Error-Code") if headers else None
+    text = f"{said} ({code})" if code else said
+    permanent = 400 <= status < 500 and status not in (408, 429)
+    return (Missing if permanent else Unreachable)(cut(redact(" ".join(text.split())), 300))
+
+
+def _json_error(body):
+    import json
+
+    with contextlib.suppress(ValueError, UnicodeDecodeError, AttributeError):
+        return str(json.loads(body or b"{}").get("error") or "") or None
+    return None
+
+
+# ---------------------------------------------------------------- S3
 
 
 class _Signer:
@@ -223,7 +292,7 @@ def _regional_signer(bucket):
     return _Signer(first if not region or region == first.meta.region_name else client(region), bucket, credentials)
 
 
-def s3_error(status, body):
+def s3_error(status, headers, body):
     """The exception for an S3 error answer (`status`, its XML body): `Missing` for what no
     retry fixes (no such key or bucket, a denied or badly signed request), `Unreachable` for
     the rest (throttling, 5xx). Its text is the answer's Code and Message."""
