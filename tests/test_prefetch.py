@@ -382,3 +382,23 @@ def test_a_fetch_thread_waiting_for_work_holds_no_shard(slow_server):
     while holding() and time.time() < deadline:
         time.sleep(0.05)
     assert not holding(), "idle fetch threads hold the shards they fetched"
+
+
+def test_a_budget_passed_by_fetching_ahead_names_the_flag(slow_server):
+    """A job over the memory cap because of the shards a remote source fetches ahead is told
+    to lower --fetch-ahead among the rest; a local source's refusal does not name it."""
+    from types import SimpleNamespace
+
+    from pipeline.train import guard
+
+    folder, url = slow_server
+    args = SimpleNamespace(batch_size=8, workers=2, max_batch_memory=1 << 30)
+    far = MixedStream([resolve("mnist", url, "train")], {"mnist": 1}, 8, fetch_ahead=4 << 30)
+    with pytest.raises(ValueError) as e:
+        guard.check_memory(args, far)
+    assert "--fetch-ahead" in str(e.value) and "fetched ahead" in str(e.value), str(e.value)
+    local = MixedStream([resolve("mnist", str(folder), "train")], {"mnist": 1}, 8, window_bytes=1 << 40,
+                        shuffle_buffer=10**9)
+    with pytest.raises(ValueError) as e:
+        guard.check_memory(SimpleNamespace(batch_size=8, workers=2, max_batch_memory=1 << 10), local)
+    assert "--fetch-ahead" not in str(e.value) and "--shuffle-window" in str(e.value), str(e.value)

@@ -204,3 +204,251 @@ def test_a_store_s_refusal_is_one_line_naming_its_code_and_throttling_is_retried
         assert said in text and text.startswith("s3://some-bucket") and "\n" not in text, text
         assert server.seen.count("GET") == gets and len(caught) == gets - 1
         assert S3_SECRET not in text + "".join(str(w.message) for w in caught)
+
+
+class _S3Fake(http.server.BaseHTTPRequestHandler):
+    """An S3 endpoint (path-style) for what moto does not do: `server.heads`, the answers to a
+    bucket's HEAD in turn as (status, region or None, seconds to wait first), the last one
+    repeated; GET of a key in `server.files` answers its bytes when the URL is signed for
+    `server.region` or any when that is None (else 301 PermanentRedirect naming it, as S3
+    does), `server.get` when set:
+    ("drip", status) an error answer whose body comes a byte a second, ("redirect", status,
+    location) a redirect."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_HEAD(self):
+        import time
+
+        bucket = self.path.strip("/").split("/")[0]
+        heads = self.server.heads
+        status, region, wait = heads.pop(0) if len(heads) > 1 else heads[0]
+        self.server.seen.append(("HEAD", bucket, region))
+        time.sleep(wait)
+        self.send_response(status)
+        if region:
+            self.send_header("x-amz-bucket-region", region)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_GET(self):
+        import time
+        import urllib.parse
+
+        path, _, query = self.path.partition("?")
+        scope = dict(urllib.parse.parse_qsl(query)).get("X-Amz-Credential", "").split("/")
+        self.server.seen.append(("GET", path, scope[2] if len(scope) == 5 else None))
+        got = getattr(self.server, "get", None)
+        if got and got[0] == "drip":
+            self.send_response(got[1])
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", "200")
+            self.end_headers()
+            for b in b"<Error><Code>AccessDenied</Code>"[:10]:
+                if self.server.stopping:
+                    return
+                self.wfile.write(bytes([b]))
+                self.wfile.flush()
+                time.sleep(1)
+            return
+        if got and got[0] == "redirect":
+            self.send_response(got[1])
+            if got[2]:
+                self.send_header("Location", got[2])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if self.server.region and scope[2:3] != [self.server.region]:
+            body = b"<Error><Code>PermanentRedirect</Code><Message>use the bucket's region</Message></Error>"
+            self.send_response(301)
+            self.send_header("x-amz-bucket-region", self.server.region)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        data = self.server.files[path.split("/", 2)[2]]
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def fake_s3(monkeypatch):
+    """An _S3Fake on 127.0.0.1 as the AWS endpoint, its object x.tar holding b"shard", the
+    bucket in eu-west-1; signers made by earlier tests forgotten."""
+    from helpers import serving
+
+    monkeypatch.setattr(storage, "_SIGNERS", {})
+    with serving(_S3Fake, heads=[(200, "eu-west-1", 0)], files={"x.tar": b"shard"}, region="eu-west-1",
+                 seen=[]) as server:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", server.url.rstrip("/"))
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing-key-id")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
+        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        yield server
+
+
+FAST = remote.Policy(retries=3, delay=0.01, timeout=5)
+
+
+def test_a_region_not_found_is_not_kept(fake_s3):
+    """A HEAD answered 503 gives no region: the next read looks again instead of keeping the
+    default region for good."""
+    fake_s3.region, fake_s3.heads = None, [(503, None, 0), (200, "eu-west-1", 0)]
+    assert remote.fetch("s3://b/x.tar", policy=FAST) == remote.fetch("s3://b/x.tar", policy=FAST) == b"shard"
+    assert [s[::2] for s in fake_s3.seen] == [("HEAD", None), ("GET", "us-east-1"), ("HEAD", "eu-west-1"),
+                                              ("GET", "eu-west-1")]
+    fake_s3.seen.clear()
+    assert remote.fetch("s3://b/x.tar", policy=FAST) == b"shard"
+    assert [s[::2] for s in fake_s3.seen] == [("GET", "eu-west-1")]  # the region found is kept
+
+
+def test_a_wrong_region_is_looked_up_again_and_put_right(fake_s3):
+    """A bucket whose answer names another region than the URL was signed for (301
+    PermanentRedirect) is looked up again, and read."""
+    fake_s3.heads = [(503, None, 0), (200, None, 0), (200, "eu-west-1", 0)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert remote.fetch("s3://b/x.tar", policy=FAST) == b"shard"
+    heads = [s for s in fake_s3.seen if s[0] == "HEAD"]
+    gets = [s[2] for s in fake_s3.seen if s[0] == "GET"]
+    assert len(heads) == 3 and gets == ["us-east-1", "us-east-1", "eu-west-1"], fake_s3.seen
+    assert len(caught) == 2 and "eu-west-1" in str(caught[1].message)
+    fake_s3.seen.clear()
+    assert remote.fetch("s3://b/x.tar", policy=FAST) == b"shard"
+    assert [s[0] for s in fake_s3.seen] == ["GET"]  # the region found is kept
+
+
+def test_a_bucket_s_region_is_looked_up_within_the_job_s_timeout_and_alone(fake_s3):
+    """A HEAD that hangs ends at the job's --io-timeout, not botocore's own, and holds up no
+    other bucket's lookup."""
+    import threading
+    import time
+
+    fake_s3.heads = [(200, "eu-west-1", 30)]
+    slow = threading.Thread(target=lambda: pytest.raises(FetchError, remote.fetch, "s3://hanging/x.tar",
+                                                         policy=remote.Policy(retries=0, timeout=2)), daemon=True)
+    t0 = time.monotonic()
+    slow.start()
+    time.sleep(0.3)
+    fake_s3.heads = [(200, "eu-west-1", 0)]
+    assert remote.fetch("s3://other/x.tar", policy=FAST) == b"shard"
+    assert time.monotonic() - t0 < 2, "the other bucket waited for the hanging one's lookup"
+    slow.join(20)
+    assert not slow.is_alive() and time.monotonic() - t0 < 10
+
+
+def test_a_slow_error_body_is_the_refusal_it_is_not_a_deadline(fake_s3):
+    """A 403 whose body drips is refused as a 403, at once and once, within a few seconds."""
+    import time
+
+    fake_s3.get = ("drip", 403)
+    t0 = time.monotonic()
+    with pytest.raises(FetchError) as e:
+        remote.fetch("s3://b/x.tar", policy=remote.Policy(retries=3, delay=0.01, timeout=30))
+    assert time.monotonic() - t0 < remote.ERROR_BODY_SECONDS + 3
+    assert "deadline" not in str(e.value) and "attempts" not in str(e.value), str(e.value)
+    assert [s[0] for s in fake_s3.seen].count("GET") == 1
+
+
+@pytest.mark.parametrize("store", [True, False])
+@pytest.mark.parametrize("status, location, said_by_store, said_by_http", [
+    (301, None, "HTTP 301: a redirect that cannot be followed", "HTTP Error 301"),
+    (307, None, "HTTP 307: a redirect that cannot", "HTTP Error 307"),
+    (302, "/b/x.tar", "HTTP 302: a redirect that cannot be followed (no Location, or a loop)", "infinite loop"),
+    (302, "ftp://example.com/x.tar", "redirect to 'ftp://example.com/x.tar' refused", "to 'ftp://example.com/x.tar' r")])
+def test_a_redirect_that_cannot_be_followed_fails_at_once_in_its_own_words(fake_s3, store, status, location,
+                                                                           said_by_store, said_by_http):
+    """A redirect without a Location, one in a loop or one away from http(s) fails at once (it
+    was retried as if the server were down), from a store or a plain web server."""
+    if location and location.startswith("/"):
+        location = fake_s3.url.rstrip("/") + location
+    fake_s3.get = ("redirect", status, location)
+    said = said_by_store if store else said_by_http
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(FetchError) as e:
+            remote.fetch("s3://b/x.tar" if store else fake_s3.url + "b/x.tar", policy=FAST)
+    retried = [str(w.message) for w in caught if "retrying" in str(w.message)]
+    assert said in str(e.value) and "attempts" not in str(e.value) and not retried, (str(e.value), retried)
+
+
+def _self_signed(folder):
+    """A certificate and key for 127.0.0.1 (its own CA), written as PEM files: their paths."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = os.path.join(folder, "ca.pem"), os.path.join(folder, "key.pem")
+    with open(cert_path, "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(key_path, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_an_https_store_is_trusted_through_aws_ca_bundle(fake_s3, tmp_path, monkeypatch):
+    """An S3-compatible server with its own CA, named in $AWS_CA_BUNDLE as botocore takes it,
+    is read; without it, the certificate is refused in one line."""
+    import ssl
+
+    from helpers import serving
+
+    cert, key = _self_signed(str(tmp_path))
+    with serving(_S3Fake, heads=[(200, "eu-west-1", 0)], files={"x.tar": b"shard"}, region="eu-west-1",
+                 seen=[]) as server:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(cert, key)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", server.url.replace("http://", "https://").rstrip("/"))
+        with pytest.raises(FetchError) as e:
+            remote.fetch("s3://b/x.tar", policy=remote.Policy(retries=0, timeout=5))
+        assert "CERTIFICATE_VERIFY_FAILED" in str(e.value) or "certificate" in str(e.value).lower(), str(e.value)
+        monkeypatch.setattr(storage, "_SIGNERS", {})
+        monkeypatch.setenv("AWS_CA_BUNDLE", cert)
+        assert remote.fetch("s3://b/x.tar", policy=remote.Policy(retries=0, timeout=5)) == b"shard"
+        assert [s[0] for s in server.seen] == ["HEAD", "GET"]
+
+
+def test_an_error_answer_s_text_is_one_line():
+    body = b"<Error><Code>AccessDenied</Code><Message>Access\n  denied\r\nhere</Message></Error>"
+    said = str(storage.s3_error(403, {}, body))
+    assert said == "Access denied here (AccessDenied)"
+    assert isinstance(storage.s3_error(403, {}, body), storage.Missing)
+
+
+def test_a_worker_that_finds_no_credentials_looks_again_next_time(monkeypatch, tmp_path):
+    """A forked worker whose AWS chain finds nothing fails that read in one line, and the
+    next read looks for credentials again (found there, it signs)."""
+    import botocore.session
+
+    signer = storage._Signer.__new__(storage._Signer)
+    signer._credentials, signer.pid = "parent's", -1
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(storage.Missing, match="no credentials"):
+        signer.credentials()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "found-later")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
+    assert botocore.session.get_session().get_credentials() is not None
+    assert signer.credentials().access_key == "found-later" and signer.pid == os.getpid()

@@ -13,7 +13,6 @@ import os
 PREFETCH = 4  # batches a loader's worker prepares ahead (make_loader's prefetch_factor): the ring holds 2 more
 
 
-
 def batch_bytes(batch_size, shapes):
     """Bytes of one uint8 batch: every image is padded to 3 channels and to the largest
     height and width over the sources (pipeline.data.batch.Layout). `shapes`: (C, H, W) each."""
@@ -38,21 +37,27 @@ def needed(batch_size, shapes, workers, *, prefetch_factor=PREFETCH, window_byte
     return parts
 
 
-def check_budget(batch_size, shapes, workers, cap, *, prefetch_factor=PREFETCH, window_bytes=0, eval_sources=0):
+def check_budget(batch_size, shapes, workers, cap, *, prefetch_factor=PREFETCH, window_bytes=0, eval_sources=0,
+                 fetched_ahead=False):
     """The bytes `needed` gives (its dict) if their total fits in `cap`; else ValueError, one line
     naming the batch's bytes, the workers, the total and the flags that change them.
-    `shapes`: {source name: (C, H, W)} as the manifests give them."""
+    `shapes`: {source name: (C, H, W)} as the manifests give them; fetched_ahead: the
+    windows' bytes count shards fetched ahead (--fetch-ahead)."""
     parts = needed(batch_size, shapes.values(), workers, prefetch_factor=prefetch_factor,
                    window_bytes=window_bytes, eval_sources=eval_sources)
     if parts["total"] <= cap:
         return parts
     tallest = max(shapes, key=lambda n: shapes[n][1] * shapes[n][2])
     queue = f"{workers} worker(s) x {prefetch_factor + 2} batches queued" if workers else "no workers"
-    lower = "--batch-size, --workers or --shuffle-window" if parts["windows"] else "--batch-size or --workers"
+    lower = "--batch-size or --workers"
+    if parts["windows"]:
+        lower = "--batch-size, --workers, --shuffle-window or --fetch-ahead" if fetched_ahead else \
+            "--batch-size, --workers or --shuffle-window"
+    held = " and the shuffle windows" + (" and shards fetched ahead" if fetched_ahead else "")
     raise ValueError(
         f"--batch-size {batch_size} of 3x{max(s[1] for s in shapes.values())}x{max(s[2] for s in shapes.values())} "
         f"images ({tallest}'s manifest gives shape {list(shapes[tallest])}) is {human(parts['batch'])} a batch; with "
-        f"{queue}, the float copy{' and the shuffle windows' if parts['windows'] else ''} a rank needs "
+        f"{queue}, the float copy{held if parts['windows'] else ''} a rank needs "
         f"{human(parts['total'])}, more than --max-batch-memory {human(cap)}: lower {lower}, "
         f"or raise --max-batch-memory")
 

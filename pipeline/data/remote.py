@@ -105,11 +105,11 @@ class Transient(OSError):
 
 
 def permanent(error):
-    """True for an HTTP client error that waiting won't fix (404, 403, ...), or a store's
-    missing object, bucket or permission."""
+    """True for an HTTP client error that waiting won't fix (404, 403, ...), a redirect urllib
+    could not follow (no Location, a loop), or a store's missing object, bucket or permission."""
     if isinstance(error, storage.Missing):
         return True
-    return isinstance(error, urllib.error.HTTPError) and 400 <= error.code < 500 and error.code not in (408, 429)
+    return isinstance(error, urllib.error.HTTPError) and 300 <= error.code < 500 and error.code not in (408, 429)
 
 
 def transient(error):
@@ -119,9 +119,11 @@ def transient(error):
 class _Watched(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
     """urllib's http(s) handlers, handing each socket they connect to `watch`."""
 
-    def __init__(self, watch):
+    def __init__(self, watch, context=None):
         super().__init__()
         self.watch = watch
+        if context is not None:  # else urllib's default, which honours $SSL_CERT_FILE
+            self._context = context
 
     def http_open(self, req):
         return self.do_open(self._conn(http.client.HTTPConnection), req)
@@ -139,13 +141,17 @@ class _Watched(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
         return Conn
 
 
+class _RedirectRefused(urllib.error.HTTPError):
+    """A redirect to anything but http(s): said as itself, whoever serves the URL."""
+
+
 class _HttpOnly(urllib.request.HTTPRedirectHandler):
     """Follow redirects to http(s) URLs only: urllib would follow one to ftp:// too."""
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):
         if not newurl.lower().startswith(("http://", "https://")):
             shown = cut(redact(newurl), 80)
-            raise urllib.error.HTTPError(req.full_url, 403, f"redirect to {shown!r} refused", headers, fp)
+            raise _RedirectRefused(req.full_url, 403, f"redirect to {shown!r} refused", headers, fp)
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
@@ -190,6 +196,9 @@ def _auth_host(parts):
     return any(h == host or h == f"{host}:{port}" or h == f"[{host}]:{port}" for h in hosts)
 
 
+ERROR_BODY_SECONDS = 5.0  # the longest an error answer's body is waited for
+
+
 class _HTTP:
     """A response whose sockets are shut at the deadline: a server that drips its status
     line, headers or chunk sizes never trips the per-operation socket timeout either."""
@@ -200,25 +209,36 @@ class _HTTP:
         self.start = time.monotonic()
         self.socks, self.expired, self.resp, self.timer = [], threading.Event(), None, None
         self._arm(policy.deadline(nbytes))
+        refusal = None
         try:
-            opener = urllib.request.build_opener(_Watched(self._watch), _HttpOnly())
+            opener = urllib.request.build_opener(_Watched(self._watch, direct and direct.context), _HttpOnly())
             try:
                 self.resp = opener.open(_request(url, method, direct), timeout=policy.timeout)
+            except _RedirectRefused:
+                raise
             except urllib.error.HTTPError as e:
                 if direct is None:
                     raise
-                body = b""
-                with contextlib.suppress(Exception):  # the answer's body says why; its want is no error
-                    body = e.read(1 << 16)
-                e.close()
-                raise direct.refused(e.code, e.headers, body) from None
+                refusal = direct.refused(e.code, e.headers, self._said(e, policy))
+                raise refusal from None
             self._late()  # headers cut short by the deadline read as if they had ended
             if method == "GET":
                 self._announced(policy, nbytes)
         except Exception:
             self.close()
-            self._late()
+            if refusal is None:  # the answer came: what it says stands, however late its body was
+                self._late()
             raise
+
+    def _said(self, error, policy):
+        """The first 64 KiB of an error answer's body, which says why, read for a few seconds
+        at most: a store that drips it gets its answer taken for what its status says."""
+        self._arm(min(self.limit, time.monotonic() - self.start + min(policy.timeout, ERROR_BODY_SECONDS)))
+        body = b""
+        with contextlib.suppress(Exception):  # a body cut short says less; its want is no error
+            body = error.read(1 << 16)
+        error.close()
+        return body
 
     def _arm(self, limit):
         """(Re)start the deadline at `limit` seconds after the transfer began."""
@@ -362,7 +382,7 @@ class _Checked:
 def _open_raw(url, policy, nbytes):
     where = kind(url)
     if where == "store":
-        direct = storage.direct(url)
+        direct = storage.direct(url, policy.timeout)
         return _HTTP(direct.url, policy, nbytes, direct=direct) if direct else storage.Reader(url, policy.deadline(nbytes))
     return (_HTTP if where == "http" else _Pipe)(url, policy, nbytes)
 

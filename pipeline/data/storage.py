@@ -11,9 +11,11 @@ promises for HTTP holds here too: pipeline.data.remote wraps a store's reader wi
 job's deadline, retries, byte cap, sha256 check and cache.
 """
 import contextlib
+import functools
 import os
 import posixpath
 import re
+import ssl
 import threading
 import time
 import urllib.parse
@@ -125,20 +127,25 @@ class Direct:
     url: str
     header: object
     refused: object
+    context: object = None  # the ssl.SSLContext of an https URL whose store names its own CA bundle
 
 
-def direct(url):
+def direct(url, timeout=30.0):
     """The `Direct` read of a store URL: S3 (a signed URL) and the Hugging Face Hub (its
     resolve URL); None for stores read through fsspec. One request per shard where s3fs makes
     two (it asks for the size first), and about the plain HTTP path's CPU per sample where
     s3fs's client cost about twice it (`python tools/bench_loader.py --stores --synthetic`,
-    docs/benchmarks.md#object-stores); reading the Hub needs no package."""
+    docs/benchmarks.md#object-stores); reading the Hub needs no package. timeout: seconds a
+    request may wait for one answer (the job's --io-timeout), for the one that finds an S3
+    bucket's region."""
     loc = parse(url)
     if loc.scheme in ("s3", "s3a"):
         bucket, _, key = loc.path.partition("/")
         if not key or key.endswith("/"):  # a GET of it would be the bucket's listing, read as a damaged shard
             raise Missing("a prefix, not an object: name a shard (s3://BUCKET/KEY)")
-        return Direct(_call(loc, lambda: _signer(loc, bucket).url(key)), None, s3_error)
+        signer = _signer(loc, bucket, timeout)
+        return Direct(_call(loc, lambda: signer.url(key)), None, functools.partial(_s3_refused, signer),
+                      signer.context)
     if loc.scheme == "hf":
         return Direct(hub_url(loc), hub_token(), hub_error)
     return None
@@ -184,11 +191,23 @@ def hub_token():
 def hub_error(status, headers, body):
     """The exception for an error answer of the Hub: its X-Error-Message (or the JSON body's
     "error") and X-Error-Code; `Missing` for 4xx but 408 and 429, else `Unreachable`."""
-    said = (headers.get("X-Error-Message") if headers else None) or _json_error(body) or f"HTTP {status}"
+    said = (headers.get("X-Error-Message") if headers else None) or _json_error(body) or _bare(status)
     code = headers.get("X-Error-Code") if headers else None
     text = f"{said} ({code})" if code else said
-    permanent = 400 <= status < 500 and status not in (408, 429)
-    return (Missing if permanent else Unreachable)(cut(redact(" ".join(text.split())), 300))
+    return (Missing if _permanent(status) else Unreachable)(cut(redact(" ".join(text.split())), 300))
+
+
+def _permanent(status):
+    """An answer no retry changes: a client error but a timeout or throttling, or a redirect
+    that reached the store's error path (urllib follows the rest)."""
+    return 300 <= status < 500 and status not in (408, 429)
+
+
+def _bare(status):
+    """What an error answer without a body of its own says."""
+    if 300 <= status < 400:
+        return f"HTTP {status}: a redirect that cannot be followed (no Location, or a loop)"
+    return f"HTTP {status}"
 
 
 def _json_error(body):
@@ -208,15 +227,15 @@ class _Signer:
     form with the key put in and signed by botocore's SigV4 query signer, 2.5x less CPU than
     the client's generate_presigned_url, which resolves the endpoint again for every URL."""
 
-    def __init__(self, client, bucket, credentials):
+    def __init__(self, client, bucket, credentials, context=None):
         probe = urllib.parse.urlsplit(client.generate_presigned_url(
             "get_object", Params={"Bucket": bucket, "Key": "k"}, ExpiresIn=SIGNED_FOR))
         self.base = urllib.parse.urlunsplit(probe._replace(path=probe.path[:-1], query=""))
         scope = dict(urllib.parse.parse_qsl(probe.query)).get("X-Amz-Credential", "").split("/")
         self.region = scope[2] if len(scope) == 5 else client.meta.region_name
         self.signs = credentials is not None
-        self._credentials, self.pid = credentials, os.getpid()
-
+        self._credentials, self.pid, self.context = credentials, os.getpid(), context
+        self.key = None  # its place in _SIGNERS
     def url(self, key):
         from botocore.auth import S3SigV4QueryAuth
         from botocore.awsrequest import AWSRequest
@@ -237,37 +256,50 @@ class _Signer:
         if self.pid != os.getpid():
             import botocore.session
 
-            self._credentials, self.pid = botocore.session.get_session().get_credentials(), os.getpid()
-            if self._credentials is None:
+            credentials = botocore.session.get_session().get_credentials()
+            if credentials is None:
                 raise Missing("the AWS chain found no credentials in this worker")
+            self._credentials, self.pid = credentials, os.getpid()
         return self._credentials
 
 
 _SIGNERS = {}  # (bucket, configuration) -> its _Signer, kept by forked workers
+_LOCKS = {}  # (bucket, configuration) -> the lock held while its region is looked up
 _SIGNERS_LOCK = threading.Lock()
 
 
 def _new_lock():
     global _SIGNERS_LOCK
     _SIGNERS_LOCK = threading.Lock()
+    _LOCKS.clear()
 
 
-os.register_at_fork(after_in_child=_new_lock)  # a parent thread may have held it when a worker was forked
+os.register_at_fork(after_in_child=_new_lock)  # a parent thread may have held one when a worker was forked
 
 
-def _signer(loc, bucket):
+def _signer(loc, bucket, timeout):
     """A bucket's _Signer, made once: by the process that reads the manifest, and so inherited
-    by the DataLoader workers it forks."""
+    by the DataLoader workers it forks. Its region is looked up under the bucket's own lock
+    (another bucket's lookup never waits on it), and kept only when the answer was one:
+    after an answer a retry may change (a 5xx, throttling) the next read looks again."""
     key = (bucket, *(os.environ.get(v) for v in _CONFIG))
     with _SIGNERS_LOCK:
-        if key not in _SIGNERS:
-            _SIGNERS[key] = _call(loc, lambda: _regional_signer(bucket))
-        return _SIGNERS[key]
+        lock = _LOCKS.setdefault(key, threading.Lock())
+    with lock:
+        found = _SIGNERS.get(key)
+        if found is None:
+            found, lasting = _call(loc, lambda: _regional_signer(bucket, timeout))
+            found.key = key
+            if lasting:
+                _SIGNERS[key] = found
+        return found
 
 
-def _regional_signer(bucket):
-    """The bucket's region is the one its HEAD answer names (as s3fs finds it), whatever the
-    answer's status; botocore's own retries are off: pipeline.data.remote retries."""
+def _regional_signer(bucket, timeout):
+    """(the bucket's _Signer, whether its region is settled). The region is the one the
+    bucket's HEAD answer names (as s3fs finds it), whatever the answer's status; botocore's
+    own retries are off (pipeline.data.remote retries) and its timeouts are the job's. The
+    CA bundle is the one botocore would use ($AWS_CA_BUNDLE, the config file's ca_bundle)."""
     try:
         import botocore
         import botocore.config
@@ -281,15 +313,41 @@ def _regional_signer(bucket):
 
     def client(region=None):
         config = botocore.config.Config(signature_version="s3v4" if credentials else botocore.UNSIGNED,
-                                        connect_timeout=10, read_timeout=30, retries={"total_max_attempts": 1})
+                                        connect_timeout=timeout, read_timeout=timeout,
+                                        retries={"total_max_attempts": 1})
         return session.create_client("s3", region_name=region, config=config)
     first = client()
     try:
         answer = first.head_bucket(Bucket=bucket)
     except ClientError as e:
         answer = e.response
-    region = answer.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region")
-    return _Signer(first if not region or region == first.meta.region_name else client(region), bucket, credentials)
+    meta = answer.get("ResponseMetadata", {})
+    region = meta.get("HTTPHeaders", {}).get("x-amz-bucket-region")
+    status = meta.get("HTTPStatusCode") or 0
+    lasting = bool(region) or status < 500 and status not in (408, 429)
+    bundle = session.get_config_variable("ca_bundle")
+    context = ssl.create_default_context(cafile=bundle) if bundle else None
+    signing = first if not region or region == first.meta.region_name else client(region)
+    try:
+        return _Signer(signing, bucket, credentials, context), lasting
+    finally:  # the signer keeps no client: their sockets go now, not when the collector finds them
+        for made in {id(first): first, id(signing): signing}.values():
+            with contextlib.suppress(Exception):
+                made.close()
+
+
+def _s3_refused(signer, status, headers, body):
+    """s3_error, unless the answer names another region than the URL was signed for (the
+    bucket moved, or its region was guessed): then the signer is forgotten and the read
+    tried again, which looks the region up anew."""
+    region = headers.get("x-amz-bucket-region") if headers else None
+    if region and region != signer.region:
+        with _SIGNERS_LOCK:
+            if _SIGNERS.get(signer.key) is signer:
+                del _SIGNERS[signer.key]
+        return Unreachable(f"the bucket is in {cut(redact(region), 40)}, not {signer.region}: its region is "
+                           f"looked up again")
+    return s3_error(status, headers, body)
 
 
 def s3_error(status, headers, body):
@@ -298,11 +356,11 @@ def s3_error(status, headers, body):
     the rest (throttling, 5xx). Its text is the answer's Code and Message."""
     code = re.search(rb"<Code>([^<]{1,100})</Code>", body or b"")
     said = re.search(rb"<Message>([^<]{1,300})</Message>", body or b"")
-    code = code[1].decode("utf-8", "replace") if code else f"HTTP {status}"
+    code = code[1].decode("utf-8", "replace") if code else _bare(status)
     text = "no such object" if code == "NoSuchKey" else (
         f"{said[1].decode('utf-8', 'replace')} ({code})" if said else code)
-    permanent = 400 <= status < 500 and status not in (408, 429) and code not in ("SlowDown", "RequestTimeout")
-    return (Missing if permanent else Unreachable)(cut(redact(text), 300))
+    permanent = _permanent(status) and code not in ("SlowDown", "RequestTimeout")
+    return (Missing if permanent else Unreachable)(cut(redact(" ".join(text.split())), 300))
 
 
 class Reader:

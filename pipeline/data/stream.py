@@ -53,6 +53,10 @@ class Start:
     first_logical: int = 0
 
 
+def _remote(source):
+    return any(remote.kind(u) in ("http", "store") for u in source.urls[:1])
+
+
 class MixedStream(torch.utils.data.IterableDataset):
     """Batches mixing several sources by weight, the same count on every rank.
 
@@ -175,10 +179,13 @@ class MixedStream(torch.utils.data.IterableDataset):
         for i, s in enumerate(self.sources):
             o = self.source_order(i, self.epoch)  # the window as the order cuts it
             largest = int(max(s.sizes) if s.sizes else max(s.counts) * o.sample_bytes)
-            remote_source = any(remote.kind(u) in ("http", "store") for u in s.urls[:1])
-            ahead = max(self.fetch_ahead, min(largest, stages.WHOLE_SHARD)) if remote_source else 0
+            ahead = max(self.fetch_ahead, min(largest, stages.WHOLE_SHARD)) if _remote(s) else 0
             most = max(most, int(o.window * o.sample_bytes + largest) + ahead)
         return most
+
+    def fetches_ahead(self):
+        """Whether a source is remote: its reader holds shards fetched ahead (`fetch_ahead`)."""
+        return any(_remote(s) for s in self.sources)
 
     def source_order(self, i, epoch):
         """Source i's `order.SourceOrder` for an epoch (kept for the current one)."""

@@ -24,7 +24,8 @@ def check_memory(args, stream, eval_sources=0):
     (pipeline.data.budget); `stream`: the training MixedStream, built but not yet read."""
     cap = getattr(args, "max_batch_memory", None) or budget.default_cap()
     return budget.check_budget(args.batch_size, {s.name: s.shape for s in stream.sources}, args.workers, cap,
-                               window_bytes=stream.window_held(), eval_sources=eval_sources)  # the loaders' PREFETCH
+                               window_bytes=stream.window_held(), eval_sources=eval_sources,  # the loaders' PREFETCH
+                               fetched_ahead=stream.fetches_ahead())
 
 
 @contextlib.contextmanager
