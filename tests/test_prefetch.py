@@ -327,8 +327,7 @@ def test_the_walk_carried_on_window_by_window_holds_what_a_walk_from_scratch_fin
             if not w.same(last):
                 last = w
                 if walk is None or not walk.reached(w):
-                    walk, walks = stages._Walk(iter(plan.upcoming()), ahead, sizes.get), walks + 1
-                    walk.last = w
+                    walk, walks = stages._Walk(iter(plan.upcoming()), ahead, sizes.get, w), walks + 1
                 walk.extend()
                 assert set(walk.held) == set(_from_scratch(plan.upcoming(), ahead, size)), case
             if w.start + w.size - w.skip >= plan.length:
