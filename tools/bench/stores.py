@@ -5,6 +5,8 @@
                       http:// URLs
     s3                from that server as s3:// URLs, reached through AWS_ENDPOINT_URL as users
                       reach MinIO or R2: differs from http only in what the store path adds
+    s3 via s3fs       the same s3:// URLs read through s3fs's file object (storage.Reader), as
+                      they were before the signed GETs: the measured reason for those
     s3 proxy+0ms      through a TCP proxy on 127.0.0.1 that adds nothing
     s3 proxy+50ms     through the same proxy holding the first byte of each answer 50 ms
     ... no-prefetch   the same without fetching ahead (stages.PREFETCH_THREADS = 0)
@@ -164,11 +166,15 @@ def epoch(src, workers, batch_size, shuffle_buffer, seed, times):
 
 
 @contextlib.contextmanager
-def configured(endpoint=None, threads=None):
-    """AWS_ENDPOINT_URL and stages.PREFETCH_THREADS for one run."""
-    from pipeline.data import stages
+def configured(endpoint=None, threads=None, s3fs_reads=False):
+    """AWS_ENDPOINT_URL and stages.PREFETCH_THREADS for one run; with s3fs_reads, s3:// shards
+    read through s3fs's file object instead of a signed GET (DataLoader workers are forked,
+    so they read the same way)."""
+    from pipeline.data import stages, storage
 
-    saved = os.environ.get("AWS_ENDPOINT_URL"), stages.PREFETCH_THREADS
+    saved = os.environ.get("AWS_ENDPOINT_URL"), stages.PREFETCH_THREADS, storage.direct
+    if s3fs_reads:
+        storage.direct = lambda url, timeout=30.0: None
     if endpoint:
         os.environ["AWS_ENDPOINT_URL"] = endpoint
         import s3fs
@@ -183,7 +189,7 @@ def configured(endpoint=None, threads=None):
             os.environ.pop("AWS_ENDPOINT_URL", None)
         else:
             os.environ["AWS_ENDPOINT_URL"] = saved[0]
-        stages.PREFETCH_THREADS = saved[1]
+        stages.PREFETCH_THREADS, storage.direct = saved[1], saved[2]
 
 
 def measure_run(src, workers, args, seed, expected, server_pid):
@@ -224,6 +230,7 @@ def run(args, work):
         local_src = stream.resolve("mnist", folder, "train")
         http_src = stream.resolve("mnist", f"{direct}/{BUCKET}/shards/", "train")  # the same objects, unsigned
         paths = [("local", local_src, None, None), ("http", http_src, None, None), ("s3", s3_src, direct, None),
+                 ("s3 via s3fs", s3_src, direct, None, True),
                  ("s3 proxy+0ms", s3_src, proxied, None), ("s3 proxy+50ms", s3_src, slow, None),
                  ("s3 proxy+50ms no-prefetch", s3_src, slow, 0)]
         n = local_src.total // args.batch_size * args.batch_size
@@ -233,12 +240,12 @@ def run(args, work):
             f"{LATENCY * 1000:.0f} ms, {args.repeats} repeat(s)")
         rows = {}
         for workers in args.workers:
-            for name, src, endpoint, threads in paths:  # untimed: imports, connections, the page cache
-                with configured(endpoint, threads):
+            for name, src, *how in paths:  # untimed: imports, connections, the page cache
+                with configured(*how):
                     sum(epoch(src, workers, args.batch_size, args.shuffle_buffer, 0, []))
             for r in range(args.repeats):  # each repeat starts one path later: none always follows the same one
-                for name, src, endpoint, threads in paths[r % len(paths):] + paths[:r % len(paths)]:
-                    with configured(endpoint, threads):
+                for name, src, *how in paths[r % len(paths):] + paths[:r % len(paths)]:
+                    with configured(*how):
                         m = measure_run(src, workers, args, r + 1, n, ports["pid"])
                     rows.setdefault((workers, name), []).append(m)
                     log(f"  workers {workers} {name:<26} {m['samples_per_s']:>9,.0f} samples/s "
