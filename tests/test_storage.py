@@ -121,8 +121,10 @@ def test_a_store_whose_package_is_missing_names_the_extra(monkeypatch):
 def test_a_prefix_without_its_slash_is_a_folder_and_a_missing_key_says_so(mnist_in_s3, s3_bucket):
     local, url = mnist_in_s3
     assert resolve("mnist", url.rstrip("/"), "train").urls == resolve("mnist", url, "train").urls
-    with pytest.raises(ShardError, match="no such object"):
+    with pytest.raises(ShardError, match="no such object") as e:
         resolve("mnist", f"s3://{s3_bucket}/elsewhere/", "train")
+    url = f"s3://{s3_bucket}/elsewhere/mnist-train.json"
+    assert str(e.value) == f"cannot read manifest {url}: no such object", e.value  # the URL named once
 
 
 def test_signed_urls_are_botocore_s_own_for_any_key_region_and_endpoint(monkeypatch):

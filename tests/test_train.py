@@ -306,6 +306,30 @@ def test_the_trainers_progress_bar_starts_no_monitor_thread():
     assert progress_bar(Topology(1, 2), 10, "epoch 1") is None  # rank 1 draws no bar
 
 
+def test_warnings_written_while_the_bar_shows_start_their_own_line_in_a_log_file(monkeypatch):
+    """Off a terminal (a log file, a pipe) tqdm's redraws end without a newline: a warning
+    from a worker or another rank then continued the bar's line (seen by a new user)."""
+    import io
+
+    from pipeline.data.topology import Topology
+    from pipeline.train import console
+
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", log)
+    bar = console.progress_bar(Topology(), 10, "epoch 1/1")
+    log.write(console.one_line_warning("s-000001.tar: skipped 3 sample(s)", UserWarning, "f.py", 1))
+    bar.update(10)
+    bar.close()
+    console.one_line("pipeline.train: error: it stopped")
+    lines = log.getvalue().split("\n")
+    assert lines[-1] == "" and "\r" not in log.getvalue(), log.getvalue()
+    assert "pipeline.train: warning: s-000001.tar: skipped 3 sample(s)" in lines, lines
+    assert "pipeline.train: error: it stopped" in lines, lines
+    bars = [x for x in lines[:-1] if not x.startswith("pipeline.train: ")]
+    assert bars and all(x.startswith("epoch 1/1: ") for x in bars), lines
+    assert bars[-1].startswith("epoch 1/1: 100%"), lines
+
+
 def test_the_trainers_warnings_are_one_line_each(monkeypatch):
     import io
     import warnings

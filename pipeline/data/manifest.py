@@ -336,7 +336,10 @@ def load(url, policy=remote.Policy()):
         try:
             text = remote.fetch(url, policy=policy, limit=MAX_JSON, limit_name="the most a manifest may hold")
         except (OSError, ShardError) as e:  # ShardError: a body past MAX_JSON
-            raise ShardError(f"cannot read manifest {url}: {e}") from None
+            said = str(e)
+            if said.startswith((url, redact(url))):  # most read errors name the URL first: name it once
+                raise ShardError(f"cannot read manifest {said}") from None
+            raise ShardError(f"cannot read manifest {url}: {said}") from None
         m = parse_json(text, url)
     return check(m, url)
 

@@ -9,7 +9,8 @@ not the data's: the manifest's size, else the Content-Length the server announce
 (else UNKNOWN_SIZE), never more than the job's ceiling (`Policy.max_bytes`; the command line's
 --max-shard-bytes).
 A server that announces another size than the manifest, or more than the
-ceiling, fails at once; a body that runs past either is cut off.
+ceiling, fails the read at once, without retries (the stream skips it as a damaged
+shard); a body that runs past either is cut off.
 
 Every transient failure (refused or reset connections, socket timeouts, a body
 shorter than its Content-Length, an HTTP 5xx, 408 or 429, a pipe's non-zero

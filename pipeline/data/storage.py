@@ -99,7 +99,7 @@ def filesystem(loc):
     except ImportError:
         hint = (f"pip install {package} (the project's [{extra}] extra: pip install -e '.[{extra}]')" if extra
                 else "install its fsspec implementation")
-        raise ShardError(f"{loc.shown}: reading {loc.scheme}:// needs {package or 'a package'}: {hint}") from None
+        raise ShardError(f"{loc.shown}: {loc.scheme}:// needs {package or 'a package'}: {hint}") from None
 
 
 _CLIENTS = {}  # (scheme, pid, configuration) -> filesystem: a forked DataLoader worker makes its own
