@@ -81,7 +81,7 @@ def parse_args(argv):
            "shards and manifests are uploaded to, each manifest last; one make_shards at a time writes a folder, a "
            "second one is refused")
     a("--quiet", action="store_true", help="no progress bars")
-    io = p.add_argument_group("remote reads (--index and --verify of http(s) and pipe: shards; as in the trainer)")
+    io = p.add_argument_group("remote reads (--index and --verify of http(s), object-store and pipe: shards; as in the trainer)")
     add_io_options(io)
     args = p.parse_args(argv)
     check(p, args)

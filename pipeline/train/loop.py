@@ -146,6 +146,8 @@ def main(argv=None, args=None):
         last = str(e).strip().splitlines()[-1]
         last = re.sub(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): ", "", last)  # a worker's "pkg.Class: "
         one_line(f"pipeline.train: error: {last}")
+        if isinstance(e, OSError) and not args.eval_only:
+            say_resume(args.out, argv)
         return 2
     except NonFiniteLoss as e:
         one_line(f"pipeline.train: error: {e}")
@@ -159,6 +161,15 @@ def main(argv=None, args=None):
     if isinstance(summary, dict) and summary.get("stopped_by"):
         return stop.exit_code(signal_of(summary["stopped_by"]))
     return 0
+
+
+def say_resume(out, argv):
+    """After the environment failed (a store or a disk out, retries used up) the run's last
+    checkpoint goes on once it is back, as after a scheduler's signal: say how, beside the
+    error line (on each rank that failed: the others may be ended before they could say it)."""
+    if os.path.isfile(os.path.join(out, "checkpoint.pt")):
+        print(f"pipeline.train: the last checkpoint stays in {out}/; resume with: {stop.resume_command(argv)}",
+              file=sys.stderr, flush=True)
 
 
 def signal_of(name):
