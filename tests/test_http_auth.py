@@ -17,7 +17,7 @@ FAST = remote.Policy(retries=1, delay=0.01, timeout=5)
 
 class Guarded(Quiet, http.server.SimpleHTTPRequestHandler):
     """Serves a folder to requests that carry the server's `token` (401 without); /away/NAME
-    redirects to server.elsewhere + NAME. Every Authorization header it saw goes to server.seen."""
+    redirects to server.elsewhere + NAME, /here/NAME to /NAME. Every Authorization header it saw goes to server.seen."""
 
     def do_GET(self):
         self._guard(super().do_GET)
@@ -33,9 +33,10 @@ class Guarded(Quiet, http.server.SimpleHTTPRequestHandler):
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
-        if self.path.startswith("/away/"):
+        if self.path.startswith(("/away/", "/here/")):  # to the other server; to this one (a relative Location)
             self.send_response(302)
-            self.send_header("Location", self.server.elsewhere + self.path[len("/away/"):])
+            away = self.path.startswith("/away/")
+            self.send_header("Location", (self.server.elsewhere if away else "/") + self.path[len("/away/"):])
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
@@ -89,6 +90,27 @@ def test_the_header_never_follows_a_redirect(guarded, shards, monkeypatch):
     got = remote.fetch(server.url + "away/mnist-train.json", policy=FAST)
     assert got == (shards / "mnist-train.json").read_bytes()
     assert server.seen == [TOKEN] and other.seen == [None]
+
+
+def test_the_header_follows_a_redirect_within_its_own_origin(guarded, shards, monkeypatch):
+    """As requests does: the same scheme, host and port keep the credentials (the Hub redirects
+    a renamed repository to itself); tokens were dropped there, and a private file read as
+    missing."""
+    server, _ = guarded
+    monkeypatch.setenv(remote.AUTH_VARIABLE, TOKEN)
+    got = remote.fetch(server.url + "here/mnist-train.json", policy=FAST)
+    assert got == (shards / "mnist-train.json").read_bytes() and server.seen == [TOKEN, TOKEN]
+
+
+def test_a_header_with_a_line_break_is_one_line_that_never_shows_it(guarded, monkeypatch):
+    """http.client refuses such a header with a ValueError quoting it: the secret, in a traceback."""
+    server, _ = guarded
+    monkeypatch.setenv(remote.AUTH_VARIABLE, "Bearer line-t0ken-secret\nX-Injected: 1")
+    with pytest.raises(FetchError) as e:
+        remote.fetch(server.url + "mnist-train.json", policy=remote.Policy(retries=3, delay=5.0, timeout=5))
+    said = str(e.value)
+    assert f"${remote.AUTH_VARIABLE} holds a line break" in said and "t0ken" not in said and "\n" not in said, said
+    assert server.seen == []
 
 
 @pytest.mark.parametrize("hosts, sent", [("127.0.0.1", True), ("127.0.0.1:{port}", True), ("LOCALHOST, 127.0.0.1", True),

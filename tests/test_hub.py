@@ -24,8 +24,10 @@ REPO = "/datasets/someone/digits"
 
 class _Hub(http.server.BaseHTTPRequestHandler):
     """GET /datasets/someone/digits/resolve/main/PATH: the file under `server.folder`, for the
-    right token only; a .tar answers 302 to /cdn/PATH?X-Amz-Signature=..., served to requests
-    without a token only."""
+    right token only; a .tar answers 302 to http://localhost:PORT/cdn/PATH?X-Amz-Signature=... (the
+same server under another host name, as the Hub's CDN is another host), served to requests
+    without a token only; /datasets/someone/old-name/... redirects to the repository's new name,
+    for the right token."""
 
     def log_message(self, *args):
         pass
@@ -39,6 +41,12 @@ class _Hub(http.server.BaseHTTPRequestHandler):
                 return self._error(403, None, "the CDN takes a signed URL and nothing else")
             return self._file(urllib.parse.unquote(path[len("/cdn/"):]))
         prefix = f"{REPO}/resolve/"
+        if path.startswith("/datasets/someone/old-name/") and auth == f"Bearer {TOKEN}":  # renamed: to itself
+            self.send_response(307)
+            self.send_header("Location", REPO + path[len("/datasets/someone/old-name"):])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return None
         if not path.startswith(prefix):
             return self._error(404, "RepoNotFound", f"Repository Not Found for url: {self.path}.")
         if auth != f"Bearer {TOKEN}":
@@ -52,7 +60,8 @@ class _Hub(http.server.BaseHTTPRequestHandler):
             return self._error(404, "EntryNotFound", f"Entry Not Found for url: {self.path}.")
         if name.endswith(".tar"):
             self.send_response(302)
-            self.send_header("Location", f"/cdn/{urllib.parse.quote(name)}?X-Amz-Signature=cafe&Expires=1")
+            cdn = f"http://localhost:{self.server.server_address[1]}"  # another host, as the Hub's CDN is
+            self.send_header("Location", f"{cdn}/cdn/{urllib.parse.quote(name)}?X-Amz-Signature=cafe&Expires=1")
             self.send_header("Content-Length", "0")
             self.end_headers()
             return None
@@ -115,6 +124,33 @@ def test_the_token_comes_from_the_login_file_when_the_variable_is_unset(hub, tmp
     os.makedirs(tmp_path / "hf-home")
     (tmp_path / "hf-home" / "token").write_text(TOKEN + "\n")
     assert len(resolve("mnist", url, "train").urls) == 5
+
+
+def test_a_renamed_repository_is_followed_with_the_token_and_its_cdn_gets_none(hub):
+    """The Hub redirects a renamed repository to its new name on the same host: the token goes
+    on there (a private repository read as not found without it), and not to the CDN after."""
+    folder, _, server = hub
+    src = resolve("mnist", "hf://datasets/someone/old-name/shards/", "train")
+    assert keys(src) == keys(resolve("mnist", str(folder), "train"))
+    tar = [(p, a) for p, a in server.seen if p.endswith("mnist-train-000000.tar")]
+    assert [p.split("/")[1:4] for p, _ in tar] == [["datasets", "someone", "old-name"], ["datasets", "someone", "digits"],
+                                                  ["cdn", "shards", "mnist-train-000000.tar"]], tar
+    assert [a for _, a in tar] == [f"Bearer {TOKEN}", f"Bearer {TOKEN}", None], tar
+
+
+@pytest.mark.parametrize("token", [TOKEN + "\nhf_second-line-secret\n", TOKEN + "\r\nX-Injected: 1"])
+def test_a_token_with_a_line_break_is_never_shown(hub, tmp_path, monkeypatch, token):
+    """A login file of two lines kept its inner line break; http.client refused the header with
+    a ValueError quoting it, and the trainer printed the token in a traceback."""
+    _, url, server = hub
+    monkeypatch.delenv("HF_TOKEN")
+    os.makedirs(tmp_path / "hf-home")
+    (tmp_path / "hf-home" / "token").write_text(token)
+    with pytest.raises(FetchError) as e:
+        remote.fetch(url + "mnist-train.json", policy=remote.Policy(retries=0))
+    said = str(e.value)
+    assert "Repository Not Found" in said and "\n" not in said and "n3ver" not in said and "second" not in said, said
+    assert [a for _, a in server.seen] == ["Bearer " + token.replace("\r", "").replace("\n", "").strip()]
 
 
 @pytest.mark.parametrize("where, said", [

@@ -210,8 +210,8 @@ def test_a_store_s_refusal_is_one_line_naming_its_code_and_throttling_is_retried
 
 class _S3Fake(http.server.BaseHTTPRequestHandler):
     """An S3 endpoint (path-style) for what moto does not do: `server.heads`, the answers to a
-    bucket's HEAD in turn as (status, region or None, seconds to wait first), the last one
-    repeated; GET of a key in `server.files` answers its bytes when the URL is signed for
+    bucket's HEAD in turn as (status, region or None, seconds to wait first; below 0: seconds
+    to drip the answer), the last one repeated; GET of a key in `server.files` answers its bytes when the URL is signed for
     `server.region` or any when that is None (else 301 PermanentRedirect naming it, as S3
     does), `server.get` when set:
     ("drip", status) an error answer whose body comes a byte a second, ("redirect", status,
@@ -227,6 +227,14 @@ class _S3Fake(http.server.BaseHTTPRequestHandler):
         heads = self.server.heads
         status, region, wait = heads.pop(0) if len(heads) > 1 else heads[0]
         self.server.seen.append(("HEAD", bucket, region))
+        if wait < 0:  # drip the answer a byte every 0.2 s for -wait seconds
+            for b in b"HTTP/1.1 200 OK\r\nx-amz-bucket-region: eu-west-1\r\n"[:int(-wait / 0.2)]:
+                if self.server.stopping:
+                    return
+                self.wfile.write(bytes([b]))
+                self.wfile.flush()
+                time.sleep(0.2)
+            return
         time.sleep(wait)
         self.send_response(status)
         if region:
@@ -283,6 +291,7 @@ def fake_s3(monkeypatch):
     from helpers import serving
 
     monkeypatch.setattr(storage, "_SIGNERS", {})
+    monkeypatch.setattr(storage, "_LOOKED", {})
     with serving(_S3Fake, heads=[(200, "eu-west-1", 0)], files={"x.tar": b"shard"}, region="eu-west-1",
                  seen=[]) as server:
         monkeypatch.setenv("AWS_ENDPOINT_URL", server.url.rstrip("/"))
@@ -340,6 +349,55 @@ def test_a_bucket_s_region_is_looked_up_within_the_job_s_timeout_and_alone(fake_
     assert time.monotonic() - t0 < 2, "the other bucket waited for the hanging one's lookup"
     slow.join(20)
     assert not slow.is_alive() and time.monotonic() - t0 < 10
+
+
+def test_a_region_lookup_that_drips_ends_at_the_job_s_timeout(fake_s3):
+    """botocore's timeouts are per socket operation: a HEAD answered a byte every 0.2 s held a
+    read (and the bucket's lock) for as long as the server went on (100 s seen)."""
+    import time
+
+    fake_s3.heads = [(200, "eu-west-1", -30)]
+    t0 = time.monotonic()
+    with pytest.raises(FetchError, match="its region: no answer within 2 s"):
+        remote.fetch("s3://b/x.tar", policy=remote.Policy(retries=0, timeout=2))
+    assert time.monotonic() - t0 < 4
+
+
+def test_reads_waiting_on_a_failed_region_lookup_share_its_outcome(fake_s3):
+    """Reads of one bucket wait on its lookup; when it fails, those that waited fail with it
+    instead of each looking up in turn (8 reads at --io-timeout 1 took 8.9 s, one after
+    another). A read that comes later looks again."""
+    import concurrent.futures
+    import time
+
+    fake_s3.heads = [(200, "eu-west-1", 5)]
+    policy = remote.Policy(retries=0, timeout=1)
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        tries = [pool.submit(remote.fetch, "s3://b/x.tar", policy=policy) for _ in range(8)]
+        errors = [f.exception(30) for f in tries]
+    took = time.monotonic() - t0
+    assert all(isinstance(e, FetchError) and "no answer within 1 s" in str(e) for e in errors), errors
+    assert took < 3, f"{took:.1f} s: the reads looked up one after another"
+    heads = sum(s[0] == "HEAD" for s in fake_s3.seen)
+    assert heads <= 2, fake_s3.seen
+    fake_s3.heads = [(200, "eu-west-1", 0)]
+    assert remote.fetch("s3://b/x.tar", policy=policy) == b"shard"
+
+
+@pytest.mark.parametrize("bucket", ["my bucket", "bkt:8080"])
+def test_a_bucket_name_botocore_refuses_is_one_short_line_at_once(fake_s3, bucket):
+    """botocore's ParamValidationError was taken for an outage: retried, then 600 characters
+    of its regular expression."""
+    import time
+
+    t0 = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(FetchError) as e:
+            remote.fetch(f"s3://{bucket}/x.tar", policy=remote.Policy(retries=3, delay=5, timeout=5))
+    assert time.monotonic() - t0 < 3 and not caught, [str(w.message) for w in caught]
+    assert str(e.value) == f's3://{bucket}/x.tar: Invalid bucket name "{bucket}"', str(e.value)
 
 
 def test_a_slow_error_body_is_the_refusal_it_is_not_a_deadline(fake_s3):

@@ -147,13 +147,25 @@ class _RedirectRefused(urllib.error.HTTPError):
 
 
 class _HttpOnly(urllib.request.HTTPRedirectHandler):
-    """Follow redirects to http(s) URLs only: urllib would follow one to ftp:// too."""
+    """Follow redirects to http(s) URLs only: urllib would follow one to ftp:// too. The
+    request's credentials (an unredirected Authorization header) go on to the same origin
+    only, as requests sends them: the Hub redirects a renamed repository to itself, and a large
+    file to its CDN, which must not get the token."""
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):
         if not newurl.lower().startswith(("http://", "https://")):
             shown = cut(redact(newurl), 80)
             raise _RedirectRefused(req.full_url, 403, f"redirect to {shown!r} refused", headers, fp)
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        auth = req.unredirected_hdrs.get("Authorization")
+        if new is not None and auth and _origin(new.full_url) == _origin(req.full_url):
+            new.add_unredirected_header("Authorization", auth)
+        return new
+
+
+def _origin(url):
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme.lower(), (parts.hostname or "").lower(), parts.port or (443 if parts.scheme == "https" else 80)
 
 
 AUTH_VARIABLE = "PIPELINE_HTTP_AUTHORIZATION"  # an Authorization header's value for http(s) reads
@@ -165,7 +177,7 @@ def _request(url, method, direct=None):
     would take it for part of the host name); else $PIPELINE_HTTP_AUTHORIZATION, when set, is sent
     as the Authorization header (`Bearer TOKEN`, `Basic ...`), to the hosts named in
     $PIPELINE_HTTP_AUTH_HOSTS when that is set, else to every host the job reads. Either goes to
-    that host only (add_unredirected_header: never to a host a redirect leads to), and neither
+    that host only (never to another origin a redirect leads to: _HttpOnly), and neither
     is ever part of a message: errors name the URL through errors.redact."""
     parts = urllib.parse.urlsplit(url)
     if direct is not None:  # a store's: its own credentials (a signed URL carries them; a second is refused)
@@ -176,6 +188,9 @@ def _request(url, method, direct=None):
     if parts.username is None:
         req = urllib.request.Request(url, method=method)
         header = os.environ.get(AUTH_VARIABLE, "").strip()
+        if any(c in header for c in "\r\n"):  # http.client's refusal would quote the value: the secret
+            raise storage.Missing(f"${AUTH_VARIABLE} holds a line break, which no HTTP header may (its value is "
+                                  f"not shown): set it to one line")
         if header and _auth_host(parts):
             req.add_unredirected_header("Authorization", header)
         return req

@@ -184,7 +184,9 @@ def hub_token():
         path = os.environ.get("HF_TOKEN_PATH") or os.path.join(home, "token")
         with contextlib.suppress(OSError, UnicodeDecodeError):
             with open(path, encoding="utf-8") as f:
-                token = f.read(4096).strip()
+                token = f.read(4096)
+    # a line break (a login file of two lines) is dropped: http.client would refuse the header, quoting the token
+    token = (token or "").replace("\r", "").replace("\n", "").strip()
     return f"Bearer {token}" if token else None
 
 
@@ -265,6 +267,7 @@ class _Signer:
 
 _SIGNERS = {}  # (bucket, configuration) -> its _Signer, kept by forked workers
 _LOCKS = {}  # (bucket, configuration) -> the lock held while its region is looked up
+_LOOKED = {}  # (bucket, configuration) -> (when its last lookup ended, its _Signer or exception)
 _SIGNERS_LOCK = threading.Lock()
 
 
@@ -272,6 +275,7 @@ def _new_lock():
     global _SIGNERS_LOCK
     _SIGNERS_LOCK = threading.Lock()
     _LOCKS.clear()
+    _LOOKED.clear()
 
 
 os.register_at_fork(after_in_child=_new_lock)  # a parent thread may have held one when a worker was forked
@@ -283,15 +287,27 @@ def _signer(loc, bucket, timeout):
     (another bucket's lookup never waits on it), and kept only when the answer was one:
     after an answer a retry may change (a 5xx, throttling) the next read looks again."""
     key = (bucket, *(os.environ.get(v) for v in _CONFIG))
+    arrived = time.monotonic()
     with _SIGNERS_LOCK:
         lock = _LOCKS.setdefault(key, threading.Lock())
     with lock:
         found = _SIGNERS.get(key)
-        if found is None:
+        if found is not None:
+            return found
+        ended, outcome = _LOOKED.get(key, (0.0, None))
+        if ended >= arrived:  # a lookup ended while this read waited for it: its outcome is this read's too
+            if isinstance(outcome, Exception):
+                raise type(outcome)(str(outcome))
+            return outcome
+        try:
             found, lasting = _call(loc, lambda: _regional_signer(bucket, timeout))
-            found.key = key
-            if lasting:
-                _SIGNERS[key] = found
+        except (Missing, Unreachable) as e:
+            _LOOKED[key] = time.monotonic(), e
+            raise
+        found.key = key
+        _LOOKED[key] = time.monotonic(), found
+        if lasting:
+            _SIGNERS[key] = found
         return found
 
 
@@ -306,7 +322,7 @@ def _regional_signer(bucket, timeout):
         import botocore.session
         from botocore.exceptions import ClientError
     except ImportError:
-        raise ShardError(f"s3://{bucket}: reading s3:// needs botocore: pip install s3fs (the project's [s3] extra: "
+        raise ShardError(f"s3://{bucket}: s3:// needs botocore: pip install s3fs (the project's [s3] extra: "
                          f"pip install -e '.[s3]')") from None
     session = botocore.session.get_session()
     credentials = session.get_credentials()
@@ -316,11 +332,13 @@ def _regional_signer(bucket, timeout):
                                         connect_timeout=timeout, read_timeout=timeout,
                                         retries={"total_max_attempts": 1})
         return session.create_client("s3", region_name=region, config=config)
+    def head():
+        try:
+            return first.head_bucket(Bucket=bucket)
+        except ClientError as e:
+            return e.response
     first = client()
-    try:
-        answer = first.head_bucket(Bucket=bucket)
-    except ClientError as e:
-        answer = e.response
+    answer = _within(timeout, head, f"s3://{bucket}: its region")
     meta = answer.get("ResponseMetadata", {})
     region = meta.get("HTTPHeaders", {}).get("x-amz-bucket-region")
     status = meta.get("HTTPStatusCode") or 0
@@ -334,6 +352,27 @@ def _regional_signer(bucket, timeout):
         for made in {id(first): first, id(signing): signing}.values():
             with contextlib.suppress(Exception):
                 made.close()
+
+
+def _within(timeout, fn, what):
+    """fn() waited for `timeout` seconds in all: botocore's timeouts hold each socket operation,
+    so a server that drips its answer a byte at a time would hold the caller, and every read
+    of the bucket waiting on its lock, without end. The thread left behind ends with botocore's."""
+    done, box = threading.Event(), {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller as it is
+            box["error"] = e
+        finally:
+            done.set()
+    threading.Thread(target=run, name="pipeline-s3-region", daemon=True).start()
+    if not done.wait(timeout):
+        raise Unreachable(f"{what}: no answer within {timeout:g} s")
+    if "error" in box:
+        raise box.pop("error")
+    return box["value"]
 
 
 def _s3_refused(signer, status, headers, body):
@@ -409,6 +448,9 @@ def _call(loc, fn):
     except ShardError:
         raise
     except Exception as e:  # noqa: BLE001 - a client's own exceptions (botocore, aiohttp, gcsfs...)
+        if e.__class__.__name__ == "ParamValidationError":  # botocore refuses the URL itself: a bucket name
+            said = str(e).splitlines()[-1].split(": ")[0] if str(e).strip() else ""  # "Invalid bucket name "x""
+            raise Missing(cut(redact(said or _reason(e)), 200)) from None
         if _denied(e):
             raise Missing(_reason(e)) from None
         raise Unreachable(_reason(e)) from None
