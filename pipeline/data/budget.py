@@ -49,15 +49,18 @@ def check_budget(batch_size, shapes, workers, cap, *, prefetch_factor=PREFETCH, 
         return parts
     tallest = max(shapes, key=lambda n: shapes[n][1] * shapes[n][2])
     queue = f"{workers} worker(s) x {prefetch_factor + 2} batches queued" if workers else "no workers"
-    lower = "--batch-size or --workers"
+    flags = ["--batch-size", "--workers"]
+    held = ""
     if parts["windows"]:
-        lower = "--batch-size, --workers, --shuffle-window or --fetch-ahead" if fetched_ahead else \
-            "--batch-size, --workers or --shuffle-window"
-    held = " and the shuffle windows" + (" and shards fetched ahead" if fetched_ahead else "")
+        windows = ["--fetch-ahead", "--shuffle-window"] if fetched_ahead else ["--shuffle-window"]
+        flags = windows + flags if 2 * parts["windows"] > parts["total"] else flags + windows  # the larger share first
+        held = f" and the shuffle windows{' and shards fetched ahead' if fetched_ahead else ''} " \
+               f"({human(parts['windows'])})"
+    lower = ", ".join(flags[:-1]) + " or " + flags[-1]
     raise ValueError(
         f"--batch-size {batch_size} of 3x{max(s[1] for s in shapes.values())}x{max(s[2] for s in shapes.values())} "
         f"images ({tallest}'s manifest gives shape {list(shapes[tallest])}) is {human(parts['batch'])} a batch; with "
-        f"{queue}, the float copy{held if parts['windows'] else ''} a rank needs "
+        f"{queue}, the float copy{held} a rank needs "
         f"{human(parts['total'])}, more than --max-batch-memory {human(cap)}: lower {lower}, "
         f"or raise --max-batch-memory")
 

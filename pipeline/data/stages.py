@@ -384,6 +384,16 @@ class Reader:
             self._piece(url, shards[url], lo, hi, out)
         return out.seal()
 
+    def close(self):
+        """Stop fetching ahead: the threads end after their transfers in flight, and shards
+        fetched but not read are dropped. Each pass of an epoch makes readers of its own, and a
+        reader's threads otherwise lived until the collector found it (10 more a pass seen)."""
+        if self.fetcher is not None:
+            self.fetcher.stop()
+            for fetched in self.fetched.values():
+                fetched.cancel()
+        self.fetcher, self.fetched, self.walk = None, {}, None
+
     def _ahead(self, window, upcoming):
         """Start the transfers of this window's remote shards (read in order as they arrive) and
         of the shards of the windows after it, in reading order, up to `ahead` bytes (at least

@@ -230,10 +230,14 @@ class MixedStream(torch.utils.data.IterableDataset):
         mix = stages.Mix(streams, seg.choices(pair), self.batch_size, at=start.done.get(logical, 0))
         out = Collate(mix, self.layout, errors, borrow_buffer)
         count = seg.worker_batches(logical)
-        while mix.at < count:
-            batch = out.next()
-            batch["state"] = {"worker": logical, "batches": mix.at, "positions": [s.position() for s in streams]}
-            yield batch
+        try:
+            while mix.at < count:
+                batch = out.next()
+                batch["state"] = {"worker": logical, "batches": mix.at, "positions": [s.position() for s in streams]}
+                yield batch
+        finally:  # the pass ended or was left: its readers' fetch threads go now, not when the collector finds them
+            for s in streams:
+                s.reader.close()
 
     def _reader(self, source, errors):
         return stages.Reader(source, errors, policy=self.policy, cache_dir=self.cache_dir, ahead=self.fetch_ahead)
@@ -364,19 +368,22 @@ class EvalStream(torch.utils.data.IterableDataset):
                                      shuffle=False)
         parts = [NOTHING] * len(self.layout.sources)
         reported = 0
-        while True:
-            keys, pixels, labels = stream.take(self.batch_size)
-            if not keys and errors.skipped == reported:
-                return
-            parts[self.index] = (keys, pixels, labels)
-            handle, canvas = borrow_buffer(len(keys)) if borrow_buffer else (None, None)
-            batch = self.layout.collate(np.full(len(keys), self.index), parts, errors.skipped - reported, canvas)
-            reported = errors.skipped
-            if handle is not None:
-                batch["image"] = handle
-            yield batch
-            if len(keys) < self.batch_size:
-                return
+        try:
+            while True:
+                keys, pixels, labels = stream.take(self.batch_size)
+                if not keys and errors.skipped == reported:
+                    return
+                parts[self.index] = (keys, pixels, labels)
+                handle, canvas = borrow_buffer(len(keys)) if borrow_buffer else (None, None)
+                batch = self.layout.collate(np.full(len(keys), self.index), parts, errors.skipped - reported, canvas)
+                reported = errors.skipped
+                if handle is not None:
+                    batch["image"] = handle
+                yield batch
+                if len(keys) < self.batch_size:
+                    return
+        finally:  # its fetch threads go with the pass (stages.Reader.close)
+            reader.close()
 
 
 def _preview(names, n=3):
