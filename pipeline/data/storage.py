@@ -133,8 +133,8 @@ class Direct:
 def direct(url, timeout=30.0):
     """The `Direct` read of a store URL: S3 (a signed URL) and the Hugging Face Hub (its
     resolve URL); None for stores read through fsspec. One request per shard where s3fs makes
-    two (it asks for the size first), and about the plain HTTP path's CPU per sample where
-    s3fs's client cost about twice it (`python tools/bench_loader.py --stores --synthetic`,
+    two (it asks for the size first), and 1.07-1.18x the plain HTTP path's CPU per sample where
+    s3fs's file object cost 1.68-2.04x (`python tools/bench_loader.py --stores --synthetic`,
     docs/benchmarks.md#object-stores); reading the Hub needs no package. timeout: seconds a
     request may wait for one answer (the job's --io-timeout), for the one that finds an S3
     bucket's region."""
