@@ -332,6 +332,7 @@ def _regional_signer(bucket, timeout):
                                         connect_timeout=timeout, read_timeout=timeout,
                                         retries={"total_max_attempts": 1})
         return session.create_client("s3", region_name=region, config=config)
+
     def head():
         try:
             return first.head_bucket(Bucket=bucket)
