@@ -228,13 +228,7 @@ class _S3Fake(http.server.BaseHTTPRequestHandler):
         status, region, wait = heads.pop(0) if len(heads) > 1 else heads[0]
         self.server.seen.append(("HEAD", bucket, region))
         if wait < 0:  # drip the answer a byte every 0.2 s for -wait seconds
-            for b in b"HTTP/1.1 200 OK\r\nx-amz-bucket-region: eu-west-1\r\n"[:int(-wait / 0.2)]:
-                if self.server.stopping:
-                    return
-                self.wfile.write(bytes([b]))
-                self.wfile.flush()
-                time.sleep(0.2)
-            return
+            return self._drip(b"HTTP/1.1 200 OK\r\nx-amz-bucket-region: eu-west-1\r\n"[:int(-wait / 0.2)], 0.2)
         time.sleep(wait)
         self.send_response(status)
         if region:
@@ -242,8 +236,17 @@ class _S3Fake(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", "0")
         self.end_headers()
 
-    def do_GET(self):
+    def _drip(self, data, every):
         import time
+
+        for b in data:
+            if self.server.stopping:
+                return
+            self.wfile.write(bytes([b]))
+            self.wfile.flush()
+            time.sleep(every)
+
+    def do_GET(self):
         import urllib.parse
 
         path, _, query = self.path.partition("?")
@@ -255,13 +258,7 @@ class _S3Fake(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Type", "application/xml")
             self.send_header("Content-Length", "200")
             self.end_headers()
-            for b in b"<Error><Code>AccessDenied</Code>"[:10]:
-                if self.server.stopping:
-                    return
-                self.wfile.write(bytes([b]))
-                self.wfile.flush()
-                time.sleep(1)
-            return
+            return self._drip(b"<Error><Code>AccessDenied</Code>"[:10], 1)
         if got and got[0] == "redirect":
             self.send_response(got[1])
             if got[2]:
