@@ -17,7 +17,7 @@ FAST = remote.Policy(retries=1, delay=0.01, timeout=5)
 
 class Guarded(Quiet, http.server.SimpleHTTPRequestHandler):
     """Serves a folder to requests that carry the server's `token` (401 without); /away/NAME
-    redirects to server.elsewhere + NAME, /here/NAME to /NAME. Every Authorization header it saw goes to server.seen."""
+    redirects to server.elsewhere + NAME, /here/NAME to /NAME, /port/P/NAME to 127.0.0.1:P/NAME. Every Authorization header it saw goes to server.seen."""
 
     def do_GET(self):
         self._guard(super().do_GET)
@@ -30,6 +30,12 @@ class Guarded(Quiet, http.server.SimpleHTTPRequestHandler):
         if self.server.token is not None and self.headers.get("Authorization") != self.server.token:
             self.send_response(401)
             self.send_header("WWW-Authenticate", 'Bearer realm="shards"')
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if self.path.startswith("/port/"):  # to a port that is no port
+            self.send_response(302)
+            self.send_header("Location", "http://127.0.0.1:" + self.path[len("/port/"):])
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
@@ -111,6 +117,27 @@ def test_a_header_with_a_line_break_is_one_line_that_never_shows_it(guarded, mon
     said = str(e.value)
     assert f"${remote.AUTH_VARIABLE} holds a line break" in said and "t0ken" not in said and "\n" not in said, said
     assert server.seen == []
+
+
+@pytest.mark.parametrize("port", ["99999", "abc"])
+def test_a_redirect_to_a_port_that_is_no_port_is_one_line_with_credentials_too(guarded, monkeypatch, port):
+    """Comparing origins read the redirect's port, which raised ValueError past every handler:
+    a traceback when a token was set, one line without."""
+    server, _ = guarded
+    monkeypatch.setenv(remote.AUTH_VARIABLE, TOKEN)
+    with pytest.raises(FetchError) as e:
+        remote.fetch(server.url + f"port/{port}/x", policy=remote.Policy(retries=0, timeout=5))
+    assert "\n" not in str(e.value) and "t0ken" not in str(e.value), str(e.value)
+
+
+def test_a_header_with_a_line_break_is_one_line_when_shards_are_checked_too(guarded, monkeypatch):
+    """The check of a local manifest's http shards (remote.head_check) took the refusal for an
+    HTTP answer and read its status code: AttributeError, a traceback."""
+    server, _ = guarded
+    monkeypatch.setenv(remote.AUTH_VARIABLE, "Bearer line-t0ken-secret\nX-Injected: 1")
+    problems, resized = remote.head_check([server.url + "mnist-train-000000.tar"], policy=FAST)
+    assert len(problems) == 1 and not resized and f"${remote.AUTH_VARIABLE} holds a line break" in problems[0]
+    assert "t0ken" not in problems[0] and server.seen == []
 
 
 @pytest.mark.parametrize("hosts, sent", [("127.0.0.1", True), ("127.0.0.1:{port}", True), ("LOCALHOST, 127.0.0.1", True),

@@ -418,7 +418,7 @@ def test_a_budget_passed_by_fetching_ahead_names_the_flag(slow_server):
     far = MixedStream([resolve("mnist", url, "train")], {"mnist": 1}, 8, fetch_ahead=4 << 30)
     with pytest.raises(ValueError) as e:
         guard.check_memory(args, far)
-    assert "fetched ahead (" in str(e.value) and "lower --fetch-ahead, --shuffle-window, --batch-size or --workers" \
+    assert "fetched ahead (" in str(e.value) and "lower --shuffle-window, --fetch-ahead, --batch-size or --workers" \
         in str(e.value), str(e.value)  # the largest share first
     local = MixedStream([resolve("mnist", str(folder), "train")], {"mnist": 1}, 8, window_bytes=1 << 40,
                         shuffle_buffer=10**9)

@@ -289,6 +289,7 @@ def fake_s3(monkeypatch):
 
     monkeypatch.setattr(storage, "_SIGNERS", {})
     monkeypatch.setattr(storage, "_LOOKED", {})
+    monkeypatch.setattr(storage, "_ASKING", {})
     with serving(_S3Fake, heads=[(200, "eu-west-1", 0)], files={"x.tar": b"shard"}, region="eu-west-1",
                  seen=[]) as server:
         monkeypatch.setenv("AWS_ENDPOINT_URL", server.url.rstrip("/"))
@@ -360,11 +361,33 @@ def test_a_region_lookup_that_drips_ends_at_the_job_s_timeout(fake_s3):
     assert time.monotonic() - t0 < 4
 
 
+def test_a_region_lookup_that_drips_on_is_not_asked_again_while_it_does(fake_s3):
+    """The thread of a lookup that ran out of time goes on while the server drips (botocore's
+    socket can't be reached): later reads of the bucket fail at once instead of each leaving
+    one more thread (8 reads left 8 threads and 16 sockets)."""
+    import threading
+    import time
+
+    fake_s3.heads = [(200, "eu-west-1", -60)]
+    policy = remote.Policy(retries=0, timeout=1)
+    for _ in range(6):
+        with pytest.raises(FetchError, match="its region: no answer"):
+            remote.fetch("s3://b/x.tar", policy=policy)
+    asking = [t for t in threading.enumerate() if t.name == "pipeline-s3-region" and t.is_alive()]
+    assert len(asking) == 1 and sum(s[0] == "HEAD" for s in fake_s3.seen) == 1, (asking, fake_s3.seen)
+    fake_s3.stopping = True  # the drip ends: the next read asks again, and is answered
+    asking[0].join(10)
+    fake_s3.stopping, fake_s3.heads = False, [(200, "eu-west-1", 0)]
+    t0 = time.monotonic()
+    assert remote.fetch("s3://b/x.tar", policy=policy) == b"shard" and time.monotonic() - t0 < 2
+
+
 def test_reads_waiting_on_a_failed_region_lookup_share_its_outcome(fake_s3):
     """Reads of one bucket wait on its lookup; when it fails, those that waited fail with it
     instead of each looking up in turn (8 reads at --io-timeout 1 took 8.9 s, one after
     another). A read that comes later looks again."""
     import concurrent.futures
+    import threading
     import time
 
     fake_s3.heads = [(200, "eu-west-1", 5)]
@@ -378,11 +401,14 @@ def test_reads_waiting_on_a_failed_region_lookup_share_its_outcome(fake_s3):
     assert took < 3, f"{took:.1f} s: the reads looked up one after another"
     heads = sum(s[0] == "HEAD" for s in fake_s3.seen)
     assert heads <= 2, fake_s3.seen
+    for t in threading.enumerate():
+        if t.name == "pipeline-s3-region":
+            t.join(10)  # the slow answer came: the bucket may be asked again
     fake_s3.heads = [(200, "eu-west-1", 0)]
     assert remote.fetch("s3://b/x.tar", policy=policy) == b"shard"
 
 
-@pytest.mark.parametrize("bucket", ["my bucket", "bkt:8080"])
+@pytest.mark.parametrize("bucket", ["my bucket", "bkt:8080", "a: b"])
 def test_a_bucket_name_botocore_refuses_is_one_short_line_at_once(fake_s3, bucket):
     """botocore's ParamValidationError was taken for an outage: retried, then 600 characters
     of its regular expression."""

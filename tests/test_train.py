@@ -349,6 +349,18 @@ def test_the_trainers_warnings_are_one_line_each(monkeypatch):
     assert console.one_line_warning(UserWarning("w"), UserWarning, "f.py", 1) == "\r\x1b[Kpipeline.train: warning: w\n"
 
 
+def test_off_a_terminal_the_bar_is_not_redrawn_for_every_logged_step(data, tmp_path):
+    """The loss shown on the bar forced a redraw at each --log-every step: a line each in a log
+    file (27 lines in a 1 s run at --log-every 2)."""
+    p = subprocess.run([sys.executable, "-m", "pipeline.train", "--train", f"mnist={data}/mnist-train.json",
+                        "--epochs", "1", "--batch-size", "4", "--workers", "0", "--width", "4", "--log-every", "1",
+                        "--out", str(tmp_path / "o")], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    bars = [ln for ln in p.stderr.splitlines() if ln.startswith("epoch 1/1")]
+    assert p.returncode == 0 and 1 <= len(bars) <= 3 and "\r" not in p.stderr, p.stderr[-3000:]
+    assert bars[-1].startswith("epoch 1/1: 100%"), bars
+
+
 def test_the_command_installs_the_one_line_warnings(data, tmp_path):
     """`python -m pipeline.train` formats its warnings as one line each (main() called from
     Python leaves the format alone, test above): a --train manifest of a test split warns,

@@ -49,11 +49,11 @@ def check_budget(batch_size, shapes, workers, cap, *, prefetch_factor=PREFETCH, 
         return parts
     tallest = max(shapes, key=lambda n: shapes[n][1] * shapes[n][2])
     queue = f"{workers} worker(s) x {prefetch_factor + 2} batches queued" if workers else "no workers"
-    flags = ["--batch-size", "--workers"]
+    flags = ["--batch-size", "--workers"] if workers else ["--batch-size"]
     held = ""
     if parts["windows"]:
-        windows = ["--fetch-ahead", "--shuffle-window"] if fetched_ahead else ["--shuffle-window"]
-        flags = windows + flags if 2 * parts["windows"] > parts["total"] else flags + windows  # the larger share first
+        windows = ["--shuffle-window", "--fetch-ahead"] if fetched_ahead else ["--shuffle-window"]
+        flags = windows + flags if 2 * parts["windows"] > parts["total"] else flags + windows  # the larger part first
         held = f" and the shuffle windows{' and shards fetched ahead' if fetched_ahead else ''} " \
                f"({human(parts['windows'])})"
     lower = ", ".join(flags[:-1]) + " or " + flags[-1]

@@ -164,8 +164,13 @@ class _HttpOnly(urllib.request.HTTPRedirectHandler):
 
 
 def _origin(url):
+    """(scheme, host, port); a port that is no number is an origin of its own (matches none)."""
     parts = urllib.parse.urlsplit(url)
-    return parts.scheme.lower(), (parts.hostname or "").lower(), parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+    except ValueError:
+        return object()
+    return parts.scheme.lower(), (parts.hostname or "").lower(), port
 
 
 AUTH_VARIABLE = "PIPELINE_HTTP_AUTHORIZATION"  # an Authorization header's value for http(s) reads
@@ -188,10 +193,10 @@ def _request(url, method, direct=None):
     if parts.username is None:
         req = urllib.request.Request(url, method=method)
         header = os.environ.get(AUTH_VARIABLE, "").strip()
-        if any(c in header for c in "\r\n"):  # http.client's refusal would quote the value: the secret
-            raise storage.Missing(f"${AUTH_VARIABLE} holds a line break, which no HTTP header may (its value is "
-                                  f"not shown): set it to one line")
         if header and _auth_host(parts):
+            if any(c in header for c in "\r\n"):  # http.client's refusal would quote the value: the secret
+                raise storage.Missing(f"${AUTH_VARIABLE} holds a line break, which no HTTP header may (its value "
+                                      f"is not shown): set it to one line")
             req.add_unredirected_header("Authorization", header)
         return req
     bare = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
@@ -551,6 +556,8 @@ def head_check(urls, sizes=None, *, policy=Policy(), threads=16):
                     return "resized", f"{shown}: the server has {int(length)} bytes, the manifest says {sizes[url]}"
                 return None
             except Exception as e:  # noqa: BLE001
+                if isinstance(e, storage.Missing):  # not an answer: a request that could not be made
+                    return "problem", f"{shown}: {e}"
                 if permanent(e):
                     return "problem", (f"{shown}: missing (HTTP 404)" if e.code == 404 else
                                        f"{shown}: HTTP {e.code} {e.reason}")

@@ -268,6 +268,7 @@ class _Signer:
 _SIGNERS = {}  # (bucket, configuration) -> its _Signer, kept by forked workers
 _LOCKS = {}  # (bucket, configuration) -> the lock held while its region is looked up
 _LOOKED = {}  # (bucket, configuration) -> (when its last lookup ended, its _Signer or exception)
+_ASKING = {}  # (bucket, configuration) -> the thread of its last region HEAD
 _SIGNERS_LOCK = threading.Lock()
 
 
@@ -276,6 +277,7 @@ def _new_lock():
     _SIGNERS_LOCK = threading.Lock()
     _LOCKS.clear()
     _LOOKED.clear()
+    _ASKING.clear()
 
 
 os.register_at_fork(after_in_child=_new_lock)  # a parent thread may have held one when a worker was forked
@@ -300,7 +302,7 @@ def _signer(loc, bucket, timeout):
                 raise type(outcome)(str(outcome))
             return outcome
         try:
-            found, lasting = _call(loc, lambda: _regional_signer(bucket, timeout))
+            found, lasting = _call(loc, lambda: _regional_signer(bucket, timeout, key))
         except (Missing, Unreachable) as e:
             _LOOKED[key] = time.monotonic(), e
             raise
@@ -311,7 +313,7 @@ def _signer(loc, bucket, timeout):
         return found
 
 
-def _regional_signer(bucket, timeout):
+def _regional_signer(bucket, timeout, key):
     """(the bucket's _Signer, whether its region is settled). The region is the one the
     bucket's HEAD answer names (as s3fs finds it), whatever the answer's status; botocore's
     own retries are off (pipeline.data.remote retries) and its timeouts are the job's. The
@@ -339,7 +341,7 @@ def _regional_signer(bucket, timeout):
         except ClientError as e:
             return e.response
     first = client()
-    answer = _within(timeout, head, f"s3://{bucket}: its region")
+    answer = _within(timeout, head, f"s3://{bucket}: its region", key)
     meta = answer.get("ResponseMetadata", {})
     region = meta.get("HTTPHeaders", {}).get("x-amz-bucket-region")
     status = meta.get("HTTPStatusCode") or 0
@@ -355,10 +357,15 @@ def _regional_signer(bucket, timeout):
                 made.close()
 
 
-def _within(timeout, fn, what):
+def _within(timeout, fn, what, key):
     """fn() waited for `timeout` seconds in all: botocore's timeouts hold each socket operation,
     so a server that drips its answer a byte at a time would hold the caller, and every read
-    of the bucket waiting on its lock, without end. The thread left behind ends with botocore's."""
+    of the bucket waiting on its lock, without end. The thread left behind goes on as long as
+    the server drips (botocore's socket can't be reached to close it): while it does, the
+    bucket's next lookups fail at once instead of starting more (`_ASKING`, one per key)."""
+    asking = _ASKING.get(key)
+    if asking is not None and asking.is_alive():
+        raise Unreachable(f"{what}: no answer yet to the lookup that ran out of time before")
     done, box = threading.Event(), {}
 
     def run():
@@ -368,7 +375,8 @@ def _within(timeout, fn, what):
             box["error"] = e
         finally:
             done.set()
-    threading.Thread(target=run, name="pipeline-s3-region", daemon=True).start()
+    _ASKING[key] = thread = threading.Thread(target=run, name="pipeline-s3-region", daemon=True)
+    thread.start()
     if not done.wait(timeout):
         raise Unreachable(f"{what}: no answer within {timeout:g} s")
     if "error" in box:
@@ -450,8 +458,8 @@ def _call(loc, fn):
         raise
     except Exception as e:  # noqa: BLE001 - a client's own exceptions (botocore, aiohttp, gcsfs...)
         if e.__class__.__name__ == "ParamValidationError":  # botocore refuses the URL itself: a bucket name
-            said = str(e).splitlines()[-1].split(": ")[0] if str(e).strip() else ""  # "Invalid bucket name "x""
-            raise Missing(cut(redact(said or _reason(e)), 200)) from None
+            said = re.match(r'(Invalid bucket name ".*?"): ', str(e).splitlines()[-1] if str(e).strip() else "")
+            raise Missing(cut(redact(said[1] if said else _reason(e)), 200)) from None
         if _denied(e):
             raise Missing(_reason(e)) from None
         raise Unreachable(_reason(e)) from None

@@ -67,7 +67,8 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
         if run.step % args.log_every == 0 or last:
             line = log.flush()
             if bar is not None:
-                bar.set_postfix(loss=f"{sum(line['loss'][k] * line['share'][k] for k in run.names):.3f}")
+                bar.set_postfix(loss=f"{sum(line['loss'][k] * line['share'][k] for k in run.names):.3f}",
+                                refresh=False)  # drawn with the update below, at the bar's own pace
             metrics.log(kind="train", epoch=epoch + 1, step=run.step, lr=run.opt.param_groups[0]["lr"],
                         weights=weights, **line)
         if bar is not None:
