@@ -287,9 +287,7 @@ def fake_s3(monkeypatch):
     bucket in eu-west-1; signers made by earlier tests forgotten."""
     from helpers import serving
 
-    monkeypatch.setattr(storage, "_SIGNERS", {})
-    monkeypatch.setattr(storage, "_LOOKED", {})
-    monkeypatch.setattr(storage, "_ASKING", {})
+    monkeypatch.setattr(storage, "_BUCKETS", {})
     with serving(_S3Fake, heads=[(200, "eu-west-1", 0)], files={"x.tar": b"shard"}, region="eu-west-1",
                  seen=[]) as server:
         monkeypatch.setenv("AWS_ENDPOINT_URL", server.url.rstrip("/"))
@@ -503,7 +501,7 @@ def test_an_https_store_is_trusted_through_aws_ca_bundle(fake_s3, tmp_path, monk
         with pytest.raises(FetchError) as e:
             remote.fetch("s3://b/x.tar", policy=remote.Policy(retries=0, timeout=5))
         assert "CERTIFICATE_VERIFY_FAILED" in str(e.value) or "certificate" in str(e.value).lower(), str(e.value)
-        monkeypatch.setattr(storage, "_SIGNERS", {})
+        monkeypatch.setattr(storage, "_BUCKETS", {})
         monkeypatch.setenv("AWS_CA_BUNDLE", cert)
         assert remote.fetch("s3://b/x.tar", policy=remote.Policy(retries=0, timeout=5)) == b"shard"
         assert [s[0] for s in server.seen] == ["HEAD", "GET"]

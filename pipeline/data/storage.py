@@ -237,7 +237,8 @@ class _Signer:
         self.region = scope[2] if len(scope) == 5 else client.meta.region_name
         self.signs = credentials is not None
         self._credentials, self.pid, self.context = credentials, os.getpid(), context
-        self.key = None  # its place in _SIGNERS
+        self.bucket = None  # its _Bucket, which forgets it when the store names another region
+
     def url(self, key):
         from botocore.auth import S3SigV4QueryAuth
         from botocore.awsrequest import AWSRequest
@@ -265,22 +266,33 @@ class _Signer:
         return self._credentials
 
 
-_SIGNERS = {}  # (bucket, configuration) -> its _Signer, kept by forked workers
-_LOCKS = {}  # (bucket, configuration) -> the lock held while its region is looked up
-_LOOKED = {}  # (bucket, configuration) -> (when its last lookup ended, its _Signer or exception)
-_ASKING = {}  # (bucket, configuration) -> the thread of its last region HEAD
-_SIGNERS_LOCK = threading.Lock()
+class _Bucket:
+    """What one process knows of a bucket (under one configuration): its settled `signer`,
+    kept by forked workers; the `lock` held while its region is looked up; when the last
+    lookup `ended` and its `outcome` (a _Signer or the exception); the thread of its last
+    region HEAD (`asking`)."""
+
+    def __init__(self):
+        self.signer = None
+        self.forked()
+
+    def forked(self):
+        """A forked worker's view: the signer stays, what parent threads held does not."""
+        self.lock, self.ended, self.outcome, self.asking = threading.Lock(), 0.0, None, None
 
 
-def _new_lock():
-    global _SIGNERS_LOCK
-    _SIGNERS_LOCK = threading.Lock()
-    _LOCKS.clear()
-    _LOOKED.clear()
-    _ASKING.clear()
+_BUCKETS = {}  # (bucket, configuration) -> its _Bucket
+_BUCKETS_LOCK = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_new_lock)  # a parent thread may have held one when a worker was forked
+def _forked():
+    global _BUCKETS_LOCK
+    _BUCKETS_LOCK = threading.Lock()
+    for b in _BUCKETS.values():
+        b.forked()
+
+
+os.register_at_fork(after_in_child=_forked)  # a parent thread may have held a lock when a worker was forked
 
 
 def _signer(loc, bucket, timeout):
@@ -290,30 +302,28 @@ def _signer(loc, bucket, timeout):
     after an answer a retry may change (a 5xx, throttling) the next read looks again."""
     key = (bucket, *(os.environ.get(v) for v in _CONFIG))
     arrived = time.monotonic()
-    with _SIGNERS_LOCK:
-        lock = _LOCKS.setdefault(key, threading.Lock())
-    with lock:
-        found = _SIGNERS.get(key)
-        if found is not None:
-            return found
-        ended, outcome = _LOOKED.get(key, (0.0, None))
-        if ended >= arrived:  # a lookup ended while this read waited for it: its outcome is this read's too
-            if isinstance(outcome, Exception):
-                raise type(outcome)(str(outcome))
-            return outcome
+    with _BUCKETS_LOCK:
+        b = _BUCKETS.setdefault(key, _Bucket())
+    with b.lock:
+        if b.signer is not None:
+            return b.signer
+        if b.ended >= arrived:  # a lookup ended while this read waited for it: its outcome is this read's too
+            if isinstance(b.outcome, Exception):
+                raise type(b.outcome)(str(b.outcome))
+            return b.outcome
         try:
-            found, lasting = _call(loc, lambda: _regional_signer(bucket, timeout, key))
+            found, lasting = _call(loc, lambda: _regional_signer(bucket, timeout, b))
         except (Missing, Unreachable) as e:
-            _LOOKED[key] = time.monotonic(), e
+            b.ended, b.outcome = time.monotonic(), e
             raise
-        found.key = key
-        _LOOKED[key] = time.monotonic(), found
+        found.bucket = b
+        b.ended, b.outcome = time.monotonic(), found
         if lasting:
-            _SIGNERS[key] = found
+            b.signer = found
         return found
 
 
-def _regional_signer(bucket, timeout, key):
+def _regional_signer(bucket, timeout, known):
     """(the bucket's _Signer, whether its region is settled). The region is the one the
     bucket's HEAD answer names (as s3fs finds it), whatever the answer's status; botocore's
     own retries are off (pipeline.data.remote retries) and its timeouts are the job's. The
@@ -341,7 +351,7 @@ def _regional_signer(bucket, timeout, key):
         except ClientError as e:
             return e.response
     first = client()
-    answer = _within(timeout, head, f"s3://{bucket}: its region", key)
+    answer = _within(timeout, head, f"s3://{bucket}: its region", known)
     meta = answer.get("ResponseMetadata", {})
     region = meta.get("HTTPHeaders", {}).get("x-amz-bucket-region")
     status = meta.get("HTTPStatusCode") or 0
@@ -357,14 +367,13 @@ def _regional_signer(bucket, timeout, key):
                 made.close()
 
 
-def _within(timeout, fn, what, key):
+def _within(timeout, fn, what, known):
     """fn() waited for `timeout` seconds in all: botocore's timeouts hold each socket operation,
     so a server that drips its answer a byte at a time would hold the caller, and every read
     of the bucket waiting on its lock, without end. The thread left behind goes on as long as
     the server drips (botocore's socket can't be reached to close it): while it does, the
-    bucket's next lookups fail at once instead of starting more (`_ASKING`, one per key)."""
-    asking = _ASKING.get(key)
-    if asking is not None and asking.is_alive():
+    bucket's next lookups fail at once instead of starting more (`known.asking`: its _Bucket's)."""
+    if known.asking is not None and known.asking.is_alive():
         raise Unreachable(f"{what}: no answer yet to the lookup that ran out of time before")
     done, box = threading.Event(), {}
 
@@ -375,8 +384,8 @@ def _within(timeout, fn, what, key):
             box["error"] = e
         finally:
             done.set()
-    _ASKING[key] = thread = threading.Thread(target=run, name="pipeline-s3-region", daemon=True)
-    thread.start()
+    known.asking = threading.Thread(target=run, name="pipeline-s3-region", daemon=True)
+    known.asking.start()
     if not done.wait(timeout):
         raise Unreachable(f"{what}: no answer within {timeout:g} s")
     if "error" in box:
@@ -390,9 +399,9 @@ def _s3_refused(signer, status, headers, body):
     tried again, which looks the region up anew."""
     region = headers.get("x-amz-bucket-region") if headers else None
     if region and region != signer.region:
-        with _SIGNERS_LOCK:
-            if _SIGNERS.get(signer.key) is signer:
-                del _SIGNERS[signer.key]
+        with _BUCKETS_LOCK:
+            if signer.bucket is not None and signer.bucket.signer is signer:
+                signer.bucket.signer = None
         return Unreachable(f"the bucket is in {cut(redact(region), 40)}, not {signer.region}: its region is "
                            f"looked up again")
     return s3_error(status, headers, body)
