@@ -53,7 +53,7 @@ def test_collate_places_every_source_as_the_windowed_assignment_did(canvas, weig
     choice = rng.choice(3, size=37, p=p)
     parts = parts_for(choice, layout, rng)
     given = np.full(layout.batch_shape(37), 77, np.uint8) if canvas else None  # a reused buffer: last batch's bytes
-    batch = layout.collate(choice, parts, skipped=2, canvas=given)
+    batch = layout.collate(choice, parts, skipped=2, out=None if given is None else {"image": given})
     image, keys, label = old_collate(layout, choice, parts)
     assert batch["image"].dtype == np.uint8 and np.array_equal(batch["image"], image)
     assert batch["key"] == keys and all(isinstance(k, str) for k in keys)
@@ -72,9 +72,24 @@ def test_collate_zeroes_the_places_of_a_source_that_gave_nothing():
     choice = np.array([0, 1, 1, 2, 0])
     parts = parts_for(choice, layout, rng)
     parts[1] = ([], np.zeros((0, 3, 32, 32), np.uint8), np.zeros(0, np.int64))
-    batch = layout.collate(choice, parts, canvas=np.full(layout.batch_shape(5), 9, np.uint8))
+    batch = layout.collate(choice, parts, out={"image": np.full(layout.batch_shape(5), 9, np.uint8)})
     assert not batch["image"][1:3].any()
     assert np.array_equal(batch["image"][[0, 3, 4]], old_collate(layout, choice, parts)[0][[0, 3, 4]])
+
+
+def test_collate_into_a_slot_writes_every_field_and_normalises_float32_images():
+    """A reused slot holds the last batch's bytes: every field is written over, and a float32
+    image field gets Layout.normalize of the uint8 batch, bit for bit."""
+    layout, rng = Layout(sources()), np.random.default_rng(5)
+    choice = rng.choice(3, size=23)
+    parts = parts_for(choice, layout, rng)
+    plain = layout.collate(choice, parts)
+    out = {"image": np.full(layout.batch_shape(23), np.nan, np.float32), "label": np.full(23, -7, np.int64),
+           "source": np.full(23, 9, np.int64)}
+    batch = layout.collate(choice, parts, out=out)
+    assert all(batch[k] is out[k] for k in out)
+    assert np.array_equal(batch["label"], plain["label"]) and np.array_equal(batch["source"], choice)
+    assert torch.equal(torch.from_numpy(batch["image"]), layout.normalize(plain["image"], plain["source"]))
 
 
 def old_normalize(layout, image, source):

@@ -1,48 +1,17 @@
-"""pipeline.loader: the hand-over from DataLoader workers (BatchRing buffers, uint8 in shared
-memory, normalisation on arrival) and persistent workers that follow set_epoch."""
+"""pipeline.data.loader, ring and workers: batches written once into ring slots, handed out as
+views of them, slots back only when nothing refers to a batch; workers that persist across
+passes and follow set_epoch; errors and deaths of workers."""
+import os
+import signal
+
 import numpy as np
 import pytest
 import torch
 
 from helpers import HALF, key_index, keys_of, run_epoch, train_sources
-from pipeline.data.loader import BatchRing, RingBuffer, _as_is, _RingFed
+from pipeline.data.ring import Field, Ring, Spec
 from pipeline.data.stream import MixedStream, make_loader
-from pipeline.data.topology import Worker
-
-
-class _AsSent(torch.utils.data.IterableDataset):
-    """Each batch's image as a worker sends it when the loader's ring is full: (shared, dtype)."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def __iter__(self):
-        ring = _RingFed(self.stream, BatchRing(1, 1, self.stream.layout.batch_shape(self.stream.batch_size)))
-        ring.ring.busy.fill_(1)  # every ring buffer busy: the worker falls back to a new shared tensor
-        for b in self.stream.batches(Worker.current(), lambda n: ring._borrow_buffer(0, n)):
-            yield torch.from_numpy(b["image"]).is_shared() or _shared_numpy(b["image"]), b["image"].dtype
-
-
-def _shared_numpy(array):
-    """True if a numpy array's memory is a shared-memory mapping (it views a shared tensor)."""
-    with open("/proc/self/maps") as f:
-        maps = f.read()
-    address = array.__array_interface__["data"][0]
-    for line in maps.splitlines():
-        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-        if lo <= address < hi:
-            return "torch_" in line or "/dev/shm" in line or "(deleted)" in line
-    return False
-
-
-@pytest.mark.parametrize("normalize", [True, False])
-def test_worker_batches_are_uint8_made_in_shared_memory(data, normalize):
-    """A batch not made in shared memory is copied there when a worker sends it, and float
-    images are 4x the bytes of uint8 (3 MB against 768 KB a batch of 256): the loader's
-    main cost with workers. make_loader normalises on arrival (test above)."""
-    stream = MixedStream(train_sources(data.dir), HALF, 16, epoch_samples=64, normalize=normalize)
-    sent = list(torch.utils.data.DataLoader(_AsSent(stream), batch_size=None, num_workers=1))
-    assert sent and all(s[0] and s[1] == np.uint8 for s in sent)
+from pipeline.data.workers import WorkerDied
 
 
 def _check_pixels(data, batch):
@@ -59,40 +28,98 @@ def _check_pixels(data, batch):
             assert (img == original).all(), key
 
 
-def test_worker_batches_leave_through_the_ring_and_reused_buffers_start_clean(data):
-    """40 batches over 2 workers reuse each of a worker's 6 ring buffers 3 times or more: a
-    CIFAR10 image left in a buffer must not show through the border of a later MNIST one.
-    Batches copied out of the ring are ordinary tensors; a batch sent as a new shared-memory
-    file would arrive shared."""
-    stream = MixedStream(train_sources(data.dir), HALF, 8, epoch_samples=8 * 40, normalize=False)
-    batches = list(make_loader(stream, 2))
-    assert len(batches) == 40
-    for b in batches:
-        assert not b["image"].is_shared()
+def _in_ring(loader, tensor):
+    memory = loader.ring.memory
+    lo, hi = memory.data_ptr(), memory.data_ptr() + memory.numel()
+    return lo <= tensor.data_ptr() < hi
+
+
+@pytest.mark.slow
+def test_worker_batches_are_views_of_the_ring_and_reused_slots_start_clean(data):
+    """40 batches over 2 workers reuse each of a worker's 6 slots several times: every batch is
+    a view of the shared ring (no copy in this process), and a CIFAR10 image left in a slot must
+    not show through the border of a later MNIST one. Normalised by the workers, the float32
+    batches equal Layout.normalize of the uint8 ones, bit for bit."""
+    def stream(normalize):
+        return MixedStream(train_sources(data.dir), HALF, 8, epoch_samples=8 * 40, normalize=normalize)
+
+    u8, f32 = stream(False), stream(True)
+    loaders = make_loader(u8, 2), make_loader(f32, 2)
+    count = 0
+    for a, b in zip(*loaders):
+        count += 1
+        for loader, batch in zip(loaders, (a, b)):
+            assert all(_in_ring(loader, batch[k]) for k in ("image", "label", "source"))
+        assert a["image"].dtype == torch.uint8 and b["image"].dtype == torch.float32
+        _check_pixels(data, a)
+        assert torch.equal(u8.layout.normalize(a["image"], a["source"]), b["image"])
+    assert count == 40 and all(loader.ring.copied == 0 for loader in loaders)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_the_user_keeps_are_never_overwritten(data, workers):
+    """Hold every batch of an epoch (3 x the ring's slots, and more): each keeps the bytes it had
+    when it arrived. The loader copies a batch out instead of lending its slot once the user
+    holds all but one of a worker's slots, so the workers never wait for good."""
+    stream = MixedStream(train_sources(data.dir), HALF, 4, epoch_samples=4 * 60, normalize=False)
+    loader = make_loader(stream, workers, prefetch_factor=2)
+    slots = loader.ring.depth * max(workers, 1)
+    held, first = [], []
+    for b in loader:
+        held.append(b)
+        first.append(b["image"].clone())
+    assert len(held) == 60 >= 3 * slots
+    for b, image in zip(held, first):
+        assert torch.equal(b["image"], image)
         _check_pixels(data, b)
 
 
-def test_a_full_ring_falls_back_to_new_shared_tensors():
-    ring = BatchRing(workers=1, depth=2, batch_shape=(4, 3, 8, 8))
-    taken = [ring.take(0, 4) for _ in range(3)]
-    assert [t[0] for t in taken] == [RingBuffer(0, 0), RingBuffer(0, 1), None]
-    assert taken[0][1].shape == (4, 3, 8, 8) and taken[2][1] is None
-    ring.release(RingBuffer(0, 0))  # what the main process does once it has copied the batch out
-    assert ring.take(0, 2)[0] == RingBuffer(0, 0)
+@pytest.mark.slow
+def test_a_slot_goes_back_only_when_its_last_tensor_is_gone(data):
+    """A view of a batch (a slice, a numpy array of it) keeps its slot; dropping everything frees it."""
+    stream = MixedStream(train_sources(data.dir), HALF, 4, epoch_samples=4 * 12, normalize=False)
+    loader = make_loader(stream, 1, prefetch_factor=2)
+    it = iter(loader)
+    b = next(it)
+    part = b["image"][1:3].numpy()
+    saved = part.copy()
+    assert loader.ring.held[0] == 1
+    del b
+    assert loader.ring.held[0] == 1  # the numpy view still holds it
+    rest = [x["key"] for x in it]
+    assert np.array_equal(part, saved) and len(rest) == 11
+    del part
+    assert loader.ring.held[0] == 0
 
 
-def test_a_new_pass_frees_buffers_an_abandoned_pass_left_busy(data):
-    """Batches of a pass the consumer abandons are discarded unread, so nothing frees
-    their buffers; each worker frees its own as it starts a pass."""
-    stream = MixedStream(train_sources(data.dir), HALF, 8, epoch_samples=32, normalize=False)
-    ring = BatchRing(workers=1, depth=2, batch_shape=(8, 3, 32, 32))
-    ring.busy.fill_(1)
-    sent = list(torch.utils.data.DataLoader(_RingFed(stream, ring), batch_size=None, num_workers=1,
-                                            collate_fn=_as_is))
-    # two buffers, freed as the pass starts; nothing here frees them again, so the last two
-    # batches take the fallback: new shared tensors
-    assert [isinstance(b["image"], RingBuffer) for b in sent] == [True, True, False, False]
+def test_a_ring_lends_views_and_copies_once_the_user_holds_all_but_one_slot():
+    spec = Spec([Field("image", np.uint8, (2, 2)), Field("label", np.int64)], batch=3)
+    ring = Ring(1, 3, spec, shared=False)
+    back = []
+    ring.give_back = lambda p, k: back.append(k)
+    for k in range(3):
+        ring.arrays(0, k, 3)["label"][:] = k
+    a = ring.lend(0, 0, 3)
+    b = ring.lend(0, 1, 2)
+    assert ring.held == [2] and back == [] and b["label"].tolist() == [1, 1]
+    c = ring.lend(0, 2, 3)  # it would leave the producer no slot: a copy, and the slot back at once
+    assert back == [2] and c["label"].tolist() == [2, 2, 2] and ring.copied == 1
+    del a
+    assert back == [2, 0] and ring.held == [1]
+    view = b["image"][0]
+    del b
+    assert back == [2, 0]
+    del view
+    assert back == [2, 0, 1] and ring.held == [0]
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_pinned_batches_where_cuda_is(data, workers):
+    stream = MixedStream(train_sources(data.dir), HALF, 8, epoch_samples=8 * 6, normalize=False)
+    batches = list(make_loader(stream, workers, pin_memory=True))
+    assert len(batches) == 6 and all(b["image"].is_pinned() for b in batches)
 
 
 @pytest.mark.slow
@@ -112,3 +139,63 @@ def test_persistent_workers_follow_set_epoch_and_weights(even):
         assert seen[-1] == fresh(epoch, weights)
     assert seen[0] != seen[1]
     assert all(k.startswith("mnist") for k in seen[2])
+
+
+@pytest.mark.slow
+def test_a_pass_left_early_is_dropped_and_the_next_reads_its_own_epoch(even):
+    s = MixedStream(train_sources(even), HALF, 8, seed=3, shuffle_buffer=8)
+    loader = make_loader(s, 2, prefetch_factor=1)
+    s.set_epoch(0)
+    for i, _ in enumerate(loader):
+        if i == 2:
+            break
+    s.set_epoch(1)
+    got = [k for b in loader for k in b["key"]]
+    s2 = MixedStream(train_sources(even), HALF, 8, seed=3, shuffle_buffer=8)
+    s2.set_epoch(1)
+    assert got == keys_of(run_epoch(s2, workers=2))
+
+
+class _Boom:
+    """A sample stage that fails on the 5th sample a worker decodes."""
+
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self, sample):
+        self.n += 1
+        if self.n == 5:
+            raise ValueError("stage failed on purpose")
+        return sample
+
+
+@pytest.mark.slow
+def test_a_workers_error_is_raised_here_with_its_type_and_message(data):
+    stream = MixedStream(train_sources(data.dir), HALF, 4, epoch_samples=64, sample_stages=[_Boom()])
+    with pytest.raises(ValueError, match="stage failed on purpose") as info:
+        list(make_loader(stream, 2))
+    assert "loader worker" in str(info.value.__cause__)
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_one_error_not_a_hang(data):
+    stream = MixedStream(train_sources(data.dir), HALF, 4, epoch_samples=4 * 40, normalize=False)
+    loader = make_loader(stream, 2, prefetch_factor=1)
+    it = iter(loader)
+    next(it)
+    os.kill(loader.workers.procs[1].pid, signal.SIGKILL)
+    with pytest.raises(WorkerDied, match=r"loader worker 1 \(pid \d+\) ended unexpectedly \(signal SIGKILL\)"):
+        for _ in it:
+            pass
+
+
+@pytest.mark.slow
+def test_the_stream_in_a_dataloader_of_the_users_own(data):
+    """iter(stream) runs in each worker of a plain torch DataLoader: the same batches as make_loader's."""
+    def stream():
+        s = MixedStream(train_sources(data.dir), HALF, 8, epoch_samples=8 * 10, normalize=False)
+        s.set_workers(2)
+        return s
+
+    mine = torch.utils.data.DataLoader(stream(), batch_size=None, num_workers=2)
+    assert [k for b in mine for k in b["key"]] == keys_of(run_epoch(stream(), workers=2))

@@ -79,12 +79,18 @@ def test_state_survives_set_epoch_and_applies_to_its_epoch_only(data):
     assert keys(loader) == keys(make_loader(fresh, 2))
 
 
-def test_loading_after_the_workers_started_is_refused(data):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_loaded_while_the_workers_run_takes_effect_at_the_next_pass(data, workers):
+    """Each pass sends the workers the stream's plan as it begins: read on past a saved state,
+    load it again, and the next pass goes on from the state, as an uninterrupted pass would."""
+    whole = keys(make_loader(stream_for(data), workers))
     s = stream_for(data)
-    loader = make_loader(s, 1)
-    keys(loader, 2)
-    with pytest.raises(RuntimeError, match="before the first pass"):
-        s.load_state_dict(s.state_dict())
+    loader = make_loader(s, workers)
+    head = keys(loader, 3)
+    state = s.state_dict()
+    assert keys(loader, 4) == whole[3:7]  # a second pass goes on where the first stopped
+    s.load_state_dict(state)
+    assert head + keys(loader) == whole
 
 
 def test_a_state_for_other_sources_or_seed_is_refused(data):

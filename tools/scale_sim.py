@@ -102,14 +102,15 @@ def interrupted(stream, stop):
     """The rank's state after each of its workers made `stop` batches (fewer where its
     share is smaller): each run walked window by window, with the real plan, to the
     position its taken samples reach, and recorded as the loader records a batch."""
-    seg = stream.current()
+    plan = stream.plan()
+    seg = plan.segment
     for w, pair in enumerate(pairs_of(seg, stream.topo.rank)):
         done = min(stop, seg.worker_batches(w))
         taken = int(seg.choices(pair).taken(done * BATCH)[0])
-        plan = RunPlan(stream.source_order(0, seg.epoch), stream.sources[0].urls, seg.runs(pair)[0])
-        while taken and plan.state((w_ := plan.next()).size - w_.skip) < taken:
+        run = RunPlan(stream.source_order(0, seg.epoch), stream.sources[0].urls, seg.runs(pair)[0])
+        while taken and run.state((w_ := run.next()).size - w_.skip) < taken:
             pass
-        stream.record({"worker": w, "batches": done, "positions": [taken]})
+        stream.record({"plan": plan.id, "worker": w, "batches": done, "positions": [taken]})
     return stream.state_dict()
 
 

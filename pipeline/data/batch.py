@@ -8,8 +8,9 @@ index of each sample, `key` the sample keys, `skipped` the malformed samples
 skipped while making it, and, from a training stream, `state` (where the
 worker that made it stands; see MixedStream.state_dict).
 
-Images stay uint8 until `Layout.normalize`, with each source's own mean and std
-from its manifest: a quarter of the bytes through shared memory and to the GPU.
+Images stay uint8 unless the stream normalises them (`Layout.collate` into a float32
+slot, with each source's own mean and std from its manifest); the trainer takes uint8, a
+quarter of the bytes to the GPU, and normalises there (`Layout.normalize`).
 """
 import contextlib
 import threading
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from pipeline.data.node import Node
+from pipeline.data.ring import Field, Spec
 
 
 def _rgb(values):
@@ -78,9 +80,10 @@ class Layout:
         std = torch.tensor([_rgb(s.std) for s in sources], dtype=torch.float32).view(-1, 3, 1, 1)
         self.scale, self.shift = 1.0 / (255.0 * std), mean / std
         self._on_device = {}
+        self._u8 = None
 
-    def __getstate__(self):  # workers get the CPU stats only, never a GPU copy
-        return dict(self.__dict__, _on_device={})
+    def __getstate__(self):  # workers get the CPU stats only, never a GPU copy, nor a canvas
+        return dict(self.__dict__, _on_device={}, _u8=None)
 
     def index(self, name):
         try:
@@ -91,20 +94,32 @@ class Layout:
     def batch_shape(self, batch_size):
         return (batch_size, 3, *self.hw)
 
-    def collate(self, choice, parts, skipped=0, canvas=None):
+    def spec(self, batch_size, normalize):
+        """The batch's fixed-shape fields as a ring lays them out (pipeline.data.ring): images
+        float32 when the producer normalises them, else uint8."""
+        return Spec([Field("image", np.float32 if normalize else np.uint8, (3, *self.hw)), Field("label", np.int64),
+                     Field("source", np.int64)], batch_size)
+
+    def collate(self, choice, parts, skipped=0, out=None):
         """One batch from each source's taken samples.
 
         choice: the source index of each position; parts[s]: (keys, uint8 images, labels)
-        of source s, as many as choice names it; canvas: a uint8 array of the batch shape to
-        fill (a BatchRing buffer), else one is made. Every byte of it is written, padding
-        included, so a reused buffer needs no zeroing first. Images stay uint8, label and
-        source numpy arrays: `pipeline.data.loader` turns them into tensors where they arrive.
+        of source s, as many as choice names it; out: {"image", "label", "source"} arrays to
+        fill (a ring slot's, pipeline.data.ring), else they are made. A float32 `image` gets the
+        images normalised (collated into a uint8 canvas first, kept for the next batch): the
+        producer normalises, so the consumer only hands the batch on. Every byte of `out` is
+        written, padding included, so a reused slot needs no zeroing first.
         """
         b = len(choice)
         h, w = self.hw
-        u8 = np.empty((b, 3, h, w), np.uint8) if canvas is None else canvas
+        out = dict(out or {})
+        image = out.get("image")
+        if image is None:
+            image = np.empty((b, 3, h, w), np.uint8)
+        u8 = image if image.dtype == np.uint8 else self._canvas(b)
+        label = out["label"] if "label" in out else np.empty(b, np.int64)
+        source = out["source"] if "source" in out else np.empty(b, np.int64)
         keys = np.empty(b, object)
-        label = np.empty(b, np.int64)
         for s, (k, pixels, labels) in enumerate(parts):
             idx = np.flatnonzero(choice == s)
             if not len(k):
@@ -113,8 +128,16 @@ class Layout:
             u8[idx] = _to_canvas(pixels, h, w)
             keys[idx] = k
             label[idx] = labels + self.offsets[s]
-        return {"image": u8, "label": label, "source": np.asarray(choice, np.int64), "key": keys.tolist(),
-                "skipped": skipped}
+        source[:] = choice
+        if u8 is not image:
+            self._normalize_cpu(torch.from_numpy(image), torch.from_numpy(u8), torch.from_numpy(source))
+        return {"image": image, "label": label, "source": source, "key": keys.tolist(), "skipped": skipped}
+
+    def _canvas(self, b):
+        """A uint8 canvas of b images, made once per process and reused."""
+        if self._u8 is None or len(self._u8) < b:
+            self._u8 = np.empty((b, 3, *self.hw), np.uint8)
+        return self._u8[:b]
 
     def normalize(self, image, source, pin_memory=None):
         """uint8 (B, 3, H, W) images -> normalised float32, on whatever device they are.
@@ -147,6 +170,7 @@ class Layout:
         """Into `out`: torch's ops in one thread where torch has one anyway or this is the only
         Python thread, else numpy's (slower, but no switch)."""
         route = by_torch if torch.get_num_threads() == 1 or _alone() else by_numpy
+        source = source.long()
         return route(out, image, self.scale[source], self.shift[source])
 
 
@@ -171,19 +195,20 @@ NOTHING = ([], np.zeros((0, 1, 1, 1), np.uint8), np.zeros(0, np.int64))  # what 
 
 class Collate(Node):
     """The last stage: what `upstream` (a `stages.Mix`) took, as one batch in this layout,
-    with the samples skipped since the last batch (`errors.skipped`), into a buffer from
-    `borrow_buffer(n)` when given (a worker's BatchRing)."""
+    with the samples skipped since the last batch (`errors.skipped`), written into the arrays
+    `borrow(n)` lends when given ((handle, {field: array}): a ring slot); the batch then
+    carries the handle as "slot"."""
 
-    def __init__(self, upstream, layout, errors, borrow_buffer=None):
-        self.upstream, self.layout, self.errors, self.borrow_buffer = upstream, layout, errors, borrow_buffer
+    def __init__(self, upstream, layout, errors, borrow=None):
+        self.upstream, self.layout, self.errors, self.borrow = upstream, layout, errors, borrow
         self.reported = 0
 
     def next(self, n=None):
         choice, parts = self.upstream.next(n)
-        handle, canvas = self.borrow_buffer(len(choice)) if self.borrow_buffer else (None, None)
+        handle, out = self.borrow(len(choice)) if self.borrow else (None, None)
         batch = self.layout.collate(choice, [p if p is not None else NOTHING for p in parts],
-                                    self.errors.skipped - self.reported, canvas)
+                                    self.errors.skipped - self.reported, out)
         self.reported = self.errors.skipped
         if handle is not None:
-            batch["image"] = handle
+            batch["slot"] = handle
         return batch

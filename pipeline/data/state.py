@@ -89,28 +89,22 @@ def _short(value, n=60):
     return text if len(text) <= n else text[:n] + "..."
 
 
-def check(root, ranks, *, names, seed, targets, passes, order_of, epoch_samples):
+def check(root, ranks, *, names, seed, targets, passes, order_of, epoch_samples=None):
     """(the loaded segment, a deal.Segment; per rank, the positions its workers passed over
-    without a sample), every number checked against the stream's sources, seed, epoch and
-    order settings and against the others (a checkpoint is input): ValueError naming the
-    first that is off."""
+    without a sample; whether it was saved at its epoch's end), every number checked against
+    the stream's sources, seed, epoch and order settings and against the others (a
+    checkpoint is input): ValueError naming the first that is off. A state saved at its
+    epoch's end says nothing about the next epoch, whose weights and order may differ."""
     S = len(names)
     if root["sources"] != names or root["seed"] != seed:
         raise ValueError(f"the stream state is for sources {_short(root['sources'])} with seed "
                          f"{_short(root['seed'])}; this stream has {names} with seed {seed}")
     epoch = _int(root["epoch"], "epoch", 0, order.MAX_COUNT)
     got = _ints(root["targets"], "targets", S, 0, order.MAX_COUNT)
-    if got != [int(t) for t in targets]:
-        raise ValueError(f"the stream state's epoch splits its samples {got} between the sources, this "
-                         f"stream {[int(t) for t in targets]}: the weights or the epoch's samples changed inside "
-                         f"an epoch; change them at an epoch boundary")
-    if root["order"] != dict(order_of):
-        said = ", ".join(f"{k} {_short(root['order'].get(k)) if isinstance(root['order'], dict) else '?'}"
-                         for k in order_of)
-        raise ValueError(f"the interrupted epoch ran with {said}; this stream has "
-                         f"{', '.join(f'{k} {v}' for k, v in order_of.items())}: which sample each position holds "
-                         f"would change (--shuffle-buffer, --shuffle-window, --resample); change them at an epoch "
-                         f"boundary")
+    if not isinstance(root["order"], dict):
+        raise ValueError("stream state order: a mapping expected")
+    if not _claims_end(root["segment"], ranks):  # checked in full below; the likelier mistake is named first
+        _check_same_epoch(root, got, targets, order_of)
     g = root["segment"]
     if not isinstance(g, dict):
         raise ValueError("stream state segment: a mapping expected")
@@ -127,9 +121,9 @@ def check(root, ranks, *, names, seed, targets, passes, order_of, epoch_samples)
     # world, a re-dealt one all its spans hold
     if seg.generation == 0:
         whole = tuple(((0, int(t)),) if t else () for t in got)
-        if seg.spans != whole or seg.batches != epoch_samples // (seg.world * seg.batch_size):
+        if seg.spans != whole or seg.batches != sum(got) // (seg.world * seg.batch_size):
             raise ValueError(f"stream state segment: an epoch's first segment holds every position of its targets "
-                             f"in {epoch_samples // (seg.world * seg.batch_size)} batches a rank; this one "
+                             f"in {sum(got) // (seg.world * seg.batch_size)} batches a rank; this one "
                              f"{seg.batches} batches over other spans")
     elif seg.batches * seg.world * seg.batch_size > int(seg.left().sum()):
         raise ValueError(f"stream state segment: {seg.batches} batches of {seg.world} x {seg.batch_size} "
@@ -149,8 +143,33 @@ def check(root, ranks, *, names, seed, targets, passes, order_of, epoch_samples)
     if len({sum(d) for d in done.values()}) != 1:
         raise ValueError(f"the ranks' stream states disagree on how many batches were consumed "
                          f"({sorted({sum(d) for d in done.values()})})")
+    ended = sum(next(iter(done.values()))) == seg.batches
+    if not ended:  # (already checked where the state claimed no end)
+        _check_same_epoch(root, got, targets, order_of)
     passed = {r["rank"]: _check_positions(seg, r, done[r["rank"]], S) for r in ranks}
-    return seg, passed
+    return seg, passed, ended
+
+
+def _claims_end(segment, ranks):
+    """Whether a state says every rank made all of its segment's batches (its numbers unchecked)."""
+    try:
+        return all(sum(r["done"].values()) == segment["batches"] for r in ranks)
+    except (TypeError, KeyError, AttributeError):
+        return False
+
+
+def _check_same_epoch(root, got, targets, order_of):
+    """A state inside an epoch goes on only with the epoch's own split and order settings."""
+    if got != [int(t) for t in targets]:
+        raise ValueError(f"the stream state's epoch splits its samples {got} between the sources, this "
+                         f"stream {[int(t) for t in targets]}: the weights or the epoch's samples changed inside "
+                         f"an epoch; change them at an epoch boundary")
+    if root["order"] != dict(order_of):
+        said = ", ".join(f"{k} {_short(root['order'].get(k))}" for k in order_of)
+        raise ValueError(f"the interrupted epoch ran with {said}; this stream has "
+                         f"{', '.join(f'{k} {v}' for k, v in order_of.items())}: which sample each position holds "
+                         f"would change (--shuffle-buffer, --shuffle-window, --resample); change them at an epoch "
+                         f"boundary")
 
 
 def _check_done(seg, r):

@@ -26,11 +26,11 @@ import dataclasses
 import numpy as np
 import torch
 
-from pipeline.data import deal, order, remote, stages
+from pipeline.data import deal, loader, order, remote, stages
 from pipeline.data import state as codec
 from pipeline.data.batch import NOTHING, Collate, Layout
 from pipeline.errors import Errors, ShardError
-from pipeline.data.loader import Arrival, EpochShare, make_loader  # noqa: F401  (make_loader: this module's API)
+from pipeline.data.loader import make_loader  # noqa: F401  (make_loader: this module's API)
 from pipeline.data.manifest import Source, resolve  # noqa: F401  (part of this module's API)
 from pipeline.data.topology import Topology, Worker, own_items
 from pipeline.data.weights import check_weights, parse_weights  # noqa: F401  (part of this module's API)
@@ -41,16 +41,27 @@ WINDOW_BYTES = 256 << 20  # ...and no more bytes than this (plus one shard)
 HEADER_BYTES = 1024  # a sample's tar headers, for sources whose manifest gives no shard sizes
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Start:
     """Where each of this rank's logical workers starts in the segment: batches made,
-    positions read per source; first_logical: the logical worker DataLoader's worker 0
+    positions read per source; first_logical: the logical worker the loader's worker 0
     plays (worker w plays (first_logical + w) % workers), so batches arrive in the order an
     uninterrupted run has them."""
 
     done: dict = dataclasses.field(default_factory=dict)
     positions: dict = dataclasses.field(default_factory=dict)
     first_logical: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One pass's plan, fixed when the pass begins and sent to the loader's workers: the segment
+    and where this rank's workers start in it. `id` tags the pass's batches, so that batches
+    of an older plan arriving late are not taken for this one's (`MixedStream.record`)."""
+
+    id: int
+    segment: deal.Segment
+    start: Start
 
 
 def _remote(source):
@@ -104,11 +115,12 @@ class MixedStream(torch.utils.data.IterableDataset):
         self.fetch_ahead = fetch_ahead
         self.workers = 1
         self.epoch = 0
-        self.segment, self.start = None, Start()
-        self.arrived = {}
-        self._pending, self._targets = None, None
+        self._plan, self.arrived = None, {}  # where the stream stands: a Plan, the batches arrived under it
+        self._loaded = None  # a loaded state (segment, ranks, targets) the next plan is dealt from
+        self._pinned = None  # (epoch, ended) of a state loaded since the last pass began
+        self._epoch_given = False  # set_epoch was called: a state loaded later must be of that epoch
+        self._plans, self._targets = 0, None
         self._orders = {}
-        self._shared = None  # a loader.EpochShare once persistent workers hold copies
 
     @property
     def weights(self):
@@ -126,49 +138,110 @@ class MixedStream(torch.utils.data.IterableDataset):
         """Positions in a pass of each source: its samples (0 when resampled: passes differ)."""
         return tuple(0 if self.resample else int(s.total) for s in self.sources)
 
+    # ------------------------------------------------------------ where the stream stands
+    #
+    # The stream's place is one immutable Plan (segment, start) plus the batches that arrived
+    # under it. `set_epoch`, `set_workers` and `load_state_dict` only say what the next plan is
+    # made from; `plan()` makes it as a pass begins, whatever order those calls came in.
+
     def current(self):
-        """The segment of the current epoch this stream runs: the epoch's first, or a resumed one."""
-        seg = self.segment
-        if seg is not None and seg.epoch != self.epoch:  # a new epoch starts from its beginning
-            seg, self.start, self.arrived, self._pending = None, Start(), {}, None
-        if seg is None:
-            seg = deal.first(self.epoch, self.targets(), world=self.topo.world, workers=self.workers,
-                             batch_size=self.batch_size, batches=self.batches_per_epoch, seed=self.seed,
-                             passes=self._passes())
-            self.segment = seg
-            self._targets = [int(t) for t in self.targets()]
-        return seg
+        """The segment the stream stands in: its epoch's first, or one dealt from a loaded state."""
+        return self._place().segment
 
     def __len__(self):
         return self.current().batches
 
     def remaining(self):
         """Batches a pass over the current epoch yields on this rank: all of them, or what a
-        resumed epoch has left."""
+        resumed or partly read epoch has left."""
         return self.current().batches - sum(self._done().values())
 
+    def _place(self):
+        if self._plan is None:
+            self._plan = self._first_plan()
+        return self._plan
+
+    def _first_plan(self):
+        """The plan of the epoch's start, or of a loaded state dealt to this stream's workers."""
+        if self._loaded is not None:
+            segment, start = self._deal(*self._loaded)
+        else:
+            segment = deal.first(self.epoch, self.targets(), world=self.topo.world, workers=self.workers,
+                                 batch_size=self.batch_size, batches=self.batches_per_epoch, seed=self.seed,
+                                 passes=self._passes())
+            start = Start()
+            self._targets = [int(t) for t in self.targets()]
+        return self._new_plan(segment, start)
+
+    def _new_plan(self, segment, start):
+        self._plans += 1
+        return Plan(self._plans, segment, start)
+
+    def plan(self):
+        """The plan of the pass about to begin (the loader asks as each pass begins): where the
+        stream stands, with the batches that arrived since the last plan folded in. A pass
+        after a finished epoch reads the next epoch (torchdata's rule; call `set_epoch` to
+        choose)."""
+        self._pinned = None
+        plan = self._place()
+        if self.arrived:
+            if self._finished():
+                self._restart(self.epoch + 1)
+                return self._place()
+            self._plan = self._new_plan(plan.segment, self._start_now())
+            self.arrived = {}
+        return self._plan
+
+    def _finished(self):
+        return self._plan is not None and sum(self._done().values()) >= self._plan.segment.batches
+
+    def _restart(self, epoch):
+        """Epoch `epoch` from its start (its plan is made when first needed)."""
+        self.epoch, self._plan, self.arrived, self._loaded = epoch, None, {}, None
+
+    def _start_now(self):
+        """Where this rank's workers stand: the plan's start and the batches arrived since."""
+        start = self._place().start
+        positions = dict(start.positions)
+        positions.update({w: list(s["positions"]) for w, s in self.arrived.items()})
+        done = self._done()
+        return Start(done, positions, first_logical=sum(done.values()) % self._plan.segment.workers)
+
     def set_epoch(self, epoch, weights=None):
-        """Select the epoch (and optionally new weights, e.g. from a schedule)."""
-        self.epoch = epoch
+        """Select the epoch (and optionally new weights, e.g. from a schedule): a pass reads
+        epoch `epoch` from its start; the epoch the stream stands in goes on where it is, and
+        starts over once finished. Right after `load_state_dict`, only the state's epoch (or,
+        for a state saved at its epoch's end, the next) may be set: the state decides."""
         if weights is not None:
             self.probs = check_weights(weights, self.layout.names)
-        if self._shared is not None:
-            self._shared.publish(epoch, self.probs)
+        if self._pinned is not None:
+            saved, ended = self._pinned
+            if epoch not in ((saved, saved + 1) if ended else (saved,)):
+                raise ValueError(_epoch_clash(saved, ended, epoch, "set_epoch after load_state_dict"))
+            self._epoch_given = True
+            return
+        if epoch != self.epoch or self._finished():
+            self._restart(epoch)
+        self._epoch_given = True
 
     def set_workers(self, workers):
-        """How many DataLoader workers iterate this stream (make_loader says); a state loaded
-        before is dealt to them again."""
-        if workers != self.workers:
+        """How many loader workers read this stream (make_loader says). What was read of the
+        epoch so far is dealt to them again: the rest of this rank's share on one rank; on
+        several, the workers change only where the epoch has not begun on this rank."""
+        if workers == self.workers:
+            return
+        if self._plan is not None and sum(self._done().values()):
+            if self.topo.world > 1:
+                raise ValueError(f"this rank read {sum(self._done().values())} batches of epoch {self.epoch} with "
+                                 f"{self.workers} worker(s); going on with {workers} re-deals what every rank left: "
+                                 f"load every rank's state_dict() (a list) into streams made for {workers} workers, "
+                                 f"or change workers at an epoch's start")
+            state = self.state_dict()
             self.workers = workers
-            self.segment = None
-            if self._pending is not None:
-                self.load_state_dict(self._pending)
-
-    def share(self, ctx):
-        """Keep epoch and weights in shared memory, so that persistent DataLoader workers
-        (each holding a pickled copy of this stream) see every later `set_epoch`."""
-        if self._shared is None:
-            self._shared = EpochShare(ctx, self.epoch, self.probs)
+            self._adopt(state)
+            return
+        self.workers = workers
+        self._plan = None
 
     def window_held(self):
         """The most bytes one (rank, worker) holds for a shuffle window of one source: about
@@ -203,18 +276,26 @@ class MixedStream(torch.utils.data.IterableDataset):
     # ------------------------------------------------------------ batches
 
     def __iter__(self):
-        return map(Arrival(self), self.batches())
+        return loader.plain(self)
 
-    def batches(self, worker=None, borrow_buffer=None):
-        """This epoch's batches for the calling rank and worker, as a worker sends them:
-        uint8 images (in a buffer from `borrow_buffer(n)` when given), numpy labels and sources,
-        and the worker's `state` after the batch."""
-        if self._shared is not None:  # a persistent worker: take what the main process set
-            self.epoch, self.probs = self._shared.take()
-        seg, start = self.current(), self.start
+    def batch_spec(self):
+        """The batch's fixed-shape fields (pipeline.data.ring)."""
+        return self.layout.spec(self.batch_size, self.normalize)
+
+    def batches(self, worker=None, borrow=None, plan=None):
+        """One pass's batches for the calling rank and worker, as a producer makes them: numpy
+        images (float32 if the stream normalises, else uint8), labels and sources, written
+        into the arrays `borrow(n)` lends when given, and the worker's `state` after the batch.
+        `plan`: the pass's Plan (the loader sends it to its workers), else `plan()`, taken now:
+        the producers of one pass (one call per worker) share it."""
+        return self._batches(worker, borrow, plan or self.plan())
+
+    def _batches(self, worker, borrow, plan):
+        seg, start = plan.segment, plan.start
         worker = worker or Worker.current()
         if worker.count != seg.workers:
-            raise RuntimeError(f"{worker.count} DataLoader workers, the stream was set for {seg.workers}")
+            raise RuntimeError(f"{worker.count} loader workers, the stream was set for {seg.workers} "
+                               f"(make_loader sets it; a DataLoader of your own needs set_workers first)")
         # the list of pairs as split_by_node / split_by_worker deal it, each physical worker
         # playing the logical one `start.first_logical` gives it
         pairs = [r + ((w + start.first_logical) % seg.workers) * seg.world
@@ -228,12 +309,13 @@ class MixedStream(torch.utils.data.IterableDataset):
                                        self._reader(s, errors), sample_stages=self.sample_stages)
                    for i, s in enumerate(self.sources)]
         mix = stages.Mix(streams, seg.choices(pair), self.batch_size, at=start.done.get(logical, 0))
-        out = Collate(mix, self.layout, errors, borrow_buffer)
+        out = Collate(mix, self.layout, errors, borrow)
         count = seg.worker_batches(logical)
         try:
             while mix.at < count:
                 batch = out.next()
-                batch["state"] = {"worker": logical, "batches": mix.at, "positions": [s.position() for s in streams]}
+                batch["state"] = {"plan": plan.id, "worker": logical, "batches": mix.at,
+                                  "positions": [s.position() for s in streams]}
                 yield batch
         finally:  # the pass ended or was left: its readers' fetch threads go now, not when the collector finds them
             for s in streams:
@@ -245,11 +327,13 @@ class MixedStream(torch.utils.data.IterableDataset):
     # ------------------------------------------------------------ state
 
     def record(self, state):
-        """The worker state of a batch that arrived (the hand-over calls this in the consuming process)."""
-        self.arrived[state["worker"]] = state
+        """The worker state of a batch that arrived (the loader calls this in the consuming
+        process, the trainer as it trains the batch); a batch of an older plan is not counted."""
+        if self._plan is not None and state.get("plan") == self._plan.id:
+            self.arrived[state["worker"]] = state
 
     def _done(self):
-        done = dict(self.start.done)
+        done = dict(self._place().start.done)
         done.update({w: s["batches"] for w, s in self.arrived.items()})
         return done
 
@@ -258,12 +342,10 @@ class MixedStream(torch.utils.data.IterableDataset):
         rank's workers' batches and positions. `load_state_dict` takes a list of every
         rank's (or one, to go on on the same world)."""
         seg = self.current()
-        positions = {w: list(p) for w, p in self.start.positions.items()}
-        positions.update({w: list(s["positions"]) for w, s in self.arrived.items()})
-        done = self._done()
+        start = self._start_now()
         return codec.encode(seg, self._targets, self.layout.names, self.seed, self.topo.rank,
-                            {w: done.get(w, 0) for w in range(seg.workers)},
-                            {w: positions.get(w, [0] * len(self.sources)) for w in range(seg.workers)},
+                            {w: start.done.get(w, 0) for w in range(seg.workers)},
+                            {w: start.positions.get(w, [0] * len(self.sources)) for w in range(seg.workers)},
                             self._order_settings())
 
     def _order_settings(self):
@@ -271,53 +353,85 @@ class MixedStream(torch.utils.data.IterableDataset):
                 "resample": bool(self.resample)}
 
     def load_state_dict(self, state):
-        """Go on from `state_dict()`: one rank's, or a list of every rank's. Call it after
-        `set_epoch` (with the epoch's weights) and before the loader's first pass.
+        """Go on from `state_dict()`: one rank's, or a list of every rank's. Before or after
+        `set_epoch` (the state's epoch), before or after `make_loader`: the next pass starts
+        where the state stopped. A state saved at its epoch's end goes on at the next epoch's start.
 
         With the same world, workers and batch size the segment goes on as it stopped;
         otherwise every rank's state is needed, and what each pair left is dealt to this
-        world. Returns what it did: {"deal": "same" or "re-deal", "generation": ...,
-        "from": [world, workers, batch size], "to": [...]}."""
-        if self._shared is not None and self._shared.started:
-            raise RuntimeError("load_state_dict after the loader's workers started: load it before the first pass")
+        world. Returns what it did, as the stream is set now: {"deal": "same", "re-deal" or
+        "next epoch", "generation": ..., "from": [world, workers, batch size], "to": [...],
+        "passed": {rank: positions passed over without a sample}}."""
+        epoch_before = self.epoch if self._epoch_given and self._pinned is None else None
+        seg, ranks, passed, ended = self._check(state)
+        if epoch_before is not None and epoch_before not in ((seg.epoch, seg.epoch + 1) if ended else (seg.epoch,)):
+            raise ValueError(_epoch_clash(seg.epoch, ended, epoch_before, "load_state_dict after set_epoch"))
+        self._adopt_checked(seg, ranks, ended, state)
+        self._pinned = (seg.epoch, ended)
+        here = (self.topo.world, self.workers, self.batch_size)
+        was = (seg.world, seg.workers, seg.batch_size)
+        same = was == here and any(r["rank"] == self.topo.rank for r in ranks)
+        kind = "next epoch" if ended else "same" if same else "re-deal"
+        return {"deal": kind, "generation": 0 if ended else seg.generation + (kind == "re-deal"),
+                "from": list(was), "to": list(here), "passed": passed}
+
+    def _check(self, state):
+        """(segment, ranks, passed, ended) of a state, every number checked (a state is input)."""
         root, ranks = codec.merge(state)
-        seg, passed = codec.check(root, ranks, names=self.layout.names, seed=self.seed, targets=self.targets(),
-                                  passes=self._passes(), order_of=self._order_settings(),
-                                  epoch_samples=self.epoch_samples)
-        self._pending = state
-        self.epoch = seg.epoch
-        if self._shared is not None:
-            self._shared.publish(self.epoch, self.probs)
+        seg, passed, ended = codec.check(root, ranks, names=self.layout.names, seed=self.seed,
+                                         targets=self.targets(), passes=self._passes(),
+                                         order_of=self._order_settings(), epoch_samples=self.epoch_samples)
+        if not ended and (seg.world, seg.batch_size) != (self.topo.world, self.batch_size) and len(ranks) != seg.world:
+            raise ValueError(_every_rank(seg, ranks, (self.topo.world, self.workers, self.batch_size)))
+        return seg, ranks, passed, ended
+
+    def _adopt(self, state):
+        seg, ranks, _, ended = self._check(state)
+        self._adopt_checked(seg, ranks, ended, state)
+
+    def _adopt_checked(self, seg, ranks, ended, state):
+        if ended:  # torchdata's rule: a state saved at an epoch's end goes on at the next epoch's start
+            self._restart(seg.epoch + 1)
+        else:
+            self._restart(seg.epoch)
+            self._loaded = (seg, ranks, codec.merge(state)[0]["targets"])
+
+    def _deal(self, seg, ranks, targets):
+        """(segment, start) of a loaded state on this stream's world and workers: its own segment
+        where they are the state's, else what every pair left, dealt to them."""
         here = (self.topo.world, self.workers, self.batch_size)
         was = (seg.world, seg.workers, seg.batch_size)
         mine = next((r for r in ranks if r["rank"] == self.topo.rank), None)
-        self._targets = root["targets"]
+        self._targets = list(targets)
         if was == here and mine is not None:
             done = {int(w): d for w, d in mine["done"].items()}
-            self.segment = seg
-            self.start = Start(done, {int(w): p for w, p in mine["positions"].items()},
-                               first_logical=sum(done.values()) % seg.workers)
-            deal_kind = "same"
-        else:
-            if len(ranks) != seg.world:
-                raise ValueError(f"resuming on {here[0]} ranks x {here[1]} workers from a run on {was[0]} x {was[1]} "
-                                 f"needs every rank's stream state; have ranks {sorted(r['rank'] for r in ranks)}")
-            read = [None] * seg.pairs
-            for r in ranks:
-                for w in range(seg.workers):
-                    read[r["rank"] + w * seg.world] = r["positions"][str(w)]
-            self.segment = seg.rest(read, generation=seg.generation + 1, world=here[0], workers=here[1],
-                                    batch_size=here[2])
-            self.start = Start()
-            deal_kind = "re-deal"
-        self.arrived = {}
-        return {"deal": deal_kind, "generation": self.segment.generation, "from": list(was), "to": list(here),
-                "passed": passed}
+            return seg, Start(done, {int(w): p for w, p in mine["positions"].items()},
+                              first_logical=sum(done.values()) % seg.workers)
+        if len(ranks) != seg.world:
+            raise ValueError(_every_rank(seg, ranks, here))
+        read = [None] * seg.pairs
+        for r in ranks:
+            for w in range(seg.workers):
+                read[r["rank"] + w * seg.world] = r["positions"][str(w)]
+        return seg.rest(read, generation=seg.generation + 1, world=here[0], workers=here[1],
+                        batch_size=here[2]), Start()
 
     def eval_stream(self, source, batch_size=None):
         """A finite stream over one source's test shards in this stream's batch format."""
         return EvalStream(self.layout, source, batch_size or self.batch_size, self.topo, on_error=self.on_error,
                           cache_dir=self.cache_dir, policy=self.policy, normalize=self.normalize)
+
+
+def _every_rank(seg, ranks, here):
+    return (f"resuming on {here[0]} ranks x {here[1]} workers (batch {here[2]}) from a run on {seg.world} x "
+            f"{seg.workers} (batch {seg.batch_size}) needs every rank's stream state; have ranks "
+            f"{sorted(r['rank'] for r in ranks)} (load a list of every rank's state_dict())")
+
+
+def _epoch_clash(saved, ended, epoch, order_):
+    where = f"the end of epoch {saved}, which goes on at epoch {saved + 1}" if ended else f"inside epoch {saved}"
+    allowed = f"{saved} or {saved + 1}" if ended else f"{saved}"
+    return f"{order_}: the stream state was saved at {where}; set_epoch({epoch}) disagrees (use {allowed})"
 
 
 def _error_mode(on_error, strict):
@@ -357,10 +471,14 @@ class EvalStream(torch.utils.data.IterableDataset):
         self.cache_dir, self.policy, self.normalize = cache_dir, policy, normalize
 
     def __iter__(self):
-        return map(Arrival(self), self.batches())
+        return loader.plain(self)
 
-    def batches(self, worker=None, borrow_buffer=None):
-        """This worker's share of the test batches, as a worker sends them."""
+    def batch_spec(self):
+        return self.layout.spec(self.batch_size, self.normalize)
+
+    def batches(self, worker=None, borrow=None, plan=None):
+        """This worker's share of the test batches, as a producer makes them (see
+        MixedStream.batches; an evaluation pass has no plan)."""
         worker = worker or Worker.current()
         errors = Errors(self.on_error)
         reader = stages.Reader(self.source, errors, policy=self.policy, cache_dir=self.cache_dir)
@@ -374,11 +492,11 @@ class EvalStream(torch.utils.data.IterableDataset):
                 if not keys and errors.skipped == reported:
                     return
                 parts[self.index] = (keys, pixels, labels)
-                handle, canvas = borrow_buffer(len(keys)) if borrow_buffer else (None, None)
-                batch = self.layout.collate(np.full(len(keys), self.index), parts, errors.skipped - reported, canvas)
+                handle, out = borrow(len(keys)) if borrow else (None, None)
+                batch = self.layout.collate(np.full(len(keys), self.index), parts, errors.skipped - reported, out)
                 reported = errors.skipped
                 if handle is not None:
-                    batch["image"] = handle
+                    batch["slot"] = handle
                 yield batch
                 if len(keys) < self.batch_size:
                     return

@@ -1,0 +1,190 @@
+"""Batches written once, where the consumer reads them: a ring of slots per loader.
+
+A producer (a loader's worker process, or the consuming process itself at 0 workers)
+collates each batch straight into a free slot; the consumer hands out tensors that view
+the slot, no copy and no allocation, and the slot goes back to its producer only when
+nothing refers to those tensors any more. A user who keeps a batch therefore never sees
+it overwritten, and a batch costs the consumer O(1) whatever its size
+(docs/benchmarks.md, "The hand-over from workers").
+
+The ring of a loader with workers is shared memory mapped by every process; with CUDA it
+is page-locked in the consumer (cudaHostRegister), so the copy to the GPU reads it
+directly and asynchronously. A slot whose tensors die while such a copy may still be
+reading it goes back only once an event recorded then has completed.
+"""
+import collections
+import math
+import threading
+import weakref
+
+import numpy as np
+import torch
+
+ALIGN = 64  # bytes: every field of a slot starts on a cache line (and any dtype's alignment)
+
+
+class Field:
+    """One fixed-shape field of a batch: `shape` per sample, `dtype` a numpy dtype."""
+
+    def __init__(self, name, dtype, shape=()):
+        self.name, self.dtype, self.shape = name, np.dtype(dtype), tuple(int(x) for x in shape)
+
+    def nbytes(self, n):
+        return n * self.dtype.itemsize * math.prod(self.shape)
+
+    def __repr__(self):
+        return f"Field({self.name!r}, {self.dtype}, {self.shape})"
+
+
+class Spec:
+    """The fixed-shape fields of a batch of at most `batch` samples, and where each lies in a slot."""
+
+    def __init__(self, fields, batch):
+        self.fields, self.batch = tuple(fields), int(batch)
+        self.offsets, at = [], 0
+        for f in self.fields:
+            self.offsets.append(at)
+            at += -(-f.nbytes(self.batch) // ALIGN) * ALIGN
+        self.slot_bytes = max(at, ALIGN)
+
+    @property
+    def names(self):
+        return [f.name for f in self.fields]
+
+    def arrays(self, memory, n):
+        """{name: numpy view (n, *shape)} of a slot's bytes (a uint8 numpy array), to write into."""
+        return {f.name: memory[o:o + f.nbytes(n)].view(f.dtype).reshape(n, *f.shape)
+                for f, o in zip(self.fields, self.offsets)}
+
+    def tensors(self, base, n):
+        """{name: tensor view (n, *shape)} of a slot's bytes (a uint8 tensor): they share its storage."""
+        return {f.name: base[o:o + f.nbytes(n)].view(_TORCH[f.dtype]).view(n, *f.shape)
+                for f, o in zip(self.fields, self.offsets)}
+
+
+_TORCH = {np.dtype(k): v for k, v in ((np.uint8, torch.uint8), (np.int64, torch.int64), (np.float32, torch.float32),
+                                      (np.int32, torch.int32), (np.float64, torch.float64), (np.int16, torch.int16),
+                                      (np.float16, torch.float16), (np.bool_, torch.bool), (np.int8, torch.int8))}
+
+
+def shared_bytes(n):
+    """A uint8 tensor of n bytes in a new shared-memory file: it reads as zeros, and its pages
+    cost nothing until written (torch.zeros(...).share_memory_() would write them twice)."""
+    like = torch.from_numpy(np.empty(0, np.uint8))
+    return like.new(like._typed_storage()._new_shared(max(int(n), 1)))
+
+
+class Ring:
+    """`depth` slots for each of `producers`; `give_back(producer, slot)` returns a slot to
+    the producer that wrote it (a pipe to a worker, or a list in this process).
+
+    shared: the memory is a shared-memory file (workers fork or are given it); else it is
+    this process's own, page-locked when `pin`. A producer that finds none of its slots
+    free waits for one; so that the wait always ends, the consumer copies a batch out
+    instead of lending its slot when the user already holds all of that producer's other
+    slots (batches kept in a list, say)."""
+
+    def __init__(self, producers, depth, spec, *, shared, pin=False):
+        if depth < 2:
+            raise ValueError(f"a ring needs at least 2 slots a producer, got {depth}")
+        self.producers, self.depth, self.spec = producers, depth, spec
+        size = producers * depth * spec.slot_bytes
+        self.memory = shared_bytes(size) if shared else torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        self.buf = self.memory.numpy()
+        self.pin = pin
+        self.give_back = None  # set by whoever owns the producers
+        self.held = [0] * producers  # slots lent out per producer (tensors alive, or their copy in flight)
+        self.copied = 0  # batches handed out as copies (the user held every other slot)
+        self._pending = collections.deque()  # (CUDA event, producer, slot) of dropped slots a copy may still read
+        self._lock = threading.Lock()
+        self._registered = False
+        self._events = pin and torch.cuda.is_available()
+        if shared and self._events:
+            self._registered = _register(self.memory)
+            self._events = self._registered
+
+    def __getstate__(self):  # a worker started by forkserver or spawn: the memory and its layout only
+        return {"producers": self.producers, "depth": self.depth, "spec": self.spec, "memory": self.memory}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, buf=state["memory"].numpy(), pin=False, give_back=None)
+
+    def slot(self, producer, k):
+        """Slot k of a producer, as a uint8 numpy array (a new view object each call)."""
+        start = (producer * self.depth + k) * self.spec.slot_bytes
+        return self.buf[start:start + self.spec.slot_bytes]
+
+    def arrays(self, producer, k, n):
+        return self.spec.arrays(self.slot(producer, k), n)
+
+    def lend(self, producer, k, n):
+        """The first n samples of slot k as tensors that view it; the slot goes back when the last
+        of them (or anything sharing their storage) is gone. A copy instead, and the slot back at
+        once, when the producer would otherwise be left with no slot but those the user holds."""
+        self.reap()
+        if self.held[producer] + 1 >= self.depth:
+            base = torch.empty(self.spec.slot_bytes, dtype=torch.uint8, pin_memory=self.pin)
+            base.numpy()[:] = self.slot(producer, k)
+            self.copied += 1
+            self.give_back(producer, k)
+            return self.spec.tensors(base, n)
+        view = self.slot(producer, k)
+        base = torch.from_numpy(view)  # its storage holds `view`: `view` lives as long as any tensor of it
+        with self._lock:
+            self.held[producer] += 1
+        done = weakref.finalize(view, self._dropped, producer, k)
+        done.atexit = False
+        return self.spec.tensors(base, n)
+
+    def _dropped(self, producer, k):
+        """The tensors of a slot are gone. With CUDA, a copy from it may still be queued: the slot
+        goes back once an event recorded now on the current stream has completed (`reap`)."""
+        if self._events:
+            try:
+                event = torch.cuda.Event()
+                event.record()
+            except Exception:  # noqa: BLE001 - interpreter shutdown, a CUDA error: nothing can read it any more
+                event = None
+            if event is not None:
+                with self._lock:
+                    self._pending.append((event, producer, k))
+                return
+        self._back(producer, k)
+
+    def _back(self, producer, k):
+        with self._lock:
+            self.held[producer] -= 1
+        if self.give_back is not None:
+            self.give_back(producer, k)
+
+    def reap(self):
+        """Slots whose copies to the GPU have completed go back to their producers."""
+        while self._pending:
+            with self._lock:
+                if not self._pending or not self._pending[0][0].query():
+                    return
+                _, producer, k = self._pending.popleft()
+            self._back(producer, k)
+
+    @property
+    def waiting(self):
+        """Whether slots wait for a GPU copy to complete (a consumer waiting for a producer must reap)."""
+        return bool(self._pending)
+
+    def close(self):
+        if self._registered:
+            self._registered = False
+            try:
+                torch.cuda.synchronize()
+                torch.cuda.cudart().cudaHostUnregister(self.memory.data_ptr())
+            except Exception:  # noqa: BLE001 - best effort at the end
+                pass
+
+
+def _register(memory):
+    """Page-lock shared memory for the GPU copy (cudaHostRegister); False where CUDA refuses."""
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), memory.numel(), 0)
+    except Exception:  # noqa: BLE001 - no CUDA runtime binding: the batches are just not page-locked
+        return False
+    return int(getattr(err, "value", err)) == 0

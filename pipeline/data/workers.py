@@ -1,0 +1,269 @@
+"""A loader's worker processes: each writes its batches into its slots of a `ring.Ring`
+and tells the consumer which slot holds the next one.
+
+torch's DataLoader sends every batch through a multiprocessing queue, and the
+consuming process pays 116-150 us of its own CPU a batch for that (the index sent back,
+a feeder thread, the pickled batch), with nothing in the batch at all: 0.45-0.59 us a
+sample at 256, more than the consumer may spend (docs/benchmarks.md, "The hand-over from
+workers", and `python tools/bench_loader.py --handover`). Here a batch costs one message of
+a few hundred bytes on a pipe (which slot, how many samples, the batch's small fields
+pickled) and the slot's return is 4 bytes on another.
+
+Each worker persists across passes: a pass begins with a message carrying its plan (the
+stream's immutable plan of the epoch), so whatever the consumer set since the worker
+started (epoch, weights, a loaded state, another worker count) reaches it; messages of
+a pass the consumer left are dropped, their slots freed.
+"""
+import os
+import pickle
+import select
+import signal
+import struct
+import threading
+import time
+import traceback
+
+import numpy as np
+import torch
+
+from pipeline.data.topology import Worker
+
+HEADER = struct.Struct("<qiiii")  # pass, kind, slot, samples, payload bytes
+BATCH, END, ERROR = 0, 1, 2
+SLOT = struct.Struct("<i")
+POLL_S = 0.2  # how often a worker waiting for a slot looks whether its pass was left or it should stop
+STOP = -1
+
+
+class WorkerDied(RuntimeError):
+    """A worker process ended without saying why (killed, out of memory, a crash in C)."""
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an error raised in a worker, as the cause of its re-raise here."""
+
+    def __init__(self, text):
+        super().__init__(text)
+
+    def __str__(self):
+        return self.args[0]
+
+
+class Workers:
+    """`count` processes running `source.batches(worker, borrow, plan)` for each pass."""
+
+    def __init__(self, source, count, ring, ctx):
+        self.source, self.count, self.ring, self.ctx = source, count, ring, ctx
+        self.control = ctx.Array("q", [0] * count, lock=False)  # per worker: the current pass, or STOP
+        self.procs, self.commands, self.ready, self.free = [], [], [], []
+        self.pass_id = 0
+        self.parent = os.getpid()
+        ring.give_back = self._give_back
+
+    @property
+    def started(self):
+        return bool(self.procs)
+
+    def start(self):
+        """Start the processes (once). Each pipe's far end is closed here as soon as its worker
+        has it, so a later worker does not inherit it and a dead worker's pipe reads as ended."""
+        if self.procs:
+            return
+        for w in range(self.count):
+            cmd_r, cmd_w = self.ctx.Pipe(duplex=False)
+            ready_r, ready_w = self.ctx.Pipe(duplex=False)
+            free_r, free_w = self.ctx.Pipe(duplex=False)
+            p = self.ctx.Process(target=_serve, name=f"pipeline-loader-{w}", daemon=True,
+                                 args=(self.source, w, self.count, self.ring, cmd_r, ready_w, free_r, self.control,
+                                       self.parent))
+            p.start()
+            for end in (cmd_r, ready_w, free_r):
+                end.close()
+            self.procs.append(p)
+            self.commands.append(cmd_w)
+            self.ready.append(ready_r)
+            self.free.append(free_w)
+
+    def begin(self, plan):
+        """Start a pass with `plan` on every worker; returns its id. Batches of earlier passes
+        still in the pipes are dropped as they come (`receive`)."""
+        self.start()
+        self.pass_id += 1
+        for w in range(self.count):
+            self.control[w] = self.pass_id
+            self.commands[w].send(("pass", self.pass_id, plan))
+        return self.pass_id
+
+    def receive(self, w, pass_id):
+        """(kind, slot, samples, payload) of worker w's next message of pass `pass_id`."""
+        while True:
+            if pass_id != self.pass_id:
+                raise RuntimeError("the loader was iterated again while this pass was being read; "
+                                   "a loader runs one pass at a time")
+            got, kind, slot, n, size = HEADER.unpack(self._read(w, HEADER.size))
+            payload = self._read(w, size) if size else b""
+            if got == pass_id:
+                return kind, slot, n, payload
+            if kind == BATCH:  # a batch of a pass the consumer left: its slot is free again
+                self._give_back(w, slot)
+
+    def _read(self, w, size):
+        fd = self.ready[w].fileno()
+        parts, left = [], size
+        while left:
+            if self.ring.waiting:  # slots wait for GPU copies: free them while this worker waits
+                self.ring.reap()
+                if not select.select([fd], [], [], 0.001)[0]:
+                    continue
+            chunk = os.read(fd, left)
+            if not chunk:
+                raise self._died(w)
+            parts.append(chunk)
+            left -= len(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _died(self, w):
+        p = self.procs[w]
+        p.join(5)
+        code = p.exitcode
+        how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        return WorkerDied(f"loader worker {w} (pid {p.pid}) ended unexpectedly ({how}); if it was killed for memory, "
+                          f"lower --workers or --batch-size")
+
+    def _give_back(self, w, slot):
+        if w < len(self.free):
+            try:
+                os.write(self.free[w].fileno(), SLOT.pack(slot))
+            except (OSError, ValueError):  # the worker is gone, or the loader closed
+                pass
+
+    def close(self):
+        """Stop the workers (they finish what they write, then exit) and close the pipes."""
+        if not self.procs:
+            return
+        for w in range(self.count):
+            self.control[w] = STOP
+            try:
+                self.commands[w].send(("stop",))
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 5
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for conn in self.commands + self.ready + self.free:
+            conn.close()
+        self.procs = []
+
+
+# ---------------------------------------------------------------- in the worker
+
+
+def _serve(source, w, count, ring, commands, ready, free, control, parent):
+    """A worker's life: passes as the consumer asks, until it says stop or is gone."""
+    _set_up(w, count, parent)
+    fd = ready.fileno()
+    slots = _Slots(ring.depth, free.fileno(), control, w)
+    worker = Worker(w, count)
+    while True:
+        try:
+            msg = commands.recv()
+        except (EOFError, OSError, KeyboardInterrupt):
+            return
+        if msg[0] != "pass":
+            return
+        _, pass_id, plan = msg
+        try:
+            for batch in source.batches(worker, slots.borrower(ring, w, pass_id), plan):
+                k, n = batch.pop("slot")
+                _send(fd, pass_id, BATCH, k, n, pickle.dumps({key: v for key, v in batch.items()
+                                                              if key not in ring.spec.names}, protocol=5))
+                if control[w] != pass_id:
+                    break
+            else:
+                _send(fd, pass_id, END, -1, 0, b"")
+        except _Left:
+            pass
+        except KeyboardInterrupt:
+            return
+        except BrokenPipeError:
+            return  # the consumer is gone
+        except BaseException as e:  # noqa: BLE001 - every error goes to the consumer, which raises it
+            try:
+                _send(fd, pass_id, ERROR, -1, 0, _pickled_error(e))
+            except BrokenPipeError:
+                return
+
+
+def _set_up(w, count, parent):
+    """One thread for torch (the worker is one of many); webdataset's split_by_worker reads
+    WORKER and NUM_WORKERS; the worker ends when the process that made it is gone."""
+    os.environ["WORKER"], os.environ["NUM_WORKERS"] = str(w), str(count)
+    torch.set_num_threads(1)
+    np.random.seed((w * 7919 + 17) % (1 << 32))
+
+    def watch():
+        while True:
+            time.sleep(1)
+            try:
+                os.kill(parent, 0)
+            except ProcessLookupError:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-consumer").start()
+
+
+def _send(fd, pass_id, kind, slot, n, payload):
+    data = HEADER.pack(pass_id, kind, slot, n, len(payload)) + payload
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _pickled_error(e):
+    text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    try:
+        body = pickle.dumps(e)
+        pickle.loads(body)
+    except Exception:  # noqa: BLE001 - an exception that cannot travel goes as its text
+        body = pickle.dumps(RuntimeError(f"{type(e).__name__}: {e}"))
+    return pickle.dumps((body, text))
+
+
+def raise_error(payload, w):
+    """Re-raise a worker's error here, its traceback as the cause."""
+    body, text = pickle.loads(payload)
+    error = pickle.loads(body)
+    raise error from RemoteTraceback(f"\nin loader worker {w}:\n{text}")
+
+
+class _Left(Exception):
+    """The consumer left this pass (or asked the worker to stop) while it waited for a slot."""
+
+
+class _Slots:
+    """A worker's free slots: all of them at first, then each as the consumer gives it back."""
+
+    def __init__(self, depth, fd, control, w):
+        self.free, self.fd, self.control, self.w = list(range(depth)), fd, control, w
+
+    def take(self, pass_id):
+        while not self.free:
+            ready = select.select([self.fd], [], [], POLL_S)[0]
+            if self.control[self.w] != pass_id:
+                raise _Left()
+            if ready:
+                data = os.read(self.fd, SLOT.size * 64)
+                if not data:
+                    raise _Left()
+                self.free.extend(x for (x,) in SLOT.iter_unpack(data))
+        return self.free.pop(0)
+
+    def borrower(self, ring, w, pass_id):
+        """borrow(n) for the stream: (handle, {field: array to fill}) in a free slot."""
+        def borrow(n):
+            k = self.take(pass_id)
+            return (k, n), ring.arrays(w, k, n)
+        return borrow
