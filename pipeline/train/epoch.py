@@ -18,7 +18,11 @@ from pipeline.train.run import NonFiniteLoss
 
 def train_epoch(run, loader, epoch, metrics, keys, budget):
     """One epoch (or its rest) over the mixed stream; returns False if --stop-after-steps or
-    a stop signal (run.stopping) ended it early (a checkpoint was written)."""
+    a stop signal (run.stopping) ended it early (a checkpoint was written).
+
+    A step queues its work and goes on: the host reads the device only where the step log is
+    reduced (`settle`: a metrics line every --log-every steps, a checkpoint, the epoch's last
+    step), and that is where skipped steps are counted and a stop signal is agreed on."""
     args, topo = run.args, run.topo
     weights = options.weights_at(args, epoch)
     resumed = run.in_epoch
@@ -26,7 +30,7 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
         run.stream.set_epoch(epoch, weights)
         run.tally = run.new_tally()
     gen = torch.Generator()
-    log = StepLog(run.names, run.device)
+    log = StepLog(run.names, run.device, topo.is_main)
     if resumed:
         log.restore(run.unlogged, topo.is_main)
     run.in_epoch = True
@@ -47,41 +51,39 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
         # augmentation keyed by the batch's place, as the data's order is: a resume on the same world
         # draws the same, and no two ranks or batches share a key
         gen.manual_seed(order.seed_of((order.AUGMENT, args.seed, epoch, segment.generation, topo.rank, made + got)))
-        losses, source, bad = run.step_once(batch, gen)
+        losses, source, found = run.step_once(batch, gen)
         got += 1
         run.tally["batches"] += 1
         run.tally["skipped"] += batch["skipped"]
         per_source += counts
-        if any(bad):
-            try:
-                skip_nonfinite(run, metrics, epoch, bad)
-            except NonFiniteLoss:
-                if bar is not None:
-                    bar.close()  # the error line starts a line of its own
-                raise
-        else:
-            log.add(losses, source, counts, batch["skipped"])
+        log.add(run.step, losses, source, found)
+        log.skipped += batch["skipped"]
         if args.record_keys:
             keys.add(epoch + 1, batch["key"])
-        last = got == left
-        if run.step % args.log_every == 0 or last:
-            line = log.flush()
-            if bar is not None:
-                bar.set_postfix(loss=f"{sum(line['loss'][k] * line['share'][k] for k in run.names):.3f}",
-                                refresh=False)  # drawn with the update below, at the bar's own pace
-            metrics.log(kind="train", epoch=epoch + 1, step=run.step, lr=run.opt.param_groups[0]["lr"],
-                        weights=weights, **line)
         if bar is not None:
             bar.update(1)
-        ending = budget(run.step) or run.stopping is not None
-        if not last and (args.checkpoint_every and run.step % args.checkpoint_every == 0 or ending):
-            run.tally["samples"] = [a + b for a, b in zip(run.tally["samples"], per_source.tolist())]
-            per_source.zero_()
-            run.save(log, keys)
-            if ending:
+        last = got == left
+        logged = run.step % args.log_every == 0 or last
+        saving = not last and bool(args.checkpoint_every) and run.step % args.checkpoint_every == 0
+        if logged or saving or budget(run.step):
+            sums = settle(run, log, metrics, epoch, bar)
+            if logged:
+                line = log.line(sums)
                 if bar is not None:
-                    bar.close()
-                return False
+                    bar.set_postfix(loss=f"{sum(line['loss'][k] * line['share'][k] for k in run.names):.3f}",
+                                    refresh=False)  # drawn with the next update, at the bar's own pace
+                metrics.log(kind="train", epoch=epoch + 1, step=run.step, lr=run.opt.param_groups[0]["lr"],
+                            weights=weights, **line)
+                sums = None
+            ending = budget(run.step) or run.stopping is not None
+            if not last and (saving or ending):
+                run.tally["samples"] = [a + b for a, b in zip(run.tally["samples"], per_source.tolist())]
+                per_source.zero_()
+                run.save(keys, sums)
+                if ending:
+                    if bar is not None:
+                        bar.close()
+                    return False
         t0 = time.perf_counter()
         run.tally["busy"] += t0 - t1
     if bar is not None:
@@ -92,21 +94,39 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
     return True
 
 
-def skip_nonfinite(run, metrics, epoch, bad):
+def settle(run, log, metrics, epoch, bar):
+    """Read what the steps since the last read left on the device (StepLog.reduce, one wait):
+    the steps skipped for a non-finite loss are recorded (the run ends once more than
+    --max-nonfinite were), and the ranks agree on a stop signal. Returns the reduced sums."""
+    votes = run.stopper.vector() if run.stopper else []
+    sums, skipped_steps, voted = log.reduce(votes)
+    try:
+        for step, where in skipped_steps:
+            skip_nonfinite(run, metrics, epoch, step, where)
+    except NonFiniteLoss:
+        if bar is not None:
+            bar.close()  # the error line starts a line of its own
+        raise
+    if run.stopper and run.stopping is None:
+        run.stopping = run.stopper.agreed(voted)
+    return sums
+
+
+def skip_nonfinite(run, metrics, epoch, step, where):
     """A step whose loss was not finite (its weights were not updated): recorded in
     metrics.jsonl, and the end of the run once more than --max-nonfinite were skipped."""
     run.nonfinite += 1
-    where = {n: c for n, c in zip(run.names, bad) if c}
-    metrics.log(kind="nonfinite", epoch=epoch + 1, step=run.step, samples=where, skipped_steps=run.nonfinite)
+    metrics.log(kind="nonfinite", epoch=epoch + 1, step=step, samples=where, skipped_steps=run.nonfinite)
     allowed = run.args.max_nonfinite
+    what = (f"the loss is not finite for {', '.join(f'{n} ({c} of its samples)' for n, c in where.items())}"
+            if where else "the gradients are not finite")
     if run.nonfinite > allowed:
         raise NonFiniteLoss(
-            f"step {run.step} (epoch {epoch + 1}): the loss is not finite for "
-            f"{', '.join(f'{n} ({c} of its samples)' for n, c in where.items())}; the weights were not updated and any "
+            f"step {step} (epoch {epoch + 1}): {what}; the weights were not updated and any "
             f"checkpoint in {run.args.out}/ is from before it ({run.nonfinite} such step(s), --max-nonfinite "
             f"{allowed}; a lower --lr often helps)")
     if run.topo.is_main:
-        print(f"step {run.step}: non-finite loss for {', '.join(where)}; step skipped "
+        print(f"step {step}: non-finite {'loss for ' + ', '.join(where) if where else 'gradients'}; step skipped "
               f"({run.nonfinite} of at most {allowed})", file=sys.stderr, flush=True)
 
 

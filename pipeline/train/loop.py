@@ -27,7 +27,7 @@ from pipeline.errors import InputError
 from pipeline.train.console import one_line
 from pipeline.train.epoch import train_epoch
 from pipeline.train.evaluate import epoch_line, eval_loaders, evaluate, evaluate_only
-from pipeline.train.metrics import KeyLog, Metrics, StepLog
+from pipeline.train.metrics import KeyLog, Metrics
 from pipeline.train.outdir import prepare_out
 from pipeline.train.run import NonFiniteLoss, Run, where
 from pipeline.train.summary import write_summary
@@ -114,7 +114,7 @@ def train(args, topo, device, stopper=None):
             if topo.is_main:
                 print(epoch_line(epoch, args.epochs, evals), flush=True)
         run.epoch = epoch + 1
-        run.save(StepLog(run.names, run.device), keys)
+        run.save(keys)
         if stopper and run.stopping is None:  # a signal during the epoch's last step, evaluation or save
             run.stopping = stopper.agreed(dist.all_reduce_sum(torch.tensor(stopper.vector(), dtype=torch.float64)))
         if run.stopping is not None and run.epoch < args.epochs:

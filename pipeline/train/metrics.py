@@ -85,56 +85,68 @@ def truncate_keys(path, n):
 
 
 class StepLog:
-    """Per-source loss, sample counts and skipped samples between two metrics lines.
+    """What the steps between two reads of the device hold: per-source loss sums and sample
+    counts of the trained steps, the samples skipped as damaged, and per step the samples
+    whose loss was not finite and whether the step was skipped (its `found` flag).
 
-    Loss sums stay on the device and sample counts on the CPU (counted from the batch
-    before it is copied), so this log adds no wait for the device to a step (the one wait
-    a step has is the non-finite check, run.nonfinite_counts); both are all-reduced once
-    per line. `shared()` all-reduces the partial sums for a checkpoint; resuming puts
-    them on rank 0 only, which the next all-reduce turns into the same line on any
-    world size.
+    Everything stays on the device until `reduce`, the one place the steps wait for it: one
+    all-reduce of all of it, with the ranks' stop votes, read once, at a metrics line or a
+    checkpoint (every --log-every steps at most). Afterwards rank 0 holds the partial sums
+    alone, which the next reduce turns into the same line on any world size, so a
+    checkpoint can carry them (`restore` on resume).
     """
 
-    def __init__(self, names, device):
-        self.names, self.device = names, device
-        self.loss = torch.zeros(len(names), dtype=torch.float64, device=device)
-        self.counts = torch.zeros(len(names) + 1, dtype=torch.float64)  # last: skipped samples
+    def __init__(self, names, device, is_main=True):
+        self.names, self.device, self.is_main = names, device, is_main
+        n = len(names)
+        self.sums = torch.zeros(2 * n, dtype=torch.float64, device=device)  # loss sums, then sample counts
+        self.skipped = 0  # damaged samples (a count from the CPU)
+        self.rows = []  # (step, per-source non-finite losses then the step's found flag) on the device
         self.t = time.perf_counter()
 
-    def add(self, losses, source, counts, skipped):
-        """losses and source on the device; counts (samples per source) and skipped on the CPU."""
-        self.loss.index_add_(0, source, losses.double())
-        self.counts[:-1] += counts
-        self.counts[-1] += skipped
+    def add(self, step, losses, source, found):
+        """losses and source of one step and its found flag, on the device: no wait for it."""
+        n = len(self.names)
+        keep = found == 0
+        self.sums[:n].index_add_(0, source, torch.where(keep, losses, 0.0).double())
+        self.sums[n:].index_add_(0, source, keep.double().expand(len(source)))
+        row = torch.zeros(n + 1, dtype=torch.float64, device=self.device)
+        row[:n].index_add_(0, source, (~torch.isfinite(losses)).double())
+        row[n] = found
+        self.rows.append((step, row))
 
-    def _zero(self):
-        self.loss.zero_()
-        self.counts.zero_()
-
-    def _reduced(self):
-        both = dist.all_reduce_sum(torch.cat([self.loss, self.counts.to(self.device)]))
-        return both.cpu().tolist()
-
-    def shared(self, is_main):
-        """The partial sums over all ranks (a collective); afterwards rank 0 holds them alone."""
-        total = self._reduced()
-        self._zero()
-        self.restore(total, is_main)
-        return total
+    def reduce(self, votes=()):
+        """Sum everything over the ranks and read it (a collective, and the wait for the device):
+        returns (sums: per-source loss sums and counts then skipped samples, as a checkpoint keeps
+        them; skipped steps: [(step, {source: non-finite samples})]; the summed votes)."""
+        n = len(self.names)
+        rows = torch.stack([r for _, r in self.rows]).flatten() if self.rows else self.sums[:0]
+        extra = torch.tensor([float(self.skipped), *votes], dtype=torch.float64).to(self.device, non_blocking=True)
+        total = dist.all_reduce_sum(torch.cat([self.sums, extra, rows])).cpu().tolist()
+        sums = total[:2 * n] + [int(total[2 * n])]
+        voted = total[2 * n + 1:2 * n + 1 + len(votes)]
+        flat = total[2 * n + 1 + len(votes):]
+        skipped_steps = [(step, {k: int(c) for k, c in zip(self.names, flat[i * (n + 1):i * (n + 1) + n]) if c})
+                         for i, (step, _) in enumerate(self.rows) if flat[i * (n + 1) + n] > 0]
+        self.rows = []
+        self.restore(sums, self.is_main)
+        return sums, skipped_steps, voted
 
     def restore(self, sums, is_main):
-        if is_main and sums is not None:
-            n = len(self.names)
-            self.loss.copy_(torch.tensor(sums[:n], dtype=torch.float64))
-            self.counts.copy_(torch.tensor(sums[n:], dtype=torch.float64))
-
-    def flush(self):
-        """All-reduce and reset; returns the fields of one metrics line."""
-        total = self._reduced()
+        """Partial sums (from `reduce`, or a checkpoint) held by rank 0 alone."""
         n = len(self.names)
-        loss_sum, count, skipped = total[:n], total[n:2 * n], int(total[2 * n])
+        self.sums.zero_()
+        self.skipped = 0
+        if is_main and sums is not None:
+            self.sums.copy_(torch.tensor(sums[:2 * n], dtype=torch.float64))
+            self.skipped = int(sums[2 * n])
+
+    def line(self, sums):
+        """The fields of one metrics line from reduced sums; the sums start again from zero."""
+        n = len(self.names)
+        loss_sum, count, skipped = sums[:n], sums[n:2 * n], int(sums[2 * n])
         dt = time.perf_counter() - self.t
-        self._zero()
+        self.restore(None, False)
         self.t = time.perf_counter()
         seen = sum(count)
         return {"loss": {k: a / max(c, 1) for k, a, c in zip(self.names, loss_sum, count)},

@@ -44,19 +44,31 @@ class Net(nn.Module):
 
 def augment(x, source, flip_sources, generator, pad=2):
     """Random translation by up to `pad` pixels for every source, horizontal flips only
-    for `flip_sources` (a flipped digit is another digit). Runs on the batch's device
-    with an explicit generator, so a resumed run draws the same augmentations."""
+    for `flip_sources` (a tensor of source ids on the batch's device: a flipped digit is
+    another digit). The draws come from an explicit CPU generator, so a resumed run draws the
+    same augmentations, and reach the device in one asynchronous copy from pinned memory: no
+    step waits for the device here."""
     b, c, h, w = x.shape
     dev = x.device
     padded = F.pad(x, (pad, pad, pad, pad))
-    dy = torch.randint(0, 2 * pad + 1, (b,), generator=generator).to(dev)
-    dx = torch.randint(0, 2 * pad + 1, (b,), generator=generator).to(dev)
+    draws = [torch.randint(0, 2 * pad + 1, (b,), generator=generator) for _ in range(2)]
+    if len(flip_sources):
+        draws.append((torch.rand(b, generator=generator) < 0.5).long())
+    draws = _to_device(torch.stack(draws), dev)
+    dy, dx = draws[0], draws[1]
     rows = (dy[:, None] + torch.arange(h, device=dev))[:, None, :, None]
     cols = (dx[:, None] + torch.arange(w, device=dev))[:, None, None, :]
     out = padded[torch.arange(b, device=dev)[:, None, None, None], torch.arange(c, device=dev)[None, :, None, None],
                  rows, cols]
-    if flip_sources:
-        flip = torch.rand(b, generator=generator).to(dev) < 0.5
-        flip &= torch.isin(source, torch.tensor(flip_sources, device=dev))
+    if len(flip_sources):
+        flip = draws[2].bool() & torch.isin(source, flip_sources)
         out = torch.where(flip[:, None, None, None], out.flip(3), out)
     return out
+
+
+def _to_device(t, device):
+    """A small CPU tensor on `device` without waiting: copied from pinned memory, which torch's
+    host allocator keeps until the copy is done."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)

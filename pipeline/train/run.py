@@ -7,6 +7,7 @@ live in pipeline.train.checkpoint.
 """
 import importlib
 import json
+import math
 import os
 import warnings
 from contextlib import nullcontext
@@ -41,6 +42,18 @@ def autocast(device):
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
 
+def sgd(model, args):
+    """SGD with Nesterov momentum whose step is skipped on the device when its `found_inf` is set
+    (the fused step reads it, as GradScaler's do): deciding needs no wait for the device. The
+    momentum buffers start at zero, which is what SGD's first step makes of them (buf = grad,
+    without dampening), so a first step that is skipped leaves no uninitialised buffer behind."""
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
+                          weight_decay=args.weight_decay, fused=True)
+    for p in model.parameters():
+        opt.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return opt
+
+
 
 class Run:
     """Everything one training run holds: sources, stream, model, optimiser, where it stands."""
@@ -69,8 +82,10 @@ class Run:
                     if topo.world > 1 else self.model)
         self.buffers = list(self.model.buffers())  # BatchNorm's running stats: a skipped step leaves them too
         self.kept_buffers = [b.clone() for b in self.buffers]
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9, nesterov=True,
-                                   weight_decay=args.weight_decay)
+        self.opt = sgd(self.model, args)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.flip_tensor = torch.tensor(self.flip_ids, dtype=torch.int64, device=device)  # made once: no copy a step
+        self.one = torch.ones((), device=device)
         self.global_batch = topo.world * args.batch_size
         self.total = self.stream.epoch_samples * args.epochs
         self.fingerprint = checkpoint.fingerprint(args, train_sources)
@@ -93,40 +108,47 @@ class Run:
         return learning_rate(self.args, self.global_batch, self.seen, self.total)
 
     def step_once(self, batch, gen):
-        """One optimiser step; returns per-sample losses (detached) and source ids on the device,
-        and per source the samples whose loss was not finite on any rank (then the weights
-        were left as they were: every rank sees the same counts and skips the same step)."""
+        """One optimiser step, decided on the device: returns the per-sample losses, the source ids
+        and the step's `found` flag (1 where some rank's loss, or the summed gradients, were not
+        finite; the weights and running stats were then left as they were, on every rank alike).
+        Nothing here waits for the device: the host queues the next step while this one runs, and
+        learns what happened when the step log is read (pipeline.train.metrics.StepLog.reduce)."""
         x, y, s = prefetch.on_device(batch, self.device)
-        x = augment(self.layout.normalize(x, s), s, self.flip_ids, gen)
+        x = augment(self.layout.normalize(x, s), s, self.flip_tensor, gen)
         for group in self.opt.param_groups:
             group["lr"] = self.lr()
         torch._foreach_copy_(self.kept_buffers, self.buffers)
         with autocast(self.device):
             losses = F.cross_entropy(self.ddp(x).float(), y, reduction="none")
         self.opt.zero_grad(set_to_none=True)
-        losses.mean().backward()  # every rank, always: DDP's gradient all-reduce must not be left waiting
-        votes = self.stopper.vector() if self.stopper else []
-        bad, stops = nonfinite_counts(losses.detach(), s, len(self.names), votes)
-        if self.stopper and self.stopping is None:
-            self.stopping = self.stopper.agreed(stops)
-        if any(bad):
-            torch._foreach_copy_(self.buffers, self.kept_buffers)  # the forward pass moved them
-        else:
-            self.opt.step()
+        # a rank whose loss is not finite makes every gradient of its own NaN, and DDP's all-reduce
+        # carries that to every rank: all of them find it below and skip the step alike, with no
+        # collective of ours and no wait for the device (torch.amp.GradScaler's check, on the sum)
+        poison = torch.where(torch.isfinite(losses).all(), 1.0, math.nan)
+        (losses.mean() * poison).backward()  # every rank, always: DDP's gradient all-reduce must not be left waiting
+        found = torch.zeros((), device=self.device)
+        torch._amp_foreach_non_finite_check_and_unscale_([p.grad for p in self.params if p.grad is not None],
+                                                         found, self.one)
+        self.opt.found_inf = found  # the fused step leaves weights and momentum alone where it is set
+        self.opt.step()
+        skip = found > 0
+        for kept, b in zip(self.kept_buffers, self.buffers):  # the forward pass moved them
+            b.copy_(torch.where(skip, kept, b))
         self.seen += self.global_batch
         self.step += 1
-        return losses.detach(), s, bad
+        return losses.detach(), s, found
 
     # ------------------------------------------------------------ checkpoints
 
-    def state(self, log, keys):
+    def state(self, keys, sums=None):
         """The checkpoint's content on rank 0, None on the other ranks (a collective: every rank
         calls it). Each rank's own part (its place in the stream, its tally, its key count)
-        reaches rank 0 in one gather: only rank 0 writes the file."""
+        reaches rank 0 in one gather: only rank 0 writes the file. `sums`: the step log's
+        partial sums, reduced (StepLog.reduce) just before."""
         keys.flush()
         parts = dist.gather_to_main({"stream": self.stream.state_dict() if self.in_epoch else None,
                                      "tally": self.tally if self.in_epoch else None, "keys": keys.count})
-        sums = log.shared(self.topo.is_main)
+        sums = sums if sums is not None else [0.0] * (2 * len(self.names)) + [0]
         if parts is None:
             return None
         stream_states = [p["stream"] for p in parts]
@@ -145,8 +167,8 @@ class Run:
                 "key_counts": json.dumps(counts),
                 "history": json.dumps(self.history), "config": json.dumps(redacted(vars(self.args)))}
 
-    def save(self, log, keys):
-        state = self.state(log, keys)
+    def save(self, keys, sums=None):
+        state = self.state(keys, sums)
         if self.topo.is_main:
             checkpoint.save(os.path.join(self.args.out, "checkpoint.pt"), state)
         dist.barrier()
@@ -216,20 +238,6 @@ class Run:
         if data:
             changed["data"] = {name: {"from": was, "to": now} for name, (was, now) in data.items()}
         return changed
-
-
-def nonfinite_counts(losses, source, n, votes=()):
-    """Per source, the samples of this step whose loss is not finite, summed over all ranks:
-    the same list on every rank, so all of them skip a step or none does (one small
-    all-reduce, and a wait for the device, per step). The ranks' stop votes (one slot per
-    stop signal, see pipeline.train.stop) ride in the same all-reduce: returns (counts, the
-    summed votes), and every rank learns after the same step that one of them got a signal."""
-    bad = torch.zeros(n + len(votes), dtype=torch.float64, device=losses.device)
-    bad.index_add_(0, source, (~torch.isfinite(losses)).double())
-    if votes:
-        bad[n:] = torch.tensor(votes, dtype=torch.float64)
-    sums = dist.all_reduce_sum(bad).tolist()
-    return [int(c) for c in sums[:n]], sums[n:]
 
 
 class NonFiniteLoss(Exception):

@@ -1,0 +1,68 @@
+"""The trainer's step loop waits for the device only where its step log is read: every
+--log-every steps, at a checkpoint and at an epoch's last step (issue: the trainer reached 58%
+of the model's own speed because every step waited). The calls that would make it wait are
+counted by tests/sync_count.py; putting back a per-step read (a `.tolist()` of the non-finite
+check, an all-reduce of the stop votes) turns these tests red."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import sync_count
+from helpers import finish, free_port
+from pipeline.train import loop as train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def data(mixed_shards):
+    return mixed_shards
+
+
+def args(data, out, *extra):
+    return ["--train", f"mnist={data}/", "--train", f"cifar10={data}/", "--epochs", "2", "--epoch-samples", "320",
+            "--batch-size", "16", "--width", "4", "--log-every", "4", "--out", str(out), *extra]
+
+
+def allowed(seen, log_every, epoch_steps, epochs):
+    """The steps at which the loop may wait: log steps and each epoch's last."""
+    return {s for s, _ in seen} - {s for s in range(0, epoch_steps * epochs + 1, log_every)} \
+        - {epoch_steps * e for e in range(1, epochs + 1)}
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_one_process_reads_the_device_only_at_log_steps(data, tmp_path, monkeypatch, workers):
+    syncs = sync_count.install(patch=monkeypatch.setattr)
+    assert train.main(args(data, tmp_path / "run", "--workers", workers)) == 0
+    steps = {s for s, _ in syncs.seen}
+    assert not allowed(syncs.seen, 4, 20, 2), syncs.seen  # 320 / 16 = 20 steps an epoch
+    assert {4, 8, 20, 40} <= steps and ("tolist" in {c for _, c in syncs.seen})  # the counting itself works
+
+
+def test_a_checkpoint_reads_the_device_too_and_only_then(data, tmp_path, monkeypatch):
+    syncs = sync_count.install(patch=monkeypatch.setattr)
+    assert train.main(args(data, tmp_path / "run", "--workers", "0", "--checkpoint-every", "6", "--log-every",
+                           "100")) == 0
+    assert {s for s, _ in syncs.seen} == {6, 12, 18, 20, 24, 30, 36, 40}, syncs.seen  # steps counted over the run
+
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun_wait_only_at_log_steps(data, tmp_path):
+    """gloo, 2 ranks: no collective of ours and no read between log steps on either rank, and
+    the per-step skip decision still agrees (a NaN test of its own is in test_readback)."""
+    prefix = tmp_path / "syncs"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                             f"--master_port={free_port()}", os.path.join(ROOT, "tests", "sync_count.py"), str(prefix),
+                             *args(data, tmp_path / "run", "--workers", "1", "--epoch-samples", "640")],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    code, err = finish(proc, timeout=600)
+    assert code == 0, err[-3000:]
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"syncs-rank{rank}.json").read_text())
+        assert not allowed(seen, 4, 20, 2), seen  # 640 / (2 x 16) = 20 steps an epoch on each rank
+        assert "all_reduce" in {c for _, c in seen}
