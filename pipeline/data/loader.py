@@ -10,14 +10,13 @@ runs the processes; each pass begins with the stream's plan, so every `set_epoch
 """
 import collections
 import multiprocessing
-import pickle
 
 import torch
 
 from pipeline.data.budget import PREFETCH
 from pipeline.data.ring import Ring
 from pipeline.data.topology import Worker
-from pipeline.data.workers import BATCH, END, Workers, raise_error
+from pipeline.data.workers import BATCH, END, Workers, raise_error, unpack
 
 
 def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=PREFETCH, start_method="fork", record=True):
@@ -92,7 +91,7 @@ class Loader:
                     continue
                 if kind != BATCH:
                     raise_error(payload, w)
-                batch = pickle.loads(payload)
+                batch = unpack(payload, n)
                 batch.update(self.ring.lend(w, slot, n))
                 yield self._arrived(batch)
 
@@ -105,7 +104,7 @@ class Loader:
             if handle[0] == "slot":
                 tensors = self.ring.lend(0, handle[1], handle[2])
             else:
-                tensors = spec.tensors(handle[1], handle[2])
+                tensors = spec.tensors(spec.holder(handle[1].numpy()), handle[2])
             batch.update(tensors)
             yield self._arrived(batch)
 

@@ -178,8 +178,7 @@ def _serve(source, w, count, ring, commands, ready, free, control, parent):
         try:
             for batch in source.batches(worker, slots.borrower(ring, w, pass_id), plan):
                 k, n = batch.pop("slot")
-                _send(fd, pass_id, BATCH, k, n, pickle.dumps({key: v for key, v in batch.items()
-                                                              if key not in ring.spec.names}, protocol=5))
+                _send(fd, pass_id, BATCH, k, n, pack(batch, ring.spec.names))
                 if control[w] != pass_id:
                     break
             else:
@@ -220,6 +219,23 @@ def _send(fd, pass_id, kind, slot, n, payload):
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+def pack(batch, fixed):
+    """A batch's small fields (all but the `fixed` ones, which are in its slot), pickled. The keys
+    go as one string: unpickling 256 strings cost the consumer about twice what splitting one does."""
+    small = {k: v for k, v in batch.items() if k not in fixed}
+    keys = small.get("key")
+    if isinstance(keys, list) and not any("\0" in k for k in keys):
+        small["key"] = "\0".join(keys)
+    return pickle.dumps(small, protocol=5)
+
+
+def unpack(payload, n):
+    small = pickle.loads(payload)
+    if isinstance(small.get("key"), str):
+        small["key"] = small["key"].split("\0") if n else []
+    return small
 
 
 def _pickled_error(e):
