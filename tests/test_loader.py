@@ -199,3 +199,22 @@ def test_the_stream_in_a_dataloader_of_the_users_own(data):
 
     mine = torch.utils.data.DataLoader(stream(), batch_size=None, num_workers=2)
     assert [k for b in mine for k in b["key"]] == keys_of(run_epoch(stream(), workers=2))
+
+
+@pytest.mark.slow
+def test_a_pass_started_early_is_the_one_read_unless_the_plan_changed(even):
+    """start() begins the next pass while the caller builds its model: iterated as planned it is
+    that pass; after set_epoch (or a loaded state) its batches are dropped for the new plan's."""
+    def expected(epoch):
+        s = MixedStream(train_sources(even), HALF, 8, seed=3, shuffle_buffer=8)
+        s.set_epoch(epoch)
+        return keys_of(run_epoch(s, workers=2))
+
+    s = MixedStream(train_sources(even), HALF, 8, seed=3, shuffle_buffer=8)
+    loader = make_loader(s, 2).start()
+    first = loader._early[1]
+    assert [k for b in loader for k in b["key"]] == expected(0) and loader.workers.pass_id == first
+    t = MixedStream(train_sources(even), HALF, 8, seed=3, shuffle_buffer=8)
+    loader = make_loader(t, 2).start()
+    t.set_epoch(1)
+    assert [k for b in loader for k in b["key"]] == expected(1) and loader.workers.pass_id == 2

@@ -52,6 +52,7 @@ class Loader:
         if hasattr(stream, "set_workers"):
             stream.set_workers(max(1, num_workers))
         self.stream, self.num_workers, self.record = stream, num_workers, record
+        self._early = None  # (plan, pass id) of a pass `start` began
         self.pin = bool(pin_memory) and torch.cuda.is_available()
         depth = prefetch_factor + 2
         if num_workers:
@@ -67,17 +68,25 @@ class Loader:
         return len(self.stream)
 
     def start(self):
-        """Start the workers now (they start at the first pass otherwise): while the caller does
-        other work (builds its model), they fork and import, and the first pass is quicker."""
-        if self.workers is not None:
+        """Start the workers now, and with them the pass the stream would read next (they start
+        at the first pass otherwise): while the caller builds its model and CUDA starts, the
+        workers fork, open their shards and fill their slots. Should the stream's plan change
+        before the pass (a state loaded, another epoch set), that work is dropped."""
+        if self.workers is not None and not self.workers.started:
             self.workers.start()
+            self.ring.page_lock()
+            if hasattr(self.stream, "plan"):
+                plan = self.stream.plan()
+                self._early = (plan, self.workers.begin(plan))
         return self
 
     def __iter__(self):
         plan = self.stream.plan() if hasattr(self.stream, "plan") else None
         if self.workers is None:
             return self._here(plan)
-        return self._from_workers(self.workers.begin(plan))
+        self.start()
+        early, self._early = self._early, None
+        return self._from_workers(early[1] if early is not None and early[0] is plan else self.workers.begin(plan))
 
     def _from_workers(self, pass_id):
         """Round robin over the workers, each dropped when its share ends: the order a

@@ -110,16 +110,20 @@ class Ring:
         self._pending = collections.deque()  # (CUDA event, producer, slot) of dropped slots a copy may still read
         self._lock = threading.Lock()
         self._registered = False
-        self._events = pin and torch.cuda.is_available()
-        if shared and self._events:
-            self._registered = _register(self.memory)
-            self._events = self._registered
+        self._events = pin and torch.cuda.is_available() and not shared  # a shared ring: once `page_lock` took
 
     def __getstate__(self):  # a worker started by forkserver or spawn: the memory and its layout only
         return {"producers": self.producers, "depth": self.depth, "spec": self.spec, "memory": self.memory}
 
     def __setstate__(self, state):
         self.__dict__.update(state, buf=state["memory"].numpy(), pin=False, give_back=None)
+
+    def page_lock(self):
+        """Page-lock a shared ring for the GPU copy (cudaHostRegister), once. The loader calls it
+        after its workers forked, so that they start before CUDA does in this process."""
+        if self.pin and not self._registered and not self._events and torch.cuda.is_available():
+            self._registered = self._events = _register(self.memory)
+        return self._registered
 
     def slot(self, producer, k):
         """Slot k of a producer, as a uint8 numpy array (a new view object each call)."""

@@ -53,9 +53,18 @@ def train(args, topo, device, stopper=None):
     startup = {"resolve_s": round(time.perf_counter() - t0, 3), "torch_threads": torch.get_num_threads()}
     if topo.is_main:
         guard.warn_data(train_sources, eval_sources)
+    def start_loader(train_stream):
+        """The memory check, then the loader's workers, started while the model is built: they fork
+        before CUDA starts here and read the first batches meanwhile. record=False: prefetch.ahead
+        pulls batch n+1 before step n; the epoch records each batch as it trains it."""
+        guard.check_memory(args, train_stream, len(eval_sources))  # before any loader starts or reads
+        if args.eval_only:
+            return None
+        return stream.make_loader(train_stream, args.workers, pin_memory=device.type == "cuda", record=False).start()
+
     try:
-        run = Run(args, topo, device, train_sources, eval_sources, policy=policy, started=t0, startup=startup)
-        guard.check_memory(args, run.stream, len(eval_sources))  # before any loader starts or reads
+        run = Run(args, topo, device, train_sources, eval_sources, policy=policy, started=t0, startup=startup,
+                  before_model=start_loader)
     except InputError:
         raise
     except ValueError as e:  # the stream's checks of the options against the data (an epoch too short, ...)
@@ -82,8 +91,7 @@ def train(args, topo, device, stopper=None):
 
         for r in range(topo.world, len(run.key_counts)):  # key logs of ranks this world no longer has
             truncate_keys(os.path.join(args.out, f"keys-rank{r}.txt"), run.key_counts[r])
-    # record=False: prefetch.ahead pulls batch n+1 before step n; the epoch records each batch as it trains it
-    loader = stream.make_loader(run.stream, args.workers, pin_memory=device.type == "cuda", record=False)
+    loader = run.loader
     evals_from = eval_loaders(run)
     started = run.step
     resumed_from = {"epoch": run.epoch + 1, "step": run.step} if ckpt else None

@@ -58,9 +58,12 @@ def sgd(model, args):
 class Run:
     """Everything one training run holds: sources, stream, model, optimiser, where it stands."""
 
-    def __init__(self, args, topo, device, train_sources, eval_sources, *, policy, started, startup):
+    def __init__(self, args, topo, device, train_sources, eval_sources, *, policy, started, startup,
+                 before_model=None):
         """policy: the remote reads' retries and deadlines; started: perf_counter() when the job
-        began; startup: the start-up timings so far, which the first batch completes."""
+        began; startup: the start-up timings so far, which the first batch completes;
+        before_model(stream): called once the stream is made and checked, before the model is
+        built and CUDA starts (the trainer starts its loader's workers there); kept as `loader`."""
         self.args, self.topo, self.device = args, topo, device
         self.sources = train_sources
         self.stream = stream.MixedStream(
@@ -73,6 +76,7 @@ class Run:
             sample_stages=load_stages(args.sample_stage))
         self.stream.set_workers(max(1, args.workers))  # before a resume: it decides same world or not
         self.evals = [self.stream.eval_stream(src) for src in eval_sources]  # class and shape checks, before --out
+        self.loader = before_model(self.stream) if before_model else None
         self.layout = self.stream.layout
         self.names = self.layout.names
         self.flip_ids = [self.layout.index(n) for n in args.flip]
