@@ -14,7 +14,9 @@ Mosaic Streaming), feeding MNIST + CIFAR10 to one model on the same data in one 
      .decode("pil"), .to_tuple, .map(transform)), wds.RandomMix, wds.batched, wds.WebLoader.
   C  this project: pipeline.data.stream.resolve + MixedStream(normalize=True) + make_loader.
   C8 the same with normalize=False: uint8 batches, as the trainer takes them (it normalises
-     on its device).
+     on its device). "consumer us/sample": the consuming process's own CPU a sample (all its
+     threads, not its workers'): what caps one rank whatever its workers (--handover times the
+     hand-over alone).
   LitData, Mosaic  the libraries a user would pick instead (LitData 0.2.76, Mosaic Streaming
      0.13.0; `pip install -e '.[bench]'`), each over the raw shards' pixels written once in its
      own format under --work-dir, with its batches checked; see tools/bench_peers.py. A peer
@@ -104,6 +106,10 @@ def parse_args(argv):
     p.add_argument("--stores", action="store_true",
                    help="only read the same mnist shards from local files, HTTP, a local S3-compatible server and "
                         "that server behind 50 ms of latency (tools/bench/stores.py; --synthetic or --shards DIR)")
+    p.add_argument("--handover", action="store_true",
+                   help="only time the hand-over from workers that do no work: the consuming process's own CPU a "
+                        "batch through torch's DataLoader and through pipeline.data.loader (tools/bench/handover.py; "
+                        "--workers' largest count, --batch-size, --repeats)")
     p.add_argument("--torch-threads", type=int, metavar="N",
                    help="torch.set_num_threads(N) in the benchmarking process (default: torch's own choice; "
                         "A's and B's per-sample torch calls use them; C normalises in one "
@@ -119,6 +125,7 @@ def parse_args(argv):
         return args
     if args.json is None:
         args.json = os.path.join("bench-out", "stages.json" if args.stages else "stores.json" if args.stores else
+                                 "handover.json" if args.handover else
                                  "tar-format.json" if args.tar_format else "bench.json")
     if args.batch_size < 2 or args.batch_size % 2:
         p.error("--batch-size must be even and at least 2 (A loads half a batch from each data set)")
@@ -133,7 +140,8 @@ def parse_args(argv):
         p.error(f"--rank {args.rank} outside --world {args.world}")
     if args.stores and not (args.synthetic or args.shards):
         p.error("--stores reads --shards DIR (its mnist-train.json) or --synthetic shards")
-    if not args.synthetic and not args.stages and not args.stores and not (args.mnist_root and (args.cifar_folder or args.tar_format)):
+    if not args.synthetic and not args.stages and not args.stores and not args.handover and \
+            not (args.mnist_root and (args.cifar_folder or args.tar_format)):
         p.error("give --mnist-root and --cifar-folder, or --synthetic")
     args.skipped = choose_peers(p, args)
     if "A" not in args.methods:
@@ -183,6 +191,14 @@ def main(argv=None):
     if args.stores:
         from bench import stores
         return stores.main(args)
+    if args.handover:
+        from bench import handover
+        from bench.host import git_state
+        from bench.report import write_record
+        result = handover.run(max(max(args.workers), 1), batch=args.batch_size, repeats=args.repeats)
+        write_record(args.json, {"command": [os.path.basename(sys.executable), *sys.argv], "git": git_state(),
+                                 "handover": result})
+        return 0
     if not args.synthetic:
         return suite.run(args, args.work_dir)
     tmp = tempfile.mkdtemp(prefix="bench-loader-")

@@ -53,6 +53,7 @@ class Loader:
             stream.set_workers(max(1, num_workers))
         self.stream, self.num_workers, self.record = stream, num_workers, record
         self._early = None  # (plan, pass id) of a pass `start` began
+        self._record = getattr(stream, "record", None) if record else None
         self.pin = bool(pin_memory) and torch.cuda.is_available()
         depth = prefetch_factor + 2
         if num_workers:
@@ -126,8 +127,8 @@ class Loader:
         return ("own", base, n), self.ring.spec.arrays(base.numpy(), n)
 
     def _arrived(self, batch):
-        if self.record and "state" in batch:
-            self.stream.record(batch["state"])
+        if self._record is not None and "state" in batch:
+            self._record(batch["state"])
         return batch
 
     def close(self):

@@ -17,6 +17,11 @@ def fmt_spread(s, digits=0):
     return f"{s['median']:,.{digits}f} [{s['min']:,.{digits}f}-{s['max']:,.{digits}f}]"
 
 
+def consumer(entry):
+    """The consuming process's own CPU a sample (median over the runs): what caps one rank."""
+    return statistics.median(r["cpu_main_s"] / r["samples"] * 1e6 for r in entry["runs"])
+
+
 def table(entries):
     """One row per loader and worker count: medians with [min-max] over the repeats."""
     def ratio(e, base, metric):
@@ -24,9 +29,9 @@ def table(entries):
         return fmt_spread(r, 2) if r else "-"
 
     head = (f"{'workers':>7} {'loader':<7} {'samples/s':>24} {'x A':>17} {'samples/cpu-s':>24} {'x A':>17}"
-            f" {'x B':>17} {'x C':>17}  cores  ceiling share")
+            f" {'x B':>17} {'x C':>17}  cores consumer  ceiling share")
     lines = [head, f"{'':>7} {'':<7} {'':>24} {'(samples/s)':>17} {'(per busy core)':>24} {'(per core)':>17}"
-                   f" {'(per core)':>17} {'(per core)':>17}        /s  /cpu-s"]
+                   f" {'(per core)':>17} {'(per core)':>17}       us/sample   /s  /cpu-s"]
     order = {"LitData": 0, "Mosaic": 1, "A": 2, "B": 3, "C": 4, "C8": 5}
     for e in sorted(entries, key=lambda e: (e["workers"], e["encoding"] or "", order[e["method"]])):
         name = e["method"] + (f"/{e['encoding']}" if e["encoding"] else "")
@@ -34,7 +39,7 @@ def table(entries):
         lines.append(f"{e['workers']:>7} {name:<7} {fmt_spread(e['samples_per_s']):>24} "
                      f"{ratio(e, 'A', 'samples_per_s'):>17} {fmt_spread(e['samples_per_cpu_s']):>24} "
                      f"{ratio(e, 'A', 'samples_per_cpu_s'):>17} {ratio(e, 'B', 'samples_per_cpu_s'):>17} "
-                     f"{ratio(e, 'C', 'samples_per_cpu_s'):>17}  {cores:.2f}"
+                     f"{ratio(e, 'C', 'samples_per_cpu_s'):>17}  {cores:.2f} {consumer(e):>9.3f}"
                      + (f"  {e['ceiling_share']:4.1%}  {e['ceiling_share_cpu']:5.1%}" if "ceiling_share" in e else ""))
     lines.append("A: the tutorial's torchvision loaders; B: stock webdataset (wds.RandomMix); C, C8: this stream, "
                  "float and uint8 batches; LitData, Mosaic: those libraries over the raw pixels (x B, x C: to B/raw, "
