@@ -9,7 +9,6 @@ import atexit
 import functools
 import json
 
-import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 

@@ -4,7 +4,6 @@ yielding the small fields a batch of this project carries (keys, state, labels; 
 already in shared memory), against pipeline.data.loader with the same fields in its ring. This
 is the measured reason the loader runs its own worker processes: the consumer's budget is
 0.3 us a sample, 77 us a batch of 256."""
-import os
 import statistics
 import tempfile
 import time
