@@ -19,13 +19,20 @@ LOCK = ".train.lock"  # in --out while a trainer runs there; holds its pid
 EVAL_SPLITS = ("test", "val", "valid", "validation", "eval", "holdout")
 
 
-def check_memory(args, stream, eval_sources=0):
-    """ValueError (one line) when the job's batches may take more than --max-batch-memory
-    (pipeline.data.budget); `stream`: the training MixedStream, built but not yet read."""
+def check_memory(args, stream, eval_sources=0, device=None):
+    """ValueError (one line) when the job's batches, and on a CPU `device` the model's step, may
+    take more than --max-batch-memory (pipeline.data.budget); `stream`: the training
+    MixedStream, built but not yet read. A GPU's step is in its own memory, not counted here."""
     cap = getattr(args, "max_batch_memory", None) or budget.default_cap()
+    step = 0
+    if device is not None and device.type == "cpu":
+        from pipeline.train.model import step_bytes
+
+        step = step_bytes(args.batch_size, *stream.layout.hw, args.width)
     return budget.check_budget(args.batch_size, {s.name: s.shape for s in stream.sources}, args.workers, cap,
                                window_bytes=stream.window_held(), eval_sources=eval_sources,  # the loaders' PREFETCH
-                               fetched_ahead=stream.fetches_ahead())
+                               fetched_ahead=stream.fetches_ahead(), step_bytes=step,
+                               width=getattr(args, "width", None))
 
 
 @contextlib.contextmanager

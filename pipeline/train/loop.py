@@ -55,7 +55,7 @@ def train(args, topo, device, stopper=None):
         guard.warn_data(train_sources, eval_sources)
     try:
         run = Run(args, topo, device, train_sources, eval_sources, policy=policy, started=t0, startup=startup)
-        guard.check_memory(args, run.stream, len(eval_sources))  # before any loader starts or reads
+        guard.check_memory(args, run.stream, len(eval_sources), device)  # before any loader starts or reads
     except InputError:
         raise
     except ValueError as e:  # the stream's checks of the options against the data (an epoch too short, ...)
