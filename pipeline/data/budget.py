@@ -13,6 +13,8 @@ torch: the numbers are the caller's.
 """
 import os
 
+from pipeline.data import bounds
+
 PREFETCH = 4  # batches a loader's worker prepares ahead (make_loader's prefetch_factor): the ring holds 2 more
 
 
@@ -30,7 +32,9 @@ def needed(batch_size, shapes, workers, *, prefetch_factor=PREFETCH, window_byte
     decode: in each process that decodes (every worker, or the trainer itself without workers),
     a batch's images as decoded, stacked into one array and padded to the batch's height and
     width (decode.decode_batch, batch._to_canvas: three arrays of at most a batch's bytes), and
-    one image being resized (the resized image, its array, its CHW copy); trainer: the uint8
+    one image being resized: the source image as decoded (at most bounds.MAX_DECODE_RATIO
+    times the target's pixels, 4 bytes each), the resized image, its array and its CHW copy
+    (3 images of the target's size); trainer: the uint8
     batch copied out and its float32 copy (5 bytes a pixel); windows: `window_bytes` (what one
     (rank, worker) holds for one source's shuffle window) per source and worker; step: the
     caller's `step_bytes`, what the model's step holds (the trainer counts it on the CPU)."""
@@ -38,9 +42,11 @@ def needed(batch_size, shapes, workers, *, prefetch_factor=PREFETCH, window_byte
     batch = batch_bytes(batch_size, shapes)
     depth = prefetch_factor + 2
     decoders = max(workers, 1) + eval_sources * min(workers, 2)
+    image = batch_bytes(1, shapes)
+    source = 4 * min(bounds.MAX_PIXELS, bounds.MAX_DECODE_RATIO * image // 3)
     parts = {"batch": batch, "ring": workers * depth * batch,
              "eval_ring": eval_sources * min(workers, 2) * depth * batch,
-             "decode": decoders * (3 * batch + 3 * batch_bytes(1, shapes)),
+             "decode": decoders * (3 * batch + 3 * image + source),
              "trainer": 5 * batch, "windows": window_bytes * len(shapes) * max(workers, 1), "step": step_bytes}
     parts["total"] = sum(v for k, v in parts.items() if k != "batch")
     return parts
@@ -60,24 +66,26 @@ def check_budget(batch_size, shapes, workers, cap, *, prefetch_factor=PREFETCH, 
     tallest = max(shapes, key=lambda n: shapes[n][1] * shapes[n][2])
     queue = f"{workers} worker(s) x {prefetch_factor + 2} batches queued" if workers else "no workers"
     flags = (["--batch-size"] if batch_size > 1 else []) + (["--workers"] if workers else [])
-    held = ""
+    held = ["decoding", "the float copy"]
+    if parts["step"]:
+        flags = ["--width"] + flags if 2 * parts["step"] > parts["total"] else flags + ["--width"]
+        held.append(f"the model's step at --width {width} on the CPU ({human(parts['step'])})")
     if parts["windows"]:
         windows = ["--shuffle-window", "--fetch-ahead"] if fetched_ahead else ["--shuffle-window"]
         flags = windows + flags if 2 * parts["windows"] > parts["total"] else flags + windows  # the larger part first
-        held = f" and the shuffle windows{' and shards fetched ahead' if fetched_ahead else ''} " \
-               f"({human(parts['windows'])})"
-    step = ""
-    if parts["step"]:
-        flags = ["--width"] + flags if 2 * parts["step"] > parts["total"] else flags + ["--width"]
-        step = f", the model's step at --width {width} on the CPU ({human(parts['step'])})"
-    lower = (", ".join(flags[:-1]) + " or " + flags[-1] if len(flags) > 1 else flags[0]) if flags else ""
+        held.append(f"the shuffle windows{' and shards fetched ahead' if fetched_ahead else ''} "
+                    f"({human(parts['windows'])})")
     raise ValueError(
         f"--batch-size {batch_size} of 3x{max(s[1] for s in shapes.values())}x{max(s[2] for s in shapes.values())} "
         f"images ({tallest}'s manifest gives shape {list(shapes[tallest])}) is {human(parts['batch'])} a batch; with "
-        f"{queue}, decoding, the float copy{step}{held} a rank needs "
-        f"{human(parts['total'])}, more than --max-batch-memory {human(cap)}: "
-        f"{f'lower {lower}, or raise' if lower else 'raise'} --max-batch-memory"
-        f"{'' if lower else ', or give the source a manifest of a smaller shape'}")
+        f"{queue}, {_listed(held)} a rank needs {human(parts['total'])}, more than --max-batch-memory {human(cap)}: "
+        + (f"lower {_listed(flags, 'or')}, or raise --max-batch-memory" if flags else
+           "raise --max-batch-memory, or give the source a manifest of a smaller shape"))
+
+
+def _listed(items, last="and"):
+    """['a', 'b', 'c'] -> 'a, b and c'."""
+    return ", ".join(items[:-1]) + f" {last} " + items[-1] if len(items) > 1 else items[0]
 
 
 def default_cap(environ=os.environ):

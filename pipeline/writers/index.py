@@ -101,7 +101,8 @@ def scan_shard(url, label, policy=remote.Policy(), image_key=None, skip_unlabell
     def consume(stream):  # a retry after a broken transfer starts the counts over
         scan.update(url=url, samples=0, unlabelled=0, exts=collections.Counter(), shapes=collections.Counter(),
                      labels=collections.Counter(), first={}, rgb=np.zeros(7), grey=np.zeros(3), label=label,
-                     image_key=image_key, skip_unlabelled=skip_unlabelled, wide=(0, None, 0, 0), tall=(0, None, 0, 0))
+                     image_key=image_key, skip_unlabelled=skip_unlabelled, wide=(0, None, 0, 0, None),
+                     tall=(0, None, 0, 0, None), large=(0, None, 0, 0, None))
         h = _Hashing(stream)
         for sample in iter_samples(h, _Wanted(image_key, label), url):
             if not is_meta(sample["__key__"]):  # a __meta__ sample describes the shard: not a sample to index
@@ -178,9 +179,11 @@ def _scan_sample(sample, scan, url):
     scan["first"].setdefault(value, key)
     scan["rgb"] += [len(rgb), *rgb.sum(0), *(rgb * rgb).sum(0)]
     scan["grey"] += [len(grey), grey.sum(), (grey * grey).sum()]
-    for side, ratio in (("wide", w / h), ("tall", h / w)):  # the most elongated images, checked against the shape
-        if ratio > scan[side][0]:
-            scan[side] = (ratio, key, w, h)
+    scale = bounds.REDUCED.get(image_format(ext), 1)
+    decoded = -(-w // scale) * -(-h // scale)
+    for side, ratio in (("wide", w / h), ("tall", h / w), ("large", decoded)):  # checked against the shape
+        if ratio > scan[side][0]:  # the most elongated images, the one of most pixels as decoded
+            scan[side] = (ratio, key, w, h, image_format(ext))
 
 
 def wrong_label_key(url, sample, label, member):
@@ -196,14 +199,15 @@ def wrong_label_key(url, sample, label, member):
 
 
 def check_extremes(found, shape):
-    """The most elongated images of every shard against the manifest's shape (bounds.check):
-    ShardError naming the shard and the sample of the first that the trainer would refuse."""
+    """The most elongated images of every shard and its largest as decoded against the manifest's
+    shape (bounds.check): ShardError naming the shard and the sample of the first that the
+    trainer would refuse."""
     for f in found:
-        for side in ("wide", "tall"):
-            _, key, w, h = f[side]
+        for side in ("wide", "tall", "large"):
+            _, key, w, h, ext = f[side]
             if key is not None:
                 try:
-                    bounds.check(w, h, shape)
+                    bounds.check(w, h, shape, ext)
                 except ValueError as e:
                     raise ShardError(f"{f['url']}: sample {key}: {e}") from None
 
