@@ -524,3 +524,22 @@ def test_more_classes_than_a_manifest_holds_say_the_limit_and_why(tmp_path, monk
     assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
     assert "distinct labels (.cls), more than the 3 classes a manifest may hold" in p.stderr
     assert "--label-key" in p.stderr and "a non-empty list" not in p.stderr
+
+
+def test_classes_from_a_manifest_of_too_many_classes_says_the_limit_and_why(tmp_path, monkeypatch):
+    """The hostile trial's --classes-from manifest of 2 million classes was "a non-empty list of
+    class names expected"; a manifest of more than MAX_CLASSES classes, read anywhere, names its
+    count, the limit and the reason in one line (the limit is lowered here so a small file reaches it)."""
+    from pipeline.data import manifest as manifest_module
+
+    monkeypatch.setattr(manifest_module, "MAX_CLASSES", 5)
+    build_shards(tmp_path / "s", "m", "train", 20, maxcount=10, encoding="png")
+    many = json.loads((tmp_path / "s" / "m-train.json").read_text())
+    many["classes"] = [str(i) for i in range(6)]
+    (tmp_path / "many.json").write_text(json.dumps(many))
+    p = make_shards("--index", f"m:test={tmp_path}/s", "--classes-from", tmp_path / "many.json",
+                    "--out", tmp_path / "o")
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
+    assert (f"{tmp_path}/many.json: field classes: 6 classes, more than the 5 a manifest may hold "
+            f"(pipeline.data.manifest.MAX_CLASSES): the model has an output per class and every worker keeps the "
+            f"class list") in p.stderr, p.stderr

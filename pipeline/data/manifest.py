@@ -54,6 +54,7 @@ MIN_STD = 1e-6  # per channel, on 0..1 pixels: below it normalising multiplies b
 MAX_STD = 1.0  # pixels in 0..1 have a std of at most 0.5; 1 admits a hand-written "scale only" (mean 0, std 1)
 MAX_SIDE = 4096
 MAX_CLASSES = 1 << 20
+CLASSES_WHY = "the model has an output per class and every worker keeps the class list"  # why MAX_CLASSES
 MAX_PATTERN = 1_000_000  # names a brace pattern may expand to; counted before a single one is made
 MAX_NESTING = 32  # braces inside braces: each level is parsed again, by braceexpand as by the count
 
@@ -140,7 +141,10 @@ def check(m, where):
             and shape[0] in (1, 3) and all(1 <= x <= MAX_SIDE for x in shape[1:])):
         bad("shape", f"{shape!r}; [C, H, W] expected with C 1 or 3 and sides 1..{MAX_SIDE}")
     classes = m.get("classes")
-    if not (isinstance(classes, list) and 0 < len(classes) <= MAX_CLASSES and all(isinstance(c, str) for c in classes)):
+    if isinstance(classes, list) and len(classes) > MAX_CLASSES:
+        bad("classes", f"{len(classes)} classes, more than the {MAX_CLASSES} a manifest may hold "
+                       f"(pipeline.data.manifest.MAX_CLASSES): {CLASSES_WHY}")
+    if not (isinstance(classes, list) and classes and all(isinstance(c, str) for c in classes)):
         bad("classes", "a non-empty list of class names expected")
     for key in ("mean", "std"):
         v = m.get(key)

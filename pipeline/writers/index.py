@@ -33,8 +33,8 @@ from pipeline.data.decode import (CONTENT_ERRORS, IMAGE_EXTS, LABEL_EXTS, Unlabe
                                   parse_label_key, pil_reason, pixels_of, raw_label)
 from pipeline.errors import ShardError, redact
 from pipeline.files import MAX_JSON, open_regular, write_json_atomic
-from pipeline.data.manifest import (FORMAT, NAME_RE, MAX_CLASSES, MAX_SIDE, check, expand_pattern, manifest_name,
-                                    pipe_shard_name, plain_relative)
+from pipeline.data.manifest import (FORMAT, NAME_RE, CLASSES_WHY, MAX_CLASSES, MAX_SIDE, check, expand_pattern,
+                                    manifest_name, pipe_shard_name, plain_relative)
 from pipeline.data.read import is_meta, iter_samples
 from pipeline.writers.shards import writing
 
@@ -415,9 +415,8 @@ def summarise(name, split, spec, found, names, label, shape, classes_file, class
     classes, label_values, label_names = resolve_classes(found, classes_file, classes_from)
     if len(classes) > MAX_CLASSES:  # else check() would call the list malformed
         raise ShardError(f"{spec}: {len(classes)} distinct labels ({describe_label(label)}), more than the "
-                         f"{MAX_CLASSES} classes a manifest may hold: the model has an output per class and every "
-                         f"worker keeps the class list; if the label is an ID or a caption, not a class, choose "
-                         f"another with --label-key")
+                         f"{MAX_CLASSES} classes a manifest may hold: {CLASSES_WHY}; if the label is an ID or a "
+                         f"caption, not a class, choose another with --label-key")
     if shape[0] == 3:
         n, s, sq = rgb[0], rgb[1:4], rgb[4:7]
     else:
