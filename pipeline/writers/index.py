@@ -33,7 +33,7 @@ from pipeline.data.decode import (CONTENT_ERRORS, IMAGE_EXTS, LABEL_EXTS, Unlabe
                                   parse_label_key, pil_reason, pixels_of, raw_label)
 from pipeline.errors import ShardError, redact
 from pipeline.files import MAX_JSON, open_regular, write_json_atomic
-from pipeline.data.manifest import (FORMAT, NAME_RE, CLASSES_WHY, MAX_CLASSES, MAX_SIDE, check, expand_pattern,
+from pipeline.data.manifest import (FORMAT, NAME_RE, CLASSES_WHY, MAX_CLASSES, MAX_SIDE, check, expand_shards,
                                     manifest_name, pipe_shard_name, plain_relative)
 from pipeline.data.read import is_meta, iter_samples
 from pipeline.writers.shards import writing
@@ -45,14 +45,15 @@ STAT_SIDE = 64  # images are decoded at most about this big for the mean and std
 
 
 def expand(spec):
-    """A SPEC's shard URLs: a brace pattern (paths, http(s) URLs or pipe: commands) or a folder
-    (its *.tar, *.tar.gz and *.tgz files, sorted). Raises ShardError when nothing matches."""
+    """A SPEC's shard URLs: a brace pattern (paths, http(s) URLs or pipe: commands), a glob of
+    local or store shards (`train/*.tar`, matched in name order), or a folder (its *.tar,
+    *.tar.gz and *.tgz files, sorted). Raises ShardError when nothing matches."""
     if remote.kind(spec) == "file" and os.path.isdir(spec):
         urls = sorted(os.path.join(spec, f) for f in os.listdir(spec) if f.endswith(SHARD_SUFFIXES))
     elif remote.kind(spec) == "store" and "{" not in spec and not spec.endswith(SHARD_SUFFIXES):
         urls = storage.listing(spec, SHARD_SUFFIXES)  # a prefix: the shards under it, read where they are
     else:
-        urls = expand_pattern(spec)
+        urls = expand_shards(spec)
         missing = [u for u in urls if remote.kind(u) == "file" and not os.path.exists(u)]
         if missing:
             raise ShardError(f"{spec}: {len(missing)} of {len(urls)} shard(s) do not exist, e.g. {missing[0]}")
