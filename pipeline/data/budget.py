@@ -34,10 +34,10 @@ def needed(batch_size, shapes, workers, *, prefetch_factor=PREFETCH, window_byte
     width (decode.decode_batch, batch._to_canvas: three arrays of at most a batch's bytes), and
     one image being resized: the source image as decoded (at most bounds.MAX_DECODE_RATIO
     times the target's pixels, 4 bytes each), the resized image, its array and its CHW copy
-    (3 images of the target's size); trainer: the uint8
-    batch copied out and its float32 copy (5 bytes a pixel); windows: `window_bytes` (what one
-    (rank, worker) holds for one source's shuffle window) per source and worker; step: the
-    caller's `step_bytes`, what the model's step holds (the trainer counts it on the CPU)."""
+    (3 images of the target's size); trainer: the uint8 batch copied out and its float32 copy
+    (5 bytes a pixel); windows: `window_bytes` (what one (rank, worker) holds for one source's
+    shuffle window) per source and worker; step: the caller's `step_bytes`, what the model's
+    step holds (the trainer counts it on the CPU)."""
     shapes = list(shapes)
     batch = batch_bytes(batch_size, shapes)
     depth = prefetch_factor + 2

@@ -14,8 +14,9 @@ MIN_SIDE = 4  # two 2x2 max-pools: a smaller input has nothing left to pool
 # --width, what autograd keeps for the backward pass, the float outputs of two convolutions and
 # two batch norms at full resolution (16 bytes), of twice the channels at a quarter of the
 # pixels (8) and of four times at a sixteenth (4); and a fixed part, measured: the augmented
-# float copies of the batch and their index tensors, the gradients in flight. On the trainer's
-# peak RSS at 512x512 and 1024x1024, widths 4 and 16, batches 1 and 8 (docs/training.md).
+# float copies of the batch and their index tensors, the gradients in flight, fitted to the
+# trainer's peak RSS at 512x512 and 1024x1024, widths 4 and 16, batches 1 and 8 (the estimate
+# against measured runs: docs/training.md, "Before the first read").
 STEP_PIXEL_BYTES, STEP_WIDTH_BYTES = 128, 28
 
 
