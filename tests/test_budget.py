@@ -173,6 +173,7 @@ def rss_watched(args, limit, timeout=600):
     return p.returncode, stderr, most
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmRSS from /proc")
 @pytest.mark.parametrize("extra", [["--batch-size", "1"], ["--batch-size", "8"], ["--batch-size", "1", "--width", "4"]])
 def test_a_manifest_shape_of_4096_is_refused_at_any_batch_size_under_an_rss_watch(png_shards, tmp_path, extra):
