@@ -156,6 +156,7 @@ def missing_folder(spec):
     """True for a local SPEC that can only mean a folder (a trailing '/', or neither a manifest,
     a shard pattern nor a shard name) and is not one. URLs and pipe: commands are not local.
     The trainer asks before torch is imported (options.check_out), manifest.resolve after."""
-    if "://" in spec or spec.startswith("pipe:") or spec.endswith((".json", ".tar", ".tar.gz", ".tgz")) or "{" in spec:
+    if "://" in spec or spec.startswith("pipe:") or spec.endswith((".json", ".tar", ".tar.gz", ".tgz")) \
+            or any(c in spec for c in "{*?["):  # a brace pattern or a glob
         return False
     return not (os.path.isdir(spec) if spec.endswith("/") else os.path.exists(spec))

@@ -289,8 +289,14 @@ def test_progressive_jpegs_decode_but_scan_bombs_do_not():
 
 
 def test_the_caps_are_relative_to_the_target():
-    bounds.check(4096, 4096, (3, 32, 32))
+    bounds.check(512, 512, (3, 32, 32))  # 256 times the target's pixels
+    bounds.check(4096, 4096, (3, 32, 32), "jpg")  # a JPEG decodes at 1/8 a side: 512x512
     bounds.check(1, 4096, (1, 4096, 1))  # a thin target takes thin images
+    for size, ext in (((513, 512), "png"), ((4096, 4096), "png"), ((4096, 4096), "npy"), ((4096, 4096), "bmp")):
+        with pytest.raises(ValueError, match=r"times its 32x32 target's pixels as decoded \(.*MAX_DECODE_RATIO"):
+            bounds.check(*size, (3, 32, 32), ext)
+    with pytest.raises(ValueError, match=r"334 times its 28x28 target's pixels as decoded at 1/8 scale"):
+        bounds.check(4096, 4096, (3, 28, 28), "jpg")
     bounds.check(32 * 32, 32, (3, 32, 32))
     with pytest.raises(ValueError, match="MAX_ASPECT"):
         bounds.check(33 * 32, 32, (3, 32, 32))
@@ -298,6 +304,42 @@ def test_the_caps_are_relative_to_the_target():
         bounds.check(4097, 4096)
     with pytest.raises(ValueError, match="image is 0x5"):
         bounds.check(0, 5)
+
+
+def huge_png(side=4096):
+    """The hostile trial's PNG: side x side RGB in one colour, 49 KB at 4096 (0.25-0.5 s of CPU to decode)."""
+    return png_of(side, side, mode=2)
+
+
+def test_a_png_of_far_more_pixels_than_its_target_is_refused_before_a_pixel_is_decoded(monkeypatch):
+    """A 4096x4096 PNG of 49 KB for a 28x28 target: refused from its header (the decoder never
+    runs, so it costs what reading the header does), in one line naming the cap; one of 16 times
+    the target's side still decodes."""
+    from PIL import ImageFile
+
+    data = huge_png()
+    assert len(data) < 64 << 10
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: pytest.fail("a huge PNG was decoded"))
+    with pytest.raises(ValueError) as e:
+        decode.decode_image(data, "png", (1, 28, 28))
+    assert str(e.value) == ("image is 4096x4096, 21400 times its 28x28 target's pixels as decoded (at most 256, "
+                            "pipeline.data.bounds.MAX_DECODE_RATIO)"), str(e.value)
+    monkeypatch.undo()
+    assert decode.decode_image(huge_png(16 * 28), "png", (1, 28, 28)).shape == (1, 28, 28)
+    assert decode.decode_image(jpeg_of(8 * 16 * 28, 8 * 16 * 28), "jpg", (1, 28, 28)).shape == (1, 28, 28)
+
+
+def test_huge_pngs_in_a_shard_are_skipped_and_counted_with_their_reason(tmp_path):
+    write_set(tmp_path, [good(f"g{i}", (1, 28, 28)) for i in range(4)] + [(f"h{i}", "png", huge_png()) for i in range(4)],
+              shape=(1, 28, 28))
+    from pipeline.data.stream import MixedStream, resolve
+
+    src = resolve("hostile", str(tmp_path) + "/", "train")
+    with pytest.warns(UserWarning) as said:
+        batches = list(MixedStream([src], {"hostile": 1}, 2).eval_stream(src))
+    assert (sum(len(b["key"]) for b in batches), sum(b["skipped"] for b in batches)) == (4, 4)
+    lines = [str(w.message) for w in said if "skipped sample h" in str(w.message)]
+    assert len(lines) == 4 and all("MAX_DECODE_RATIO" in ln and "\n" not in ln for ln in lines), lines
 
 
 @pytest.mark.slow
@@ -393,6 +435,17 @@ def test_index_refuses_an_image_the_manifests_shape_would_refuse(tmp_path):
     one_line_error(p, "sample thin", "MAX_ASPECT")
     p = make_shards("--index", f"x:train={folder}", "--shape", "1,2048,1", "--out", tmp_path / "out")
     assert p.returncode != 0 and "sample g0" in p.stderr  # now the square ones are the outliers
+
+
+def test_index_refuses_an_image_of_far_more_pixels_than_the_manifests_shape(tmp_path):
+    """The trainer would skip it: --index says so, naming the sample; a JPEG counts at 1/8 a side."""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    write_samples(folder / "a.tar", [good("g0"), good("g1"), ("big", "png", huge_png(1024))], b"1")
+    one_line_error(make_shards("--index", f"x:train={folder}", "--out", tmp_path / "out"), "sample big",
+                   "MAX_DECODE_RATIO")
+    write_samples(folder / "a.tar", [good("g0"), good("g1"), ("big", "jpg", jpeg_of(512, 512))], b"1")
+    assert make_shards("--index", f"x:train={folder}", "--out", tmp_path / "out").returncode == 0
 
 
 # ---------------------------------------------------------------- 6. images smaller than the model takes

@@ -334,7 +334,7 @@ soft, hard = resource.getrlimit(resource.RLIMIT_AS)
 used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
 resource.setrlimit(resource.RLIMIT_AS, (used + (32 << 20), hard))  # half the claimed array
 try:
-    decode.decode_image(open(sys.argv[1], "rb").read(), "npy", (3, 8, 8))
+    decode.decode_image(open(sys.argv[1], "rb").read(), "npy", (3, 256, 256))  # 256x256: within MAX_DECODE_RATIO
 except ValueError as e:
     print("refused:", e)
 """

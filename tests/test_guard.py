@@ -146,25 +146,64 @@ def messages(record):
     return [str(w.message) for w in record]
 
 
-def test_the_trainer_warns_when_eval_is_the_training_manifest(shards, tmp_path):
+def data_lines(record):
+    return [m for m in messages(record) if "test accuracy" in m or "held-out" in m]
+
+
+def test_the_trainer_warns_in_one_line_when_eval_is_the_training_manifest(shards, tmp_path):
+    """The hostile trial's case: --eval given the training manifest ran to "test accuracy" with two
+    warnings for one mistake; one line names both sources, what they share and the split."""
     with pytest.warns(UserWarning) as record:
         p = train_in_process(["--train", f"mnist={shards}/", "--eval", f"mnist={shards}/mnist-train.json",
                               "--epochs", "1", *SMALL, "--out", tmp_path / "run"])
     assert p.returncode == 0, p.stderr[-2000:]
-    said = messages(record)
-    overlap = [m for m in said if "share 3 shard(s)" in m]
-    assert len(overlap) == 1 and "--train mnist" in overlap[0] and "--eval mnist" in overlap[0], said
-    assert any("--eval mnist" in m and "records split 'train'" in m for m in said), said
+    said = data_lines(record)
+    assert len(said) == 1, said
+    assert said[0].startswith(f"--eval mnist ({shards}/mnist-train.json) shares 3 shard(s) with --train mnist "
+                              f"({shards}/mnist-train.json; the same file or sha256)"), said
+    assert "records split 'train'" in said[0] and "measured on data the model trains on" in said[0], said
+
+
+def test_the_trainer_warns_in_one_line_when_train_is_the_test_manifest(shards, tmp_path):
+    with pytest.warns(UserWarning) as record:
+        p = train_in_process(["--train", f"mnist={shards}/mnist-test.json", "--eval", f"mnist={shards}/",
+                              "--epochs", "1", *SMALL, "--out", tmp_path / "run"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    said = data_lines(record)
+    assert len(said) == 1 and "shares 2 shard(s) with --train mnist" in said[0], said
+    assert f"{shards}/mnist-test.json, which records split 'test'" in said[0], said
+    assert said[0].endswith("(give --train mnist the source's training manifest)"), said
 
 
 def test_the_same_bytes_under_other_names_in_eval_are_warned(shards, tmp_path):
     test = renamed(shards, tmp_path / "copy", "test")
-    with pytest.warns(UserWarning, match=r"--train mnist .* and --eval mnist .* share 3 shard\(s\)") as record:
+    with pytest.warns(UserWarning, match=r"--eval mnist .* shares 3 shard\(s\) with --train mnist .*the same "
+                                         r"file or sha256") as record:
         guard.warn_data([resolve("mnist", str(shards / "mnist-train.json"), "train")],
                         [resolve("mnist", str(test), "test")])
     assert len(record) == 1, messages(record)
     with warnings_none():
         guard.warn_data([resolve("mnist", f"{shards}/", "train")], [resolve("mnist", f"{shards}/", "test")])
+
+
+def test_a_copy_of_the_training_set_without_sha256_is_warned_by_its_listing(shards, tmp_path):
+    """Two other folders, the same shard names, sizes and counts, no sha256 to compare, the eval
+    copy's split field edited to 'test': the same listing digest (what a checkpoint's fingerprint
+    holds) tells them apart from another set, in one line."""
+    def copy(folder, split):
+        shutil.copytree(shards, folder)
+        m = json.loads((shards / "mnist-train.json").read_text())
+        for s in m["shards"]:
+            s.pop("sha256", None)
+        (folder / f"mnist-{split}.json").write_text(json.dumps(dict(m, split=split)))
+        return folder / f"mnist-{split}.json"
+
+    train, test = copy(tmp_path / "a", "train"), copy(tmp_path / "b", "test")
+    with pytest.warns(UserWarning) as record:
+        guard.warn_data([resolve("mnist", str(train), "train")], [resolve("mnist", str(test), "test")])
+    said = data_lines(record)
+    assert len(said) == 1 and said[0].startswith(f"--eval mnist ({test}) lists the same shards as --train mnist "
+                                                 f"({train}: the same names, sizes and sha256)"), said
 
 
 def test_equal_sha256_under_two_names_in_one_training_source_is_warned_once(shards, tmp_path):
@@ -185,6 +224,10 @@ def test_a_test_manifest_given_to_train_is_warned(shards):
     with pytest.warns(UserWarning, match="--train mnist: .*mnist-test.json records split 'test'") as record:
         guard.warn_data([resolve("mnist", str(shards / "mnist-test.json"), "train")], [])
     assert len(record) == 1
+    with pytest.warns(UserWarning, match="--train mnist: .*mnist-test.json records split 'test'") as record:
+        guard.warn_data([resolve("mnist", str(shards / "mnist-test.json"), "train")],
+                        [resolve("mnist", str(shards / "mnist-train.json"), "test")])  # no overlap: the split's line
+    assert len(data_lines(record)) == 2, messages(record)
 
 
 class warnings_none:

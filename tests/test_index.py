@@ -313,6 +313,23 @@ def test_expand_takes_folders_and_patterns(tmp_path):
         (tmp_path / name).write_bytes(b"")
     assert [os.path.basename(u) for u in expand(str(tmp_path))] == ["a.tar.gz", "b.tar", "c.tgz"]
     assert expand("http://h/x-{0..2}.tar") == ["http://h/x-0.tar", "http://h/x-1.tar", "http://h/x-2.tar"]
+    # a glob, as webdataset users write them, was one missing file ("1 of 1 shard(s) do not exist")
+    assert [os.path.basename(u) for u in expand(f"{tmp_path}/*")] == ["a.tar.gz", "b.tar", "c.tgz"]
+    assert [os.path.basename(u) for u in expand(f"{tmp_path}/[bc].t*")] == ["b.tar", "c.tgz"]
+
+
+def test_index_and_train_on_a_glob(tmp_path):
+    """`--index 'web:train=DIR/*.tar'` indexes the shards it matches, and the trainer, given the same
+    glob or the folder, finds the manifest written one folder up (the new user's --out)."""
+    write_gnu_tar(tmp_path / "web" / "train", 30)
+    p = make_shards("--index", f"web:train={tmp_path}/web/train/*.tar", "--out", tmp_path / "web")
+    assert p.returncode == 0, p.stderr
+    assert [s["name"] for s in json.loads((tmp_path / "web" / "web-train.json").read_text())["shards"]] == \
+        ["train/gnu-0000.tar", "train/gnu-0001.tar"]
+    for spec in (f"{tmp_path}/web/train/gnu-*", f"{tmp_path}/web/train/"):
+        p = train_in_process(["--train", f"web={spec}", "--epochs", "1", "--epoch-samples", "16", "--batch-size",
+                              "8", "--workers", "0", "--width", "4", "--out", tmp_path / "run", "--overwrite"])
+        assert p.returncode == 0, (spec, p.stderr[-2000:])
 
 
 def test_training_on_unindexed_shards_says_how_to_index_them(tmp_path):
@@ -524,3 +541,22 @@ def test_more_classes_than_a_manifest_holds_say_the_limit_and_why(tmp_path, monk
     assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
     assert "distinct labels (.cls), more than the 3 classes a manifest may hold" in p.stderr
     assert "--label-key" in p.stderr and "a non-empty list" not in p.stderr
+
+
+def test_classes_from_a_manifest_of_too_many_classes_says_the_limit_and_why(tmp_path, monkeypatch):
+    """The hostile trial's --classes-from manifest of 2 million classes was "a non-empty list of
+    class names expected"; a manifest of more than MAX_CLASSES classes, read anywhere, names its
+    count, the limit and the reason in one line (the limit is lowered here so a small file reaches it)."""
+    from pipeline.data import manifest as manifest_module
+
+    monkeypatch.setattr(manifest_module, "MAX_CLASSES", 5)
+    build_shards(tmp_path / "s", "m", "train", 20, maxcount=10, encoding="png")
+    many = json.loads((tmp_path / "s" / "m-train.json").read_text())
+    many["classes"] = [str(i) for i in range(6)]
+    (tmp_path / "many.json").write_text(json.dumps(many))
+    p = make_shards("--index", f"m:test={tmp_path}/s", "--classes-from", tmp_path / "many.json",
+                    "--out", tmp_path / "o")
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
+    assert (f"{tmp_path}/many.json: field classes: 6 classes, more than the 5 a manifest may hold "
+            f"(pipeline.data.manifest.MAX_CLASSES): the model has an output per class and every worker keeps the "
+            f"class list") in p.stderr, p.stderr

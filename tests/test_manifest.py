@@ -1,6 +1,7 @@
 """pipeline.manifest: resolving a command line's SPEC into a Source, checking manifests, and
 the rule for where a listed shard may be (hostile names: tests/test_security.py)."""
 import os
+import re
 
 import pytest
 
@@ -146,3 +147,64 @@ def test_a_pipe_command_without_one_plain_shard_name_is_refused(command, needle)
     from pipeline.data.manifest import pipe_shard_name
     with pytest.raises(ShardError, match=needle):
         pipe_shard_name(command)
+
+
+# ---------------------------------------------------------------- a manifest one folder up, and globs
+
+
+@pytest.fixture()
+def wds(tmp_path):
+    """The new user's layout: shards in WDS/train/, indexed with `--index cifar10:train=WDS/train/ --out WDS`,
+    so that WDS/cifar10-train.json names train/*.tar."""
+    from pipeline.writers.index import index
+
+    build_shards(tmp_path / "WDS" / "train", "mnist", "train", 40, maxcount=10, encoding="png")
+    os.remove(tmp_path / "WDS" / "train" / "mnist-train.json")  # somebody else's shards: no manifest of ours
+    index("cifar10", "train", str(tmp_path / "WDS" / "train"), str(tmp_path / "WDS"), progress=False)
+    return tmp_path / "WDS"
+
+
+@pytest.mark.parametrize("spec", ["train/", "train", "train/mnist-train-{000000..000003}.tar", "train/*.tar",
+                                  "train/mnist-train-00000?.tar"])
+def test_shards_find_the_manifest_one_folder_up_that_lists_them(wds, spec):
+    """Before: an --index command to run again, though WDS/cifar10-train.json lists exactly these shards."""
+    src = resolve("cifar10", f"{wds}/{spec}", "train")
+    assert src.manifest == f"{wds}/cifar10-train.json"
+    assert [os.path.basename(u) for u in src.urls] == [f"mnist-train-{i:06d}.tar" for i in range(4)]
+    assert src.total == 40 and src.split == "train"
+    assert src.listing == resolve("cifar10", f"{wds}/", "train").listing  # the same data: a resume accepts it
+
+
+def test_a_pattern_of_some_shards_takes_those_from_the_manifest_above(wds):
+    src = resolve("cifar10", f"{wds}/train/mnist-train-00000[12].tar", "train")
+    assert [os.path.basename(u) for u in src.urls] == ["mnist-train-000001.tar", "mnist-train-000002.tar"]
+
+
+def test_a_manifest_above_that_does_not_list_every_shard_is_not_taken(wds):
+    """A shard added after indexing: the manifest is stale, and the index command is the answer."""
+    import shutil
+
+    shutil.copy(wds / "train" / "mnist-train-000000.tar", wds / "train" / "extra.tar")
+    with pytest.raises(ShardError, match=r"no manifest \S+/train/cifar10-train.json, but 5 shard\(s\).*--index"):
+        resolve("cifar10", f"{wds}/train/", "train")
+    src = resolve("cifar10", f"{wds}/train/mnist-*.tar", "train")  # these four it lists
+    assert src.manifest == f"{wds}/cifar10-train.json" and len(src.urls) == 4
+    with pytest.raises(ShardError, match="no manifest"):  # another split's manifest is never taken
+        resolve("cifar10", f"{wds}/train/mnist-*.tar", "test")
+
+
+def test_globs_expand_in_name_order_and_say_what_is_wrong(tmp_path):
+    from pipeline.data import nearby
+
+    for name in ("b-1.tar", "a-2.tar.gz", "a-1.tar", ".hidden.tar", "a-3.json", "c.tgz"):
+        (tmp_path / name).write_bytes(b"x")
+    assert manifest.expand_shards(f"{tmp_path}/*") == [f"{tmp_path}/{n}" for n in ("a-1.tar", "a-2.tar.gz", "b-1.tar",
+                                                                                      "c.tgz")]
+    assert manifest.expand_shards(f"{tmp_path}/{{b,a}}-?.tar") == [f"{tmp_path}/b-1.tar", f"{tmp_path}/a-1.tar"]
+    assert nearby.globbed(f"{tmp_path}/.h*") == [f"{tmp_path}/.hidden.tar"]
+    for spec, said in ((f"{tmp_path}/*.zip", "no shards (*.tar, *.tar.gz, *.tgz) match"),
+                       (f"{tmp_path}/*/x.tar", "a wildcard in a folder's name"),
+                       (f"{tmp_path}/gone/*.tar", "cannot list")):
+        with pytest.raises(ShardError, match=re.escape(said)):
+            manifest.expand_shards(spec)
+    assert manifest.expand_shards("http://h/x.tar?sig=1") == ["http://h/x.tar?sig=1"]  # a query, not a glob

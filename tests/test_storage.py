@@ -533,3 +533,13 @@ def test_a_worker_that_finds_no_credentials_looks_again_next_time(monkeypatch, t
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
     assert botocore.session.get_session().get_credentials() is not None
     assert signer.credentials().access_key == "found-later" and signer.pid == os.getpid()
+
+
+def test_a_glob_of_store_shards_is_matched_against_the_prefixs_listing(mnist_in_s3):
+    """`s3://bucket/shards/*.tar`, as webdataset users write it, was taken as one missing object."""
+    _, url = mnist_in_s3
+    assert resolve("mnist", url + "*.tar", "train").urls == resolve("mnist", url, "train").urls
+    some = resolve("mnist", url + "mnist-train-00000[13].tar", "train")
+    assert [u.rsplit("/", 1)[1] for u in some.urls] == ["mnist-train-000001.tar", "mnist-train-000003.tar"]
+    with pytest.raises(ShardError, match=r"\*\.tgz: no shards \(\*\.tar, \*\.tar\.gz, \*\.tgz\) match"):
+        resolve("mnist", url + "*.tgz", "train")

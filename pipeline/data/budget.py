@@ -1,14 +1,19 @@
 """What a job's batches may take in memory, from the job's own numbers, before anything is read.
 
 A manifest's `shape` and the command line's --batch-size decide how large a batch is, and
-the loader multiplies it: every DataLoader worker keeps (prefetch_factor + 2) batches in its
-shared-memory ring (pipeline.data.loader.BatchRing), the trainer copies each batch out and
-makes a float32 copy of it, and each (rank, worker) holds a shuffle window per source. A
-manifest edited to [1, 4096, 4096] over 28x28 shards grew a trainer to 20.7 GB before the
-kernel killed it; here the sum is compared with a cap the job sets and refused in one line.
-Pure arithmetic, no imports of torch: the numbers are the caller's.
+the loader multiplies it: every loader worker (or, without workers, the loader itself) keeps
+(prefetch_factor + 2) batches in its ring (pipeline.data.ring), the trainer makes a float32
+copy of each batch it steps on, each process that decodes holds a batch's images as decoded,
+stacked and padded, each (rank, worker) holds a shuffle window per source, and a model
+trained on the CPU keeps its activations for the backward pass. A manifest edited to
+[1, 4096, 4096] over 28x28 shards grew a trainer to 20.7 GB before the kernel killed it (and
+past 4 GB at --batch-size 1 without workers, when only the queue was counted); here the sum
+is compared with a cap the job sets and refused in one line. Pure arithmetic, no imports of
+torch: the numbers are the caller's.
 """
 import os
+
+from pipeline.data import bounds
 
 PREFETCH = 4  # batches a loader's worker prepares ahead (make_loader's prefetch_factor): the ring holds 2 more
 
@@ -20,49 +25,68 @@ def batch_bytes(batch_size, shapes):
     return batch_size * 3 * max(s[1] for s in shapes) * max(s[2] for s in shapes)
 
 
-def needed(batch_size, shapes, workers, *, prefetch_factor=PREFETCH, window_bytes=0, eval_sources=0):
-    """{"batch", "ring", "eval_ring", "trainer", "windows", "total"}: bytes one rank's loaders
-    and step may hold. ring: the training loader's workers x (prefetch_factor + 2) batches;
-    eval_ring: the same for each evaluation loader, which keeps min(workers, 2) workers;
-    trainer: the uint8 batch copied out and its float32 copy (5 bytes a pixel); windows:
-    `window_bytes` (what one (rank, worker) holds for one source's shuffle window) per
-    source and worker."""
+def needed(batch_size, shapes, workers, *, prefetch_factor=PREFETCH, window_bytes=0, eval_sources=0, step_bytes=0):
+    """{"batch", "ring", "eval_ring", "decode", "trainer", "windows", "step", "total"}: bytes one
+    rank's loaders and step may hold. ring: the training loader's workers (1 without) x
+    (prefetch_factor + 2) batches; eval_ring: the same for each evaluation loader, which keeps
+    min(workers, 2) workers;
+    decode: in each process that decodes (every worker, or the trainer itself without workers),
+    a batch's images as decoded, stacked into one array and padded to the batch's height and
+    width (decode.decode_batch, batch._to_canvas: three arrays of at most a batch's bytes), and
+    one image being resized: the source image as decoded (at most bounds.MAX_DECODE_RATIO
+    times the target's pixels, 4 bytes each), the resized image, its array and its CHW copy
+    (3 images of the target's size); trainer: the uint8 batch copied out and its float32 copy
+    (5 bytes a pixel); windows: `window_bytes` (what one (rank, worker) holds for one source's
+    shuffle window) per source and worker; step: the caller's `step_bytes`, what the model's
+    step holds (the trainer counts it on the CPU)."""
     shapes = list(shapes)
     batch = batch_bytes(batch_size, shapes)
     depth = prefetch_factor + 2
-    parts = {"batch": batch, "ring": workers * depth * batch,
-             "eval_ring": eval_sources * min(workers, 2) * depth * batch,
-             "trainer": 5 * batch, "windows": window_bytes * len(shapes) * max(workers, 1)}
+    decoders = max(workers, 1) + eval_sources * min(workers, 2)
+    image = batch_bytes(1, shapes)
+    source = 4 * min(bounds.MAX_PIXELS, bounds.MAX_DECODE_RATIO * image // 3)
+    parts = {"batch": batch, "ring": max(workers, 1) * depth * batch,
+             "eval_ring": eval_sources * max(min(workers, 2), 1) * depth * batch,
+             "decode": decoders * (3 * batch + 3 * image + source),
+             "trainer": 4 * batch, "windows": window_bytes * len(shapes) * max(workers, 1), "step": step_bytes}
     parts["total"] = sum(v for k, v in parts.items() if k != "batch")
     return parts
 
 
 def check_budget(batch_size, shapes, workers, cap, *, prefetch_factor=PREFETCH, window_bytes=0, eval_sources=0,
-                 fetched_ahead=False):
+                 fetched_ahead=False, step_bytes=0, width=None):
     """The bytes `needed` gives (its dict) if their total fits in `cap`; else ValueError, one line
-    naming the batch's bytes, the workers, the total and the flags that change them.
-    `shapes`: {source name: (C, H, W)} as the manifests give them; fetched_ahead: the
-    windows' bytes count shards fetched ahead (--fetch-ahead)."""
+    naming the batch's bytes, the workers, the total and the flags that would lower it (not
+    --batch-size at 1, nor --workers at 0). `shapes`: {source name: (C, H, W)} as the manifests
+    give them; fetched_ahead: the windows' bytes count shards fetched ahead (--fetch-ahead);
+    step_bytes: the model's step, at --width `width`."""
     parts = needed(batch_size, shapes.values(), workers, prefetch_factor=prefetch_factor,
-                   window_bytes=window_bytes, eval_sources=eval_sources)
+                   window_bytes=window_bytes, eval_sources=eval_sources, step_bytes=step_bytes)
     if parts["total"] <= cap:
         return parts
     tallest = max(shapes, key=lambda n: shapes[n][1] * shapes[n][2])
     queue = f"{workers} worker(s) x {prefetch_factor + 2} batches queued" if workers else "no workers"
-    flags = ["--batch-size", "--workers"] if workers else ["--batch-size"]
-    held = ""
+    flags = (["--batch-size"] if batch_size > 1 else []) + (["--workers"] if workers else [])
+    held = ["decoding", "the float copy"]
+    if parts["step"]:
+        flags = ["--width"] + flags if 2 * parts["step"] > parts["total"] else flags + ["--width"]
+        held.append(f"the model's step at --width {width} on the CPU ({human(parts['step'])})")
     if parts["windows"]:
         windows = ["--shuffle-window", "--fetch-ahead"] if fetched_ahead else ["--shuffle-window"]
         flags = windows + flags if 2 * parts["windows"] > parts["total"] else flags + windows  # the larger part first
-        held = f" and the shuffle windows{' and shards fetched ahead' if fetched_ahead else ''} " \
-               f"({human(parts['windows'])})"
-    lower = ", ".join(flags[:-1]) + " or " + flags[-1]
+        held.append(f"the shuffle windows{' and shards fetched ahead' if fetched_ahead else ''} "
+                    f"({human(parts['windows'])})")
     raise ValueError(
         f"--batch-size {batch_size} of 3x{max(s[1] for s in shapes.values())}x{max(s[2] for s in shapes.values())} "
         f"images ({tallest}'s manifest gives shape {list(shapes[tallest])}) is {human(parts['batch'])} a batch; with "
-        f"{queue}, the float copy{held} a rank needs "
-        f"{human(parts['total'])}, more than --max-batch-memory {human(cap)}: lower {lower}, "
-        f"or raise --max-batch-memory")
+        f"{queue}, {_listed(held)} a rank needs {human(parts['total'])}, more than --max-batch-memory {human(cap)}: "
+        + (f"lower {_listed(flags, 'or')}, or raise --max-batch-memory" if flags else
+           "raise --max-batch-memory, or give the source a manifest of a smaller shape"))
+
+
+def _listed(items, last="and"):
+    """['a', 'b', 'c'] -> 'a, b and c'."""
+    return ", ".join(items[:-1]) + f" {last} " + items[-1] if len(items) > 1 else items[0]
 
 
 def default_cap(environ=os.environ):

@@ -412,7 +412,7 @@ def _direct_size(data, shape):
     else None (an image it refuses, or decodes through PIL's draft mode)."""
     try:
         ih, iw = jpeg.header(data).upright
-        bounds.check(iw, ih, shape)
+        bounds.check(iw, ih, shape, "jpg")
     except ValueError:
         return None
     return (ih, iw) if _direct(ih, iw, shape) else None
@@ -490,7 +490,7 @@ def _decode_image(data, ext, shape, crop):
     if ext in ("jpg", "jpeg"):
         head = jpeg.header(data)
         ih, iw = head.upright
-        bounds.check(iw, ih, shape)
+        bounds.check(iw, ih, shape, ext)
         if _direct(ih, iw, shape):
             pixels = _torchvision_jpeg(data, c, (ih, iw))
             if pixels is not None:
@@ -553,7 +553,7 @@ def open_image(data, ext, shape=None, head=None):
     if is_jpeg and head is None:
         head = jpeg.header(data)
     if ext == "webp" and webp_size(data):  # libwebp allocates its canvas on opening, before PIL's size is known
-        bounds.check(*webp_size(data), shape)
+        bounds.check(*webp_size(data), shape, ext)
     try:
         img = Image.open(io.BytesIO(data), formats=[_PIL_FORMATS[ext]])
     except (OSError, SyntaxError, Image.DecompressionBombError, KeyError) as e:
@@ -565,7 +565,7 @@ def open_image(data, ext, shape=None, head=None):
             raise ValueError(f"JPEG headers disagree: PIL reads {w}x{h}, the frame is {head.width}x{head.height}")
         orientation = head.orientation
         h, w = head.upright
-    bounds.check(w, h, shape)
+    bounds.check(w, h, shape, ext)
     if img.format == "TIFF":
         _check_tiles(img)
     return img, orientation
@@ -616,7 +616,7 @@ def _npy(data, target=None):
         raise ValueError(f"undecodable .npy: {e}") from None
     if dtype != np.uint8 or not (len(shape) == 2 or (len(shape) == 3 and shape[2] in (1, 3, 4))):
         raise ValueError(f".npy holds a {dtype} array of shape {shape}; an image is uint8 HxW or HxWxC (C 1, 3 or 4)")
-    bounds.check(shape[1], shape[0], target)
+    bounds.check(shape[1], shape[0], target, "npy")
     if len(data) - f.tell() < int(np.prod(shape)):  # np.load would make the whole array before finding out
         raise ValueError(f".npy header claims {'x'.join(map(str, shape))} bytes of pixels, the member holds "
                          f"{len(data) - f.tell()}")

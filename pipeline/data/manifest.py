@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import braceexpand as brace
 
-from pipeline.data import remote, storage
+from pipeline.data import nearby, remote, storage
 from pipeline.data.decode import IMAGE_EXTS, Target, image_format, parse_label_key
 from pipeline.errors import ShardError, redact
 from pipeline.files import MAX_JSON, missing_folder, parse_json, read_json
@@ -54,6 +54,7 @@ MIN_STD = 1e-6  # per channel, on 0..1 pixels: below it normalising multiplies b
 MAX_STD = 1.0  # pixels in 0..1 have a std of at most 0.5; 1 admits a hand-written "scale only" (mean 0, std 1)
 MAX_SIDE = 4096
 MAX_CLASSES = 1 << 20
+CLASSES_WHY = "the model has an output per class and every worker keeps the class list"  # why MAX_CLASSES
 MAX_PATTERN = 1_000_000  # names a brace pattern may expand to; counted before a single one is made
 MAX_NESTING = 32  # braces inside braces: each level is parsed again, by braceexpand as by the count
 
@@ -140,7 +141,10 @@ def check(m, where):
             and shape[0] in (1, 3) and all(1 <= x <= MAX_SIDE for x in shape[1:])):
         bad("shape", f"{shape!r}; [C, H, W] expected with C 1 or 3 and sides 1..{MAX_SIDE}")
     classes = m.get("classes")
-    if not (isinstance(classes, list) and 0 < len(classes) <= MAX_CLASSES and all(isinstance(c, str) for c in classes)):
+    if isinstance(classes, list) and len(classes) > MAX_CLASSES:
+        bad("classes", f"{len(classes)} classes, more than the {MAX_CLASSES} a manifest may hold "
+                       f"(pipeline.data.manifest.MAX_CLASSES): {CLASSES_WHY}")
+    if not (isinstance(classes, list) and classes and all(isinstance(c, str) for c in classes)):
         bad("classes", "a non-empty list of class names expected")
     for key in ("mean", "std"):
         v = m.get(key)
@@ -262,6 +266,19 @@ def expand_pattern(spec, limit=MAX_PATTERN):
     return list(brace.braceexpand(spec))
 
 
+def expand_shards(spec):
+    """The shards a SPEC names: its brace pattern expanded (`expand_pattern`), then each local
+    or object-store name holding a wildcard (`train/*.tar`) replaced by the shards it matches,
+    in name order (`nearby.globbed`)."""
+    names = []
+    for name in expand_pattern(spec):
+        names += nearby.globbed(name) if nearby.is_glob(name) else [name]
+    if len(names) > MAX_PATTERN:
+        raise ShardError(f"{spec[:200]}: the pattern names more than {MAX_PATTERN:,} shards, the most one may name; "
+                         f"list the shards in a manifest instead")
+    return names
+
+
 def _count(pattern, limit):
     """How many names brace.parse_pattern makes (stopping early past `limit`); a part that
     makes no name counts as one, as braceexpand still builds every other part."""
@@ -348,25 +365,32 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
     """Turn a command line's NAME=SPEC into a Source. Raises ShardError naming what is wrong.
 
     SPEC is a manifest (a path, an http(s) URL or a pipe: command printing it), a
-    folder or base URL (ending in /) holding `NAME-SPLIT.json`, or a brace pattern of
-    shards with `NAME-SPLIT.json` beside them. Shards that are local must exist;
-    http(s) shards are checked by `check_http(urls, sizes) -> (problems, resized)`
-    (default: a HEAD request each, see remote.head_check).
+    folder or base URL (ending in /) holding `NAME-SPLIT.json`, or a brace pattern or glob
+    of shards with `NAME-SPLIT.json` beside them. A local folder or pattern without it takes
+    the manifest beside the shards or one folder above that lists them all (`_lister`).
+    Shards that are local must exist; http(s) shards are checked by
+    `check_http(urls, sizes) -> (problems, resized)` (default: a HEAD request each, see
+    remote.head_check).
     """
-    pattern = None
+    pattern = within = None
     if remote.kind(spec) == "store" and "{" not in spec and not spec.endswith((".json", ".tar", ".tar.gz", ".tgz")):
         spec += "/"  # a prefix is a folder, as a local folder is with or without its '/'
     if spec.endswith(".json"):
         url = spec
     elif spec.endswith("/") or (remote.kind(spec) == "file" and os.path.isdir(spec)):
         url = spec.rstrip("/") + "/" + manifest_name(name, split)
+        if remote.kind(spec) == "file" and os.path.isdir(spec) and not os.path.exists(url):
+            tars = sorted(os.path.join(spec, f) for f in os.listdir(spec) if f.endswith(nearby.SHARD_SUFFIXES))
+            url, within = _lister(name, split, tars, policy) if tars else (url, None)
         if remote.kind(spec) == "file":
             _check_folder(name, split, spec, url)
     else:
         if remote.kind(spec) == "file" and missing_folder(spec):  # neither a manifest nor a shard pattern
             raise ShardError(f"{name}={spec}: no such folder")
-        pattern = expand_pattern(spec)
+        pattern = expand_shards(spec)
         url = _beside(pattern[0], manifest_name(name, split))
+        if remote.kind(url) == "file" and not os.path.exists(url):
+            url = _lister(name, split, pattern, policy)[0]
         if remote.kind(url) == "file" and not os.path.exists(url):
             raise ShardError(f"{name}={spec}: no manifest {url} beside these shards; index them in place with: "
                              f"python tools/make_shards.py --index {shlex.quote(f'{name}:{split}={spec}')} "
@@ -377,7 +401,9 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
     located = [locate(url, s["name"]) for s in m["shards"]]
     _once(located, f"{url}: field shards")
     listed = dict(zip(located, m["shards"]))
-    if pattern is None:
+    if within is not None:  # a folder's shards in a manifest above it, in the manifest's order
+        chosen = [u for u in listed if _normal(u) in within]
+    elif pattern is None:
         chosen = list(listed)
     else:
         chosen = [_normal(u) for u in pattern]
@@ -411,6 +437,25 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
     return Source(name, chosen, [e["samples"] for e in entries], target_of(m), list(m["classes"]),
                   list(m["mean"]), list(m["std"]), [e["bytes"] for e in entries], [e.get("sha256") for e in entries],
                   dict(m.get("origin") or {}), url, m["dataset"], m["split"], listing_digest(entries))
+
+
+def _lister(name, split, shards, policy):
+    """(url, the shards as listed) of the first local manifest of SPLIT beside `shards` (local
+    paths of one folder) or one folder above that lists every one of them (nearby.candidates,
+    NAME-SPLIT.json first), else (the manifest beside them, None). A candidate that is no
+    manifest, or names shards it may not, is passed over: it is not the one asked for."""
+    wanted = {_normal(u) for u in shards}
+    beside = os.path.join(os.path.dirname(shards[0]), manifest_name(name, split))
+    if remote.kind(shards[0]) != "file" or len({os.path.dirname(u) for u in wanted}) != 1:
+        return beside, None
+    for url in nearby.candidates(os.path.dirname(shards[0]), name, split):
+        try:
+            listed = {_normal(locate(url, s["name"])) for s in load(url, policy)["shards"]}
+        except ShardError:
+            continue
+        if wanted <= listed:
+            return url, wanted
+    return beside, None
 
 
 def _check_folder(name, split, folder, url):

@@ -19,13 +19,20 @@ LOCK = ".train.lock"  # in --out while a trainer runs there; holds its pid
 EVAL_SPLITS = ("test", "val", "valid", "validation", "eval", "holdout")
 
 
-def check_memory(args, stream, eval_sources=0):
-    """ValueError (one line) when the job's batches may take more than --max-batch-memory
-    (pipeline.data.budget); `stream`: the training MixedStream, built but not yet read."""
+def check_memory(args, stream, eval_sources=0, device=None):
+    """ValueError (one line) when the job's batches, and on a CPU `device` the model's step, may
+    take more than --max-batch-memory (pipeline.data.budget); `stream`: the training
+    MixedStream, built but not yet read. A GPU's step is in its own memory, not counted here."""
     cap = getattr(args, "max_batch_memory", None) or budget.default_cap()
+    step = 0
+    if device is not None and device.type == "cpu":
+        from pipeline.train.model import step_bytes
+
+        step = step_bytes(args.batch_size, *stream.layout.hw, args.width)
     return budget.check_budget(args.batch_size, {s.name: s.shape for s in stream.sources}, args.workers, cap,
                                window_bytes=stream.window_held(), eval_sources=eval_sources,  # the loaders' PREFETCH
-                               fetched_ahead=stream.fetches_ahead())
+                               fetched_ahead=stream.fetches_ahead(), step_bytes=step,
+                               width=getattr(args, "width", None))
 
 
 @contextlib.contextmanager
@@ -72,29 +79,43 @@ def earlier_run(out, names):
 
 
 def warn_data(train_sources, eval_sources):
-    """One warning line each: a train and an eval source sharing shards (the same file or URL,
-    or the same sha256); a training source holding the same bytes under two names; a --train
-    manifest of a test split, an --eval manifest of the training split."""
-    for tr in train_sources:
-        for ev in eval_sources:
+    """One warning line for each mistake that makes "test accuracy" mean something else: an eval
+    source holding a training source's data (shards in both: the same file or URL, or the same
+    sha256; the same listing of names, sizes and sha256 in another place; or a manifest of the
+    training split), naming the training source and the split it records; a --train manifest of
+    a held-out split that no eval line named; a training source holding the same bytes under two
+    names."""
+    named = set()  # training sources an eval line named
+    for ev in eval_sources:
+        why, fix = [], f"give --eval {ev.name} the source's test manifest"
+        for tr in train_sources:
             shared = _shared(tr, ev)
+            split = f", which records split {tr.split!r}" if tr.split in EVAL_SPLITS else ""
             if shared:
-                warnings.warn(f"--train {tr.name} ({redact(tr.manifest)}) and --eval {ev.name} ({redact(ev.manifest)}) share "
-                              f"{len(shared)} shard(s) (the same file or the same sha256), e.g. {shared[0]}: the test "
-                              f"accuracy is measured on data the model trains on", stacklevel=2)
+                why.append(f"shares {len(shared)} shard(s) with --train {tr.name} ({redact(tr.manifest)}{split}; the "
+                           f"same file or sha256), e.g. {redact(shared[0])}")
+            elif tr.listing and tr.listing == ev.listing:
+                why.append(f"lists the same shards as --train {tr.name} ({redact(tr.manifest)}{split}: the same "
+                           f"names, sizes and sha256)")
+            else:
+                continue
+            named.add(id(tr))
+            if split:
+                fix = f"give --train {tr.name} the source's training manifest"
+        if ev.split == "train":
+            why.append("records split 'train'")
+        if why:
+            warnings.warn(f"--eval {ev.name} ({redact(ev.manifest)}) {'; '.join(why)}: its \"test accuracy\" is "
+                          f"measured on data the model trains on ({fix})", stacklevel=2)
     for tr in train_sources:
         twins = repeated(zip(tr.urls, tr.digests or []))
         if twins:
             warnings.warn(f"--train {tr.name}: {len(twins)} shard(s) hold the same bytes as another of its shards "
                           f"(equal sha256), e.g. {twins[0][0]} and {twins[0][1]}: they are read twice an epoch",
                           stacklevel=2)
-        if tr.split in EVAL_SPLITS:
+        if tr.split in EVAL_SPLITS and id(tr) not in named:
             warnings.warn(f"--train {tr.name}: {redact(tr.manifest)} records split {tr.split!r}: the model trains on "
                           f"held-out data", stacklevel=2)
-    for ev in eval_sources:
-        if ev.split == "train":
-            warnings.warn(f"--eval {ev.name}: {redact(ev.manifest)} records split 'train': its \"test accuracy\" is "
-                          f"measured on training data (give the source's test manifest)", stacklevel=2)
 
 
 def _where(url):

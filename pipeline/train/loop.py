@@ -57,7 +57,7 @@ def train(args, topo, device, stopper=None):
         """The memory check, then the loader's workers, started while the model is built: they fork
         before CUDA starts here and read the first batches meanwhile. record=False: prefetch.ahead
         pulls batch n+1 before step n; the epoch records each batch as it trains it."""
-        guard.check_memory(args, train_stream, len(eval_sources))  # before any loader starts or reads
+        guard.check_memory(args, train_stream, len(eval_sources), device)  # before any loader starts or reads
         if args.eval_only:
             return None
         return stream.make_loader(train_stream, args.workers, pin_memory=device.type == "cuda", record=False).start()

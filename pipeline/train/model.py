@@ -10,6 +10,22 @@ from torch import nn
 
 
 MIN_SIDE = 4  # two 2x2 max-pools: a smaller input has nothing left to pool
+# Bytes a training step on the CPU holds for each pixel of each sample: for each unit of
+# --width, what autograd keeps for the backward pass, the float outputs of two convolutions and
+# two batch norms at full resolution (16 bytes), of twice the channels at a quarter of the
+# pixels (8) and of four times at a sixteenth (4); and a fixed part, measured: the augmented
+# float copies of the batch and their index tensors, the gradients in flight, fitted to the
+# trainer's peak RSS at 512x512 and 1024x1024, widths 4 and 16, batches 1 and 8 (the estimate
+# against measured runs: docs/training.md, "Before the first read").
+STEP_PIXEL_BYTES, STEP_WIDTH_BYTES = 128, 28
+
+
+def step_bytes(batch_size, height, width, model_width):
+    """About what one training step of Net holds on the CPU for a batch of height x width
+    images: the memory budget (pipeline.data.budget) counts it before the first read, since
+    a manifest's shape alone can make a step of a few images need tens of GB."""
+    return batch_size * max(height, MIN_SIDE) * max(width, MIN_SIDE) * (STEP_PIXEL_BYTES +
+                                                                       STEP_WIDTH_BYTES * model_width)
 
 
 def conv_bn(cin, cout):

@@ -53,9 +53,9 @@ def parse(argv=None):
     a("--workers", type=int, default=8, metavar="N", help="DataLoader workers per rank (default: 8)")
     a("--max-batch-memory", type=byte_size, metavar="BYTES",
       help="the most one rank's batches may take (suffixes K, M, G, T): the loader's queue of workers x 6 "
-           "batches, the batch and its float copy, the shuffle windows, from --batch-size, the manifests' image "
-           "shapes and --workers; a job over it is refused before it reads (default: half of this machine's "
-           "memory over the ranks torchrun starts on it)")
+           "batches, the batch and its float copy, decoding, the shuffle windows and on a CPU the model's step, "
+           "from --batch-size, the manifests' image shapes, --workers and --width; a job over it is refused "
+           "before it reads (default: half of this machine's memory over the ranks torchrun starts on it)")
     a("--lr", type=float, default=0.1,
       help="peak SGD learning rate for a global batch of 256; the rate used is LR x global batch / 256, "
            "with global batch = ranks x --batch-size, after a linear warm-up (default: 0.1)")

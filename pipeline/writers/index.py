@@ -33,8 +33,8 @@ from pipeline.data.decode import (CONTENT_ERRORS, IMAGE_EXTS, LABEL_EXTS, Unlabe
                                   parse_label_key, pil_reason, pixels_of, raw_label)
 from pipeline.errors import ShardError, redact
 from pipeline.files import MAX_JSON, open_regular, write_json_atomic
-from pipeline.data.manifest import (FORMAT, NAME_RE, MAX_CLASSES, MAX_SIDE, check, expand_pattern, manifest_name,
-                                    pipe_shard_name, plain_relative)
+from pipeline.data.manifest import (FORMAT, NAME_RE, CLASSES_WHY, MAX_CLASSES, MAX_SIDE, check, expand_shards,
+                                    manifest_name, pipe_shard_name, plain_relative)
 from pipeline.data.read import is_meta, iter_samples
 from pipeline.writers.shards import writing
 
@@ -45,14 +45,15 @@ STAT_SIDE = 64  # images are decoded at most about this big for the mean and std
 
 
 def expand(spec):
-    """A SPEC's shard URLs: a brace pattern (paths, http(s) URLs or pipe: commands) or a folder
-    (its *.tar, *.tar.gz and *.tgz files, sorted). Raises ShardError when nothing matches."""
+    """A SPEC's shard URLs: a brace pattern (paths, http(s) URLs or pipe: commands), a glob of
+    local or store shards (`train/*.tar`, matched in name order), or a folder (its *.tar,
+    *.tar.gz and *.tgz files, sorted). Raises ShardError when nothing matches."""
     if remote.kind(spec) == "file" and os.path.isdir(spec):
         urls = sorted(os.path.join(spec, f) for f in os.listdir(spec) if f.endswith(SHARD_SUFFIXES))
     elif remote.kind(spec) == "store" and "{" not in spec and not spec.endswith(SHARD_SUFFIXES):
         urls = storage.listing(spec, SHARD_SUFFIXES)  # a prefix: the shards under it, read where they are
     else:
-        urls = expand_pattern(spec)
+        urls = expand_shards(spec)
         missing = [u for u in urls if remote.kind(u) == "file" and not os.path.exists(u)]
         if missing:
             raise ShardError(f"{spec}: {len(missing)} of {len(urls)} shard(s) do not exist, e.g. {missing[0]}")
@@ -101,7 +102,8 @@ def scan_shard(url, label, policy=remote.Policy(), image_key=None, skip_unlabell
     def consume(stream):  # a retry after a broken transfer starts the counts over
         scan.update(url=url, samples=0, unlabelled=0, exts=collections.Counter(), shapes=collections.Counter(),
                      labels=collections.Counter(), first={}, rgb=np.zeros(7), grey=np.zeros(3), label=label,
-                     image_key=image_key, skip_unlabelled=skip_unlabelled, wide=(0, None, 0, 0), tall=(0, None, 0, 0))
+                     image_key=image_key, skip_unlabelled=skip_unlabelled, wide=(0, None, 0, 0, None),
+                     tall=(0, None, 0, 0, None), large=(0, None, 0, 0, None))
         h = _Hashing(stream)
         for sample in iter_samples(h, _Wanted(image_key, label), url):
             if not is_meta(sample["__key__"]):  # a __meta__ sample describes the shard: not a sample to index
@@ -178,9 +180,11 @@ def _scan_sample(sample, scan, url):
     scan["first"].setdefault(value, key)
     scan["rgb"] += [len(rgb), *rgb.sum(0), *(rgb * rgb).sum(0)]
     scan["grey"] += [len(grey), grey.sum(), (grey * grey).sum()]
-    for side, ratio in (("wide", w / h), ("tall", h / w)):  # the most elongated images, checked against the shape
-        if ratio > scan[side][0]:
-            scan[side] = (ratio, key, w, h)
+    scale = bounds.REDUCED.get(image_format(ext), 1)
+    decoded = -(-w // scale) * -(-h // scale)
+    for side, ratio in (("wide", w / h), ("tall", h / w), ("large", decoded)):  # checked against the shape
+        if ratio > scan[side][0]:  # the most elongated images, the one of most pixels as decoded
+            scan[side] = (ratio, key, w, h, image_format(ext))
 
 
 def wrong_label_key(url, sample, label, member):
@@ -196,14 +200,15 @@ def wrong_label_key(url, sample, label, member):
 
 
 def check_extremes(found, shape):
-    """The most elongated images of every shard against the manifest's shape (bounds.check):
-    ShardError naming the shard and the sample of the first that the trainer would refuse."""
+    """The most elongated images of every shard and its largest as decoded against the manifest's
+    shape (bounds.check): ShardError naming the shard and the sample of the first that the
+    trainer would refuse."""
     for f in found:
-        for side in ("wide", "tall"):
-            _, key, w, h = f[side]
+        for side in ("wide", "tall", "large"):
+            _, key, w, h, ext = f[side]
             if key is not None:
                 try:
-                    bounds.check(w, h, shape)
+                    bounds.check(w, h, shape, ext)
                 except ValueError as e:
                     raise ShardError(f"{f['url']}: sample {key}: {e}") from None
 
@@ -411,9 +416,8 @@ def summarise(name, split, spec, found, names, label, shape, classes_file, class
     classes, label_values, label_names = resolve_classes(found, classes_file, classes_from)
     if len(classes) > MAX_CLASSES:  # else check() would call the list malformed
         raise ShardError(f"{spec}: {len(classes)} distinct labels ({describe_label(label)}), more than the "
-                         f"{MAX_CLASSES} classes a manifest may hold: the model has an output per class and every "
-                         f"worker keeps the class list; if the label is an ID or a caption, not a class, choose "
-                         f"another with --label-key")
+                         f"{MAX_CLASSES} classes a manifest may hold: {CLASSES_WHY}; if the label is an ID or a "
+                         f"caption, not a class, choose another with --label-key")
     if shape[0] == 3:
         n, s, sq = rgb[0], rgb[1:4], rgb[4:7]
     else:
