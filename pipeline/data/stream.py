@@ -149,11 +149,14 @@ class MixedStream(torch.utils.data.IterableDataset):
         return self._place().segment
 
     def __len__(self):
-        return self.current().batches
+        """Batches of the epoch the next pass reads, on this rank."""
+        return self.batches_per_epoch if self._finished() else self.current().batches
 
     def remaining(self):
-        """Batches a pass over the current epoch yields on this rank: all of them, or what a
-        resumed or partly read epoch has left."""
+        """Batches the next pass yields on this rank: all of its epoch's, or what a resumed or
+        partly read epoch has left (after a finished epoch: the next one's, which that pass reads)."""
+        if self._finished():
+            return self.batches_per_epoch
         return self.current().batches - sum(self._done().values())
 
     def _place(self):
