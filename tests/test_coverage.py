@@ -66,7 +66,7 @@ def epoch(sources, weights, before, after, stop, batch_size):
     keys = pull(first, before[1], stop)
     states = json.loads(json.dumps([s.state_dict() for s in first]))  # what a checkpoint holds
     second = streams_for(sources, weights, *after, batch_size)
-    ended = not first[0].remaining()
+    ended = stop >= first[0].current().batches
     for s in second:
         said = s.load_state_dict(states)
         same = (before[0], max(before[1], 1)) == (after[0], max(after[1], 1))

@@ -89,22 +89,54 @@ class Segment:
         before = q[:pair].sum(axis=0)
         return [cut(spans, int(a), int(a + n)) for spans, a, n in zip(self.spans, before, q[pair])]
 
+    def reserves(self, pair, targets):
+        """Per source, the positions pair `pair` reads after its run, in place of the samples it
+        passed over (damaged, or dropped by a stage), so that they come from samples no pair reads
+        this epoch: its share of what the segment's runs leave of its spans, then of the positions
+        after the epoch's target to the end of that pass, then of the next pass (a repeat, once
+        the pass was read). Each part is cut between the pairs in proportion to their quotas, so
+        no position is in two reserves. `targets`: the epoch's positions of each source."""
+        q = self.quotas()
+        out = []
+        for s, (spans, t) in enumerate(zip(self.spans, targets)):
+            pool = self._pools(s, int(t), q[:, s])
+            out.append([span for part in pool for span in part[pair]])
+        return out
+
+    def _pools(self, s, target, quota):
+        """Source s's unread parts, each cut between the pairs: lists of spans per pair."""
+        used, held = int(quota.sum()), int(sum(n for _, n in self.spans[s]))
+        length = int(self.passes[s]) if self.passes else 0
+        after = (-target) % length if length else target  # to the end of the target's pass (resampled: as much again)
+        parts = [(self.spans[s], used, held), (((target, after),) if after else (), 0, after),
+                 (((target + after, length),) if length else (), 0, length)]
+        pools = []
+        for spans, lo, hi in parts:
+            shares = order.apportion(hi - lo, quota) if hi > lo else np.zeros(len(quota), np.int64)
+            ends = lo + np.cumsum(shares)
+            pools.append([cut(spans, int(e - n), int(e)) for e, n in zip(ends, shares)])
+        return pools
+
     def choices(self, pair):
         """The pair's `Choices`: which source each of its samples comes from."""
         return Choices(self.quotas()[pair], (order.MIX, self.seed, self.epoch, self.generation, pair))
 
     def rest(self, read, *, generation, world, workers, batch_size):
         """The next segment, on another world: what every pair left of its runs, then what
-        no pair was given. read: per pair (in split order), the positions of each source
-        it read."""
+        no pair was given, but the places of it that pairs read as their reserve. read: per
+        pair (in split order), the positions of each source it read."""
         q = self.quotas()
         spans = []
         for s, mine in enumerate(self.spans):
             ends = np.cumsum(q[:, s])
             done = np.minimum([int(r[s]) for r in read], q[:, s])
             left = [(int(e - n + d), int(e)) for e, n, d in zip(ends, q[:, s], done)]  # each pair's unread places
-            left.append((int(ends[-1]) if len(ends) else 0, sum(n for _, n in mine)))  # what no pair was given
-            spans.append(merge(sorted(cut_all(mine, left))))  # the lowest positions first: the highest go unread
+            used, held = int(ends[-1]) if len(ends) else 0, sum(n for _, n in mine)
+            shares = order.apportion(held - used, q[:, s]) if held > used else np.zeros(len(q), np.int64)
+            over = [max(0, int(r[s]) - int(n)) for r, n in zip(read, q[:, s])]  # read into the reserve
+            for e, n, o in zip(used + np.cumsum(shares), shares, over):  # what no pair was given, less those
+                left.append((int(e - n + min(o, n)), int(e)))
+            spans.append(merge(sorted(cut_all(mine, sorted(left)))))  # the lowest positions first: the highest go unread
         left = sum(n for s in spans for _, n in s)
         return Segment(self.epoch, generation, world, workers, batch_size, left // (world * batch_size),
                        tuple(spans), self.seed, self.passes)

@@ -73,13 +73,15 @@ class RunPlan:
     """The windows one (rank, worker) reads of one source: its run of the epoch's positions
     (pipeline.data.deal), window by window (pipeline.data.order), from `at` positions in.
 
-    Each window is read whole and its positions taken where the run holds them. A run
-    is read once; a pair that passed over damaged samples and still owes samples reads
-    its run again from the start (those samples then repeat: the damage is counted).
+    Each window is read whole and its positions taken where the run holds them. A pair that
+    passed over damaged samples and still owes samples goes on into its `reserve`
+    (deal.Segment.reserves: positions no other pair reads); past that too, it reads its run
+    again from the start (those samples then repeat: the damage is counted).
     """
 
-    def __init__(self, order, urls, run, at=0):
-        self.order, self.urls, self.run = order, list(urls), list(run)
+    def __init__(self, order, urls, run, at=0, reserve=()):
+        self.order, self.urls, self.run = order, list(urls), list(run) + list(reserve)
+        self.own = sum(n for _, n in run)  # the run proper: what is fetched ahead
         self.ends = np.cumsum([n for _, n in self.run]) if self.run else np.zeros(0, np.int64)
         self.length = int(self.ends[-1]) if self.run else 0
         self.reset(at)
@@ -110,10 +112,10 @@ class RunPlan:
 
     def upcoming(self):
         """The windows after the current one, to the run's end: what a reader fetches ahead.
-        It stops at the end, where only damage makes a pair read its run again."""
+        It stops at the run's end, where only damage makes a pair read its reserve."""
         w = self.current
         at = self.at if w is None else w.start + w.size - w.skip
-        while at < self.length:
+        while at < self.own:
             w = self._window_at(at)
             yield w
             at = w.start + w.size - w.skip
@@ -364,6 +366,8 @@ class Reader:
         self.expected = {u: (c, b, d) for u, c, b, d in zip(source.urls, source.counts, source.sizes or [None] * n,
                                                          source.digests or [None] * n)}
         self.miscount_said = set()  # urls whose count differing from the manifest was reported
+        self.damage_said = set()  # urls whose damage was reported: a later read of them counts it without a line
+        self.suspect = {}  # url -> DigestError: the whole shard cannot be trusted, so it is not read again
         # remote shards read whole: fetched ahead of the reading (`_ahead`); never local files or pipe: commands
         self.fetchable = {u for u, (_, b, _) in self.expected.items() if b is not None and b <= WHOLE_SHARD
                           and _remote(u)}
@@ -425,6 +429,8 @@ class Reader:
         shards read whole go into the window's arena, where their images stay."""
         arena = self.arena
         count, nbytes, digest = self.expected.get(url, (None, None, None))
+        if url in self.suspect:  # read again (a pair's reserve, another pass): nothing in it can be used
+            return None, [], 0, self.suspect[url], count
         whole = nbytes is not None and nbytes <= WHOLE_SHARD
         got, bad, cols = 0, [], None
         begin = arena.used if arena is not None else 0
@@ -483,9 +489,11 @@ class Reader:
         except ShardError as e:
             if self.errors.strict:
                 raise ShardError(f"{url}: {e}") from None
+            error = e.with_traceback(None)  # its frames would hold the shard's bytes (the arena's buffer)
             if isinstance(e, DigestError):  # the whole shard is suspect, not only its end
                 got, cols, bad = 0, None, []
-            error = e.with_traceback(None)  # its frames would hold the shard's bytes (the arena's buffer)
+                self.suspect[url] = error
+                self.fetchable.discard(url)
         else:
             if count is not None and got < count and self.errors.strict:  # a tar may end without its end blocks
                 raise ShardError(f"{url}: {got} samples, the manifest says {count}: the tar ends early (truncated)")
@@ -504,7 +512,10 @@ class Reader:
         lost = max(end - max(lo, got), 0)
         if error is not None and end >= (count or got):
             lost = max(lost, 1)  # the shard's end was damaged
-        if error is not None and lost:
+        if error is not None and lost and url in self.damage_said:
+            self.errors.skipped += lost
+        elif error is not None and lost:
+            self.damage_said.add(url)
             self.errors(f"{url}: {error}", lost, said=f"{url}: {error}; skipped {lost} sample(s)")
         elif lost:  # a tar that ends early: named once when read (see _read_shard)
             self.errors.skipped += lost

@@ -62,6 +62,7 @@ class Plan:
     id: int
     segment: deal.Segment
     start: Start
+    targets: tuple  # the epoch's positions of each source (the reserves lie past them)
 
 
 def _remote(source):
@@ -178,7 +179,7 @@ class MixedStream(torch.utils.data.IterableDataset):
 
     def _new_plan(self, segment, start):
         self._plans += 1
-        return Plan(self._plans, segment, start)
+        return Plan(self._plans, segment, start, tuple(self._targets))
 
     def plan(self):
         """The plan of the pass about to begin (the loader asks as each pass begins): where the
@@ -306,9 +307,10 @@ class MixedStream(torch.utils.data.IterableDataset):
         pair = own_items(pairs, self.topo, worker)[0]
         logical = pair // seg.world
         errors = Errors(self.on_error)
-        runs = seg.runs(pair)
+        runs, reserves = seg.runs(pair), seg.reserves(pair, plan.targets)
         at = start.positions.get(logical, [0] * len(self.sources))
-        streams = [stages.SourceStream(stages.RunPlan(self.source_order(i, seg.epoch), s.urls, runs[i], at[i]),
+        streams = [stages.SourceStream(stages.RunPlan(self.source_order(i, seg.epoch), s.urls, runs[i], at[i],
+                                                      reserves[i]),
                                        self._reader(s, errors), sample_stages=self.sample_stages)
                    for i, s in enumerate(self.sources)]
         mix = stages.Mix(streams, seg.choices(pair), self.batch_size, at=start.done.get(logical, 0))
