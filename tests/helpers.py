@@ -12,6 +12,12 @@ import time
 from pipeline.writers import shards
 from pipeline.writers.sources import SyntheticSource
 
+# A hang guard, in seconds, for a process or a wait a test starts: never a measure of speed. Work
+# that scales with the machine's load (a Python starting, a job training) gets this long, so that
+# `make test` beside other jobs on two busy cores fails only on a real hang; pytest's own timeout
+# (pyproject.toml) is longer still, so that this guard's message, with the stacks, comes first.
+HANG = 900
+
 
 def build_shards(out, name, split, n, *, shape=(1, 28, 28), encoding="raw", maxcount=20, seed=0, workers=1):
     """Write n synthetic samples of `name`/`split` as shards plus manifest under `out`.

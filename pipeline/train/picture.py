@@ -8,8 +8,8 @@ import math
 import os
 
 from pipeline.figures import new_figure, plain
-from pipeline.train.rundata import (ReportError, _finite, _number, _ordered, accuracy_of, described, eval_names,
-                                    last_evals, left_out_line, loss_of, stops_and_resumes, train_names)
+from pipeline.train.rundata import (ReportError, _number, _ordered, accuracy_of, described, eval_names, last_evals,
+                                    left_out_line, loss_of, stops_and_resumes, train_names, value, world_words)
 
 
 def _marker(points):
@@ -41,8 +41,9 @@ def figure_title(run):
     summary = run["summary"] or {}
     names = _ordered([train_names(run), eval_names(run)])
     head = f"run {os.path.basename(os.path.abspath(run['dir']))}"
-    if _number(summary.get("world_size")):
-        head += f", {summary['world_size']} rank(s)"
+    ranks = world_words(run)
+    if ranks:
+        head += f", {ranks}"
     if not summary:
         head += ", no summary.json (still running, or stopped before the end)"
     elif summary.get("finished") is False:
@@ -76,9 +77,9 @@ def draw_share(ax, run, colours):
     the first), hence the steps drawn back from each line."""
     steps = [r["step"] for r in run["train"]]
     names = train_names(run)
-    weights = {name: [_finite(r.get("weights", {}).get(name)) for r in run["train"]] for name in names}
+    weights = {name: [value(r.get("weights", {}).get(name), "weight") for r in run["train"]] for name in names}
     for name in names:
-        share = [_finite(r.get("share", {}).get(name)) for r in run["train"]]
+        share = [value(r.get("share", {}).get(name), "share") for r in run["train"]]
         ax.plot(steps, share, color=colours[name], marker=_marker(steps), label=plain(f"{described(run, name)} share"))
     for group in equal_groups(weights):
         for i, name in enumerate(group):  # equal weights: dashes interleaved along one line, each colour seen
@@ -103,7 +104,8 @@ def equal_groups(series):
 
 def draw_speed(ax, run):
     steps = [r["step"] for r in run["train"]]
-    ax.plot(steps, [_finite(r.get("samples_per_s")) for r in run["train"]], color="black", marker=_marker(steps))
+    ax.plot(steps, [value(r.get("samples_per_s"), "samples/s") for r in run["train"]], color="black",
+            marker=_marker(steps))
     ax.set(title="throughput", xlabel="step", ylabel="samples/s (all ranks)")
     wait = (run["summary"] or {}).get("data_wait_share")
     note = f"waiting for data: {wait:.1%} of the time" if _number(wait) else "data-wait share: no summary.json"
@@ -133,7 +135,8 @@ def confusions(run):
 
 def draw_confusion(ax, name, classes, rows):
     """Rows: the true class; columns: the predicted one (each row sums to 1), then 'other'
-    for a prediction of another source's class."""
+    for a prediction of another source's class (the model has one head over every source's
+    classes, so a digit can be taken for a cat), said under the panel."""
     shares = [[x / max(sum(r), 1) for x in r] for r in rows]
     ax.imshow(shares, cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
     labels = [plain(c, limit=16) for c in classes]
@@ -144,14 +147,14 @@ def draw_confusion(ax, name, classes, rows):
     total = sum(sum(r) for r in rows)
     correct = sum(r[i] for i, r in enumerate(rows))
     ax.set(title=plain(f"{name}: confusion, accuracy {correct / max(total, 1):.3f}", limit=60),
-           xlabel="predicted", ylabel="true class")
+           xlabel="predicted (other: a class of another source)", ylabel="true class")
 
 
 def build_figure(run):
     """The figure of a run: four panels (training loss, test accuracy, mixture share against
     weights, samples/s), stops and resumes marked on the step panels, then a row of one
     confusion matrix per source evaluated per class (MNIST and CIFAR10: six panels in all),
-    and a line saying which values were not finite numbers and so not drawn."""
+    and a line saying which values no axis could hold and so were not drawn."""
     matrices = confusions(run)
     n = len(matrices)
     fig = new_figure(max(14, 3.5 * n), 9 + (4.5 if n else 0))
@@ -174,7 +177,7 @@ def build_figure(run):
     note = left_out_line(run)
     fig.tight_layout(rect=(0, 0.03, 1, 1) if note else None)
     if note:
-        fig.text(0.5, 0.005, plain(note), ha="center", va="bottom", fontsize=9, color="darkred")
+        fig.text(0.5, 0.005, plain(note, limit=300), ha="center", va="bottom", fontsize=9, color="darkred")
     return fig
 
 

@@ -16,8 +16,11 @@ from pipeline.train.rundata import ReportError, data_lines, epoch_rows, eval_nam
 DESCRIPTION = """Draw the pictures of a training run in RUN_DIR/report.png and a per-epoch table on stdout.
 The picture: four panels (training loss, test accuracy, mixture share against weights,
 samples/s) with dotted lines where the run stopped and resumed, then one confusion matrix per
-source evaluated per class (MNIST and CIFAR10: six panels in all). Values that are not finite
-numbers (an Infinity or NaN loss) are left out and counted in a line under the picture.
+source evaluated per class (MNIST and CIFAR10: six panels in all); its title names the world
+sizes the run ran on (2 then 3 ranks after a resume on 3). Values no axis can hold (an Infinity
+or NaN loss, a negative one, an accuracy above 1) are left out and counted under the picture.
+The table: per epoch, each source's mean training loss over the epoch's samples, its test
+accuracy, the median samples/s.
 
     python tools/report.py runs/demo
     python tools/report.py runs/demo --out /tmp/demo.png

@@ -8,6 +8,7 @@ where each source's data came from (its origin and training manifest) and the da
 share. Eval lines also carry each test source's origin and manifest, so a run without a
 summary says "origin unknown" only for sources it has not evaluated yet.
 """
+import bisect
 import io
 import json
 import math
@@ -43,19 +44,38 @@ def read_records(path):
     return out
 
 
-
 def _number(x):
     """A finite number: a hostile line's Infinity or NaN epoch is no epoch."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _count(x):
+    """A whole number from 0 to 2**53 (past that a float step is no longer exact): an epoch, a step,
+    a world size. A hostile line's epoch of 1e300 made matplotlib's epoch ticks fail."""
+    return _number(x) and x == int(x) and 0 <= x <= 2 ** 53
+
+
+FAR = 1e300  # past this an axis and its margins overflow a float: matplotlib cannot draw the panel
+RANGES = {"loss": (0, FAR), "accuracy": (0, 1), "share": (0, 1), "weight": (0, FAR), "samples/s": (0, FAR)}
+
+
+def value(x, what):
+    """x as a float when it is a number a `what` (a key of RANGES) can be, else NaN: not drawn,
+    not tabled, and counted by left_out. A cross-entropy loss is never negative and an accuracy
+    never above 1; an axis from -1e308 to 1e308, or one to 1.7e308, is not drawn at all
+    (matplotlib's ticks end in `arange: cannot compute length`, its layout in a singular
+    matrix), so one such value must not cost the picture of the rest."""
+    low, high = RANGES[what]
+    return float(x) if _number(x) and low <= x <= high else math.nan
+
+
 def _train_ok(r):
-    return (_number(r.get("step")) and _number(r.get("epoch")) and isinstance(r.get("loss"), dict)
+    return (_count(r.get("step")) and _count(r.get("epoch")) and isinstance(r.get("loss"), dict)
             and isinstance(r.get("share", {}), dict) and isinstance(r.get("weights", {}), dict))
 
 
 def _eval_ok(r):
-    return _number(r.get("epoch")) and isinstance(r.get("eval"), dict) and all(
+    return _count(r.get("epoch")) and isinstance(r.get("eval"), dict) and all(
         isinstance(v, dict) for v in r["eval"].values())
 
 
@@ -85,9 +105,11 @@ def load_run(run_dir):
     if not train:
         raise ReportError(f"{path}: no training lines yet (the run has not logged its first --log-every steps)")
     marks = [r for r in records if r.get("kind") in ("stopped", "resumed", "weights_changed", "data_changed")
-             and _number(r.get("step"))]
-    return {"dir": run_dir, "train": train, "eval": [r for r in records if r.get("kind") == "eval" and _eval_ok(r)],
-            "marks": marks, "summary": read_summary(os.path.join(run_dir, "summary.json"))}
+             and _count(r.get("step"))]
+    evals = [r for r in records if r.get("kind") == "eval" and _eval_ok(r)]
+    dropped = sum(1 for r in records if r.get("kind") in ("train", "eval")) - len(train) - len(evals)
+    return {"dir": run_dir, "train": train, "eval": evals, "marks": marks, "dropped": dropped,
+            "summary": read_summary(os.path.join(run_dir, "summary.json"))}
 
 
 def _ordered(keys_lists):
@@ -161,17 +183,17 @@ def loss_of(record, name):
     """The line's mean loss of `name`, or NaN when the line holds none of its samples:
     the trainer writes 0.0 for a source that got no samples (weight 0), which is no loss."""
     loss, share = record["loss"].get(name), record.get("share", {}).get(name)
-    if not _number(loss) or (_number(share) and share == 0):
+    if _number(share) and share == 0:
         return math.nan
-    return float(loss)
+    return value(loss, "loss")
 
 
 def accuracy_of(record, name):
     """Test accuracy of `name` in an eval line, or NaN when it evaluated no samples."""
     v = record["eval"].get(name)
-    if not isinstance(v, dict) or not _number(v.get("accuracy")) or v.get("count") == 0:
+    if not isinstance(v, dict) or v.get("count") == 0:
         return math.nan
-    return float(v["accuracy"])
+    return value(v.get("accuracy"), "accuracy")
 
 
 def last_evals(run):
@@ -180,38 +202,114 @@ def last_evals(run):
 
 
 def epoch_rows(run):
-    """One row per epoch: last train loss per source, test accuracy per source, median samples/s."""
+    """One row per epoch: each source's mean training loss over the epoch's samples, test
+    accuracy per source, median samples/s."""
     evals, rows, names, evaluated = last_evals(run), [], train_names(run), eval_names(run)
     by_epoch = {}
-    for r in run["train"]:  # one pass: a scan per epoch made 20,000 epochs take minutes
-        by_epoch.setdefault(int(r["epoch"]), []).append(r)
+    for r, n in zip(run["train"], line_samples(run)):  # one pass: a scan per epoch made 20,000 epochs take minutes
+        by_epoch.setdefault(int(r["epoch"]), []).append((r, n))
     for epoch in sorted(set(by_epoch) | set(evals)):
         lines = by_epoch.get(epoch, [])
-        loss = {}
-        for name in names:
-            seen = [x for x in (loss_of(r, name) for r in lines) if not math.isnan(x)]
-            loss[name] = seen[-1] if seen else math.nan
+        loss = {name: epoch_loss(lines, name) for name in names}
         ev = evals.get(epoch)
         acc = {name: accuracy_of(ev, name) if ev else math.nan for name in evaluated}
-        rates = [float(r["samples_per_s"]) for r in lines if _number(r.get("samples_per_s"))]
+        rates = [x for x in (value(r.get("samples_per_s"), "samples/s") for r, _ in lines) if not math.isnan(x)]
         rows.append({"epoch": epoch, "loss": loss, "accuracy": acc,
                      "samples_per_s": statistics.median(rates) if rates else math.nan})
     return rows
 
 
-def _finite(x):
-    """A value to draw: a finite number, else NaN (matplotlib leaves NaN out; Infinity would
-    stretch an axis to nothing, and a string fails the drawing)."""
-    return float(x) if _number(x) else math.nan
+def epoch_loss(lines, name):
+    """The mean loss of `name` over an epoch's samples: each line's mean weighted by how many of
+    the source's samples it covers ([(line, its samples of all sources)], see line_samples).
+    The last line's alone said little: it may cover one step of the epoch."""
+    total = weight = 0.0
+    for r, n in lines:
+        loss, share = loss_of(r, name), r.get("share", {}).get(name)
+        w = n * (value(share, "share") if share is not None else 1.0)
+        if not math.isnan(loss) and not math.isnan(w):
+            total, weight = total + loss * w, weight + w
+    if weight == 0:  # lines without steps between them (a hostile file): their plain mean
+        seen = [x for x in (loss_of(r, name) for r, _ in lines) if not math.isnan(x)]
+        return sum(seen) / len(seen) if seen else math.nan
+    return total / weight
+
+
+def line_samples(run):
+    """Per train line, the samples it covers in units of the batch size: its steps since the
+    line before, each counted with the world size it ran on (a resume on another world
+    changes the samples a step takes; a line may span the resume). Where the first world is
+    not known, the next known one stands for it."""
+    segments = worlds(run)
+    known = [w for _, w in segments if w] or [1]
+    starts, sizes = [start for start, _ in segments], [w or known[0] for _, w in segments]
+    out, before = [], 0
+    for r in run["train"]:  # the lines' spans (before, step] do not overlap: each segment is walked about once
+        step = int(r["step"])
+        n, i = 0, max(bisect.bisect_left(starts, before + 1) - 1, 0)
+        while i < len(starts) and starts[i] < step:
+            end = starts[i + 1] if i + 1 < len(starts) else step
+            n += max(0, min(step, end) - max(before, starts[i])) * sizes[i]  # steps (start, end] ran on sizes[i]
+            i += 1
+        out.append(n)
+        before = max(before, step)
+    return out
+
+
+def worlds(run):
+    """[(step after which it began, world size or None where not known)]: the stretches of the
+    run on one world size, from the 'resumed' lines (each names its world). The first world
+    comes from summary.json: the ranks that finished an epoch before the first resume, else
+    the ranks whose part of the first resume's epoch was carried over (before_resume), else
+    the only world when the run never resumed."""
+    resumes = sorted({int(r["step"]): int(r["world"]) for r in run["marks"]  # a resume that failed and was
+                      if r["kind"] == "resumed" and _count(r.get("world")) and r["world"] >= 1}.items())  # tried again
+    summary = run["summary"] or {}
+    if not resumes:
+        w = summary.get("world_size")
+        return [(0, int(w) if _count(w) and w >= 1 else None)]
+    first = resumes[0][0]
+    ends = {}
+    for r in run["train"]:
+        ends[int(r["epoch"])] = max(ends.get(int(r["epoch"]), 0), int(r["step"]))
+    epochs = summary.get("epochs") if isinstance(summary.get("epochs"), list) else []
+    history = {int(e["epoch"]): e for e in epochs if isinstance(e, dict) and _count(e.get("epoch"))}
+    ranks = lambda d: len(d) if isinstance(d, dict) and d else None  # noqa: E731
+    before = [e for e, end in ends.items() if end <= first and e in history]
+    if before:
+        w0 = ranks(history[max(before)].get("batches"))
+    else:
+        after = min((e for e, end in ends.items() if end > first), default=None)  # the first resume's epoch
+        entry = history.get(after)
+        resumes_in_it = sum(1 for s, _ in resumes if s < ends[after]) if entry else 0
+        w0 = ranks(entry.get("before_resume")) if entry and resumes_in_it == 1 else None
+        if entry and resumes_in_it == 1 and "before_resume" not in entry and \
+                ranks(entry.get("batches")) == resumes[0][1]:
+            w0 = resumes[0][1]  # resumed on the same world and workers: nothing carried over
+    return [(0, w0)] + resumes
+
+
+def world_words(run):
+    """'2 ranks', '2 then 3 ranks', or '3 ranks from step 16' when the first is not known."""
+    segments, said = worlds(run), []
+    for start, w in segments:
+        if not said or said[-1][1] != w:
+            said.append((start, w))
+    known = [(start, w) for start, w in said if w]
+    if not known:
+        return None
+    text = " then ".join(str(w) for _, w in known) + (" rank" if known[-1][1] == 1 and len(known) == 1 else " ranks")
+    return text if said[0][1] else f"{text} from step {known[0][0]}"
 
 
 def left_out(run):
-    """{what: how many values} the lines hold that are not finite numbers (Infinity, NaN, a
-    string): they are not drawn, and the picture and the table say so."""
+    """{what: how many values} the lines hold that are not numbers a `what` can be (Infinity,
+    NaN, a string, a negative loss, an accuracy above 1): they are not drawn, and the picture
+    and the table say so."""
     counts = {}
 
     def count(what, values):
-        bad = sum(1 for x in values if x is not None and not _number(x))
+        bad = sum(1 for x in values if x is not None and math.isnan(value(x, what)))
         if bad:
             counts[what] = counts.get(what, 0) + bad
 
@@ -226,13 +324,15 @@ def left_out(run):
 
 
 def left_out_line(run):
-    """'left out: 2 loss values ...', or None when every value is a finite number."""
+    """'left out of the picture: 2 loss value(s) ...', or None when everything could be drawn."""
     counts = left_out(run)
-    if not counts:
-        return None
-    said = ", ".join(f"{n} {what} value(s)" for what, n in counts.items())
-    return f"left out of the picture: {said} that are not finite numbers (Infinity or NaN)"
-
+    said = []
+    if counts:
+        said.append(", ".join(f"{n} {what}" for what, n in counts.items()) + " value(s) that no axis holds (Infinity, "
+                    "NaN, below 0, past 1e300; an accuracy or share past 1)")
+    if run.get("dropped"):
+        said.append(f"{run['dropped']} train or eval line(s) without a whole epoch and step")
+    return f"left out of the picture: {'; '.join(said)}" if said else None
 
 
 def stops_and_resumes(run):
@@ -249,6 +349,6 @@ def stops_and_resumes(run):
             word = "resumed"
         words.setdefault(int(r["step"]), []).append(word)
     resumed = (run["summary"] or {}).get("resumed_from")
-    if isinstance(resumed, dict) and _number(resumed.get("step")):
+    if isinstance(resumed, dict) and _count(resumed.get("step")):
         words.setdefault(int(resumed["step"]), []).append("resumed")
     return [(step, " and ".join(dict.fromkeys(w)) + f" at step {step}") for step, w in sorted(words.items())]

@@ -77,5 +77,6 @@ def write_summary(run, evals, t_start, resumed_from, finished, sources):
 def report_command(out, clone=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))):
     """The command that draws this run's pictures: tools/report.py in a clone (`clone`: where the
     package sits), the installed module where pip put the package and no tools/ came with it."""
-    tool = "tools/report.py" if os.path.isfile(os.path.join(clone, "tools", "report.py")) else "-m pipeline.train.report"
+    in_clone = os.path.isfile(os.path.join(clone, "tools", "report.py"))
+    tool = "tools/report.py" if in_clone else "-m pipeline.train.report"
     return f"{shlex.quote(sys.executable)} {tool} {shlex.quote(str(out))}"
