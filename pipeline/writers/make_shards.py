@@ -257,21 +257,24 @@ def run_index(args, stage=None):
         t0 = time.perf_counter()
         classes_from = given or (None if args.classes else trained.get(name))
         label = args.label_key or (classes_from[1]["label"] if classes_from else None)  # the same rule as there
+        path = place(args.out, manifest.manifest_name(name, split))
+        there = stage is None and os.path.isfile(path)  # a store's is not asked for: one request more to hang on
         m = index.index(name, split, spec, args.out, label=label, image_key=args.image_key,
                         shape=args.shape, classes_file=args.classes, classes_from=classes_from,
                         skip_unlabelled=args.skip_unlabelled, base_url=args.base_url, workers=args.workers,
                         policy=policy, progress=not args.quiet, stage=stage)
-        path = place(args.out, manifest.manifest_name(name, split))
         if stage is not None:
             storage.put(os.path.join(stage, manifest.manifest_name(name, split)), path)
         if split == "train":
             trained[name] = (path, m)
         unlabelled = sum(s.get("unlabelled", 0) for s in m["shards"])
-        print(f"indexed {name}-{split}: {len(m['shards'])} shards, {m['total']} samples"
+        print(f"indexed {name}-{split}: {counted(len(m['shards']), 'shard')}, {m['total']} samples"
               f"{f' ({unlabelled} unlabelled left out)' if unlabelled else ''}, images "
               f"{'x'.join(map(str, m['shape']))} (.{', .'.join(m['image_exts'])}), in "
               f"{time.perf_counter() - t0:.1f} s -> {path}")
         print(f"  labels: {label_words(m)}" + (f", as in {classes_from[0]}" if classes_from else ""))
+        if there:
+            print(f"  replaced the manifest that was there before: {path}")
         if classes_from and classes_from is given and given[1]["dataset"] != name:
             print(printable(f"  warning: --classes-from {given[0]} is data set {given[1]['dataset']!r}, not {name!r}: "
                             f"its classes were used; check that it is this data set's training manifest"))
@@ -292,6 +295,11 @@ def run_index(args, stage=None):
             print(f"  the shards are read through a command: put {name}-{split}.json beside them and train with "
                   f"--train {name}='<the same command, reading {name}-{split}.json>'")
     return 0
+
+
+def counted(n, word):
+    """'1 shard', '2 shards'."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def classes_hint(out, name, m):
@@ -348,8 +356,35 @@ def run(args):
         return 1 if problems else 0
     if args.store:
         return run_store(args)
-    check_writable(args.out)
-    return write(args)
+    made = new_folders(args.out)
+    try:
+        check_writable(args.out)
+        code = write(args)
+    except BaseException:
+        remove_empty(made)
+        raise
+    if code:
+        remove_empty(made)
+    return code
+
+
+def new_folders(out):
+    """The folders that making `out` will create, the deepest last."""
+    made, path = [], os.path.abspath(out)
+    while not os.path.lexists(path):
+        made.insert(0, path)
+        path = os.path.dirname(path)
+    return made
+
+
+def remove_empty(made):
+    """A failed run takes back the --out folders it created, as far as they are empty (what
+    another process put there meanwhile stays)."""
+    for path in reversed(made):
+        try:
+            os.rmdir(path)
+        except OSError:
+            return
 
 
 def run_store(args):
@@ -373,7 +408,7 @@ def write(args, stage=None):
         for name in args.datasets + [f[0] for f in args.imagefolder]:
             for split in args.splits:
                 m = shards.merge_parts(args.out, name, split)
-                print(f"merged {name}-{split}: {len(m['shards'])} shards, {m['total']} samples")
+                print(f"merged {name}-{split}: {counted(len(m['shards']), 'shard')}, {m['total']} samples")
         return 0
     rows, t_all = [], time.perf_counter()
     for src in load_sources(args):
@@ -400,8 +435,8 @@ def done_line(rows, out, seconds):
     """The last line: what was written, where, and how long it all took."""
     n, total, size = sum(r[1] for r in rows), sum(r[2] for r in rows), sum(r[3] for r in rows)
     names = ", ".join(f"{r[0]}.json" for r in rows)
-    return (f"done in {seconds:.1f} s: wrote manifests and shards of {len(rows)} split(s) to {out}/ ({n} shards, "
-            f"{total} samples, {size / 1e6:.1f} MB); manifests: {names or 'none'}")
+    return (f"done in {seconds:.1f} s: wrote manifests and shards of {len(rows)} split(s) to {out}/ "
+            f"({counted(n, 'shard')}, {total} samples, {size / 1e6:.1f} MB); manifests: {names or 'none'}")
 
 
 def main(argv=None):
