@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import build_shards
+from helpers import HANG, build_shards
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,6 +37,23 @@ def test_examples_stream_api_prints_shapes_and_state(tmp_path):
                        capture_output=True, text=True, timeout=180, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert "epoch 0:" in r.stdout and "image (64, 3, 32, 32) torch.float32" in r.stdout and "state keys:" in r.stdout
+
+
+@pytest.mark.slow
+def test_examples_stream_api_takes_each_data_set_from_its_own_place(tmp_path):
+    """It assumed both data sets in one folder: NAME=SPEC pairs, as the trainer's --train takes them."""
+    for name, shape in (("mnist", (1, 28, 28)), ("cifar10", (3, 32, 32))):
+        (tmp_path / name).mkdir()
+        build_shards(tmp_path / name, name, "train", 200, shape=shape, maxcount=50)
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "stream_api.py"), f"mnist={tmp_path}/mnist/",
+                        f"cifar10={tmp_path}/cifar10/cifar10-train.json"], capture_output=True, text=True,
+                       timeout=HANG, env=env)
+    assert r.returncode == 0 and "epoch 1:" in r.stdout and "image (64, 3, 32, 32)" in r.stdout, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "stream_api.py"), f"mnist={tmp_path}/mnist/",
+                        "mnist=x"], capture_output=True, text=True, timeout=HANG, env=env)
+    assert r.returncode == 1 and r.stderr == ("stream_api: error: 'mnist=x': expected NAME=SPEC, once per name "
+                                              "(mnist=shards/), or a folder\n")
 
 
 def test_examples_my_stages_keep_shape_and_dtype_and_flip_by_seed():
