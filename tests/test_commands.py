@@ -3,11 +3,12 @@ one's function exists and answers --help exactly as the command it stands for do
 (tools/make_shards.py, python -m pipeline.train, tools/report.py), without importing torch
 where that command does not."""
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import HANG, run_capture
 
 ROOT = Path(__file__).resolve().parents[1]
 SAME_AS = {"make-shards": ["tools/make_shards.py"], "pipeline-train": ["-m", "pipeline.train"],
@@ -38,11 +39,11 @@ def test_the_three_commands_are_declared():
 @pytest.mark.parametrize("name", sorted(SAME_AS))
 def test_each_command_answers_help_as_the_tool_it_stands_for(name):
     module, function = scripts()[name].split(":")
-    p = subprocess.run([sys.executable, "-c", CALL.format(name=name, module=module, function=function)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)  # a hang guard only
+    p = run_capture([sys.executable, "-c", CALL.format(name=name, module=module, function=function)],
+                    cwd=ROOT, capture_output=True, text=True, timeout=HANG)  # a hang guard only
     assert p.stderr.splitlines()[-1] == "exit 0 False", p.stderr[-2000:]  # no torch imported for --help
-    tool = subprocess.run([sys.executable, *SAME_AS[name], "--help"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    tool = run_capture([sys.executable, *SAME_AS[name], "--help"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=HANG)
     assert tool.returncode == 0 and p.stdout == tool.stdout and "usage:" in tool.stdout
 
 
@@ -54,7 +55,7 @@ def test_the_trainer_names_a_report_command_that_exists_where_it_was_installed(t
     python = sys.executable
     assert report_command("runs/x", clone=str(ROOT)) == f"{python} tools/report.py runs/x"
     assert report_command("runs/x", clone=str(tmp_path)) == f"{python} -m pipeline.train.report runs/x"
-    p = subprocess.run([python, "-m", "pipeline.train.report", "--help"], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=600)  # a hang guard only
-    tool = subprocess.run([python, "tools/report.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    p = run_capture([python, "-m", "pipeline.train.report", "--help"], cwd=tmp_path, capture_output=True,
+                    text=True, timeout=HANG)  # a hang guard only
+    tool = run_capture([python, "tools/report.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=HANG)
     assert p.returncode == 0 and p.stdout == tool.stdout

@@ -12,7 +12,6 @@ import json
 import os
 import pickle
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from helpers import make_shards_in_process, write_tar
+from helpers import HANG, make_shards_in_process, run_capture, write_tar
 from pipeline.writers import shards, sources
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "make_shards.py"
@@ -28,8 +27,8 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "make_shards.py"
 
 def cli_subprocess(cwd, *args):
     """Run the tool as a user would; cwd is a scratch folder so defaults never touch the repo."""
-    return subprocess.run([sys.executable, str(TOOL), *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=120)
+    return run_capture([sys.executable, str(TOOL), *map(str, args)], cwd=cwd, capture_output=True,
+                       text=True, timeout=HANG)
 
 
 def cli(cwd, *args):
@@ -538,8 +537,8 @@ def test_a_rebuild_past_the_file_size_limit_keeps_the_old_set_usable(tmp_path):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000))
 
-    p = subprocess.run([sys.executable, str(TOOL), *map(str, SMALL), "--seed", "1"], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=120, preexec_fn=limited)
+    p = run_capture([sys.executable, str(TOOL), *map(str, SMALL), "--seed", "1"], cwd=tmp_path, capture_output=True,
+                    text=True, timeout=HANG, preexec_fn=limited)
     assert_one_error_line(p.returncode, p.stderr, "File too large")
     assert folder_bytes(tmp_path / "out") == before
 

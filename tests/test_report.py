@@ -6,13 +6,12 @@ change to those formats that the report does not follow shows up as a failure he
 """
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import HANG, figure_texts, main_in_process, tool_module
+from helpers import HANG, figure_texts, main_in_process, run_capture, tool_module
 from pipeline.train import picture, report
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "report.py"
@@ -73,7 +72,7 @@ def run_dir(tmp_path):
 
 
 def cli_subprocess(*args):
-    return subprocess.run([sys.executable, str(TOOL), *map(str, args)], capture_output=True, text=True, timeout=120)
+    return run_capture([sys.executable, str(TOOL), *map(str, args)], capture_output=True, text=True, timeout=HANG)
 
 
 def cli(*args):
@@ -180,7 +179,7 @@ def test_control_characters_from_the_run_are_printed_as_escapes(tmp_path):
 
 def test_importing_the_report_does_not_import_matplotlib():
     code = "import sys, pipeline.train.report; sys.exit('matplotlib' in sys.modules)"
-    r = subprocess.run([sys.executable, "-c", code], cwd=TOOL.parents[1], capture_output=True, text=True, timeout=60)
+    r = run_capture([sys.executable, "-c", code], cwd=TOOL.parents[1], capture_output=True, text=True, timeout=HANG)
     assert r.returncode == 0, r.stderr
 
 
@@ -232,7 +231,7 @@ def test_hostile_metrics_lines_cost_neither_a_traceback_nor_minutes(tmp_path):
         f.write('{"kind": "train", "epoch": Infinity, "step": 1, "loss": {}}\n')
         f.write('{"kind": "eval", "epoch": NaN, "step": 1, "eval": {}}\n')
         f.write("[" * 100000 + "]" * 100000 + "\n")
-    p = subprocess.run([sys.executable, str(TOOL), str(run)], capture_output=True, text=True, timeout=HANG)
+    p = run_capture([sys.executable, str(TOOL), str(run)], capture_output=True, text=True, timeout=HANG)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert (run / "report.png").exists() and "20000" in p.stdout
 
@@ -328,7 +327,7 @@ def test_a_fifo_in_the_run_folder_is_not_waited_on(run_dir, name):
     metrics.jsonl is one error line. Neither blocks."""
     os.remove(run_dir / name)
     os.mkfifo(run_dir / name)
-    p = subprocess.run([sys.executable, str(TOOL), str(run_dir)], capture_output=True, text=True, timeout=60)
+    p = run_capture([sys.executable, str(TOOL), str(run_dir)], capture_output=True, text=True, timeout=HANG)
     assert "Traceback" not in p.stderr
     if name == "summary.json":
         assert p.returncode == 0 and "picture:" in p.stdout
