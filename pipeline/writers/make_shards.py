@@ -18,6 +18,7 @@ from pipeline.data import decode, manifest, remote, storage
 from pipeline.writers import index, shards, sources  # noqa: E402
 from pipeline.cli import Parser, add_io_options, check_io, io_limits, printable  # noqa: E402
 from pipeline.errors import ShardError  # noqa: E402
+from pipeline.files import new_folders, remove_empty  # noqa: E402
 from pipeline.data.manifest import NAME_RE  # noqa: E402
 
 
@@ -356,7 +357,7 @@ def run(args):
         return 1 if problems else 0
     if args.store:
         return run_store(args)
-    made = new_folders(args.out)
+    made = new_folders(args.out)  # a failed run takes back the folders it made, as far as they are empty
     try:
         check_writable(args.out)
         code = write(args)
@@ -366,25 +367,6 @@ def run(args):
     if code:
         remove_empty(made)
     return code
-
-
-def new_folders(out):
-    """The folders that making `out` will create, the deepest last."""
-    made, path = [], os.path.abspath(out)
-    while not os.path.lexists(path):
-        made.insert(0, path)
-        path = os.path.dirname(path)
-    return made
-
-
-def remove_empty(made):
-    """A failed run takes back the --out folders it created, as far as they are empty (what
-    another process put there meanwhile stays)."""
-    for path in reversed(made):
-        try:
-            os.rmdir(path)
-        except OSError:
-            return
 
 
 def run_store(args):
