@@ -160,3 +160,22 @@ def missing_folder(spec):
             or any(c in spec for c in "{*?["):  # a brace pattern or a glob
         return False
     return not (os.path.isdir(spec) if spec.endswith("/") else os.path.exists(spec))
+
+
+def new_folders(out):
+    """The folders that making `out` (os.makedirs) will create, the deepest last."""
+    made, path = [], os.path.abspath(out)
+    while not os.path.lexists(path):
+        made.insert(0, path)
+        path = os.path.dirname(path)
+    return made
+
+
+def remove_empty(made):
+    """Remove the folders new_folders listed, deepest first, as far as they are empty: a failed
+    command takes back what it created, and what another process put there meanwhile stays."""
+    for path in reversed(made):
+        try:
+            os.rmdir(path)
+        except OSError:
+            return

@@ -90,10 +90,16 @@ def even(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def launch_folder(tmp_path_factory):
-    """The forked launchers' output goes under this test run's temporary folder (helpers.Launchers)."""
+    """The forked launchers' output goes under this test run's temporary folder (helpers.Launchers),
+    and so does every temporary file of the processes the tests start (TMPDIR, which they inherit):
+    a child killed before its own clean-up (a hang's SIGKILL) leaves its files where pytest removes
+    them with old runs, not in /tmp."""
     import helpers
 
     helpers.LAUNCH_FOLDER = str(tmp_path_factory.getbasetemp())
+    tmp = tmp_path_factory.getbasetemp() / "tmp"
+    tmp.mkdir(exist_ok=True)
+    os.environ["TMPDIR"] = str(tmp)
 
 
 @pytest.fixture(scope="session")
@@ -115,7 +121,7 @@ def uninterrupted_run(mid_epoch_shards, tmp_path_factory):
     from helpers import finish, launch_train, mid_epoch_args
 
     out = tmp_path_factory.mktemp("whole") / "run"
-    code, err = finish(launch_train(mid_epoch_args(mid_epoch_shards, out, "--checkpoint-every", "3"), 2), 240)
+    code, err = finish(launch_train(mid_epoch_args(mid_epoch_shards, out, "--checkpoint-every", "3"), 2))
     assert code == 0, err[-3000:]
     return out
 
@@ -131,17 +137,20 @@ def sigterm_stopped(mid_epoch_shards, tmp_path_factory):
     import signal
     import time
 
-    from helpers import launch_train, mid_epoch_args, steps_logged
+    from helpers import HANG, completed, launch_train, mid_epoch_args, steps_logged
 
     top = tmp_path_factory.mktemp("sigterm")
     out = top / "run"
     proc = launch_train(mid_epoch_args(mid_epoch_shards, out), 2, fresh=True)
     t0 = time.time()
     while not steps_logged(out):
-        assert proc.poll() is None and time.time() - t0 < 180, "no training step logged"
+        if proc.poll() is not None or time.time() - t0 > HANG:  # a hang guard, not a speed test
+            p = completed(proc, 1)  # a hang: the processes' stacks and a failure; else what the launcher said
+            pytest.fail(f"no training step logged; the launcher ended with {p.returncode}: {p.stderr[-3000:]}")
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)  # to the launcher only, which forwards it to both ranks
-    stdout, stderr = proc.communicate(timeout=120)
+    p = completed(proc)
+    stdout, stderr = p.stdout, p.stderr
     shutil.copytree(out, top / "as-stopped")
     return out, top / "as-stopped", stdout + stderr
 

@@ -12,6 +12,12 @@ import time
 from pipeline.writers import shards
 from pipeline.writers.sources import SyntheticSource
 
+# A hang guard, in seconds, for a process or a wait a test starts: never a measure of speed. Work
+# that scales with the machine's load (a Python starting, a job training) gets this long, so that
+# `make test` beside other jobs on two busy cores fails only on a real hang; pytest's own timeout
+# (pyproject.toml) is longer still, so that this guard's message, with the stacks, comes first.
+HANG = 900
+
 
 def build_shards(out, name, split, n, *, shape=(1, 28, 28), encoding="raw", maxcount=20, seed=0, workers=1):
     """Write n synthetic samples of `name`/`split` as shards plus manifest under `out`.
@@ -309,8 +315,8 @@ class Launchers:
         self.proc.stdin.write((json.dumps([module, argv, env, str(cwd), out, err]) + "\n").encode())
         self.proc.stdin.flush()
         while True:
-            got = self.report(60)
-            assert got is not None, "the process that forks the launchers did not answer in 60 s"
+            got = self.report(HANG)
+            assert got is not None, f"the process that forks the launchers did not answer in {HANG} s: a hang"
             if got[0] == "pid":
                 return Launched(self, got[1], ["torchrun" if module == "torch.distributed.run" else module, *argv],
                                 out, err)
@@ -493,14 +499,27 @@ def read_text(path):
         return f.read()
 
 
-def finish(proc, timeout=180):
+def finish(proc, timeout=HANG):
     """(exit code, stderr) of a launched job; kills its whole session and fails the test on a hang."""
     p = completed(proc, timeout)
     return p.returncode, p.stderr
 
 
-def completed(proc, timeout=180):
-    """The CompletedProcess of a launched job; on a hang, every process's stacks, then a failed test."""
+def run_capture(cmd, timeout=HANG, capture_output=True, text=True, **kw):
+    """subprocess.run(cmd, capture_output=True, text=True) in a session of its own, through
+    completed(): a hang shows every process's stacks and fails the test; a test that fails
+    while it waits (pytest's own timeout, ^C) takes the whole session down with it, where
+    subprocess.run killed the child alone and left its children running, holding the pipes."""
+    import subprocess
+
+    kw.setdefault("stdout", subprocess.PIPE)
+    kw.setdefault("stderr", subprocess.PIPE)
+    return completed(subprocess.Popen(cmd, text=text, start_new_session=True, **kw), timeout)
+
+
+def completed(proc, timeout=HANG):
+    """The CompletedProcess of a launched job (a session of its own); on a hang, every process's
+    stacks, then a failed test; on any other way out of the wait, the session killed."""
     import os
     import signal
     import subprocess
@@ -509,7 +528,10 @@ def completed(proc, timeout=180):
 
     try:
         out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except BaseException as e:
+        if not isinstance(e, subprocess.TimeoutExpired):
+            kill_tree(proc)
+            raise
         import time
         # faulthandler (PYTHONFAULTHANDLER=1) prints each process's stacks on SIGABRT; torchrun puts
         # every rank in a process group of its own, so the ranks and their DataLoader workers are
@@ -526,6 +548,19 @@ def completed(proc, timeout=180):
             err = ""
         pytest.fail(f"still running after {timeout} s: a hang; the processes' stacks:\n{(err or '')[-12000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def kill_tree(proc):
+    """SIGKILL to a process a test started (a session of its own), its descendants (torchrun's
+    ranks lead groups of their own) and its group, then reap it: for a test that fails while
+    its process runs."""
+    import os
+    import signal
+
+    for pid in [*descendants(proc.pid)[::-1], proc.pid]:
+        _signal(os.kill, pid, signal.SIGKILL)
+    _signal(os.killpg, proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def _signal(send, pid, sig):
@@ -916,10 +951,11 @@ class Forker:
             self.proc.stdin.close()
             self.proc.wait(30)
 
-    def run(self, code, *args, timeout=120):
+    def run(self, code, *args, timeout=HANG):
         """CompletedProcess of CODE with sys.argv[1:] = ARGS; TimeoutExpired (the child killed) after `timeout` s."""
         import json
         import os
+        import signal
         import subprocess
         import sys
 
@@ -933,8 +969,16 @@ class Forker:
         args = [str(a) for a in args]
         self.proc.stdin.write(json.dumps([code, args, out, err]) + "\n")
         self.proc.stdin.flush()
-        pid = self._line(timeout)
-        status = self._line(timeout, pid)
+        pid = None
+        try:
+            pid = self._line(timeout)
+            status = self._line(timeout, pid)
+        except BaseException:  # a hang (the child and the forker already killed), or the test stopped waiting
+            if pid:
+                _signal(os.killpg, pid, signal.SIGKILL)
+            self.proc.kill()
+            self.proc.wait()
+            raise
         return subprocess.CompletedProcess(["forked", *args], status, read_text(out), read_text(err))
 
     def _line(self, timeout, child=None):

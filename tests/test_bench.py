@@ -6,22 +6,28 @@ decoders); the tests check the JSON record's structure and one figure, C and C8 
 stock webdataset per CPU-second. A second, larger run, in this process, checks the other
 figure that must hold on any machine: the stream does several times the tutorial's samples
 per CPU-second. Both are ratios measured in one run, so a noisy machine slows both sides
-alike. The record's run makes 600 inputs a source rather than 1200; --tar-format and
---stages run main() in this process too.
+alike. The record's run makes 300 inputs a source rather than 1200 and reads 256 a run, its
+only limit a hang guard of many minutes (most of its time is the memory part's seven fresh
+Pythons, which a loaded machine slows most); --tar-format and --stages run main() in this
+process too.
 """
 import functools
 import importlib.util
 import json
+import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from helpers import main_in_process, tool_module
+from helpers import HANG, kill_tree, main_in_process, run_capture, tool_module
 
 SLOW = pytest.mark.slow  # one benchmark run in a subprocess
 
@@ -31,17 +37,48 @@ sys.path.insert(0, str(TOOL.parent))  # the benchmark's parts, tools/bench/
 from bench import cpu, host, micro  # noqa: E402
 
 
+SMALL = ["--synthetic", "--synthetic-size", "300", "--samples", "256", "--batch-size", "64", "--repeats", "1"]
+
+
 @pytest.fixture(scope="session")
 def record(tmp_path_factory):
+    """The record of one small run. Its inputs' temporary folder is made inside `work`, which
+    is removed here whatever became of the run: one killed on a hang cannot remove it itself."""
     tmp = tmp_path_factory.mktemp("bench")
-    out = tmp / "b.json"
-    proc = subprocess.run([sys.executable, str(TOOL), "--synthetic", "--synthetic-size", "600", "--samples", "512",
-                           "--batch-size", "128", "--repeats", "1", "--profile", "--json", str(out)],
-                          cwd=tmp, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out, work = tmp / "b.json", tmp / "work"
+    try:
+        proc = run_capture([sys.executable, str(TOOL), *SMALL, "--profile", "--work-dir", str(work), "--json", str(out)],
+                           cwd=tmp)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert not list(work.glob("bench-loader-*"))  # the run removed its own
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     assert "x A" in proc.stdout and "peak memory" in proc.stdout
     assert not (tmp / "bench-out").exists()  # --synthetic keeps its inputs in a temporary folder
     return json.loads(out.read_text())
+
+
+@SLOW
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_killed_run_leaves_its_inputs_where_its_caller_removes_them(tmp_path, sig):
+    """A record run killed by its test's timeout left its bench-loader-* inputs (20 MB) in the
+    system's temporary folder: given --work-dir, they are made inside it (the caller's to
+    remove, as the record fixture does), never in the system's."""
+    work, system = tmp_path / "work", tmp_path / "system-tmp"
+    system.mkdir()
+    proc = subprocess.Popen([sys.executable, str(TOOL), *SMALL, "--work-dir", str(work), "--json", str(tmp_path / "b.json")],
+                            cwd=tmp_path, env=dict(os.environ, TMPDIR=str(system)), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        t0 = time.time()
+        while not list(work.glob("bench-loader-*/shards-*")) + list(system.glob("bench-loader-*/shards-*")):
+            assert proc.poll() is None and time.time() - t0 < HANG, "no inputs built"  # a hang guard
+            time.sleep(0.05)
+        os.kill(proc.pid, sig)
+        assert proc.wait(HANG) == -sig
+    finally:
+        kill_tree(proc)  # and whatever of its session is left (a pool of builders)
+    assert not list(system.glob("bench-loader-*")) and [f.name[:13] for f in work.iterdir()] == ["bench-loader-"]
 
 
 @SLOW
@@ -54,7 +91,7 @@ def test_throughput_entries(record):
             b, c = entries[("B", enc, w)], entries[("C", enc, w)]
             for e in (b, c):
                 assert e["samples_per_s"]["median"] > 0 and e["samples_per_cpu_s"]["median"] > 0
-                assert len(e["runs"]) == 1 and e["runs"][0]["samples"] == 512
+                assert len(e["runs"]) == 1 and e["runs"][0]["samples"] == 256
                 for metric in ("samples_per_s", "samples_per_cpu_s"):
                     r = e["ratios"]["vs_A"][metric]
                     assert 0 < r["min"] <= r["median"] <= r["max"]
@@ -86,15 +123,15 @@ def test_memory_entries(record):
         assert e["ratio_10x_1x"] > 0
         for scale in ("scale_1x", "scale_10x"):
             assert e[scale]["peak_rss_mib"] >= mem["baseline"]["peak_rss_mib"] * 0.5
-            assert e[scale]["samples"] == 512
+            assert e[scale]["samples"] == 256
 
 
 @SLOW
 @pytest.mark.xdist_group("bench-record")  # shares the module's fixture run
 def test_profile_ceiling_and_decoders(record):
-    assert record["profile"]["top"] and record["profile"]["samples"] == 512
+    assert record["profile"]["top"] and record["profile"]["samples"] == 256
     assert record["profile"]["method"] == "C" and record["profile_c8"]["method"] == "C8"
-    assert record["profile_c8"]["top"] and record["profile_c8"]["samples"] == 512
+    assert record["profile_c8"]["top"] and record["profile_c8"]["samples"] == 256
     c8 = [r["tottime_s"] for r in record["profile_c8"]["top"] if r["function"].endswith("(normalize)")]
     assert not any(c8)  # C8 batches stay uint8: normalize never runs
     assert {c["encoding"] for c in record["read_ceiling"]} == {"raw", "png", "jpg"}
@@ -118,7 +155,7 @@ def test_stream_beats_the_tutorial_per_core(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     proc = main_in_process(tool_module("bench_loader").main, "bench_loader.py", [
         "--synthetic", "--synthetic-size", "2048", "--samples", "4096", "--methods", "A", "C", "C8",
-        "--encoding", "raw", "--workers", "0", "--repeats", "3", "--skip-memory", "--json", out])
+        "--encoding", "raw", "--workers", "0", "--repeats", "3", "--skip-memory", "--json", out, "--work-dir", tmp_path])
     assert proc.returncode == 0, proc.stderr[-3000:]
     entries = {e["method"]: e for e in json.loads(out.read_text())["throughput"]}
     assert set(entries) == {"A", "C", "C8"}
@@ -131,7 +168,8 @@ def test_stream_beats_the_tutorial_per_core(tmp_path, monkeypatch):
 def test_tar_format(tmp_path):
     out = tmp_path / "t.json"
     proc = main_in_process(tool_module("bench_loader").main, "bench_loader.py",
-                           ["--synthetic", "--synthetic-size", "600", "--tar-format", "--json", out])
+                           ["--synthetic", "--synthetic-size", "600", "--tar-format", "--json", out, "--work-dir",
+                            tmp_path / "work"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["format"].split()[0]: r for r in json.loads(out.read_text())["tar_format"]}
     assert set(rows) == {"pax", "ustar"}
@@ -251,7 +289,7 @@ def test_too_few_samples_for_a_is_one_line(tmp_path, flags):
     tool = tool_module("bench_loader")
     proc = main_in_process(tool.main, "bench_loader.py", [
         "--synthetic", *flags, "--samples", "512", "--batch-size", "128", "--encoding", "raw", "--methods", "C",
-        "--workers", "0", "--repeats", "1", "--skip-memory", "--json", tmp_path / "b.json"])
+        "--workers", "0", "--repeats", "1", "--skip-memory", "--json", tmp_path / "b.json", "--work-dir", tmp_path / "w"])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.splitlines()[-1].startswith("bench_loader: error: mnist holds ")
     assert "A needs 256 (4 batches of 64)" in proc.stderr and not (tmp_path / "b.json").exists()

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import make_shards_in_process, tool_module
+from helpers import HANG, make_shards_in_process, run_capture, tool_module
 
 CLASSES, PER_CLASS, TEST_PER_CLASS = 3, 15, 5
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,10 +67,10 @@ def test_the_pieces_write_index_and_count(folder, tmp_path, read_tar):
 
 @pytest.mark.slow
 def test_the_command_end_to_end(folder, tmp_path):
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_order.py"), "--cifar-folder", str(folder),
-                        "--work-dir", str(tmp_path / "w"), "--per-class", str(PER_CLASS), "--test-per-class",
-                        str(TEST_PER_CLASS), "--epochs", "1", "--width", "4", "--batch-size", "8", "--maxcount", "10"],
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
+    p = run_capture([sys.executable, os.path.join(ROOT, "tools", "bench_order.py"), "--cifar-folder", str(folder),
+                     "--work-dir", str(tmp_path / "w"), "--per-class", str(PER_CLASS), "--test-per-class",
+                     str(TEST_PER_CLASS), "--epochs", "1", "--width", "4", "--batch-size", "8", "--maxcount", "10"],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=HANG)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert set(out["accuracy"]) == {"ordered", "shuffled"} and all(0 <= a <= 1 for a in out["accuracy"].values())

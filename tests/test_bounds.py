@@ -12,7 +12,6 @@ import io
 import json
 import os
 import struct
-import subprocess
 import sys
 import tarfile
 import textwrap
@@ -23,7 +22,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from helpers import Forker, make_shards_in_process, one_line_error, write_tar
+from helpers import Forker, HANG, make_shards_in_process, one_line_error, run_capture, write_tar
 from pipeline.data import bounds, decode, jpeg, png, read, remote
 from pipeline.errors import ShardError
 from pipeline.data.manifest import FORMAT
@@ -230,7 +229,7 @@ def limited(tmp_path_factory):
     from them, which sets its own cap from its own size."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="2", PYTHONPATH=ROOT)
     with Forker(PREAMBLE.format(root=ROOT), tmp_path_factory.mktemp("limited"), env=env, cwd=ROOT) as forker:
-        yield lambda body, *args, timeout=120: forker.run(CAP.format(headroom=HEADROOM) + textwrap.dedent(body),
+        yield lambda body, *args, timeout=HANG: forker.run(CAP.format(headroom=HEADROOM) + textwrap.dedent(body),
                                                           *args, timeout=timeout)
 
 
@@ -386,7 +385,7 @@ def test_strict_stops_at_the_first_hostile_image(tmp_path):
         list(MixedStream([src], {"hostile": 1}, 2, strict=True).eval_stream(src))
 
 
-def make_shards(*args, timeout=120):
+def make_shards(*args, timeout=HANG):
     """make_shards.py --quiet ARGS in this process (test_make_shards.py proves the script's wiring),
     in a thread, so that a hang (a FIFO opened) fails the test after `timeout` seconds."""
     done, streams = [], (sys.stdout, sys.stderr)
@@ -545,7 +544,7 @@ def test_a_gzip_bomb_in_a_manifest_is_a_counted_skip_in_a_few_hundred_mb(tmp_pat
         src = stream.resolve("bomb", sys.argv[1], "train")
         batches = list(stream.MixedStream([src], {"bomb": 1}, 2).eval_stream(src))
         print(sum(len(b["key"]) for b in batches), sum(b["skipped"] for b in batches))
-        """, str(tmp_path) + "/", timeout=300)
+        """, str(tmp_path) + "/", timeout=HANG)
     assert p.returncode == 0, p.stderr[-3000:]
     kept, skipped = map(int, p.stdout.split())
     assert kept == 0 and skipped >= 1 and "gzip stream inflates" in p.stderr, p.stderr[-3000:]
@@ -593,7 +592,7 @@ def test_a_fifo_in_an_index_folder_is_one_line_not_a_hang(tmp_path):
     folder.mkdir()
     write_samples(folder / "a.tar", [good("g0"), good("g1")], b"1")
     os.mkfifo(folder / "b.tar")
-    p = make_shards("--index", f"x:train={folder}", "--out", tmp_path / "out", timeout=60)
+    p = make_shards("--index", f"x:train={folder}", "--out", tmp_path / "out", timeout=HANG)
     one_line_error(p, "b.tar", "a FIFO")
 
 
@@ -671,7 +670,7 @@ def test_the_trainer_skips_the_issues_two_images_under_an_address_space_limit(tm
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="2", PYTHONPATH=ROOT)
     probe = ("import torch, torchvision, pipeline.train\n"
              "print(next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmSize')) << 10)")
-    base = int(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=ROOT).stdout)
+    base = int(run_capture([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=ROOT).stdout)
     limit = base + HEADROOM + (200 << 20)
 
     def cap():
@@ -679,10 +678,10 @@ def test_the_trainer_skips_the_issues_two_images_under_an_address_space_limit(tm
 
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    p = subprocess.run([sys.executable, "-m", "pipeline.train", "--train", f"hostile={tmp_path}/", "--eval",
-                        f"hostile={tmp_path}/", "--epochs", "1", "--batch-size", "8", "--workers", "0", "--width", "4",
-                        "--out", tmp_path / "run"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
-                       preexec_fn=cap)
+    p = run_capture([sys.executable, "-m", "pipeline.train", "--train", f"hostile={tmp_path}/", "--eval",
+                     f"hostile={tmp_path}/", "--epochs", "1", "--batch-size", "8", "--workers", "0", "--width", "4",
+                     "--out", tmp_path / "run"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=HANG,
+                    preexec_fn=cap)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["skipped_samples"] == 2
 

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from helpers import Forker, build_shards, train_in_process
+from helpers import Forker, HANG, build_shards, train_in_process
 from pipeline.data import budget
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -143,7 +143,7 @@ def test_the_default_cap_refuses_the_case_under_a_memory_cap(shards, tmp_path):
         pytest.skip("this machine's default cap admits the case")
     with Forker(ENTRY, tmp_path, env=env, cwd=ROOT) as forker:
         p = forker.run(CAPPED, "--train", f"mnist={big}/", "--batch-size", "8", "--width", "4",
-                       "--out", tmp_path / "o", timeout=120)
+                       "--out", tmp_path / "o", timeout=HANG)
     assert "--max-batch-memory" in refused(p)
 
 

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 
-from helpers import Quiet, build_shards, serving
+from helpers import HANG, Quiet, build_shards, run_capture, serving
 from pipeline.data import cache as caching
 from pipeline.data.cache import Cache, path as cache_path
 from pipeline.errors import ShardError
@@ -220,8 +220,8 @@ print("read 3 times")
 def test_a_file_size_limit_in_a_real_process_degrades_to_no_cache(tmp_path):
     data, cache = blob("big", 64 * KB), str(tmp_path / "cache")
     with files_server({"/a.tar": data}) as srv:
-        p = subprocess.run([sys.executable, "-c", CHILD, srv.url + "a.tar", cache, str(len(data)), sha(data)],
-                           env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=60)
+        p = run_capture([sys.executable, "-c", CHILD, srv.url + "a.tar", cache, str(len(data)), sha(data)],
+                        env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=HANG)
         assert p.returncode == 0 and "read 3 times" in p.stdout, p.stderr[-2000:]
         assert srv.hits["/a.tar"] == 3
     assert p.stderr.count("reading remote shards without the cache") == 1, p.stderr
@@ -271,7 +271,7 @@ def test_a_shard_larger_than_the_cache_is_read_through(tmp_path):
 def test_eviction_removes_copies_whose_writer_died_but_not_live_ones(tmp_path):
     folder = tmp_path / "cache"
     folder.mkdir()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = run_capture([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     orphan = folder / f"x-a.tar.{int(dead.stdout)}.1.tmp"
     live = folder / f"x-b.tar.{os.getpid()}.1.tmp"
     orphan.write_bytes(b"o" * 1000)
@@ -333,7 +333,7 @@ def run_sharers(folder, seeds):
         procs = [subprocess.Popen([sys.executable, "-c", SHARER, srv.url, str(folder), str(SHARED_SIZE), str(seed),
                                    want], env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True) for seed in seeds]
-        outs = [(p, *p.communicate(timeout=120)) for p in procs]
+        outs = [(p, *p.communicate(timeout=HANG)) for p in procs]
         return outs, sum(srv.hits.values())
 
 

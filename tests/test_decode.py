@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from helpers import handmade_png, pil_png, pixels
+from helpers import HANG, handmade_png, pil_png, pixels, run_capture
 from pipeline.data import decode, png
 from pipeline.data.decode import Target
 
@@ -185,10 +185,10 @@ def test_decompression_bomb_is_refused_from_its_header(side):
     ihdr = struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)
     bomb = png.SIGNATURE + png._chunk(b"IHDR", ihdr) + png._chunk(b"IDAT", zlib.compress(bytes(1 << 20))) \
         + png._chunk(b"IEND", b"")
-    t0 = time.time()
+    t0 = time.process_time()  # CPU seconds: what other processes take of the cores does not count
     with pytest.raises(ValueError, match=f"image is {side}x{side}|decompression bomb"):
         decode.decode_image(bomb, "png", (3, 32, 32))
-    assert time.time() - t0 < 5
+    assert time.process_time() - t0 < 5
 
 
 def test_labels_from_every_member_kind():
@@ -308,16 +308,15 @@ def test_npy_header_claiming_a_huge_image_is_refused_before_loading():
 
     buf = io.BytesIO()
     npformat.write_array_header_1_0(buf, {"descr": "|u1", "fortran_order": False, "shape": (100000, 100000)})
-    t0 = time.time()
+    t0 = time.process_time()  # CPU seconds: what other processes take of the cores does not count
     with pytest.raises(ValueError, match="more than"):
         decode.decode_image(buf.getvalue() + bytes(64), "npy", (1, 8, 8))
-    assert time.time() - t0 < 1
+    assert time.process_time() - t0 < 1
 
 
 def test_npy_claiming_more_pixels_than_it_holds_is_refused_before_any_array(tmp_path):
     """Within the pixel limit, but the data is missing: np.load would allocate the claimed array
     first; under an address-space limit below that size, the check answers in one line."""
-    import subprocess
     import sys
 
     from numpy.lib import format as npformat
@@ -339,8 +338,8 @@ except ValueError as e:
     print("refused:", e)
 """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "x.npy")], capture_output=True, text=True,
-                       timeout=60, env=dict(os.environ, PYTHONPATH=root))
+    p = run_capture([sys.executable, "-c", code, str(tmp_path / "x.npy")], capture_output=True, text=True,
+                    timeout=HANG, env=dict(os.environ, PYTHONPATH=root))
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("refused: .npy header claims") and "Traceback" not in p.stderr
 

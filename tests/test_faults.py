@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from helpers import build_shards, children, descendants, finish, free_port, launch_train, serve, train_in_process
+from helpers import HANG, build_shards, children, descendants, finish, free_port, launch_train, serve, train_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
@@ -49,7 +49,7 @@ def summary(out):
         return json.load(f)
 
 
-def wait_for(path, proc, timeout=120):
+def wait_for(path, proc, timeout=HANG):
     t0 = time.time()
     while not os.path.exists(path):
         assert proc.poll() is None, f"exited early: {proc.communicate()[1][-2000:]}"
@@ -138,14 +138,13 @@ def test_http_server_gone_for_good_stops_every_rank_with_one_error(data, tmp_pat
     server = Server(data)
     server.start()
     out = tmp_path / "run"
-    proc = launch(args_for(server.url, out, "--epochs", "50"))
+    # a rank left waiting for the others in a collective would wait out --timeout: longer than the hang guard
+    proc = launch(args_for(server.url, out, "--epochs", "50", "--timeout", 2 * HANG))
     wait_for(out / "checkpoint.pt", proc)
     server.stop()
-    t0 = time.time()
-    rc, err = finish(proc, timeout=120)
+    rc, err = finish(proc, timeout=HANG)
     assert rc != 0
     assert "failed after 4 attempts" in err
-    assert time.time() - t0 < 90
 
 
 def test_unreachable_server_fails_fast(tmp_path):
@@ -174,7 +173,7 @@ def test_killed_rank_restarts_from_checkpoint_and_finishes(data, tmp_path):
     victims = children(proc.pid)
     assert victims, "no trainer processes found"
     os.kill(victims[-1], signal.SIGKILL)
-    rc, err = finish(proc, timeout=120)
+    rc, err = finish(proc, timeout=HANG)
     assert rc == 0, err[-2000:]
     s = summary(out)
     assert s["restarts"] == 1 and s["resumed_from"]["epoch"] >= 2
@@ -188,9 +187,7 @@ def test_ctrl_c_on_the_launcher_ends_every_process(data, tmp_path):
     wait_for(out / "checkpoint.pt", proc)
     tree = descendants(proc.pid)  # the ranks and their DataLoader workers
     proc.send_signal(signal.SIGINT)
-    t0 = time.time()
-    finish(proc, timeout=60)
-    assert time.time() - t0 < 30
+    finish(proc, timeout=HANG)  # a hang guard; how soon they end is no test on a loaded machine
     time.sleep(1)
     assert [p for p in tree if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]] \
         == [], "processes left running"

@@ -63,7 +63,7 @@ def test_a_second_trainer_on_a_live_runs_out_is_one_line_and_touches_nothing(sha
             assert snapshot(out) == before
         os.kill(first.pid, signal.SIGCONT)
         first.send_signal(signal.SIGTERM)  # a clean stop releases the lock, and its file goes
-        code, err = finish(first, 120)
+        code, err = finish(first)
         assert code == 143, err[-2000:]
         assert guard.LOCK not in os.listdir(out)
     finally:
@@ -81,7 +81,7 @@ def test_under_torchrun_every_rank_ends_on_the_lock_in_one_line(shards, tmp_path
     out = tmp_path / "run"
     out.mkdir()
     with locked(str(out / guard.LOCK)):  # held by this process, as a live trainer would
-        p = completed(launch_train(["--train", f"mnist={shards}/", "--epochs", "1", *SMALL, "--out", out]), 120)
+        p = completed(launch_train(["--train", f"mnist={shards}/", "--epochs", "1", *SMALL, "--out", out]))
     lines = [ln for ln in p.stderr.splitlines() if "pipeline.train: error:" in ln]
     assert p.returncode != 0 and len(lines) == 2, p.stderr[-3000:]
     assert all(f"pid {os.getpid()}" in ln and "nothing touched" in ln for ln in lines), lines
@@ -272,6 +272,6 @@ def test_python_m_pipeline_train_sets_its_threads(shards, tmp_path):
         out = tmp_path / f"run{expected}"
         proc = launchers().start(["--train", f"mnist={shards}/", "--epochs", "1", *SMALL, "--out", str(out)],
                                  env, ROOT, module="pipeline.train")
-        code, err = finish(proc, 120)
+        code, err = finish(proc)
         assert code == 0, err[-2000:]
         assert json.loads((out / "summary.json").read_text())["startup"]["torch_threads"] == expected

@@ -5,13 +5,12 @@ dataset repository whose tar files redirect to a signed "CDN" URL, as LFS files 
 errors carry X-Error-Code and X-Error-Message, as the Hub's do."""
 import http.server
 import os
-import subprocess
 import sys
 import urllib.parse
 
 import pytest
 
-from helpers import build_shards, serving
+from helpers import HANG, build_shards, run_capture, serving
 from pipeline.data import remote, storage
 from pipeline.data.manifest import resolve
 from pipeline.data.stream import MixedStream
@@ -184,9 +183,9 @@ def test_a_run_from_the_hub_never_prints_or_writes_the_token(hub, tmp_path):
     _, url, _ = hub
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, "-m", "pipeline.train", "--train", f"mnist={url}", "--epochs", "1",
-                        "--batch-size", "8", "--workers", "1", "--width", "4", "--out", str(out)],
-                       capture_output=True, text=True, env=env, timeout=180)
+    p = run_capture([sys.executable, "-m", "pipeline.train", "--train", f"mnist={url}", "--epochs", "1",
+                     "--batch-size", "8", "--workers", "1", "--width", "4", "--out", str(out)],
+                    capture_output=True, text=True, env=env, timeout=HANG)
     assert p.returncode == 0, p.stderr[-2000:]
     assert TOKEN not in p.stdout + p.stderr
     for root, _, files in os.walk(out):

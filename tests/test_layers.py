@@ -114,10 +114,11 @@ def test_the_reader_sees_the_imports_it_should():
     edges = graph()
     assert [m for m, _ in edges["pipeline.files"]] == ["pipeline.errors"]
     assert {"pipeline.data.decode", "pipeline.data.manifest", "pipeline.data.remote"} <= {
-        m for m, _ in edges["tools.make_shards"]}  # `from pipeline.data import decode, manifest, remote`
+        m for m, _ in edges["pipeline.writers.make_shards"]}  # `from pipeline.data import decode, manifest, remote`
     assert "pipeline.data.remote" in [m for m, _ in edges["pipeline.data.manifest"]]
     assert "tools.bench_peers" in [m for m, _ in edges["tools.bench_loader"]]
-    assert {"pipeline", "pipeline.data", "pipeline.train", "tools.make_shards"} <= set(edges)
+    assert {"pipeline", "pipeline.data", "pipeline.train", "pipeline.writers.make_shards", "tools.make_shards"} <= set(edges)
+    assert [m for m, _ in edges["tools.make_shards"]] == ["pipeline.writers.make_shards"]  # the tool is its entry point
 
 
 def test_no_import_circle():

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import Forker, Quiet, build_shards, drip, make_shards_in_process, serving, train_in_process
+from helpers import (Forker, HANG, Quiet, build_shards, drip, make_shards_in_process, run_capture, serving,
+                     train_in_process)
 from pipeline import cli
 from pipeline.data import manifest, remote
 from pipeline.train import options, outdir
@@ -34,9 +35,9 @@ def data(tmp_path_factory):
     return out
 
 
-def run(args, timeout=120, **kw):
-    return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=timeout, **kw)
+def run(args, timeout=HANG, **kw):
+    return run_capture([sys.executable, *map(str, args)], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                       timeout=timeout, **kw)
 
 
 def one_line_error(p, prog, *needles):
@@ -265,13 +266,13 @@ def test_a_second_make_shards_on_one_out_is_refused_while_the_first_writes(tmp_p
     first = subprocess.Popen([sys.executable, *map(str, args)], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
-        end = time.time() + 60
+        end = time.time() + HANG  # a hang guard
         while not (out / shards.LOCK).exists() and first.poll() is None and time.time() < end:
             time.sleep(0.01)
         assert first.poll() is None, "the first writer ended before the second started; make it write longer"
-        second = run(args, timeout=120)
+        second = run(args, timeout=HANG)
     finally:
-        out1, err1 = first.communicate(timeout=120)
+        out1, err1 = first.communicate(timeout=HANG)
     assert first.returncode == 0, err1[-2000:]
     one_line_error(second, "make_shards", "another make_shards is writing this folder", f"pid {first.pid}")
     assert "wrote manifests and shards" in out1
@@ -349,7 +350,7 @@ def limited(tmp_path_factory):
     space may grow 400 MB past its imports. Both entry points are imported once (helpers.Forker);
     each call runs in a child forked from there, which sets its own cap."""
     with Forker(ENTRIES, tmp_path_factory.mktemp("limited"), env=ENV, cwd=ROOT) as forker:
-        yield lambda *args, timeout=120: forker.run(LIMITED, *args, timeout=timeout)
+        yield lambda *args, timeout=HANG: forker.run(LIMITED, *args, timeout=timeout)
 
 
 @pytest.mark.parametrize("pattern", ["x-{0..999999999}.tar", *(pytest.param(p, marks=pytest.mark.slow) for p in (
@@ -359,12 +360,10 @@ def limited(tmp_path_factory):
 def test_a_brace_pattern_of_millions_is_one_line_within_a_memory_limit(tmp_path, pattern, limited):
     """Refused from counting, before braceexpand builds a single range (which it does in
     memory, whole, before yielding the first name), in both entry points, under 400 MB."""
-    t0 = time.time()
     p = limited("train", "--train", f"x={tmp_path}/{pattern}", "--out", tmp_path / "run")
     one_line_error(p, "pipeline.train", "brace" if "{0..3" not in pattern else "Unbalanced")
     p = limited(TOOL, "--index", f"x:train={tmp_path}/{pattern}", "--out", tmp_path / "idx")
     one_line_error(p, "make_shards", "brace" if "{0..3" not in pattern else "Unbalanced")
-    assert time.time() - t0 < 60
 
 
 @pytest.mark.slow
@@ -397,10 +396,10 @@ class Huge(Quiet, http.server.BaseHTTPRequestHandler):
 def test_a_2gb_manifest_body_is_one_line_naming_its_url(tmp_path, kind, limited):
     with serving(Huge) as srv:
         url = f"{srv.url}{kind}/mnist-train.json"
-        t0 = time.time()
+        t0 = time.process_time()  # CPU seconds (the server is a thread here): 2 GB read would take far more
         with pytest.raises(ShardError) as e:
             manifest.load(url, policy=remote.Policy(retries=0, timeout=5))
-        assert time.time() - t0 < 10
+        assert time.process_time() - t0 < 10
         assert str(e.value).startswith(f"cannot read manifest {url}: ") and "67108864" in str(e.value), e.value
         p = limited("train", "--train", f"mnist={srv.url}{kind}/", "--retries", "0", "--out", tmp_path / "run")
     one_line_error(p, "pipeline.train", url, "67108864")

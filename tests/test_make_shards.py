@@ -12,7 +12,6 @@ import json
 import os
 import pickle
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from helpers import make_shards_in_process, write_tar
+from helpers import HANG, make_shards_in_process, run_capture, write_tar
 from pipeline.writers import shards, sources
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "make_shards.py"
@@ -28,8 +27,8 @@ TOOL = Path(__file__).resolve().parents[1] / "tools" / "make_shards.py"
 
 def cli_subprocess(cwd, *args):
     """Run the tool as a user would; cwd is a scratch folder so defaults never touch the repo."""
-    return subprocess.run([sys.executable, str(TOOL), *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=120)
+    return run_capture([sys.executable, str(TOOL), *map(str, args)], cwd=cwd, capture_output=True,
+                       text=True, timeout=HANG)
 
 
 def cli(cwd, *args):
@@ -350,7 +349,7 @@ def test_missing_data_without_download(tmp_path):
     (tmp_path / "empty").mkdir()
     p = cli(tmp_path, "--datasets", "mnist", "--splits", "test", "--root", "empty", "--out", "out", "--quiet")
     assert_one_error_line(p.returncode, p.stderr, "mnist test", "--download")
-    assert not [f for f in os.listdir(tmp_path / "out") if f.endswith(".json")]
+    assert not (tmp_path / "out").exists()  # the folder it made for them is taken back
 
 
 @pytest.mark.parametrize("args,fragment", [
@@ -410,7 +409,7 @@ def test_imagefolder_with_an_odd_image(tmp_path, main, odd, fragments):
     code, _, err = main("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--out", tmp_path / "out",
                         "--maxcount", 2, "--workers", 2, "--quiet")
     assert_one_error_line(code, err, *fragments)
-    assert not [f for f in os.listdir(tmp_path / "out") if f.endswith(".json")]
+    assert not (tmp_path / "out").exists()  # nothing written: the folder it made is taken back
 
 
 def test_the_last_line_says_what_was_written_where_and_how_long(main, tmp_path):
@@ -538,8 +537,8 @@ def test_a_rebuild_past_the_file_size_limit_keeps_the_old_set_usable(tmp_path):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000))
 
-    p = subprocess.run([sys.executable, str(TOOL), *map(str, SMALL), "--seed", "1"], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=120, preexec_fn=limited)
+    p = run_capture([sys.executable, str(TOOL), *map(str, SMALL), "--seed", "1"], cwd=tmp_path, capture_output=True,
+                    text=True, timeout=HANG, preexec_fn=limited)
     assert_one_error_line(p.returncode, p.stderr, "File too large")
     assert folder_bytes(tmp_path / "out") == before
 
@@ -549,3 +548,35 @@ def test_a_fifo_given_as_classes_is_one_line_not_a_hang(main, tmp_path):
     code, out, err = main("--index", f"c:train={tmp_path}", "--classes", tmp_path / "classes.txt", "--out", tmp_path)
     assert code == 2 and err.splitlines() == [f"make_shards: error: --classes {tmp_path}/classes.txt: not a regular "
                                               f"file (see --help)"], err
+
+
+def test_index_says_when_it_replaced_a_manifest_and_counts_one_shard(main, tmp_path):
+    """A second --index into the same --out replaced the first manifest without a word; and
+    one shard was '1 shards'."""
+    from helpers import write_img2dataset
+
+    write_img2dataset(tmp_path / "train", 5, classes=2, per_shard=10)
+    out = tmp_path / "out"
+    args = ("--index", f"web:train={tmp_path}/train", "--label-key", "json:label", "--out", out, "--quiet")
+    code, said, err = main(*args)
+    assert code == 0 and said.startswith("indexed web-train: 1 shard, 5 samples") and "replaced" not in said, err
+    code, said, err = main(*args)
+    assert code == 0 and f"  replaced the manifest that was there before: {out}/web-train.json" in said.splitlines()
+    code, said, err = main("--synthetic", "--datasets", "mnist", "--splits", "test", "--limit", "5", "--out",
+                           tmp_path / "built", "--quiet", "--workers", "1")
+    assert code == 0 and "(1 shard, 5 samples" in said.splitlines()[-1], said
+
+
+@pytest.mark.parametrize("how", ["index", "imagefolder", "source"])
+def test_a_failed_run_takes_back_the_out_folders_it_made(main, tmp_path, how):
+    """A failed make_shards left the empty --out folder (and its parents) it had made; one that
+    was there before stays."""
+    source = {"index": ["--index", f"x:train={tmp_path}/nothere/"],
+              "imagefolder": ["--imagefolder", f"x:train={tmp_path}/nothere"],
+              "source": ["--datasets", "mnist", "--root", tmp_path / "no-data"]}[how]
+    code, said, err = main(*source, "--out", tmp_path / "new" / "deeper")
+    assert code == 2 and err.startswith("make_shards: error:"), err
+    assert sorted(os.listdir(tmp_path)) == []
+    (tmp_path / "kept").mkdir()
+    code, said, err = main(*source, "--out", tmp_path / "kept")
+    assert code == 2 and sorted(os.listdir(tmp_path)) == ["kept"]

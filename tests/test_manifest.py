@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from helpers import build_shards, shard_keys
+from helpers import HANG, build_shards, run_capture, shard_keys
 from pipeline.data import manifest
 from pipeline.errors import ShardError
 from pipeline.data.stream import MixedStream, resolve
@@ -103,7 +103,6 @@ def test_test_classes_that_differ_from_training_point_at_classes_from(tmp_path):
 
 def test_a_folder_of_tars_without_a_manifest_gets_the_index_command(tmp_path):
     import shlex
-    import subprocess
     import sys
 
     from helpers import write_img2dataset
@@ -118,8 +117,8 @@ def test_a_folder_of_tars_without_a_manifest_gets_the_index_command(tmp_path):
     assert command == f"python tools/make_shards.py --index 'web:train={folder}' --out '{folder}'"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(manifest.__file__))))
     argv = shlex.split(command)
-    p = subprocess.run([sys.executable, *argv[1:], "--label-key", "json:label"], cwd=root, capture_output=True,
-                       text=True, timeout=120)
+    p = run_capture([sys.executable, *argv[1:], "--label-key", "json:label"], cwd=root, capture_output=True,
+                    text=True, timeout=HANG)
     assert p.returncode == 0, p.stderr
     assert resolve("web", str(folder), "train").total == 10  # the command did what it said
     with pytest.raises(ShardError, match=r"no manifest .+/web-test.json; the folder holds 1 other\(s\): "

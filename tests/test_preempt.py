@@ -12,21 +12,21 @@ import time
 
 import pytest
 
-from helpers import free_port, mid_epoch_args, put_back, steps_logged, train_in_process
+from helpers import HANG, completed, free_port, mid_epoch_args, put_back, run_capture, steps_logged, train_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def python(code, *args, timeout=60):
+def python(code, *args, timeout=HANG):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return run_capture([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=timeout)
 
 
-def trainer(*args, timeout=120):
+def trainer(*args, timeout=HANG):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "pipeline.train", *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_capture([sys.executable, "-m", "pipeline.train", *map(str, args)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=timeout)
 
 
 # ---------------------------------------------------------------- without torch
@@ -182,7 +182,7 @@ def test_sigterm_to_torchrun_stops_with_a_checkpoint_and_the_resume_matches(sigt
     assert words[-1] == "--resume" and "pipeline.train" in words
     words = [f"--master_port={free_port()}" if w.startswith("--master_port=") else w for w in words]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    p = subprocess.run(words, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    p = run_capture(words, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG)
     assert p.returncode == 0, p.stderr[-3000:]
     resumed = re.findall(r"resumed from epoch (\d+), step (\d+) \(saved at [^)]+\)", p.stdout + p.stderr)
     assert resumed == [(epoch, step)], (p.stdout + p.stderr)[-3000:]
@@ -198,13 +198,16 @@ def test_sigterm_to_one_process_exits_143_and_resume_or_start_starts_then_resume
     args = [*common(data, out), "--workers", "1", "--resume-or-start"]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.train", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     t0 = time.time()
     while not steps_logged(out):
-        assert proc.poll() is None and time.time() - t0 < 180, "no training step logged"
+        if proc.poll() is not None or time.time() - t0 > HANG:  # a hang guard, not a speed test
+            p = completed(proc, 1)  # a hang: the stacks and a failure; else what it said
+            pytest.fail(f"no training step logged; it ended with {p.returncode}: {p.stderr[-3000:]}")
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
+    p = completed(proc)
+    stdout, stderr = p.stdout, p.stderr
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert stdout.count("stopped at ") == 1 and "resume with: " in stdout and "resumed from" not in stdout
     assert stdout.strip().splitlines()[-1].endswith("--resume-or-start")  # the requeue command stays as it was

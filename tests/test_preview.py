@@ -1,7 +1,6 @@
 """pipeline.preview on tiny synthetic shard sets: the PNG, the captions against each
 sample's true class, grey images kept grey, and the title's data set and origin."""
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -9,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from helpers import build_shards, figure_texts, key_index
+from helpers import HANG, build_shards, figure_texts, key_index, run_capture
 from pipeline.writers import preview as pv
 from pipeline.errors import ShardError
 
@@ -127,7 +126,7 @@ def test_bad_input_raises_a_plain_error(tmp_path, mnist):
 def test_importing_the_preview_does_not_import_matplotlib():
     code = "import sys, pipeline.writers.preview; sys.exit('matplotlib' in sys.modules)"
     root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    r = run_capture([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=HANG)
     assert r.returncode == 0, r.stderr
 
 

@@ -3,13 +3,12 @@ name of a megabyte (pipeline.errors.cut), whichever path the line takes: a tool'
 a retry warning, a skipped sample, the trainer's one-line error."""
 import http.server
 import os
-import subprocess
 import sys
 import warnings
 
 import pytest
 
-from helpers import Quiet, build_shards, serving, train_in_process, write_tar
+from helpers import HANG, Quiet, build_shards, run_capture, serving, train_in_process, write_tar
 from pipeline.cli import printable
 from pipeline.errors import LINE_LIMIT, FetchError, ShardError, cut, redact
 
@@ -78,9 +77,9 @@ def test_make_shards_index_never_prints_a_urls_credentials(tmp_path):
     with serving(Shards, files={"/x.tar": (tmp_path / "x.tar").read_bytes()}) as server:
         for path, needle in (("x.tar", "undecodable"), ("gone.tar", "404")):
             spec = f"toy:train={secret_url(server.url, path)}"
-            p = subprocess.run([sys.executable, "tools/make_shards.py", "--index", spec,
-                                "--out", tmp_path / "m", "--retries", "1", "--io-timeout", "2"],
-                               cwd=ROOT, capture_output=True, text=True, timeout=120)
+            p = run_capture([sys.executable, "tools/make_shards.py", "--index", spec,
+                             "--out", tmp_path / "m", "--retries", "1", "--io-timeout", "2"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=HANG)
             said = p.stdout + p.stderr
             assert p.returncode != 0 and needle in said and "user:***@" in said, said[-2000:]
             assert SECRET not in said and "Traceback" not in said, said[-2000:]

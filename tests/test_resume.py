@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import finish, key_index, launch_train, mid_epoch_args, put_back
+from helpers import HANG, finish, key_index, launch_train, mid_epoch_args, put_back
 from pipeline.data.stream import MixedStream, make_loader, resolve
 from pipeline.data.topology import Topology
 
@@ -366,7 +366,7 @@ def test_another_world_needs_every_ranks_state(data):
 # ---------------------------------------------------------------- the trainer under torchrun
 
 
-def run_ok(proc, timeout=240):
+def run_ok(proc, timeout=HANG):
     code, err = finish(proc, timeout)
     assert code == 0, err[-3000:]
 
@@ -405,7 +405,7 @@ def test_killed_inside_an_epoch_and_resumed_matches_the_uninterrupted_run(data, 
     proc = launch_train(common(data, out), 2)
     t0 = time.time()
     while not ((position(out) or {}).get("step", 0) >= 9):  # a checkpoint inside epoch 1 (40 steps)
-        assert proc.poll() is None and time.time() - t0 < 180, "no mid-epoch checkpoint"
+        assert proc.poll() is None and time.time() - t0 < HANG, "no mid-epoch checkpoint"  # a hang guard
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import build_shards, free_port, serve, train_in_process
+from helpers import build_shards, completed, free_port, kill_tree, serve, train_in_process
 from pipeline.data import stream
 from pipeline.train.dist import Topology
 
@@ -39,12 +39,14 @@ def test_two_nodes_over_http_train_on_disjoint_samples(data, tmp_path):
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
              "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test", f"--node-rank={n}",
              "-m", "pipeline.train", *args],
-            cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (0, 1)]
+            cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+            for n in (0, 1)]
         try:
-            results = [p.communicate(timeout=240) for p in nodes]
+            results = [(p.stdout, p.stderr) for p in (completed(p) for p in nodes)]
         finally:
             for p in nodes:
-                p.kill()
+                if p.poll() is None:
+                    kill_tree(p)
     assert [p.returncode for p in nodes] == [0, 0], results[0][1][-2000:] + results[1][1][-2000:]
     with open(out / "summary.json") as f:
         s = json.load(f)

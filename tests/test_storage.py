@@ -4,14 +4,13 @@ the same batches as from local files, one line for a wrong bucket or key, secret
 shown; gs:// and hf:// as far as they go offline."""
 import http.server
 import os
-import subprocess
 import sys
 import warnings
 
 import pytest
 
 from conftest import S3_SECRET
-from helpers import build_shards
+from helpers import HANG, build_shards, run_capture
 from pipeline.data import remote, storage
 from pipeline.data.manifest import resolve
 from pipeline.data.stream import MixedStream
@@ -76,9 +75,9 @@ def test_a_run_from_s3_with_a_secret_in_its_environment_never_prints_it(mnist_in
     _, url = mnist_in_s3
     env = dict(os.environ, PYTHONPATH=ROOT, AWS_ACCESS_KEY_ID="not-a-known-key")
     env["AWS_SECRET_ACCESS_KEY"] = S3_SECRET
-    p = subprocess.run([sys.executable, "-m", "pipeline.train", "--train", f"mnist={url}", "--epochs", "1",
-                        "--batch-size", "8", "--workers", "0", "--width", "4", "--out", str(tmp_path / "run")],
-                       capture_output=True, text=True, env=env, timeout=120)
+    p = run_capture([sys.executable, "-m", "pipeline.train", "--train", f"mnist={url}", "--epochs", "1",
+                     "--batch-size", "8", "--workers", "0", "--width", "4", "--out", str(tmp_path / "run")],
+                    capture_output=True, text=True, env=env, timeout=HANG)
     out = p.stdout + p.stderr
     assert S3_SECRET not in out
     # moto accepts any key by default: the run either trains or fails in one line, never with a traceback

@@ -12,7 +12,6 @@ import io
 import json
 import os
 import pickle
-import subprocess
 import sys
 import warnings
 from types import SimpleNamespace
@@ -22,8 +21,8 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import (HALF, STREAM_SPECS, build_shards, free_port, key_index, keys_of, read_members, run_epoch, sample_key,
-                     serve, train_sources, write_tar)
+from helpers import (HALF, HANG, STREAM_SPECS, build_shards, free_port, key_index, keys_of, read_members, run_capture,
+                     run_epoch, sample_key, serve, train_sources, write_tar)
 from pipeline.errors import ShardError
 
 from pipeline.data.stream import EvalStream, MixedStream, check_weights, make_loader, parse_weights, resolve
@@ -563,7 +562,7 @@ def test_torchrun_two_ranks_equal_counts_disjoint_keys(data, tmp_path):
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), data.dir, str(out)]
-    proc = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
+    proc = run_capture(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=HANG)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["rank"] for r in ranks] == [0, 1]

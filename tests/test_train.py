@@ -4,16 +4,16 @@ import functools
 import http.server
 import json
 import os
-import subprocess
 import sys
 import threading
 
 import pytest
 
-from helpers import Quiet, build_shards, completed, launch_train, serving, shared_shards, train_in_process
+from helpers import (HANG, Quiet, build_shards, completed, launch_train, run_capture, serving, shared_shards,
+                     train_in_process)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMEOUT = 240  # a hang fails the test, not the CI run
+TIMEOUT = HANG  # a hang fails the test, not the CI run
 
 
 @pytest.fixture(scope="session")
@@ -185,9 +185,9 @@ def test_missing_test_shards_fail_before_training(data, tmp_path):
 def test_the_command_line_is_wired_to_main(data, tmp_path):
     """The one subprocess for a command-line error: `python -m pipeline.train` reaches main()
     and its exit code and one-line error reach the shell (the rest call main() in process)."""
-    p = subprocess.run([sys.executable, "-m", "pipeline.train", *sources(data), "--batch-size", "0",
-                        "--out", str(tmp_path / "o")], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
-                       capture_output=True, text=True, timeout=TIMEOUT)
+    p = run_capture([sys.executable, "-m", "pipeline.train", *sources(data), "--batch-size", "0",
+                     "--out", str(tmp_path / "o")], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                    capture_output=True, text=True, timeout=TIMEOUT)
     assert p.returncode == 2 and "--batch-size" in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert len([ln for ln in p.stderr.splitlines() if "error:" in ln]) == 1, p.stderr
 
@@ -352,10 +352,10 @@ def test_the_trainers_warnings_are_one_line_each(monkeypatch):
 def test_off_a_terminal_the_bar_is_not_redrawn_for_every_logged_step(data, tmp_path):
     """The loss shown on the bar forced a redraw at each --log-every step: a line each in a log
     file (27 lines in a 1 s run at --log-every 2)."""
-    p = subprocess.run([sys.executable, "-m", "pipeline.train", "--train", f"mnist={data}/mnist-train.json",
-                        "--epochs", "1", "--batch-size", "4", "--workers", "0", "--width", "4", "--log-every", "1",
-                        "--out", str(tmp_path / "o")], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
-                       capture_output=True, text=True, timeout=TIMEOUT)
+    p = run_capture([sys.executable, "-m", "pipeline.train", "--train", f"mnist={data}/mnist-train.json",
+                     "--epochs", "1", "--batch-size", "4", "--workers", "0", "--width", "4", "--log-every", "1",
+                     "--out", str(tmp_path / "o")], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                    capture_output=True, text=True, timeout=TIMEOUT)
     bars = [ln for ln in p.stderr.splitlines() if ln.startswith("epoch 1/1")]
     assert p.returncode == 0 and 1 <= len(bars) <= 3 and "\r" not in p.stderr, p.stderr[-3000:]
     assert bars[-1].startswith("epoch 1/1: 100%"), bars
@@ -365,9 +365,9 @@ def test_the_command_installs_the_one_line_warnings(data, tmp_path):
     """`python -m pipeline.train` formats its warnings as one line each (main() called from
     Python leaves the format alone, test above): a --train manifest of a test split warns,
     then an epoch shorter than one batch ends the run before any training."""
-    p = subprocess.run([sys.executable, "-m", "pipeline.train", "--train", f"mnist={data}/mnist-test.json",
-                        "--batch-size", "100000000", "--out", str(tmp_path / "o")], cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=TIMEOUT)
+    p = run_capture([sys.executable, "-m", "pipeline.train", "--train", f"mnist={data}/mnist-test.json",
+                     "--batch-size", "100000000", "--out", str(tmp_path / "o")], cwd=ROOT,
+                    env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=TIMEOUT)
     lines = p.stderr.splitlines()
     assert p.returncode == 2 and len(lines) == 2, p.stderr  # a warning in Python's format takes two lines
     warning, error = lines

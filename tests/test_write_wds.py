@@ -1,12 +1,11 @@
 """tools/write_wds.py on odd ImageFolder trees: special files, folders where images belong,
 class names classes.txt cannot hold, and an OUT inside ROOT, each one line, never a hang."""
 import os
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
-from helpers import main_in_process, tool_module
+from helpers import HANG, main_in_process, run_capture, tool_module
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "write_wds.py"
 
@@ -34,8 +33,8 @@ def members(folder):
 def test_a_fifo_among_the_images_is_skipped_in_one_line_not_waited_on(tmp_path):
     root = tree(tmp_path / "root")
     os.mkfifo(root / "a" / "x.jpg")
-    p = subprocess.run([sys.executable, str(TOOL), root, tmp_path / "out", "--holdout", "0"], capture_output=True,
-                       text=True, timeout=60)
+    p = run_capture([sys.executable, str(TOOL), root, tmp_path / "out", "--holdout", "0"], capture_output=True,
+                    text=True, timeout=HANG)
     assert p.returncode == 0, p.stderr
     assert p.stderr.splitlines() == [f"write_wds: skipping {root}/a/x.jpg: a FIFO, not an image file"]
     assert "train: 4 samples" in p.stdout

@@ -2,11 +2,12 @@
 xdist's loadgroup stops grouping without a word (pytest-xdist#1386), and every shared torchrun
 and benchmark fixture would run once per process."""
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from helpers import HANG, run_capture
 
 GROUPED = '''
 import os, time
@@ -42,8 +43,8 @@ def test_tests_of_one_xdist_group_run_in_one_process(tmp_path):
     pytest.importorskip("xdist")
     (tmp_path / "test_grouped.py").write_text(textwrap.dedent(GROUPED))
     env = dict(os.environ, WHERE=str(tmp_path))
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider",
-                        "test_grouped.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    p = run_capture([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider",
+                     "test_grouped.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG)
     assert p.returncode == 0, p.stdout + p.stderr
     ran = {name: (tmp_path / name).read_text() for name in "abcde"}
     assert ran["a"] == ran["b"] == ran["c"], f"the group was split over processes: {ran}"

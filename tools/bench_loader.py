@@ -114,8 +114,9 @@ def parse_args(argv):
                    help="torch.set_num_threads(N) in the benchmarking process (default: torch's own choice; "
                         "A's and B's per-sample torch calls use them; C normalises in one "
                         "thread either way)")
-    p.add_argument("--work-dir", default="bench-out",
-                   help="built shards and the 10x corpus go here (default: bench-out)")
+    p.add_argument("--work-dir",
+                   help="built shards and the 10x corpus go here (default: bench-out); with --synthetic, in a "
+                        "temporary folder inside it (default: the system's), removed at the end")
     p.add_argument("--json", help="where to write the JSON record: every run's figures, the commit, the host (CPU "
                                    "identity, threads), each run's stolen CPU share (default: bench-out/bench.json; "
                                    "with --stages bench-out/stages.json, with --tar-format bench-out/tar-format.json)")
@@ -123,6 +124,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.child:
         return args
+    args.temp_parent, args.work_dir = args.work_dir, args.work_dir or "bench-out"
     if args.json is None:
         args.json = os.path.join("bench-out", "stages.json" if args.stages else "stores.json" if args.stores else
                                  "handover.json" if args.handover else
@@ -201,7 +203,9 @@ def main(argv=None):
         return 0
     if not args.synthetic:
         return suite.run(args, args.work_dir)
-    tmp = tempfile.mkdtemp(prefix="bench-loader-")
+    if args.temp_parent:  # a folder its caller removes, should this process be killed before its `finally` ran
+        os.makedirs(args.temp_parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="bench-loader-", dir=args.temp_parent)
     try:
         return suite.run(args, tmp)
     finally:

@@ -1,4 +1,5 @@
-"""`python -m pipeline.train ...` and `torchrun -m pipeline.train ...`.
+"""`python -m pipeline.train ...`, `torchrun -m pipeline.train ...` and the `pipeline-train`
+command that `pip install` puts on the PATH.
 
 The command line is parsed and checked before torch and the data path are imported, so
 `--help` and a bad option answer at once."""
@@ -7,14 +8,20 @@ import warnings
 
 from pipeline.train import options
 
-args = options.parse()
-options.check_out(args)
 
-from pipeline.train.loop import main  # noqa: E402  (torch: only for a good command line)
-from pipeline.train.console import one_line_warning  # noqa: E402
-from pipeline.train.dist import set_threads  # noqa: E402
+def command():
+    args = options.parse()
+    options.check_out(args)
 
-set_threads()  # this process's share of the cores (main() called from Python leaves its caller's setting)
+    from pipeline.train.loop import main  # torch: only for a good command line
+    from pipeline.train.console import one_line_warning
+    from pipeline.train.dist import set_threads
 
-warnings.formatwarning = one_line_warning  # the command's warnings read as its other lines; workers fork with it
-sys.exit(main(sys.argv[1:], args=args))
+    set_threads()  # this process's share of the cores (main() called from Python leaves its caller's setting)
+
+    warnings.formatwarning = one_line_warning  # the command's warnings read as its other lines; workers fork with it
+    sys.exit(main(sys.argv[1:], args=args))
+
+
+if __name__ == "__main__":
+    command()

@@ -70,5 +70,13 @@ def write_summary(run, evals, t_start, resumed_from, finished, sources):
         print(f"{state} in {summary['wall_time_s']:.0f} s; {tested}\n" +
               "".join(line + "\n" for line in per_class_lines(evals)) +
               f"metrics.jsonl, summary.json and checkpoint.pt are in {args.out}/; "
-              f"pictures: {shlex.quote(sys.executable)} tools/report.py {shlex.quote(str(args.out))}", flush=True)
+              f"pictures: {report_command(args.out)}", flush=True)
     return summary
+
+
+def report_command(out, clone=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))):
+    """The command that draws this run's pictures: tools/report.py in a clone (`clone`: where the
+    package sits), the installed module where pip put the package and no tools/ came with it."""
+    in_clone = os.path.isfile(os.path.join(clone, "tools", "report.py"))
+    tool = "tools/report.py" if in_clone else "-m pipeline.train.report"
+    return f"{shlex.quote(sys.executable)} {tool} {shlex.quote(str(out))}"
