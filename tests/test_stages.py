@@ -1,9 +1,10 @@
 """pipeline.data.stages: shard lists split like webdataset splits them, the windows a
-pair's run reads from its position, per-window shuffles, the chain's nested state."""
+pair's run reads from its position, per-window shuffles, a chain rebuilt at its position."""
 import pytest
 import webdataset as wds
 
 from pipeline.data import stages
+from pipeline.data.mix import RandomMix
 from pipeline.data.order import SourceOrder
 from pipeline.data.stages import RunPlan, Window
 from pipeline.data.topology import Topology, Worker
@@ -115,11 +116,9 @@ def _keep_all(sample):
     return sample
 
 
-def test_a_sources_chain_is_stages_with_state_nested_by_name(tmp_path):
-    """The chain is named stages (each a Node: next, state, reset); its state nests theirs,
-    only the positions' holds one, and a chain rebuilt from that goes on identically."""
-    import json
-
+def test_a_sources_chain_is_named_stages_and_goes_on_from_its_position_alone(tmp_path):
+    """The chain is named stages (each a Node pulling from the one before); its position is all
+    it keeps: a chain rebuilt at that position (what a resume builds) goes on identically."""
     from helpers import build_shards
     from pipeline.data import deal
     from pipeline.data.manifest import resolve
@@ -135,17 +134,16 @@ def test_a_sources_chain_is_stages_with_state_nested_by_name(tmp_path):
 
     first = chain()
     head = first.take(7)[0]
-    state = json.loads(json.dumps(first.state()))
     assert [name for name, _ in first.stages] == ["positions", "read", "shuffle", "decode",
                                                   f"stage:{__name__}:_keep_all"]
     assert all(isinstance(node, Node) for _, node in first.stages) and isinstance(first, Node)
-    assert state["positions"] == 7 and all(state[k] == {} for k in state if k != "positions")
+    assert first.position() == 7
     rest = first.take(20)[0]
-    first.reset(state)  # reset goes back there in place
-    assert first.take(20)[0] == rest
-    again = chain(state["positions"])
+    again = chain(7)
     assert again.take(20)[0] == rest and head + rest == chain().take(27)[0]
-    mix = stages.Mix([chain(), chain()], deal.Choices([4, 4], (0, 1)), 4)
+    mix = RandomMix([chain(), chain()], choices=deal.Choices([4, 4], (0, 1)), batch_size=4)
     choice, parts = mix.next()
-    assert mix.state()["at"] == 1 and len(mix.state()["sources"]) == 2
+    second, _ = mix.next()
+    assert mix.at == 2 and sorted(choice.tolist() + second.tolist()) == [0, 0, 0, 0, 1, 1, 1, 1]  # exact over 8
+    assert [len(p[0]) if p else 0 for p in parts] == [choice.tolist().count(s) for s in (0, 1)]
     assert sum(len(p[0]) for p in parts if p is not None) == 4 and len(choice) == 4

@@ -210,11 +210,22 @@ class Choices:
         total = int(self.quota.sum())
         sizes = [min(BLOCK, total - b) for b in range(0, total, BLOCK)]
         self.blocks = order.split_exactly(order.generator(*key), self.quota, sizes)
+        self.every = None
         self._block = (None, None)
+
+    @classmethod
+    def unending(cls, probs, key):
+        """Draws without a total: every block holds each source's share of BLOCK exactly (largest
+        remainders), for a mix of streams that may not end (mix.RandomMix)."""
+        self = cls.__new__(cls)
+        self.every, self.key, self.quota, self.blocks = order.apportion(BLOCK, probs), key, None, None
+        self._block = (None, None)
+        return self
 
     def block(self, b):
         if self._block[0] != b:
-            labels = np.repeat(np.arange(len(self.quota), dtype=np.int8), self.blocks[b])
+            counts = self.blocks[b] if self.every is None else self.every
+            labels = np.repeat(np.arange(len(counts), dtype=np.int8), counts)
             self._block = (b, labels[order.generator(*self.key, b).permutation(len(labels))])
         return self._block[1]
 

@@ -1,11 +1,10 @@
-"""The interface every stage of the stream has, as torchdata's nodes have it.
+"""The interface every stage of the stream has, as webdataset's and torchdata's stages have it.
 
 `next(n)` gives the stage's next item (for the per-source stages: the chunk of the next n
-positions), pulled from `upstream`; `state()` is where it stands and `reset(state)` goes back
-there (None: the start). A composite nests its children's state under their names
-(`stages.SourceStream`, `stages.Mix`). Most stages are pure functions of what they are handed
-and keep no state: a stream's position lives in two places only, each slot's count
-(`stages.Positions`) and each worker's batch position (`stages.Mix`).
+positions), pulled from `upstream`. Stages keep no state a checkpoint needs: a stream's place
+lives in two numbers only, each source's count of positions read (`stages.Positions`, from
+which `stages.RunPlan` starts a new chain) and each worker's batch count (`mix.RandomMix`);
+a resume builds its chains from them.
 """
 
 
@@ -14,9 +13,3 @@ class Node:
 
     def next(self, n=None):
         return self.upstream.next(n)
-
-    def state(self):
-        return {}
-
-    def reset(self, state=None):
-        pass

@@ -8,8 +8,8 @@
     take        the next n samples decoded, through the user's sample stages
                 (`SourceStream.take`)
 
-and across sources, `Mix` takes each batch's samples from the sources its `deal.Choices`
-name.
+and across sources, `mix.RandomMix` takes each batch's samples from the sources its
+`deal.Choices` name.
 
 Every stage before `take` is a pure function of (seed, epoch, source, position):
 where a stream stands is, per source, how many positions of its run it has read
@@ -605,8 +605,8 @@ class Chunk:
 
 
 class Positions(Node):
-    """The plan's windows, handed down as ranges of their places; its state is how many
-    positions of the run the chain has taken."""
+    """The plan's windows, handed down as ranges of their places; `position()` is how many
+    positions of the run the chain has taken: all a resume needs of it."""
 
     def __init__(self, plan):
         self.plan, self.window, self.at = plan, None, 0
@@ -629,12 +629,8 @@ class Positions(Node):
         if self.window is not None:
             self.at = self.window.size if self.window.size is not None else float("inf")
 
-    def state(self):
+    def position(self):
         return self.plan.state(self.at - (self.window.skip if self.window else 0))
-
-    def reset(self, state=None):
-        self.plan.reset(state)
-        self.window, self.at = None, 0
 
 
 class Read(Node):
@@ -651,9 +647,6 @@ class Read(Node):
         self.window = chunk.window
         chunk.data = self.data
         return chunk
-
-    def reset(self, state=None):
-        self.window = self.data = None
 
 
 class Shuffle(Node):
@@ -679,9 +672,6 @@ class Shuffle(Node):
         self.window = w
         chunk.idx, chunk.crops, chunk.seed0 = self.order[chunk.lo:chunk.hi], self.crops, self.seed0 + chunk.lo
         return chunk
-
-    def reset(self, state=None):
-        self.window = None
 
 
 class Decode(Node):
@@ -765,7 +755,7 @@ class SourceStream(Node):
     """One source's samples for one (rank, worker): a chain of stages, each pulling from
     the one before, in this order:
 
-        positions  the plan's windows as ranges of places (`Positions`): the only state
+        positions  the plan's windows as ranges of places (`Positions`): the only place kept
         read     each window's shards read once (`Read`)
         shuffle  a seeded permutation and crops per window (`Shuffle`)
         decode   images to the source's shape (`Decode`)
@@ -773,8 +763,7 @@ class SourceStream(Node):
 
     `take(n)` returns the next n good samples as (keys, uint8 images (n, C, H, W),
     labels); a training plan never runs out, an evaluation plan may return fewer.
-    `state()` nests each stage's state under its name; the positions' is how many
-    positions of the run were read, from which a new chain goes on (`reset`).
+    `position()` is how many positions of the run were read, from which a new chain goes on.
     """
 
     def __init__(self, plan, reader, *, shuffle=True, sample_stages=()):
@@ -790,17 +779,10 @@ class SourceStream(Node):
         self.empty, self.window, self.window_good = 0, None, True  # windows in a row that gave nothing usable
         self.limit = 2 * len(source.urls) + 2
 
-    def state(self):
-        return {name: node.state() for name, node in self.stages}
-
     def position(self):
-        """The positions' part of `state()`, the only stage with one: what a worker's batch
-        carries, built per batch without the other stages' empty states."""
-        return self.stages[0][1].state()
-
-    def reset(self, state=None):
-        for name, node in self.stages:
-            node.reset(None if state is None else state.get(name))
+        """Positions of the run read (the positions stage's): what a worker's batch carries, and
+        where a chain rebuilt for a resume starts (`RunPlan(..., at)`)."""
+        return self.stages[0][1].position()
 
     def next(self, n=None):
         return self.take(n)
@@ -844,27 +826,3 @@ SEED_MASK = (1 << 63) - 1  # a sample's seed fits an int64 and any numpy or torc
 
 def _name(fn):
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
-
-
-class Mix(Node):
-    """A batch's worth of samples: which source each place comes from (the pair's
-    `deal.Choices`, batch `at`), then that many taken from each source's chain. Its state
-    is the batch position and, under "sources", each chain's."""
-
-    def __init__(self, streams, choices, batch_size, at=0):
-        self.streams, self.choices, self.batch_size, self.at = list(streams), choices, batch_size, at
-
-    def next(self, n=None):
-        n = n or self.batch_size
-        choice = self.choices.take(self.at * n, (self.at + 1) * n).astype(np.int64)
-        self.at += 1
-        wanted = np.bincount(choice, minlength=len(self.streams))
-        return choice, [stream.take(int(k)) if k else None for stream, k in zip(self.streams, wanted)]
-
-    def state(self):
-        return {"at": self.at, "sources": [stream.state() for stream in self.streams]}
-
-    def reset(self, state=None):
-        self.at = state["at"] if state else 0
-        for stream, sub in zip(self.streams, state["sources"] if state else [None] * len(self.streams)):
-            stream.reset(sub)

@@ -6,7 +6,7 @@
                                     positions per source and its exact mix (deal.Choices)
     in each (rank, worker):         stages.SourceStream per source:
                                     run -> read -> shuffle -> decode -> your stages
-    across sources:                 stages.Mix takes each batch from the sources its choices name
+    across sources:                 mix.RandomMix takes each batch from the sources its choices name
     then:                           batch.Collate, loader.make_loader's hand-over
 
 Every rank yields exactly `batches_per_epoch` batches whatever its shards hold, so no
@@ -32,6 +32,7 @@ from pipeline.data.batch import NOTHING, Collate, Layout
 from pipeline.errors import Errors, ShardError
 from pipeline.data.loader import make_loader  # noqa: F401  (make_loader: this module's API)
 from pipeline.data.manifest import Source, resolve  # noqa: F401  (part of this module's API)
+from pipeline.data.mix import RandomMix
 from pipeline.data.topology import Topology, Worker, own_items
 from pipeline.data.weights import check_weights, parse_weights  # noqa: F401  (part of this module's API)
 
@@ -313,7 +314,7 @@ class MixedStream(torch.utils.data.IterableDataset):
                                                       reserves[i]),
                                        self._reader(s, errors), sample_stages=self.sample_stages)
                    for i, s in enumerate(self.sources)]
-        mix = stages.Mix(streams, seg.choices(pair), self.batch_size, at=start.done.get(logical, 0))
+        mix = RandomMix(streams, choices=seg.choices(pair), batch_size=self.batch_size, at=start.done.get(logical, 0))
         out = Collate(mix, self.layout, errors, borrow)
         count = seg.worker_batches(logical)
         try:

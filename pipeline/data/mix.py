@@ -1,0 +1,63 @@
+"""The mixing stage: which source each sample comes from, and the samples taken from each.
+
+`RandomMix` takes `wds.RandomMix`'s place, with its constructor (datasets, probs, longest),
+but its draws are exact and seeded: every block of `deal.BLOCK` samples holds each source's
+share of it exactly, in a seeded random order (`deal.Choices`), where wds.RandomMix draws each
+sample with the global `random` module (a mixture that drifts, an order no state can reach).
+Which source a sample comes from is then a function of its position, so a resume needs no
+state but the position. In a webdataset pipeline it mixes iterables sample by sample; in the
+training stream it is given each (rank, worker)'s exact `deal.Choices` and takes whole
+batches from the sources' chains (`next`).
+"""
+import numpy as np
+import torch
+
+from pipeline.data import order
+from pipeline.data.deal import BLOCK, Choices
+from pipeline.data.node import Node
+
+
+class RandomMix(torch.utils.data.IterableDataset, Node):
+    """Samples of several datasets mixed by `probs` (default: equal), as wds.RandomMix mixes them,
+    with exact, seeded draws. longest=False ends at the first dataset that runs out (as
+    wds.RandomMix does); longest=True goes on with the others. `seed`: the draws' seed;
+    `choices`: the draws themselves (the training stream's `deal.Choices` of one pair); in the
+    training stream, `batch_size` and `at`, the batches already taken."""
+
+    def __init__(self, datasets, probs=None, longest=False, *, seed=0, choices=None, batch_size=None, at=0):
+        self.datasets, self.longest, self.batch_size, self.at = list(datasets), longest, batch_size, at
+        if choices is None:
+            probs = [1.0] * len(self.datasets) if probs is None else [float(p) for p in probs]
+            if len(probs) != len(self.datasets) or min(probs) < 0 or sum(probs) <= 0:
+                raise ValueError(f"RandomMix: {len(self.datasets)} datasets need as many probabilities >= 0, not all "
+                                 f"0; got {probs}")
+            choices = Choices.unending(probs, (order.MIX, seed))
+        self.choices = choices
+
+    def __iter__(self):
+        """Sample by sample: the next of the dataset each draw names (a dataset that ran out is
+        passed over with longest=True)."""
+        sources = [iter(d) for d in self.datasets]
+        live = [True] * len(sources)
+        for b in range(1 << 62):
+            for s in self.choices.take(b * BLOCK, (b + 1) * BLOCK).tolist():
+                if not live[s]:
+                    continue
+                try:
+                    yield next(sources[s])
+                except StopIteration:
+                    if not self.longest:
+                        return
+                    live[s] = False
+                    if not any(live):
+                        return
+
+    def next(self, n=None):
+        """The training stream's next batch (of n, else batch_size): which source each place comes
+        from, and that many taken from each source's chain (`stages.SourceStream.take`)."""
+        n = n or self.batch_size
+        choice = self.choices.take(self.at * n, (self.at + 1) * n).astype(np.int64)
+        self.at += 1
+        wanted = np.bincount(choice, minlength=len(self.datasets))
+        return choice, [source.take(int(k)) if k else None for source, k in zip(self.datasets, wanted)]
+
