@@ -34,14 +34,17 @@ try:
 except ShardError as e:                            # no such folder, no manifest: one line, not a traceback
     sys.exit(f"stream_api: error: {e}")
 stream = MixedStream(sources, {name: 1 / len(given) for name in given}, batch_size=64, topo=Topology.from_env(),
-                     seed=0)
+                     seed=0, epoch_samples=min(20000, sum(s.total for s in sources)))
+print(f"{stream.layout.num_classes} classes over {', '.join(stream.layout.names)}")  # the head's size
 loader = make_loader(stream, num_workers=2)        # make it once: its workers persist across epochs
 for epoch in range(2):
     stream.set_epoch(epoch)                        # new order each epoch, identical on every rank
     for i, batch in enumerate(loader):             # len(stream) batches on every rank
-        x, y, src = batch["image"], batch["label"], batch["source"]
+        x, y, src = batch["image"], batch["label"], batch["source"]   # src: each sample's source index
         if i == 0:
             print(f"epoch {epoch}: {len(stream)} batches; image {tuple(x.shape)} {x.dtype}, label {tuple(y.shape)}")
     state = stream.state_dict()                    # JSON: where this rank stands, to the batch
 print("state keys:", sorted(state))
-# later, before the first pass: stream.load_state_dict(state) (one rank's) or {"ranks": [every rank's]}
+# to go on: stream.load_state_dict(state) on the same world, else a list of every rank's state
+# (torch.distributed.all_gather_object); before or after set_epoch and make_loader, the next pass
+# starts where the state stopped, and a state saved at an epoch's end starts the next epoch
