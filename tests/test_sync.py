@@ -66,3 +66,22 @@ def test_two_ranks_under_torchrun_wait_only_at_log_steps(data, tmp_path):
         seen = json.loads((tmp_path / f"syncs-rank{rank}.json").read_text())
         assert not allowed(seen, 4, 20, 2), seen  # 640 / (2 x 16) = 20 steps an epoch on each rank
         assert "all_reduce" in {c for _, c in seen}
+
+
+def test_the_loaders_workers_start_before_the_model_is_built(data, tmp_path, monkeypatch):
+    """The first batch sooner: the training loader's workers fork (and begin the first pass) while
+    the model is built, before CUDA would start in the trainer."""
+    import multiprocessing
+
+    from pipeline.train import run as run_module
+
+    seen = []
+    real = run_module.Net
+
+    def net(*a, **kw):
+        seen.append(len(multiprocessing.active_children()))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(run_module, "Net", net)
+    assert train.main(args(data, tmp_path / "run", "--workers", "2", "--epochs", "1")) == 0
+    assert seen == [2]
