@@ -218,3 +218,19 @@ def test_a_pass_started_early_is_the_one_read_unless_the_plan_changed(even):
     loader = make_loader(t, 2).start()
     t.set_epoch(1)
     assert [k for b in loader for k in b["key"]] == expected(1) and loader.workers.pass_id == 2
+
+
+@pytest.mark.slow
+def test_forkserver_workers_read_what_forked_ones_read(even):
+    """start_method="forkserver": the stream, its ring and the pipes travel pickled; the same batches."""
+    def keys(method):
+        s = MixedStream(train_sources(even), HALF, 8, seed=3, shuffle_buffer=8, normalize=False)
+        loader = make_loader(s, 2, start_method=method)
+        out = []
+        for epoch in (0, 1):
+            s.set_epoch(epoch)
+            out.append([k for b in loader for k in b["key"]])
+        loader.close()
+        return out
+
+    assert keys("forkserver") == keys("fork")
