@@ -31,6 +31,7 @@ from pipeline.data.topology import Worker
 HEADER = struct.Struct("<qiiii")  # pass, kind, slot, samples, payload bytes
 BATCH, END, ERROR = 0, 1, 2
 SLOT = struct.Struct("<i")
+READ = 1 << 16  # bytes asked of a worker's pipe at a time (a pipe holds 64 KiB)
 POLL_S = 0.2  # how often a worker waiting for a slot looks whether its pass was left or it should stop
 STOP = -1
 
@@ -55,7 +56,7 @@ class Workers:
     def __init__(self, source, count, ring, ctx):
         self.source, self.count, self.ring, self.ctx = source, count, ring, ctx
         self.control = ctx.Array("q", [0] * count, lock=False)  # per worker: the current pass, or STOP
-        self.procs, self.commands, self.ready, self.free = [], [], [], []
+        self.procs, self.commands, self.ready, self.free, self.buffers = [], [], [], [], []
         self.pass_id = 0
         self.parent = os.getpid()
         ring.give_back = self._give_back
@@ -83,6 +84,7 @@ class Workers:
             self.commands.append(cmd_w)
             self.ready.append(ready_r)
             self.free.append(free_w)
+            self.buffers.append(bytearray())
 
     def begin(self, plan):
         """Start a pass with `plan` on every worker; returns its id. Batches of earlier passes
@@ -101,26 +103,29 @@ class Workers:
                 raise RuntimeError("the loader was iterated again while this pass was being read; "
                                    "a loader runs one pass at a time")
             got, kind, slot, n, size = HEADER.unpack(self._read(w, HEADER.size))
-            payload = self._read(w, size) if size else b""
+            payload = bytes(self._read(w, size)) if size else b""
             if got == pass_id:
                 return kind, slot, n, payload
             if kind == BATCH:  # a batch of a pass the consumer left: its slot is free again
                 self._give_back(w, slot)
 
     def _read(self, w, size):
+        """The next `size` bytes from worker w, read as much as is there at a time: a message's
+        header and its payload usually arrive in one read (one system call a batch, not two)."""
+        buf = self.buffers[w]
         fd = self.ready[w].fileno()
-        parts, left = [], size
-        while left:
+        while len(buf) < size:
             if self.ring.waiting:  # slots wait for GPU copies: free them while this worker waits
                 self.ring.reap()
                 if not select.select([fd], [], [], 0.001)[0]:
                     continue
-            chunk = os.read(fd, left)
+            chunk = os.read(fd, max(size - len(buf), READ))
             if not chunk:
                 raise self._died(w)
-            parts.append(chunk)
-            left -= len(chunk)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+            buf += chunk
+        out = buf[:size]
+        del buf[:size]
+        return out
 
     def _died(self, w):
         p = self.procs[w]
@@ -155,7 +160,7 @@ class Workers:
                 p.join(5)
         for conn in self.commands + self.ready + self.free:
             conn.close()
-        self.procs = []
+        self.procs, self.commands, self.ready, self.free, self.buffers = [], [], [], [], []
 
 
 # ---------------------------------------------------------------- in the worker
