@@ -109,13 +109,8 @@ class Loader:
         """A pass in this process: the stream writes into this loader's own slots (or, while the
         user holds all of them, into new memory)."""
         for batch in self.stream.batches(Worker(), self._borrow, plan):
-            handle = batch.pop("slot")
-            spec = self.ring.spec
-            if handle[0] == "slot":
-                tensors = self.ring.lend(0, handle[1], handle[2])
-            else:
-                tensors = spec.tensors(spec.holder(handle[1].numpy()), handle[2])
-            batch.update(tensors)
+            kind, k, n = batch.pop("slot")
+            batch.update(self.ring.lend(0, k, n) if kind == "slot" else self.ring.spec.views(k, n))
             yield self._arrived(batch)
 
     def _borrow(self, n):
@@ -123,8 +118,8 @@ class Loader:
         if self._free:
             k = self._free.popleft()
             return ("slot", k, n), self.ring.arrays(0, k, n)
-        base = torch.empty(self.ring.spec.slot_bytes, dtype=torch.uint8, pin_memory=self.pin)
-        return ("own", base, n), self.ring.spec.arrays(base.numpy(), n)
+        base, memory = self.ring.spec.own(self.pin)
+        return ("own", base, n), self.ring.spec.arrays(memory, n)
 
     def _arrived(self, batch):
         if self._record is not None and "state" in batch:

@@ -77,6 +77,18 @@ class Spec:
         return {f.name: torch.from_numpy(np.ndarray((n, *f.shape), f.dtype, holder, o))
                 for f, o in zip(self.fields, self.offsets)}
 
+    def views(self, base, n):
+        """{name: tensor (n, *shape)} viewing a uint8 tensor of slot_bytes of its own (a batch copied
+        out, or made while every slot was lent): torch views of `base`, so that torch's pinned-memory
+        allocator knows when an asynchronous copy from them has completed before it reuses `base`."""
+        return {f.name: base[o:o + f.nbytes(n)].view(torch.from_numpy(np.empty(0, f.dtype)).dtype).view(n, *f.shape)
+                for f, o in zip(self.fields, self.offsets)}
+
+    def own(self, pin):
+        """(a new uint8 tensor of slot_bytes, pinned if asked, and a numpy view of it to write into)."""
+        base = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        return base, base.numpy()
+
 
 
 def shared_bytes(n):
@@ -139,11 +151,11 @@ class Ring:
         once, when the producer would otherwise be left with no slot but those the user holds."""
         self.reap()
         if self.held[producer] + 1 >= self.depth:
-            copy = torch.empty(self.spec.slot_bytes, dtype=torch.uint8, pin_memory=self.pin).numpy()
+            base, copy = self.spec.own(self.pin)
             copy[:] = self.slot(producer, k)
             self.copied += 1
             self.give_back(producer, k)
-            return self.spec.tensors(self.spec.holder(copy), n)
+            return self.spec.views(base, n)
         holder = self.spec.holder(self.slot(producer, k))
         with self._lock:
             self.held[producer] += 1
