@@ -183,12 +183,12 @@ class _S3Refusing(http.server.BaseHTTPRequestHandler):
 
 @pytest.mark.parametrize("answer, said, gets", [
     ((403, "InvalidAccessKeyId", "The AWS Access Key Id you provided does not exist in our records."),
-     "does not exist in our records. (InvalidAccessKeyId)", 1),
+     "does not exist in our records. (InvalidAccessKeyId, HTTP 403)", 1),
     ((403, "SignatureDoesNotMatch", "The request signature we calculated does not match the signature you provided."),
-     "(SignatureDoesNotMatch)", 1),
+     "(SignatureDoesNotMatch, HTTP 403)", 1),
     ((404, "NoSuchBucket", "The specified bucket does not exist"), "The specified bucket does not exist", 1),
     ((503, "SlowDown", "Please reduce your request rate."), "failed after 3 attempts: Unreachable: Please reduce "
-                                                            "your request rate. (SlowDown)", 3)])
+                                                            "your request rate. (SlowDown, HTTP 503)", 3)])
 def test_a_store_s_refusal_is_one_line_naming_its_code_and_throttling_is_retried(monkeypatch, answer, said, gets):
     """A wrong key, a bad signature or a missing bucket fail at once in one line that names
     the store's code; throttling (503 SlowDown) is retried, then one line."""
@@ -510,7 +510,7 @@ def test_an_https_store_is_trusted_through_aws_ca_bundle(fake_s3, tmp_path, monk
 def test_an_error_answer_s_text_is_one_line():
     body = b"<Error><Code>AccessDenied</Code><Message>Access\n  denied\r\nhere</Message></Error>"
     said = str(storage.s3_error(403, {}, body))
-    assert said == "Access denied here (AccessDenied)"
+    assert said == "Access denied here (AccessDenied, HTTP 403)"
     assert isinstance(storage.s3_error(403, {}, body), storage.Missing)
 
 
