@@ -12,6 +12,7 @@ from helpers import make_shards_in_process, write_shardwriter
 from pipeline.data import remote, storage
 from pipeline.data.manifest import resolve
 from pipeline.data.stream import MixedStream
+from pipeline.writers import storelock
 
 BUILD = ["--synthetic", "--datasets", "mnist", "--splits", "train", "--limit", "300", "--maxcount", "50",
          "--workers", "1", "--quiet"]
@@ -111,3 +112,125 @@ def test_indexing_a_prefix_into_a_local_folder_names_the_shards_by_url(foreign_i
     assert [s["name"] for s in m["shards"]] == [f"{prefix}/wds-00000{i}.tar" for i in range(3)]
     src = resolve("pets", str(tmp_path / "local"), "train")
     assert sorted(keys(src, "pets")) == sorted(f"train/c{i % 4}/{i:06d}" for i in range(60))
+
+
+STOPPED_AT_THIRD_PUT = """
+import os, sys, time
+sys.path.insert(0, {tools!r})
+import make_shards
+from pipeline.data import storage
+real, calls = storage.Writer.put, []
+
+def put(self, local, name):
+    calls.append(name)
+    if len(calls) == 3:  # two temporary keys uploaded: say so, and wait for the signal
+        open({ready!r}, "w").close()
+        time.sleep(120)
+    return real(self, local, name)
+
+storage.Writer.put = put
+sys.exit(make_shards.main(sys.argv[1:]))
+"""
+
+
+def test_a_rebuild_stopped_by_sigterm_leaves_no_lock_and_no_temporaries(s3_bucket, tmp_path):
+    """SIGTERM mid-upload (a scheduler's stop) left `.make_shards.lock` and the `.tar.tmp-*`
+    keys, and the requeued command refused until the lock was deleted by hand. Now the stop
+    removes both, says so, exits 143, and the same command then runs."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = f"s3://{s3_bucket}/p"
+    make_shards(*BUILD, "--out", out)
+    before = {n: remote.fetch(storage.join(out, n)) for n in storage.keys(out)}
+    ready = tmp_path / "ready"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = STOPPED_AT_THIRD_PUT.format(tools=os.path.join(root, "tools"), ready=str(ready))
+    p = subprocess.Popen([sys.executable, "-c", code, *BUILD, "--seed", "1", "--out", out], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=root))
+    try:
+        t0 = time.time()
+        while not ready.exists():
+            assert p.poll() is None and time.time() - t0 < 240, p.communicate()
+            time.sleep(0.05)
+        assert any(".tmp-" in n for n in storage.keys(out)) and storelock.LOCK in storage.keys(out)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 143 and "stopped by SIGTERM" in err and "lock were removed" in err, err
+    assert {n: remote.fetch(storage.join(out, n)) for n in storage.keys(out)} == before  # no *.tmp*, no lock
+    p = make_shards(*BUILD, "--seed", "1", "--out", out)
+    assert "replaced mnist-train.json" in p.stdout
+
+
+def dead_pid():
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+@pytest.mark.parametrize("holder, taken", [
+    ("dead-here", "no longer runs on this host"),
+    ("stale-elsewhere", "not renewed for"),
+    ("old-format", "names no renewal time"),
+    ("alive-elsewhere", None),
+    ("alive-here", None)])
+def test_a_lock_is_taken_over_when_its_holder_is_gone(s3_bucket, holder, taken):
+    """A killed make_shards (SIGKILL, a lost node) leaves its lock and temporary keys: the next
+    run takes the lock over when its holder is gone, that is its process ended on this host
+    or it was not renewed for storelock.STALE seconds, and removes the temporaries; a lock
+    whose holder may be alive is refused in one line naming it."""
+    import socket
+    import time
+
+    out = f"s3://{s3_bucket}/p"
+    here, now = socket.gethostname(), time.time()
+    record = {"dead-here": {"host": here, "pid": dead_pid(), "since": now, "renewed": now},
+              "stale-elsewhere": {"host": "node-7", "pid": 1, "since": now - 900, "renewed": now - storelock.STALE - 5},
+              "alive-elsewhere": {"host": "node-7", "pid": 1, "since": now - 900, "renewed": now - 5},
+              "alive-here": {"host": here, "pid": os.getppid(), "since": now, "renewed": now - 5}}.get(holder)
+    storage.write_bytes(json.dumps(record).encode() if record else b"node-7 pid 12 since 1700000000\n",
+                        storage.join(out, storelock.LOCK))
+    storage.write_bytes(b"half", storage.join(out, "mnist-train-000003.tar.tmp-4242"))
+    storage.write_bytes(b"half", storage.join(out, "other-test-000000.tar.tmp-17"))
+    p = make_shards_in_process([*BUILD, "--out", out])
+    if taken is None:
+        assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert "another make_shards is writing this prefix (host " in p.stderr and "pid " in p.stderr, p.stderr
+        assert storelock.LOCK in storage.keys(out)
+        return
+    assert p.returncode == 0, p.stderr
+    assert f"took over {out}/{storelock.LOCK}" in p.stdout and taken in p.stdout, p.stdout
+    assert "removed 2 temporary key(s)" in p.stdout, p.stdout
+    names = storage.keys(out)
+    assert not any(".tmp" in n for n in names) and storelock.LOCK not in names, names
+
+
+def test_a_held_lock_is_renewed_and_left_alone_once_another_run_took_it(s3_bucket, monkeypatch):
+    """The holder renews its lock (so that a live run's lock never looks stale), and stops
+    renewing, and keeps it, once another run has taken it over."""
+    import time
+
+    monkeypatch.setattr(storelock, "RENEW", 0.1)
+    out = f"s3://{s3_bucket}/p"
+    url = storage.join(out, storelock.LOCK)
+    with storelock.store_writing(out):
+        first = read_json(url)
+        t0 = time.time()
+        while read_json(url)["renewed"] == first["renewed"]:
+            assert time.time() - t0 < 60, "the lock was not renewed"
+            time.sleep(0.05)
+        assert {k: v for k, v in read_json(url).items() if k != "renewed"} == \
+            {k: v for k, v in first.items() if k != "renewed"}
+        storage.write_bytes(json.dumps(dict(first, token="another run's")).encode(), url)
+        time.sleep(0.5)
+        assert read_json(url)["token"] == "another run's"
+    assert read_json(url)["token"] == "another run's"  # not removed by the run that lost it
