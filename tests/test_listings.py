@@ -15,6 +15,7 @@ from pipeline.data import listings, remote, storage
 from pipeline.errors import FetchError
 
 QUICK = remote.Policy(retries=3, delay=0.01, timeout=1, min_rate=64 << 20)  # a page's deadline: 1 s + its size
+ROOMY = remote.Policy(retries=3, delay=0.01, timeout=60)  # for the cases that are not about time: a loaded machine
 
 
 def page(keys, token=None, prefix="base/"):
@@ -75,13 +76,13 @@ def lister(monkeypatch):
         yield server
 
 
-def listed(policy=QUICK, url="s3://b/base/"):
+def listed(policy=ROOMY, url="s3://b/base/"):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return storage.listing(url, policy=policy)
+        return listings.urls(url, policy=policy)
 
 
-def refused(policy=QUICK, url="s3://b/base/"):
+def refused(policy=ROOMY, url="s3://b/base/"):
     with pytest.raises(FetchError) as e:
         listed(policy, url)
     text = str(e.value)
@@ -105,7 +106,7 @@ def test_a_listing_that_drips_ends_within_the_job_s_deadline(lister):
     long as the server did (`make_shards --index ... --io-timeout 3` still running after 90 s)."""
     lister.answer = lambda h, q: (h.send_response(200), h.end_headers(), drip(h, b" ", 300, b"<?xml"))
     box = {}
-    thread = threading.Thread(target=lambda: box.setdefault("said", refused()), daemon=True)
+    thread = threading.Thread(target=lambda: box.setdefault("said", refused(QUICK)), daemon=True)
     thread.start()
     thread.join(90)  # a hang guard: the deadline is about 1 s
     assert not thread.is_alive(), "the dripping listing was still being read after 90 s"
@@ -122,11 +123,11 @@ def test_a_listing_of_slow_pages_ends_within_its_deadline_in_all(lister):
         h.send(200, page([f"base/{len(lister.gets):09d}.tar"], f"t{len(lister.gets)}"))
     lister.answer = answer
     box = {}
-    thread = threading.Thread(target=lambda: box.setdefault("said", refused()), daemon=True)
+    thread = threading.Thread(target=lambda: box.setdefault("said", refused(QUICK)), daemon=True)
     thread.start()
     thread.join(90)
     assert not thread.is_alive(), "the listing of slow pages was still going after 90 s"
-    assert "not listed within 1.0 s" in box["said"], box["said"]
+    assert "not listed within 1." in box["said"] and "entries), at page" in box["said"], box["said"]
 
 
 def test_make_shards_index_of_a_dripping_listing_ends_in_one_line(lister):
@@ -227,7 +228,7 @@ def test_a_listing_refused_without_credentials_says_none_were_found(lister, monk
     assert "Access Denied (AccessDenied, HTTP 403); no AWS credentials were found, so the request went unsigned" \
            in said and "~/.aws/credentials" in said and "role" in said, said
     with pytest.raises(FetchError, match="no AWS credentials were found, so the request went unsigned"):
-        remote.fetch("s3://b/base/x.tar", policy=QUICK)
+        remote.fetch("s3://b/base/x.tar", policy=ROOMY)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "some-key")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
     monkeypatch.setattr(storage, "_BUCKETS", {})

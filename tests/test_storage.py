@@ -12,7 +12,7 @@ import pytest
 
 from conftest import S3_SECRET
 from helpers import build_shards
-from pipeline.data import remote, storage
+from pipeline.data import listings, remote, storage
 from pipeline.data.manifest import resolve
 from pipeline.data.stream import MixedStream
 from pipeline.errors import FetchError, ShardError
@@ -54,7 +54,7 @@ def test_the_cache_keeps_s3_shards_and_serves_them_again(mnist_in_s3, tmp_path):
 
 def test_a_listing_names_the_shards_under_a_prefix(mnist_in_s3):
     _, url = mnist_in_s3
-    assert [u.rsplit("/", 1)[1] for u in storage.listing(url)] == [f"mnist-train-{i:06d}.tar" for i in range(5)]
+    assert [u.rsplit("/", 1)[1] for u in listings.urls(url)] == [f"mnist-train-{i:06d}.tar" for i in range(5)]
 
 
 @pytest.mark.parametrize("where, said", [("s3://no-such-bucket-here/x/", "bucket does not exist"),

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from helpers import make_shards_in_process, write_shardwriter
-from pipeline.data import remote, storage
+from pipeline.data import listings, remote, storage
 from pipeline.data.manifest import resolve
 from pipeline.data.stream import MixedStream
 from pipeline.writers import storelock
@@ -36,7 +36,7 @@ def test_shards_written_to_s3_read_as_the_same_build_written_locally(s3_bucket, 
     make_shards(*BUILD, "--out", tmp_path / "local")
     p = make_shards(*BUILD, "--out", f"s3://{s3_bucket}/p")
     assert f"s3://{s3_bucket}/p/" in p.stdout
-    names = storage.keys(f"s3://{s3_bucket}/p")
+    names = listings.names(f"s3://{s3_bucket}/p")
     assert names == sorted(["mnist-train.json"] + [f"mnist-train-{i:06d}.tar" for i in range(6)])
     assert read_json(f"s3://{s3_bucket}/p/mnist-train.json") == json.loads((tmp_path / "local/mnist-train.json")
                                                                             .read_text())
@@ -51,7 +51,7 @@ def test_shards_written_to_s3_read_as_the_same_build_written_locally(s3_bucket, 
 def test_a_rebuild_whose_upload_fails_leaves_the_old_set_readable(s3_bucket, monkeypatch):
     out = f"s3://{s3_bucket}/p"
     make_shards(*BUILD, "--out", out)
-    before = {n: remote.fetch(storage.join(out, n)) for n in storage.keys(out)}
+    before = {n: remote.fetch(storage.join(out, n)) for n in listings.names(out)}
     old_keys = keys(resolve("mnist", out + "/", "train"))
     real_put, calls = storage.Writer.put, []
 
@@ -65,13 +65,13 @@ def test_a_rebuild_whose_upload_fails_leaves_the_old_set_readable(s3_bucket, mon
     p = make_shards_in_process([*BUILD, "--seed", "1", "--out", out])  # other bytes in every shard
     assert p.returncode == 2 and "injected" in p.stderr, p.stdout + p.stderr
     assert len(calls) == 3 and all(".tmp-" in c for c in calls)
-    assert {n: remote.fetch(storage.join(out, n)) for n in storage.keys(out)} == before  # no *.tmp*, no lock
+    assert {n: remote.fetch(storage.join(out, n)) for n in listings.names(out)} == before  # no *.tmp*, no lock
     assert keys(resolve("mnist", out + "/", "train")) == old_keys
 
     monkeypatch.setattr(storage.Writer, "put", real_put)  # the same rebuild, uninterrupted, replaces the set
     p = make_shards(*BUILD, "--seed", "1", "--out", out)
     assert "replaced mnist-train.json" in p.stdout and "6 of its shards rewritten" in p.stdout
-    assert not any(".tmp" in n or n.startswith(".") for n in storage.keys(out))
+    assert not any(".tmp" in n or n.startswith(".") for n in listings.names(out))
     new = keys(resolve("mnist", out + "/", "train"))
     assert len(new) == 300 and sorted(new) != sorted(old_keys)
 
@@ -81,7 +81,7 @@ def test_a_store_object_of_a_needed_name_that_no_manifest_names_is_refused(s3_bu
     storage.write_bytes(b"somebody else's", storage.join(out, "mnist-train-000002.tar"))
     p = make_shards_in_process([*BUILD, "--out", out])
     assert p.returncode == 2 and "refusing to overwrite" in p.stderr and len(p.stderr.splitlines()) == 1
-    assert storage.keys(out) == ["mnist-train-000002.tar"]  # nothing else written, the marker gone
+    assert listings.names(out) == ["mnist-train-000002.tar"]  # nothing else written, the marker gone
     p = make_shards_in_process([*BUILD, "--part", "0/2", "--out", out])
     assert p.returncode == 2 and "--part and --merge need a local --out" in p.stderr
 
@@ -144,7 +144,7 @@ def test_a_rebuild_stopped_by_sigterm_leaves_no_lock_and_no_temporaries(s3_bucke
 
     out = f"s3://{s3_bucket}/p"
     make_shards(*BUILD, "--out", out)
-    before = {n: remote.fetch(storage.join(out, n)) for n in storage.keys(out)}
+    before = {n: remote.fetch(storage.join(out, n)) for n in listings.names(out)}
     ready = tmp_path / "ready"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = STOPPED_AT_THIRD_PUT.format(tools=os.path.join(root, "tools"), ready=str(ready))
@@ -155,7 +155,7 @@ def test_a_rebuild_stopped_by_sigterm_leaves_no_lock_and_no_temporaries(s3_bucke
         while not ready.exists():
             assert p.poll() is None and time.time() - t0 < 240, p.communicate()
             time.sleep(0.05)
-        assert any(".tmp-" in n for n in storage.keys(out)) and storelock.LOCK in storage.keys(out)
+        assert any(".tmp-" in n for n in listings.names(out)) and storelock.LOCK in listings.names(out)
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=120)
     finally:
@@ -163,7 +163,7 @@ def test_a_rebuild_stopped_by_sigterm_leaves_no_lock_and_no_temporaries(s3_bucke
             p.kill()
             p.wait()
     assert p.returncode == 143 and "stopped by SIGTERM" in err and "lock were removed" in err, err
-    assert {n: remote.fetch(storage.join(out, n)) for n in storage.keys(out)} == before  # no *.tmp*, no lock
+    assert {n: remote.fetch(storage.join(out, n)) for n in listings.names(out)} == before  # no *.tmp*, no lock
     p = make_shards(*BUILD, "--seed", "1", "--out", out)
     assert "replaced mnist-train.json" in p.stdout
 
@@ -205,12 +205,12 @@ def test_a_lock_is_taken_over_when_its_holder_is_gone(s3_bucket, holder, taken):
     if taken is None:
         assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
         assert "another make_shards is writing this prefix (host " in p.stderr and "pid " in p.stderr, p.stderr
-        assert storelock.LOCK in storage.keys(out)
+        assert storelock.LOCK in listings.names(out)
         return
     assert p.returncode == 0, p.stderr
     assert f"took over {out}/{storelock.LOCK}" in p.stdout and taken in p.stdout, p.stdout
     assert "removed 2 temporary key(s)" in p.stdout, p.stdout
-    names = storage.keys(out)
+    names = listings.names(out)
     assert not any(".tmp" in n for n in names) and storelock.LOCK not in names, names
 
 

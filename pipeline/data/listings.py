@@ -5,7 +5,10 @@ S3's listing (ListObjectsV2) and the Hub's (its tree API) are GETs sent by the p
 HTTP client (pipeline.data.remote, signed by botocore for S3 as reads are), page by page:
 each page within a transfer's deadline (--io-timeout plus its bytes at --min-rate) and at
 most PAGE_BYTES, retried as a read is; the whole listing within --io-timeout plus all its
-bytes at --min-rate (checked between pages) and never more than --max-shard-bytes of answers.
+bytes at --min-rate plus a thousandth of --io-timeout for each entry it lists (a full page of
+S3's 1,000 buys one --io-timeout: its round trip), checked before each request, and never more
+than --max-shard-bytes of answers. A server that pages slowly for ever, an entry a page, ends
+there.
 s3fs listed before, outside every deadline: a server that answered 200 and then a byte a second
 held `make_shards --index ... --io-timeout 3` without end, a 300 MB answer cost 1.4 GB, and a
 500 with a 200 MB body was read whole, five times. An error answer's body is read up to
@@ -60,6 +63,11 @@ def names(url, policy=remote.Policy(), suffixes=None):
     return sorted(n for n in found if not suffixes or n.endswith(tuple(suffixes)))
 
 
+def urls(url, suffixes=(".tar", ".tar.gz", ".tgz"), policy=remote.Policy()):
+    """`names` as full URLs: the shards under a store prefix (make_shards --index)."""
+    return [storage.join(url, n) for n in names(url, policy, suffixes)]
+
+
 class _Pages:
     """The limits of one listing across its pages: the page policy (PAGE_BYTES at most), the
     bytes read so far against --max-shard-bytes and the deadline in all, and what came
@@ -69,7 +77,7 @@ class _Pages:
         self.loc, self.policy, self.got, self.start = loc, policy, 0, time.monotonic()
         self.page = dataclasses.replace(policy, max_bytes=min(PAGE_BYTES, policy.max_bytes),
                                         max_source="the most one listing page may hold")
-        self.tokens, self.keys, self.count = set(), set(), 0
+        self.tokens, self.keys, self.count, self.entries = set(), set(), 0, 0
 
     def read(self, request, consume):
         """consume(stream) on the next page, within the listing's limits: each attempt starts
@@ -77,10 +85,11 @@ class _Pages:
         self.count += 1
 
         def timed():
-            limit = self.policy.deadline(self.got)
+            limit = self.policy.deadline(self.got) + self.entries * self.policy.timeout / 1000
             if time.monotonic() - self.start > limit:
-                raise Overdue(f"not listed within {limit:.1f} s (--io-timeout plus the {self.got} bytes listed "
-                              f"at --min-rate), at page {self.count}")
+                raise Overdue(f"not listed within {limit:.1f} s (--io-timeout, plus its {self.got} bytes at "
+                              f"--min-rate, plus a thousandth of --io-timeout for each of its {self.entries} "
+                              f"entries), at page {self.count}")
             return request()
 
         def counted(stream):
@@ -93,6 +102,7 @@ class _Pages:
         self.tokens.add(token)
 
     def key(self, key):
+        self.entries += 1
         if key in self.keys:
             raise Malformed(f"the listing loops: page {self.count} names {cut(key, 100)!r} again")
         self.keys.add(key)
@@ -132,6 +142,7 @@ def _s3(loc, policy):
             signer = storage._signer(loc, bucket, policy.timeout)
             return storage.Direct(signer.url("", query), None, storage.refusal(signer), signer.context)
         page = pages.read(request, _parse_s3)
+        pages.entries += page.folders
         for key in page.keys:
             pages.key(key)
             name = key[len(prefix):] if key.startswith(prefix) else ""
@@ -153,7 +164,7 @@ class _S3Page:
     FIELDS = ("Key", "NextContinuationToken", "IsTruncated", "EncodingType")
 
     def __init__(self):
-        self.keys, self.token, self.truncated, self.encoded = [], None, False, False
+        self.keys, self.token, self.truncated, self.encoded, self.folders = [], None, False, False, 0
         self.path, self.text, self.size = [], None, 0
         p = self.parser = expat.ParserCreate()
         p.StartDoctypeDeclHandler = self._doctype
@@ -182,6 +193,8 @@ class _S3Page:
 
     def _end(self, name):
         self.path.pop()
+        if name == "CommonPrefixes" and self.path == ["ListBucketResult"]:
+            self.folders += 1  # an entry of the page (S3 counts it against its 1,000), though not listed here
         if self.text is None:
             return
         text, self.text = "".join(self.text), None

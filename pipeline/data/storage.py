@@ -524,16 +524,6 @@ def _reason(error):
     return cut(redact(text), 300)
 
 
-def listing(url, suffixes=(".tar", ".tar.gz", ".tgz"), policy=None):
-    """The objects directly under a store prefix (a "folder") whose names end in `suffixes`, as
-    full URLs in name order, listed within the job's limits (`policy`, a remote.Policy: its
-    defaults when None; see pipeline.data.listings); FetchError when the prefix cannot be listed."""
-    from pipeline.data import listings
-
-    found = listings.names(url, *([policy] if policy else []), suffixes=suffixes)
-    return [join(url, n) for n in found]
-
-
 def put(local_path, url):
     """Upload a local file to a store URL (the file at a temporary key first would not make it
     safer: a store writes an object whole or not at all)."""
@@ -564,7 +554,8 @@ def join(base, name):
 
 
 class Writer:
-    """Objects under one store prefix, written, moved, removed and listed through one client:
+    """Objects under one store prefix, written, moved and removed through one client (listed by
+    pipeline.data.listings):
     a client per call (as the functions above make) spends most of a small upload starting
     its session. Names are relative to the prefix; a failure is a FetchError naming the URL."""
 
@@ -582,13 +573,6 @@ class Writer:
             return _call(loc, lambda: fn(loc.path))
         except (Missing, Unreachable) as e:
             raise FetchError(f"{loc.shown}: cannot {what}: {e}") from None
-
-    def keys(self):
-        """Every name directly under the prefix, sorted, listed within the job's limits
-        (pipeline.data.listings); FetchError when it cannot be listed."""
-        from pipeline.data import listings
-
-        return listings.names(self.prefix, *([self.policy] if self.policy else []))
 
     def exists(self, name):
         try:
@@ -611,13 +595,6 @@ class Writer:
     def remove(self, name):
         with contextlib.suppress(FetchError):
             self._do(name, "remove", self.fs.rm_file)
-
-
-def keys(url, policy=None):
-    """The names (not URLs) of every object directly under a store prefix, sorted."""
-    from pipeline.data import listings
-
-    return listings.names(url, *([policy] if policy else []))
 
 
 def write_bytes(data, url):

@@ -26,8 +26,7 @@ import urllib.parse
 
 import numpy as np
 
-from pipeline.data import storage
-from pipeline.data import bounds, remote
+from pipeline.data import bounds, listings, remote
 from pipeline.data.decode import (CONTENT_ERRORS, IMAGE_EXTS, LABEL_EXTS, Unlabelled, as_integer, as_name,
                                   default_label, describe_label, image_format, label_hint, label_member, open_image,
                                   parse_label_key, pil_reason, pixels_of, raw_label)
@@ -51,7 +50,7 @@ def expand(spec, policy=remote.Policy()):
     if remote.kind(spec) == "file" and os.path.isdir(spec):
         urls = sorted(os.path.join(spec, f) for f in os.listdir(spec) if f.endswith(SHARD_SUFFIXES))
     elif remote.kind(spec) == "store" and "{" not in spec and not spec.endswith(SHARD_SUFFIXES):
-        urls = storage.listing(spec, SHARD_SUFFIXES, policy)  # a prefix: the shards under it, read where they are
+        urls = listings.urls(spec, SHARD_SUFFIXES, policy)  # a prefix: the shards under it, read where they are
     else:
         urls = expand_pattern(spec)
         missing = [u for u in urls if remote.kind(u) == "file" and not os.path.exists(u)]

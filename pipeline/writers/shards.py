@@ -391,13 +391,13 @@ def publish(stage, out, name, split, *, progress=True, say=None, policy=None):
     the job's remote.Policy, which bounds the listing of `out`."""
     from tqdm import tqdm
 
-    from pipeline.data import storage
+    from pipeline.data import listings, remote, storage
 
     say = say or (lambda line: None)
     mname = manifest_name(name, split)
     manifest = read_json(os.path.join(stage, mname))
     store = storage.Writer(out, policy)
-    present = set(store.keys())
+    present = set(listings.names(out, policy or remote.Policy()))
     owned, old = store_owned(out, name, split, present)
     ours = re.compile(rf"^{re.escape(name)}-{re.escape(split)}-\d+\.tar\.tmp-\d+$")
     for f in sorted(present):  # a killed run's temporaries (the marker says no run is writing now)
@@ -481,11 +481,11 @@ def verify(folder, policy=None):
 
 def _verify_store(prefix, policy):
     """verify() for a store prefix: its manifests, each shard streamed once against its entry."""
-    from pipeline.data import storage
+    from pipeline.data import listings, storage
     from pipeline.data.manifest import load, locate
 
     try:
-        manifests = [f for f in storage.keys(prefix) if f.endswith(".json") and ".part" not in f]
+        manifests = [f for f in listings.names(prefix, policy) if f.endswith(".json") and ".part" not in f]
     except FetchError as e:
         return [str(e)]
     if not manifests:

@@ -35,7 +35,7 @@ def store_writing(out, policy=None, say=None):
     alive. Writing it is also the check that the prefix is writable (a missing bucket or a
     refused key says so in one line). `say(line)` hears of a lock taken over and the
     temporaries removed."""
-    from pipeline.data import storage
+    from pipeline.data import listings, remote, storage
 
     say = say or (lambda line: None)
     store = storage.Writer(out, policy)
@@ -53,7 +53,7 @@ def store_writing(out, policy=None, say=None):
     renewing = threading.Thread(target=_renew, args=(store, me, stop), name="make-shards-lock", daemon=True)
     renewing.start()
     try:
-        left = [k for k in store.keys() if TEMPORARY.match(k)]
+        left = [k for k in listings.names(out, policy or remote.Policy()) if TEMPORARY.match(k)]
         for k in left:
             store.remove(k)
         if left:
