@@ -301,3 +301,40 @@ def test_a_hostile_hub_listing_is_one_line(hub, case, said):
                 "elsewhere": lambda n: "http://127.0.0.2:1/api/next"}.get(case, lambda n: None)
     text = refused(url="hf://datasets/u/r/shards/")
     assert said in text and len(hub.paths) <= 3, text
+
+
+def test_many_tiny_keys_over_many_pages_are_all_listed(lister):
+    """2,500 keys, 1,000 a page as S3 pages them, a "folder" among them (a CommonPrefixes
+    entry), and the longest key S3 allows (1,024 bytes of 3-byte characters, 9 characters
+    each URL-encoded): all listed, in order."""
+    longest = "base/" + "中" * 338 + "x.tar"
+    assert len(longest.encode()) == 1024
+    keys = sorted([f"base/{i:05d}.tar" for i in range(2499)] + [longest])
+
+    def answer(h, q):
+        start = int(q.get("continuation-token", "0"))
+        body = page(keys[start:start + 1000], str(start + 1000) if start + 1000 < len(keys) else None)
+        h.send(200, body.replace(b"</ListBucketResult>", b"<CommonPrefixes><Prefix>base/sub/</Prefix>"
+                                                          b"</CommonPrefixes></ListBucketResult>"))
+    lister.answer = answer
+    assert listed() == [f"s3://b/{k}" for k in keys]
+    assert len(lister.gets) == 3
+
+
+@pytest.mark.parametrize("args", [["--index", "w:train=gs://bucket/base/", "--out", "OUT"],
+                                  ["--synthetic", "--datasets", "mnist", "--splits", "train", "--limit", "20",
+                                   "--out", "gs://bucket/p"],
+                                  ["--verify", "--out", "gs://bucket/p"]])
+def test_gs_without_its_package_is_one_line_naming_the_extra(args, tmp_path):
+    """gcsfs is not installed here: listing, writing and verifying gs:// each say which extra
+    brings it, in one line."""
+    try:
+        import gcsfs  # noqa: F401
+        pytest.skip("gcsfs is installed")
+    except ImportError:
+        pass
+    p = make_shards_in_process([str(tmp_path / "out") if a == "OUT" else a for a in args])
+    said = (p.stdout + p.stderr).strip().splitlines()
+    assert p.returncode in (1, 2) and any("gs:// needs gcsfs: pip install gcsfs (the project's [gcs] extra: "
+                                          "pip install -e '.[gcs]')" in line for line in said), said
+    assert "Traceback" not in p.stderr
