@@ -284,7 +284,7 @@ def hub(monkeypatch):
 def test_a_hub_folder_is_listed_page_by_page_with_the_token_to_the_hub_only(hub, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_secret")
     hub.pages = [tree("a.tar", "b.json", dirs=["sub.tar"]), tree("c.tar", "d.tgz")]
-    hub.next = lambda n: f"{hub.url}api/datasets/u/r/tree/main/shards?cursor=1" if n == 0 else None
+    hub.next = lambda n: "/api/datasets/u/r/tree/main/shards?cursor=1" if n == 0 else None  # relative: on the Hub
     assert listed(url="hf://datasets/u/r/shards/") == ["hf://datasets/u/r/shards/a.tar", "hf://datasets/u/r/shards/c.tar",
                                                        "hf://datasets/u/r/shards/d.tgz"]
     assert hub.paths == ["/api/datasets/u/r/tree/main/shards"] * 2 and hub.auth == ["Bearer hf_secret"] * 2

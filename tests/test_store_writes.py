@@ -182,7 +182,8 @@ def dead_pid():
     ("stale-elsewhere", "not renewed for"),
     ("old-format", "names no renewal time"),
     ("alive-elsewhere", None),
-    ("alive-here", None)])
+    ("alive-here", None),
+    ("alive-escapes", None)])
 def test_a_lock_is_taken_over_when_its_holder_is_gone(s3_bucket, holder, taken):
     """A killed make_shards (SIGKILL, a lost node) leaves its lock and temporary keys: the next
     run takes the lock over when its holder is gone, that is its process ended on this host
@@ -196,14 +197,16 @@ def test_a_lock_is_taken_over_when_its_holder_is_gone(s3_bucket, holder, taken):
     record = {"dead-here": {"host": here, "pid": dead_pid(), "since": now, "renewed": now},
               "stale-elsewhere": {"host": "node-7", "pid": 1, "since": now - 900, "renewed": now - storelock.STALE - 5},
               "alive-elsewhere": {"host": "node-7", "pid": 1, "since": now - 900, "renewed": now - 5},
-              "alive-here": {"host": here, "pid": os.getppid(), "since": now, "renewed": now - 5}}.get(holder)
+              "alive-here": {"host": here, "pid": os.getppid(), "since": now, "renewed": now - 5},
+              "alive-escapes": {"host": "evil\n\x1b[2J" + "x" * 5000, "pid": "1\r", "since": "?", "renewed": now}
+              }.get(holder)
     storage.write_bytes(json.dumps(record).encode() if record else b"node-7 pid 12 since 1700000000\n",
                         storage.join(out, storelock.LOCK))
     storage.write_bytes(b"half", storage.join(out, "mnist-train-000003.tar.tmp-4242"))
     storage.write_bytes(b"half", storage.join(out, "other-test-000000.tar.tmp-17"))
     p = make_shards_in_process([*BUILD, "--out", out])
     if taken is None:
-        assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "\x1b" not in p.stderr, p.stderr
         assert "another make_shards is writing this prefix (host " in p.stderr and "pid " in p.stderr, p.stderr
         assert storelock.LOCK in listings.names(out)
         return

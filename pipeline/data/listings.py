@@ -270,15 +270,15 @@ _NEXT = re.compile(r'<([^>]*)>\s*;[^,]*\brel="?next"?')
 def _parse_hub(stream):
     """(the entries of one page of a tree listing, the URL of the next page or None)."""
     data = remote.read_all(stream)
-    headers = stream.raw.resp.headers if getattr(stream.raw, "resp", None) is not None else {}
+    resp = stream.raw.resp  # the page's answer (remote._HTTP's): its Link header and URL
     try:
         entries = json.loads(data)
     except (ValueError, RecursionError) as e:
         raise Malformed(f"the listing is malformed JSON ({cut(str(e), 100)})") from None
     if not isinstance(entries, list):
         raise Malformed("the listing is malformed: a JSON list of entries expected")
-    found = _NEXT.search(headers.get("Link") or "")
-    return entries, (found[1] if found else None)
+    found = _NEXT.search(resp.headers.get("Link") or "")
+    return entries, (urllib.parse.urljoin(resp.url, found[1]) if found else None)  # a relative link too
 
 
 # ---------------------------------------------------------------- other stores (fsspec)

@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 
-from pipeline.errors import FetchError, ShardError
+from pipeline.errors import FetchError, ShardError, printable
 
 LOCK = ".make_shards.lock"  # the name of a local --out's lock too (shards.LOCK)
 RENEW = 30.0  # seconds between renewals of a held lock
@@ -46,7 +46,7 @@ def store_writing(out, policy=None, say=None):
             raise ShardError(f"{out}: another make_shards is writing this prefix ({_who(held)}, its lock "
                              f"{store.url(LOCK)}); wait for it to finish: the lock is taken over once its holder is "
                              f"gone (its process ended on that host, or {STALE:.0f} s without a renewal)")
-        say(f"  took over {store.url(LOCK)} from {_who(held)}: {gone}")
+        say(printable(f"  took over {store.url(LOCK)} from {_who(held)}: {gone}"))
     me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(), "token": uuid.uuid4().hex}
     _write(store, me)
     stop = threading.Event()
@@ -91,7 +91,9 @@ def _who(held):
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if isinstance(since, (int, float)) else "?"
     renewed = held.get("renewed")
     ago = f", renewed {time.time() - renewed:.0f} s ago" if isinstance(renewed, (int, float)) else ""
-    return f"host {str(host)[:100]!s} pid {str(pid)[:20]} since {when}{ago}" if host else "a lock of unknown holder"
+    # a lock is a key anyone with write access may have written: its fields are shown escaped, and short
+    return printable(f"host {str(host)[:100]} pid {str(pid)[:20]} since {when}{ago}") if host else \
+        "a lock of unknown holder"
 
 
 def _gone(held):
