@@ -6,8 +6,8 @@ HTTP client (pipeline.data.remote, signed by botocore for S3 as reads are), page
 each page within a transfer's deadline (--io-timeout plus its bytes at --min-rate) and at
 most PAGE_BYTES, retried as a read is; the whole listing within --io-timeout plus all its
 bytes at --min-rate plus a thousandth of --io-timeout for each entry it lists (a full page of
-S3's 1,000 buys one --io-timeout: its round trip), checked before each request, and never more
-than --max-shard-bytes of answers. A server that pages slowly for ever, an entry a page, ends
+S3's 1,000 buys one --io-timeout: its round trip), checked before each page and before each
+retry (then the last failure is the line), and never more than --max-shard-bytes of answers. A server that pages slowly for ever, an entry a page, ends
 there.
 s3fs listed before, outside every deadline: a server that answered 200 and then a byte a second
 held `make_shards --index ... --io-timeout 3` without end, a 300 MB answer cost 1.4 GB, and a
@@ -80,21 +80,18 @@ class _Pages:
         self.tokens, self.keys, self.count, self.entries = set(), set(), 0, 0
 
     def read(self, request, consume):
-        """consume(stream) on the next page, within the listing's limits: each attempt starts
-        only while the listing is within its deadline in all."""
+        """consume(stream) on the next page, within the listing's limits: it starts, and is
+        tried again, only while the listing is within its deadline in all."""
         self.count += 1
-
-        def timed():
-            limit = self.policy.deadline(self.got) + self.entries * self.policy.timeout / 1000
-            if time.monotonic() - self.start > limit:
-                raise Overdue(f"not listed within {limit:.1f} s (--io-timeout, plus its {self.got} bytes at "
-                              f"--min-rate, plus a thousandth of --io-timeout for each of its {self.entries} "
-                              f"entries), at page {self.count}")
-            return request()
+        limit = self.policy.deadline(self.got) + self.entries * self.policy.timeout / 1000
+        if time.monotonic() - self.start > limit:
+            raise Overdue(f"not listed within {limit:.1f} s (--io-timeout, plus its {self.got} bytes at --min-rate, "
+                          f"plus a thousandth of --io-timeout for each of its {self.entries} entries), at page "
+                          f"{self.count}")
 
         def counted(stream):
             return consume(_Counting(stream, self))
-        return remote.read_url(self.loc.url, counted, policy=self.page, request=timed)
+        return remote.read_url(self.loc.url, counted, policy=self.page, request=request, until=self.start + limit)
 
     def next(self, token, what="continuation token"):
         if token in self.tokens:

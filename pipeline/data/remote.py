@@ -411,7 +411,7 @@ def _open_raw(url, policy, nbytes, request=None):
     return (_HTTP if where == "http" else _Pipe)(url, policy, nbytes)
 
 
-def read_url(url, consume, *, policy=Policy(), nbytes=None, digest=None, cache_dir=None, request=None):
+def read_url(url, consume, *, policy=Policy(), nbytes=None, digest=None, cache_dir=None, request=None, until=None):
     """consume(stream) on the bytes at `url`; returns what it returns.
 
     A remote read is retried from the start after a transient error and checked
@@ -425,7 +425,8 @@ def read_url(url, consume, *, policy=Policy(), nbytes=None, digest=None, cache_d
 
     request: for a store request that `url` alone does not name (a page of a listing,
     pipeline.data.listings), a function giving each attempt's `storage.Direct`; `url` then
-    only names it in messages.
+    only names it in messages. until: a time.monotonic() after which no retry starts (a
+    listing's deadline in all): the last failure is then the error, as when retries run out.
     """
     if request is None and kind(url) == "file":
         with open_local(url, policy) as f:
@@ -450,9 +451,11 @@ def read_url(url, consume, *, policy=Policy(), nbytes=None, digest=None, cache_d
                 raise FetchError(f"{redact(url)}: {e}") from None
             if not transient(e):
                 raise
-            if attempt == policy.retries:
-                raise FetchError(f"{redact(url)}: failed after {policy.retries + 1} attempts: {describe(e)}") from None
             wait = policy.wait(attempt)
+            late = until is not None and time.monotonic() + wait > until
+            if attempt == policy.retries or late:
+                raise FetchError(f"{redact(url)}: failed after {attempt + 1} attempts{' (no time left)' if late else ''}"
+                                 f": {describe(e)}") from None
             warnings.warn(f"{redact(url)}: {describe(e)}; retrying in {wait:g} s", stacklevel=2)
             time.sleep(wait)
         finally:
