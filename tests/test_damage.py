@@ -4,7 +4,6 @@ epoch leaves unread, then of the rest of that pass), so a good sample is read a 
 only once every readable one was read. The issue's case: 400 PNG samples in 4 shards of 100,
 8 of them 40 junk bytes, batches of 8 (an epoch of 192 read 3 twice and left 203 unread)."""
 import collections
-import json
 
 import pytest
 

@@ -40,6 +40,8 @@ same server under another host name, as the Hub's CDN is another host), served t
                 return self._error(403, None, "the CDN takes a signed URL and nothing else")
             return self._file(urllib.parse.unquote(path[len("/cdn/"):]))
         prefix = f"{REPO}/resolve/"
+        if path.startswith(f"/api{REPO}/tree/main/") and auth == f"Bearer {TOKEN}":
+            return self._tree(urllib.parse.unquote(path[len(f"/api{REPO}/tree/main/"):]), query)
         if path.startswith("/datasets/someone/old-name/") and auth == f"Bearer {TOKEN}":  # renamed: to itself
             self.send_response(307)
             self.send_header("Location", REPO + path[len("/datasets/someone/old-name"):])
@@ -65,6 +67,21 @@ same server under another host name, as the Hub's CDN is another host), served t
             self.end_headers()
             return None
         return self._file(name)
+
+    def _tree(self, folder, query):
+        """The tree API's page: two entries a page, the next one named by a Link header."""
+        import json
+
+        names = sorted(os.listdir(os.path.join(self.server.folder, folder)))
+        start = int(dict(urllib.parse.parse_qsl(query)).get("cursor", 0))
+        entries = [{"type": "file", "path": f"{folder}/{n}", "size": 1} for n in names[start:start + 2]]
+        body = json.dumps(entries).encode()
+        self.send_response(200)
+        if start + 2 < len(names):
+            self.send_header("Link", f'<{self.server.url}api{REPO}/tree/main/{folder}?cursor={start + 2}>; rel="next"')
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     def _file(self, name):
         with open(os.path.join(self.server.folder, name), "rb") as f:
@@ -192,3 +209,20 @@ def test_a_run_from_the_hub_never_prints_or_writes_the_token(hub, tmp_path):
         for name in files:
             with open(os.path.join(root, name), "rb") as f:
                 assert TOKEN.encode() not in f.read(), name
+
+
+def test_a_hub_folder_is_indexed_in_place(hub, tmp_path):
+    """make_shards --index of an hf:// folder lists it through the Hub's tree API, page by page
+    (no package needed), and reads each shard through its resolve URL."""
+    from helpers import make_shards_in_process
+
+    folder, url, server = hub
+    build_shards(folder.parent / "png", "mnist", "train", 100, maxcount=25, encoding="png")  # raw needs its manifest
+    url = url.replace("/shards/", "/png/")
+    p = make_shards_in_process(["--index", f"digits:train={url}", "--out", tmp_path / "m", "--workers", "1", "--quiet"])
+    assert p.returncode == 0, p.stderr
+    src = resolve("digits", str(tmp_path / "m"), "train")
+    assert src.urls == [f"{url}mnist-train-{i:06d}.tar" for i in range(4)]
+    assert sum(1 for path, _ in server.seen if "/tree/" in path) == 3  # 4 shards and a manifest, 2 a page
+    assert len([k for b in MixedStream([src], {"digits": 1}, 10, seed=3) for k in b["key"]]) == 100
+    assert all(auth == f"Bearer {TOKEN}" for path, auth in server.seen if "/tree/" in path)

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import S3_SECRET
 from helpers import HANG, build_shards, run_capture
-from pipeline.data import remote, storage
+from pipeline.data import listings, remote, storage
 from pipeline.data.manifest import resolve
 from pipeline.data.stream import MixedStream
 from pipeline.errors import FetchError, ShardError
@@ -53,7 +53,7 @@ def test_the_cache_keeps_s3_shards_and_serves_them_again(mnist_in_s3, tmp_path):
 
 def test_a_listing_names_the_shards_under_a_prefix(mnist_in_s3):
     _, url = mnist_in_s3
-    assert [u.rsplit("/", 1)[1] for u in storage.listing(url)] == [f"mnist-train-{i:06d}.tar" for i in range(5)]
+    assert [u.rsplit("/", 1)[1] for u in listings.urls(url)] == [f"mnist-train-{i:06d}.tar" for i in range(5)]
 
 
 @pytest.mark.parametrize("where, said", [("s3://no-such-bucket-here/x/", "bucket does not exist"),
@@ -132,6 +132,7 @@ def test_signed_urls_are_botocore_s_own_for_any_key_region_and_endpoint(monkeypa
     regions and both addressing styles it must give exactly the client's own presigned URL
     (made in the same second: the signature covers the time)."""
     import random
+    import urllib.parse
 
     import botocore.config
     import botocore.session
@@ -156,6 +157,18 @@ def test_signed_urls_are_botocore_s_own_for_any_key_region_and_endpoint(monkeypa
                 break
         assert ours == theirs, (case, key)
         assert S3_SECRET not in ours
+        token = rng.choice([None, key[::-1] + "==", "1/+ =x"])  # a listing (pipeline.data.listings): its query signed too
+        query = {"list-type": "2", "prefix": key, "delimiter": "/", "encoding-type": "url",
+                 **({"continuation-token": token} if token else {})}
+        params = {"Bucket": "my-bucket", "Prefix": key, "Delimiter": "/", **({"ContinuationToken": token} if token else {})}
+        for _ in range(3):
+            ours, theirs = (urllib.parse.urlsplit(u) for u in (
+                signer.url("", query), client.generate_presigned_url("list_objects_v2", Params=params,
+                                                                     ExpiresIn=storage.SIGNED_FOR)))
+            if sorted(urllib.parse.parse_qsl(ours.query)) == sorted(urllib.parse.parse_qsl(theirs.query)):
+                break
+        assert ours[:3] == theirs[:3], (case, ours, theirs)
+        assert sorted(urllib.parse.parse_qsl(ours.query)) == sorted(urllib.parse.parse_qsl(theirs.query)), (case, key)
 
 
 class _S3Refusing(http.server.BaseHTTPRequestHandler):
@@ -182,12 +195,12 @@ class _S3Refusing(http.server.BaseHTTPRequestHandler):
 
 @pytest.mark.parametrize("answer, said, gets", [
     ((403, "InvalidAccessKeyId", "The AWS Access Key Id you provided does not exist in our records."),
-     "does not exist in our records. (InvalidAccessKeyId)", 1),
+     "does not exist in our records. (InvalidAccessKeyId, HTTP 403)", 1),
     ((403, "SignatureDoesNotMatch", "The request signature we calculated does not match the signature you provided."),
-     "(SignatureDoesNotMatch)", 1),
+     "(SignatureDoesNotMatch, HTTP 403)", 1),
     ((404, "NoSuchBucket", "The specified bucket does not exist"), "The specified bucket does not exist", 1),
     ((503, "SlowDown", "Please reduce your request rate."), "failed after 3 attempts: Unreachable: Please reduce "
-                                                            "your request rate. (SlowDown)", 3)])
+                                                            "your request rate. (SlowDown, HTTP 503)", 3)])
 def test_a_store_s_refusal_is_one_line_naming_its_code_and_throttling_is_retried(monkeypatch, answer, said, gets):
     """A wrong key, a bad signature or a missing bucket fail at once in one line that names
     the store's code; throttling (503 SlowDown) is retried, then one line."""
@@ -509,7 +522,7 @@ def test_an_https_store_is_trusted_through_aws_ca_bundle(fake_s3, tmp_path, monk
 def test_an_error_answer_s_text_is_one_line():
     body = b"<Error><Code>AccessDenied</Code><Message>Access\n  denied\r\nhere</Message></Error>"
     said = str(storage.s3_error(403, {}, body))
-    assert said == "Access denied here (AccessDenied)"
+    assert said == "Access denied here (AccessDenied, HTTP 403)"
     assert isinstance(storage.s3_error(403, {}, body), storage.Missing)
 
 

@@ -9,9 +9,10 @@ import os
 import pytest
 
 from helpers import make_shards_in_process, write_shardwriter
-from pipeline.data import remote, storage
+from pipeline.data import listings, remote, storage
 from pipeline.data.manifest import resolve
 from pipeline.data.stream import MixedStream
+from pipeline.writers import storelock
 
 BUILD = ["--synthetic", "--datasets", "mnist", "--splits", "train", "--limit", "300", "--maxcount", "50",
          "--workers", "1", "--quiet"]
@@ -35,7 +36,7 @@ def test_shards_written_to_s3_read_as_the_same_build_written_locally(s3_bucket, 
     make_shards(*BUILD, "--out", tmp_path / "local")
     p = make_shards(*BUILD, "--out", f"s3://{s3_bucket}/p")
     assert f"s3://{s3_bucket}/p/" in p.stdout
-    names = storage.keys(f"s3://{s3_bucket}/p")
+    names = listings.names(f"s3://{s3_bucket}/p")
     assert names == sorted(["mnist-train.json"] + [f"mnist-train-{i:06d}.tar" for i in range(6)])
     assert read_json(f"s3://{s3_bucket}/p/mnist-train.json") == json.loads((tmp_path / "local/mnist-train.json")
                                                                             .read_text())
@@ -50,7 +51,7 @@ def test_shards_written_to_s3_read_as_the_same_build_written_locally(s3_bucket, 
 def test_a_rebuild_whose_upload_fails_leaves_the_old_set_readable(s3_bucket, monkeypatch):
     out = f"s3://{s3_bucket}/p"
     make_shards(*BUILD, "--out", out)
-    before = {n: remote.fetch(storage.join(out, n)) for n in storage.keys(out)}
+    before = {n: remote.fetch(storage.join(out, n)) for n in listings.names(out)}
     old_keys = keys(resolve("mnist", out + "/", "train"))
     real_put, calls = storage.Writer.put, []
 
@@ -64,13 +65,13 @@ def test_a_rebuild_whose_upload_fails_leaves_the_old_set_readable(s3_bucket, mon
     p = make_shards_in_process([*BUILD, "--seed", "1", "--out", out])  # other bytes in every shard
     assert p.returncode == 2 and "injected" in p.stderr, p.stdout + p.stderr
     assert len(calls) == 3 and all(".tmp-" in c for c in calls)
-    assert {n: remote.fetch(storage.join(out, n)) for n in storage.keys(out)} == before  # no *.tmp*, no lock
+    assert {n: remote.fetch(storage.join(out, n)) for n in listings.names(out)} == before  # no *.tmp*, no lock
     assert keys(resolve("mnist", out + "/", "train")) == old_keys
 
     monkeypatch.setattr(storage.Writer, "put", real_put)  # the same rebuild, uninterrupted, replaces the set
     p = make_shards(*BUILD, "--seed", "1", "--out", out)
     assert "replaced mnist-train.json" in p.stdout and "6 of its shards rewritten" in p.stdout
-    assert not any(".tmp" in n or n.startswith(".") for n in storage.keys(out))
+    assert not any(".tmp" in n or n.startswith(".") for n in listings.names(out))
     new = keys(resolve("mnist", out + "/", "train"))
     assert len(new) == 300 and sorted(new) != sorted(old_keys)
 
@@ -80,7 +81,7 @@ def test_a_store_object_of_a_needed_name_that_no_manifest_names_is_refused(s3_bu
     storage.write_bytes(b"somebody else's", storage.join(out, "mnist-train-000002.tar"))
     p = make_shards_in_process([*BUILD, "--out", out])
     assert p.returncode == 2 and "refusing to overwrite" in p.stderr and len(p.stderr.splitlines()) == 1
-    assert storage.keys(out) == ["mnist-train-000002.tar"]  # nothing else written, the marker gone
+    assert listings.names(out) == ["mnist-train-000002.tar"]  # nothing else written, the marker gone
     p = make_shards_in_process([*BUILD, "--part", "0/2", "--out", out])
     assert p.returncode == 2 and "--part and --merge need a local --out" in p.stderr
 
@@ -111,3 +112,128 @@ def test_indexing_a_prefix_into_a_local_folder_names_the_shards_by_url(foreign_i
     assert [s["name"] for s in m["shards"]] == [f"{prefix}/wds-00000{i}.tar" for i in range(3)]
     src = resolve("pets", str(tmp_path / "local"), "train")
     assert sorted(keys(src, "pets")) == sorted(f"train/c{i % 4}/{i:06d}" for i in range(60))
+
+
+STOPPED_AT_THIRD_PUT = """
+import os, sys, time
+sys.path.insert(0, {tools!r})
+import make_shards
+from pipeline.data import storage
+real, calls = storage.Writer.put, []
+
+def put(self, local, name):
+    calls.append(name)
+    if len(calls) == 3:  # two temporary keys uploaded: say so, and wait for the signal
+        open({ready!r}, "w").close()
+        time.sleep(120)
+    return real(self, local, name)
+
+storage.Writer.put = put
+sys.exit(make_shards.main(sys.argv[1:]))
+"""
+
+
+def test_a_rebuild_stopped_by_sigterm_leaves_no_lock_and_no_temporaries(s3_bucket, tmp_path):
+    """SIGTERM mid-upload (a scheduler's stop) left `.make_shards.lock` and the `.tar.tmp-*`
+    keys, and the requeued command refused until the lock was deleted by hand. Now the stop
+    removes both, says so, exits 143, and the same command then runs."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = f"s3://{s3_bucket}/p"
+    make_shards(*BUILD, "--out", out)
+    before = {n: remote.fetch(storage.join(out, n)) for n in listings.names(out)}
+    ready = tmp_path / "ready"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = STOPPED_AT_THIRD_PUT.format(tools=os.path.join(root, "tools"), ready=str(ready))
+    p = subprocess.Popen([sys.executable, "-c", code, *BUILD, "--seed", "1", "--out", out], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=root))
+    try:
+        t0 = time.time()
+        while not ready.exists():
+            assert p.poll() is None and time.time() - t0 < 240, p.communicate()
+            time.sleep(0.05)
+        assert any(".tmp-" in n for n in listings.names(out)) and storelock.LOCK in listings.names(out)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 143 and "stopped by SIGTERM" in err and "lock were removed" in err, err
+    assert {n: remote.fetch(storage.join(out, n)) for n in listings.names(out)} == before  # no *.tmp*, no lock
+    p = make_shards(*BUILD, "--seed", "1", "--out", out)
+    assert "replaced mnist-train.json" in p.stdout
+
+
+def dead_pid():
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+@pytest.mark.parametrize("holder, taken", [
+    ("dead-here", "no longer runs on this host"),
+    ("stale-elsewhere", "not renewed for"),
+    ("old-format", "names no renewal time"),
+    ("alive-elsewhere", None),
+    ("alive-here", None),
+    ("alive-escapes", None)])
+def test_a_lock_is_taken_over_when_its_holder_is_gone(s3_bucket, holder, taken):
+    """A killed make_shards (SIGKILL, a lost node) leaves its lock and temporary keys: the next
+    run takes the lock over when its holder is gone, that is its process ended on this host
+    or it was not renewed for storelock.STALE seconds, and removes the temporaries; a lock
+    whose holder may be alive is refused in one line naming it."""
+    import socket
+    import time
+
+    out = f"s3://{s3_bucket}/p"
+    here, now = socket.gethostname(), time.time()
+    record = {"dead-here": {"host": here, "pid": dead_pid(), "since": now, "renewed": now},
+              "stale-elsewhere": {"host": "node-7", "pid": 1, "since": now - 900, "renewed": now - storelock.STALE - 5},
+              "alive-elsewhere": {"host": "node-7", "pid": 1, "since": now - 900, "renewed": now - 5},
+              "alive-here": {"host": here, "pid": os.getppid(), "since": now, "renewed": now - 5},
+              "alive-escapes": {"host": "evil\n\x1b[2J" + "x" * 5000, "pid": "1\r", "since": "?", "renewed": now}
+              }.get(holder)
+    storage.write_bytes(json.dumps(record).encode() if record else b"node-7 pid 12 since 1700000000\n",
+                        storage.join(out, storelock.LOCK))
+    storage.write_bytes(b"half", storage.join(out, "mnist-train-000003.tar.tmp-4242"))
+    storage.write_bytes(b"half", storage.join(out, "other-test-000000.tar.tmp-17"))
+    p = make_shards_in_process([*BUILD, "--out", out])
+    if taken is None:
+        assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "\x1b" not in p.stderr, p.stderr
+        assert "another make_shards is writing this prefix (host " in p.stderr and "pid " in p.stderr, p.stderr
+        assert storelock.LOCK in listings.names(out)
+        return
+    assert p.returncode == 0, p.stderr
+    assert f"took over {out}/{storelock.LOCK}" in p.stdout and taken in p.stdout, p.stdout
+    assert "removed 2 temporary key(s)" in p.stdout, p.stdout
+    names = listings.names(out)
+    assert not any(".tmp" in n for n in names) and storelock.LOCK not in names, names
+
+
+def test_a_held_lock_is_renewed_and_left_alone_once_another_run_took_it(s3_bucket, monkeypatch):
+    """The holder renews its lock (so that a live run's lock never looks stale), and stops
+    renewing, and keeps it, once another run has taken it over."""
+    import time
+
+    monkeypatch.setattr(storelock, "RENEW", 0.1)
+    out = f"s3://{s3_bucket}/p"
+    url = storage.join(out, storelock.LOCK)
+    with storelock.store_writing(out):
+        first = read_json(url)
+        t0 = time.time()
+        while read_json(url)["renewed"] == first["renewed"]:
+            assert time.time() - t0 < 60, "the lock was not renewed"
+            time.sleep(0.05)
+        assert {k: v for k, v in read_json(url).items() if k != "renewed"} == \
+            {k: v for k, v in first.items() if k != "renewed"}
+        storage.write_bytes(json.dumps(dict(first, token="another run's")).encode(), url)
+        time.sleep(0.5)
+        assert read_json(url)["token"] == "another run's"
+    assert read_json(url)["token"] == "another run's"  # not removed by the run that lost it

@@ -266,13 +266,13 @@ def expand_pattern(spec, limit=MAX_PATTERN):
     return list(brace.braceexpand(spec))
 
 
-def expand_shards(spec):
+def expand_shards(spec, policy=remote.Policy()):
     """The shards a SPEC names: its brace pattern expanded (`expand_pattern`), then each local
     or object-store name holding a wildcard (`train/*.tar`) replaced by the shards it matches,
-    in name order (`nearby.globbed`)."""
+    in name order (`nearby.globbed`; a store's listing within `policy`'s limits)."""
     names = []
     for name in expand_pattern(spec):
-        names += nearby.globbed(name) if nearby.is_glob(name) else [name]
+        names += nearby.globbed(name, policy) if nearby.is_glob(name) else [name]
     if len(names) > MAX_PATTERN:
         raise ShardError(f"{spec[:200]}: the pattern names more than {MAX_PATTERN:,} shards, the most one may name; "
                          f"list the shards in a manifest instead")

@@ -15,7 +15,7 @@ import fnmatch
 import os
 import re
 
-from pipeline.data import remote, storage
+from pipeline.data import listings, remote
 from pipeline.errors import ShardError, cut, redact
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
@@ -30,15 +30,16 @@ def is_glob(name):
     return bool(WILDCARD.search(name)) and remote.kind(name) in ("file", "store")
 
 
-def globbed(pattern):
+def globbed(pattern, policy=remote.Policy()):
     """The shards (*.tar, *.tar.gz, *.tgz) a glob matches, in name order; wildcards only in the
-    file name, since one listing of one folder answers it. ShardError when none match."""
+    file name, since one listing of one folder answers it (a store's within `policy`'s limits).
+    ShardError when none match."""
     folder, slash, last = pattern.rpartition("/")
     if WILDCARD.search(folder):
         raise ShardError(f"{cut(redact(pattern))}: a wildcard in a folder's name; only the shards' file names may "
                          f"hold *, ? or [...] (or use a brace pattern, e.g. part{{0..9}}/*.tar)")
     if remote.kind(pattern) == "store":
-        names = [(u.rpartition("/")[2], u) for u in storage.listing(folder + "/", SHARD_SUFFIXES)]
+        names = [(u.rpartition("/")[2], u) for u in listings.urls(folder + "/", SHARD_SUFFIXES, policy)]
     else:
         where = folder + slash if slash else ""
         try:

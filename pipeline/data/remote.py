@@ -400,7 +400,10 @@ class _Checked:
             self.copy.abort()
 
 
-def _open_raw(url, policy, nbytes):
+def _open_raw(url, policy, nbytes, request=None):
+    if request is not None:
+        direct = request()
+        return _HTTP(direct.url, policy, nbytes, direct=direct)
     where = kind(url)
     if where == "store":
         direct = storage.direct(url, policy.timeout)
@@ -408,7 +411,7 @@ def _open_raw(url, policy, nbytes):
     return (_HTTP if where == "http" else _Pipe)(url, policy, nbytes)
 
 
-def read_url(url, consume, *, policy=Policy(), nbytes=None, digest=None, cache_dir=None):
+def read_url(url, consume, *, policy=Policy(), nbytes=None, digest=None, cache_dir=None, request=None, until=None):
     """consume(stream) on the bytes at `url`; returns what it returns.
 
     A remote read is retried from the start after a transient error and checked
@@ -419,8 +422,13 @@ def read_url(url, consume, *, policy=Policy(), nbytes=None, digest=None, cache_d
     matches `nbytes` and `digest` (see pipeline.data.cache), within a local file's
     deadline. Local files are read as they are (`make_shards.py --verify` checks
     them), through `open_local`.
+
+    request: for a store request that `url` alone does not name (a page of a listing,
+    pipeline.data.listings), a function giving each attempt's `storage.Direct`; `url` then
+    only names it in messages. until: a time.monotonic() after which no retry starts (a
+    listing's deadline in all): the last failure is then the error, as when retries run out.
     """
-    if kind(url) == "file":
+    if request is None and kind(url) == "file":
         with open_local(url, policy) as f:
             return consume(f)
     cache = caching.of(cache_dir)
@@ -433,7 +441,7 @@ def read_url(url, consume, *, policy=Policy(), nbytes=None, digest=None, cache_d
         stream = copy = None
         try:
             copy = caching.Writer(cache, url, nbytes) if cache else None
-            stream = _Checked(_open_raw(url, policy, nbytes), url, digest, nbytes, policy, copy)
+            stream = _Checked(_open_raw(url, policy, nbytes, request), url, digest, nbytes, policy, copy)
             copy = None
             result = consume(stream)
             stream.finish()
@@ -443,9 +451,11 @@ def read_url(url, consume, *, policy=Policy(), nbytes=None, digest=None, cache_d
                 raise FetchError(f"{redact(url)}: {e}") from None
             if not transient(e):
                 raise
-            if attempt == policy.retries:
-                raise FetchError(f"{redact(url)}: failed after {policy.retries + 1} attempts: {describe(e)}") from None
             wait = policy.wait(attempt)
+            late = until is not None and time.monotonic() + wait > until
+            if attempt == policy.retries or late:
+                raise FetchError(f"{redact(url)}: failed after {attempt + 1} attempts{' (no time left)' if late else ''}"
+                                 f": {describe(e)}") from None
             warnings.warn(f"{redact(url)}: {describe(e)}; retrying in {wait:g} s", stacklevel=2)
             time.sleep(wait)
         finally:

@@ -144,10 +144,10 @@ def direct(url, timeout=30.0):
         if not key or key.endswith("/"):  # a GET of it would be the bucket's listing, read as a damaged shard
             raise Missing("a prefix, not an object: name a shard (s3://BUCKET/KEY)")
         signer = _signer(loc, bucket, timeout)
-        return Direct(_call(loc, lambda: signer.url(key)), None, functools.partial(_s3_refused, signer),
-                      signer.context)
+        return Direct(_call(loc, lambda: signer.url(key)), None, refusal(signer), signer.context)
     if loc.scheme == "hf":
-        return Direct(hub_url(loc), hub_token(), hub_error)
+        token = hub_token()
+        return Direct(hub_url(loc), token, hub_refusal(token))
     return None
 
 
@@ -168,10 +168,15 @@ def hub_url(loc):
         raise Missing("not a file of a repository: write hf://datasets/USER/REPO/PATH")
     repo, _, revision = rest[1].partition("@")
     revision = urllib.parse.unquote(revision) or "main"
-    endpoint = (os.environ.get("HF_ENDPOINT") or HUB).rstrip("/")
+    endpoint = hub_endpoint()
     prefix = "" if kind in (None, "models") else kind + "/"
     return (f"{endpoint}/{prefix}{rest[0]}/{repo}/resolve/{urllib.parse.quote(revision, safe='')}/"
             f"{urllib.parse.quote('/'.join(rest[2:]))}")
+
+
+def hub_endpoint():
+    """The Hub's base URL: $HF_ENDPOINT (a mirror or a self-hosted Hub), else huggingface.co."""
+    return (os.environ.get("HF_ENDPOINT") or HUB).rstrip("/")
 
 
 def hub_token():
@@ -197,6 +202,20 @@ def hub_error(status, headers, body):
     code = headers.get("X-Error-Code") if headers else None
     text = f"{said} ({code})" if code else said
     return (Missing if _permanent(status) else Unreachable)(cut(redact(" ".join(text.split())), 300))
+
+
+NO_HUB_TOKEN = ("no Hugging Face token was found, so the request went without one (looked for in $HF_TOKEN, then the "
+                "file `huggingface-cli login` writes: $HF_TOKEN_PATH, else $HF_HOME/token, else "
+                "~/.cache/huggingface/token)")
+
+
+def hub_refusal(token):
+    """The `refused` of a Hub request sent with `token` (None: without one): hub_error, and
+    for a 401 or 403 without a token, that none was found and where it is looked for."""
+    def refused(status, headers, body):
+        error = hub_error(status, headers, body)
+        return type(error)(f"{error}; {NO_HUB_TOKEN}") if status in (401, 403) and not token else error
+    return refused
 
 
 def _permanent(status):
@@ -239,11 +258,16 @@ class _Signer:
         self._credentials, self.pid, self.context = credentials, os.getpid(), context
         self.bucket = None  # its _Bucket, which forgets it when the store names another region
 
-    def url(self, key):
+    def url(self, key, query=None):
+        """A GET of `key`, or with `query` (a dict of parameters) of the bucket itself: a
+        listing (pipeline.data.listings), its parameters signed with it."""
         from botocore.auth import S3SigV4QueryAuth
         from botocore.awsrequest import AWSRequest
 
         url = self.base + urllib.parse.quote(key, safe="/~")  # as botocore writes a key into a path
+        if query is not None:  # no slash after a bucket named in the path, as botocore writes a listing's URL
+            url = (url if urllib.parse.urlsplit(url).path == "/" else url.rstrip("/")) + "?" + \
+                urllib.parse.urlencode(query, quote_via=urllib.parse.quote)
         if not self.signs:
             return url
         request = AWSRequest(method="GET", url=url)
@@ -393,6 +417,16 @@ def _within(timeout, fn, what, known):
     return box["value"]
 
 
+def refusal(signer):
+    """The `refused` of a Direct request signed (or not) by `signer`."""
+    return functools.partial(_s3_refused, signer)
+
+
+NO_AWS_CREDENTIALS = ("no AWS credentials were found, so the request went unsigned (looked for in $AWS_ACCESS_KEY_ID "
+                      "and $AWS_SECRET_ACCESS_KEY, $AWS_PROFILE with ~/.aws/credentials and ~/.aws/config, and the "
+                      "instance, container or pod role)")
+
+
 def _s3_refused(signer, status, headers, body):
     """s3_error, unless the answer names another region than the URL was signed for (the
     bucket moved, or its region was guessed): then the signer is forgotten and the read
@@ -404,18 +438,21 @@ def _s3_refused(signer, status, headers, body):
                 signer.bucket.signer = None
         return Unreachable(f"the bucket is in {cut(redact(region), 40)}, not {signer.region}: its region is "
                            f"looked up again")
-    return s3_error(status, headers, body)
+    error = s3_error(status, headers, body)
+    return type(error)(f"{error}; {NO_AWS_CREDENTIALS}") if status in (401, 403) and not signer.signs else error
 
 
 def s3_error(status, headers, body):
     """The exception for an S3 error answer (`status`, its XML body): `Missing` for what no
     retry fixes (no such key or bucket, a denied or badly signed request), `Unreachable` for
-    the rest (throttling, 5xx). Its text is the answer's Code and Message."""
+    the rest (throttling, 5xx). Its text is the answer's Message, Code and status."""
     code = re.search(rb"<Code>([^<]{1,100})</Code>", body or b"")
     said = re.search(rb"<Message>([^<]{1,300})</Message>", body or b"")
-    code = code[1].decode("utf-8", "replace") if code else _bare(status)
-    text = "no such object" if code == "NoSuchKey" else (
-        f"{said[1].decode('utf-8', 'replace')} ({code})" if said else code)
+    code = code[1].decode("utf-8", "replace") if code else None
+    said = said[1].decode("utf-8", "replace") if said else None
+    tag = f"{code}, HTTP {status}" if code else f"HTTP {status}"
+    text = ("no such object" if code == "NoSuchKey" else f"{said} ({tag})" if said else
+            f"{code} (HTTP {status})" if code else _bare(status))
     permanent = _permanent(status) and code not in ("SlowDown", "RequestTimeout")
     return (Missing if permanent else Unreachable)(cut(redact(" ".join(text.split())), 300))
 
@@ -487,19 +524,6 @@ def _reason(error):
     return cut(redact(text), 300)
 
 
-def listing(url, suffixes=(".tar", ".tar.gz", ".tgz")):
-    """The objects under a store prefix (a "folder") whose names end in `suffixes`, as full
-    URLs in name order; FetchError when the prefix cannot be listed."""
-    loc = parse(url.rstrip("/") + "/")
-    fs = filesystem(loc)
-    try:
-        names = _call(loc, lambda: fs.ls(loc.path.rstrip("/"), detail=False))
-    except (Missing, Unreachable) as e:
-        raise FetchError(f"{loc.shown}: cannot list: {e}") from None
-    base = f"{loc.scheme}://"
-    return sorted(base + n.lstrip("/") for n in names if n.endswith(suffixes))
-
-
 def put(local_path, url):
     """Upload a local file to a store URL (the file at a temporary key first would not make it
     safer: a store writes an object whole or not at all)."""
@@ -530,12 +554,13 @@ def join(base, name):
 
 
 class Writer:
-    """Objects under one store prefix, written, moved, removed and listed through one client:
+    """Objects under one store prefix, written, moved and removed through one client (listed by
+    pipeline.data.listings):
     a client per call (as the functions above make) spends most of a small upload starting
     its session. Names are relative to the prefix; a failure is a FetchError naming the URL."""
 
-    def __init__(self, prefix):
-        self.prefix = prefix.rstrip("/")
+    def __init__(self, prefix, policy=None):
+        self.prefix, self.policy = prefix.rstrip("/"), policy
         self.loc = parse(self.prefix + "/")
         self.fs = filesystem(self.loc)
 
@@ -548,16 +573,6 @@ class Writer:
             return _call(loc, lambda: fn(loc.path))
         except (Missing, Unreachable) as e:
             raise FetchError(f"{loc.shown}: cannot {what}: {e}") from None
-
-    def keys(self):
-        """Every name directly under the prefix, sorted; empty when it holds nothing (a missing
-        bucket too: a write there says so)."""
-        top = self.loc.path.rstrip("/") + "/"
-        try:
-            found = _call(self.loc, lambda: self.fs.find(top.rstrip("/"), maxdepth=1))
-        except (Missing, Unreachable) as e:
-            raise FetchError(f"{self.loc.shown}: cannot list: {e}") from None
-        return sorted(n.lstrip("/")[len(top):] for n in found if n.lstrip("/").startswith(top))
 
     def exists(self, name):
         try:
@@ -580,11 +595,6 @@ class Writer:
     def remove(self, name):
         with contextlib.suppress(FetchError):
             self._do(name, "remove", self.fs.rm_file)
-
-
-def keys(url):
-    """The names (not URLs) of every object directly under a store prefix, sorted."""
-    return Writer(url).keys()
 
 
 def write_bytes(data, url):

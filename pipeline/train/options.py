@@ -32,9 +32,11 @@ def parse(argv=None):
     a = p.add_argument
     a("--train", action="append", default=[], metavar="NAME=SPEC", required=True,
       help="a training source: SPEC is a manifest, a folder or base URL (ending in /) holding NAME-train.json, "
-           "or a brace pattern of shards with NAME-train.json beside them; local, http(s):// or pipe: (repeatable)")
+           "or a brace pattern of shards with NAME-train.json beside them; local, http(s)://, an object store "
+           "(s3://, gs://, hf://: docs/stores.md) or pipe: (repeatable)")
     a("--eval", action="append", default=[], metavar="NAME=SPEC",
-      help="test shards of a training source (NAME-test.json), evaluated after every epoch (repeatable)")
+      help="test shards of a training source (NAME-test.json), evaluated after every epoch; SPEC as for --train "
+           "(local, http(s)://, s3://, gs://, hf:// or pipe:) (repeatable)")
     a("--weights", metavar="NAME=W,...", help="mixture weights, e.g. mnist=0.5,cifar10=0.5 (default: equal)")
     a("--final-weights", metavar="NAME=W,...",
       help="weights for the last epoch; the epochs in between interpolate linearly (default: --weights throughout)")

@@ -26,8 +26,7 @@ import urllib.parse
 
 import numpy as np
 
-from pipeline.data import storage
-from pipeline.data import bounds, remote
+from pipeline.data import bounds, listings, remote
 from pipeline.data.decode import (CONTENT_ERRORS, IMAGE_EXTS, LABEL_EXTS, Unlabelled, as_integer, as_name,
                                   default_label, describe_label, image_format, label_hint, label_member, open_image,
                                   parse_label_key, pil_reason, pixels_of, raw_label)
@@ -44,16 +43,17 @@ GREY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"}
 STAT_SIDE = 64  # images are decoded at most about this big for the mean and std (JPEG draft mode)
 
 
-def expand(spec):
+def expand(spec, policy=remote.Policy()):
     """A SPEC's shard URLs: a brace pattern (paths, http(s) URLs or pipe: commands), a glob of
     local or store shards (`train/*.tar`, matched in name order), or a folder (its *.tar,
-    *.tar.gz and *.tgz files, sorted). Raises ShardError when nothing matches."""
+    *.tar.gz and *.tgz files, sorted; a store's listed within `policy`'s limits). Raises
+    ShardError when nothing matches."""
     if remote.kind(spec) == "file" and os.path.isdir(spec):
         urls = sorted(os.path.join(spec, f) for f in os.listdir(spec) if f.endswith(SHARD_SUFFIXES))
     elif remote.kind(spec) == "store" and "{" not in spec and not spec.endswith(SHARD_SUFFIXES):
-        urls = storage.listing(spec, SHARD_SUFFIXES)  # a prefix: the shards under it, read where they are
+        urls = listings.urls(spec, SHARD_SUFFIXES, policy)  # a prefix: the shards under it, read where they are
     else:
-        urls = expand_shards(spec)
+        urls = expand_shards(spec, policy)
         missing = [u for u in urls if remote.kind(u) == "file" and not os.path.exists(u)]
         if missing:
             raise ShardError(f"{spec}: {len(missing)} of {len(urls)} shard(s) do not exist, e.g. {missing[0]}")
@@ -241,7 +241,7 @@ def index(name, split, spec, out, *, label=None, image_key=None, shape=None, cla
     if image_key is not None and (image_format(image_key) not in FOREIGN_EXTS):
         raise ShardError(f"--image-key {image_key}: an image member's extension ending in one of "
                          f"{', '.join(FOREIGN_EXTS)} expected (e.g. jpg, rgb.png, input.jpg)")
-    urls = expand(spec)
+    urls = expand(spec, policy)
     names = shard_locations(urls, out, base_url)
     if remote.kind(out) == "store":
         local = [n for n, u in zip(names, urls) if remote.kind(u) == "file"]

@@ -10,12 +10,14 @@ See docs/data.md for the sample format and every option.
 import argparse
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 
 from pipeline.data import decode, manifest, remote, storage
-from pipeline.writers import index, shards, sources  # noqa: E402
+from pipeline.writers import index, shards, sources, storelock  # noqa: E402
 from pipeline.cli import Parser, add_io_options, check_io, io_limits, printable  # noqa: E402
 from pipeline.errors import ShardError  # noqa: E402
 from pipeline.files import new_folders, remove_empty  # noqa: E402
@@ -374,7 +376,7 @@ def run_store(args):
     uploaded to the store prefix --out (shards.publish: the manifest last)."""
     stage = tempfile.mkdtemp(prefix="make_shards-stage-")
     try:
-        with shards.store_writing(args.out):
+        with storelock.store_writing(args.out, remote.Policy(**io_limits(args)), say=print):
             return write(args, stage)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
@@ -400,7 +402,8 @@ def write(args, stage=None):
         m = shards.build(src, stage or args.out, encoding=args.encoding, maxcount=args.maxcount, seed=args.seed,
                          limit=args.limit, workers=args.workers, part=args.part, progress=not args.quiet, say=say)
         if stage is not None:
-            shards.publish(stage, args.out, src.name, src.split, progress=not args.quiet, say=say)
+            shards.publish(stage, args.out, src.name, src.split, progress=not args.quiet, say=say,
+                           policy=remote.Policy(**io_limits(args)))
             for s in m["shards"]:  # uploaded: the stage need not hold every split at once
                 os.remove(os.path.join(stage, s["name"]))
         dt = time.perf_counter() - t0
@@ -421,17 +424,40 @@ def done_line(rows, out, seconds):
             f"({counted(n, 'shard')}, {total} samples, {size / 1e6:.1f} MB); manifests: {names or 'none'}")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's stop, `kill`), raised in the main process as Ctrl-C is, so that
+    what a build holds is let go on the way out: a store --out's temporary keys and lock."""
+
+
+def _terminate(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the process at once
+    if os.getpid() != _MAIN[0]:  # a forked worker of the build: it ends, its parent cleans up
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    raise Terminated()
+
+
+_MAIN = [None]
+
+
 def main(argv=None):
     args = parse_args(argv)
+    _MAIN[0] = os.getpid()
+    here = threading.current_thread() is threading.main_thread()  # else main() runs in a test's thread
+    previous = signal.signal(signal.SIGTERM, _terminate) if here else None
     try:
         return run(args)
     except (sources.SourceError, ShardError, OSError) as e:
         print(f"make_shards: error: {printable(e)}", file=sys.stderr)  # it may quote a key from a shard
         return 2
-    except KeyboardInterrupt:
-        print("make_shards: interrupted; no manifest was written for the unfinished split"
-              + (" (its temporary keys were removed)" if args.store else ""), file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        print(f"make_shards: {'stopped by SIGTERM' if isinstance(e, Terminated) else 'interrupted'}; no manifest "
+              f"was written for the unfinished split" + (" (its temporary keys and the prefix's lock were removed)"
+                                                         if args.store else ""), file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
+    finally:
+        if here:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 if __name__ == "__main__":

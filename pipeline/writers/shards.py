@@ -26,9 +26,8 @@ uploaded under a temporary key (`NAME.tmp-<pid>`), and only when all are there a
 moved into place and the manifest written, last. A failed or interrupted upload removes
 its temporary keys and has touched nothing else. The same ownership rule holds (a key of
 a needed name that no make_shards manifest of this split there names is refused), shards
-whose bytes a store already holds under their name are not uploaded again, and a marker
-key (`store_writing`) keeps a second make_shards from writing the prefix meanwhile (best
-effort: a store has no lock file).
+whose bytes a store already holds under their name are not uploaded again, and a lock
+key (pipeline.writers.storelock) keeps a second make_shards from writing the prefix meanwhile.
 """
 import contextlib
 import hashlib
@@ -36,9 +35,7 @@ import io
 import multiprocessing
 import os
 import re
-import socket
 import tarfile
-import time
 
 import numpy as np
 
@@ -365,24 +362,6 @@ def remove_stale(out, names):
 # ---------------------------------------------------------------- object stores
 
 
-@contextlib.contextmanager
-def store_writing(out):
-    """The store version of `writing`: a marker key `out/.make_shards.lock` while a make_shards
-    writes the prefix; ShardError at once when one is there. Writing it is also the check
-    that the prefix is writable (a missing bucket or a refused key says so in one line)."""
-    from pipeline.data import storage
-
-    store = storage.Writer(out)
-    if store.exists(LOCK):
-        raise ShardError(f"{out}: another make_shards is writing this prefix ({store.url(LOCK)} is there); wait for "
-                         f"it to finish, or remove that key if no make_shards is running (a killed one leaves it)")
-    store.write_bytes(f"{socket.gethostname()} pid {os.getpid()} since {time.time():.0f}\n".encode(), LOCK)
-    try:
-        yield
-    finally:
-        store.remove(LOCK)
-
-
 def store_owned(out, name, split, present):
     """(names, entries): the shard names the make_shards manifest of this split under the store
     prefix `out` lists, and its entries as name -> (bytes, sha256); empty when there is none,
@@ -404,20 +383,21 @@ def store_owned(out, name, split, present):
     return set(entries), entries
 
 
-def publish(stage, out, name, split, *, progress=True, say=None):
+def publish(stage, out, name, split, *, progress=True, say=None, policy=None):
     """Upload the split `build` wrote into the local folder `stage` to the store prefix `out`
     (see the module's docstring); returns the manifest. Raises ShardError for a needed key
     that holds an object no make_shards manifest of this split names, FetchError when an
-    upload fails (its temporary keys are then removed and nothing else was touched)."""
+    upload fails (its temporary keys are then removed and nothing else was touched). `policy`:
+    the job's remote.Policy, which bounds the listing of `out`."""
     from tqdm import tqdm
 
-    from pipeline.data import storage
+    from pipeline.data import listings, remote, storage
 
     say = say or (lambda line: None)
     mname = manifest_name(name, split)
     manifest = read_json(os.path.join(stage, mname))
-    store = storage.Writer(out)
-    present = set(store.keys())
+    store = storage.Writer(out, policy)
+    present = set(listings.names(out, policy or remote.Policy()))
     owned, old = store_owned(out, name, split, present)
     ours = re.compile(rf"^{re.escape(name)}-{re.escape(split)}-\d+\.tar\.tmp-\d+$")
     for f in sorted(present):  # a killed run's temporaries (the marker says no run is writing now)
@@ -501,11 +481,11 @@ def verify(folder, policy=None):
 
 def _verify_store(prefix, policy):
     """verify() for a store prefix: its manifests, each shard streamed once against its entry."""
-    from pipeline.data import storage
+    from pipeline.data import listings, storage
     from pipeline.data.manifest import load, locate
 
     try:
-        manifests = [f for f in storage.keys(prefix) if f.endswith(".json") and ".part" not in f]
+        manifests = [f for f in listings.names(prefix, policy) if f.endswith(".json") and ".part" not in f]
     except FetchError as e:
         return [str(e)]
     if not manifests:
