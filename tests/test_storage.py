@@ -239,8 +239,9 @@ class _S3Fake(http.server.BaseHTTPRequestHandler):
         heads = self.server.heads
         status, region, wait = heads.pop(0) if len(heads) > 1 else heads[0]
         self.server.seen.append(("HEAD", bucket, region))
-        if wait < 0:  # drip the answer a byte every 0.2 s for -wait seconds
-            return self._drip(b"HTTP/1.1 200 OK\r\nx-amz-bucket-region: eu-west-1\r\n"[:int(-wait / 0.2)], 0.2)
+        if wait < 0:  # drip the answer a byte every 0.2 s for -wait seconds (a header padded to last that long)
+            head = b"HTTP/1.1 200 OK\r\nx-amz-bucket-region: eu-west-1\r\nx-pad: " + b"a" * int(-wait / 0.2)
+            return self._drip(head[:int(-wait / 0.2)], 0.2)
         time.sleep(wait)
         self.send_response(status)
         if region:
@@ -346,7 +347,7 @@ def test_a_bucket_s_region_is_looked_up_within_the_job_s_timeout_and_alone(fake_
     import threading
     import time
 
-    fake_s3.heads = [(200, "eu-west-1", 30)]
+    fake_s3.heads = [(200, "eu-west-1", 60)]
     slow = threading.Thread(target=lambda: pytest.raises(FetchError, remote.fetch, "s3://hanging/x.tar",
                                                          policy=remote.Policy(retries=0, timeout=2)), daemon=True)
     t0 = time.monotonic()
@@ -354,9 +355,10 @@ def test_a_bucket_s_region_is_looked_up_within_the_job_s_timeout_and_alone(fake_
     time.sleep(0.3)
     fake_s3.heads = [(200, "eu-west-1", 0)]
     assert remote.fetch("s3://other/x.tar", policy=FAST) == b"shard"
-    assert time.monotonic() - t0 < 2, "the other bucket waited for the hanging one's lookup"
-    slow.join(20)
-    assert not slow.is_alive() and time.monotonic() - t0 < 10
+    # bounds far from both the deadline (2 s) and the hang (60 s): a loaded machine is slow, not that slow
+    assert time.monotonic() - t0 < 20, "the other bucket waited for the hanging one's lookup"
+    slow.join(40)
+    assert not slow.is_alive() and time.monotonic() - t0 < 30
 
 
 def test_a_region_lookup_that_drips_ends_at_the_job_s_timeout(fake_s3):
@@ -364,11 +366,12 @@ def test_a_region_lookup_that_drips_ends_at_the_job_s_timeout(fake_s3):
     read (and the bucket's lock) for as long as the server went on (100 s seen)."""
     import time
 
-    fake_s3.heads = [(200, "eu-west-1", -30)]
+    fake_s3.heads = [(200, "eu-west-1", -100)]
     t0 = time.monotonic()
     with pytest.raises(FetchError, match="its region: no answer within 2 s"):
         remote.fetch("s3://b/x.tar", policy=remote.Policy(retries=0, timeout=2))
-    assert time.monotonic() - t0 < 4
+    assert time.monotonic() - t0 < 30  # the drip lasts 100 s
+    fake_s3.stopping = True
 
 
 def test_a_region_lookup_that_drips_on_is_not_asked_again_while_it_does(fake_s3):
@@ -378,7 +381,7 @@ def test_a_region_lookup_that_drips_on_is_not_asked_again_while_it_does(fake_s3)
     import threading
     import time
 
-    fake_s3.heads = [(200, "eu-west-1", -60)]
+    fake_s3.heads = [(200, "eu-west-1", -300)]  # longer than six failed reads take on a loaded machine
     policy = remote.Policy(retries=0, timeout=1)
     for _ in range(6):
         with pytest.raises(FetchError, match="its region: no answer"):
@@ -389,7 +392,7 @@ def test_a_region_lookup_that_drips_on_is_not_asked_again_while_it_does(fake_s3)
     asking[0].join(10)
     fake_s3.stopping, fake_s3.heads = False, [(200, "eu-west-1", 0)]
     t0 = time.monotonic()
-    assert remote.fetch("s3://b/x.tar", policy=policy) == b"shard" and time.monotonic() - t0 < 2
+    assert remote.fetch("s3://b/x.tar", policy=policy) == b"shard" and time.monotonic() - t0 < 20
 
 
 def test_reads_waiting_on_a_failed_region_lookup_share_its_outcome(fake_s3):
@@ -400,15 +403,18 @@ def test_reads_waiting_on_a_failed_region_lookup_share_its_outcome(fake_s3):
     import threading
     import time
 
-    fake_s3.heads = [(200, "eu-west-1", 5)]
-    policy = remote.Policy(retries=0, timeout=1)
+    fake_s3.heads = [(200, "eu-west-1", 60)]
+    policy = remote.Policy(retries=0, timeout=2)
     t0 = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         tries = [pool.submit(remote.fetch, "s3://b/x.tar", policy=policy) for _ in range(8)]
-        errors = [f.exception(30) for f in tries]
+        errors = [f.exception(90) for f in tries]
     took = time.monotonic() - t0
-    assert all(isinstance(e, FetchError) and "no answer within 1 s" in str(e) for e in errors), errors
-    assert took < 3, f"{took:.1f} s: the reads looked up one after another"
+    # one outcome for all: the lookup's deadline, or (on a loaded machine) botocore's read timeout of the same
+    # lookup when it fires first; one after another, the 8 reads would take 16 s or more
+    assert all(isinstance(e, FetchError) for e in errors) and len({str(e) for e in errors}) <= 2, errors
+    assert all("no answer within 2 s" in str(e) or "Read timeout" in str(e) for e in errors), errors
+    assert took < 12, f"{took:.1f} s: the reads looked up one after another"
     heads = sum(s[0] == "HEAD" for s in fake_s3.seen)
     assert heads <= 2, fake_s3.seen
     for t in threading.enumerate():
