@@ -98,7 +98,8 @@ def test_an_epoch_over_a_slow_server_reads_the_same_keys_in_much_less_time(slow_
 
 def test_the_next_window_is_fetched_while_this_one_is_read(slow_server):
     """Windows of one shard each: reading window k starts window k+1's transfer, so a reader
-    that takes DELAY per window itself waits for (almost) none of the later ones."""
+    that takes DELAY per window itself waits for (almost) none of the later ones (without fetching
+    ahead it waits DELAY for each; 0.8 of that leaves room for a loaded machine's reading time)."""
     _, url = slow_server
     src = resolve("mnist", url, "train")
     reader = stages.Reader(src)
@@ -112,7 +113,7 @@ def test_the_next_window_is_fetched_while_this_one_is_read(slow_server):
         data = reader(windows[k], lambda k=k: windows[k + 1:k + 2])
         waited += time.perf_counter() - t
         assert len(data) == 20
-    assert waited < 0.5 * (len(windows) - 1) * DELAY, f"waited {waited:.2f} s in {time.perf_counter() - t0:.2f} s"
+    assert waited < 0.8 * (len(windows) - 1) * DELAY, f"waited {waited:.2f} s in {time.perf_counter() - t0:.2f} s"
 
 
 def _damage(path):
