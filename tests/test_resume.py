@@ -267,45 +267,58 @@ def _segment(rank, field, value):
     return edit
 
 
-def _rank(field, worker, value):
+def _entry(field, value):
     def edit(states):
-        states[0]["ranks"][0][field][worker] = value
+        states[0]["ranks"][0][field] = value
     return edit
 
 
-def _spans(spans):
-    def edit(states):
-        for st in states:
-            st["segment"]["spans"][0] = spans
-    return edit
+def _before(records):
+    return _segment(None, "before", records)
 
 
 HOSTILE_STATES = {  # a checkpoint's stream state is input: each edit must be refused in one line
     "sources missing": (lambda st: st[0].__delitem__("sources"), "field sources missing"),
+    "listings missing": (lambda st: st[0].__delitem__("listings"), "field listings missing"),
     "a field missing": (lambda st: st[0].__delitem__("segment"), "field segment missing"),
-    "version of another release": (_set(None, "version", 2), "version 2, expected 3"),
+    "version of another release": (_set(None, "version", 3), "version 3, expected 4"),
     "world a string": (_segment(None, "world", "2"), "segment world"),
     "workers a string": (_segment(None, "workers", "2"), "segment workers"),
     "workers enormous": (_segment(None, "workers", 10 ** 9), "segment workers"),
     "rank twice": (lambda st: st[1]["ranks"][0].update(rank=0), "rank 0 appears twice"),
     "rank outside the world": (lambda st: st[1]["ranks"][0].update(rank=7), "stream state rank"),
     "segments differ across ranks": (_segment(1, "batches", 41), "disagree on segment"),
-    "batches beyond the spans": (_segment(None, "batches", 10 ** 6), "in 40 batches a rank; this one 1000000"),
+    "batches beyond the spans": (_segment(None, "batches", 10 ** 6), "batches: 1000000, where its worlds and what "
+                                                                      "they consumed make 40"),
     "batches negative": (_segment(None, "batches", -5), "segment batches"),
-    "done differs across ranks": (lambda st: st[0]["ranks"][0]["done"].update({"0": 2, "1": 2}),
-                                  "disagree on how many batches"),
-    "done beyond a worker's share": (_rank("done", "0", 1000), r"done\[0\]"),
-    "done out of turn": (lambda st: st[0]["ranks"][0]["done"].update({"0": 5, "1": 0}), "in turn"),
-    "positions fewer than the samples taken": (_rank("positions", "0", [0, 0]), "positions read"),
-    "positions past the run": (_rank("positions", "0", [10 ** 6, 0]), "positions read"),
-    "positions a string": (_rank("positions", "0", ["1", 0]), "positions"),
-    "a worker missing": (lambda st: [st[0]["ranks"][0]["done"].pop("1"), None][1], "one entry per worker"),
+    "generation of a re-dealt segment": (_segment(None, "generation", 1), "generation: 1, where"),
+    "done differs across ranks": (_set(0, "done", 2), "disagree on how many batches"),
+    "done beyond the segment": (_set(None, "done", 1000), "stream state done: 1000"),
+    "done a string": (_set(None, "done", "5"), "stream state done"),
+    "passed past the run": (_entry("passed", [[0, [10 ** 6, 0]]]), "more than its run"),
+    "passed a string": (_entry("passed", [[0, ["1", 0]]]), "rank 0 passed of 0"),
+    "passed for three sources": (_entry("passed", [[0, [1, 0, 0]]]), "rank 0 passed of 0"),
+    "passed of a worker outside the segment": (_entry("passed", [[2, [1, 0]]]), "rank 0 passed"),
+    "passed listed twice": (_entry("passed", [[0, [1, 0]], [0, [1, 0]]]), "listed twice"),
+    "passed not a list": (_entry("passed", {"0": [1, 0]}), "rank 0 passed"),
+    # consistent in themselves, but not what state_dict wrote: the check refuses them
+    "passed inside the run": (_entry("passed", [[0, [20, 0]]]), "does not match its numbers"),
+    "done moved back on every rank": (_set(None, "done", 3), "does not match its numbers"),
+    "check missing": (lambda st: [st[0]["ranks"][0].pop("check"), None][1], "does not match its numbers"),
     "epoch a string": (_set(None, "epoch", "0"), "stream state epoch"),
     "targets of other weights": (_set(None, "targets", [600, 40]), "weights or the epoch's samples changed"),
-    "spans overlapping": (_spans([[0, 200], [100, 200]]), "overlaps the span before it"),
-    "spans past the epoch": (_spans([[0, 10 ** 6]]), "past the epoch"),
-    "spans empty pieces": (_spans([[0, 0]]), "spans of source 0"),
-    "spans enormous count": (_spans([[0, 1]] * 3), "overlaps"),
+    "listings of other shards": (_set(None, "listings", ["0" * 64, "1" * 64]), "other shards of source mnist"),
+    "listings for one source": (_set(None, "listings", ["0" * 64]), "one shard-list digest per source"),
+    "before not a list": (_before(5), "segment before"),
+    "before too long": (_before([{}] * (1 + (1 << 12))), "at most 4096 earlier segments"),
+    "before of a world of text": (_before([{"world": "2", "workers": 2, "batch_size": 8, "done": 1, "passed": []}]),
+                                  r"segment before\[0\] world"),
+    "before done past its segment": (_before([{"world": 2, "workers": 2, "batch_size": 8, "done": 41,
+                                               "passed": []}]), r"segment before\[0\] done: 41"),
+    "before passed past a pair's run": (_before([{"world": 2, "workers": 2, "batch_size": 8, "done": 1,
+                                                  "passed": [[3, [10 ** 6, 0]]]}]), "more than its run"),
+    "before passed of a pair outside": (_before([{"world": 2, "workers": 2, "batch_size": 8, "done": 1,
+                                                  "passed": [[4, [1, 0]]]}]), r"before\[0\] passed"),
     "seed differs across ranks": (_set(1, "seed", 5), "disagree on seed"),
     "ranks not a list": (lambda st: [{**st[0], "ranks": 5}], "ranks: a list"),
     "no states": (lambda st: [], "non-empty list"),

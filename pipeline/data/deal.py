@@ -22,7 +22,7 @@ positions it passed over (damaged samples, samples a stage dropped); everything 
 is recomputed.
 """
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -42,6 +42,7 @@ class Segment:
     spans: tuple  # per source: ((start, length), ...) of the epoch's positions, in order
     seed: int = 0
     passes: tuple = ()  # per source, positions in a pass (its samples); 0: passes of other lengths (resampled)
+    history: tuple = ()  # per earlier segment of the epoch: (world, workers, batch_size, done, passed), see `after`
 
     @property
     def pairs(self):
@@ -121,6 +122,30 @@ class Segment:
         """The pair's `Choices`: which source each of its samples comes from."""
         return Choices(self.quotas()[pair], (order.MIX, self.seed, self.epoch, self.generation, pair))
 
+    def worker_done(self, worker, done):
+        """Batches logical worker `worker` of each rank made when each rank made `done`: the
+        workers make their rank's batches in turn, from logical worker 0."""
+        return done // self.workers + (worker < done % self.workers)
+
+    def taken(self, pair, done):
+        """Samples of each source pair `pair` took when each rank made `done` batches."""
+        n = self.worker_done(pair // self.world, done) * self.batch_size
+        q = self.quotas()[pair]
+        if (q > 0).sum() <= 1:  # one source: no draw needed to know the split
+            return np.where(q > 0, min(n, int(q.sum())), 0)
+        return self.choices(pair).taken(n)
+
+    def after(self, done, passed, *, world, workers, batch_size):
+        """The next segment, on another world, once each rank made `done` batches of this one and
+        pair p passed over passed[p] positions of each source without a sample (damage, a stage's
+        drops; pairs not listed passed over none). Its spans follow from these counts alone,
+        and it keeps them in its `history`, so a state names how it was made, never its spans."""
+        read = [self.taken(p, done) + np.asarray(passed.get(p, 0), np.int64) for p in range(self.pairs)]
+        record = (self.world, self.workers, self.batch_size, int(done),
+                  tuple(sorted((int(p), tuple(int(x) for x in v)) for p, v in passed.items())))
+        nxt = self.rest(read, generation=self.generation + 1, world=world, workers=workers, batch_size=batch_size)
+        return replace(nxt, history=self.history + (record,))
+
     def rest(self, read, *, generation, world, workers, batch_size):
         """The next segment, on another world: what every pair left of its runs, then what
         no pair was given, but the places of it that pairs read as their reserve. read: per
@@ -146,6 +171,19 @@ def first(epoch, targets, *, world, workers, batch_size, batches, seed, passes=(
     """The segment of an epoch that starts afresh: every source's positions 0..target."""
     spans = tuple(((0, int(t)),) if t else () for t in targets)
     return Segment(epoch, 0, world, workers, batch_size, batches, spans, seed, tuple(passes))
+
+
+def replay(epoch, targets, history, *, world, workers, batch_size, seed, passes=()):
+    """The segment that `history` (Segment.history: each earlier segment's world, the batches a
+    rank made of it and the positions its pairs passed over) leads to, on this world: the
+    epoch's first segment, re-dealt once per record."""
+    worlds = [h[:3] for h in history] + [(world, workers, batch_size)]
+    w, k, b = worlds[0]
+    seg = first(epoch, targets, world=w, workers=k, batch_size=b, batches=int(sum(targets)) // (w * b), seed=seed,
+                passes=passes)
+    for (_, _, _, done, passed), (w, k, b) in zip(history, worlds[1:]):
+        seg = seg.after(done, dict(passed), world=w, workers=k, batch_size=b)
+    return seg
 
 
 def _last_pass(spans, n):

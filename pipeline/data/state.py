@@ -1,35 +1,66 @@
 """The stream's state as it travels in checkpoints: written by `MixedStream.state_dict`,
 read back here with every number checked (a checkpoint is input).
 
-    {"version": 3, "sources": [names], "seed", "epoch", "targets": [positions per source],
-     "order": {"window_samples", "window_bytes", "resample"},
-     "segment": {"generation", "world", "workers", "batch_size", "batches",
-                 "spans": [[[start, length], ...] per source]},
-     "ranks": [{"rank", "done": {worker: batches}, "positions": {worker: [per source]}}]}
+    {"version": 4, "sources": [names], "listings": [each source's shard-list digest], "seed",
+     "epoch", "targets": [positions per source], "order": {"window_samples", "window_bytes", "resample"},
+     "segment": {"world", "workers", "batch_size", "generation", "batches",
+                 "before": [{"world", "workers", "batch_size", "done", "passed": [[pair, [per source]], ...]}]},
+     "done": batches each rank made of the segment,
+     "ranks": [{"rank", "passed": [[worker, [per source]], ...], "check"}]}
 
-One rank's state lists its own entry under "ranks"; the states of every rank, merged,
-list them all (`merge`). Nothing else is saved: the segment and the positions are all
-a stream needs to go on (pipeline.data.deal).
+Nothing in it can be offered on its own: a segment lists no spans, only the worlds before it
+and what each consumed (`before`), from which its spans are made again (deal.replay): they
+are the complement of what the earlier segments read, whatever is edited. A pair's
+positions are the samples its batches took (recomputed from `done`) plus the positions it
+passed over without a sample (damage, a stage's drops), listed only where there were any.
+Each rank's entry carries `check`, a digest of its numbers and the rest of the state: an
+edited number, consistent with the others or not, is refused. So a rank's entry is a few
+dozen bytes whatever the world, and a state is its segment once plus those entries (`merge`).
 """
+import functools
+import hashlib
+import json
+import os
+
 from pipeline.data import deal, order
 
-VERSION = 3
+VERSION = 4
 MAX_WORLD = 1 << 16  # ranks a stream state may say it ran on (as a checkpoint's world)
 MAX_WORKERS = 1 << 10  # DataLoader workers per rank (as --workers)
-MAX_SPANS = 1 << 20  # spans a segment may list per source: each re-deal adds at most one per old pair
+MAX_DEALS = 1 << 12  # segments an epoch may have run before this one: each is a stop and a resume on another world
+CHECK_CHARS = 16  # hex digits of a rank entry's check
 
 
-def encode(seg, targets, names, seed, rank, done, positions, order_of):
-    """One rank's state: the segment, and this rank's workers' batches and positions.
-    `order_of`: the settings that decide which sample each position holds (the shuffle
-    window, resampling), which must not change inside an epoch."""
-    return {"version": VERSION, "sources": list(names), "seed": seed, "epoch": seg.epoch,
-            "targets": [int(t) for t in targets], "order": dict(order_of),
-            "segment": {"generation": seg.generation, "world": seg.world, "workers": seg.workers,
-                        "batch_size": seg.batch_size, "batches": seg.batches,
-                        "spans": [[[int(a), int(n)] for a, n in spans] for spans in seg.spans]},
-            "ranks": [{"rank": rank, "done": {str(w): int(d) for w, d in done.items()},
-                       "positions": {str(w): [int(x) for x in p] for w, p in positions.items()}}]}
+def listing(source):
+    """The digest of a source's shard list: its manifest's (names, sizes, sha256, counts), or
+    for a source made without one, its shards' file names, sizes and counts."""
+    if source.listing:
+        return source.listing
+    rows = [[os.path.basename(u.rstrip("/")), size, int(n)]
+            for u, size, n in zip(source.urls, source.sizes or [None] * len(source.urls), source.counts)]
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+
+
+def encode(seg, targets, names, listings, seed, rank, done, passed, order_of):
+    """One rank's state: the segment, the batches each rank made of it, and the positions this
+    rank's workers passed over. passed: {worker: [per source]} (workers that passed none may be
+    left out). `order_of`: the settings that decide which sample each position holds (the
+    shuffle window, resampling), which must not change inside an epoch."""
+    root = {"version": VERSION, "sources": list(names), "listings": list(listings), "seed": seed,
+            "epoch": seg.epoch, "targets": [int(t) for t in targets], "order": dict(order_of),
+            "segment": {"world": seg.world, "workers": seg.workers, "batch_size": seg.batch_size,
+                        "generation": seg.generation, "batches": seg.batches,
+                        "before": [{"world": w, "workers": k, "batch_size": b, "done": d,
+                                    "passed": [[p, list(v)] for p, v in ps]} for w, k, b, d, ps in seg.history]},
+            "done": int(done)}
+    entry = {"rank": rank, "passed": [[int(w), [int(x) for x in v]] for w, v in sorted(passed.items()) if any(v)]}
+    entry["check"] = _digest(root, entry)
+    return dict(root, ranks=[entry])
+
+
+def _digest(root, entry):
+    body = {k: v for k, v in root.items() if k != "ranks"}, {k: v for k, v in entry.items() if k != "check"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:CHECK_CHARS]
 
 
 def merge(state):
@@ -41,16 +72,18 @@ def merge(state):
     for r in roots:
         if r.get("version") != VERSION:
             raise ValueError(f"stream state version {_short(r.get('version'))}, expected {VERSION}")
-        missing = [k for k in ("sources", "seed", "epoch", "targets", "order", "segment", "ranks") if k not in r]
+        missing = [k for k in ("sources", "listings", "seed", "epoch", "targets", "order", "segment", "done", "ranks")
+                   if k not in r]
         if missing:
             raise ValueError(f"stream state: field {missing[0]} missing")
         if not isinstance(r["ranks"], list) or not all(isinstance(x, dict) for x in r["ranks"]):
             raise ValueError("stream state ranks: a list of per-rank mappings expected")
     first = roots[0]
     for r in roots[1:]:
-        for k in ("sources", "seed", "epoch", "targets", "order", "segment"):
+        for k in ("sources", "listings", "seed", "epoch", "targets", "order", "segment", "done"):
             if r[k] != first[k]:
-                raise ValueError(f"the ranks' stream states disagree on {k}")
+                what = "how many batches were consumed" if k == "done" else k
+                raise ValueError(f"the ranks' stream states disagree on {what}")
     return first, [x for r in roots for x in r["ranks"]]
 
 
@@ -66,35 +99,85 @@ def _ints(v, what, n, lo, hi):
     return [_int(x, what, lo, hi) for x in v]
 
 
-def _spans(spans, target, source):
-    """A source's spans: [start, length] pairs, in order, apart, inside 0..target."""
-    if not isinstance(spans, list) or len(spans) > MAX_SPANS:
-        raise ValueError(f"stream state spans of source {source}: a list of at most {MAX_SPANS} expected")
-    out, end = [], -1
-    for x in spans:
-        if not isinstance(x, list) or len(x) != 2:
-            raise ValueError(f"stream state spans of source {source}: [start, length] pairs expected")
-        a, n = _int(x[0], f"spans of source {source}", 0, order.MAX_COUNT), _int(x[1], f"spans of source {source}",
-                                                                                 1, order.MAX_COUNT)
-        if a <= end or a + n > target:
-            raise ValueError(f"stream state spans of source {source}: [{a}, {n}] overlaps the span before it or "
-                             f"lies past the epoch's {target} positions")
-        end = a + n - 1
-        out.append((a, n))
-    return tuple(out)
-
-
 def _short(value, n=60):
     text = repr(value)
     return text if len(text) <= n else text[:n] + "..."
 
 
-def check(root, ranks, *, names, seed, targets, passes, order_of, epoch_samples=None):
-    """(the loaded segment, a deal.Segment; per rank, the positions its workers passed over
-    without a sample; whether it was saved at its epoch's end), every number checked against
-    the stream's sources, seed, epoch and order settings and against the others (a
-    checkpoint is input): ValueError naming the first that is off. A state saved at its
-    epoch's end says nothing about the next epoch, whose weights and order may differ."""
+def _world(g, what):
+    """(world, workers, batch_size) of a segment's record."""
+    if not isinstance(g, dict):
+        raise ValueError(f"stream state {what}: a mapping expected")
+    return (_int(g.get("world"), f"{what} world", 1, MAX_WORLD), _int(g.get("workers"), f"{what} workers", 1, MAX_WORKERS),
+            _int(g.get("batch_size"), f"{what} batch_size", 1, order.MAX_COUNT))
+
+
+def _passed(v, what, n, sources):
+    """A sparse list [[index, [per source]], ...] of indices 0..n-1, each once: {index: tuple}."""
+    if not isinstance(v, list):
+        raise ValueError(f"stream state {what}: a list of [index, [positions per source]] pairs expected")
+    out = {}
+    for x in v:
+        if not isinstance(x, list) or len(x) != 2:
+            raise ValueError(f"stream state {what}: [index, [positions per source]] pairs expected")
+        i = _int(x[0], what, 0, n - 1)
+        if i in out:
+            raise ValueError(f"stream state {what}: {i} listed twice")
+        out[i] = tuple(_ints(x[1], f"{what} of {i}", sources, 0, order.MAX_COUNT))
+    return out
+
+
+def _segment(g, got, epoch, seed, passes, sources):
+    """The deal.Segment a state's `segment` makes: each earlier segment re-made from the one
+    before it and what its ranks consumed, every count checked against the segment it counts."""
+    if not isinstance(g, dict):
+        raise ValueError("stream state segment: a mapping expected")
+    return _made(json.dumps(g, sort_keys=True), tuple(got), epoch, seed, passes, sources)
+
+
+@functools.lru_cache(maxsize=4)
+def _made(text, got, epoch, seed, passes, sources):
+    """(cached: the ranks of one process, or a simulation of thousands, load the same state)"""
+    g = json.loads(text)
+    before = g.get("before")
+    if not isinstance(before, list) or len(before) > MAX_DEALS:
+        raise ValueError(f"stream state segment before: a list of at most {MAX_DEALS} earlier segments expected")
+    worlds = [_world(b, f"segment before[{i}]") for i, b in enumerate(before)] + [_world(g, "segment")]
+    w, k, b = worlds[0]
+    seg = deal.first(epoch, got, world=w, workers=k, batch_size=b, batches=sum(got) // (w * b), seed=seed,
+                     passes=passes)
+    for i, (rec, (w, k, b)) in enumerate(zip(before, worlds[1:])):
+        what = f"segment before[{i}]"
+        done = _int(rec.get("done"), f"{what} done", 0, seg.batches)
+        passed = _passed(rec.get("passed"), f"{what} passed", seg.pairs, sources)
+        _within(seg, done, passed, what)
+        seg = seg.after(done, passed, world=w, workers=k, batch_size=b)
+    for field, want in (("generation", seg.generation), ("batches", seg.batches)):
+        if _int(g.get(field), f"segment {field}", 0, order.MAX_COUNT) != want:
+            raise ValueError(f"stream state segment {field}: {g[field]}, where its worlds and what they consumed "
+                             f"make {want}")
+    return seg
+
+
+def _within(seg, done, passed, what):
+    """Positions each pair passed over without a sample: at most its run (a pair that passed
+    over more than its run holds would read all of it again: stages.RunPlan)."""
+    for pair, v in passed.items():
+        q, t = seg.quotas()[pair], seg.taken(pair, done)
+        for s, (n, a, b) in enumerate(zip(v, t, q)):
+            if n > b:
+                raise ValueError(f"stream state {what}: pair {pair} passed over {n} positions of source {s} on top "
+                                 f"of the {int(a)} samples its batches took, more than its run of {int(b)} holds")
+
+
+def check(root, ranks, *, names, listings, seed, targets, passes, order_of):
+    """A loaded state, every number checked against the stream's sources, their shards, seed,
+    epoch and order settings and against the others (a checkpoint is input): ValueError
+    naming the first that is off. Returns (segment, a deal.Segment; done, the batches each
+    rank made of it; {rank: {worker: positions read per source}}; {pair: positions of each
+    source it passed over without a sample}, pairs that passed none left out; whether it
+    was saved at its epoch's end). A state saved at its
+    epoch's end says nothing about the next epoch, whose weights, order and data may differ."""
     S = len(names)
     if root["sources"] != names or root["seed"] != seed:
         raise ValueError(f"the stream state is for sources {_short(root['sources'])} with seed "
@@ -103,63 +186,47 @@ def check(root, ranks, *, names, seed, targets, passes, order_of, epoch_samples=
     got = _ints(root["targets"], "targets", S, 0, order.MAX_COUNT)
     if not isinstance(root["order"], dict):
         raise ValueError("stream state order: a mapping expected")
-    if not _claims_end(root["segment"], ranks):  # checked in full below; the likelier mistake is named first
-        _check_same_epoch(root, got, targets, order_of)
-    g = root["segment"]
-    if not isinstance(g, dict):
-        raise ValueError("stream state segment: a mapping expected")
-    fields = {"generation": (0, order.MAX_COUNT), "world": (1, MAX_WORLD), "workers": (1, MAX_WORKERS),
-              "batch_size": (1, order.MAX_COUNT), "batches": (0, order.MAX_COUNT)}
-    v = {k: _int(g.get(k), f"segment {k}", *b) for k, b in fields.items()}
-    spans = g.get("spans")
-    if not isinstance(spans, list) or len(spans) != S:
-        raise ValueError(f"stream state segment spans: one list per source ({S}) expected")
-    checked = tuple(_spans(x, t, i) for i, (x, t) in enumerate(zip(spans, got)))
-    seg = deal.Segment(epoch, v["generation"], v["world"], v["workers"], v["batch_size"], v["batches"],
-                       checked, seed, tuple(passes))
-    # what each segment is made to be: an epoch's first its whole targets in batches of its
-    # world, a re-dealt one all its spans hold
-    if seg.generation == 0:
-        whole = tuple(((0, int(t)),) if t else () for t in got)
-        if seg.spans != whole or seg.batches != sum(got) // (seg.world * seg.batch_size):
-            raise ValueError(f"stream state segment: an epoch's first segment holds every position of its targets "
-                             f"in {sum(got) // (seg.world * seg.batch_size)} batches a rank; this one "
-                             f"{seg.batches} batches over other spans")
-    elif seg.batches * seg.world * seg.batch_size > int(seg.left().sum()):
-        raise ValueError(f"stream state segment: {seg.batches} batches of {seg.world} x {seg.batch_size} "
-                         f"samples, more than its spans hold ({int(seg.left().sum())})")
-    elif seg.batches != int(seg.left().sum()) // (seg.world * seg.batch_size):
-        raise ValueError(f"stream state segment: {seg.batches} batches, where its spans make "
-                         f"{int(seg.left().sum()) // (seg.world * seg.batch_size)} of {seg.world} x {seg.batch_size}")
+    if not isinstance(root["listings"], list) or len(root["listings"]) != S or \
+            not all(isinstance(x, str) for x in root["listings"]):
+        raise ValueError(f"stream state listings: one shard-list digest per source ({S}) expected")
+    if not _claims_end(root):  # checked in full below; the likelier mistake is named first
+        _check_same_epoch(root, got, targets, order_of, names, listings)
+    seg = _segment(root["segment"], got, epoch, seed, tuple(passes), S)
+    done = _int(root["done"], "done", 0, seg.batches)
     if 1 < len(ranks) != seg.world:  # one rank's own state (same world), or every rank's
         raise ValueError(f"stream state: {len(ranks)} ranks' states for a segment of {seg.world} ranks")
-    seen, done = set(), {}
+    positions, passed = {}, {}
     for r in ranks:
         rank = _int(r.get("rank"), "rank", 0, seg.world - 1)
-        if rank in seen:
+        if rank in positions:
             raise ValueError(f"stream state: rank {rank} appears twice")
-        seen.add(rank)
-        done[rank] = _check_done(seg, r)
-    if len({sum(d) for d in done.values()}) != 1:
-        raise ValueError(f"the ranks' stream states disagree on how many batches were consumed "
-                         f"({sorted({sum(d) for d in done.values()})})")
-    ended = sum(next(iter(done.values()))) == seg.batches
+        mine = {rank + w * seg.world: v for w, v in _passed(r.get("passed"), f"rank {rank} passed", seg.workers,
+                                                             S).items()}
+        _within(seg, done, mine, f"rank {rank}")
+        if r.get("check") != _digest(root, r):
+            raise ValueError(f"stream state rank {rank}: its check {_short(r.get('check'))} does not match its "
+                             f"numbers: the state was edited or damaged (state_dict() writes it whole); resume "
+                             f"from an unedited one")
+        positions[rank] = {w: [int(t) + mine.get(rank + w * seg.world, (0,) * S)[s]
+                               for s, t in enumerate(seg.taken(rank + w * seg.world, done))]
+                           for w in range(seg.workers)}
+        passed.update(mine)
+    ended = done == seg.batches
     if not ended:  # (already checked where the state claimed no end)
-        _check_same_epoch(root, got, targets, order_of)
-    passed = {r["rank"]: _check_positions(seg, r, done[r["rank"]], S) for r in ranks}
-    return seg, passed, ended
+        _check_same_epoch(root, got, targets, order_of, names, listings)
+    return seg, done, positions, passed, ended
 
 
-def _claims_end(segment, ranks):
-    """Whether a state says every rank made all of its segment's batches (its numbers unchecked)."""
+def _claims_end(root):
+    """Whether a state says its ranks made all of its segment's batches (its numbers unchecked)."""
     try:
-        return all(sum(r["done"].values()) == segment["batches"] for r in ranks)
-    except (TypeError, KeyError, AttributeError):
+        return root["done"] == root["segment"]["batches"]
+    except (TypeError, KeyError):
         return False
 
 
-def _check_same_epoch(root, got, targets, order_of):
-    """A state inside an epoch goes on only with the epoch's own split and order settings."""
+def _check_same_epoch(root, got, targets, order_of, names, listings):
+    """A state inside an epoch goes on only with the epoch's own split, order settings and shards."""
     if got != [int(t) for t in targets]:
         raise ValueError(f"the stream state's epoch splits its samples {got} between the sources, this "
                          f"stream {[int(t) for t in targets]}: the weights or the epoch's samples changed inside "
@@ -170,32 +237,9 @@ def _check_same_epoch(root, got, targets, order_of):
                          f"{', '.join(f'{k} {v}' for k, v in order_of.items())}: which sample each position holds "
                          f"would change (--shuffle-buffer, --shuffle-window, --resample); change them at an epoch "
                          f"boundary")
-
-
-def _check_done(seg, r):
-    """One rank's batches per worker: one entry each, within its share, made in turn."""
-    keys = [str(w) for w in range(seg.workers)]
-    for part in ("done", "positions"):
-        if not isinstance(r.get(part), dict) or sorted(r[part]) != sorted(keys):
-            raise ValueError(f"stream state rank {r['rank']} {part}: one entry per worker 0..{seg.workers - 1}")
-    done = [_int(r["done"][k], f"rank {r['rank']} done[{k}]", 0, seg.worker_batches(int(k))) for k in keys]
-    if max(done) - min(done) > 1:
-        raise ValueError(f"stream state rank {r['rank']} done {done}: workers make batches in turn")
-    return done
-
-def _check_positions(seg, r, done, sources):
-    """One rank's positions: no fewer than the samples its workers took, no more than
-    their runs hold on top (positions passed over: damage, samples a stage dropped)."""
-    keys = [str(w) for w in range(seg.workers)]
-    quotas = seg.quotas()
-    passed = 0
-    for k, d in zip(keys, done):
-        pair = r["rank"] + int(k) * seg.world
-        got = _ints(r["positions"][k], f"rank {r['rank']} positions[{k}]", sources, 0, order.MAX_COUNT)
-        taken = seg.choices(pair).taken(d * seg.batch_size)
-        for s, (p, t, q) in enumerate(zip(got, taken, quotas[pair])):
-            if not t <= p <= t + q:
-                raise ValueError(f"stream state rank {r['rank']} worker {k} source {s}: {p} positions read, "
-                                 f"but its {d} batches took {int(t)} samples of a run of {int(q)}")
-            passed += int(p - t)
-    return passed
+    for name, was, now in zip(names, root["listings"], listings):
+        if was != now:
+            raise ValueError(f"the stream state was saved over other shards of source {name} (shard list "
+                             f"{_short(was, 12)}, this stream's {now[:12]}): which sample each position holds "
+                             f"differs, so going on would read some samples twice and others never; finish the "
+                             f"epoch on the shards it began with, or start it over")

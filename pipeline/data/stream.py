@@ -118,7 +118,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         self.workers = 1
         self.epoch = 0
         self._plan, self.arrived = None, {}  # where the stream stands: a Plan, the batches arrived under it
-        self._loaded = None  # a loaded state (segment, ranks, targets) the next plan is dealt from
+        self._loaded = None  # a loaded state (segment, done, positions, passed, targets) the next plan is dealt from
         self._pinned = None  # (epoch, ended) of a state loaded since the last pass began
         self._epoch_given = False  # set_epoch was called: a state loaded later must be of that epoch
         self._plans, self._targets = 0, None
@@ -344,15 +344,29 @@ class MixedStream(torch.utils.data.IterableDataset):
         return done
 
     def state_dict(self):
-        """Where this rank stands in its epoch, JSON-serialisable: the segment, and this
-        rank's workers' batches and positions. `load_state_dict` takes a list of every
-        rank's (or one, to go on on the same world)."""
+        """Where this rank stands in its epoch, JSON-serialisable: the segment (how it was dealt),
+        the batches each rank made of it, and the positions this rank's workers passed over
+        without a sample (pipeline.data.state). `load_state_dict` takes a list of every rank's
+        (or one, to go on on the same world)."""
         seg = self.current()
         start = self._start_now()
-        return codec.encode(seg, self._targets, self.layout.names, self.seed, self.topo.rank,
-                            {w: start.done.get(w, 0) for w in range(seg.workers)},
-                            {w: start.positions.get(w, [0] * len(self.sources)) for w in range(seg.workers)},
-                            self._order_settings())
+        done = sum(start.done.values())
+        made = [start.done.get(w, 0) for w in range(seg.workers)]
+        if made != [seg.worker_done(w, done) for w in range(seg.workers)]:
+            raise ValueError(f"this rank's workers made {made} batches: not in turn, as the loader hands them over "
+                             f"(a DataLoader of your own with in_order=False?); the stream's state needs them in turn")
+        passed = {}
+        for w, at in start.positions.items():
+            took = seg.taken(self.topo.rank + w * seg.world, done)
+            passed[w] = [int(p) - int(t) for p, t in zip(at, took)]
+            if min(passed[w], default=0) < 0:
+                raise ValueError(f"worker {w} read {list(at)} positions, fewer than its {done} batches took "
+                                 f"({[int(t) for t in took]}): a batch recorded from another stream?")
+        return codec.encode(seg, self._targets, self.layout.names, self._listings(), self.seed, self.topo.rank, done,
+                            passed, self._order_settings())
+
+    def _listings(self):
+        return [codec.listing(s) for s in self.sources]
 
     def _order_settings(self):
         return {"window_samples": self.shuffle_buffer, "window_bytes": self.window_bytes,
@@ -365,62 +379,58 @@ class MixedStream(torch.utils.data.IterableDataset):
 
         With the same world, workers and batch size the segment goes on as it stopped;
         otherwise every rank's state is needed, and what each pair left is dealt to this
-        world. Returns what it did, as the stream is set now: {"deal": "same", "re-deal" or
-        "next epoch", "generation": ..., "from": [world, workers, batch size], "to": [...],
-        "passed": {rank: positions passed over without a sample}}."""
+        world. A state inside an epoch over other shards than this stream's (its sources'
+        shard-list digests differ) is refused. Returns what it did, as the stream is set
+        now: {"deal": "same", "re-deal" or "next epoch", "generation": ..., "from": [world,
+        workers, batch size], "to": [...], "passed": {rank: positions passed over without a
+        sample}}."""
         epoch_before = self.epoch if self._epoch_given and self._pinned is None else None
-        seg, ranks, passed, ended = self._check(state)
+        seg, done, positions, passed, ended, targets = self._check(state)
         if epoch_before is not None and epoch_before not in ((seg.epoch, seg.epoch + 1) if ended else (seg.epoch,)):
             raise ValueError(_epoch_clash(seg.epoch, ended, epoch_before, "load_state_dict after set_epoch"))
-        self._adopt_checked(seg, ranks, ended, state)
+        self._adopt_checked(seg, done, positions, passed, ended, targets)
         self._pinned = (seg.epoch, ended)
         here = (self.topo.world, self.workers, self.batch_size)
         was = (seg.world, seg.workers, seg.batch_size)
-        same = was == here and any(r["rank"] == self.topo.rank for r in ranks)
+        same = was == here and self.topo.rank in positions
         kind = "next epoch" if ended else "same" if same else "re-deal"
         return {"deal": kind, "generation": 0 if ended else seg.generation + (kind == "re-deal"),
-                "from": list(was), "to": list(here), "passed": passed}
+                "from": list(was), "to": list(here),
+                "passed": {r: sum(sum(v) for p, v in passed.items() if p % seg.world == r) for r in positions}}
 
     def _check(self, state):
-        """(segment, ranks, passed, ended) of a state, every number checked (a state is input)."""
+        """(segment, done, positions, passed, ended, targets) of a state, every number checked (a state is input)."""
         root, ranks = codec.merge(state)
-        seg, passed, ended = codec.check(root, ranks, names=self.layout.names, seed=self.seed,
-                                         targets=self.targets(), passes=self._passes(),
-                                         order_of=self._order_settings(), epoch_samples=self.epoch_samples)
+        seg, done, positions, passed, ended = codec.check(
+            root, ranks, names=self.layout.names, listings=self._listings(), seed=self.seed, targets=self.targets(),
+            passes=self._passes(), order_of=self._order_settings())
         if not ended and (seg.world, seg.batch_size) != (self.topo.world, self.batch_size) and len(ranks) != seg.world:
-            raise ValueError(_every_rank(seg, ranks, (self.topo.world, self.workers, self.batch_size)))
-        return seg, ranks, passed, ended
+            raise ValueError(_every_rank(seg, positions, (self.topo.world, self.workers, self.batch_size)))
+        return seg, done, positions, passed, ended, root["targets"]
 
     def _adopt(self, state):
-        seg, ranks, _, ended = self._check(state)
-        self._adopt_checked(seg, ranks, ended, state)
+        self._adopt_checked(*self._check(state))
 
-    def _adopt_checked(self, seg, ranks, ended, state):
+    def _adopt_checked(self, seg, done, positions, passed, ended, targets):
         if ended:  # torchdata's rule: a state saved at an epoch's end goes on at the next epoch's start
             self._restart(seg.epoch + 1)
         else:
             self._restart(seg.epoch)
-            self._loaded = (seg, ranks, codec.merge(state)[0]["targets"])
+            self._loaded = (seg, done, positions, passed, targets)
 
-    def _deal(self, seg, ranks, targets):
+    def _deal(self, seg, done, positions, passed, targets):
         """(segment, start) of a loaded state on this stream's world and workers: its own segment
         where they are the state's, else what every pair left, dealt to them."""
         here = (self.topo.world, self.workers, self.batch_size)
         was = (seg.world, seg.workers, seg.batch_size)
-        mine = next((r for r in ranks if r["rank"] == self.topo.rank), None)
+        mine = positions.get(self.topo.rank)
         self._targets = list(targets)
         if was == here and mine is not None:
-            done = {int(w): d for w, d in mine["done"].items()}
-            return seg, Start(done, {int(w): p for w, p in mine["positions"].items()},
-                              first_logical=sum(done.values()) % seg.workers)
-        if len(ranks) != seg.world:
-            raise ValueError(_every_rank(seg, ranks, here))
-        read = [None] * seg.pairs
-        for r in ranks:
-            for w in range(seg.workers):
-                read[r["rank"] + w * seg.world] = r["positions"][str(w)]
-        return seg.rest(read, generation=seg.generation + 1, world=here[0], workers=here[1],
-                        batch_size=here[2]), Start()
+            return seg, Start({w: seg.worker_done(w, done) for w in range(seg.workers)}, mine,
+                              first_logical=done % seg.workers)
+        if len(positions) != seg.world:
+            raise ValueError(_every_rank(seg, positions, here))
+        return seg.after(done, passed, world=here[0], workers=here[1], batch_size=here[2]), Start()
 
     def eval_stream(self, source, batch_size=None):
         """A finite stream over one source's test shards in this stream's batch format."""
@@ -431,7 +441,7 @@ class MixedStream(torch.utils.data.IterableDataset):
 def _every_rank(seg, ranks, here):
     return (f"resuming on {here[0]} ranks x {here[1]} workers (batch {here[2]}) from a run on {seg.world} x "
             f"{seg.workers} (batch {seg.batch_size}) needs every rank's stream state; have ranks "
-            f"{sorted(r['rank'] for r in ranks)} (load a list of every rank's state_dict())")
+            f"{sorted(ranks)} (load a list of every rank's state_dict())")
 
 
 def _epoch_clash(saved, ended, epoch, order_):
