@@ -317,39 +317,47 @@ def test_a_stream_state_the_stream_refuses_is_one_line_from_the_trainer(data, ru
     one_line(small(data, out, "--resume"), capsys, "stream state: field sources missing")
 
 
-def fresh(rank):
-    """A rank's stream entry that has read nothing of its segment (one worker)."""
-    return {"rank": rank, "done": {"0": 0}, "positions": {"0": [0, 0]}}
+def signed(state, entries):
+    """Rank entries as state_dict writes them over `state`'s root: each with its check."""
+    from pipeline.data import state as codec
+
+    return [dict(e, check=codec.check_of(state, e)) for e in entries]
 
 
-def taken_by(segment, pair, batches):
-    """Positions of each source `pair` of a checkpoint's segment took in its first batches
-    (seed 0; a pass of either source is its 200 samples)."""
+def resigned(change):
+    """An edit of the stream state made consistent: every rank entry's check recomputed, so
+    only the checks of what the numbers say can refuse it."""
+    def edit(s):
+        s = change(s)
+        s["ranks"] = signed(s, [{k: v for k, v in e.items() if k != "check"} for e in s["ranks"]])
+        return s
+    return edit
+
+
+def taken_by(segment, pair, done):
+    """Positions of each source `pair` of a checkpoint's segment took when each rank made
+    `done` batches (seed 0; a pass of either source is its 200 samples)."""
     from pipeline.data import deal
 
-    seg = deal.Segment(0, segment["generation"], segment["world"], segment["workers"], segment["batch_size"],
-                       segment["batches"], tuple(tuple(map(tuple, x)) for x in segment["spans"]), 0, (200, 200))
-    return [int(n) for n in seg.choices(pair).taken(batches * segment["batch_size"])]
-
-
-def at(segment, rank, done):
-    """A rank's stream entry (one worker) that made `done` batches and passed over nothing."""
-    return {"rank": rank, "done": {"0": done}, "positions": {"0": taken_by(segment, rank, done)}}
+    seg = deal.replay(0, [80, 80], (), world=segment["world"], workers=segment["workers"],
+                      batch_size=segment["batch_size"], seed=0, passes=(200, 200))
+    return [int(n) for n in seg.taken(pair, done)]
 
 
 def two_ranks(entries=None):
     """The mid checkpoint as two ranks of one worker would have written it after their
-    second step (a metrics line just written), its stream's ranks `entries(segment)` if given."""
+    second step (a metrics line just written), its stream's ranks `entries(state)` if given."""
     def change(state):
         stream = json.loads(state["stream"])
-        seg = stream["segment"]
-        seg.update(world=2, batches=seg["batches"] // 2)
-        ranks = [at(seg, 0, 2), at(seg, 1, 2)]
-        stream["ranks"] = entries(seg) if entries else ranks
+        stream["segment"].update(world=2, batches=stream["segment"]["batches"] // 2)
+        stream["done"] = 2
+        fresh = [{"rank": r, "passed": []} for r in range(2)]
+        stream["ranks"] = signed(stream, entries(stream) if entries else fresh)
         facts = json.loads(state["facts"])[0]
         state.update(world=2, stream=json.dumps(stream), key_counts=json.dumps([0, 0]), nonfinite=json.dumps(0),
                      position=json.dumps({"epoch": 0, "mid": True, "step": 2, "seen": 2 * 2 * 16}),
-                     facts=json.dumps([dict(facts, batches=2, samples=r["positions"]["0"]) for r in ranks]),
+                     facts=json.dumps([dict(facts, batches=2, samples=taken_by(stream["segment"], r, 2))
+                                       for r in range(2)]),
                      log_sums=json.dumps([0.0] * 5))
     return change
 
@@ -367,58 +375,66 @@ STREAM = {  # name: (change to the mid checkpoint's state, what its one line mus
     "segment batch size huge": (edit_json("stream", setitem(["segment", "batch_size"], 10 ** 30)),
                                 "segment batch_size"),
     "segment not an object": (edit_json("stream", setitem(["segment"], [1, 16])), "segment: a mapping expected"),
-    "segment of more batches than its spans hold": (edit_json("stream", setitem(["segment", "batches"], 11)),
-                                                    "its targets in 10 batches a rank; this one 11"),
+    "segment of more batches than its targets make": (edit_json("stream", setitem(["segment", "batches"], 11)),
+                                                      "segment batches: 11, where its worlds and what they consumed "
+                                                      "make 10"),
+    "segment of fewer batches than its epoch": (edit_json("stream", setitem(["segment", "batches"], 8)),
+                                                "segment batches: 8, where"),
     "segment of another world": (edit_json("stream", setitem(["segment", "world"], 2)),
-                                 "its targets in 5 batches a rank; this one 10"),
+                                 "segment batches: 10, where its worlds and what they consumed make 5"),
     "segment of two ranks in a one-rank checkpoint": (
-        edit_json("stream", lambda s: [s["segment"].update(world=2, batches=5), dict(s, ranks=[fresh(0)])][1]),
+        edit_json("stream", resigned(lambda s: [s["segment"].update(world=2, batches=5), s.update(done=0), s][2])),
         "needs every rank's stream state; have ranks [0]"),
-    "spans overlapping": (edit_json("stream", setitem(["segment", "spans", 0], [[0, 50], [40, 40]])),
-                          "spans of source 0: [40, 40] overlaps"),
-    "spans out of order": (edit_json("stream", setitem(["segment", "spans", 0], [[40, 40], [0, 40]])),
-                           "spans of source 0: [0, 40] overlaps"),
-    "spans past the epoch's targets": (edit_json("stream", setitem(["segment", "spans", 1], [[0, 81]])),
-                                       "lies past the epoch's 80 positions"),
-    "spans of length zero": (edit_json("stream", setitem(["segment", "spans", 1], [[0, 80], [80, 0]])),
-                             "spans of source 1"),
-    "spans for one source": (edit_json("stream", lambda s: [s["segment"]["spans"].pop(), s][1]),
-                             "segment spans: one list per source (2)"),
-    "targets of another mixture": (edit_json("stream", setitem(["targets"], [100, 60])),
-                                   "changed inside an epoch"),
+    "segment before not a list": (edit_json("stream", setitem(["segment", "before"], {"world": 2})),
+                                  "segment before: a list"),
+    "segment before of a world zero": (
+        edit_json("stream", setitem(["segment", "before"], [{"world": 0, "workers": 1, "batch_size": 16, "done": 0,
+                                                              "passed": []}])), r"segment before[0] world: 0"),
+    "segment before done past its segment": (
+        edit_json("stream", setitem(["segment", "before"], [{"world": 1, "workers": 1, "batch_size": 16, "done": 11,
+                                                              "passed": []}])), r"segment before[0] done: 11"),
+    # consistent in itself, but a world before this one that the run never ran: 32 samples it did not read
+    "segment re-dealt from a world before it": (
+        edit_json("stream", resigned(lambda s: [s["segment"].update(
+            generation=1, batches=8, before=[{"world": 1, "workers": 1, "batch_size": 16, "done": 2, "passed": []}]),
+            s][1])), "earlier worlds read 32 samples of this epoch, the run carried tallies of 0"),
+    "targets of another mixture": (edit_json("stream", setitem(["targets"], [100, 60])), "does not match its numbers"),
+    "listings of other shards": (edit_json("stream", setitem(["listings"], ["0" * 64, "1" * 64])),
+                                 "other shards of source mnist"),
     "sources of another run": (edit_json("stream", setitem(["sources"], ["cifar10", "mnist"])), "for sources"),
     "seed of another run": (edit_json("stream", setitem(["seed"], 1)), "with seed 1"),
-    "version 2": (edit_json("stream", setitem(["version"], 2)), "stream state version 2, expected 3"),
-    # consistent in itself, but not what an epoch's first segment is made to be: the epoch would end early
-    "segment of fewer batches than its epoch": (edit_json("stream", setitem(["segment", "batches"], 8)),
-                                                "an epoch's first segment holds every position of its targets"),
-    "spans of another shape in a first segment": (
-        edit_json("stream", lambda s: [s["segment"]["spans"][0].__setitem__(0, [0, 79]), s][1]),
-        "an epoch's first segment holds every position"),
+    "version 3": (edit_json("stream", setitem(["version"], 3)), "stream state version 3, expected 4"),
     "order settings of another run": (edit_json("stream", setitem(["order", "window_samples"], 7)),
                                       "which sample each position holds would change"),
-    # positions inside the run, but passed over without a sample where the run counted none skipped
+    # passed over inside the run, consistent, but where the run counted none skipped
     "positions passed over where nothing was skipped": (
-        _rank(lambda r: r["positions"]["0"].__setitem__(0, r["positions"]["0"][0] + 20)),
+        edit_json("stream", resigned(lambda s: [s["ranks"][0].update(passed=[[0, [20, 0]]]), s][1])),
         "passed over 20 positions without a sample, the run counted 0 skipped"),
+    "positions passed over, the check not recomputed": (_rank(lambda r: r.update(passed=[[0, [20, 0]]])),
+                                                        "does not match its numbers"),
+    "check missing": (_rank(lambda r: r.pop("check")), "does not match its numbers"),
     "stream of another rank": (_rank(lambda r: r.update(rank=1)), "stream state rank: 1"),
     "rank as text": (_rank(lambda r: r.update(rank="0")), "stream state rank: '0'"),
-    "done beyond a worker's share": (_rank(lambda r: r.update(done={"0": 11})), "rank 0 done[0]: 11"),
-    "done negative": (_rank(lambda r: r.update(done={"0": -1})), "rank 0 done[0]: -1"),
-    "done of another worker": (_rank(lambda r: r.update(done={"1": 5})), "rank 0 done: one entry per worker"),
-    "positions beyond a worker's run": (_rank(lambda r: r["positions"]["0"].__setitem__(1, 10 ** 6)),
-                                        "worker 0 source 1: 1000000 positions read"),
-    "positions before what its batches took": (_rank(lambda r: r["positions"].update({"0": [0, 0]})),
-                                               "worker 0 source 0: 0 positions read"),
-    "positions for three sources": (_rank(lambda r: r["positions"]["0"].append(0)), "rank 0 positions[0]"),
+    "done beyond the segment": (edit_json("stream", setitem(["done"], 11)), "stream state done: 11"),
+    "done negative": (edit_json("stream", setitem(["done"], -1)), "stream state done: -1"),
+    "passed of another worker": (_rank(lambda r: r.update(passed=[[1, [1, 0]]])), "rank 0 passed: 1"),
+    "passed beyond a worker's run": (_rank(lambda r: r.update(passed=[[0, [0, 10 ** 6]]])),
+                                     "passed over 1000000 positions of source 1"),
+    "passed for three sources": (_rank(lambda r: r.update(passed=[[0, [0, 0, 1]]])), "rank 0 passed of 0"),
+    "passed missing": (_rank(lambda r: r.pop("passed")), "rank 0 passed: a list"),
     # consistent in itself, but 3 batches where the run counted 5: an epoch of 12 would follow (192 of 160 samples)
-    "done and positions of fewer batches than the run made": (
-        _rank(lambda r: r.update(done={"0": 3})),
+    "done of fewer batches than the run made": (
+        edit_json("stream", resigned(lambda s: [s.update(done=3), s][1])),
         "the stream state says the ranks made {0: 3} batches of this epoch, the run counted {0: 5}"),
-    "positions missing": (_rank(lambda r: r.pop("positions")), "rank 0 positions: one entry per worker"),
-    "a rank twice": (two_ranks(lambda seg: [at(seg, 0, 2), at(seg, 0, 2)]), "rank 0 appears twice"),
-    "ranks disagreeing on the batches consumed": (two_ranks(lambda seg: [at(seg, 0, 2), at(seg, 1, 1)]),
-                                                  "disagree on how many batches were consumed"),
+    "a rank twice": (two_ranks(lambda s: [{"rank": 0, "passed": []}, {"rank": 0, "passed": []}]),
+                     "rank 0 appears twice"),
+    # within the samples seen (64), but past what rank 0 consumed (32): its key log would keep lines read after
+    "key count past what its rank consumed": (
+        lambda state: [two_ranks()(state), state.update(key_counts=json.dumps([64, 0]))],
+        "key_counts[0]: 64 key lines, but the run's counts say rank 0 consumed 32 samples"),
+    "a rank's entry from another state": (
+        lambda state: [two_ranks()(state), edit_json("stream", lambda s: [s["ranks"][1].update(check="0" * 16), s][1])(
+            state)], "rank 1: its check"),
 }
 
 

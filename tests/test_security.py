@@ -296,7 +296,6 @@ def finished(data, tmp_path_factory):
 @pytest.mark.parametrize("change, needles", [
     (["--train", "cifar10={d}/", "--train", "mnist={d}/"], ["sources", "cifar10 10 classes 3x32x32"]),
     (["--weights", "mnist=0.9,cifar10=0.1"], ["weights", "--change-weights"]),
-    (["--batch-size", "8"], ["--batch-size: checkpoint 16, now 8"]),
     (["--width", "8"], ["--width: checkpoint 4, now 8"]),
     (["--seed", "3"], ["seed"]),
     (["--train", "mnist={d}/"], ["sources"]),

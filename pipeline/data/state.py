@@ -54,11 +54,12 @@ def encode(seg, targets, names, listings, seed, rank, done, passed, order_of):
                                     "passed": [[p, list(v)] for p, v in ps]} for w, k, b, d, ps in seg.history]},
             "done": int(done)}
     entry = {"rank": rank, "passed": [[int(w), [int(x) for x in v]] for w, v in sorted(passed.items()) if any(v)]}
-    entry["check"] = _digest(root, entry)
+    entry["check"] = check_of(root, entry)
     return dict(root, ranks=[entry])
 
 
-def _digest(root, entry):
+def check_of(root, entry):
+    """The digest a rank's entry carries: its own numbers and the rest of the state's."""
     body = {k: v for k, v in root.items() if k != "ranks"}, {k: v for k, v in entry.items() if k != "check"}
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:CHECK_CHARS]
 
@@ -203,7 +204,7 @@ def check(root, ranks, *, names, listings, seed, targets, passes, order_of):
         mine = {rank + w * seg.world: v for w, v in _passed(r.get("passed"), f"rank {rank} passed", seg.workers,
                                                              S).items()}
         _within(seg, done, mine, f"rank {rank}")
-        if r.get("check") != _digest(root, r):
+        if r.get("check") != check_of(root, r):
             raise ValueError(f"stream state rank {rank}: its check {_short(r.get('check'))} does not match its "
                              f"numbers: the state was edited or damaged (state_dict() writes it whole); resume "
                              f"from an unedited one")

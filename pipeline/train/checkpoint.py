@@ -5,10 +5,12 @@ A checkpoint holds the model, optimiser and RNG states, where the run stands (ep
 step, samples seen, every rank's stream state, the partial sums of the current
 metrics line) and a fingerprint of what must not change across a resume: the
 sources in order with their classes and shapes and the digest of each one's shard
-list, model width, batch size, seed, epoch samples and weights. `check_resume` lists
-every difference in one line; `trainer_state`, `load_model` and `load_optimizer`
-check every number and tensor against the run before it is used, each failure one
-line naming the field.
+list, model width, seed, epoch samples and weights (and, recorded but free to change,
+the batch size and what the learning rate follows). `check_resume` lists every
+difference in one line; `trainer_state`, `load_model` and `load_optimizer` check every
+number and tensor against the run before it is used, and the counts against each other
+(the samples seen are what the epochs' and the ranks' tallies add up to; a rank's key
+log holds at most a line per sample it consumed), each failure one line naming the field.
 """
 import json
 import math
@@ -25,15 +27,22 @@ MAX_WORLD = 1 << 16  # ranks a checkpoint may say it ran on
 MAX_COUNT = 1 << 53  # counts beyond this are not exact in the float64 sums they travel in
 
 
-def fingerprint(args, sources):
-    """What a resumed run must share with the run that wrote the checkpoint."""
+def fingerprint(args, sources, world=1):
+    """What a resumed run must share with the run that wrote the checkpoint, and (RECORDED) what
+    it may change, which the resume reports: the batch size (the stream re-deals the rest of
+    an epoch to any world and batch) and what the learning rate follows."""
     return {
         "sources": [{"name": s.name, "classes": len(s.classes), "shape": list(s.shape)} for s in sources],
         "data": {s.name: {"shards": len(s.urls), "samples": s.total, "listing": s.listing} for s in sources},
         "width": args.width, "batch_size": args.batch_size, "seed": args.seed,
         "epoch_samples": args.epoch_samples, "weights": [round(w, 12) for w in args.weights],
         "final_weights": [round(w, 12) for w in args.final_weights] if args.final_weights else None,
+        "schedule": {"lr": args.lr, "world": world, "epochs": args.epochs,
+                     "samples": args.epoch_samples or sum(s.total for s in sources)},
     }
+
+
+RECORDED = ("batch_size", "schedule")  # in the fingerprint, but free to change on resume
 
 
 MODEL_FIELDS = ("sources", "width")  # what the model's shape depends on: all --eval-only needs to match
@@ -47,7 +56,7 @@ def check_resume(saved, current, allow_weights=False, allow_data=False, only=Non
     """Raise ValueError listing every field that differs (weights and data only if not allowed;
     `only`: compare just these fields)."""
     diffs = []
-    for key in only or sorted(set(saved) | set(current)):
+    for key in only or sorted((set(saved) | set(current)) - set(RECORDED)):
         if allow_weights and key in ("weights", "final_weights") or allow_data and key == "data":
             continue
         if key == "data":
@@ -108,7 +117,7 @@ class Limits:
 
     epochs: int
     epoch_samples: int
-    batch_size: int
+    batch_size: int  # the checkpoint's own (its fingerprint's): this run's may differ
     sources: int
 
 
@@ -198,49 +207,51 @@ def trainer_state(state, path, limits):
                          f"raise --epochs to at least {epoch + 1} to finish it")
     b, samples = limits.batch_size, limits.epoch_samples
     seen = f.integer(pos["seen"], "position.seen", 0, (epoch + mid) * samples)  # an epoch is at most its samples
-    if seen % b:
-        f.bad("position.seen", f"{seen}; a multiple of the batch size {b} expected (whole global batches)")
-    step = f.integer(pos["step"], "position.step", epoch, seen // b)  # each step at least one batch; each epoch a step
+    step = f.integer(pos["step"], "position.step", epoch, seen)  # each step at least one sample; each epoch a step
+    by_rank = {}  # samples each rank consumed, by the run's own counts: what its key log may hold
     for i, e in enumerate(epochs):
         field = f"history.epochs[{i}]"
-        f.mapping(e, field, ("epoch", "batches", "skipped"))
+        f.mapping(e, field, ("epoch", "batches", "skipped", "samples"))
         f.integer(e["epoch"], f"{field}.epoch", i + 1, i + 1)
         f.integer(e["skipped"], f"{field}.skipped", 0, MAX_COUNT)
         for r, n in f.mapping(e["batches"], f"{field}.batches").items():
-            f.integer(n, f"{field}.batches.{r}", 0, samples // b)
+            f.integer(n, f"{field}.batches.{r}", 0, samples)  # at least a sample a batch, whatever the batch size
+        for name, ranks in f.mapping(e["samples"], f"{field}.samples").items():
+            for r, n in f.mapping(ranks, f"{field}.samples.{name}").items():
+                by_rank[r] = by_rank.get(r, 0) + f.integer(n, f"{field}.samples.{name}.{r}", 0, samples)
+        for k, v in f.mapping(e.get("before_resume", {}), f"{field}.before_resume").items():
+            _add(by_rank, k, facts(f, v, f"{field}.before_resume.{k}", samples, None, limits.sources))
     for key in ("wait", "busy"):
         if key in history:
             f.number(history[key], f"history.{key}")
     out = {"world": world, "epoch": epoch, "mid": mid, "step": step, "seen": seen, "history": history,
-           "key_counts": f.items(f.json("key_counts"), "key_counts", world,
-                                 lambda v, field: f.integer(v, field, 0, seen)),  # a line per sample consumed
            "nonfinite": f.integer(f.json("nonfinite") if "nonfinite" in state else 0, "nonfinite", 0, step)}
+    if mid:
+        per_rank = samples // (world * b)
+        streams = f.mapping(f.json("stream"), "stream", ("epoch", "ranks"))  # the rest is MixedStream's to check
+        f.integer(streams["epoch"], "stream.epoch", epoch, epoch)  # the epoch the position stopped in, not another's
+        if not isinstance(streams["ranks"], list) or len(streams["ranks"]) != world:
+            f.bad("stream.ranks", f"one entry per rank ({world}) expected")
+        out["stream"] = streams
+        out["facts"] = f.items(f.json("facts"), "facts", world,
+                               lambda v, field: facts(f, v, field, per_rank, b, limits.sources))
+        for r, v in enumerate(out["facts"]):
+            _add(by_rank, f"rank{r}", v)
+        carried = f.json("carried")
+        if carried is not None:
+            for k, v in f.mapping(carried, "carried").items():
+                _add(by_rank, k, facts(f, v, f"carried.{k}", samples, None, limits.sources))
+        out["carried"] = carried
+    if seen != sum(by_rank.values()):  # a step's samples are its batches': the run's counts must add up to it
+        f.bad("position.seen", f"{seen}, but the run's epochs and tallies hold {sum(by_rank.values())} samples")
+    out["key_counts"] = f.items(f.json("key_counts"), "key_counts", world,
+                                lambda v, field: f.integer(v, field, 0, seen))
+    for r, n in enumerate(out["key_counts"]):  # a line per sample the rank consumed, at most
+        if n > by_rank.get(f"rank{r}", 0):
+            f.bad(f"key_counts[{r}]", f"{n} key lines, but the run's counts say rank {r} consumed "
+                                      f"{by_rank.get(f'rank{r}', 0)} samples")
     if not mid:
         return out
-
-    def facts(v, field, most):
-        f.mapping(v, field, ("batches", "samples", "skipped", "wait", "busy"))
-        n = f.integer(v["batches"], f"{field}.batches", 0, most)
-        per = f.items(v["samples"], f"{field}.samples", limits.sources, lambda x, fd: f.integer(x, fd, 0, n * b))
-        if sum(per) > n * b:
-            f.bad(f"{field}.samples", f"{sum(per)} samples in {n} batches of {b}")
-        f.integer(v["skipped"], f"{field}.skipped", 0, MAX_COUNT)
-        f.number(v["wait"], f"{field}.wait")
-        f.number(v["busy"], f"{field}.busy")
-        return v
-
-    per_rank = samples // (world * b)
-    streams = f.mapping(f.json("stream"), "stream", ("epoch", "ranks"))  # the rest is MixedStream's to check
-    f.integer(streams["epoch"], "stream.epoch", epoch, epoch)  # the epoch the position stopped in, not another's
-    if not isinstance(streams["ranks"], list) or len(streams["ranks"]) != world:
-        f.bad("stream.ranks", f"one entry per rank ({world}) expected")
-    out["stream"] = streams
-    out["facts"] = f.items(f.json("facts"), "facts", world, lambda v, field: facts(v, field, per_rank))
-    carried = f.json("carried")
-    if carried is not None:
-        for k, v in f.mapping(carried, "carried").items():
-            facts(v, f"carried.{k}", samples // b)
-    out["carried"] = carried
     sums = f.json("log_sums")
     if sums is not None:  # per source a loss sum and a sample count, then the skipped samples
         n = limits.sources
@@ -251,6 +262,27 @@ def trainer_state(state, path, limits):
         f.number(sums[2 * n], f"log_sums[{2 * n}]", 0, MAX_COUNT, whole=True)
     out["log_sums"] = sums
     return out
+
+
+def facts(f, v, field, most, b, sources):
+    """A rank's tally of an epoch (`_Fields` f): its batches (at most `most`), samples per source
+    (`b` samples a batch where the batch size is known: the run's own part of the epoch),
+    skipped samples and times."""
+    f.mapping(v, field, ("batches", "samples", "skipped", "wait", "busy"))
+    n = f.integer(v["batches"], f"{field}.batches", 0, most)
+    per = f.items(v["samples"], f"{field}.samples", sources, lambda x, fd: f.integer(x, fd, 0, MAX_COUNT))
+    if b is not None and sum(per) != n * b:
+        f.bad(f"{field}.samples", f"{sum(per)} samples in {n} batches of {b}")
+    f.integer(v["skipped"], f"{field}.skipped", 0, MAX_COUNT)
+    f.number(v["wait"], f"{field}.wait")
+    f.number(v["busy"], f"{field}.busy")
+    return v
+
+
+def _add(by_rank, key, tally):
+    """A tally's samples added to its rank's ("rank3" or "before_resume_rank3")."""
+    rank = "rank" + key.rsplit("rank", 1)[-1]
+    by_rank[rank] = by_rank.get(rank, 0) + sum(tally["samples"])
 
 
 def set_rng(state, path):

@@ -46,6 +46,10 @@ def http_check(topo, policy):
 def train(args, topo, device, stopper=None):
     """The run; `stopper`: the stop signals' StopRequest (None: no stop on a signal)."""
     t0 = time.perf_counter()
+    try:
+        options.per_rank_batch(args, topo.world)  # --global-batch: each rank's share, now that the world is known
+    except ValueError as e:
+        raise InputError(str(e)) from None
     policy = remote.Policy(**cli.io_limits(args))
     check = http_check(topo, policy)
     train_sources = [stream.resolve(n, spec, "train", policy=policy, check_http=check) for n, spec in args.train.items()]

@@ -15,6 +15,7 @@ from pipeline.data.weights import check_weights, parse_weights
 from pipeline.train import stop
 
 MAX_TIMEOUT = 7 * 24 * 3600  # a week: more overflows torch's timeout deep in the process group set-up
+DEFAULT_BATCH = 256  # --batch-size
 
 DESCRIPTION = """Train one model with DDP on the weighted mix of several shard streams.
 
@@ -51,7 +52,10 @@ def parse(argv=None):
     a("--epochs", type=int, default=30, metavar="N", help="epochs to train (default: 30)")
     a("--epoch-samples", type=int, metavar="N",
       help="samples per epoch over all ranks (default: all training samples in the manifests)")
-    a("--batch-size", type=int, default=256, metavar="N", help="samples per batch per rank (default: 256)")
+    a("--batch-size", type=int, metavar="N", help="samples per batch per rank (default: 256)")
+    a("--global-batch", type=int, metavar="N",
+      help="samples per step over all ranks instead of --batch-size: each rank takes N / ranks (refused if that is "
+           "not whole), so a resume on another number of ranks keeps the step's samples and the learning rate")
     a("--workers", type=int, default=8, metavar="N", help="DataLoader workers per rank (default: 8)")
     a("--max-batch-memory", type=byte_size, metavar="BYTES",
       help="the most one rank's batches may take (suffixes K, M, G, T): the loader's queue of workers x 6 "
@@ -60,7 +64,7 @@ def parse(argv=None):
            "before it reads (default: half of this machine's memory over the ranks torchrun starts on it)")
     a("--lr", type=float, default=0.1,
       help="peak SGD learning rate for a global batch of 256; the rate used is LR x global batch / 256, "
-           "with global batch = ranks x --batch-size, after a linear warm-up (default: 0.1)")
+           "with global batch = ranks x --batch-size (or --global-batch), after a linear warm-up (default: 0.1)")
     a("--weight-decay", type=float, default=5e-4, help="L2 penalty on the weights, applied by SGD (default: 5e-4)")
     a("--width", type=int, default=64, metavar="N", help="model width: 64 for GPUs, 16 for CPUs (default: 64)")
     a("--flip", metavar="NAMES",
@@ -157,7 +161,8 @@ def _spaced(argv, extra):
 
 def check(p, args):
     """Reject out-of-range values with one line each (p.error exits)."""
-    p.at_least(args, {"epochs": 1, "batch_size": 1, "log_every": 1, "shuffle_buffer": 1, "workers": 0, "width": 1,
+    p.at_least(args, {"epochs": 1, "batch_size": 1, "global_batch": 1, "log_every": 1, "shuffle_buffer": 1,
+                      "workers": 0, "width": 1,
                       "epoch_samples": 1, "stop_after": 1, "stop_after_steps": 1, "checkpoint_every": 1, "timeout": 1,
                       "retries": 0, "max_nonfinite": 0})
     p.within(args, {"timeout": (1, MAX_TIMEOUT), "workers": (0, 1024)})
@@ -166,6 +171,11 @@ def check(p, args):
         print("pipeline.train: --slots is no longer used (every world change is dealt exactly without it); ignored",
               file=sys.stderr)
     check_io(p, args)
+    if args.batch_size is not None and args.global_batch is not None:
+        p.error(f"--batch-size {args.batch_size} (per rank) and --global-batch {args.global_batch} (over all ranks) "
+                f"exclude each other: give one")
+    if args.global_batch is None and args.batch_size is None:
+        args.batch_size = DEFAULT_BATCH
     if args.strict and args.on_error not in (None, "raise"):
         p.error(f"--strict stops at the first damage, --on-error {args.on_error} does not: give one of them")
     if args.cache_size is not None and args.cache_dir is None:
@@ -235,8 +245,26 @@ def specs(p, flag, items):
     return out
 
 
+def per_rank_batch(args, world):
+    """--batch-size from --global-batch over `world` ranks (once the world is known); ValueError in
+    one line where it does not divide."""
+    if args.global_batch is None:
+        return args.batch_size
+    if args.global_batch % world:
+        near = [n * world for n in (args.global_batch // world, args.global_batch // world + 1) if n]
+        raise ValueError(f"--global-batch {args.global_batch} does not divide over {world} ranks; give a multiple "
+                         f"of {world} ({' or '.join(map(str, near))}), or --batch-size per rank")
+    args.batch_size = args.global_batch // world
+    return args.batch_size
+
+
 def weights_at(args, epoch):
-    """The mixture for an epoch: --weights, moving linearly to --final-weights."""
+    """The mixture for an epoch: --weights, moving linearly to --final-weights; for an epoch a
+    checkpoint stopped inside, the mixture it started with (`args.kept_weights`, set on resume:
+    new --epochs or --weights apply from the next epoch)."""
+    kept = getattr(args, "kept_weights", None) or {}
+    if epoch in kept:
+        return dict(kept[epoch])
     if args.final_weights is None or args.epochs == 1:
         w = args.weights
     else:

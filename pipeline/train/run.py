@@ -5,6 +5,7 @@ One class, because a checkpoint must save and restore the same fields: a field a
 `state()` and forgotten in `resume()` shows in one screen. The file format's checks
 live in pipeline.train.checkpoint.
 """
+import argparse
 import importlib
 import json
 import math
@@ -16,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from pipeline.data import cache, stream
+from pipeline.data import cache, order, stream
 from pipeline.errors import InputError, redacted
 from pipeline.train import checkpoint, dist, options, prefetch
 from pipeline.train.model import Net, augment
-from pipeline.train.schedule import learning_rate
+from pipeline.train.schedule import BASE_BATCH, learning_rate
 
 
 def load_stages(names):
@@ -92,7 +93,7 @@ class Run:
         self.one = torch.ones((), device=device)
         self.global_batch = topo.world * args.batch_size
         self.total = self.stream.epoch_samples * args.epochs
-        self.fingerprint = checkpoint.fingerprint(args, train_sources)
+        self.fingerprint = checkpoint.fingerprint(args, train_sources, topo.world)
         self.epoch, self.step, self.seen = 0, 0, 0
         self.in_epoch = False  # stopped (or checkpointed) inside an epoch: the checkpoint's position.mid
         self.nonfinite = 0  # steps skipped for a non-finite loss (--max-nonfinite), over the whole run
@@ -150,14 +151,16 @@ class Run:
         reaches rank 0 in one gather: only rank 0 writes the file. `sums`: the step log's
         partial sums, reduced (StepLog.reduce) just before."""
         keys.flush()
-        parts = dist.gather_to_main({"stream": self.stream.state_dict() if self.in_epoch else None,
+        own = self.stream.state_dict() if self.in_epoch else None
+        # each rank sends its own entry of the stream state; the segment and the rest are rank 0's
+        parts = dist.gather_to_main({"stream": own["ranks"][0] if own else None,
                                      "tally": self.tally if self.in_epoch else None, "keys": keys.count})
         sums = sums if sums is not None else [0.0] * (2 * len(self.names)) + [0]
         if parts is None:
             return None
-        stream_states = [p["stream"] for p in parts]
-        if self.in_epoch:  # one state: the segment once, every rank's place in it
-            stream_states = dict(stream_states[0], ranks=[r for s in stream_states for r in s["ranks"]])
+        stream_states = [None] * len(parts)
+        if self.in_epoch:  # one state: the segment once, every rank's entry (each checked against it on load)
+            stream_states = dict(own, ranks=[p["stream"] for p in parts])
         tallies = [p["tally"] for p in parts]
         counts = [p["keys"] for p in parts]
         return {"version": checkpoint.VERSION, "fingerprint": json.dumps(self.fingerprint),
@@ -194,8 +197,10 @@ class Run:
         args = self.args
         checkpoint.check_resume(saved, self.fingerprint, allow_weights=args.change_weights,
                                 allow_data=args.change_data)
+        batch = saved.get("batch_size")  # the checkpoint's own: its tallies count its batches
+        batch = batch if type(batch) is int and 1 <= batch <= checkpoint.MAX_COUNT else args.batch_size
         limits = checkpoint.Limits(args.epochs, checkpoint.epoch_samples_of(saved, self.stream.epoch_samples),
-                                   args.batch_size, len(self.names))
+                                   batch, len(self.names))
         got = checkpoint.trainer_state(state, path, limits)
         data = checkpoint.data_changes(saved, self.fingerprint)
         if checkpoint.legacy(saved) and self.topo.is_main:
@@ -210,19 +215,26 @@ class Run:
         checkpoint.set_rng(state, path)
         self.epoch, self.in_epoch, self.step, self.seen = got["epoch"], got["mid"], got["step"], got["seen"]
         self.history, self.key_counts, self.nonfinite = got["history"], got["key_counts"], got["nonfinite"]
+        notes = []
         if self.in_epoch:
             streams = got["stream"]
+            notes += self._keep_mixture(streams, saved)
             self.stream.set_epoch(self.epoch, options.weights_at(args, self.epoch))
             dealt = self.stream.load_state_dict(streams)  # every field of the stream state checked
             if streams["segment"]["world"] != got["world"]:  # else some ranks would go on and the others refuse
                 raise InputError(f"{path}: the stream state's segment ran on {streams['segment']['world']} ranks, the "
                                  f"checkpoint on {got['world']}; the checkpoint is damaged")
             tallies, before = got["facts"], got["carried"]
-            made = {r["rank"]: sum(r["done"].values()) for r in streams["ranks"]}
+            made = {r["rank"]: streams["done"] for r in streams["ranks"]}
             counted = {r: f["batches"] for r, f in enumerate(tallies)}
             if made != counted:  # the stream's place and the run's counts must tell one story
                 raise InputError(f"{path}: the stream state says the ranks made {_short(made)} batches of this "
                                  f"epoch, the run counted {_short(counted)}; the checkpoint is damaged")
+            earlier = sum(r["done"] * r["world"] * r["batch_size"] for r in streams["segment"]["before"])
+            carried = sum(sum(f["samples"]) for f in (before or {}).values())
+            if earlier != carried:  # what earlier worlds read of this epoch, by the stream and by the run
+                raise InputError(f"{path}: the stream state says earlier worlds read {earlier} samples of this epoch, "
+                                 f"the run carried tallies of {carried}; the checkpoint is damaged")
             if not args.sample_stage:  # without stages that drop samples, only damage passes positions over
                 over = {r: n for r, n in dealt["passed"].items() if n > tallies[r]["skipped"]}
                 if over:
@@ -235,6 +247,10 @@ class Run:
             else:  # another world size: what the old ranks did this epoch is carried into the summary
                 self.before_resume = _before_resume(tallies, before)
             self.unlogged = got["log_sums"]
+        notes += self._schedule_moves(saved, got["world"], limits.batch_size)
+        if self.topo.is_main:
+            for line in notes:
+                print(f"resume: {line}", flush=True)
         changed = {}
         if saved.get("weights") != self.fingerprint["weights"] or \
                 saved.get("final_weights") != self.fingerprint["final_weights"]:
@@ -243,6 +259,56 @@ class Run:
             changed["data"] = {name: {"from": was, "to": now} for name, (was, now) in data.items()}
         return changed
 
+    def _keep_mixture(self, streams, saved):
+        """The interrupted epoch goes on with the mixture it started with (its stream state's split
+        of the epoch): new --weights, --final-weights or --epochs (which moves the interpolation)
+        apply from the next epoch. Returns the line that says so, if they moved it."""
+        args, epoch = self.args, self.epoch
+        targets = streams.get("targets")
+        now = [int(t) for t in order.apportion(self.stream.epoch_samples,
+                                               list(options.weights_at(args, epoch).values()))]
+        if not (isinstance(targets, list) and len(targets) == len(self.names)
+                and all(type(t) is int and t >= 0 for t in targets) and sum(targets) > 0) or targets == now:
+            return []  # (a malformed split is the stream's to refuse)
+        kept = {n: t / sum(targets) for n, t in zip(self.names, targets)}
+        args.kept_weights = {epoch: kept}
+        was = (saved.get("schedule") or {}).get("epochs")
+        why = [f"--epochs {was} -> {args.epochs}"] if was not in (None, args.epochs) else []
+        why += ["--weights"] if saved.get("weights") != self.fingerprint["weights"] else []
+        why += ["--final-weights"] if saved.get("final_weights") != self.fingerprint["final_weights"] else []
+        return [f"epoch {epoch + 1} keeps the mixture it started with ({_mix(kept)}); "
+                f"{' and '.join(why) or 'the new settings'} apply from epoch {epoch + 2} "
+                f"({_mix(options.weights_at(args, epoch + 1)) if epoch + 1 < args.epochs else 'none left'})"]
+
+    def _schedule_moves(self, saved, world, batch):
+        """One line where the learning rate at the resumed step differs from what the checkpoint's run
+        would have used: from, to, and why (the global batch, --lr, --epochs)."""
+        was = saved.get("schedule") or {}
+        lr, epochs = was.get("lr", self.args.lr), was.get("epochs", self.args.epochs)
+        samples = was.get("samples", self.stream.epoch_samples)
+        if not (isinstance(lr, (int, float)) and all(type(n) is int and n >= 1 for n in (epochs, samples))):
+            return []
+        old = learning_rate(argparse.Namespace(lr=lr), world * batch, self.seen, samples * epochs)
+        new = self.lr()
+        if math.isclose(old, new, rel_tol=1e-9, abs_tol=0.0):
+            return []
+        why = []
+        if world * batch != self.global_batch:
+            why.append(f"the global batch is {self.topo.world} x {self.args.batch_size} = {self.global_batch} samples, "
+                       f"the checkpoint's {world} x {batch} = {world * batch} (--lr is the rate for "
+                       f"{BASE_BATCH}; --global-batch {world * batch} keeps it)")
+        if lr != self.args.lr:
+            why.append(f"--lr {lr} -> {self.args.lr}")
+        if epochs != self.args.epochs:
+            why.append(f"--epochs {epochs} -> {self.args.epochs} stretches the schedule")
+        if samples != self.stream.epoch_samples:
+            why.append(f"an epoch is {self.stream.epoch_samples} samples, was {samples}")
+        return [f"the learning rate at step {self.step} moves from {old:.6g} to {new:.6g}: {'; '.join(why)}"]
+
+
+def _mix(weights):
+    return ", ".join(f"{n} {w:.4g}" for n, w in weights.items())
+
 
 class NonFiniteLoss(Exception):
     """The loss stopped being a number: the run stops rather than train on (exit code 3)."""
@@ -250,10 +316,16 @@ class NonFiniteLoss(Exception):
 
 def _before_resume(tallies, before):
     """Per-rank tallies of the part of an epoch run on another world size, for the summary;
-    `before`: those of still earlier world sizes."""
+    `before`: those of still earlier world sizes, which a rank's tally adds to (two re-deals in
+    an epoch each count)."""
     out = dict(before or {})
     for r, f in enumerate(tallies):
-        out[f"before_resume_rank{r}"] = f
+        key = f"before_resume_rank{r}"
+        if key in out:
+            g = out[key]
+            f = {"batches": g["batches"] + f["batches"], "samples": [a + b for a, b in zip(g["samples"], f["samples"])],
+                 "skipped": g["skipped"] + f["skipped"], "wait": g["wait"] + f["wait"], "busy": g["busy"] + f["busy"]}
+        out[key] = f
     return out
 
 
