@@ -1,6 +1,6 @@
-"""A scale rehearsal on paper: stop a thousand-GPU epoch, resume it on other worlds, check coverage.
+"""A scale rehearsal on paper: stop a thousand-GPU epoch, resume it on other worlds, again and again.
 
-    python tools/scale_sim.py                                  # 100,000 shards, 1,024 x 8 -> 768 and 1,280
+    python tools/scale_sim.py                    # 100,000 shards, 1,024 x 8 -> 768 -> 1,280 -> 1,024
     python tools/scale_sim.py --shards 2000 --world 16 --workers 2 --to-world 12 --to-world 20
 
 A source of --shards shards is made in memory (no files) and the trainer's own stream
@@ -8,17 +8,20 @@ A source of --shards shards is made in memory (no files) and the trainer's own s
 workers. The interruption is run forward with the real plans: each rank's workers take
 `--stop` batches each of their own choices (`deal.Choices`), and their runs' positions
 are walked window by window (`stages.RunPlan`) to the position that many samples
-reach; the stream records it as a consumed batch and writes its `state_dict`. Every
-rank of each --to-world then resumes from the gathered states with `load_state_dict`
-(or a random --ranks-checked of them), and coverage is checked from what those
-resumed streams hold: the positions each of their pairs will read (their segment's
-runs) must be disjoint from each other and from what the old world read, and together
-with it cover the epoch but for less than one global batch.
+reach; the stream records it as a consumed batch and writes its `state_dict`. The
+states are gathered as the trainer gathers them (the segment once, each rank's own
+entry), and every rank of the next --to-world resumes from them with `load_state_dict`,
+is interrupted the same way and writes its own: each world re-deals what the one before
+it left. Coverage is checked from what the streams hold: the positions each world read
+before its stop, and the runs of the last world's pairs (all it will read), must be
+apart and cover the epoch but for less than one global batch of the last world.
 
 Prints one JSON line: plan_s (one rank's segment and its workers' first windows),
-resume_s (the slowest resume, parsing the gathered state included),
-state_bytes_per_rank (the largest), state_bytes_gathered, covered_once, batches_left
-(the fewest a resumed rank still makes), ranks_checked.
+resume_s (the slowest resume of a rank, parsing the gathered state included), per world
+that wrote states its generation and the bytes of a rank's state (the largest), of the
+gathered state and of its segment, and whether they keep within the bounds (a rank's
+state at most 1 KB, the gathered state at most 64 B a rank plus the segment),
+covered_once and batches_left (the fewest batches a rank of the last world makes).
 """
 import json
 import os
@@ -31,6 +34,7 @@ sys.path.insert(0, ROOT)
 from pipeline.cli import Parser  # noqa: E402
 
 BATCH = 256
+RANK_BYTES, ENTRY_BYTES = 1024, 64  # the bounds: a rank's state; each rank's share of the gathered state
 
 
 def parse_args(argv=None):
@@ -40,18 +44,15 @@ def parse_args(argv=None):
     ap.add_argument("--shards", type=int, default=100_000)
     ap.add_argument("--world", type=int, default=1024)
     ap.add_argument("--workers", type=int, default=8)
-    ap.add_argument("--to-world", type=int, action="append", help="default: 768 and 1280")
+    ap.add_argument("--to-world", type=int, action="append",
+                    help="the worlds that resume, in turn, each from the one before (default: 768, 1280, 1024)")
     ap.add_argument("--samples-per-shard", type=int, default=1000)
     ap.add_argument("--stop", type=int, default=7, help="batches each old worker made before the stop (default: 7)")
-    ap.add_argument("--ranks-checked", type=int, default=64,
-                    help="resumed ranks of each new world whose pairs are checked, at random (default: 64; "
-                         "every rank when the world is no larger)")
     args = ap.parse_args(argv)
-    args.to_world = args.to_world or [768, 1280]
+    args.to_world = args.to_world or [768, 1280, 1024]
     for flag, values, low in (("--shards", [args.shards], 1), ("--world", [args.world], 1),
                               ("--workers", [args.workers], 0), ("--to-world", args.to_world, 1),
-                              ("--samples-per-shard", [args.samples_per_shard], 1), ("--stop", [args.stop], 0),
-                              ("--ranks-checked", [args.ranks_checked], 1)):
+                              ("--samples-per-shard", [args.samples_per_shard], 1), ("--stop", [args.stop], 0)):
         for v in values:
             if not low <= v <= 10 ** 7:
                 ap.error(f"{flag} {v}: between {low} and 10000000")
@@ -67,7 +68,7 @@ if __name__ == "__main__":
 
 import numpy as np  # noqa: E402
 
-from pipeline.data import deal  # noqa: E402
+from pipeline.data import deal, state as codec  # noqa: E402
 from pipeline.data.decode import Target  # noqa: E402
 from pipeline.data.manifest import Source  # noqa: E402
 from pipeline.data.stages import RunPlan  # noqa: E402
@@ -114,23 +115,32 @@ def interrupted(stream, stop):
     return stream.state_dict()
 
 
-def read_before(src, states, workers):
-    """The positions the old world read: each old pair's run up to its recorded position,
-    from the old segment as a stream loading those states on the old world holds it."""
-    old = stream_at(src, 0, states[0]["segment"]["world"], workers)
-    old.load_state_dict(states)
-    seg = old.current()
-    return [span for s in states for r in s["ranks"] for w in range(seg.workers)
-            for span in deal.cut(seg.runs(r["rank"] + w * seg.world)[0], 0, r["positions"][str(w)][0])]
+def gathered(states):
+    """Every rank's state as the trainer's checkpoint holds it (Run.state): the segment once,
+    each rank's own entry."""
+    return dict(states[0], ranks=[s["ranks"][0] for s in states])
 
 
-def covered_once(before, after, total, global_batch, every):
-    """No position in two runs (read before, or to be read by a checked pair after), and,
-    where every new rank was checked, all of the epoch but less than one global batch."""
-    spans = sorted(before + after)
+def read_by(seg, state):
+    """The spans of positions the pairs of `seg` read, by a gathered state of it: each pair's run
+    is a range of places in the segment's spans (pairs in order), read from its start."""
+    done, passed = state["done"], {}
+    for r in state["ranks"]:
+        for w, v in r["passed"]:
+            passed[r["rank"] + w * seg.world] = v
+    starts = np.concatenate([[0], np.cumsum(seg.quotas()[:, 0])])
+    read = {rank + w * seg.world: n[0] for rank in range(seg.world)
+            for w, n in codec.positions(seg, done, passed, rank).items()}
+    return deal.cut_all(seg.spans[0], [(int(starts[p]), int(starts[p]) + min(read[p], int(seg.quotas()[p, 0])))
+                                       for p in range(seg.pairs)])
+
+
+def covered_once(spans, total, global_batch):
+    """No position in two runs, and all of the epoch but less than one global batch."""
+    spans = sorted(spans)
     apart = all(b[0] >= a[0] + a[1] for a, b in zip(spans, spans[1:]))
     unread = total - sum(n for _, n in spans)
-    return apart and (not every or 0 <= unread < global_batch)
+    return apart and 0 <= unread < global_batch
 
 
 def main(argv=None):
@@ -141,34 +151,35 @@ def main(argv=None):
     first_windows(stream_at(src, 0, args.world, args.workers))
     plan_s = time.perf_counter() - t
 
-    states = [json.loads(json.dumps(interrupted(stream_at(src, r, args.world, args.workers), args.stop)))
-              for r in range(args.world)]
-    per_rank = max(len(json.dumps(s)) for s in states)
-    blob = json.dumps(states)
-    before = read_before(src, states, args.workers)
-    total = int(states[0]["targets"][0])
-
-    rng = np.random.default_rng(1)
-    resume_s, covered, left, checked = 0.0, True, None, 0
-    for world in args.to_world:
-        ranks = range(world) if world <= args.ranks_checked else sorted(
-            rng.choice(world, args.ranks_checked, replace=False).tolist())
-        after = []
-        for rank in ranks:
+    text, reads, hops, resume_s, same = None, [], [], 0.0, True
+    for world in (args.world, *args.to_world):
+        states, seg = [], None
+        for rank in range(world):
             t = time.perf_counter()
-            resumed = stream_at(src, rank, world, args.workers)
-            resumed.load_state_dict(json.loads(blob))
-            first_windows(resumed)
-            resume_s = max(resume_s, time.perf_counter() - t)
-            seg = resumed.current()  # the resumed stream's own segment: what its pairs will read
-            left = seg.batches if left is None else min(left, seg.batches)
-            after += [span for pair in pairs_of(seg, rank) for span in seg.runs(pair)[0]]
-            checked += 1
-        covered &= covered_once(before, after, total, world * BATCH, len(ranks) == world)
-    print(json.dumps({"plan_s": round(plan_s, 4), "resume_s": round(resume_s, 4), "state_bytes_per_rank": per_rank,
-                      "state_bytes_gathered": len(blob), "covered_once": bool(covered), "batches_left": left,
-                      "ranks_checked": checked, "shards": args.shards, "world": args.world, "workers": args.workers,
-                      "to_world": args.to_world}))
+            s = stream_at(src, rank, world, args.workers)
+            if text is not None:
+                s.load_state_dict(json.loads(text))
+                first_windows(s)
+                resume_s = max(resume_s, time.perf_counter() - t)
+            seg = seg or s.current()
+            same &= s.current() == seg  # every rank of a world deals itself the same segment
+            states.append(json.loads(json.dumps(interrupted(s, args.stop))))
+        state = gathered(states)
+        text = json.dumps(state)
+        segment = len(json.dumps({k: v for k, v in state.items() if k != "ranks"}))
+        per_rank = max(len(json.dumps(x)) for x in states)
+        hops.append({"world": world, "generation": seg.generation, "state_bytes_per_rank": per_rank,
+                     "state_bytes_gathered": len(text), "segment_bytes": segment,
+                     "within_bounds": per_rank <= RANK_BYTES and len(text) <= ENTRY_BYTES * world + segment})
+        reads.append(read_by(seg, state))
+    whole = deal.cut(seg.spans[0], 0, int(seg.quotas()[:, 0].sum()))  # all the last world's pairs read
+    covered = same and covered_once([x for r in reads[:-1] for x in r] + whole, int(state["targets"][0]),
+                                    seg.world * BATCH)
+    print(json.dumps({"plan_s": round(plan_s, 4), "resume_s": round(resume_s, 4), "hops": hops,
+                      "state_bytes_per_rank": max(h["state_bytes_per_rank"] for h in hops),
+                      "state_bytes_gathered": max(h["state_bytes_gathered"] for h in hops),
+                      "within_bounds": all(h["within_bounds"] for h in hops), "covered_once": bool(covered),
+                      "batches_left": seg.batches, "shards": args.shards, "workers": args.workers}))
 
 
 if __name__ == "__main__":

@@ -16,10 +16,11 @@ finds its own item by calling them (pipeline.data.topology).
 
 When a run stops, each pair has read a prefix of its runs. Resuming on the same world
 goes on from there with the same segment; on another world, what each pair left, and
-what no pair was given, become the spans of the next segment (`Segment.rest`). The
-state is small: the segment's spans and, per pair, the batches it made and the
-positions it passed over (damaged samples, samples a stage dropped); everything else
-is recomputed.
+what no pair was given, become the spans of the next segment (`Segment.after`). The
+state is small: the worlds the epoch ran on, the batches each made and the positions
+its pairs passed over (damaged samples, samples a stage dropped), kept in the segment's
+`history`; its spans, the pairs' runs and positions are recomputed from them
+(`replay`), so no span is ever offered on its own.
 """
 import functools
 from dataclasses import dataclass, replace

@@ -20,7 +20,6 @@ dozen bytes whatever the world, and a state is its segment once plus those entri
 import functools
 import hashlib
 import json
-import os
 
 from pipeline.data import deal, order
 
@@ -33,12 +32,21 @@ CHECK_CHARS = 16  # hex digits of a rank entry's check
 
 def listing(source):
     """The digest of a source's shard list: its manifest's (names, sizes, sha256, counts), or
-    for a source made without one, its shards' file names, sizes and counts."""
+    for a source made without one, its shards' file names, sizes and counts (kept per source
+    object: every state a stream writes or reads names it)."""
     if source.listing:
         return source.listing
-    rows = [[os.path.basename(u.rstrip("/")), size, int(n)]
-            for u, size, n in zip(source.urls, source.sizes or [None] * len(source.urls), source.counts)]
-    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+    kept = _LISTINGS.get(id(source))
+    if kept is None or kept[0] is not source:
+        rows = [[u.rstrip("/").rsplit("/", 1)[-1], size, int(n)]
+                for u, size, n in zip(source.urls, source.sizes or [None] * len(source.urls), source.counts)]
+        if len(_LISTINGS) >= 64:
+            _LISTINGS.clear()
+        kept = _LISTINGS[id(source)] = (source, hashlib.sha256(json.dumps(rows).encode()).hexdigest())
+    return kept[1]
+
+
+_LISTINGS = {}  # id(source): (source, digest)
 
 
 def encode(seg, targets, names, listings, seed, rank, done, passed, order_of):
@@ -175,9 +183,9 @@ def check(root, ranks, *, names, listings, seed, targets, passes, order_of):
     """A loaded state, every number checked against the stream's sources, their shards, seed,
     epoch and order settings and against the others (a checkpoint is input): ValueError
     naming the first that is off. Returns (segment, a deal.Segment; done, the batches each
-    rank made of it; {rank: {worker: positions read per source}}; {pair: positions of each
-    source it passed over without a sample}, pairs that passed none left out; whether it
-    was saved at its epoch's end). A state saved at its
+    rank made of it; the ranks whose entries it holds; {pair: positions of each source it
+    passed over without a sample}, pairs that passed none left out; whether it was saved
+    at its epoch's end). A state saved at its
     epoch's end says nothing about the next epoch, whose weights, order and data may differ."""
     S = len(names)
     if root["sources"] != names or root["seed"] != seed:
@@ -196,10 +204,10 @@ def check(root, ranks, *, names, listings, seed, targets, passes, order_of):
     done = _int(root["done"], "done", 0, seg.batches)
     if 1 < len(ranks) != seg.world:  # one rank's own state (same world), or every rank's
         raise ValueError(f"stream state: {len(ranks)} ranks' states for a segment of {seg.world} ranks")
-    positions, passed = {}, {}
+    ranks_seen, passed = set(), {}
     for r in ranks:
         rank = _int(r.get("rank"), "rank", 0, seg.world - 1)
-        if rank in positions:
+        if rank in ranks_seen:
             raise ValueError(f"stream state: rank {rank} appears twice")
         mine = {rank + w * seg.world: v for w, v in _passed(r.get("passed"), f"rank {rank} passed", seg.workers,
                                                              S).items()}
@@ -208,14 +216,27 @@ def check(root, ranks, *, names, listings, seed, targets, passes, order_of):
             raise ValueError(f"stream state rank {rank}: its check {_short(r.get('check'))} does not match its "
                              f"numbers: the state was edited or damaged (state_dict() writes it whole); resume "
                              f"from an unedited one")
-        positions[rank] = {w: [int(t) + mine.get(rank + w * seg.world, (0,) * S)[s]
-                               for s, t in enumerate(seg.taken(rank + w * seg.world, done))]
-                           for w in range(seg.workers)}
+        ranks_seen.add(rank)
         passed.update(mine)
     ended = done == seg.batches
     if not ended:  # (already checked where the state claimed no end)
         _check_same_epoch(root, got, targets, order_of, names, listings)
-    return seg, done, positions, passed, ended
+    return seg, done, ranks_seen, passed, ended
+
+
+def positions(seg, done, passed, rank):
+    """{worker: positions of each source read} of a rank's workers once each rank made `done`
+    batches: what their batches took, and what they passed over (`passed`, by pair)."""
+    return {w: [int(t) + int(n) for t, n in zip(seg.taken(rank + w * seg.world, done),
+                                                passed.get(rank + w * seg.world, (0,) * len(seg.spans)))]
+            for w in range(seg.workers)}
+
+
+@functools.lru_cache(maxsize=4)
+def redeal(seg, done, passed, world, workers, batch_size):
+    """seg.after, kept for the next call with the same state (every rank of a world loads the
+    same; passed: sorted (pair, counts) pairs)."""
+    return seg.after(done, dict(passed), world=world, workers=workers, batch_size=batch_size)
 
 
 def _claims_end(root):

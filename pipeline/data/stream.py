@@ -118,7 +118,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         self.workers = 1
         self.epoch = 0
         self._plan, self.arrived = None, {}  # where the stream stands: a Plan, the batches arrived under it
-        self._loaded = None  # a loaded state (segment, done, positions, passed, targets) the next plan is dealt from
+        self._loaded = None  # a loaded state (segment, done, ranks, passed, targets) the next plan is dealt from
         self._pinned = None  # (epoch, ended) of a state loaded since the last pass began
         self._epoch_given = False  # set_epoch was called: a state loaded later must be of that epoch
         self._plans, self._targets = 0, None
@@ -385,52 +385,51 @@ class MixedStream(torch.utils.data.IterableDataset):
         workers, batch size], "to": [...], "passed": {rank: positions passed over without a
         sample}}."""
         epoch_before = self.epoch if self._epoch_given and self._pinned is None else None
-        seg, done, positions, passed, ended, targets = self._check(state)
+        seg, done, ranks, passed, ended, targets = self._check(state)
         if epoch_before is not None and epoch_before not in ((seg.epoch, seg.epoch + 1) if ended else (seg.epoch,)):
             raise ValueError(_epoch_clash(seg.epoch, ended, epoch_before, "load_state_dict after set_epoch"))
-        self._adopt_checked(seg, done, positions, passed, ended, targets)
+        self._adopt_checked(seg, done, ranks, passed, ended, targets)
         self._pinned = (seg.epoch, ended)
         here = (self.topo.world, self.workers, self.batch_size)
         was = (seg.world, seg.workers, seg.batch_size)
-        same = was == here and self.topo.rank in positions
+        same = was == here and self.topo.rank in ranks
         kind = "next epoch" if ended else "same" if same else "re-deal"
         return {"deal": kind, "generation": 0 if ended else seg.generation + (kind == "re-deal"),
                 "from": list(was), "to": list(here),
-                "passed": {r: sum(sum(v) for p, v in passed.items() if p % seg.world == r) for r in positions}}
+                "passed": {r: sum(sum(v) for p, v in passed.items() if p % seg.world == r) for r in ranks}}
 
     def _check(self, state):
-        """(segment, done, positions, passed, ended, targets) of a state, every number checked (a state is input)."""
+        """(segment, done, ranks, passed, ended, targets) of a state, every number checked (a state is input)."""
         root, ranks = codec.merge(state)
-        seg, done, positions, passed, ended = codec.check(
+        seg, done, ranks, passed, ended = codec.check(
             root, ranks, names=self.layout.names, listings=self._listings(), seed=self.seed, targets=self.targets(),
             passes=self._passes(), order_of=self._order_settings())
         if not ended and (seg.world, seg.batch_size) != (self.topo.world, self.batch_size) and len(ranks) != seg.world:
-            raise ValueError(_every_rank(seg, positions, (self.topo.world, self.workers, self.batch_size)))
-        return seg, done, positions, passed, ended, root["targets"]
+            raise ValueError(_every_rank(seg, ranks, (self.topo.world, self.workers, self.batch_size)))
+        return seg, done, ranks, passed, ended, root["targets"]
 
     def _adopt(self, state):
         self._adopt_checked(*self._check(state))
 
-    def _adopt_checked(self, seg, done, positions, passed, ended, targets):
+    def _adopt_checked(self, seg, done, ranks, passed, ended, targets):
         if ended:  # torchdata's rule: a state saved at an epoch's end goes on at the next epoch's start
             self._restart(seg.epoch + 1)
         else:
             self._restart(seg.epoch)
-            self._loaded = (seg, done, positions, passed, targets)
+            self._loaded = (seg, done, ranks, passed, targets)
 
-    def _deal(self, seg, done, positions, passed, targets):
+    def _deal(self, seg, done, ranks, passed, targets):
         """(segment, start) of a loaded state on this stream's world and workers: its own segment
         where they are the state's, else what every pair left, dealt to them."""
         here = (self.topo.world, self.workers, self.batch_size)
         was = (seg.world, seg.workers, seg.batch_size)
-        mine = positions.get(self.topo.rank)
         self._targets = list(targets)
-        if was == here and mine is not None:
-            return seg, Start({w: seg.worker_done(w, done) for w in range(seg.workers)}, mine,
-                              first_logical=done % seg.workers)
-        if len(positions) != seg.world:
-            raise ValueError(_every_rank(seg, positions, here))
-        return seg.after(done, passed, world=here[0], workers=here[1], batch_size=here[2]), Start()
+        if was == here and self.topo.rank in ranks:
+            return seg, Start({w: seg.worker_done(w, done) for w in range(seg.workers)},
+                              codec.positions(seg, done, passed, self.topo.rank), first_logical=done % seg.workers)
+        if len(ranks) != seg.world:
+            raise ValueError(_every_rank(seg, ranks, here))
+        return codec.redeal(seg, done, tuple(sorted(passed.items())), *here), Start()
 
     def eval_stream(self, source, batch_size=None):
         """A finite stream over one source's test shards in this stream's batch format."""
