@@ -238,3 +238,28 @@ def _numbers(doc, path=()):
             yield from _numbers(v, path + (i,))
     elif type(doc) is int:
         yield path
+
+
+@pytest.mark.parametrize("case", range(16))
+def test_a_resume_on_another_batch_size_reads_no_sample_twice(shards, case):
+    """Random worlds and batch sizes before and after a stop (the trainer's --batch-size and
+    --global-batch change both), one to three re-deals: over the epoch no key twice, and fewer
+    unread than one global batch of the world that finishes it."""
+    rng = np.random.default_rng(900 + case)
+    src, states, read = shards["a40"], None, []
+    hops = [(int(rng.integers(1, 5)), int(rng.integers(1, 4)), int(rng.choice([3, 8, 10, 16, 32])))
+            for _ in range(int(rng.integers(2, 5)))]
+    for i, (world, workers, batch) in enumerate(hops):
+        ss = streams(src, world, workers, batch)
+        if states:
+            for s in ss:
+                assert s.load_state_dict(states)["deal"] in ("same", "re-deal")
+        left = ss[0].remaining()
+        last = i == len(hops) - 1 or not left  # the world that finishes the epoch
+        read += pull(ss, None if last else int(rng.integers(0, left)))
+        states = saved(ss)
+        if last:
+            break
+    twice, never = twice_never(read)
+    assert twice == 0, hops
+    assert never < world * batch, hops

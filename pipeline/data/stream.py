@@ -15,11 +15,12 @@ pairs, and a source's sample is read a second time only once all of its samples 
 read (a source smaller than its share of the epoch starts a new pass). `EvalStream`
 reads a source's test shards once, split over ranks and workers.
 
-A stream's state (`state_dict`) is the epoch's segment (spans of positions, the world
-that reads them) and, per rank and worker, the batches it made and the positions of
-each source it read: everything else is recomputed. `load_state_dict` goes on where
-that state stopped: on the same world with the same segment, bit for bit; on another,
-with what every pair left, dealt to the new world's pairs (`deal.Segment.rest`).
+A stream's state (`state_dict`, pipeline.data.state) is the epoch's segment (the world
+that reads it, and the worlds before it with what each consumed), the batches each rank
+made of it, the positions its workers passed over, and each source's shard-list digest:
+everything else is recomputed. `load_state_dict` goes on where that state stopped: on
+the same world with the same segment, bit for bit; on another, with what every pair
+left, dealt to the new world's pairs (`deal.Segment.after`).
 """
 import dataclasses
 
