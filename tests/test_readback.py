@@ -419,7 +419,7 @@ STREAM = {  # name: (change to the mid checkpoint's state, what its one line mus
     "done negative": (edit_json("stream", setitem(["done"], -1)), "stream state done: -1"),
     "passed of another worker": (_rank(lambda r: r.update(passed=[[1, [1, 0]]])), "rank 0 passed: 1"),
     "passed beyond a worker's run": (_rank(lambda r: r.update(passed=[[0, [0, 10 ** 6]]])),
-                                     "passed over 1000000 positions of source 1"),
+                                     "does not match its numbers"),
     "passed for three sources": (_rank(lambda r: r.update(passed=[[0, [0, 0, 1]]])), "rank 0 passed of 0"),
     "passed missing": (_rank(lambda r: r.pop("passed")), "rank 0 passed: a list"),
     # consistent in itself, but 3 batches where the run counted 5: an epoch of 12 would follow (192 of 160 samples)
