@@ -85,3 +85,29 @@ def test_the_loaders_workers_start_before_the_model_is_built(data, tmp_path, mon
     monkeypatch.setattr(run_module, "Net", net)
     assert train.main(args(data, tmp_path / "run", "--workers", "2", "--epochs", "1")) == 0
     assert seen == [2]
+
+
+@pytest.mark.parametrize("log_every", ["1000", "4"])
+def test_a_stop_signal_ends_the_run_after_its_step_whatever_log_every(data, tmp_path, monkeypatch, log_every):
+    """The votes are read every step, a step late on several ranks and at once on one, without
+    waiting for the device: a SIGTERM during step 3 stops the run after step 3 with a checkpoint,
+    not at the next metrics line or the epoch's end (it was step 20 with --log-every 1000)."""
+    import os
+    import signal
+
+    from pipeline.train import run as run_module
+
+    real = run_module.Run.step_once
+
+    def step_once(self, *a, **kw):
+        out = real(self, *a, **kw)
+        if self.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(run_module.Run, "step_once", step_once)
+    out = tmp_path / "run"
+    assert train.main(args(data, out, "--workers", "0", "--log-every", log_every)) == 143
+    lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [ln["step"] for ln in lines if ln["kind"] == "stopped"] == [3]
+    assert (out / "checkpoint.pt").exists()

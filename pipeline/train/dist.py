@@ -11,6 +11,7 @@ import signal
 import sys
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -46,6 +47,7 @@ def distributed(timeout_s=600):
     Yields (topology, device). A single process runs without a process group.
     `timeout_s` bounds how long a rank waits in a collective for the others.
     """
+    global _VOTES
     topo = Topology.from_env()
     device = device_for(topo)
     if topo.world > 1:
@@ -55,11 +57,46 @@ def distributed(timeout_s=600):
         dist.init_process_group(backend, timeout=timeout,
                                 **({"store": store, "rank": topo.rank, "world_size": topo.world} if store else {}),
                                 **({"device_id": device} if device.type == "cuda" else {}))
+        _VOTES = dist.new_group(backend="gloo")  # the stop votes' own group, on the CPU whatever the backend
     try:
         yield topo, device
     finally:
+        _VOTES = None
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+_VOTES = None
+
+
+class Votes:
+    """The ranks' stop votes, added up a step late on the CPU: each step casts its votes in an
+    asynchronous all-reduce of a group of its own (gloo) and reads the sums of the step
+    before, which finished while the step ran. Every rank casts once a step, so all of them
+    learn the same sums after the same step, and a signal stops the run one step after it
+    was noted, without the step waiting for the device or for the other ranks. In a single
+    process the votes are this step's."""
+
+    def __init__(self):
+        self.pending = None
+
+    def cast(self, votes):
+        """This step's votes in; the sums of the previous step's out (None at the first)."""
+        if _VOTES is None:
+            return list(votes)
+        summed = self.drain()
+        sums = np.array(votes, dtype=np.float64)  # read back through numpy: no tensor read in the step
+        self.pending = (dist.all_reduce(torch.from_numpy(sums), group=_VOTES, async_op=True), sums)
+        return summed
+
+    def drain(self):
+        """The sums of the last cast (None if none is pending), once it is done."""
+        if self.pending is None:
+            return None
+        work, sums = self.pending
+        self.pending = None
+        work.wait()
+        return sums.tolist()
 
 
 def restart_store(timeout):

@@ -22,7 +22,8 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
 
     A step queues its work and goes on: the host reads the device only where the step log is
     reduced (`settle`: a metrics line every --log-every steps, a checkpoint, the epoch's last
-    step), and that is where skipped steps are counted and a stop signal is agreed on."""
+    step), and that is where skipped steps are counted; the ranks agree on a stop signal a step
+    after it came, on the CPU (dist.Votes)."""
     args, topo = run.args, run.topo
     weights = options.weights_at(args, epoch)
     resumed = run.in_epoch
@@ -40,6 +41,7 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
     done_before = run.tally["batches"]
     bar = progress_bar(topo, done_before + left, f"epoch {epoch + 1}/{args.epochs}", done_before)
     per_source = torch.zeros(len(run.names), dtype=torch.int64)
+    votes = dist.Votes()
     t0 = time.perf_counter()
     got = 0
     for batch in prefetch.ahead(loader, run.device):  # workers persist across epochs and pick up set_epoch
@@ -62,10 +64,13 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
             keys.add(epoch + 1, batch["key"])
         if bar is not None:
             bar.update(1)
+        if run.stopper is not None and run.stopping is None:  # a step late, without waiting (dist.Votes)
+            run.stopping = run.stopper.agreed(votes.cast(run.stopper.vector()) or [])
         last = got == left
         logged = run.step % args.log_every == 0 or last
-        saving = not last and bool(args.checkpoint_every) and run.step % args.checkpoint_every == 0
-        if logged or saving or budget(run.step):
+        ending = budget(run.step) or run.stopping is not None
+        saving = not last and (bool(args.checkpoint_every) and run.step % args.checkpoint_every == 0 or ending)
+        if logged or saving:
             sums = settle(run, log, metrics, epoch, bar)
             if logged:
                 line = log.line(sums)
@@ -75,17 +80,18 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
                 metrics.log(kind="train", epoch=epoch + 1, step=run.step, lr=run.opt.param_groups[0]["lr"],
                             weights=weights, **line)
                 sums = None
-            ending = budget(run.step) or run.stopping is not None
-            if not last and (saving or ending):
+            if saving:
                 run.tally["samples"] = [a + b for a, b in zip(run.tally["samples"], per_source.tolist())]
                 per_source.zero_()
                 run.save(keys, sums)
                 if ending:
+                    votes.drain()
                     if bar is not None:
                         bar.close()
                     return False
         t0 = time.perf_counter()
         run.tally["busy"] += t0 - t1
+    votes.drain()
     if bar is not None:
         bar.close()
     run.tally["samples"] = [a + b for a, b in zip(run.tally["samples"], per_source.tolist())]
@@ -97,9 +103,8 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
 def settle(run, log, metrics, epoch, bar):
     """Read what the steps since the last read left on the device (StepLog.reduce, one wait):
     the steps skipped for a non-finite loss are recorded (the run ends once more than
-    --max-nonfinite were), and the ranks agree on a stop signal. Returns the reduced sums."""
-    votes = run.stopper.vector() if run.stopper else []
-    sums, skipped_steps, voted = log.reduce(votes)
+    --max-nonfinite were). Returns the reduced sums."""
+    sums, skipped_steps, _ = log.reduce()
     try:
         for step, where in skipped_steps:
             skip_nonfinite(run, metrics, epoch, step, where)
@@ -107,8 +112,6 @@ def settle(run, log, metrics, epoch, bar):
         if bar is not None:
             bar.close()  # the error line starts a line of its own
         raise
-    if run.stopper and run.stopping is None:
-        run.stopping = run.stopper.agreed(voted)
     return sums
 
 
