@@ -204,3 +204,69 @@ def _at(sources, epoch):
     s = new_stream(sources)
     s.set_epoch(epoch)
     return s
+
+
+# ---------------------------------------------------------------- the hostile review's findings
+
+
+def test_new_weights_inside_an_epoch_are_refused_and_leave_the_stream_as_it_was(sources):
+    """set_epoch(same epoch, new weights) after some batches: the epoch's split is fixed (its own
+    state_dict was refused by itself, and a loader made then left the stream on 2 workers of a
+    1-worker plan)."""
+    s = new_stream(sources)
+    read(s, 3)
+    with pytest.raises(ValueError, match=r"set_epoch\(0, weights\) inside epoch 0, after 3 batches"):
+        s.set_epoch(0, {"a": 1.0, "b": 1.0})
+    state = s.state_dict()
+    t = new_stream(sources)
+    t.load_state_dict(state)
+    s.set_epoch(1, {"a": 1.0, "b": 1.0})  # at the next epoch, new weights are taken
+    assert s.weights == {"a": 0.5, "b": 0.5} and s.remaining() == len(s)
+
+
+def test_set_workers_that_fails_leaves_the_workers_as_they_were(sources, monkeypatch):
+    s = new_stream(sources)
+    read(s, 3)
+    monkeypatch.setattr(MixedStream, "_adopt", lambda self, state: (_ for _ in ()).throw(ValueError("refused")))
+    with pytest.raises(ValueError, match="refused"):
+        s.set_workers(2)
+    assert s.workers == 1 and s.remaining() == 27
+
+
+def test_a_state_of_another_rank_alone_is_refused_when_loaded(sources):
+    from pipeline.data.topology import Topology
+
+    ranks = [MixedStream(sources, WEIGHTS, BATCH, Topology(r, 2), seed=7, shuffle_buffer=50, epoch_samples=300)
+             for r in range(2)]
+    for s in ranks:
+        read(s, 2)
+    with pytest.raises(ValueError, match=r"holds rank\(s\) \[1\]'s place only; this stream is rank 0"):
+        MixedStream(sources, WEIGHTS, BATCH, Topology(0, 2), seed=7, shuffle_buffer=50,
+                    epoch_samples=300).load_state_dict(ranks[1].state_dict())
+
+
+def test_a_loader_started_early_keeps_the_loaded_states_epoch_rule(sources):
+    """make_loader(...).start() looks at the next plan; a state loaded before still refuses
+    set_epoch of another epoch (start() had lifted it, and the state was thrown away)."""
+    s = new_stream(sources)
+    read(s, 4)
+    t = new_stream(sources)
+    t.load_state_dict(json.loads(json.dumps(s.state_dict())))
+    loader = make_loader(t, 1).start()
+    with pytest.raises(ValueError, match=r"saved inside epoch 0; set_epoch\(3\) disagrees"):
+        t.set_epoch(3)
+    assert t.remaining() == 26
+    loader.close()
+
+
+def test_a_re_deal_with_nothing_left_for_the_new_world_reads_the_next_epoch(sources):
+    """30 samples left, 4 ranks of 10: no batch for the new world; len(), remaining() and the next
+    pass agree (len 0 and remaining 13 while a pass read 0 batches, every time)."""
+    from pipeline.data.topology import Topology
+
+    s = MixedStream(sources, WEIGHTS, BATCH, seed=7, shuffle_buffer=50, epoch_samples=300)
+    read(s, 27)
+    state = json.loads(json.dumps(s.state_dict()))
+    new = MixedStream(sources, WEIGHTS, BATCH, Topology(0, 4), seed=7, shuffle_buffer=50, epoch_samples=300)
+    assert new.load_state_dict(state)["deal"] == "re-deal"
+    assert len(new) == new.remaining() == 7 and read(new)[1] == 7 and new.epoch == 1

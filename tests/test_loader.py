@@ -234,3 +234,118 @@ def test_forkserver_workers_read_what_forked_ones_read(even):
         return out
 
     assert keys("forkserver") == keys("fork")
+
+
+# ---------------------------------------------------------------- the hostile review's findings
+
+
+def _stream(data, n=40, **kw):
+    return MixedStream(train_sources(data.dir), HALF, 4, epoch_samples=4 * n, normalize=False, **kw)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_between_passes_is_started_again_by_the_next(data):
+    s = _stream(data)
+    loader = make_loader(s, 2)
+    first = [k for b in loader for k in b["key"]]
+    os.kill(loader.workers.procs[0].pid, signal.SIGKILL)
+    loader.workers.procs[0].join(5)
+    s.set_epoch(0)
+    assert [k for b in loader for k in b["key"]] == first  # was BrokenPipeError from begin()
+
+
+@pytest.mark.slow
+def test_a_closed_loader_says_so(data):
+    loader = make_loader(_stream(data), 2)
+    it = iter(loader)
+    next(it)
+    loader.close()
+    with pytest.raises(RuntimeError, match="the loader was closed"):  # was IndexError
+        next(it)
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_the_workers_is_left_to_the_consumer(data):
+    """A Ctrl-C reaches the terminal's whole process group; the workers ignore it, so a loop that
+    catches KeyboardInterrupt and goes on still has its workers (they exited before)."""
+    loader = make_loader(_stream(data), 2, prefetch_factor=1)
+    it = iter(loader)
+    next(it)
+    for p in loader.workers.procs:
+        os.kill(p.pid, signal.SIGINT)
+    assert len(list(it)) == 39
+
+
+class _Exit:
+    def __call__(self, sample):
+        raise SystemExit(5)
+
+
+@pytest.mark.slow
+def test_an_exit_raised_in_a_worker_does_not_end_the_consumer(data):
+    with pytest.raises(RuntimeError, match="SystemExit: 5"):
+        list(make_loader(_stream(data, sample_stages=[_Exit()]), 2))
+
+
+class _Huge:
+    def __call__(self, sample):
+        raise ValueError("x" * (10 << 20))
+
+
+@pytest.mark.slow
+def test_a_huge_error_from_a_worker_arrives_cut(data):
+    with pytest.raises(RuntimeError) as e:
+        list(make_loader(_stream(data, sample_stages=[_Huge()]), 1))
+    assert len(str(e.value)) < 100_000 and "more characters" in str(e.value)
+
+
+@pytest.mark.slow
+def test_a_forked_child_dropping_a_batch_leaves_the_parents_slot_alone(data):
+    """The child's copy of a lent batch dies with the child: the slot stays the parent's (it was given
+    back to the worker, which overwrote the batch the parent still held)."""
+    loader = make_loader(_stream(data), 1, prefetch_factor=1)
+    it = iter(loader)
+    kept = next(it)
+    next(it)  # the loader's own reference moves on: the child's copy of `kept` is its last
+    before = kept["image"].clone()
+    pid = os.fork()
+    if pid == 0:
+        del kept
+        import gc
+        gc.collect()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    rest = list(it)
+    assert len(rest) == 38 and torch.equal(kept["image"], before)
+
+
+def test_a_second_pass_at_zero_workers_stops_the_first(data):
+    loader = make_loader(_stream(data), 0)
+    first = iter(loader)
+    next(first)
+    second = iter(loader)
+    next(second)
+    with pytest.raises(RuntimeError, match="iterated again"):  # both ran before: 27 batches read twice
+        next(first)
+
+
+def test_a_ring_that_would_not_fit_in_shared_memory_is_one_line(tmp_path):
+    from pipeline.data.loader import check_shared_memory
+
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    check_shared_memory(free // 2, str(tmp_path))
+    with pytest.raises(ValueError, match=r"MiB of shared memory .* lower --workers or --batch-size"):
+        check_shared_memory(free + (1 << 30), str(tmp_path))
+
+
+class _Sleep:
+    def __call__(self, sample):
+        import time
+        time.sleep(30)
+        return sample
+
+
+@pytest.mark.slow
+def test_a_worker_that_sends_nothing_fails_the_pass_after_the_timeout(data):
+    with pytest.raises(TimeoutError, match=r"loader worker \d \(pid \d+\) sent nothing for 2 s"):
+        list(make_loader(_stream(data, sample_stages=[_Sleep()]), 2, timeout=2))

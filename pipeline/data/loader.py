@@ -10,6 +10,7 @@ runs the processes; each pass begins with the stream's plan, so every `set_epoch
 """
 import collections
 import multiprocessing
+import os
 
 import torch
 
@@ -19,13 +20,15 @@ from pipeline.data.topology import Worker
 from pipeline.data.workers import BATCH, END, Workers, raise_error, unpack
 
 
-def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=PREFETCH, start_method="fork", record=True):
+def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=PREFETCH, start_method="fork", record=True,
+                timeout=None):
     """A loader over a stream: iterate it once per epoch (after `stream.set_epoch`); its workers
     persist across epochs. With record=False the stream does not take a batch's place as it
     arrives: a consumer that pulls batches ahead of using them (the trainer's copy to the GPU
     one step ahead) records each one as it uses it (`stream.record(batch["state"])`), so a
     checkpoint never counts a batch not trained. pin_memory: batches page-locked for
-    asynchronous copies to the GPU (where CUDA is).
+    asynchronous copies to the GPU (where CUDA is). timeout: seconds a worker may send nothing
+    before the pass fails (TimeoutError; default: wait, as torch's DataLoader does).
 
     Each worker holds `prefetch_factor` + 2 slots; it works ahead as long as one is free.
     Forking a process while another of its Python threads starts or exits can deadlock the
@@ -38,29 +41,33 @@ def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=PREFETC
     `if __name__ == "__main__":` guard).
     """
     return Loader(stream, num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor,
-                  start_method=start_method, record=record)
+                  start_method=start_method, record=record, timeout=timeout)
 
 
 class Loader:
     """Batches of a stream, one pass per iteration (see make_loader)."""
 
     def __init__(self, stream, num_workers=0, *, pin_memory=False, prefetch_factor=PREFETCH, start_method="fork",
-                 record=True):
-        if num_workers < 0 or prefetch_factor < 1:
-            raise ValueError(f"num_workers must be at least 0 and prefetch_factor at least 1, got {num_workers}, "
-                             f"{prefetch_factor}")
+                 record=True, timeout=None):
+        if num_workers < 0 or prefetch_factor < 1 or (timeout is not None and timeout <= 0):
+            raise ValueError(f"num_workers must be at least 0, prefetch_factor at least 1 and a timeout above 0, got "
+                             f"{num_workers}, {prefetch_factor}, {timeout}")
+        depth = prefetch_factor + 2
+        spec = stream.batch_spec()
+        if num_workers:
+            check_shared_memory(num_workers * depth * spec.slot_bytes)
         if hasattr(stream, "set_workers"):
             stream.set_workers(max(1, num_workers))
         self.stream, self.num_workers, self.record = stream, num_workers, record
         self._early = None  # (plan, pass id) of a pass `start` began
+        self._passes = 0  # passes begun here: an iterator of an earlier one stops (at 0 workers)
         self._record = getattr(stream, "record", None) if record else None
         self.pin = bool(pin_memory) and torch.cuda.is_available()
-        depth = prefetch_factor + 2
         if num_workers:
-            self.ring = Ring(num_workers, depth, stream.batch_spec(), shared=True, pin=self.pin)
-            self.workers = Workers(stream, num_workers, self.ring, worker_context(start_method))
+            self.ring = Ring(num_workers, depth, spec, shared=True, pin=self.pin)
+            self.workers = Workers(stream, num_workers, self.ring, worker_context(start_method), timeout)
         else:
-            self.ring = Ring(1, depth, stream.batch_spec(), shared=False, pin=self.pin)
+            self.ring = Ring(1, depth, spec, shared=False, pin=self.pin)
             self.workers = None
             self._free = collections.deque(range(depth))
             self.ring.give_back = lambda producer, k: self._free.append(k)
@@ -77,14 +84,15 @@ class Loader:
             self.workers.start()
             self.ring.page_lock()
             if hasattr(self.stream, "plan"):
-                plan = self.stream.plan()
+                plan = self.stream.plan(begin=False)  # a state just loaded still decides the epoch
                 self._early = (plan, self.workers.begin(plan))
         return self
 
     def __iter__(self):
         plan = self.stream.plan() if hasattr(self.stream, "plan") else None
+        self._passes += 1
         if self.workers is None:
-            return self._here(plan)
+            return self._here(plan, self._passes)
         self.start()
         early, self._early = self._early, None
         return self._from_workers(early[1] if early is not None and early[0] is plan else self.workers.begin(plan))
@@ -105,10 +113,13 @@ class Loader:
                 batch.update(self.ring.lend(w, slot, n))
                 yield self._arrived(batch)
 
-    def _here(self, plan):
+    def _here(self, plan, pass_id):
         """A pass in this process: the stream writes into this loader's own slots (or, while the
         user holds all of them, into new memory)."""
         for batch in self.stream.batches(Worker(), self._borrow, plan):
+            if pass_id != self._passes:
+                raise RuntimeError("the loader was iterated again while this pass was being read; "
+                                   "a loader runs one pass at a time")
             kind, k, n = batch.pop("slot")
             batch.update(self.ring.lend(0, k, n) if kind == "slot" else self.ring.spec.views(k, n))
             yield self._arrived(batch)
@@ -137,6 +148,21 @@ class Loader:
             self.close()
         except Exception:  # noqa: BLE001 - at interpreter exit, whatever is left
             pass
+
+
+def check_shared_memory(nbytes, folder="/dev/shm"):
+    """ValueError (one line) when the workers' ring would not fit in the shared memory left:
+    its pages are taken as batches are written, and a write past the end of /dev/shm kills the
+    worker with SIGBUS (a container's default is 64 MiB)."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:  # no such file system here: torch's shared memory goes elsewhere
+        return
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise ValueError(f"the loader's workers need {nbytes / 2**20:.0f} MiB of shared memory for their batches, "
+                         f"{folder} has {free / 2**20:.0f} MiB free: lower --workers or --batch-size, or give the "
+                         f"container more (docker run --shm-size)")
 
 
 def plain(stream):

@@ -15,6 +15,7 @@ reading it goes back only once an event recorded then has completed.
 import collections
 import ctypes
 import math
+import os
 import threading
 import weakref
 
@@ -121,6 +122,7 @@ class Ring:
         self.copied = 0  # batches handed out as copies (the user held every other slot)
         self._pending = collections.deque()  # (CUDA event, producer, slot) of dropped slots a copy may still read
         self._lock = threading.Lock()
+        self._pid = os.getpid()  # a process forked from this one drops copies of batches, not slots
         self._registered = False
         self._events = pin and torch.cuda.is_available() and not shared  # a shared ring: once `page_lock` took
 
@@ -166,6 +168,8 @@ class Ring:
     def _dropped(self, producer, k):
         """The tensors of a slot are gone. With CUDA, a copy from it may still be queued: the slot
         goes back once an event recorded now on the current stream has completed (`reap`)."""
+        if os.getpid() != self._pid:  # a forked child's copy of a batch: the slot is still the parent's
+            return
         if self._events:
             try:
                 event = torch.cuda.Event()

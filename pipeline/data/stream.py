@@ -152,12 +152,14 @@ class MixedStream(torch.utils.data.IterableDataset):
         return self._place().segment
 
     def __len__(self):
-        """Batches of the epoch the next pass reads, on this rank."""
+        """Batches of the epoch the next pass reads, on this rank (`remaining`: what it yields)."""
+        self._place()
         return self.batches_per_epoch if self._finished() else self.current().batches
 
     def remaining(self):
         """Batches the next pass yields on this rank: all of its epoch's, or what a resumed or
         partly read epoch has left (after a finished epoch: the next one's, which that pass reads)."""
+        self._place()
         if self._finished():
             return self.batches_per_epoch
         return self.current().batches - sum(self._done().values())
@@ -183,17 +185,19 @@ class MixedStream(torch.utils.data.IterableDataset):
         self._plans += 1
         return Plan(self._plans, segment, start, tuple(self._targets))
 
-    def plan(self):
+    def plan(self, begin=True):
         """The plan of the pass about to begin (the loader asks as each pass begins): where the
         stream stands, with the batches that arrived since the last plan folded in. A pass
         after a finished epoch reads the next epoch (torchdata's rule; call `set_epoch` to
-        choose)."""
-        self._pinned = None
+        choose). begin=False: a look ahead (a loader starting its workers early), after which
+        a state just loaded still decides which epoch may be set."""
+        if begin:
+            self._pinned = None
         plan = self._place()
+        if self._finished():  # read to its end, or dealt to this world with nothing left
+            self._restart(self.epoch + 1)
+            return self._place()
         if self.arrived:
-            if self._finished():
-                self._restart(self.epoch + 1)
-                return self._place()
             self._plan = self._new_plan(plan.segment, self._start_now())
             self.arrived = {}
         return self._plan
@@ -217,9 +221,16 @@ class MixedStream(torch.utils.data.IterableDataset):
         """Select the epoch (and optionally new weights, e.g. from a schedule): a pass reads
         epoch `epoch` from its start; the epoch the stream stands in goes on where it is, and
         starts over once finished. Right after `load_state_dict`, only the state's epoch (or,
-        for a state saved at its epoch's end, the next) may be set: the state decides."""
+        for a state saved at its epoch's end, the next) may be set: the state decides. New weights
+        for the epoch the stream is inside are refused: its mixture was fixed when it began."""
         if weights is not None:
-            self.probs = check_weights(weights, self.layout.names)
+            probs = check_weights(weights, self.layout.names)
+            going = epoch == self.epoch and self._plan is not None and not self._finished() and sum(self._done().values())
+            if going and list(probs) != list(self.probs):
+                raise ValueError(f"set_epoch({epoch}, weights) inside epoch {epoch}, after {sum(self._done().values())} "
+                                 f"batches: an epoch's mixture is fixed when it begins; give the new weights with the "
+                                 f"next epoch's set_epoch")
+            self.probs = probs
         if self._pinned is not None:
             saved, ended = self._pinned
             if epoch not in ((saved, saved + 1) if ended else (saved,)):
@@ -242,9 +253,13 @@ class MixedStream(torch.utils.data.IterableDataset):
                                  f"{self.workers} worker(s); going on with {workers} re-deals what every rank left: "
                                  f"load every rank's state_dict() (a list) into streams made for {workers} workers, "
                                  f"or change workers at an epoch's start")
-            state = self.state_dict()
+            state, was = self.state_dict(), self.workers
             self.workers = workers
-            self._adopt(state)
+            try:
+                self._adopt(state)
+            except Exception:
+                self.workers = was  # the stream stays as it was, its plan and workers together
+                raise
             return
         self.workers = workers
         self._plan = None
@@ -405,8 +420,12 @@ class MixedStream(torch.utils.data.IterableDataset):
         seg, done, ranks, passed, ended = codec.check(
             root, ranks, names=self.layout.names, listings=self._listings(), seed=self.seed, targets=self.targets(),
             passes=self._passes(), order_of=self._order_settings())
-        if not ended and (seg.world, seg.batch_size) != (self.topo.world, self.batch_size) and len(ranks) != seg.world:
-            raise ValueError(_every_rank(seg, ranks, (self.topo.world, self.workers, self.batch_size)))
+        if not ended and len(ranks) != seg.world:
+            if (seg.world, seg.batch_size) != (self.topo.world, self.batch_size):
+                raise ValueError(_every_rank(seg, ranks, (self.topo.world, self.workers, self.batch_size)))
+            if self.topo.rank not in ranks:
+                raise ValueError(f"the stream state holds rank(s) {sorted(ranks)}'s place only; this stream is rank "
+                                 f"{self.topo.rank}: load this rank's own state, or a list of every rank's")
         return seg, done, ranks, passed, ended, root["targets"]
 
     def _adopt(self, state):
@@ -445,9 +464,9 @@ def _every_rank(seg, ranks, here):
 
 
 def _epoch_clash(saved, ended, epoch, order_):
-    where = f"the end of epoch {saved}, which goes on at epoch {saved + 1}" if ended else f"inside epoch {saved}"
+    where = f"at the end of epoch {saved}, which goes on at epoch {saved + 1}" if ended else f"inside epoch {saved}"
     allowed = f"{saved} or {saved + 1}" if ended else f"{saved}"
-    return f"{order_}: the stream state was saved at {where}; set_epoch({epoch}) disagrees (use {allowed})"
+    return f"{order_}: the stream state was saved {where}; set_epoch({epoch}) disagrees (use {allowed})"
 
 
 def _error_mode(on_error, strict):

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from pipeline.data.topology import Worker
+from pipeline.errors import cut
 
 HEADER = struct.Struct("<qiiii")  # pass, kind, slot, samples, payload bytes
 BATCH, END, ERROR = 0, 1, 2
@@ -53,8 +54,8 @@ class RemoteTraceback(Exception):
 class Workers:
     """`count` processes running `source.batches(worker, borrow, plan)` for each pass."""
 
-    def __init__(self, source, count, ring, ctx):
-        self.source, self.count, self.ring, self.ctx = source, count, ring, ctx
+    def __init__(self, source, count, ring, ctx, timeout=None):
+        self.source, self.count, self.ring, self.ctx, self.timeout = source, count, ring, ctx, timeout
         self.control = ctx.Array("q", [0] * count, lock=False)  # per worker: the current pass, or STOP
         self.procs, self.commands, self.ready, self.free, self.buffers = [], [], [], [], []
         self.pass_id = 0
@@ -66,10 +67,13 @@ class Workers:
         return bool(self.procs)
 
     def start(self):
-        """Start the processes (once). Each pipe's far end is closed here as soon as its worker
-        has it, so a later worker does not inherit it and a dead worker's pipe reads as ended."""
-        if self.procs:
+        """Start the processes (once; again after one died, e.g. killed between passes). Each
+        pipe's far end is closed here as soon as its worker has it, so a later worker does not
+        inherit it and a dead worker's pipe reads as ended."""
+        if self.procs and all(p.is_alive() for p in self.procs):
             return
+        if self.procs:
+            self.close()
         for w in range(self.count):
             cmd_r, cmd_w = self.ctx.Pipe(duplex=False)
             ready_r, ready_w = self.ctx.Pipe(duplex=False)
@@ -102,6 +106,8 @@ class Workers:
             if pass_id != self.pass_id:
                 raise RuntimeError("the loader was iterated again while this pass was being read; "
                                    "a loader runs one pass at a time")
+            if not self.procs:
+                raise RuntimeError("the loader was closed while this pass was being read")
             got, kind, slot, n, size = HEADER.unpack(self._read(w, HEADER.size))
             payload = bytes(self._read(w, size)) if size else b""
             if got == pass_id:
@@ -114,11 +120,18 @@ class Workers:
         header and its payload usually arrive in one read (one system call a batch, not two)."""
         buf = self.buffers[w]
         fd = self.ready[w].fileno()
+        waited = 0.0
         while len(buf) < size:
             if self.ring.waiting:  # slots wait for GPU copies: free them while this worker waits
                 self.ring.reap()
                 if not select.select([fd], [], [], 0.001)[0]:
                     continue
+            if self.timeout and not select.select([fd], [], [], min(self.timeout - waited, POLL_S))[0]:
+                waited += POLL_S
+                if waited >= self.timeout:
+                    raise TimeoutError(f"loader worker {w} (pid {self.procs[w].pid}) sent nothing for "
+                                       f"{self.timeout:g} s (make_loader's timeout)")
+                continue
             chunk = os.read(fd, max(size - len(buf), READ))
             if not chunk:
                 raise self._died(w)
@@ -132,10 +145,13 @@ class Workers:
         p.join(5)
         code = p.exitcode
         how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
-        return WorkerDied(f"loader worker {w} (pid {p.pid}) ended unexpectedly ({how}); if it was killed for memory, "
-                          f"lower --workers or --batch-size")
+        hint = "; if it was killed for memory, lower --workers or --batch-size" if code else ""
+        return WorkerDied(f"loader worker {w} (pid {p.pid}) ended unexpectedly ({how}){hint}; the next pass starts "
+                          f"the workers again")
 
     def _give_back(self, w, slot):
+        if os.getpid() != self.parent:  # a process forked from the consumer dropping its copy of a batch
+            return
         if w < len(self.free):
             try:
                 os.write(self.free[w].fileno(), SLOT.pack(slot))
@@ -190,8 +206,6 @@ def _serve(source, w, count, ring, commands, ready, free, control, parent):
                 _send(fd, pass_id, END, -1, 0, b"")
         except _Left:
             pass
-        except KeyboardInterrupt:
-            return
         except BrokenPipeError:
             return  # the consumer is gone
         except BaseException as e:  # noqa: BLE001 - every error goes to the consumer, which raises it
@@ -205,6 +219,7 @@ def _set_up(w, count, parent):
     """One thread for torch (the worker is one of many); webdataset's split_by_worker reads
     WORKER and NUM_WORKERS; the worker ends when the process that made it is gone."""
     os.environ["WORKER"], os.environ["NUM_WORKERS"] = str(w), str(count)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to act on; it ends the workers
     torch.set_num_threads(1)
     np.random.seed((w * 7919 + 17) % (1 << 32))
 
@@ -243,13 +258,24 @@ def unpack(payload, n):
     return small
 
 
+ERROR_BYTES = 64 << 10  # the most of an error (and of its traceback) a worker sends
+
+
 def _pickled_error(e):
-    text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    """A worker's error as the consumer re-raises it: the exception itself where it travels and
+    is small; else a RuntimeError with its text, cut (a message may be a whole shard). An exit
+    (SystemExit, GeneratorExit) raised by the user's code does not end the consumer: it is
+    re-raised there as a RuntimeError naming it."""
+    text = cut("".join(traceback.format_exception(type(e), e, e.__traceback__)), ERROR_BYTES)
     try:
+        if not isinstance(e, Exception):
+            raise TypeError("not an Exception")
         body = pickle.dumps(e)
+        if len(body) > ERROR_BYTES:
+            raise ValueError("too large")
         pickle.loads(body)
     except Exception:  # noqa: BLE001 - an exception that cannot travel goes as its text
-        body = pickle.dumps(RuntimeError(f"{type(e).__name__}: {e}"))
+        body = pickle.dumps(RuntimeError(cut(f"{type(e).__name__}: {e}", ERROR_BYTES)))
     return pickle.dumps((body, text))
 
 
