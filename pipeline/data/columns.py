@@ -19,6 +19,7 @@ import numpy as np
 
 from pipeline.data.ring import Field, Spec
 from pipeline.data.schema import Column
+from pipeline.errors import InputError
 
 
 def default_columns(source):
@@ -69,6 +70,22 @@ class FieldLayout:
         self.fixed = [f for c in self.columns for f in fields_of(c)]
         self.fixed += [Field(n + "_mask", np.bool_) for n in self.masked] + [Field("source", np.int64)]
         self.zeroed = [f.name for c in self.columns if c.padded or c.name in self.masked for f in fields_of(c)]
+
+    def _refusal(self):
+        named = [s.name for s in self.sources if getattr(s, "schema", None) is not None]
+        return InputError(f"source(s) {', '.join(named)} hold fields of their own (their manifests' or the stream's "
+                          f"schemas: {', '.join(c.name for c in self.columns)}); the trainer takes image and label "
+                          f"only: stream the fields with MixedStream in your own loop (docs/data.md, 'Fields'), or "
+                          f"give the stream schemas={{name: None}} to read image and label")
+
+    @property
+    def num_classes(self):  # what the image-and-label trainer asks of batch.Layout first: one line, not an AttributeError
+        raise self._refusal()
+
+    hw = offsets = num_classes
+
+    def normalize(self, *args, **kwargs):
+        raise self._refusal()
 
     def index(self, name):
         try:

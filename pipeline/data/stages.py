@@ -724,6 +724,8 @@ class Decode(Node):
         for j, (i, seed) in enumerate(zip(idx.tolist(), seeds.tolist())):
             try:
                 v = self.schema.sample(d.images[i], seed & SEED_MASK, d.keys[i], source)
+            except InputError:  # a stage of the user's that failed: the user's to fix, not the sample's
+                raise
             except ValueError as e:
                 self.reader.bad(d.urls[i], d.keys[i], e)
                 continue

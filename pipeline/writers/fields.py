@@ -17,7 +17,7 @@ import numpy as np
 from pipeline.data import decode
 from pipeline.data.decode import CONTENT_ERRORS, image_format, open_image, pil_reason, pixels_of
 from pipeline.data.manifest import FORMAT
-from pipeline.data.schema import MAX_TEXT, Column, Schema
+from pipeline.data.schema import MAX_TEXT, Column, Schema, parse_fields
 from pipeline.data.values import value_of
 from pipeline.errors import ShardError, redact
 
@@ -126,3 +126,32 @@ def describe(fields):
         else:
             out.append(f"{f.name} ({f.kind} {f.member if ':' in f.member else '.' + f.member})")
     return ", ".join(out)
+
+
+def add_options(a):
+    """make_shards' --fields and --captions."""
+    a("--fields", metavar="SPEC", help="with --index: the samples' fields, recorded in the manifest in place of an "
+                                       "image and a label: NAME:TYPE=MEMBER[,OPTION=VALUE...] separated by spaces, "
+                                       "e.g. 'image:image=jpg;png;webp,fit=center-crop,size=224x224 caption:text=txt "
+                                       "score:float=json:aesthetic' (types image, text, int, float, array, bytes; "
+                                       "docs/data.md, 'Fields')")
+    a("--captions", action="store_true", help="with --imagefolder: write each image's caption, the .txt file "
+                                              "beside it (IMAGE.txt for IMAGE.jpg), as a .txt member (the folder may "
+                                              "also be a flat one of image + .txt pairs); the manifest records the "
+                                              "fields image, label and caption")
+
+
+def check_options(p, args, label_flags):
+    """--fields parsed into a Schema (p.error, one line, for a malformed one), refused beside the
+    flags that describe an image and a label; --captions only for image folders."""
+    if args.fields is not None:
+        given = [f"--{k.replace('_', '-')}" for k in label_flags if getattr(args, k)]
+        if given:
+            p.error(f"--fields names every field; {', '.join(given)} describe an image and a label: give the label "
+                    f"as a field instead (e.g. label:int=cls)")
+        try:
+            args.fields = parse_fields(args.fields)
+        except ValueError as e:
+            p.error(str(e))
+    if args.captions and not args.imagefolder and not args.cifar10_dir:
+        p.error("--captions applies to --imagefolder (and --cifar10-dir) sources only")
