@@ -384,3 +384,25 @@ def test_a_stream_on_ranks_reads_each_sample_once(img2dataset):
         for b in make_loader(stream, 0):
             keys += b["key"]
     assert len(keys) == len(set(keys)) == 60
+
+
+@pytest.mark.slow
+def test_the_examples_stream_fields_into_their_models(img2dataset, every, tmp_path):
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {"PYTHONPATH": repo, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, os.path.join(repo, "examples", "image_text.py"), img2dataset, "--steps", "4"],
+                       capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "image (16, 3, 24, 24) torch.uint8, caption ids (16, 32), lengths" in r.stdout and "4 steps" in r.stdout
+    index.index("pets", "train", os.path.dirname(every.urls[0]), str(tmp_path), progress=False,
+                fields=parse_fields("image:image=jpg;png,fit=native,size=512x512 label:int=cls"))
+    r = subprocess.run([sys.executable, os.path.join(repo, "examples", "classify_native.py"), str(tmp_path),
+                        "--steps", "3"], capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "image (16, 3, 64, 64), 3 steps" in r.stdout
+    r = subprocess.run([sys.executable, os.path.join(repo, "examples", "image_text.py"), str(tmp_path), "--name",
+                        "pets"], capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode != 0 and r.stderr.strip().endswith("has no image and caption fields; index it with --fields "
+                                                           "(see --help)")

@@ -128,6 +128,7 @@ class Column:
             raise bad(str(e)) from None
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen: normalised once, here)
         set_("member", ";".join(e + (":" + ".".join(p) if p else "") for e, p in members))
+        set_("_members", members)  # parsed once: every sample asks
         if self.kind == "image":
             if any(p or decode.image_format(e) in (None, "npy") for e, p in members):
                 raise bad(f"image member {self.member!r}: image extensions expected "
@@ -171,7 +172,7 @@ class Column:
 
     @property
     def members(self):
-        return parse_member(self.member)
+        return self._members
 
     @property
     def padded(self):
@@ -324,10 +325,34 @@ class Schema:
                                      f"(has {cut(', '.join(have), 120) or 'nothing'})")
         return record
 
-    def sample(self, record, seed, key="?", source="?"):
+    def decode_images(self, records, seeds):
+        """The crop-fitted image fields of many samples decoded together (decode.decode_batch: one
+        torchvision call for a batch of JPEGs, one inflate a PNG as make_shards writes them), as
+        `sample` would decode them one by one: [{field: pixels, or the ValueError}] a record."""
+        out = [{} for _ in records]
+        for k, col in enumerate(self.columns):
+            if col.kind != "image" or col.fit not in ("center-crop", "random-crop"):
+                continue
+            rows = [j for j, r in enumerate(records) if col.name in r]
+            if not rows:
+                continue
+            crops = None
+            if col.fit == "random-crop":
+                crops = np.array([_crop(_rng(seeds[j], 128 | k)) for j in rows])
+            pixels, kept, errors = decode.decode_batch(
+                [bytes(records[j][col.name][2]) for j in rows],
+                [decode.image_format(records[j][col.name][0]) for j in rows], _Shape((col.channels, *col.size)), crops)
+            for n, at in enumerate(kept):
+                out[rows[at]][col.name] = pixels[n]
+            for at, message in errors:
+                out[rows[at]][col.name] = ValueError(message)
+        return out
+
+    def sample(self, record, seed, key="?", source="?", decoded=None):
         """The sample's values after decoding and the stages ({field: value}, None for an optional
-        field it lacks), or None where a stage dropped it. ValueError for content that does not
-        fit; InputError for a stage of the user's that fails or returns what the fields can't hold."""
+        field it lacks), or None where a stage dropped it; `decoded`: its fields decode_images made.
+        ValueError for content that does not fit; InputError for a stage of the user's that fails
+        or returns what the fields can't hold."""
         values, parsed = {}, {}
         for k, col in enumerate(self.columns):
             got = record.get(col.name)
@@ -335,14 +360,19 @@ class Schema:
                 values[col.name] = None
                 continue
             ext, path, data = got
+            if decoded is not None and col.name in decoded:
+                if isinstance(decoded[col.name], ValueError):
+                    raise ValueError(f"field {col.name}: {decoded[col.name]}")
+                values[col.name] = decoded[col.name]
+                continue
             try:
-                values[col.name] = value_of(col, ext, path, data, parsed, lambda k=k: random.Random((seed << 8) | 128 | k))
+                values[col.name] = value_of(col, ext, path, data, parsed, lambda k=k: _rng(seed, 128 | k))
             except ValueError as e:
                 raise ValueError(f"field {col.name}: {e}") from None
             except decode.CONTENT_ERRORS as e:
                 raise ValueError(f"field {col.name}: unreadable .{ext} ({type(e).__name__}: {cut(e, 80)})") from None
         for k, stage in enumerate(self.stages):
-            rng = random.Random((seed << 8) | (k & 127))
+            rng = _rng(seed, k & 127)
             if hasattr(stage, "column"):
                 if values[stage.field] is not None:
                     values[stage.field] = stage(values[stage.field], rng)
@@ -351,6 +381,22 @@ class Schema:
             if values is None:
                 return None
         return values
+
+
+def _rng(seed, salt):
+    """The generator of one draw site of a sample: its stage (salt < 128) or its field's crop."""
+    return random.Random((seed << 8) | salt)
+
+
+def _crop(rng):
+    return rng.random(), rng.random()
+
+
+class _Shape:
+    """What decode.decode_batch asks of its target: the shape."""
+
+    def __init__(self, shape):
+        self.shape = shape
 
 
 def _cap_hint(col, ext):

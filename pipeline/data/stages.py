@@ -719,11 +719,12 @@ class Decode(Node):
         image; a sample a stage of the schema drops is left out unreported, as UserStage does."""
         d, idx = chunk.data, chunk.idx
         seeds = np.arange(len(idx), dtype=np.uint64) + np.uint64(chunk.seed0)
-        source = self.reader.source.name
+        source, rows, masked = self.reader.source.name, idx.tolist(), [s & SEED_MASK for s in seeds.tolist()]
+        decoded = self.schema.decode_images([d.images[i] for i in rows], masked)
         values, kept = [], []
-        for j, (i, seed) in enumerate(zip(idx.tolist(), seeds.tolist())):
+        for j, (i, seed) in enumerate(zip(rows, masked)):
             try:
-                v = self.schema.sample(d.images[i], seed & SEED_MASK, d.keys[i], source)
+                v = self.schema.sample(d.images[i], seed, d.keys[i], source, decoded[j])
             except InputError:  # a stage of the user's that failed: the user's to fix, not the sample's
                 raise
             except ValueError as e:

@@ -143,7 +143,7 @@ def image_value(data, ext, col, rng):
     shape = (c, h, w)
     if ext == "raw" or col.fit in ("center-crop", "random-crop"):
         u = rng() if col.fit == "random-crop" else None
-        crop = None if u is None else (u.random(), u.random())
+        crop = None if u is None else (u.random(), u.random())  # as schema.decode_images draws it
         return decode.decode_image(data, ext, shape, crop)
     try:
         pixels = decode._pil(data, ext, shape)
