@@ -354,7 +354,7 @@ def test_the_index_refuses_a_sample_that_does_not_fit_in_one_line(img2dataset, t
         assert done.returncode == 2 and said in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
-def test_an_imagefolder_is_written_with_its_captions(tmp_path):
+def test_an_imagefolder_or_a_folder_of_pairs_is_written_with_its_captions(tmp_path):
     for i in range(6):
         folder = tmp_path / "tree" / f"c{i % 2}"
         folder.mkdir(parents=True, exist_ok=True)
@@ -370,6 +370,19 @@ def test_an_imagefolder_is_written_with_its_captions(tmp_path):
     assert got == {caption_of(i) for i in range(6)} and all(b["image"].shape == (3, 3, 8, 8) for b in batches)
     plain = list(make_loader(MixedStream([src], {"pics": 1}, 3, schemas={"pics": None}), 0))
     assert all("caption" not in b and b["image"].shape == (3, 3, 8, 8) for b in plain)  # image and label as ever
+    pairs = tmp_path / "pairs"
+    pairs.mkdir()
+    for i in range(4):
+        Image.fromarray(image_of(2)[:6, :10]).save(pairs / f"p{i}.jpg")
+        (pairs / f"p{i}.txt").write_text(caption_of(i))
+    done = make_shards_in_process(["--imagefolder", f"flat:train={pairs}", "--out", str(tmp_path / "out"), "--quiet"])
+    assert done.returncode == 2 and "holds no images in ImageFolder layout" in done.stderr  # as before, without captions
+    done = make_shards_in_process(["--imagefolder", f"flat:train={pairs}", "--captions", "--out",
+                                   str(tmp_path / "out"), "--quiet", "--workers", "1"])
+    assert done.returncode == 0, done.stderr
+    batches = list(make_loader(MixedStream([resolve("flat", str(tmp_path / "out"), "train")], {"flat": 1}, 2), 0))
+    assert sorted(c for b in batches for c in b["caption"]) == sorted(caption_of(i) for i in range(4))
+    assert all(b["image"].shape == (2, 3, 6, 10) and not b["label"].any() for b in batches)
     os.remove(tmp_path / "tree" / "c1" / "im3.txt")
     done = make_shards_in_process(["--imagefolder", f"pics:train={tmp_path / 'tree'}", "--captions", "--out",
                                    str(tmp_path / "out2"), "--quiet", "--workers", "1"])
@@ -406,3 +419,18 @@ def test_the_examples_stream_fields_into_their_models(img2dataset, every, tmp_pa
                         "pets"], capture_output=True, text=True, timeout=180, env=env)
     assert r.returncode != 0 and r.stderr.strip().endswith("has no image and caption fields; index it with --fields "
                                                            "(see --help)")
+
+
+def test_an_evaluation_stream_reads_its_own_fields_once(img2dataset, tmp_path):
+    index.index("laion", "test", img2dataset, str(tmp_path), progress=False,
+                fields=parse_fields("image:image=jpg,fit=pad,size=20x20 caption:text=txt"))
+    train = resolve("laion", img2dataset, "train")
+    stream = MixedStream([train], {"laion": 1}, 8, schemas={"laion": Schema(train.schema.columns,
+                                                                              [augment.Flip("image")])})
+    for workers in (0, 2):
+        keys = []
+        for b in make_loader(stream.eval_stream(resolve("laion", str(tmp_path), "test")), workers):
+            assert b["image"].shape[1:] == (3, 20, 20) and b["image_size"].shape == (len(b["key"]), 2)
+            assert [int(c.split()[1]) for c in b["caption"]] == [int(k) for k in b["key"]]
+            keys += b["key"]
+        assert sorted(keys) == [f"{i:09d}" for i in range(60)]

@@ -30,6 +30,7 @@ from pipeline.data import deal, loader, order, remote, stages
 from pipeline.data import state as codec
 from pipeline.data.batch import NOTHING, Collate, Layout
 from pipeline.data.columns import FieldLayout
+from pipeline.data.schema import Schema
 from pipeline.errors import Errors, ShardError
 from pipeline.data.loader import make_loader  # noqa: F401  (make_loader: this module's API)
 from pipeline.data.manifest import Source, resolve  # noqa: F401  (part of this module's API)
@@ -481,7 +482,11 @@ class EvalStream(torch.utils.data.IterableDataset):
         self.layout, self.batch_size, self.topo = layout, batch_size, topo
         self.index = layout.index(source.name)
         train = layout.sources[self.index]
-        if source.shape != train.shape:  # test images are decoded to the shape the model trains on
+        if getattr(train, "schema", None) is not None or getattr(source, "schema", None) is not None:
+            if source.schema is None:  # fields: the test manifest's, else the training's without its stages
+                source = dataclasses.replace(source, schema=Schema(train.schema.columns))
+            self.layout = layout_of([source if i == self.index else s for i, s in enumerate(layout.sources)])
+        elif source.shape != train.shape:  # test images are decoded to the shape the model trains on
             if "raw" in source.target.image_exts:
                 raise ShardError(f"{source.name}: raw test shards are {source.shape}, training shards {train.shape}; "
                                  f"raw pixels cannot be resized")

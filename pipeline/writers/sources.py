@@ -76,19 +76,31 @@ def _gist(error):
 
 
 class ImageFolderSource:
-    """A torchvision ImageFolder tree; every image must match the first in size and mode."""
+    """A torchvision ImageFolder tree; every image must match the first in size and mode. With
+    captions, each image's caption is the .txt file beside it, and the folder may also be a flat
+    one of image + .txt pairs (one class, "0")."""
 
     def __init__(self, name, split, root, captions=False):
         import torchvision
 
         if not os.path.isdir(root):
             raise SourceError(f"{name} {split}: {root!r} is not a directory")
+        flat = captions and not any(e.is_dir() for e in os.scandir(root))
         try:
-            self.folder = torchvision.datasets.ImageFolder(root)
+            if flat:  # a folder of image + .txt pairs: one class, the captions are what it holds
+                classes = ["0"]
+                samples = [(os.path.join(root, f), 0) for f in sorted(os.listdir(root))
+                           if f.lower().endswith(torchvision.datasets.folder.IMG_EXTENSIONS)]
+                if not samples:
+                    raise FileNotFoundError("no image files in it")
+            else:
+                folder = torchvision.datasets.ImageFolder(root)
+                classes, samples = folder.classes, folder.samples
         except (FileNotFoundError, RuntimeError) as e:
-            raise SourceError(f"{name} {split}: {root!r} holds no images in ImageFolder layout: {e}") from None
-        self.name, self.split, self.classes = name, split, list(self.folder.classes)
-        self.samples = self.folder.samples
+            raise SourceError(f"{name} {split}: {root!r} holds no images in ImageFolder layout"
+                              f"{' nor image + .txt pairs' if captions else ''}: {e}") from None
+        self.name, self.split, self.classes = name, split, list(classes)
+        self.samples = samples
         self.captions = captions  # each image's caption, the .txt file beside it (`caption`)
         self.origin = {"kind": "imagefolder", "root": os.path.abspath(root),
                        "note": f"images from an ImageFolder tree of {len(self.samples)} files"}
