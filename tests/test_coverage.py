@@ -41,7 +41,13 @@ def corpus(tmp_path_factory, request):
         for name, n, per in SIZES:
             build_shards(out, name, "train", n, shape=(1, 2, 2), maxcount=per)
         return {name: resolve(name, str(out), "train") for name in "abc"}
-    for name, n, per in SIZES:
+    return {s.name: s for s in fields_corpus(out, SIZES)}
+
+
+def fields_corpus(out, sizes):
+    """Sources of (name, samples, per shard) whose keys are make_shards' and whose captions are
+    their keys, read through a schema with a caption and a random resized crop + flip stage."""
+    for name, n, per in sizes:
         def sample(i, name=name):
             key = f"{name}-train-{i:07d}"
             png = encode_pil(Image.fromarray(np.full((3, 4), i % 251, np.uint8)), "PNG")
@@ -49,8 +55,8 @@ def corpus(tmp_path_factory, request):
         write_foreign(out / name, n, per, name + "-{:04d}.tar", sample)
         index.index(name, "train", str(out / name), str(out), fields=FIELDS, progress=False)
     stages = [augment.RandomResizedCrop("image", 2), augment.Flip("image")]
-    return {name: dataclasses.replace(resolve(name, str(out), "train"), schema=schema.Schema(FIELDS.columns, stages))
-            for name in "abc"}
+    return [dataclasses.replace(resolve(name, str(out), "train"), schema=schema.Schema(FIELDS.columns, stages))
+            for name, _, _ in sizes]
 
 
 FIELDS = schema.parse_fields("image:image=png,fit=native,size=4x4,channels=1 caption:text=txt label:int=cls")
