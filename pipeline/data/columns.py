@@ -75,8 +75,8 @@ class FieldLayout:
         named = [s.name for s in self.sources if getattr(s, "schema", None) is not None]
         return InputError(f"source(s) {', '.join(named)} hold fields of their own (their manifests' or the stream's "
                           f"schemas: {', '.join(c.name for c in self.columns)}); the trainer takes image and label "
-                          f"only: stream the fields with MixedStream in your own loop (docs/data.md, 'Fields'), or "
-                          f"give the stream schemas={{name: None}} to read image and label")
+                          f"only: stream the fields with MixedStream in your own loop (docs/data.md, 'Fields'), where "
+                          f"schemas={{name: None}} also reads such a source as image and label")
 
     @property
     def num_classes(self):  # what the image-and-label trainer asks of batch.Layout first: one line, not an AttributeError
