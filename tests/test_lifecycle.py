@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from helpers import build_shards
+from test_coverage import fields_corpus
 from pipeline.data.manifest import resolve
 from pipeline.data.stream import MixedStream, make_loader
 from pipeline.data.topology import Worker
@@ -22,10 +23,15 @@ BATCH = 10
 WEIGHTS = {"a": 2.0, "b": 1.0}
 
 
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory):
+@pytest.fixture(scope="module", params=["image+label", "fields"])
+def sources(tmp_path_factory, request):
+    """Tiny raw images and labels, or (fields) PNGs with a caption, read through a schema with a
+    text field and a random resized crop stage (the corpus of tests/test_coverage.py)."""
     out = tmp_path_factory.mktemp("lifecycle")
-    for name, n, per in (("a", 330, 40), ("b", 200, 30)):
+    sizes = (("a", 330, 40), ("b", 200, 30))
+    if request.param == "fields":
+        return fields_corpus(out, sizes)
+    for name, n, per in sizes:
         build_shards(out, name, "train", n, shape=(1, 2, 2), maxcount=per)
     return [resolve(n, str(out), "train") for n in "ab"]
 
@@ -50,6 +56,7 @@ def read(stream, most=None):
                 continue
             stream.record(batch["state"])
             keys += batch["key"]
+            assert batch.get("caption", batch["key"]) == batch["key"]  # fields: each row's caption is its key
             got += 1
     return keys, got
 
@@ -66,7 +73,7 @@ class Expected:
 
 
 def reference(sources, epoch, cache={}):
-    key = (id(sources), epoch)
+    key = (tuple(s.manifest for s in sources), epoch)
     if key not in cache:
         s = new_stream(sources)
         s.set_epoch(epoch)

@@ -25,7 +25,8 @@ def batch_bytes(batch_size, shapes):
     return batch_size * 3 * max(s[1] for s in shapes) * max(s[2] for s in shapes)
 
 
-def needed(batch_size, shapes, workers, *, prefetch_factor=PREFETCH, window_bytes=0, eval_sources=0, step_bytes=0):
+def needed(batch_size, shapes, workers, *, prefetch_factor=PREFETCH, window_bytes=0, eval_sources=0, step_bytes=0,
+           fields=None):
     """{"batch", "ring", "eval_ring", "decode", "trainer", "windows", "step", "total"}: bytes one
     rank's loaders and step may hold. ring: the training loader's workers (1 without) x
     (prefetch_factor + 2) batches; eval_ring: the same for each evaluation loader, which keeps
@@ -38,12 +39,14 @@ def needed(batch_size, shapes, workers, *, prefetch_factor=PREFETCH, window_byte
     (3 images of the target's size); trainer: the uint8 batch copied out and its float32 copy
     (5 bytes a pixel); windows: `window_bytes` (what one (rank, worker) holds for one source's
     shuffle window) per source and worker; step: the caller's `step_bytes`, what the model's
-    step holds (the trainer counts it on the CPU)."""
+    step holds (the trainer counts it on the CPU). fields: (bytes of a batch with every field at its
+    cap, bytes of its largest image field) of a stream of fields (columns.FieldLayout.memory), in
+    place of the image batch the shapes make."""
     shapes = list(shapes)
-    batch = batch_bytes(batch_size, shapes)
+    batch = batch_bytes(batch_size, shapes) if fields is None else fields[0]
     depth = prefetch_factor + 2
     decoders = max(workers, 1) + eval_sources * min(workers, 2)
-    image = batch_bytes(1, shapes)
+    image = batch_bytes(1, shapes) if fields is None else fields[1]
     source = 4 * min(bounds.MAX_PIXELS, bounds.MAX_DECODE_RATIO * image // 3)
     parts = {"batch": batch, "ring": max(workers, 1) * depth * batch,
              "eval_ring": eval_sources * max(min(workers, 2), 1) * depth * batch,
@@ -54,16 +57,21 @@ def needed(batch_size, shapes, workers, *, prefetch_factor=PREFETCH, window_byte
 
 
 def check_budget(batch_size, shapes, workers, cap, *, prefetch_factor=PREFETCH, window_bytes=0, eval_sources=0,
-                 fetched_ahead=False, step_bytes=0, width=None):
+                 fetched_ahead=False, step_bytes=0, width=None, fields=None):
     """The bytes `needed` gives (its dict) if their total fits in `cap`; else ValueError, one line
     naming the batch's bytes, the workers, the total and the flags that would lower it (not
     --batch-size at 1, nor --workers at 0). `shapes`: {source name: (C, H, W)} as the manifests
     give them; fetched_ahead: the windows' bytes count shards fetched ahead (--fetch-ahead);
     step_bytes: the model's step, at --width `width`."""
     parts = needed(batch_size, shapes.values(), workers, prefetch_factor=prefetch_factor,
-                   window_bytes=window_bytes, eval_sources=eval_sources, step_bytes=step_bytes)
+                   window_bytes=window_bytes, eval_sources=eval_sources, step_bytes=step_bytes, fields=fields)
     if parts["total"] <= cap:
         return parts
+    if fields is not None:
+        raise ValueError(f"--batch-size {batch_size} of every field at its cap is {human(parts['batch'])} a batch; "
+                         f"with {f'{workers} worker(s)' if workers else 'no workers'}, decoding and the shuffle windows "
+                         f"a rank needs {human(parts['total'])}, more than the cap {human(cap)}: lower the batch size, "
+                         f"the workers or the fields' caps (max_bytes, shape, size), or raise the cap")
     tallest = max(shapes, key=lambda n: shapes[n][1] * shapes[n][2])
     queue = f"{workers} worker(s) x {prefetch_factor + 2} batches queued" if workers else "no workers"
     flags = (["--batch-size"] if batch_size > 1 else []) + (["--workers"] if workers else [])

@@ -37,6 +37,7 @@ import braceexpand as brace
 
 from pipeline.data import nearby, remote, storage
 from pipeline.data.decode import IMAGE_EXTS, Target, image_format, parse_label_key
+from pipeline.data.schema import Schema
 from pipeline.errors import ShardError, redact
 from pipeline.files import MAX_JSON, missing_folder, parse_json, read_json
 from pipeline.data.read import INFLATE_RATIO, INFLATE_SLACK
@@ -85,6 +86,7 @@ class Source:
     dataset: str = ""
     split: str = ""
     listing: str = ""  # listing_digest of its shards: what a checkpoint's fingerprint holds
+    schema: object = None  # its fields (pipeline.data.schema.Schema); None: image and label, as always
 
     @property
     def total(self):
@@ -112,6 +114,12 @@ def check(m, where):
 
     if not isinstance(m, dict):
         raise ShardError(f"{where}: not a shard manifest (a JSON object is expected)")
+    if "fields" in m:  # a set of any fields: what only image-and-label sets need is optional
+        try:
+            schema = Schema.from_json(m["fields"])
+        except ValueError as e:
+            bad("fields", str(e))
+        m = dict(_field_defaults(schema), **m)
     if m.get("format") not in FORMATS:
         bad("format", f"{m.get('format')!r}; expected {FORMAT!r} (build or index the shards with tools/make_shards.py)")
     for key in ("dataset", "split"):
@@ -144,7 +152,7 @@ def check(m, where):
     if isinstance(classes, list) and len(classes) > MAX_CLASSES:
         bad("classes", f"{len(classes)} classes, more than the {MAX_CLASSES} a manifest may hold "
                        f"(pipeline.data.manifest.MAX_CLASSES): {CLASSES_WHY}")
-    if not (isinstance(classes, list) and classes and all(isinstance(c, str) for c in classes)):
+    if not (isinstance(classes, list) and (classes or "fields" in m) and all(isinstance(c, str) for c in classes)):
         bad("classes", "a non-empty list of class names expected")
     for key in ("mean", "std"):
         v = m.get(key)
@@ -187,7 +195,23 @@ def check(m, where):
     return m
 
 
+def _field_defaults(schema):
+    """What a manifest of fields may leave out: the shape of its first image field (else 1x1x1),
+    no classes, mid-grey statistics (used only where a source is read as image and label)."""
+    image = next((c for c in schema.columns if c.kind == "image"), None)
+    c = image.channels if image else 1
+    return {"shape": [c, *image.size] if image else [1, 1, 1], "classes": [], "mean": [0.5] * c, "std": [0.25] * c,
+            "image_exts": [image.members[0][0]] if image else ["png"]}
+
+
+def schema_of(m):
+    """The manifest's fields as a Schema, None for an image-and-label set."""
+    return Schema.from_json(m["fields"]) if "fields" in m else None
+
+
 def target_of(m):
+    if "fields" in m:
+        m = dict(_field_defaults(schema_of(m)), **m)
     return Target(tuple(m["shape"]), tuple(m.get("image_exts", [m.get("encoding")])), m.get("label", "cls"),
                   len(m["classes"]), tuple(m["label_values"]) if m.get("label_values") else None,
                   tuple(m["classes"]) if m.get("label_names") else None, bool(m.get("skip_unlabelled")))
@@ -436,7 +460,7 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
                       stacklevel=2)
     return Source(name, chosen, [e["samples"] for e in entries], target_of(m), list(m["classes"]),
                   list(m["mean"]), list(m["std"]), [e["bytes"] for e in entries], [e.get("sha256") for e in entries],
-                  dict(m.get("origin") or {}), url, m["dataset"], m["split"], listing_digest(entries))
+                  dict(m.get("origin") or {}), url, m["dataset"], m["split"], listing_digest(entries), schema_of(m))
 
 
 def _lister(name, split, shards, policy):

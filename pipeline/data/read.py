@@ -57,17 +57,20 @@ def _skipped_name(name):
     return len(first) >= 4 and first[:2] == b"__" and first[-2:] == b"__"
 
 
-def iter_samples(stream, want=None, url=None, *, max_member=MAX_MEMBER, chunk=CHUNK):
+def iter_samples(stream, want=None, url=None, *, max_member=MAX_MEMBER, chunk=CHUNK, oversized=None):
     """Yield sample dicts {"__key__", "__url__", ext: bytes, ...} from a tar stream.
 
     `want`: the set of (lowercase) extensions to keep, or None for all; a sample is
-    yielded even when none of its members is wanted, so counts stay true. Raises
+    yielded even when none of its members is wanted, so counts stay true. `oversized`:
+    a wanted member over `max_member` is stepped over unread and its sample gets
+    oversized(size) in its place (a schema then skips that one sample), instead of the
+    ShardError that ends the shard. Raises
     ShardError at the first damage (a bad header, a member or header cut short, an empty
     stream, a repeated member within a sample, a GNU sparse member). A stream that ends
     after a whole member without the end-of-archive blocks ends the samples, as in tarfile.
     """
     sample, current = None, None
-    for key, ext, data in _members(stream, want, max_member, chunk):
+    for key, ext, data in _members(stream, want, max_member, chunk, oversized):
         if key != current:
             if sample is not None:
                 yield sample
@@ -80,7 +83,7 @@ def iter_samples(stream, want=None, url=None, *, max_member=MAX_MEMBER, chunk=CH
         yield sample
 
 
-def _members(stream, want, max_member, chunk):
+def _members(stream, want, max_member, chunk, oversized=None):
     """(key bytes, ext, data) for each regular file member, data None where `want` says
     so; see iter_samples. The common case (a USTAR header for a regular file) runs inline."""
     buf = _read(stream, chunk)
@@ -144,11 +147,14 @@ def _members(stream, want, max_member, chunk):
                     ext = exts[name[dot + 1:]] = _ext(name[dot + 1:], want)
                 if ext[1]:
                     if size > max_member:
-                        raise ShardError(f"member {name.decode(errors='replace')!r} claims {size} bytes "
-                                         f"(limit {max_member})")
-                    if len(buf) < start + size:
-                        buf, pos, start, end = _fill(stream, buf, pos, start, end, start + size, chunk)
-                    yield name[:dot], ext[0], buf[start:start + size]
+                        if oversized is None:
+                            raise ShardError(f"member {name.decode(errors='replace')!r} claims {size} bytes "
+                                             f"(limit {max_member})")
+                        yield name[:dot], ext[0], oversized(size)
+                    else:
+                        if len(buf) < start + size:
+                            buf, pos, start, end = _fill(stream, buf, pos, start, end, start + size, chunk)
+                        yield name[:dot], ext[0], buf[start:start + size]
                 else:
                     yield name[:dot], ext[0], None
         else:

@@ -39,7 +39,9 @@ from pipeline.data.node import Node
 from pipeline.data.decode import Unlabelled, class_index, decode_batch, image_format, image_of, label_of, parse_label_key
 from pipeline.errors import DigestError, Errors, InputError, ShardError
 from pipeline.data.arena import Arena, Rows
-from pipeline.data.read import is_meta, iter_samples, regular_members
+from pipeline.data.read import MAX_MEMBER, is_meta, iter_samples, regular_members
+from pipeline.data.schema import Oversized
+from pipeline.data.values import user_stage
 
 
 def split(urls, topo, worker):
@@ -361,6 +363,11 @@ class Reader:
         one_image = len(self.target.image_exts) == 1
         integers = field is None and self.target.names is None and label_ext != "dir"  # what read.regular parses
         self.regular = (self.target.image_exts[0], label_ext) if one_image and integers else None
+        self.schema = getattr(source, "schema", None)  # fields of its own (pipeline.data.schema), else image+label
+        self.read_kw = {}
+        if self.schema is not None:  # every field's members, each within its cap; one too large skips its sample
+            self.want, self.regular = self.schema.members, None
+            self.read_kw = {"max_member": min(self.schema.max_member, MAX_MEMBER), "oversized": Oversized}
         self.arena = Arena() if self.regular and self.regular[0] == "raw" else None  # raw shards: read into it
         n = len(source.urls)
         self.expected = {u: (c, b, d) for u, c, b, d in zip(source.urls, source.counts, source.sizes or [None] * n,
@@ -456,13 +463,16 @@ class Reader:
                 if arena is not None:
                     arena.rewind(begin)
             keys, images, exts, labels, where = cols
-            for sample in iter_samples(stream, self.want, url):
+            for sample in iter_samples(stream, self.want, url, **self.read_kw):
                 if is_meta(sample["__key__"]):  # a shard's __meta__ sample: no training sample, as in the index
                     continue
                 at = got
                 try:
-                    label = label_of(sample, self.target, self.lookup)
-                    ext, image = image_of(sample, self.target)
+                    if self.schema is not None:  # the fields' members as read: decoded with the images, in Decode
+                        label, ext, image = 0, None, self.schema.pick(sample)
+                    else:
+                        label = label_of(sample, self.target, self.lookup)
+                        ext, image = image_of(sample, self.target)
                 except Unlabelled as e:
                     if not self.target.skip_unlabelled:  # else left out, as the index counted it
                         got += 1
@@ -680,9 +690,12 @@ class Decode(Node):
 
     def __init__(self, reader):
         self.reader, self.target = reader, reader.target
+        self.schema = getattr(reader, "schema", None)
 
     def next(self, n):
         chunk = self.upstream.next(n)
+        if self.schema is not None:
+            return self._fields(chunk)
         d, idx = chunk.data, chunk.idx
         if isinstance(d.images, Rows):
             chunk.pixels = d.images.take(idx).reshape(len(idx), *self.target.shape)
@@ -697,6 +710,37 @@ class Decode(Node):
                 idx = idx[chunk.kept]
             chunk.pixels = pixels
         chunk.keys, chunk.labels = d.key_column[idx].tolist(), d.labels[idx]
+        return chunk
+
+    def _fields(self, chunk):
+        """A schema's source: each sample's fields decoded and through the schema's stages, seeded by
+        its position as the user's stages are (`__seed__`); chunk.pixels is then an object array of
+        {field: value}. What does not fit its field is reported and left out, like an undecodable
+        image; a sample a stage of the schema drops is left out unreported, as UserStage does."""
+        d, idx = chunk.data, chunk.idx
+        seeds = np.arange(len(idx), dtype=np.uint64) + np.uint64(chunk.seed0)
+        source, rows, masked = self.reader.source.name, idx.tolist(), [s & SEED_MASK for s in seeds.tolist()]
+        decoded = self.schema.decode_images([d.images[i] for i in rows], masked)
+        values, kept = [], []
+        for j, (i, seed) in enumerate(zip(rows, masked)):
+            try:
+                v = self.schema.sample(d.images[i], seed, d.keys[i], source, decoded[j])
+            except InputError:  # a stage of the user's that failed: the user's to fix, not the sample's
+                raise
+            except ValueError as e:
+                self.reader.bad(d.urls[i], d.keys[i], e)
+                continue
+            if v is not None:
+                values.append(v)
+                kept.append(j)
+        if len(kept) < len(idx):
+            chunk.kept = np.asarray(kept, np.int64)
+            idx = idx[chunk.kept]
+        chunk.pixels = np.empty(len(values), object)
+        for j, v in enumerate(values):
+            chunk.pixels[j] = v
+        chunk.seeds = seeds if chunk.kept is None else seeds[chunk.kept]
+        chunk.keys, chunk.labels = d.key_column[idx].tolist(), np.zeros(len(idx), np.int64)
         return chunk
 
 
@@ -714,6 +758,8 @@ class UserStage(Node):
         if chunk.seeds is None:  # the first of the user's stages: each position's seed
             seeds = np.arange(len(chunk.idx), dtype=np.uint64) + np.uint64(chunk.seed0)
             chunk.seeds = seeds if chunk.kept is None else seeds[chunk.kept]
+        if chunk.pixels.dtype == object:  # a schema's source: the stage sees and returns its fields
+            return self._fields(chunk)
         keep, pixels, labels = [], [], []
         for i, (key, image, label, seed) in enumerate(zip(chunk.keys, chunk.pixels, chunk.labels,
                                                           chunk.seeds.tolist())):
@@ -728,6 +774,28 @@ class UserStage(Node):
         chunk.pixels = np.stack(pixels) if pixels else np.zeros((0, c, h, w), np.uint8)
         chunk.labels, chunk.seeds = np.array(labels, np.int64), chunk.seeds[keep]
         return chunk
+
+    def _fields(self, chunk):
+        schema = self.upstream_schema()
+        keep, values = [], []
+        for i, (key, v, seed) in enumerate(zip(chunk.keys, chunk.pixels, chunk.seeds.tolist())):
+            v = user_stage(self.fn, v, key, self.source, seed & SEED_MASK, schema.final)
+            if v is not None:
+                keep.append(i)
+                values.append(v)
+        chunk.keys = [chunk.keys[i] for i in keep]
+        chunk.pixels = np.empty(len(values), object)
+        for j, v in enumerate(values):
+            chunk.pixels[j] = v
+        chunk.labels, chunk.seeds = chunk.labels[keep], chunk.seeds[keep]
+        return chunk
+
+    def upstream_schema(self):
+        """The schema of the Decode stage this stage follows (through the user's stages before it)."""
+        node = self.upstream
+        while not isinstance(node, Decode):
+            node = node.upstream
+        return node.schema
 
     def _apply(self, sample):
         key, fn = sample["__key__"], self.fn

@@ -30,6 +30,8 @@ import torch
 from pipeline.data import deal, loader, order, remote, stages
 from pipeline.data import state as codec
 from pipeline.data.batch import NOTHING, Collate, Layout
+from pipeline.data.columns import FieldLayout
+from pipeline.data.schema import Schema
 from pipeline.errors import Errors, ShardError
 from pipeline.data.loader import make_loader  # noqa: F401  (make_loader: this module's API)
 from pipeline.data.manifest import Source, resolve  # noqa: F401  (part of this module's API)
@@ -85,19 +87,22 @@ class MixedStream(torch.utils.data.IterableDataset):
     array, "label": int, "__seed__": int, a pure function of the sample's position}; each
     returns the sample (image of the same shape and dtype) or None to drop it.
     `on_error`: the pipeline.errors.Errors policy ("warn", "skip", "raise"; strict=True is
-    "raise").
+    "raise"). `schemas`: {source name: pipeline.data.schema.Schema} (or one Schema for
+    every source), the fields read from its samples in place of its manifest's; sources
+    with a schema give batches of their fields (pipeline.data.columns), the sample stages
+    then see and return those fields.
     """
 
     def __init__(self, sources, weights, batch_size, topo=Topology(), *, seed=0, epoch_samples=None,
                  shuffle_buffer=WINDOW_SAMPLES, window_bytes=WINDOW_BYTES, resample=False, strict=False,
                  cache_dir=None, policy=remote.Policy(), normalize=True, sample_stages=(), on_error=None,
-                 fetch_ahead=stages.FETCH_AHEAD):
+                 fetch_ahead=stages.FETCH_AHEAD, schemas=None):
         if batch_size < 1:
             raise ValueError(f"batch size must be at least 1, got {batch_size}")
         if shuffle_buffer < 1 or window_bytes < 1:
             raise ValueError(f"shuffle window must be at least 1 sample and 1 byte, got {shuffle_buffer}, "
                              f"{window_bytes}")
-        self.layout = Layout(sources)
+        self.layout = layout_of(with_schemas(sources, schemas))
         self.sources = self.layout.sources
         self.probs = check_weights(weights, self.layout.names)
         empty = [s.name for s in self.sources if not s.total]
@@ -457,6 +462,23 @@ class MixedStream(torch.utils.data.IterableDataset):
                           cache_dir=self.cache_dir, policy=self.policy, normalize=self.normalize)
 
 
+def with_schemas(sources, schemas):
+    """The sources with the schemas given by name (or one for all) in place of their manifests'."""
+    if schemas is None:
+        return list(sources)
+    names = [s.name for s in sources]
+    given = {n: schemas for n in names} if not isinstance(schemas, dict) else dict(schemas)
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise ValueError(f"schemas for unknown source(s) {', '.join(unknown)}; sources are {', '.join(names)}")
+    return [dataclasses.replace(s, schema=given[s.name]) if s.name in given else s for s in sources]
+
+
+def layout_of(sources):
+    """The batch layout: image and label (batch.Layout) unless a source has fields of its own."""
+    return FieldLayout(sources) if any(getattr(s, "schema", None) is not None for s in sources) else Layout(sources)
+
+
 def _every_rank(seg, ranks, here):
     return (f"resuming on {here[0]} ranks x {here[1]} workers (batch {here[2]}) from a run on {seg.world} x "
             f"{seg.workers} (batch {seg.batch_size}) needs every rank's stream state; have ranks "
@@ -489,7 +511,11 @@ class EvalStream(torch.utils.data.IterableDataset):
         self.layout, self.batch_size, self.topo = layout, batch_size, topo
         self.index = layout.index(source.name)
         train = layout.sources[self.index]
-        if source.shape != train.shape:  # test images are decoded to the shape the model trains on
+        if getattr(train, "schema", None) is not None or getattr(source, "schema", None) is not None:
+            if source.schema is None:  # fields: the test manifest's, else the training's without its stages
+                source = dataclasses.replace(source, schema=Schema(train.schema.columns))
+            self.layout = layout_of([source if i == self.index else s for i, s in enumerate(layout.sources)])
+        elif source.shape != train.shape:  # test images are decoded to the shape the model trains on
             if "raw" in source.target.image_exts:
                 raise ShardError(f"{source.name}: raw test shards are {source.shape}, training shards {train.shape}; "
                                  f"raw pixels cannot be resized")

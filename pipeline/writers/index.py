@@ -34,7 +34,9 @@ from pipeline.errors import ShardError, redact
 from pipeline.files import MAX_JSON, open_regular, write_json_atomic
 from pipeline.data.manifest import (FORMAT, NAME_RE, CLASSES_WHY, MAX_CLASSES, MAX_SIDE, check, expand_shards,
                                     manifest_name, pipe_shard_name, plain_relative)
-from pipeline.data.read import is_meta, iter_samples
+from pipeline.data.read import MAX_MEMBER, is_meta, iter_samples
+from pipeline.data.schema import Oversized
+from pipeline.writers.fields import scan_fields, summarise_fields
 from pipeline.writers.shards import writing
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
@@ -94,19 +96,27 @@ class _Wanted:
         return ext == self.image_key if self.image_key else image_format(ext) in FOREIGN_EXTS
 
 
-def scan_shard(url, label, policy=remote.Policy(), image_key=None, skip_unlabelled=False):
+def scan_shard(url, label, policy=remote.Policy(), image_key=None, skip_unlabelled=False, fields=None):
     """What a scan of one shard found: samples, bytes, sha256, image members and shapes, raw labels (with
-    the first key of each), unlabelled samples left out, pixel sums."""
+    the first key of each), unlabelled samples left out, pixel sums. `fields`: a Schema whose fields
+    every sample must hold (pipeline.writers.fields), in place of an image and a label."""
     scan = {}
+    wanted, read_kw = _Wanted(image_key, label), {}
+    if fields is not None:
+        wanted, read_kw = fields.members, {"max_member": min(fields.max_member, MAX_MEMBER), "oversized": Oversized}
 
     def consume(stream):  # a retry after a broken transfer starts the counts over
         scan.update(url=url, samples=0, unlabelled=0, exts=collections.Counter(), shapes=collections.Counter(),
                      labels=collections.Counter(), first={}, rgb=np.zeros(7), grey=np.zeros(3), label=label,
                      image_key=image_key, skip_unlabelled=skip_unlabelled, wide=(0, None, 0, 0, None),
-                     tall=(0, None, 0, 0, None), large=(0, None, 0, 0, None))
+                     tall=(0, None, 0, 0, None), large=(0, None, 0, 0, None), fields=fields)
         h = _Hashing(stream)
-        for sample in iter_samples(h, _Wanted(image_key, label), url):
-            if not is_meta(sample["__key__"]):  # a __meta__ sample describes the shard: not a sample to index
+        for sample in iter_samples(h, wanted, url, **read_kw):
+            if is_meta(sample["__key__"]):  # a __meta__ sample describes the shard: not a sample to index
+                continue
+            if fields is not None:
+                scan_fields(sample, scan, url)
+            else:
                 _scan_sample(sample, scan, url)
         h.rest()
         scan["bytes"], scan["sha256"] = h.bytes, h.hash.hexdigest()
@@ -214,12 +224,13 @@ def check_extremes(found, shape):
 
 
 def _scan_task(task):
-    url, label, policy, image_key, skip_unlabelled = task
-    return scan_shard(url, label, policy, image_key, skip_unlabelled)
+    url, label, policy, image_key, skip_unlabelled, fields = task
+    return scan_shard(url, label, policy, image_key, skip_unlabelled, fields)
 
 
 def index(name, split, spec, out, *, label=None, image_key=None, shape=None, classes_file=None, classes_from=None,
-          skip_unlabelled=False, base_url=None, workers=1, policy=remote.Policy(), progress=True, stage=None):
+          skip_unlabelled=False, base_url=None, workers=1, policy=remote.Policy(), progress=True, stage=None,
+          fields=None):
     """Index the shards SPEC names as data set NAME, split SPLIT; writes and returns OUT/NAME-SPLIT.json.
 
     stage: a local folder the manifest is written to instead, for an OUT that is a store
@@ -228,7 +239,9 @@ def index(name, split, spec, out, *, label=None, image_key=None, shape=None, cla
 
     classes_from: (path, manifest) of another split of the same data set, whose classes this
     one must use (names mapping to the same indices); base_url: the URL the shards' folder
-    will be served from, for a manifest naming them there. Written under the folder's
+    will be served from, for a manifest naming them there. fields: a Schema
+    (pipeline.data.schema): every sample's fields are checked against it and the manifest
+    records it (`fields`), in place of a label rule and classes. Written under the folder's
     writer lock (see shards.writing)."""
     if not NAME_RE.match(name) or not NAME_RE.match(split):
         raise ShardError(f"--index {name}:{split}: NAME and SPLIT may hold letters, digits and _ only")
@@ -252,14 +265,14 @@ def index(name, split, spec, out, *, label=None, image_key=None, shape=None, cla
             raise ShardError(f"--out {out}: a store prefix; the manifest is written to a local stage and uploaded")
     with writing(stage or out):
         return _index(name, split, spec, stage or out, urls, names, label, image_key, shape, classes_file, classes_from,
-                      skip_unlabelled, workers, policy, progress)
+                      skip_unlabelled, workers, policy, progress, fields)
 
 
 def _index(name, split, spec, out, urls, names, label, image_key, shape, classes_file, classes_from, skip_unlabelled,
-           workers, policy, progress):
+           workers, policy, progress, fields=None):
     from tqdm import tqdm
 
-    tasks = [(u, label, policy, image_key, skip_unlabelled) for u in urls]
+    tasks = [(u, label, policy, image_key, skip_unlabelled, fields) for u in urls]
     found = []
     bar = tqdm(total=len(urls), unit="shard", desc=f"index {name}-{split}", disable=not progress, dynamic_ncols=True)
     try:
@@ -274,6 +287,12 @@ def _index(name, split, spec, out, urls, names, label, image_key, shape, classes
                 bar.update(1)
     finally:
         bar.close()
+    if fields is not None:
+        manifest = summarise_fields(name, split, spec, found, names, fields)
+        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, manifest_name(name, split))
+        write_json_atomic(path, check(manifest, path))
+        return manifest
     labels = {f["label"] for f in found}
     if len(labels) > 1:
         raise ShardError(f"{spec}: shards label their samples differently ({', '.join(sorted(labels))}); "

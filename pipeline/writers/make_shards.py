@@ -17,7 +17,7 @@ import threading
 import time
 
 from pipeline.data import decode, manifest, remote, storage
-from pipeline.writers import index, shards, sources, storelock  # noqa: E402
+from pipeline.writers import fields, index, shards, sources, storelock  # noqa: E402
 from pipeline.cli import Parser, add_io_options, check_io, io_limits, printable  # noqa: E402
 from pipeline.errors import ShardError  # noqa: E402
 from pipeline.files import new_folders, remove_empty  # noqa: E402
@@ -63,6 +63,7 @@ def parse_args(argv):
                                                      "label member, or -1) out, counted, instead of stopping")
     a("--base-url", metavar="URL", help="with --index: the URL the shards' folder will be served from; the "
                                         "manifest then names the shards there")
+    fields.add_options(a)
     a("--limit", type=int, metavar="N", help="at most N samples per split (a seeded random subset)")
     a("--encoding", choices=shards.ENCODINGS, default="png",
       help="png: lossless, small (default); raw: uint8 pixels, the fastest to stream")
@@ -112,9 +113,11 @@ def check(p, args):
         p.error(f"--{' and --'.join(modes)} exclude each other")
     if args.holdout is not None and not args.imagefolder:
         p.error("--holdout applies to --imagefolder sources only")
-    index_only = ("label_key", "image_key", "shape", "classes", "classes_from", "skip_unlabelled", "base_url")
+    index_only = ("label_key", "image_key", "shape", "classes", "classes_from", "skip_unlabelled", "base_url",
+                  "fields")
     if any(getattr(args, k) for k in index_only) and not args.index:
         p.error(f"{', '.join('--' + k.replace('_', '-') for k in index_only)} apply to --index only")
+    fields.check_options(p, args, index_only[:6])
     if args.classes and args.classes_from:
         p.error("--classes and --classes-from exclude each other: give one")
     if args.index and (args.merge or args.part != (0, 1)):
@@ -203,7 +206,7 @@ def load_sources(args):
                     said = True
                 yield sources.synthetic_source(name, split, seed=args.seed)
     for name, split, folder in args.imagefolder:
-        src = sources.ImageFolderSource(name, split, folder)
+        src = sources.ImageFolderSource(name, split, folder, captions=args.captions)
         if args.holdout:
             yield from sources.holdout(src, args.holdout, args.seed)
         else:
@@ -265,9 +268,13 @@ def run_index(args, stage=None):
         m = index.index(name, split, spec, args.out, label=label, image_key=args.image_key,
                         shape=args.shape, classes_file=args.classes, classes_from=classes_from,
                         skip_unlabelled=args.skip_unlabelled, base_url=args.base_url, workers=args.workers,
-                        policy=policy, progress=not args.quiet, stage=stage)
+                        policy=policy, progress=not args.quiet, stage=stage, fields=args.fields)
         if stage is not None:
             storage.put(os.path.join(stage, manifest.manifest_name(name, split)), path)
+        if args.fields is not None:
+            print(f"indexed {name}-{split}: {counted(len(m['shards']), 'shard')}, {m['total']} samples, fields "
+                  f"{fields.describe(m['fields'])}, in {time.perf_counter() - t0:.1f} s -> {path}")
+            continue
         if split == "train":
             trained[name] = (path, m)
         unlabelled = sum(s.get("unlabelled", 0) for s in m["shards"])

@@ -45,6 +45,7 @@ from pipeline.files import (MAX_JSON, Busy, locked, open_regular, parse_json, re
                             write_json_atomic)
 from pipeline.data.manifest import FORMAT, NAME_RE, check, manifest_name, shard_name
 from pipeline.data.read import iter_samples
+from pipeline.writers.fields import captioned_fields
 
 ENCODINGS = ("png", "raw")
 LOCK = ".make_shards.lock"  # held while a folder's shards or manifests are written; removed after
@@ -102,6 +103,7 @@ def write_shard(path, source, indices, encoding, rename=True):
 def _write_tar(tmp, source, indices, encoding):
     c = source.shape[0]
     pix_sum, pix_sumsq = np.zeros(c), np.zeros(c)
+    captions, longest = getattr(source, "captions", False), 0
     with open(tmp, "wb") as f:
         with tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             for i in indices:
@@ -112,12 +114,17 @@ def _write_tar(tmp, source, indices, encoding):
                 key = f"{source.name}-{source.split}-{i:07d}"
                 _add_member(tar, f"{key}.{encoding}", encode_image(image, encoding))
                 _add_member(tar, f"{key}.cls", str(label).encode())
+                if captions:
+                    text = source.caption(i).encode()
+                    _add_member(tar, f"{key}.txt", text)
+                    longest = max(longest, len(text))
                 x = image.reshape(c, -1).astype(np.float64) / 255.0
                 pix_sum += x.sum(1)
                 pix_sumsq += (x * x).sum(1)
     digest, size = file_sha256(tmp), os.path.getsize(tmp)
-    return {"name": None, "samples": len(indices), "bytes": size, "sha256": digest,
-            "pixel_sum": pix_sum.round(6).tolist(), "pixel_sumsq": pix_sumsq.round(6).tolist()}
+    return dict({"name": None, "samples": len(indices), "bytes": size, "sha256": digest,
+                 "pixel_sum": pix_sum.round(6).tolist(), "pixel_sumsq": pix_sumsq.round(6).tolist()},
+                **({"caption_bytes": longest} if captions else {}))
 
 
 def file_sha256(path):
@@ -199,6 +206,9 @@ def _build(source, out, encoding, maxcount, seed, limit, workers, part, progress
             "part": list(part) if part[1] > 1 else None,
             "shards": entries,
         }
+        if getattr(source, "captions", False):  # image, label and caption: a schema's fields (pipeline.data.schema)
+            longest = max(e.pop("caption_bytes") for e in entries)
+            manifest["fields"] = captioned_fields(encoding, source.shape, longest)
         manifest = finish_manifest(manifest)
         if part[1] > 1:  # names of the replaced set that the other parts will write: still ours when they do
             manifest["replaces"] = sorted((owned & every) - set(mine))

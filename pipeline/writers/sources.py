@@ -76,19 +76,32 @@ def _gist(error):
 
 
 class ImageFolderSource:
-    """A torchvision ImageFolder tree; every image must match the first in size and mode."""
+    """A torchvision ImageFolder tree; every image must match the first in size and mode. With
+    captions, each image's caption is the .txt file beside it, and the folder may also be a flat
+    one of image + .txt pairs (one class, "0")."""
 
-    def __init__(self, name, split, root):
+    def __init__(self, name, split, root, captions=False):
         import torchvision
 
         if not os.path.isdir(root):
             raise SourceError(f"{name} {split}: {root!r} is not a directory")
+        flat = captions and not any(e.is_dir() for e in os.scandir(root))
         try:
-            self.folder = torchvision.datasets.ImageFolder(root)
+            if flat:  # a folder of image + .txt pairs: one class, the captions are what it holds
+                classes = ["0"]
+                samples = [(os.path.join(root, f), 0) for f in sorted(os.listdir(root))
+                           if f.lower().endswith(torchvision.datasets.folder.IMG_EXTENSIONS)]
+                if not samples:
+                    raise FileNotFoundError("no image files in it")
+            else:
+                folder = torchvision.datasets.ImageFolder(root)
+                classes, samples = folder.classes, folder.samples
         except (FileNotFoundError, RuntimeError) as e:
-            raise SourceError(f"{name} {split}: {root!r} holds no images in ImageFolder layout: {e}") from None
-        self.name, self.split, self.classes = name, split, list(self.folder.classes)
-        self.samples = self.folder.samples
+            raise SourceError(f"{name} {split}: {root!r} holds no images in ImageFolder layout"
+                              f"{' nor image + .txt pairs' if captions else ''}: {e}") from None
+        self.name, self.split, self.classes = name, split, list(classes)
+        self.samples = samples
+        self.captions = captions  # each image's caption, the .txt file beside it (`caption`)
         self.origin = {"kind": "imagefolder", "root": os.path.abspath(root),
                        "note": f"images from an ImageFolder tree of {len(self.samples)} files"}
         first = self._open(0)
@@ -136,6 +149,26 @@ class ImageFolderSource:
     def label(self, i):
         return self.samples[i][1]
 
+    def caption(self, i):
+        """The text of IMAGE.txt beside IMAGE.jpg (UTF-8, at most schema.MAX_TEXT bytes); one line
+        naming the file when it is missing, too long or not text."""
+        from pipeline.data import remote
+        from pipeline.data.schema import MAX_TEXT
+
+        path = os.path.splitext(self.samples[i][0])[0] + ".txt"
+        try:
+            with remote.open_local(path) as f:
+                data = f.read(MAX_TEXT + 1)
+        except OSError as e:
+            raise SourceError(f"{path}: no caption for {self.samples[i][0]} ({e.strerror or e}); --captions takes "
+                              f"each image's caption from the .txt file beside it") from None
+        if len(data) > MAX_TEXT:
+            raise SourceError(f"{path}: a caption of more than {MAX_TEXT} bytes (pipeline.data.schema.MAX_TEXT)")
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise SourceError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
 
 class SyntheticSource:
     """Look-alike data made offline: ten classes, each a faint blurry pattern over a
@@ -182,6 +215,7 @@ class Subset:
     def __init__(self, base, indices, split):
         self.base, self.indices, self.split = base, list(indices), split
         self.name, self.classes, self.shape = base.name, base.classes, base.shape
+        self.captions = getattr(base, "captions", False)
         self.origin = dict(base.origin, subset=f"{len(self.indices)} of {len(base)} samples, as split {split}")
 
     def __len__(self):
@@ -192,6 +226,9 @@ class Subset:
 
     def label(self, i):
         return self.base.label(self.indices[i])
+
+    def caption(self, i):
+        return self.base.caption(self.indices[i])
 
 
 def holdout(source, n, seed=0):

@@ -1,0 +1,157 @@
+"""Indexing a WebDataset of any fields (`make_shards --index ... --fields ...`), and the
+fields of the sets make_shards writes with captions.
+
+Each sample of each shard is checked against the schema as training will read it: every
+field's member present (or the field optional), within its cap, its value readable
+(text, numbers, .json paths, .npy headers), every image's size within the bounds of its
+field's size (pipeline.data.bounds) from its header. The first image field's pixels give
+the manifest's per-channel mean and std, as for image-and-label sets. The manifest records
+the schema (`fields`); a sample that does not fit ends the index with one line naming the
+shard, the sample and the field, as damage does there.
+"""
+import collections
+import random
+
+import numpy as np
+
+from pipeline.data import decode
+from pipeline.data.decode import CONTENT_ERRORS, image_format, open_image, pil_reason, pixels_of
+from pipeline.data.manifest import FORMAT
+from pipeline.data.schema import MAX_TEXT, Column, Schema, parse_fields
+from pipeline.data.values import value_of
+from pipeline.errors import ShardError, redact
+
+STAT_SIDE = 64  # images are decoded at most about this big for the mean and std (JPEG draft mode)
+GREY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"}
+
+
+def scan_fields(sample, scan, url):
+    """Check one sample against the scan's schema; count it, with its first image's statistics."""
+    from PIL import Image
+
+    schema, key = scan["fields"], sample["__key__"]
+    stats = None
+    try:
+        record = schema.pick(sample)
+        parsed = {}
+        for col in schema.columns:
+            got = record.get(col.name)
+            if got is None:
+                continue
+            ext, path, data = got
+            if col.kind != "image":
+                value_of(col, ext, path, data, parsed, lambda: random.Random(0))
+            elif image_format(ext) == "raw":
+                pixels = decode.decode_image(bytes(data), "raw", (col.channels, *col.size))
+                stats = stats or (ext, pixels.transpose(1, 2, 0), col.size)
+            else:
+                img, orientation = open_image(bytes(data), image_format(ext), (col.channels, *col.size))
+                size = img.size[::-1] if orientation < 5 else img.size
+                stats = stats or (ext, _thumbnail(img, image_format(ext)), size)
+    except ValueError as e:
+        raise ShardError(f"{url}: sample {key}: {e}") from None
+    except (Image.DecompressionBombError, *CONTENT_ERRORS) as e:
+        raise ShardError(f"{url}: sample {key}: unreadable member ({pil_reason(e)})") from None
+    scan["samples"] += 1
+    if stats is not None:
+        ext, img, (h, w) = stats
+        grey = isinstance(img, np.ndarray) and img.shape[2] == 1 or getattr(img, "mode", "RGB") in GREY_MODES
+        rgb = _pixels(img, 3).reshape(-1, 3) / 255.0
+        g = _pixels(img, 1).ravel() / 255.0
+        scan["exts"][ext] += 1
+        scan["shapes"][(1 if grey else 3, h, w)] += 1
+        scan["rgb"] += [len(rgb), *rgb.sum(0), *(rgb * rgb).sum(0)]
+        scan["grey"] += [len(g), g.sum(), (g * g).sum()]
+
+
+def _thumbnail(img, fmt):
+    if fmt in ("jpg", "jpeg"):
+        img.draft("RGB", (STAT_SIDE, STAT_SIDE))
+    elif max(img.size) > 2 * STAT_SIDE:
+        img.thumbnail((STAT_SIDE, STAT_SIDE))
+    return img
+
+
+def _pixels(img, c):
+    if isinstance(img, np.ndarray):
+        return np.repeat(img, 3, axis=2) if c == 3 and img.shape[2] == 1 else img if img.shape[2] == c else \
+            img.mean(2, keepdims=True).astype(np.uint8)
+    return pixels_of(img, c)
+
+
+def summarise_fields(name, split, spec, found, names, schema):
+    """The manifest of an indexed set of fields, from every shard's scan."""
+    shapes, exts = collections.Counter(), collections.Counter()
+    rgb, grey = np.zeros(7), np.zeros(3)
+    for f in found:
+        shapes += f["shapes"]
+        exts += f["exts"]
+        rgb += f["rgb"]
+        grey += f["grey"]
+    image = next((c for c in schema.columns if c.kind == "image"), None)
+    c = image.channels if image else 1
+    n, s, sq = (rgb[0], rgb[1:4], rgb[4:7]) if c == 3 else (grey[0], grey[1:2], grey[2:3])
+    mean = s / max(n, 1) if n else np.full(c, 0.5)
+    std = np.sqrt(np.maximum(sq / max(n, 1) - mean ** 2, 1e-12)) if n else np.full(c, 0.25)
+    image_exts = [e for e, _ in exts.most_common()] or [image.members[0][0] if image else "png"]
+    origin = {"kind": "index", "spec": redact(spec), "note": "an existing WebDataset, indexed in place, not rewritten"}
+    if shapes:
+        origin.update(image_shapes=len(shapes), most_common_shape=list(shapes.most_common(1)[0][0]))
+    return {
+        "format": FORMAT, "dataset": name, "split": split, "encoding": image_format(image_exts[0]),
+        "image_exts": image_exts, "label": "cls", "origin": origin, "fields": schema.to_json(),
+        "shape": [c, *image.size] if image else [1, 1, 1], "classes": [],
+        "shards": [{"name": n_, "samples": f["samples"], "bytes": f["bytes"], "sha256": f["sha256"]}
+                   for n_, f in zip(names, found)],
+        "total": sum(f["samples"] for f in found),
+        "mean": np.clip(mean, 0, 1).round(6).tolist(), "std": np.clip(std, 1e-6, 1).round(6).tolist(),
+    }
+
+
+def captioned_fields(encoding, shape, longest):
+    """The fields of a set make_shards wrote with captions: its image at the manifest's shape,
+    the label, the caption (`.txt`, its cap at least the longest written)."""
+    c, h, w = shape
+    return Schema([Column("image", "image", encoding, fit="resize", size=(h, w), channels=c),
+                   Column("label", "int", "cls"),
+                   Column("caption", "text", "txt", max_bytes=max(MAX_TEXT, longest))]).to_json()
+
+
+def describe(fields):
+    """'image (jpg;png, center-crop 64x64), caption (text .txt)': a manifest's fields in words."""
+    out = []
+    for f in Schema.from_json(fields).columns:
+        if f.kind == "image":
+            out.append(f"{f.name} ({f.member}, {f.fit} {f.size[0]}x{f.size[1]})")
+        else:
+            out.append(f"{f.name} ({f.kind} {f.member if ':' in f.member else '.' + f.member})")
+    return ", ".join(out)
+
+
+def add_options(a):
+    """make_shards' --fields and --captions."""
+    a("--fields", metavar="SPEC", help="with --index: the samples' fields, recorded in the manifest in place of an "
+                                       "image and a label: NAME:TYPE=MEMBER[,OPTION=VALUE...] separated by spaces, "
+                                       "e.g. 'image:image=jpg;png;webp,fit=center-crop,size=224x224 caption:text=txt "
+                                       "score:float=json:aesthetic' (types image, text, int, float, array, bytes; "
+                                       "docs/data.md, 'Fields')")
+    a("--captions", action="store_true", help="with --imagefolder: write each image's caption, the .txt file "
+                                              "beside it (IMAGE.txt for IMAGE.jpg), as a .txt member (the folder may "
+                                              "also be a flat one of image + .txt pairs); the manifest records the "
+                                              "fields image, label and caption")
+
+
+def check_options(p, args, label_flags):
+    """--fields parsed into a Schema (p.error, one line, for a malformed one), refused beside the
+    flags that describe an image and a label; --captions only for image folders."""
+    if args.fields is not None:
+        given = [f"--{k.replace('_', '-')}" for k in label_flags if getattr(args, k)]
+        if given:
+            p.error(f"--fields names every field; {', '.join(given)} describe an image and a label: give the label "
+                    f"as a field instead (e.g. label:int=cls)")
+        try:
+            args.fields = parse_fields(args.fields)
+        except ValueError as e:
+            p.error(str(e))
+    if args.captions and not args.imagefolder and not args.cifar10_dir:
+        p.error("--captions applies to --imagefolder (and --cifar10-dir) sources only")
