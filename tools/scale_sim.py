@@ -108,7 +108,8 @@ def interrupted(stream, stop):
     for w, pair in enumerate(pairs_of(seg, stream.topo.rank)):
         done = min(stop, seg.worker_batches(w))
         taken = int(seg.choices(pair).taken(done * BATCH)[0])
-        run = RunPlan(stream.source_order(0, seg.epoch), stream.sources[0].urls, seg.runs(pair)[0])
+        run = RunPlan(stream.source_order(0, seg.epoch), stream.sources[0].urls, seg.runs(pair)[0],
+                      reserve=seg.reserves(pair, plan.targets)[0])  # a run short of its quota goes on there
         while taken and run.state((w_ := run.next()).size - w_.skip) < taken:
             pass
         stream.record({"plan": plan.id, "worker": w, "batches": done, "positions": [taken]})

@@ -44,6 +44,7 @@ class Segment:
     seed: int = 0
     passes: tuple = ()  # per source, positions in a pass (its samples); 0: passes of other lengths (resampled)
     history: tuple = ()  # per earlier segment of the epoch: (world, workers, batch_size, done, passed), see `after`
+    owed: tuple = ()  # per source, the samples the epoch still owes (a re-dealt segment); () : what its spans hold
 
     @property
     def pairs(self):
@@ -71,6 +72,9 @@ class Segment:
         """Samples of each source the segment reads: its spans split by what each holds,
         leaving unread only positions of a source's last pass where it can (so that no
         sample is read again while one of its pass is not), the highest first."""
+        if self.owed:  # a re-deal: what the earlier worlds still owed of each source (their passed-over
+            # positions no longer count), read from the spans and, where they fall short, the reserves
+            return order.apportion(self.batches * self.world * self.batch_size, self.owed)
         left = self.left()
         wanted = order.apportion(self.batches * self.world * self.batch_size, left)
         unread = left - wanted
@@ -141,11 +145,16 @@ class Segment:
         pair p passed over passed[p] positions of each source without a sample (damage, a stage's
         drops; pairs not listed passed over none). Its spans follow from these counts alone,
         and it keeps them in its `history`, so a state names how it was made, never its spans."""
-        read = [self.taken(p, done) + np.asarray(passed.get(p, 0), np.int64) for p in range(self.pairs)]
+        taken = [self.taken(p, done) for p in range(self.pairs)]
+        read = [t + np.asarray(passed.get(p, 0), np.int64) for p, t in enumerate(taken)]
         record = (self.world, self.workers, self.batch_size, int(done),
                   tuple(sorted((int(p), tuple(int(x) for x in v)) for p, v in passed.items())))
         nxt = self.rest(read, generation=self.generation + 1, world=world, workers=workers, batch_size=batch_size)
-        return replace(nxt, history=self.history + (record,))
+        # the samples still owed, not the positions left: positions passed over (damage, a stage's drops)
+        # were read without a sample, and the new world makes up for them from its reserves
+        owed = (np.asarray(self.owed, np.int64) if self.owed else self.left()) - np.sum(taken, axis=0)
+        return replace(nxt, history=self.history + (record,), owed=tuple(int(x) for x in owed),
+                       batches=int(owed.sum()) // (world * batch_size))
 
     def rest(self, read, *, generation, world, workers, batch_size):
         """The next segment, on another world: what every pair left of its runs, then what
