@@ -127,3 +127,28 @@ def test_a_re_deal_after_damage_still_reads_the_whole_epoch(damaged, stop):
     assert samples - len(keys) < 8 and not set(keys) & bad
     good = [f"d-train-{i:07d}" for i in range(400) if f"d-train-{i:07d}" not in bad]
     assert repeats_while_unread(keys, good)[0] == 0
+
+
+@pytest.fixture(scope="module")
+def whole_shard(tmp_path_factory):
+    """400 PNG samples in 4 shards of 100, every image of one shard junk."""
+    out = tmp_path_factory.mktemp("whole")
+    build_shards(out, "d", "train", 400, shape=(1, 8, 8), encoding="png", maxcount=100)
+    shard = sorted(out.glob("d-train-*.tar"))[2]
+    members = read_members(shard)
+    write_tar(shard, [(n, b"\x89PNG junk" + bytes(30) if n.endswith(".png") else body) for n, body in members])
+    bad = {n.split(".", 1)[0] for n, _ in members}
+    return resolve("d", str(out), "train"), bad
+
+
+def test_a_pair_with_a_whole_damaged_shard_goes_on_into_the_others_reserves(whole_shard):
+    """A damaged shard lands in one pair's run: it needs its replacements where its own reserve holds
+    a quarter of what is unread; it goes on into the other pairs' reserves from their ends (before:
+    its run again, 76 reads of good samples before others' first at 2 x 2, an epoch of 240 of 300 good).
+    Where the damaged shard lies in the reserves themselves, fewer replacements are there than their
+    size says: 3 ranks x 1 worker still read 61 such (67 before)."""
+    src, bad = whole_shard
+    good = [f"d-train-{i:07d}" for i in range(400) if f"d-train-{i:07d}" not in bad]
+    keys = read_epoch(src, 2, 2, 240)
+    assert len(keys) == 240 and not set(keys) & bad
+    assert repeats_while_unread(keys, good)[0] == 0

@@ -99,14 +99,19 @@ class Segment:
         """Per source, the positions pair `pair` reads after its run, in place of the samples it
         passed over (damaged, or dropped by a stage), so that they come from samples no pair reads
         this epoch: its share of what the segment's runs leave of its spans, then of the positions
-        after the epoch's target to the end of that pass, then of the next pass (a repeat, once
-        the pass was read). Each part is cut between the pairs in proportion to their quotas, so
-        no position is in two reserves. `targets`: the epoch's positions of each source."""
+        after the epoch's target to the end of that pass; each part is cut between the pairs in
+        proportion to their quotas. A pair that needs more (a damaged shard in its run) goes on
+        into the next SPILL pairs' shares of those, each read from its end while its owner reads
+        it from its start, so the two meet only once the share is used up; then into its share
+        of the next pass (a repeat, once the pass was read). `targets`: the epoch's positions of
+        each source."""
         q = self.quotas()
         out = []
         for s, (spans, t) in enumerate(zip(self.spans, targets)):
-            pool = self._pools(s, int(t), q[:, s])
-            out.append([span for part in pool for span in part[pair]])
+            unread, this_pass, next_pass = self._pools(s, int(t), q[:, s])
+            others = [(pair + k) % self.pairs for k in range(1, min(self.pairs, SPILL + 1))]
+            spill = [span for o in others for part in (unread, this_pass) for span in _from_the_back(part[o])]
+            out.append(unread[pair] + this_pass[pair] + spill + next_pass[pair])
         return out
 
     def _pools(self, s, target, quota):
@@ -175,6 +180,18 @@ class Segment:
         left = sum(n for s in spans for _, n in s)
         return Segment(self.epoch, generation, world, workers, batch_size, left // (world * batch_size),
                        tuple(spans), self.seed, self.passes)
+
+
+SPILL = 16  # other pairs' reserves a pair may go on into: its reserve's spans stay few at any world size
+CHUNKS = 4  # a reserve read from its end, in this many pieces, each read forward
+
+
+def _from_the_back(spans):
+    """A share's spans as pieces from its end to its start (each piece in order): what another
+    pair takes of it meets what its owner takes from the start only once it is used up."""
+    n = sum(k for _, k in spans)
+    size = -(-n // CHUNKS) if n else 0
+    return [span for hi in range(n, 0, -size) for span in cut(spans, max(0, hi - size), hi)] if n else []
 
 
 def first(epoch, targets, *, world, workers, batch_size, batches, seed, passes=()):
