@@ -7,5 +7,5 @@ hand-over from workers) -> `train` (the DDP loop, checkpoints, metrics, the repo
 `files`, `errors` and `cli` are shared by all three.
 
 `from pipeline import stream` and `from pipeline.stream import ...` keep working (small
-modules that stand for `pipeline.data.stream` and `pipeline.data.topology`).
+modules that stand for `pipeline.data.stream` and `pipeline.ordering.topology`).
 """

@@ -118,6 +118,14 @@ def redacted(value):
     return value
 
 
+def short(value, n=80, show=repr):
+    """`value` as `show` shows it (a tensor by its shape), at most n characters and "..." after:
+    a number or field from a checkpoint or stream state, quoted in an error line."""
+    shape = getattr(value, "shape", None)
+    text = f"a tensor of shape {list(shape)}" if shape is not None and hasattr(value, "dtype") else show(value)
+    return text if len(text) <= n else text[:n] + "..."
+
+
 def cut(text, limit=NAME_LIMIT, show=str):
     """`text` as `show` shows it, in at most about `limit` characters: a longer one keeps its
     start and its end (where a message says what to do) around a count of the characters left

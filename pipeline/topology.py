@@ -1,6 +1,6 @@
-"""Kept so that `from pipeline.topology import ...` works: the module is `pipeline.data.topology`."""
+"""Kept so that `from pipeline.topology import ...` works: the module is `pipeline.ordering.topology`."""
 import sys
 
-from pipeline.data import topology
+from pipeline.ordering import topology
 
 sys.modules[__name__] = topology

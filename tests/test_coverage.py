@@ -25,7 +25,7 @@ from pipeline.data import augment, schema
 from pipeline.writers import index
 from pipeline.data.manifest import resolve
 from pipeline.data.stream import MixedStream
-from pipeline.data.topology import Topology, Worker
+from pipeline.ordering.topology import Topology, Worker
 
 
 SIZES = (("a", 530, 40), ("b", 260, 25), ("c", 97, 13))

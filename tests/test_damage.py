@@ -11,7 +11,7 @@ import pytest
 from helpers import build_shards, read_members, write_tar
 from pipeline.data.manifest import resolve
 from pipeline.data.stream import MixedStream
-from pipeline.data.topology import Topology, Worker
+from pipeline.ordering.topology import Topology, Worker
 
 JUNK = 8
 

@@ -1,11 +1,11 @@
-"""pipeline.data.deal: an epoch's positions dealt to (rank, worker) pairs, exactly, in the
+"""pipeline.ordering.deal: an epoch's positions dealt to (rank, worker) pairs, exactly, in the
 order webdataset's splitters deal a list, and what a stopped world left dealt again."""
 import numpy as np
 import pytest
 import webdataset as wds
 
-from pipeline.data import deal
-from pipeline.data.topology import stride
+from pipeline.ordering import deal
+from pipeline.ordering.topology import stride
 
 
 def segment(targets, world, workers, batch, seed=0):

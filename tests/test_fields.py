@@ -17,7 +17,7 @@ from pipeline.data import augment, budget, read
 from pipeline.data.manifest import resolve
 from pipeline.data.schema import Column, Schema, parse_fields
 from pipeline.data.stream import MixedStream, make_loader
-from pipeline.data.topology import Topology
+from pipeline.ordering.topology import Topology
 from pipeline.errors import InputError
 from pipeline.writers import index
 
@@ -296,7 +296,7 @@ import torch
 import torch.distributed as dist
 from pipeline.data.manifest import resolve
 from pipeline.data.stream import MixedStream, make_loader
-from pipeline.data.topology import Topology
+from pipeline.ordering.topology import Topology
 
 def main(data, out):
     dist.init_process_group("gloo")

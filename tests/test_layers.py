@@ -2,17 +2,18 @@
 pipeline/ or tools/, and no import from a lower layer to a higher one. Every import counts,
 a lazy one inside a function too: it is a circle all the same, only hidden.
 
-Layers, bottom first: the shared modules (cli, errors, files, figures) < pipeline.data <
-pipeline.writers < pipeline.train < tools. A module may import its own layer and those below.
+Layers, bottom first: the shared modules (cli, errors, files, figures) < pipeline.ordering (the
+order of samples: arithmetic on positions, no bytes read) < pipeline.data < pipeline.writers <
+pipeline.train < tools. A module may import its own layer and those below.
 """
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BOTTOM = {"pipeline", "pipeline.cli", "pipeline.errors", "pipeline.files", "pipeline.figures"}
-ORDER = ["bottom", "pipeline.data", "pipeline.writers", "pipeline.train", "tools"]
-# pipeline.stream and pipeline.topology only stand for pipeline.data.stream and .topology
-STAND_INS = {"pipeline.stream": "pipeline.data", "pipeline.topology": "pipeline.data"}
+ORDER = ["bottom", "pipeline.ordering", "pipeline.data", "pipeline.writers", "pipeline.train", "tools"]
+# pipeline.stream and pipeline.topology only stand for pipeline.data.stream and pipeline.ordering.topology
+STAND_INS = {"pipeline.stream": "pipeline.data", "pipeline.topology": "pipeline.ordering"}
 
 
 def module_files():

@@ -17,7 +17,7 @@ from helpers import build_shards
 from test_coverage import fields_corpus
 from pipeline.data.manifest import resolve
 from pipeline.data.stream import MixedStream, make_loader
-from pipeline.data.topology import Worker
+from pipeline.ordering.topology import Worker
 
 BATCH = 10
 WEIGHTS = {"a": 2.0, "b": 1.0}
@@ -241,7 +241,7 @@ def test_set_workers_that_fails_leaves_the_workers_as_they_were(sources, monkeyp
 
 
 def test_a_state_of_another_rank_alone_is_refused_when_loaded(sources):
-    from pipeline.data.topology import Topology
+    from pipeline.ordering.topology import Topology
 
     ranks = [MixedStream(sources, WEIGHTS, BATCH, Topology(r, 2), seed=7, shuffle_buffer=50, epoch_samples=300)
              for r in range(2)]
@@ -269,7 +269,7 @@ def test_a_loader_started_early_keeps_the_loaded_states_epoch_rule(sources):
 def test_a_re_deal_with_nothing_left_for_the_new_world_reads_the_next_epoch(sources):
     """30 samples left, 4 ranks of 10: no batch for the new world; len(), remaining() and the next
     pass agree (len 0 and remaining 13 while a pass read 0 batches, every time)."""
-    from pipeline.data.topology import Topology
+    from pipeline.ordering.topology import Topology
 
     s = MixedStream(sources, WEIGHTS, BATCH, seed=7, shuffle_buffer=50, epoch_samples=300)
     read(s, 27)

@@ -7,7 +7,8 @@ import pytest
 import webdataset as wds
 
 from helpers import build_shards, train_sources
-from pipeline.data import deal, mix
+from pipeline.ordering import deal
+from pipeline.data import mix
 from pipeline.data.mix import RandomMix
 from pipeline.data.stream import MixedStream
 

@@ -1,10 +1,10 @@
-"""pipeline.data.order: each position's place a pure function of (seed, epoch, source,
+"""pipeline.ordering.order: each position's place a pure function of (seed, epoch, source,
 position), windows of whole shards that mix many shards, keyed generators."""
 import numpy as np
 import pytest
 
-from pipeline.data import order
-from pipeline.data.order import SourceOrder
+from pipeline.ordering import order
+from pipeline.ordering.order import SourceOrder
 
 
 def walk(o, n):

@@ -9,7 +9,7 @@ import webdataset as wds
 from helpers import encode_pil, make_shards_in_process
 from pipeline.data.manifest import resolve
 from pipeline.data.stream import MixedStream
-from pipeline.data.topology import Topology, Worker
+from pipeline.ordering.topology import Topology, Worker
 
 CLASSES, PER_CLASS, PER_SHARD, BATCH = 10, 60, 100, 16
 

@@ -264,7 +264,7 @@ def test_a_plan_looks_ahead_to_its_run_s_end_and_no_further():
 
     import numpy as np
 
-    from pipeline.data import order
+    from pipeline.ordering import order
 
     rng = random.Random(7)
     for case in range(200):
@@ -304,7 +304,7 @@ def test_the_bytes_fetched_ahead_count_in_the_memory_budget(slow_server):
 
 
 def _plan(rng, case):
-    from pipeline.data import order
+    from pipeline.ordering import order
 
     counts = [rng.randint(1, 40) for _ in range(rng.randint(1, 14))]
     o = order.SourceOrder(counts, None, seed=case, epoch=rng.randint(0, 3), source=0,

@@ -26,7 +26,7 @@ from pipeline.data import manifest, remote
 from pipeline.errors import ShardError
 from pipeline.train.metrics import Metrics
 from pipeline.data.stream import make_loader, resolve
-from pipeline.data.topology import Topology
+from pipeline.ordering.topology import Topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -319,9 +319,9 @@ def test_a_stream_state_the_stream_refuses_is_one_line_from_the_trainer(data, ru
 
 def signed(state, entries):
     """Rank entries as state_dict writes them over `state`'s root: each with its check."""
-    from pipeline.data import state as codec
+    from pipeline.ordering import place
 
-    return [dict(e, check=codec.check_of(state, e)) for e in entries]
+    return [dict(e, check=place.check_of(state, e)) for e in entries]
 
 
 def resigned(change):
@@ -337,7 +337,7 @@ def resigned(change):
 def taken_by(segment, pair, done):
     """Positions of each source `pair` of a checkpoint's segment took when each rank made
     `done` batches (seed 0; a pass of either source is its 200 samples)."""
-    from pipeline.data import deal
+    from pipeline.ordering import deal
 
     seg = deal.replay(0, [80, 80], (), world=segment["world"], workers=segment["workers"],
                       batch_size=segment["batch_size"], seed=0, passes=(200, 200))

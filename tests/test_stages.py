@@ -5,9 +5,9 @@ import webdataset as wds
 
 from pipeline.data import stages
 from pipeline.data.mix import RandomMix
-from pipeline.data.order import SourceOrder
+from pipeline.ordering.order import SourceOrder
 from pipeline.data.stages import RunPlan, Window
-from pipeline.data.topology import Topology, Worker
+from pipeline.ordering.topology import Topology, Worker
 
 
 def plan_of(counts, run, at=0, *, window=20, **kw):
@@ -120,7 +120,7 @@ def test_a_sources_chain_is_named_stages_and_goes_on_from_its_position_alone(tmp
     """The chain is named stages (each a Node pulling from the one before); its position is all
     it keeps: a chain rebuilt at that position (what a resume builds) goes on identically."""
     from helpers import build_shards
-    from pipeline.data import deal
+    from pipeline.ordering import deal
     from pipeline.data.manifest import resolve
     from pipeline.data.node import Node
 

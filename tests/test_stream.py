@@ -26,7 +26,7 @@ from helpers import (HALF, HANG, STREAM_SPECS, build_shards, free_port, key_inde
 from pipeline.errors import ShardError
 
 from pipeline.data.stream import EvalStream, MixedStream, check_weights, make_loader, parse_weights, resolve
-from pipeline.data.topology import Topology
+from pipeline.ordering.topology import Topology
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run_slot(stream, worker, workers, monkeypatch):

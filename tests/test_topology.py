@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline.data.topology import Topology, Worker, own_items, stride
+from pipeline.ordering.topology import Topology, Worker, own_items, stride
 
 
 def test_from_env_reads_torchruns_variables(monkeypatch):

@@ -292,7 +292,7 @@ def test_the_trainers_progress_bar_starts_no_monitor_thread():
     worker forked as it exits can deadlock on Python 3.11 (CPython gh-112275)."""
     from tqdm import tqdm
 
-    from pipeline.data.topology import Topology
+    from pipeline.ordering.topology import Topology
     from pipeline.train.console import progress_bar
 
     tqdm.monitor_interval = 10  # tqdm's default
@@ -311,7 +311,7 @@ def test_warnings_written_while_the_bar_shows_start_their_own_line_in_a_log_file
     from a worker or another rank then continued the bar's line (seen by a new user)."""
     import io
 
-    from pipeline.data.topology import Topology
+    from pipeline.ordering.topology import Topology
     from pipeline.train import console
 
     log = io.StringIO()

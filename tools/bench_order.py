@@ -111,7 +111,7 @@ def classes_per_batch(manifest_dir, batch_size, seed, world, workers):
 
     from pipeline.data.manifest import resolve
     from pipeline.data.stream import MixedStream
-    from pipeline.data.topology import Topology, Worker
+    from pipeline.ordering.topology import Topology, Worker
 
     src = resolve(NAME, manifest_dir, "train")
     n, seen = max(workers, 1), []

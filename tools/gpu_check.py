@@ -344,7 +344,7 @@ def model_check(folder, work, trained, steps=300):
     fused SGD step that skips on the device) on one batch already there, with the trainer's
     flags: the samples/s the trainer is held against. `trained`: the train step's figures."""
     from pipeline.data import remote
-    from pipeline.data.topology import Topology
+    from pipeline.ordering.topology import Topology
     from pipeline.train import options
     from pipeline.train.run import Run
 

@@ -68,12 +68,12 @@ if __name__ == "__main__":
 
 import numpy as np  # noqa: E402
 
-from pipeline.data import deal, state as codec  # noqa: E402
+from pipeline.ordering import deal, place  # noqa: E402
 from pipeline.data.decode import Target  # noqa: E402
 from pipeline.data.manifest import Source  # noqa: E402
 from pipeline.data.stages import RunPlan  # noqa: E402
 from pipeline.data.stream import MixedStream  # noqa: E402
-from pipeline.data.topology import Topology  # noqa: E402
+from pipeline.ordering.topology import Topology  # noqa: E402
 
 
 def big_source(shards, per_shard):
@@ -131,7 +131,7 @@ def read_by(seg, state):
             passed[r["rank"] + w * seg.world] = v
     starts = np.concatenate([[0], np.cumsum(seg.quotas()[:, 0])])
     read = {rank + w * seg.world: n[0] for rank in range(seg.world)
-            for w, n in codec.positions(seg, done, passed, rank).items()}
+            for w, n in place.positions(seg, done, passed, rank).items()}
     return deal.cut_all(seg.spans[0], [(int(starts[p]), int(starts[p]) + min(read[p], int(seg.quotas()[p, 0])))
                                        for p in range(seg.pairs)])
 

@@ -16,7 +16,7 @@ import torch
 
 from pipeline.data.budget import PREFETCH
 from pipeline.data.ring import Ring
-from pipeline.data.topology import Worker
+from pipeline.ordering.topology import Worker
 from pipeline.data.workers import BATCH, END, Workers, raise_error, unpack
 
 

@@ -12,8 +12,8 @@ batches from the sources' chains (`next`).
 import numpy as np
 import torch
 
-from pipeline.data import order
-from pipeline.data.deal import BLOCK, Choices
+from pipeline.ordering import order
+from pipeline.ordering.deal import BLOCK, Choices
 from pipeline.data.node import Node
 
 

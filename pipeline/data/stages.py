@@ -1,7 +1,7 @@
 """The stages of one source's samples inside one (rank, DataLoader worker), in order:
 
-    plan        the pair's run of the epoch's positions (pipeline.data.deal), as the
-                windows that hold them (pipeline.data.order): `RunPlan`
+    plan        the pair's run of the epoch's positions (pipeline.ordering.deal), as the
+                windows that hold them (pipeline.ordering.order): `RunPlan`
     read        each window's shards read once: members grouped into samples, labels
                 parsed, members the source doesn't use dropped unread (`Reader`)
     shuffle     one seeded permutation of each window's samples
@@ -33,8 +33,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.data import order, remote
-from pipeline.data.topology import stride
+from pipeline.ordering import order
+
+from pipeline.data import remote
+from pipeline.ordering.topology import stride
 from pipeline.data.node import Node
 from pipeline.data.decode import Unlabelled, class_index, decode_batch, image_format, image_of, label_of, parse_label_key
 from pipeline.errors import DigestError, Errors, InputError, ShardError
@@ -73,7 +75,7 @@ class Window:
 
 class RunPlan:
     """The windows one (rank, worker) reads of one source: its run of the epoch's positions
-    (pipeline.data.deal), window by window (pipeline.data.order), from `at` positions in.
+    (pipeline.ordering.deal), window by window (pipeline.ordering.order), from `at` positions in.
 
     Each window is read whole and its positions taken where the run holds them. A pair that
     passed over damaged samples and still owes samples goes on into its `reserve`

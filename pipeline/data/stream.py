@@ -15,7 +15,7 @@ pairs, and a source's sample is read a second time only once all of its samples 
 read (a source smaller than its share of the epoch starts a new pass). `EvalStream`
 reads a source's test shards once, split over ranks and workers.
 
-A stream's state (`state_dict`, pipeline.data.state) is the epoch's segment (the world
+A stream's state (`state_dict`, pipeline.ordering.place) is the epoch's segment (the world
 that reads it, and the worlds before it with what each consumed), the batches each rank
 made of it, the positions its workers passed over, and each source's shard-list digest:
 everything else is recomputed. `load_state_dict` goes on where that state stopped: on
@@ -27,8 +27,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from pipeline.data import deal, loader, order, remote, stages
-from pipeline.data import state as codec
+from pipeline.data import loader, remote, stages
+from pipeline.ordering import deal, order, place
 from pipeline.data.batch import NOTHING, Collate, Layout
 from pipeline.data.columns import FieldLayout
 from pipeline.data.schema import Schema
@@ -36,8 +36,8 @@ from pipeline.errors import Errors, ShardError
 from pipeline.data.loader import make_loader  # noqa: F401  (make_loader: this module's API)
 from pipeline.data.manifest import Source, resolve  # noqa: F401  (part of this module's API)
 from pipeline.data.mix import RandomMix
-from pipeline.data.topology import Topology, Worker, own_items
-from pipeline.data.weights import check_weights, parse_weights  # noqa: F401  (part of this module's API)
+from pipeline.ordering.topology import Topology, Worker, own_items
+from pipeline.ordering.weights import check_weights, parse_weights  # noqa: F401  (part of this module's API)
 
 __all__ = ["MixedStream", "EvalStream", "Source", "resolve", "make_loader", "parse_weights", "check_weights"]
 WINDOW_SAMPLES = 10_000  # a shuffle window: shards adding up to about this many samples...
@@ -367,7 +367,7 @@ class MixedStream(torch.utils.data.IterableDataset):
     def state_dict(self):
         """Where this rank stands in its epoch, JSON-serialisable: the segment (how it was dealt),
         the batches each rank made of it, and the positions this rank's workers passed over
-        without a sample (pipeline.data.state). `load_state_dict` takes a list of every rank's
+        without a sample (pipeline.ordering.place). `load_state_dict` takes a list of every rank's
         (or one, to go on on the same world)."""
         seg = self.current()
         start = self._start_now()
@@ -383,11 +383,11 @@ class MixedStream(torch.utils.data.IterableDataset):
             if min(passed[w], default=0) < 0:
                 raise ValueError(f"worker {w} read {list(at)} positions, fewer than its {done} batches took "
                                  f"({[int(t) for t in took]}): a batch recorded from another stream?")
-        return codec.encode(seg, self._targets, self.layout.names, self._listings(), self.seed, self.topo.rank, done,
+        return place.encode(seg, self._targets, self.layout.names, self._listings(), self.seed, self.topo.rank, done,
                             passed, self._order_settings())
 
     def _listings(self):
-        return [codec.listing(s) for s in self.sources]
+        return [place.listing(s) for s in self.sources]
 
     def _order_settings(self):
         return {"window_samples": self.shuffle_buffer, "window_bytes": self.window_bytes,
@@ -421,8 +421,8 @@ class MixedStream(torch.utils.data.IterableDataset):
 
     def _check(self, state):
         """(segment, done, ranks, passed, ended, targets) of a state, every number checked (a state is input)."""
-        root, ranks = codec.merge(state)
-        seg, done, ranks, passed, ended = codec.check(
+        root, ranks = place.merge(state)
+        seg, done, ranks, passed, ended = place.check(
             root, ranks, names=self.layout.names, listings=self._listings(), seed=self.seed, targets=self.targets(),
             passes=self._passes(), order_of=self._order_settings())
         if not ended and len(ranks) != seg.world:
@@ -451,10 +451,10 @@ class MixedStream(torch.utils.data.IterableDataset):
         self._targets = list(targets)
         if was == here and self.topo.rank in ranks:
             return seg, Start({w: seg.worker_done(w, done) for w in range(seg.workers)},
-                              codec.positions(seg, done, passed, self.topo.rank), first_logical=done % seg.workers)
+                              place.positions(seg, done, passed, self.topo.rank), first_logical=done % seg.workers)
         if len(ranks) != seg.world:
             raise ValueError(_every_rank(seg, ranks, here))
-        return codec.redeal(seg, done, tuple(sorted(passed.items())), *here), Start()
+        return place.redeal(seg, done, tuple(sorted(passed.items())), *here), Start()
 
     def eval_stream(self, source, batch_size=None):
         """A finite stream over one source's test shards in this stream's batch format."""

@@ -26,7 +26,7 @@ import traceback
 import numpy as np
 import torch
 
-from pipeline.data.topology import Worker
+from pipeline.ordering.topology import Worker
 from pipeline.errors import cut
 
 HEADER = struct.Struct("<qiiii")  # pass, kind, slot, samples, payload bytes

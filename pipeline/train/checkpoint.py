@@ -19,12 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.errors import ShardError
+from pipeline.errors import ShardError, short
+from pipeline.ordering import order, place
 from pipeline.files import open_regular
 
-VERSION = 2
-MAX_WORLD = 1 << 16  # ranks a checkpoint may say it ran on
-MAX_COUNT = 1 << 53  # counts beyond this are not exact in the float64 sums they travel in
+VERSION = 2  # of the checkpoint file (its stream state has its own: pipeline.ordering.place.VERSION)
 
 
 def fingerprint(args, sources, world=1):
@@ -90,7 +89,7 @@ def legacy(saved):
 
 def _listing(d):
     if not (isinstance(d, dict) and isinstance(d.get("listing"), str)):
-        return "no shard digest" if d is None else _short(d)
+        return "no shard digest" if d is None else short(d, show=json.dumps)
     return f"{d.get('shards')} shards, {d.get('samples')} samples, listing sha256 {d['listing'][:12]}"
 
 
@@ -99,12 +98,7 @@ def _show(value):
                                                  and isinstance(v["shape"], list) for v in value):
         return "[" + ", ".join(f"{v['name']} {v['classes']} classes {'x'.join(map(str, v['shape']))}"
                                for v in value) + "]"
-    return _short(value)
-
-
-def _short(value, n=80):
-    text = json.dumps(value) if not isinstance(value, torch.Tensor) else f"a tensor of shape {list(value.shape)}"
-    return text if len(text) <= n else text[:n] + "..."
+    return short(value, show=json.dumps)
 
 
 # ---------------------------------------------------------------- reading one back
@@ -144,24 +138,24 @@ class _Fields:
 
     def integer(self, x, field, lo, hi):
         if type(x) is not int or not lo <= x <= hi:
-            self.bad(field, f"{_short(x)}; an integer in {lo}..{hi} expected")
+            self.bad(field, f"{short(x, show=json.dumps)}; an integer in {lo}..{hi} expected")
         return x
 
     def number(self, x, field, lo=0.0, hi=math.inf, whole=False):
         """A finite int or float in [lo, hi] (a whole number if `whole`: counts in float sums)."""
         ok = type(x) in (int, float) and math.isfinite(x) and lo <= x <= hi and (not whole or x == int(x))
         if not ok:
-            self.bad(field, f"{_short(x)}; a {'whole ' if whole else ''}finite number in {lo}..{hi} expected")
+            self.bad(field, f"{short(x, show=json.dumps)}; a {'whole ' if whole else ''}finite number in {lo}..{hi} expected")
         return x
 
     def items(self, x, field, n, each):
         if not isinstance(x, list) or len(x) != n:
-            self.bad(field, f"{_short(x)}; a list of {n} expected")
+            self.bad(field, f"{short(x, show=json.dumps)}; a list of {n} expected")
         return [each(v, f"{field}[{i}]") for i, v in enumerate(x)]
 
     def mapping(self, x, field, keys=()):
         if not isinstance(x, dict):
-            self.bad(field, f"{_short(x)}; an object expected")
+            self.bad(field, f"{short(x, show=json.dumps)}; an object expected")
         for k in keys:
             if k not in x:
                 self.bad(f"{field}.{k}", "missing")
@@ -190,18 +184,18 @@ def trainer_state(state, path, limits):
     and when `mid`: "stream" (the stream's state, checked by MixedStream), "facts", "carried",
     "log_sums"}."""
     f = _Fields(path, state)
-    world = f.integer(state.get("world"), "world", 1, MAX_WORLD)
+    world = f.integer(state.get("world"), "world", 1, place.MAX_WORLD)
     pos = f.mapping(f.json("position"), "position", ("epoch", "mid", "step", "seen"))
     history = f.mapping(f.json("history"), "history", ("epochs",))
     epochs = history["epochs"]
     if not isinstance(epochs, list):
-        f.bad("history.epochs", f"{_short(epochs)}; a list expected")
+        f.bad("history.epochs", f"{short(epochs, show=json.dumps)}; a list expected")
     epoch = pos["epoch"]
     if type(epoch) is not int or epoch != len(epochs):  # one history entry per epoch done
-        f.bad("position.epoch", f"{_short(epoch)}, but the history holds {len(epochs)} finished epoch(s)")
+        f.bad("position.epoch", f"{short(epoch, show=json.dumps)}, but the history holds {len(epochs)} finished epoch(s)")
     mid = pos["mid"]
     if not isinstance(mid, bool):
-        f.bad("position.mid", f"{_short(mid)}; true or false expected")
+        f.bad("position.mid", f"{short(mid, show=json.dumps)}; true or false expected")
     if mid and epoch >= limits.epochs:
         raise ValueError(f"{path}: the checkpoint stopped inside epoch {epoch + 1}, past --epochs {limits.epochs}; "
                          f"raise --epochs to at least {epoch + 1} to finish it")
@@ -213,7 +207,7 @@ def trainer_state(state, path, limits):
         field = f"history.epochs[{i}]"
         f.mapping(e, field, ("epoch", "batches", "skipped", "samples"))
         f.integer(e["epoch"], f"{field}.epoch", i + 1, i + 1)
-        f.integer(e["skipped"], f"{field}.skipped", 0, MAX_COUNT)
+        f.integer(e["skipped"], f"{field}.skipped", 0, order.MAX_COUNT)
         for r, n in f.mapping(e["batches"], f"{field}.batches").items():
             f.integer(n, f"{field}.batches.{r}", 0, samples)  # at least a sample a batch, whatever the batch size
         for name, ranks in f.mapping(e["samples"], f"{field}.samples").items():
@@ -259,7 +253,7 @@ def trainer_state(state, path, limits):
         counts = [f.number(x, f"log_sums[{n + i}]", 0, seen, whole=True) for i, x in enumerate(sums[n:2 * n])]
         for i, (loss, count) in enumerate(zip(sums[:n], counts)):
             f.number(loss, f"log_sums[{i}]", 0, math.inf if count else 0)  # no samples, no loss
-        f.number(sums[2 * n], f"log_sums[{2 * n}]", 0, MAX_COUNT, whole=True)
+        f.number(sums[2 * n], f"log_sums[{2 * n}]", 0, order.MAX_COUNT, whole=True)
     out["log_sums"] = sums
     return out
 
@@ -270,10 +264,10 @@ def facts(f, v, field, most, b, sources):
     skipped samples and times."""
     f.mapping(v, field, ("batches", "samples", "skipped", "wait", "busy"))
     n = f.integer(v["batches"], f"{field}.batches", 0, most)
-    per = f.items(v["samples"], f"{field}.samples", sources, lambda x, fd: f.integer(x, fd, 0, MAX_COUNT))
+    per = f.items(v["samples"], f"{field}.samples", sources, lambda x, fd: f.integer(x, fd, 0, order.MAX_COUNT))
     if b is not None and sum(per) != n * b:
         f.bad(f"{field}.samples", f"{sum(per)} samples in {n} batches of {b}")
-    f.integer(v["skipped"], f"{field}.skipped", 0, MAX_COUNT)
+    f.integer(v["skipped"], f"{field}.skipped", 0, order.MAX_COUNT)
     f.number(v["wait"], f"{field}.wait")
     f.number(v["busy"], f"{field}.busy")
     return v
@@ -289,7 +283,7 @@ def set_rng(state, path):
     """torch's CPU generator from the checkpoint's `rng`, checked to be one."""
     rng, like = state.get("rng"), torch.get_rng_state()
     if not (isinstance(rng, torch.Tensor) and rng.dtype == like.dtype and rng.shape == like.shape):
-        _Fields(path, state).bad("rng", f"{_short(rng)}; a uint8 tensor of {len(like)} bytes expected")
+        _Fields(path, state).bad("rng", f"{short(rng, show=json.dumps)}; a uint8 tensor of {len(like)} bytes expected")
     try:
         torch.set_rng_state(rng.cpu())
     except RuntimeError as e:
@@ -302,7 +296,7 @@ def load_model(model, state, path):
     weights = f.mapping(state.get("model"), "model")
     for name, t in weights.items():
         if not isinstance(t, torch.Tensor):
-            f.bad(f"model.{name}", f"{_short(t)}; a tensor expected")
+            f.bad(f"model.{name}", f"{short(t, show=json.dumps)}; a tensor expected")
         if t.is_complex() or t.is_floating_point() and not bool(torch.isfinite(t).all()):
             f.bad(f"model.{name}", "values that are not finite (or complex)")
         if name.endswith("running_var") and bool((t < 0).any()):  # BatchNorm would take its square root
@@ -324,10 +318,10 @@ def load_optimizer(opt, state, path):
     numbers = [k for g in groups for k in g.get("params", ())] if isinstance(groups, list) and \
         all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups) else None
     if numbers != list(range(len(params))):  # what torch writes; any other order would swap momentum buffers
-        f.bad("optimizer.param_groups", f"parameters {_short(numbers)}; 0..{len(params) - 1} in order expected")
+        f.bad("optimizer.param_groups", f"parameters {short(numbers, show=json.dumps)}; 0..{len(params) - 1} in order expected")
     for k, entry in f.mapping(saved["state"], "optimizer.state").items():
         if type(k) is not int or not 0 <= k < len(params):
-            f.bad("optimizer.state", f"key {_short(k)}; parameter numbers 0..{len(params) - 1} expected")
+            f.bad("optimizer.state", f"key {short(k, show=json.dumps)}; parameter numbers 0..{len(params) - 1} expected")
         f.mapping(entry, f"optimizer.state.{k}")
     own = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     try:
@@ -341,7 +335,7 @@ def load_optimizer(opt, state, path):
         if buf is None:
             continue
         if not (isinstance(buf, torch.Tensor) and buf.shape == p.shape and buf.is_floating_point()):
-            f.bad(f"optimizer.state.{i}.momentum_buffer", f"{_short(buf)}; a tensor of shape {list(p.shape)} expected")
+            f.bad(f"optimizer.state.{i}.momentum_buffer", f"{short(buf, show=json.dumps)}; a tensor of shape {list(p.shape)} expected")
         if not bool(torch.isfinite(buf).all()):
             f.bad(f"optimizer.state.{i}.momentum_buffer", "values that are not finite")
 

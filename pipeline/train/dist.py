@@ -1,7 +1,7 @@
 """Process-group set-up and teardown, and the few collectives the trainer uses.
 
 Nothing below `train` reads RANK or WORLD_SIZE itself: the stream is handed a
-`Topology` (pipeline.data.topology), so sharding logic can be tested in one process
+`Topology` (pipeline.ordering.topology), so sharding logic can be tested in one process
 for any world size.
 """
 import ctypes
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.data.budget import local_world_size
-from pipeline.data.topology import Topology  # noqa: F401  (re-exported: the trainer's "who am I")
+from pipeline.ordering.topology import Topology  # noqa: F401  (re-exported: the trainer's "who am I")
 
 
 def set_threads(environ=os.environ):

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from pipeline.data import order
+from pipeline.ordering import order
 from pipeline.train import dist, options, prefetch
 from pipeline.train.console import progress_bar
 from pipeline.train.metrics import StepLog

@@ -11,7 +11,7 @@ import sys
 
 from pipeline.cli import Parser, add_io_options, byte_size, check_io
 from pipeline.files import missing_folder
-from pipeline.data.weights import check_weights, parse_weights
+from pipeline.ordering.weights import check_weights, parse_weights
 from pipeline.train import stop
 
 MAX_TIMEOUT = 7 * 24 * 3600  # a week: more overflows torch's timeout deep in the process group set-up

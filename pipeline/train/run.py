@@ -17,8 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from pipeline.data import cache, order, stream
-from pipeline.errors import InputError, redacted
+from pipeline.ordering import order
+
+from pipeline.data import cache, stream
+from pipeline.errors import InputError, redacted, short
 from pipeline.train import checkpoint, dist, options, prefetch
 from pipeline.train.model import Net, augment
 from pipeline.train.schedule import BASE_BATCH, learning_rate
@@ -198,7 +200,7 @@ class Run:
         checkpoint.check_resume(saved, self.fingerprint, allow_weights=args.change_weights,
                                 allow_data=args.change_data)
         batch = saved.get("batch_size")  # the checkpoint's own: its tallies count its batches
-        batch = batch if type(batch) is int and 1 <= batch <= checkpoint.MAX_COUNT else args.batch_size
+        batch = batch if type(batch) is int and 1 <= batch <= order.MAX_COUNT else args.batch_size
         limits = checkpoint.Limits(args.epochs, checkpoint.epoch_samples_of(saved, self.stream.epoch_samples),
                                    batch, len(self.names))
         got = checkpoint.trainer_state(state, path, limits)
@@ -228,8 +230,8 @@ class Run:
             made = {r["rank"]: streams["done"] for r in streams["ranks"]}
             counted = {r: f["batches"] for r, f in enumerate(tallies)}
             if made != counted:  # the stream's place and the run's counts must tell one story
-                raise InputError(f"{path}: the stream state says the ranks made {_short(made)} batches of this "
-                                 f"epoch, the run counted {_short(counted)}; the checkpoint is damaged")
+                raise InputError(f"{path}: the stream state says the ranks made {short(made)} batches of this "
+                                 f"epoch, the run counted {short(counted)}; the checkpoint is damaged")
             earlier = sum(r["done"] * r["world"] * r["batch_size"] for r in streams["segment"]["before"])
             carried = sum(sum(f["samples"]) for f in (before or {}).values())
             if earlier != carried:  # what earlier worlds read of this epoch, by the stream and by the run
@@ -336,6 +338,3 @@ def where(run):
     return f"the end of epoch {run.epoch}, step {run.step}"
 
 
-def _short(value, n=80):
-    text = repr(value)
-    return text if len(text) <= n else text[:n] + "..."

@@ -14,7 +14,7 @@ import torch
 from pipeline.data.loader import make_loader
 from pipeline.data.ring import Field, Spec
 from pipeline.data.stream import MixedStream, resolve
-from pipeline.data.topology import Topology, Worker
+from pipeline.ordering.topology import Topology, Worker
 from pipeline.writers import shards
 from pipeline.writers.sources import SyntheticSource
 

@@ -15,7 +15,7 @@ import torch
 
 import bench_peers
 from pipeline.data import stream
-from pipeline.data.topology import Topology
+from pipeline.ordering.topology import Topology
 
 from bench.cpu import measure
 from bench.inputs import NAMES, project_sources

@@ -117,13 +117,13 @@ def stage_costs(n=200_000, repeats=3):
     """Per-sample cost of two of the stages written here rather than taken from webdataset
     (tar reading, the third, is measured by `tar_format`): the shuffle (wds.shuffle's buffer
     of 1000, against one seeded permutation per window of 1000) and the mix (wds.RandomMix,
-    one draw per sample, against pipeline.data.deal.Choices taking a batch of 256 sources
+    one draw per sample, against pipeline.ordering.deal.Choices taking a batch of 256 sources
     at once from an exact, seeded mix)."""
     import random
 
     import webdataset as wds
 
-    from pipeline.data.deal import Choices
+    from pipeline.ordering.deal import Choices
 
     samples = [{"__key__": str(i)} for i in range(n)]
 

@@ -1,6 +1,6 @@
 """Who reads which positions: an epoch's samples dealt to (rank, worker) pairs, exactly.
 
-An epoch asks each source for `targets[s]` positions (pipeline.data.order): the
+An epoch asks each source for `targets[s]` positions (pipeline.ordering.order): the
 epoch's samples split by the mixture weights. A `Segment` is the part of an epoch one
 world runs: per source a list of spans of those positions still to read, and the
 world (ranks, workers, batch size) that reads them. It reads `batches` batches per
@@ -12,7 +12,7 @@ batch.
 
 The pairs are listed in the order `wds.split_by_node` then `wds.split_by_worker`
 deal a list: item i belongs to rank i % world, worker i // world, so a (rank, worker)
-finds its own item by calling them (pipeline.data.topology).
+finds its own item by calling them (pipeline.ordering.topology).
 
 When a run stops, each pair has read a prefix of its runs. Resuming on the same world
 goes on from there with the same segment; on another world, what each pair left, and
@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pipeline.data import order
+from pipeline.ordering import order
 
 BLOCK = 1 << 12  # a pair's source choices are drawn in blocks of this many samples (a resume draws one)
 

@@ -25,7 +25,8 @@ import functools
 import hashlib
 import json
 
-from pipeline.data import deal, order
+from pipeline.errors import short
+from pipeline.ordering import deal, order
 
 VERSION = 4
 MAX_WORLD = 1 << 16  # ranks a stream state may say it ran on (as a checkpoint's world)
@@ -84,7 +85,7 @@ def merge(state):
         raise ValueError("stream state: a mapping, or a non-empty list of per-rank mappings, expected")
     for r in roots:
         if r.get("version") != VERSION:
-            raise ValueError(f"stream state version {_short(r.get('version'))}, expected {VERSION}")
+            raise ValueError(f"stream state version {short(r.get('version'))}, expected {VERSION}")
         missing = [k for k in ("sources", "listings", "seed", "epoch", "targets", "order", "segment", "done", "ranks")
                    if k not in r]
         if missing:
@@ -102,7 +103,7 @@ def merge(state):
 
 def _int(v, what, lo, hi):
     if type(v) is not int or not lo <= v <= hi:
-        raise ValueError(f"stream state {what}: {_short(v)}; an integer in {lo}..{hi} expected")
+        raise ValueError(f"stream state {what}: {short(v, 60)}; an integer in {lo}..{hi} expected")
     return v
 
 
@@ -110,11 +111,6 @@ def _ints(v, what, n, lo, hi):
     if not isinstance(v, list) or len(v) != n:
         raise ValueError(f"stream state {what}: a list of {n} integers expected")
     return [_int(x, what, lo, hi) for x in v]
-
-
-def _short(value, n=60):
-    text = repr(value)
-    return text if len(text) <= n else text[:n] + "..."
 
 
 def _world(g, what):
@@ -181,8 +177,8 @@ def check(root, ranks, *, names, listings, seed, targets, passes, order_of):
     epoch's end says nothing about the next epoch, whose weights, order and data may differ."""
     S = len(names)
     if root["sources"] != names or root["seed"] != seed:
-        raise ValueError(f"the stream state is for sources {_short(root['sources'])} with seed "
-                         f"{_short(root['seed'])}; this stream has {names} with seed {seed}")
+        raise ValueError(f"the stream state is for sources {short(root['sources'], 60)} with seed "
+                         f"{short(root['seed'], 60)}; this stream has {names} with seed {seed}")
     epoch = _int(root["epoch"], "epoch", 0, order.MAX_COUNT)
     got = _ints(root["targets"], "targets", S, 0, order.MAX_COUNT)
     if not isinstance(root["order"], dict):
@@ -204,7 +200,7 @@ def check(root, ranks, *, names, listings, seed, targets, passes, order_of):
         mine = {rank + w * seg.world: v for w, v in _passed(r.get("passed"), f"rank {rank} passed", seg.workers,
                                                              S).items()}
         if r.get("check") != check_of(root, r):
-            raise ValueError(f"stream state rank {rank}: its check {_short(r.get('check'))} does not match its "
+            raise ValueError(f"stream state rank {rank}: its check {short(r.get('check'))} does not match its "
                              f"numbers: the state was edited or damaged (state_dict() writes it whole); resume "
                              f"from an unedited one")
         ranks_seen.add(rank)
@@ -245,7 +241,7 @@ def _check_same_epoch(root, got, targets, order_of, names, listings):
                          f"stream {[int(t) for t in targets]}: the weights or the epoch's samples changed inside "
                          f"an epoch; change them at an epoch boundary")
     if root["order"] != dict(order_of):
-        said = ", ".join(f"{k} {_short(root['order'].get(k))}" for k in order_of)
+        said = ", ".join(f"{k} {short(root['order'].get(k))}" for k in order_of)
         raise ValueError(f"the interrupted epoch ran with {said}; this stream has "
                          f"{', '.join(f'{k} {v}' for k, v in order_of.items())}: which sample each position holds "
                          f"would change (--shuffle-buffer, --shuffle-window, --resample); change them at an epoch "
@@ -253,6 +249,6 @@ def _check_same_epoch(root, got, targets, order_of, names, listings):
     for name, was, now in zip(names, root["listings"], listings):
         if was != now:
             raise ValueError(f"the stream state was saved over other shards of source {name} (shard list "
-                             f"{_short(was, 12)}, this stream's {now[:12]}): which sample each position holds "
+                             f"{short(was, 12)}, this stream's {now[:12]}): which sample each position holds "
                              f"differs, so going on would read some samples twice and others never; finish the "
                              f"epoch on the shards it began with, or start it over")
