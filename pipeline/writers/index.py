@@ -19,7 +19,6 @@ with one line naming the shard and the sample.
 """
 import collections
 import hashlib
-import multiprocessing
 import os
 import re
 import urllib.parse
@@ -37,7 +36,7 @@ from pipeline.data.manifest import (FORMAT, NAME_RE, CLASSES_WHY, MAX_CLASSES, M
 from pipeline.data.read import MAX_MEMBER, is_meta, iter_samples
 from pipeline.data.schema import Oversized
 from pipeline.writers.fields import scan_fields, summarise_fields
-from pipeline.writers.shards import writing
+from pipeline.writers.shards import forked_imap, writing
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 FOREIGN_EXTS = tuple(e for e in IMAGE_EXTS if e != "raw")  # raw pixels need a shape nobody but make_shards records
@@ -277,10 +276,9 @@ def _index(name, split, spec, out, urls, names, label, image_key, shape, classes
     bar = tqdm(total=len(urls), unit="shard", desc=f"index {name}-{split}", disable=not progress, dynamic_ncols=True)
     try:
         if workers > 1 and len(urls) > 1:
-            with multiprocessing.get_context("fork").Pool(min(workers, len(urls))) as pool:
-                for scan in pool.imap(_scan_task, tasks):
-                    found.append(scan)
-                    bar.update(1)
+            for scan in forked_imap(_scan_task, tasks, min(workers, len(urls))):
+                found.append(scan)
+                bar.update(1)
         else:
             for task in tasks:
                 found.append(_scan_task(task))

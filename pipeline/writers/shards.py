@@ -157,6 +157,22 @@ def plan_shards(n, maxcount, seed, limit=None, part=(0, 1)):
     return [(k, idx) for k, idx in enumerate(chunks) if k % parts == i]
 
 
+def forked_imap(fn, tasks, workers):
+    """fn over tasks in `workers` forked processes, results in order. The pool ends with close() and
+    join(), never terminate() but on Ctrl-C: terminate() can kill a worker while it holds the
+    result queue's lock, or miss one the pool was starting, and then waits for it for good (a hung
+    --imagefolder build in CI; an --index of a test run's that never ended)."""
+    pool = multiprocessing.get_context("fork").Pool(workers)
+    try:
+        yield from pool.imap(fn, tasks)
+    except KeyboardInterrupt:
+        pool.terminate()
+        raise
+    finally:
+        pool.close()
+        pool.join()
+
+
 def build(source, out, *, encoding="png", maxcount=500, seed=0, limit=None, workers=1, part=(0, 1),
           progress=True, say=None):
     """Write `source` as shards plus manifest under `out`; returns the manifest dict.
@@ -284,20 +300,9 @@ def _run_tasks(source, tasks, workers, progress, desc):
     entries = []
     try:
         if workers > 1 and len(tasks) > 1:
-            pool = multiprocessing.get_context("fork").Pool(workers)
-            try:
-                for entry in pool.imap(_write_task, tasks):
-                    entries.append(entry)
-                    bar.update(entry["samples"])
-            except KeyboardInterrupt:
-                pool.terminate()
-                raise
-            finally:
-                # a task's error ends the pool by letting the others finish, not by terminate(): killing a
-                # worker while it holds the result queue's lock left terminate() waiting for it for good
-                # (seen once in CI, a hung --imagefolder build with a bad image)
-                pool.close()
-                pool.join()
+            for entry in forked_imap(_write_task, tasks, workers):
+                entries.append(entry)
+                bar.update(entry["samples"])
         else:
             for task in tasks:
                 entries.append(_write_task(task))
