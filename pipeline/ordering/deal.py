@@ -102,7 +102,7 @@ class Segment:
         after the epoch's target to the end of that pass; each part is cut between the pairs in
         proportion to their quotas. A pair that needs more (a damaged shard in its run) goes on
         into the next SPILL pairs' shares of those, each read from its end while its owner reads
-        it from its start, so the two meet only once the share is used up; then into its share
+        it from its start, so the two meet only once the share is used up (to a piece of it); then into its share
         of the next pass (a repeat, once the pass was read). `targets`: the epoch's positions of
         each source."""
         q = self.quotas()
@@ -183,14 +183,14 @@ class Segment:
 
 
 SPILL = 16  # other pairs' reserves a pair may go on into: its reserve's spans stay few at any world size
-CHUNKS = 4  # a reserve read from its end, in this many pieces, each read forward
+PIECES = 16  # a reserve read from its end, in at most this many pieces, each read forward (of 1 where it is short)
 
 
 def _from_the_back(spans):
     """A share's spans as pieces from its end to its start (each piece in order): what another
     pair takes of it meets what its owner takes from the start only once it is used up."""
     n = sum(k for _, k in spans)
-    size = -(-n // CHUNKS) if n else 0
+    size = -(-n // PIECES) if n else 0
     return [span for hi in range(n, 0, -size) for span in cut(spans, max(0, hi - size), hi)] if n else []
 
 
