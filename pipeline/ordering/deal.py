@@ -102,20 +102,20 @@ class Segment:
         after the epoch's target to the end of that pass; each part is cut between the pairs in
         proportion to their quotas. A pair that needs more (a damaged shard in its run) goes on
         into the next SPILL pairs' shares of those, each read from its end while its owner reads
-        it from its start, so the two meet only once the share is used up (to a piece of it); then into its share
-        of the next pass (a repeat, once the pass was read). `targets`: the epoch's positions of
-        each source."""
+        it from its start, so the two meet only once the share is used up (to a piece of it);
+        then into its share of the next pass (a repeat, once the pass was read). `targets`: the
+        epoch's positions of each source."""
         q = self.quotas()
+        others = [(pair + k) % self.pairs for k in range(1, min(self.pairs, SPILL + 1))]
         out = []
         for s, (spans, t) in enumerate(zip(self.spans, targets)):
-            unread, this_pass, next_pass = self._pools(s, int(t), q[:, s])
-            others = [(pair + k) % self.pairs for k in range(1, min(self.pairs, SPILL + 1))]
+            unread, this_pass, next_pass = self._pools(s, int(t), q[:, s], [pair, *others])
             spill = [span for o in others for part in (unread, this_pass) for span in _from_the_back(part[o])]
             out.append(unread[pair] + this_pass[pair] + spill + next_pass[pair])
         return out
 
-    def _pools(self, s, target, quota):
-        """Source s's unread parts, each cut between the pairs: lists of spans per pair."""
+    def _pools(self, s, target, quota, pairs):
+        """Source s's unread parts, each cut between all the pairs: {pair: spans} of `pairs`' shares."""
         used, held = int(quota.sum()), int(sum(n for _, n in self.spans[s]))
         length = int(self.passes[s]) if self.passes else 0
         after = (-target) % length if length else target  # to the end of the target's pass (resampled: as much again)
@@ -125,7 +125,7 @@ class Segment:
         for spans, lo, hi in parts:
             shares = order.apportion(hi - lo, quota) if hi > lo else np.zeros(len(quota), np.int64)
             ends = lo + np.cumsum(shares)
-            pools.append([cut(spans, int(e - n), int(e)) for e, n in zip(ends, shares)])
+            pools.append({p: cut(spans, int(ends[p] - shares[p]), int(ends[p])) for p in pairs})
         return pools
 
     def choices(self, pair):
