@@ -17,6 +17,10 @@ Mosaic Streaming), feeding MNIST + CIFAR10 to one model on the same data in one 
      on its device). "consumer us/sample": the consuming process's own CPU a sample (all its
      threads, not its workers'): what caps one rank whatever its workers (--handover times the
      hand-over alone).
+  T  this stream over an image-text set: the CIFAR10 JPEGs as they are, each with a caption
+     (`.txt`), written by wds.ShardWriter and indexed with the fields image (32x32) and caption:
+     a sample of more than an image and a class, beside C8 (uint8 images too); only when
+     --methods names it.
   LitData, Mosaic  the libraries a user would pick instead (LitData 0.2.76, Mosaic Streaming
      0.13.0; `pip install -e '.[bench]'`), each over the raw shards' pixels written once in its
      own format under --work-dir, with its batches checked; see tools/bench_peers.py. A peer
@@ -78,7 +82,7 @@ def parse_args(argv):
                    help="shard encodings for B and C: raw and png as make_shards writes them, jpg a JPEG WebDataset "
                         "written by wds.ShardWriter and indexed (default: raw png jpg; the first is used for memory "
                         "and --profile)")
-    p.add_argument("--methods", nargs="+", choices=("A", "B", "C", "C8", *bench_peers.PEERS),
+    p.add_argument("--methods", nargs="+", choices=("A", "B", "C", "C8", "T", *bench_peers.PEERS),
                    help="loaders to time (default: all, the peers where installed; A is always run, as the "
                         "baseline of the ratios; LitData and Mosaic need raw among --encoding)")
     p.add_argument("--synthetic", action="store_true",

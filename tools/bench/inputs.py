@@ -97,6 +97,31 @@ def build_jpeg_webdataset(mnist_root, cifar_folder, out, maxcount):
     return out
 
 
+def build_caption_webdataset(cifar_folder, out, maxcount):
+    """The CIFAR10 JPEG files as they are, each with a caption (`.txt`) and its class (`.cls`),
+    written by wds.ShardWriter and indexed in place with the fields image (32x32) and caption:
+    an image-text set, as img2dataset writes them, for method T."""
+    import torchvision
+    import webdataset as wds
+
+    from pipeline.data.schema import parse_fields
+    from pipeline.writers import index
+
+    os.makedirs(out, exist_ok=True)
+    cifar = torchvision.datasets.ImageFolder(cifar_folder)
+    with wds.ShardWriter(os.path.join(out, "captions-train-%06d.tar"), maxcount=maxcount, verbose=0) as sink:
+        for i in np.random.default_rng(0).permutation(len(cifar.samples)).tolist():
+            path, label = cifar.samples[i]
+            with open(path, "rb") as f:
+                sink.write({"__key__": f"captions/{i:07d}", "jpg": f.read(), "cls": str(label).encode(),
+                            "txt": f"a small photo of a {cifar.classes[label]}, number {i}".encode()})
+    count = len(glob.glob(os.path.join(out, "captions-train-*.tar")))
+    index.index("captions", "train", os.path.join(out, f"captions-train-{{000000..{count - 1:06d}}}.tar"), out,
+                workers=os.cpu_count() or 1, progress=False,
+                fields=parse_fields("image:image=jpg,size=32x32,fit=resize caption:text=txt"))
+    return out
+
+
 def make_corpus_10x(folder, out):
     """The 1x train shards listed ten times: hard links under new shard names plus a manifest.
 

@@ -37,6 +37,7 @@ class Setup:
     cifar_cache: str = None           # where the decoded --cifar-folder array is kept between processes
     corpus10x: dict = field(default_factory=dict)  # encoding -> folder of the 10x corpus
     peer_dirs: dict = field(default_factory=dict)  # peer -> its formatted copy of each source
+    captions: str = None              # the image-text set's folder (method T), if measured
     batch_size: int = 256
     batches: int = 78                 # per run and rank
     world: int = 1
@@ -227,6 +228,18 @@ def batches_c(srcs, setup, workers, epoch, normalize=True):
         yield len(batch["image"])
 
 
+def batches_t(src, setup, workers, epoch):
+    """T: an image-text set through this stream, the fields its manifest records (a 32x32 image and
+    a caption): what a sample of more than an image and a class costs, beside C8."""
+    ms = stream.MixedStream([src], {src.name: 1.0}, setup.batch_size, Topology(setup.rank, setup.world),
+                            seed=setup.seed, epoch_samples=setup.samples * setup.world,
+                            shuffle_buffer=setup.shuffle_buffer)
+    ms.set_epoch(epoch)
+    for batch in stream.make_loader(ms, num_workers=workers):
+        assert len(batch["caption"]) == len(batch["image"])
+        yield len(batch["image"])
+
+
 def check_a_fits(datasets, setup, worker_counts):
     """A reads each data set once (its loaders end with their epoch), so each rank's share of
     each must hold the run's half batches, the untimed first run's included; else one line
@@ -252,6 +265,7 @@ def throughput(setup, encodings, worker_counts, repeats, methods=("A", "B", "C",
     a_data = tutorial_datasets(setup)
     check_a_fits(a_data, setup, worker_counts)
     srcs = {enc: project_sources(setup.shards[enc]) for enc in encodings}
+    captions = stream.resolve("captions", setup.captions, "train") if setup.captions else None
 
     def plan(st, w, rep):
         out = [("A", None, lambda: batches_a(a_data, st, w, rep))]
@@ -259,6 +273,8 @@ def throughput(setup, encodings, worker_counts, repeats, methods=("A", "B", "C",
             out.append(("B", enc, lambda enc=enc: batches_b(srcs[enc], st, w, rep)))
             out.append(("C", enc, lambda enc=enc: batches_c(srcs[enc], st, w, rep)))
             out.append(("C8", enc, lambda enc=enc: batches_c(srcs[enc], st, w, rep, normalize=False)))
+        if st.captions:
+            out.append(("T", "jpg+txt", lambda: batches_t(captions, st, w, rep)))
         for peer in st.peer_dirs:
             out.append((peer, None, lambda peer=peer: bench_peers.LOADERS[peer](
                 srcs["raw"], st.peer_dirs[peer], st, w, rep)))

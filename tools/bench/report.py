@@ -32,7 +32,7 @@ def table(entries):
             f" {'x B':>17} {'x C':>17}  cores consumer  ceiling share")
     lines = [head, f"{'':>7} {'':<7} {'':>24} {'(samples/s)':>17} {'(per busy core)':>24} {'(per core)':>17}"
                    f" {'(per core)':>17} {'(per core)':>17}       us/sample   /s  /cpu-s"]
-    order = {"LitData": 0, "Mosaic": 1, "A": 2, "B": 3, "C": 4, "C8": 5}
+    order = {"LitData": 0, "Mosaic": 1, "A": 2, "B": 3, "C": 4, "C8": 5, "T": 6}
     for e in sorted(entries, key=lambda e: (e["workers"], e["encoding"] or "", order[e["method"]])):
         name = e["method"] + (f"/{e['encoding']}" if e["encoding"] else "")
         cores = statistics.median(r["busy_cores"] for r in e["runs"])
@@ -42,8 +42,9 @@ def table(entries):
                      f"{ratio(e, 'C', 'samples_per_cpu_s'):>17}  {cores:.2f} {consumer(e):>9.3f}"
                      + (f"  {e['ceiling_share']:4.1%}  {e['ceiling_share_cpu']:5.1%}" if "ceiling_share" in e else ""))
     lines.append("A: the tutorial's torchvision loaders; B: stock webdataset (wds.RandomMix); C, C8: this stream, "
-                 "float and uint8 batches; LitData, Mosaic: those libraries over the raw pixels (x B, x C: to B/raw, "
-                 "C/raw)")
+                 "float and uint8 batches; T: this stream over an image-text set (the CIFAR10 JPEGs with captions: "
+                 "uint8 images and a caption a sample); LitData, Mosaic: those libraries over the raw pixels (x B, x C: "
+                 "to B/raw, C/raw)")
     return "\n".join(lines)
 
 

@@ -11,8 +11,8 @@ import bench_peers
 
 from bench import micro
 from bench.host import git_state, host_facts
-from bench.inputs import all_input_files, find_shards, make_corpus_10x, make_synthetic_inputs, project_sources, \
-    warm_page_cache
+from bench.inputs import all_input_files, build_caption_webdataset, find_shards, make_corpus_10x, \
+    make_synthetic_inputs, project_sources, warm_page_cache
 from bench.memory import memory
 from bench.methods import Setup, cifar10_arrays, throughput, tutorial_datasets
 from bench.report import fmt_spread, log, report, write_record
@@ -88,6 +88,11 @@ def run(args, work):
                   cifar_cache=os.path.join(work, "cifar10-train-uint8.npz"), batch_size=args.batch_size,
                   batches=args.samples // args.batch_size, world=args.world, rank=args.rank,
                   shuffle_buffer=args.shuffle_buffer)
+    if "T" in args.methods and cifar_folder:
+        setup.captions = os.path.join(work, "shards-captions")
+        if not os.path.exists(os.path.join(setup.captions, "captions-train.json")):
+            log(f"building the image-text set from the CIFAR10 JPEGs in {setup.captions} ...")
+            build_caption_webdataset(cifar_folder, setup.captions, maxcount=50 if args.synthetic else 500)
     for line in args.skipped:
         log(line)
     peers = [m for m in args.methods if m in bench_peers.PEERS]
@@ -114,7 +119,7 @@ def run(args, work):
     ceilings = {c["encoding"]: c["samples_per_s"]["median"] for c in record["read_ceiling"]}
     for e in record["throughput"]:
         enc = e["encoding"] or ("raw" if e["method"] in bench_peers.PEERS else None)  # peers hold raw's pixels
-        if enc:
+        if enc in ceilings:  # (the image-text set has no ceiling of its own)
             e["ceiling_share"] = e["samples_per_s"]["median"] / ceilings[enc]
             e["ceiling_share_cpu"] = e["samples_per_cpu_s"]["median"] / ceilings[enc]
     if "jpg" in args.encoding and cifar_folder:
