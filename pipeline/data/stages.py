@@ -35,7 +35,7 @@ import numpy as np
 
 from pipeline.ordering import order
 
-from pipeline.data import remote
+from pipeline.data import remote, values
 from pipeline.ordering.topology import stride
 from pipeline.data.node import Node
 from pipeline.data.decode import Unlabelled, class_index, decode_batch, image_format, image_of, label_of, parse_label_key
@@ -801,15 +801,9 @@ class UserStage(Node):
 
     def _apply(self, sample):
         key, fn = sample["__key__"], self.fn
-        try:
-            sample = fn(sample)
-        except Exception as e:  # noqa: BLE001 - the user's code: say whose and on what, in one line
-            raise InputError(f"sample stage {_name(fn)} raised {e.__class__.__name__}: {e} (sample {key})") from None
+        sample = values.call_stage(fn, sample, key)
         if sample is None:
             return None
-        if not isinstance(sample, dict):
-            raise InputError(f"sample stage {_name(fn)} returned {type(sample).__name__}, not the sample dict or "
-                             f"None (sample {key})")
         image = np.asarray(sample.get("image"))
         if image.shape != self.shape or image.dtype != np.uint8:
             raise InputError(f"sample stage {_name(fn)} returned a {image.dtype} image of shape {image.shape}; "
@@ -895,4 +889,4 @@ SEED_MASK = (1 << 63) - 1  # a sample's seed fits an int64 and any numpy or torc
 
 
 def _name(fn):
-    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+    return values.stage_name(fn)

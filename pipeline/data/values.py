@@ -197,19 +197,30 @@ def _described(value):
     return type(value).__name__
 
 
-def user_stage(fn, values, key, source, seed, final):
-    """A function of the user's on the sample dict {fields..., "__key__", "__source__", "__seed__"}."""
-    sample = dict(values, __key__=key, __source__=source, __seed__=seed)
-    name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+def stage_name(fn):
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def call_stage(fn, sample, key):
+    """A user's sample stage on a sample dict: what it returns, a dict or None (dropped); whatever it
+    raises, or any other return, one InputError line naming the stage and the sample."""
+    name = stage_name(fn)
     try:
         sample = fn(sample)
     except Exception as e:  # noqa: BLE001 - the user's code: say whose and on what, in one line
         raise InputError(f"sample stage {name} raised {e.__class__.__name__}: {cut(e, 200)} (sample {key})") from None
-    if sample is None:
-        return None
-    if not isinstance(sample, dict):
+    if sample is not None and not isinstance(sample, dict):
         raise InputError(f"sample stage {name} returned {type(sample).__name__}, not the sample dict or None "
                          f"(sample {key})")
+    return sample
+
+
+def user_stage(fn, values, key, source, seed, final):
+    """A function of the user's on the sample dict {fields..., "__key__", "__source__", "__seed__"}."""
+    sample = call_stage(fn, dict(values, __key__=key, __source__=source, __seed__=seed), key)
+    if sample is None:
+        return None
+    name = stage_name(fn)
     out = {}
     for col in final:
         v = sample.get(col.name)

@@ -79,8 +79,8 @@ def _pixels(img, c):
     return pixels_of(img, c)
 
 
-def summarise_fields(name, split, spec, found, names, schema):
-    """The manifest of an indexed set of fields, from every shard's scan."""
+def totals(found):
+    """(image shapes, member extensions, RGB and grey pixel sums) over every shard's scan."""
     shapes, exts = collections.Counter(), collections.Counter()
     rgb, grey = np.zeros(7), np.zeros(3)
     for f in found:
@@ -88,6 +88,12 @@ def summarise_fields(name, split, spec, found, names, schema):
         exts += f["exts"]
         rgb += f["rgb"]
         grey += f["grey"]
+    return shapes, exts, rgb, grey
+
+
+def summarise_fields(name, split, spec, found, names, schema):
+    """The manifest of an indexed set of fields, from every shard's scan."""
+    shapes, exts, rgb, grey = totals(found)
     image = next((c for c in schema.columns if c.kind == "image"), None)
     c = image.channels if image else 1
     n, s, sq = (rgb[0], rgb[1:4], rgb[4:7]) if c == 3 else (grey[0], grey[1:2], grey[2:3])

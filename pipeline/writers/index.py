@@ -35,7 +35,7 @@ from pipeline.data.manifest import (FORMAT, NAME_RE, CLASSES_WHY, MAX_CLASSES, M
                                     manifest_name, pipe_shard_name, plain_relative)
 from pipeline.data.read import MAX_MEMBER, is_meta, iter_samples
 from pipeline.data.schema import Oversized
-from pipeline.writers.fields import scan_fields, summarise_fields
+from pipeline.writers.fields import scan_fields, summarise_fields, totals
 from pipeline.writers.shards import forked_imap, writing
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
@@ -417,14 +417,7 @@ def _at(first, value, problem):
 
 def summarise(name, split, spec, found, names, label, shape, classes_file, classes_from=None):
     """The manifest from every shard's scan."""
-    shapes = collections.Counter()
-    exts = collections.Counter()
-    rgb, grey = np.zeros(7), np.zeros(3)
-    for f in found:
-        shapes += f["shapes"]
-        exts += f["exts"]
-        rgb += f["rgb"]
-        grey += f["grey"]
+    shapes, exts, rgb, grey = totals(found)
     if shape is None:
         (c, h, w), _ = shapes.most_common(1)[0]
         shape = [c, h, w]
