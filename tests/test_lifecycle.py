@@ -277,3 +277,12 @@ def test_a_re_deal_with_nothing_left_for_the_new_world_reads_the_next_epoch(sour
     new = MixedStream(sources, WEIGHTS, BATCH, Topology(0, 4), seed=7, shuffle_buffer=50, epoch_samples=300)
     assert new.load_state_dict(state)["deal"] == "re-deal"
     assert len(new) == new.remaining() == 7 and read(new)[1] == 7 and new.epoch == 1
+
+
+def test_a_stream_without_topo_takes_torchruns_environment(sources, monkeypatch):
+    """The fields examples made their streams without topo=: under torchrun every rank read the same
+    batches (the default was one process of one)."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    s = MixedStream(sources, WEIGHTS, BATCH, seed=7, epoch_samples=300)
+    assert (s.topo.rank, s.topo.world) == (1, 2) and len(s) == 15

@@ -76,6 +76,9 @@ def _remote(source):
 class MixedStream(torch.utils.data.IterableDataset):
     """Batches mixing several sources by weight, the same count on every rank.
 
+    `topo`: this process's place among the ranks (default: torchrun's environment,
+    `Topology.from_env()`, so each rank reads its own share).
+
     An epoch is `epoch_samples` samples over all ranks (default: all training samples
     of all sources together), split between the sources by the weights, so each rank
     yields epoch_samples // (world * batch_size) batches whatever `num_workers` is; the
@@ -93,7 +96,7 @@ class MixedStream(torch.utils.data.IterableDataset):
     then see and return those fields.
     """
 
-    def __init__(self, sources, weights, batch_size, topo=Topology(), *, seed=0, epoch_samples=None,
+    def __init__(self, sources, weights, batch_size, topo=None, *, seed=0, epoch_samples=None,
                  shuffle_buffer=WINDOW_SAMPLES, window_bytes=WINDOW_BYTES, resample=False, strict=False,
                  cache_dir=None, policy=remote.Policy(), normalize=True, sample_stages=(), on_error=None,
                  fetch_ahead=stages.FETCH_AHEAD, schemas=None):
@@ -108,6 +111,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         empty = [s.name for s in self.sources if not s.total]
         if empty:
             raise ValueError(f"training source {empty[0]}: its manifest lists no samples")
+        topo = Topology.from_env() if topo is None else topo  # under torchrun each rank its own share by default
         self.batch_size, self.topo, self.seed = batch_size, topo, seed
         self.epoch_samples = epoch_samples or sum(s.total for s in sources)
         if self.epoch_samples < topo.world * batch_size:
@@ -506,8 +510,9 @@ class EvalStream(torch.utils.data.IterableDataset):
     wrapper, whose forward can sync) and all-reduce the counts afterwards.
     """
 
-    def __init__(self, layout, source, batch_size, topo=Topology(), *, strict=False, on_error=None,
+    def __init__(self, layout, source, batch_size, topo=None, *, strict=False, on_error=None,
                  cache_dir=None, policy=remote.Policy(), normalize=True):
+        topo = Topology.from_env() if topo is None else topo
         self.layout, self.batch_size, self.topo = layout, batch_size, topo
         self.index = layout.index(source.name)
         train = layout.sources[self.index]
