@@ -10,7 +10,7 @@ against `pipeline.data.bounds` before its pixels are decoded (`open_image`), and
 16-bit grey images keep their top 8 bits rather than saturate.
 
 Images of another size or mode are brought to the source's shape here, inside
-the DataLoader workers: grey/RGB/RGBA to the source's channel count, JPEGs
+the loader workers: grey/RGB/RGBA to the source's channel count, JPEGs
 turned upright by their EXIF orientation, the shorter side resized to fit, then
 a crop (random for training, centred for evaluation). JPEG goes through
 torchvision.io.decode_jpeg (libjpeg-turbo), about 1.4x PIL's speed on 32x32

@@ -1,4 +1,4 @@
-"""The stages of one source's samples inside one (rank, DataLoader worker), in order:
+"""The stages of one source's samples inside one (rank, loader worker), in order:
 
     plan        the pair's run of the epoch's positions (pipeline.ordering.deal), as the
                 windows that hold them (pipeline.ordering.order): `RunPlan`

@@ -102,14 +102,14 @@ def filesystem(loc):
         raise ShardError(f"{loc.shown}: {loc.scheme}:// needs {package or 'a package'}: {hint}") from None
 
 
-_CLIENTS = {}  # (scheme, pid, configuration) -> filesystem: a forked DataLoader worker makes its own
+_CLIENTS = {}  # (scheme, pid, configuration) -> filesystem: a forked loader worker makes its own
 _CONFIG = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_PROFILE", "HF_ENDPOINT", "HF_TOKEN",
            "GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST")
 
 
 def _options(scheme):
     """Per-scheme settings: none beyond each ecosystem's own configuration, but fsspec's
-    instance cache off, so a forked DataLoader worker never shares its parent's event loop
+    instance cache off, so a forked loader worker never shares its parent's event loop
     (this module keeps one client per process instead)."""
     return {"skip_instance_cache": True} if scheme in ("s3", "s3a", "gs", "gcs") else {}
 
@@ -276,7 +276,7 @@ class _Signer:
         return request.url
 
     def credentials(self):
-        """The chain's credentials, found again in a forked DataLoader worker (10 ms, against
+        """The chain's credentials, found again in a forked loader worker (10 ms, against
         0.1 s for a client and a HEAD): a parent thread may have held a refreshable set's lock
         when the worker was forked. The signer itself holds no client or socket, so workers
         use the one the parent made reading the manifest."""
@@ -321,7 +321,7 @@ os.register_at_fork(after_in_child=_forked)  # a parent thread may have held a l
 
 def _signer(loc, bucket, timeout):
     """A bucket's _Signer, made once: by the process that reads the manifest, and so inherited
-    by the DataLoader workers it forks. Its region is looked up under the bucket's own lock
+    by the loader workers it forks. Its region is looked up under the bucket's own lock
     (another bucket's lookup never waits on it), and kept only when the answer was one:
     after an answer a retry may change (a 5xx, throttling) the next read looks again."""
     key = (bucket, *(os.environ.get(v) for v in _CONFIG))

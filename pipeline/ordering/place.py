@@ -30,7 +30,7 @@ from pipeline.ordering import deal, order
 
 VERSION = 4
 MAX_WORLD = 1 << 16  # ranks a stream state may say it ran on (as a checkpoint's world)
-MAX_WORKERS = 1 << 10  # DataLoader workers per rank (as --workers)
+MAX_WORKERS = 1 << 10  # loader workers per rank (as --workers)
 MAX_DEALS = 1 << 12  # segments an epoch may have run before this one: each is a stop and a resume on another world
 CHECK_CHARS = 16  # hex digits of a rank entry's check
 

@@ -1,4 +1,4 @@
-"""Who am I: the rank, world size and DataLoader worker, read in one place.
+"""Who am I: the rank, world size and loader worker, read in one place.
 
 They are read the way webdataset reads them (`wds.utils.pytorch_worker_info`):
 RANK and WORLD_SIZE from the environment when both are set, else from an
@@ -48,7 +48,7 @@ class Topology:
 
 @dataclass(frozen=True)
 class Worker:
-    """This process's place among one rank's DataLoader workers (0 of 1 in the main process)."""
+    """This process's place among one rank's loader workers (0 of 1 in the main process)."""
 
     id: int = 0
     count: int = 1
@@ -79,7 +79,7 @@ def stride(rank, world, worker=0, workers=0):
 
 def own_items(items, topo, worker):
     """This (rank, worker)'s items of a list. Where the process runs as `topo` and `worker`
-    say (under torchrun, in a DataLoader worker), `wds.split_by_node` and
+    say (under torchrun, in a loader worker), `wds.split_by_node` and
     `wds.split_by_worker` deal them, reading the environment as webdataset does, and the
     written-out rule must agree; a simulated world (a test, a rehearsal) uses the rule."""
     first, step = stride(topo.rank, topo.world, worker.id, worker.count)

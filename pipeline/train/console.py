@@ -1,7 +1,7 @@
 """The console: rank 0's progress bar, and error and warning lines that stay one line each.
 
 Apart from the training because what reaches a terminal has rules of its own: ranks
-and DataLoader workers share one stderr, and a name read from a file may hold control
+and loader workers share one stderr, and a name read from a file may hold control
 characters (cli.printable).
 """
 import sys
@@ -13,7 +13,7 @@ def progress_bar(topo, total, desc, initial=0):
     """A tqdm bar on rank 0; the other ranks stay quiet.
 
     Without tqdm's monitor thread: it starts with the first bar and exits with the last,
-    and a DataLoader worker forked while a thread starts or exits can deadlock in
+    and a loader worker forked while a thread starts or exits can deadlock in
     os.fork() on Python 3.8-3.11 (CPython gh-112275: the child waits forever on the
     interpreter's HEAD_LOCK). That was this project's intermittent hang: rank 0 forking
     the evaluation loader's worker just as the epoch's bar closed (seen with gdb)."""
@@ -34,7 +34,7 @@ LOG_INTERVAL = 30.0  # seconds between a log file's progress lines
 class _Lines:
     """tqdm's output for a log file: each redraw a line of its own. tqdm redraws in place
     with a carriage return and no newline, so a warning or an error written meanwhile (by a
-    DataLoader worker or another rank, which can't reach the bar) would continue the bar's
+    loader worker or another rank, which can't reach the bar) would continue the bar's
     line, and a search for lines starting "pipeline.train: warning" would miss it."""
 
     def __init__(self, stream):
@@ -61,7 +61,7 @@ def one_line_warning(message, category, filename, lineno, line=None):
     """Warnings as the trainer's other lines read: what happened, without the file, line
     number and source line of the stage that noticed it. On a terminal the line first
     clears rank 0's progress bar (carriage return, erase line), which redraws below it on
-    its next update: a DataLoader worker or another rank can't reach that bar's
+    its next update: a loader worker or another rank can't reach that bar's
     tqdm.write, and its warning would otherwise start in the middle of the bar."""
     clear = "\r\x1b[K" if _is_terminal(sys.stderr) else ""
     return f"{clear}pipeline.train: warning: {cli.printable(message)}\n"

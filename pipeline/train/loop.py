@@ -153,7 +153,7 @@ def main(argv=None, args=None):
         with stopper, dist.distributed(timeout_s=args.timeout) as (topo, device), guard.out_lock(args.out, topo):
             summary = train(args, topo, device, stopper)
     except (InputError, OSError) as e:
-        # bad input or the environment (disk, network); errors re-raised from a DataLoader worker
+        # bad input or the environment (disk, network); errors re-raised from a loader worker
         # carry its whole traceback in their message: keep the last line
         last = str(e).strip().splitlines()[-1]
         last = re.sub(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): ", "", last)  # a worker's "pkg.Class: "

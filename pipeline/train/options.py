@@ -56,7 +56,7 @@ def parse(argv=None):
     a("--global-batch", type=int, metavar="N",
       help="samples per step over all ranks instead of --batch-size: each rank takes N / ranks (refused if that is "
            "not whole), so a resume on another number of ranks keeps the step's samples and the learning rate")
-    a("--workers", type=int, default=8, metavar="N", help="DataLoader workers per rank (default: 8)")
+    a("--workers", type=int, default=8, metavar="N", help="loader workers per rank (default: 8)")
     a("--max-batch-memory", type=byte_size, metavar="BYTES",
       help="the most one rank's batches may take (suffixes K, M, G, T): the loader's queue of workers x 6 "
            "batches, the batch and its float copy, decoding, the shuffle windows and on a CPU the model's step, "
@@ -108,10 +108,10 @@ def parse(argv=None):
            "draws on every shard of its window, so shards written in class order still give mixed batches "
            "(default: 10000)")
     a("--shuffle-window", type=byte_size, default=256 << 20, metavar="BYTES",
-      help="the most bytes a shuffle window holds, per source and DataLoader worker, plus one shard (suffixes K, M, "
+      help="the most bytes a shuffle window holds, per source and loader worker, plus one shard (suffixes K, M, "
            "G; default: 256M)")
     a("--fetch-ahead", type=byte_size, default=64 << 20, metavar="BYTES",
-      help="for shards read over HTTP or from an object store: the bytes of later shards each DataLoader worker "
+      help="for shards read over HTTP or from an object store: the bytes of later shards each loader worker "
            "fetches per source while it reads the current window, 16 transfers at a time, so a store's latency "
            "is spent meanwhile; at least one shard, 0 for just that (suffixes K, M, G; default: 64M)")
     a("--slots", type=int, metavar="K", help=argparse.SUPPRESS)  # gone with the canonical slots; warned and ignored

@@ -89,7 +89,7 @@ _ACTIVE = None
 
 
 def _block_in_child():
-    """A process forked while a run is on (a DataLoader worker) leaves the stop signals to
+    """A process forked while a run is on (a loader worker) leaves the stop signals to
     the trainer: blocked there. torchrun signals each rank's whole process group (os.killpg),
     and a Ctrl-C reaches the terminal's process group, so without this the workers die
     under a trainer that is still finishing its step and writing its checkpoint (torch's

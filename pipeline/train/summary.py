@@ -19,7 +19,7 @@ from pipeline.train.schedule import BASE_BATCH
 
 
 def peak_rss_mb():
-    """Peak RSS of this process and of its largest finished child (DataLoader workers)."""
+    """Peak RSS of this process and of its largest finished child (loader workers)."""
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     return round((own + kids) / 1024, 1)
