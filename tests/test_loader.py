@@ -12,6 +12,7 @@ from helpers import HALF, key_index, keys_of, run_epoch, train_sources
 from pipeline.data.ring import Field, Ring, Spec
 from pipeline.data.stream import MixedStream, make_loader
 from pipeline.data.workers import WorkerDied
+from pipeline.errors import InputError
 
 
 def _check_pixels(data, batch):
@@ -287,15 +288,25 @@ def test_an_exit_raised_in_a_worker_does_not_end_the_consumer(data):
         list(make_loader(_stream(data, sample_stages=[_Exit()]), 2))
 
 
+class _HugeExit(BaseException):
+    """Not an Exception: past the stage's own one-line error, to the worker's."""
+
+
 class _Huge:
+    def __init__(self, kind):
+        self.kind = kind
+
     def __call__(self, sample):
-        raise ValueError("x" * (10 << 20))
+        raise self.kind("x" * (10 << 20))
 
 
 @pytest.mark.slow
-def test_a_huge_error_from_a_worker_arrives_cut(data):
-    with pytest.raises(RuntimeError) as e:
-        list(make_loader(_stream(data, sample_stages=[_Huge()]), 1))
+@pytest.mark.parametrize("kind, arrives", [(ValueError, InputError), (_HugeExit, RuntimeError)])
+def test_a_huge_error_from_a_worker_arrives_cut(data, kind, arrives):
+    """A 10 MiB message (a 200 MiB one arrived whole, 1.2 GB of the consumer's memory): cut where the
+    stage's error line is made, or, for what passes that, where the worker sends it."""
+    with pytest.raises(arrives) as e:
+        list(make_loader(_stream(data, sample_stages=[_Huge(kind)]), 1))
     assert len(str(e.value)) < 100_000 and "more characters" in str(e.value)
 
 
