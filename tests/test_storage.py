@@ -382,7 +382,7 @@ def test_a_region_lookup_that_drips_on_is_not_asked_again_while_it_does(fake_s3)
     import time
 
     fake_s3.heads = [(200, "eu-west-1", -300)]  # longer than six failed reads take on a loaded machine
-    policy = remote.Policy(retries=0, timeout=1)
+    policy = remote.Policy(retries=0, timeout=3)  # (1 s: at a load of 4 the lookup's thread had not asked yet)
     for _ in range(6):
         with pytest.raises(FetchError, match="its region: no answer"):
             remote.fetch("s3://b/x.tar", policy=policy)

@@ -81,7 +81,13 @@ class Workers:
             p = self.ctx.Process(target=_serve, name=f"pipeline-loader-{w}", daemon=True,
                                  args=(self.source, w, self.count, self.ring, cmd_r, ready_w, free_r, self.control,
                                        self.parent))
-            p.start()
+            # Ctrl-C held back in the forked worker until it ignores it (_set_up): one that came while
+            # the worker was still starting ended it (seen at a load of 4)
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                p.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
             for end in (cmd_r, ready_w, free_r):
                 end.close()
             self.procs.append(p)
@@ -220,6 +226,7 @@ def _set_up(w, count, parent):
     WORKER and NUM_WORKERS; the worker ends when the process that made it is gone."""
     os.environ["WORKER"], os.environ["NUM_WORKERS"] = str(w), str(count)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to act on; it ends the workers
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held back while starting (Workers.start)
     torch.set_num_threads(1)
     np.random.seed((w * 7919 + 17) % (1 << 32))
 
