@@ -114,6 +114,15 @@ def mid_epoch_shards(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def one_source(tmp_path_factory):
+    """One source of 1,200 mnist samples in 100-sample shards: the resume-on-another-world and
+    resume-on-another-batch-size runs (test_resume, test_resume_batch)."""
+    from helpers import shared_shards
+
+    return shared_shards(tmp_path_factory, "one-source", [("mnist", "train", 1200, "raw")], maxcount=100)
+
+
+@pytest.fixture(scope="session")
 def uninterrupted_run(mid_epoch_shards, tmp_path_factory):
     """The run that SIGKILL (test_resume) and SIGTERM (test_preempt) interrupt, from start to
     end: one torchrun job for both, whose tests share the xdist group "mid-epoch-runs".

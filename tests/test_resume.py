@@ -453,16 +453,6 @@ def test_resumed_on_another_world_size_no_sample_twice_in_the_epoch(data, sigter
     assert set(s["epochs"][0]["before_resume"]) == {"before_resume_rank0", "before_resume_rank1"}
 
 
-@pytest.fixture(scope="module")
-def one_source(tmp_path_factory):
-    """The reported case's data: one source of 1,200 samples in 100-sample shards."""
-    from helpers import build_shards
-
-    out = tmp_path_factory.mktemp("one-source")
-    build_shards(out, "mnist", "train", 1200, maxcount=100)
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("before, after, stop", [((2, 1), (3, 1), 13), ((3, 1), (2, 1), 9), ((1, 1), (1, 2), 5),
                                                  ((1, 1), (2, 1), 5)])

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import build_shards, finish, launch_train
+from helpers import finish, launch_train
 from pipeline.train import loop as train, options
 from pipeline.train.schedule import learning_rate
 
@@ -138,13 +138,6 @@ def test_more_epochs_keep_the_interrupted_epochs_mixture_and_apply_from_the_next
 
 
 # ---------------------------------------------------------------- under torchrun
-
-
-@pytest.fixture(scope="module")
-def one_source(tmp_path_factory):
-    out = tmp_path_factory.mktemp("one-source")
-    build_shards(out, "mnist", "train", 1200, maxcount=100)
-    return out
 
 
 @pytest.mark.slow
