@@ -8,15 +8,7 @@ import time
 
 import pytest
 
-from helpers import HANG, completed, descendants, run_capture
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+from helpers import HANG, alive, completed, descendants, run_capture
 
 
 @pytest.mark.slow  # two Pythons
@@ -42,9 +34,9 @@ def test_a_test_that_stops_waiting_takes_the_process_tree_with_it():
     with pytest.raises(KeyboardInterrupt):
         completed(proc)
     t0 = time.time()
-    while any(_alive(p) for p in tree) and time.time() - t0 < HANG:
+    while any(alive(p) for p in tree) and time.time() - t0 < HANG:
         time.sleep(0.05)
-    assert not [p for p in tree if _alive(p)]
+    assert not [p for p in tree if alive(p)]
 
 
 def test_the_processes_tests_start_keep_their_temporary_files_in_the_test_run(tmp_path_factory):

@@ -10,7 +10,7 @@ import warnings
 import pytest
 
 from conftest import S3_SECRET
-from helpers import drip, make_shards_in_process, serving
+from helpers import drip, make_shards_in_process, no_aws_credentials, serving
 from pipeline.data import listings, remote, storage
 from pipeline.errors import FetchError
 
@@ -228,12 +228,7 @@ def test_a_listing_that_never_ends_stops_at_the_job_s_byte_cap(lister):
 def test_a_listing_refused_without_credentials_says_none_were_found(lister, monkeypatch, tmp_path):
     """A 403 to a request that went unsigned, because the AWS chain found nothing, says so and
     where credentials are looked for; a read says the same."""
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
-                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    no_aws_credentials(monkeypatch, tmp_path)
     lister.answer = lambda h, q: h.send(403, b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>")
     said = refused()
     assert "Access Denied (AccessDenied, HTTP 403); no AWS credentials were found, so the request went unsigned" \

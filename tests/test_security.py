@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from helpers import (HANG, Quiet, build_shards, children, completed, drip, free_port, kill_tree, launch_trainer,
+from helpers import (HANG, Quiet, alive, build_shards, children, completed, drip, free_port, kill_tree, launch_trainer,
                      one_line_error, run_capture, serving, train_in_process)
 from pipeline.train import checkpoint
 from pipeline import files
@@ -459,20 +459,12 @@ def test_ranks_end_when_their_launcher_is_killed(data, tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group; each rank leads a group of its own
     proc.wait()
     deadline = time.time() + HANG  # a hang guard: they end on their own once they see the launcher gone
-    while any(_alive(r) for r in ranks) and time.time() < deadline:
+    while any(alive(r) for r in ranks) and time.time() < deadline:
         time.sleep(0.2)
-    left = [r for r in ranks if _alive(r)]
+    left = [r for r in ranks if alive(r)]
     for r in left:
         os.kill(r, signal.SIGKILL)
     assert not left, "ranks kept running without their launcher"
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("bad, needle", [

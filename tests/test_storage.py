@@ -10,7 +10,7 @@ import warnings
 import pytest
 
 from conftest import S3_SECRET
-from helpers import HANG, build_shards, run_capture
+from helpers import HANG, build_shards, no_aws_credentials, run_capture
 from pipeline.data import listings, remote, storage
 from pipeline.data.manifest import resolve
 from pipeline.data.stream import MixedStream
@@ -539,12 +539,7 @@ def test_a_worker_that_finds_no_credentials_looks_again_next_time(monkeypatch, t
 
     signer = storage._Signer.__new__(storage._Signer)
     signer._credentials, signer.pid = "parent's", -1
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
-                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    no_aws_credentials(monkeypatch, tmp_path)
     with pytest.raises(storage.Missing, match="no credentials"):
         signer.credentials()
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "found-later")
