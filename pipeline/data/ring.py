@@ -14,7 +14,9 @@ reading it goes back only once an event recorded then has completed.
 """
 import collections
 import ctypes
+import gc
 import math
+import mmap
 import os
 import threading
 import weakref
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 
 ALIGN = 64  # bytes: every field of a slot starts on a cache line (and any dtype's alignment)
+MAP_FIXED = 0x10  # Linux (every architecture): mmap at exactly the address given
 
 
 class Field:
@@ -118,19 +121,44 @@ class Ring:
         self.buf = self.memory.numpy()
         self.pin = pin
         self.give_back = None  # set by whoever owns the producers
-        self.held = [0] * producers  # slots lent out per producer (tensors alive, or their copy in flight)
+        self.lent = [set() for _ in range(producers)]  # slots lent out per producer (tensors alive, or copy in flight)
         self.copied = 0  # batches handed out as copies (the user held every other slot)
         self._pending = collections.deque()  # (CUDA event, producer, slot) of dropped slots a copy may still read
         self._lock = threading.Lock()
         self._pid = os.getpid()  # a process forked from this one drops copies of batches, not slots
         self._registered = False
         self._events = pin and torch.cuda.is_available() and not shared  # a shared ring: once `page_lock` took
+        self.forking = False  # set while this ring's own workers fork: they keep the ring shared
+        if shared:
+            _shared_rings.add(self)
 
     def __getstate__(self):  # a worker started by forkserver or spawn: the memory and its layout only
         return {"producers": self.producers, "depth": self.depth, "spec": self.spec, "memory": self.memory}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, buf=state["memory"].numpy(), pin=False, give_back=None)
+        self.__dict__.update(state, buf=state["memory"].numpy(), pin=False, give_back=None,
+                             lent=[set() for _ in range(state["producers"])], forking=True)
+
+    @property
+    def held(self):
+        """How many slots of each producer are lent out."""
+        return [len(s) for s in self.lent]
+
+    def unlent(self, producer, install):
+        """The slots of `producer` not lent out, for a producer (re)started while the user may
+        still hold batches of the one before it; `install()` is called in the same step, so that
+        a slot dropped from then on goes to the new producer and one dropped before is in the
+        answer: none is given twice, none lost. The collector is held off meanwhile, as a batch
+        it collects would come back here and find the lock taken."""
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            with self._lock:
+                install()
+                return [k for k in range(self.depth) if k not in self.lent[producer]]
+        finally:
+            if was:
+                gc.enable()
 
     def page_lock(self):
         """Page-lock a shared ring for the GPU copy (cudaHostRegister), once. The loader calls it
@@ -152,7 +180,7 @@ class Ring:
         of them (or anything sharing their storage) is gone. A copy instead, and the slot back at
         once, when the producer would otherwise be left with no slot but those the user holds."""
         self.reap()
-        if self.held[producer] + 1 >= self.depth:
+        if len(self.lent[producer]) + 1 >= self.depth:
             base, copy = self.spec.own(self.pin)
             copy[:] = self.slot(producer, k)
             self.copied += 1
@@ -160,7 +188,7 @@ class Ring:
             return self.spec.views(base, n)
         holder = self.spec.holder(self.slot(producer, k))
         with self._lock:
-            self.held[producer] += 1
+            self.lent[producer].add(k)
         done = weakref.finalize(holder, self._dropped, producer, k)
         done.atexit = False
         return self.spec.tensors(holder, n)
@@ -183,10 +211,10 @@ class Ring:
         self._back(producer, k)
 
     def _back(self, producer, k):
-        with self._lock:
-            self.held[producer] -= 1
-        if self.give_back is not None:
-            self.give_back(producer, k)
+        with self._lock:  # with `unlent`: a slot goes to the producer that did not start with it
+            self.lent[producer].discard(k)
+            if self.give_back is not None:
+                self.give_back(producer, k)
 
     def reap(self):
         """Slots whose copies to the GPU have completed go back to their producers."""
@@ -202,6 +230,23 @@ class Ring:
         """Whether slots wait for a GPU copy to complete (a consumer waiting for a producer must reap)."""
         return bool(self._pending)
 
+    def keep_private(self):
+        """In a process forked from the consumer (not a worker of this ring): the slots lent out
+        become this process's own copies, so that a batch handed to it (a writer, a logger)
+        is not overwritten when the consumer's worker reuses the slot. Page by page: the pages
+        holding those slots are copied and mapped privately at the same addresses."""
+        page, base = mmap.PAGESIZE, self.memory.data_ptr()
+        spans = []
+        for start in sorted(base + (producer * self.depth + k) * self.spec.slot_bytes
+                            for producer, slots in enumerate(self.lent) for k in slots):
+            lo, hi = start // page * page, -(-(start + self.spec.slot_bytes) // page) * page
+            if spans and lo <= spans[-1][1]:
+                spans[-1][1] = max(spans[-1][1], hi)
+            else:
+                spans.append([lo, hi])
+        for lo, hi in spans:
+            _remap_private(lo, hi - lo)
+
     def close(self):
         if self._registered:
             self._registered = False
@@ -210,6 +255,33 @@ class Ring:
                 torch.cuda.cudart().cudaHostUnregister(self.memory.data_ptr())
             except Exception:  # noqa: BLE001 - best effort at the end
                 pass
+
+
+_shared_rings = weakref.WeakSet()  # this process's shared rings, made private where it forks (`_forked`)
+
+
+def _forked():
+    for ring in list(_shared_rings):
+        if not ring.forking and any(ring.lent):
+            ring.keep_private()
+
+
+def _remap_private(address, size):
+    """The bytes at [address, address + size) (whole pages) copied, and mapped again there as
+    this process's own memory."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                            ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    saved = ctypes.string_at(address, size)
+    got = libc.mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED,
+                    -1, 0)
+    if got != address:
+        raise OSError(ctypes.get_errno(), "a forked process could not keep its batches (mmap)")
+    ctypes.memmove(address, saved, size)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 def _register(memory):

@@ -78,22 +78,26 @@ class Workers:
             cmd_r, cmd_w = self.ctx.Pipe(duplex=False)
             ready_r, ready_w = self.ctx.Pipe(duplex=False)
             free_r, free_w = self.ctx.Pipe(duplex=False)
+            # a worker started again begins without the slots whose batches the user still holds
+            # (they come back through its pipe when dropped): its predecessor's batches stay as they were
+            slots = self.ring.unlent(w, lambda: self.free.append(free_w))
             p = self.ctx.Process(target=_serve, name=f"pipeline-loader-{w}", daemon=True,
-                                 args=(self.source, w, self.count, self.ring, cmd_r, ready_w, free_r, self.control,
-                                       self.parent))
+                                 args=(self.source, w, self.count, self.ring, slots, cmd_r, ready_w, free_r,
+                                       self.control, self.parent))
             # Ctrl-C held back in the forked worker until it ignores it (_set_up): one that came while
             # the worker was still starting ended it (seen at a load of 4)
             held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            self.ring.forking = True
             try:
                 p.start()
             finally:
+                self.ring.forking = False
                 signal.pthread_sigmask(signal.SIG_SETMASK, held)
             for end in (cmd_r, ready_w, free_r):
                 end.close()
             self.procs.append(p)
             self.commands.append(cmd_w)
             self.ready.append(ready_r)
-            self.free.append(free_w)
             self.buffers.append(bytearray())
 
     def begin(self, plan):
@@ -158,9 +162,10 @@ class Workers:
     def _give_back(self, w, slot):
         if os.getpid() != self.parent:  # a process forked from the consumer dropping its copy of a batch
             return
-        if w < len(self.free):
+        free = self.free  # one list: `close` and `start` replace it
+        if w < len(free):
             try:
-                os.write(self.free[w].fileno(), SLOT.pack(slot))
+                os.write(free[w].fileno(), SLOT.pack(slot))
             except (OSError, ValueError):  # the worker is gone, or the loader closed
                 pass
 
@@ -188,11 +193,11 @@ class Workers:
 # ---------------------------------------------------------------- in the worker
 
 
-def _serve(source, w, count, ring, commands, ready, free, control, parent):
+def _serve(source, w, count, ring, free_slots, commands, ready, free, control, parent):
     """A worker's life: passes as the consumer asks, until it says stop or is gone."""
     _set_up(w, count, parent)
     fd = ready.fileno()
-    slots = _Slots(ring.depth, free.fileno(), control, w)
+    slots = _Slots(free_slots, free.fileno(), control, w)
     worker = Worker(w, count)
     while True:
         try:
@@ -298,10 +303,11 @@ class _Left(Exception):
 
 
 class _Slots:
-    """A worker's free slots: all of them at first, then each as the consumer gives it back."""
+    """A worker's free slots: those the user held none of when it started, then each as the
+    consumer gives it back."""
 
-    def __init__(self, depth, fd, control, w):
-        self.free, self.fd, self.control, self.w = list(range(depth)), fd, control, w
+    def __init__(self, free, fd, control, w):
+        self.free, self.fd, self.control, self.w = list(free), fd, control, w
 
     def take(self, pass_id):
         while not self.free:
