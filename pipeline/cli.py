@@ -14,8 +14,17 @@ _SIZE = re.compile(r"(\d+(?:\.\d+)?)([KMGT]?)(?:i?B)?\Z", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
+CONSOLE = {"make_shards": "make-shards", "pipeline.train": "pipeline-train", "report": "pipeline-report"}
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse that reports a bad command line in one line (no usage dump), exit code 2."""
+    """argparse that reports a bad command line in one line (no usage dump), exit code 2. Run as
+    its installed command (pyproject's scripts), a tool's usage and errors name that command."""
+
+    def __init__(self, *args, prog=None, **kwargs):
+        if prog in CONSOLE and sys.argv and sys.argv[0].rsplit("/", 1)[-1] == CONSOLE[prog]:
+            prog = CONSOLE[prog]
+        super().__init__(*args, prog=prog, **kwargs)
 
     def error(self, message):
         message = printable(message)  # it may echo the command line: a newline or an escape there stays one line
