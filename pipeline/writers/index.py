@@ -439,7 +439,8 @@ def summarise(name, split, spec, found, names, label, shape, classes_file, class
         "format": FORMAT, "dataset": name, "split": split, "encoding": image_format(image_exts[0]),
         "image_exts": image_exts, "label": label,
         "origin": {"kind": "index", "spec": redact(spec), "note": "an existing WebDataset, indexed in place, not rewritten",
-                   "image_shapes": len(shapes), "most_common_shape": list(shapes.most_common(1)[0][0])},
+                   "image_shapes": len(shapes), "most_common_shape": list(shapes.most_common(1)[0][0]),
+                   "most_common_images": shapes.most_common(1)[0][1], "images": sum(shapes.values())},
         "shape": list(shape), "classes": classes,
         "shards": [dict({"name": n_, "samples": f["samples"], "bytes": f["bytes"], "sha256": f["sha256"]},
                         **({"unlabelled": f["unlabelled"]} if f["unlabelled"] else {}))

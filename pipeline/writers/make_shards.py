@@ -297,6 +297,13 @@ def run_index(args, stage=None):
             print(f"  warning: {len(m['classes'])} class names for {m['total']} samples: is "
                   f"{decode.describe_label(m['label'])} a caption rather than a class? Choose the label with "
                   f"--label-key (cls, txt, index, json:FIELD, dir, dir:K)")
+        origin = m.get("origin", {})
+        if args.shape is None and origin.get("most_common_images", 0) * 2 < origin.get("images", 0):
+            most = "x".join(map(str, m["shape"]))
+            print(f"  warning: images of {origin['image_shapes']} sizes, and the most common ({most}) only "
+                  f"{origin['most_common_images']} of {origin['images']}: every image is resized to it; give the "
+                  f"size to train at with --shape C,H,W, or read the images at their own sizes with --fields "
+                  f"(docs/data.md, Fields)")
         if split != "train" and not classes_from:
             mismatch = classes_hint(args.out, name, m)
             if mismatch:
