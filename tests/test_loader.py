@@ -368,6 +368,31 @@ def test_batches_kept_across_a_restart_of_the_workers_are_never_overwritten(data
         _check_pixels(data, b)  # the new worker writes where the consumer reads: the ring is still shared
 
 
+@pytest.mark.slow
+def test_a_ctrl_c_between_a_messages_header_and_its_payload_loses_nothing(data):
+    """A KeyboardInterrupt caught while the consumer waits for a batch's payload, its header read:
+    the next pass still reads whole messages (it parsed the payload as the next header)."""
+    from pipeline.data.workers import HEADER
+
+    s = _stream(data)
+    loader = make_loader(s, 1, timeout=30)  # a payload read as a header waits for bytes that never come
+    first = [k for b in loader for k in b["key"]]
+    s.set_epoch(0)
+    fill, armed = loader.workers._fill, [True]
+
+    def interrupted(w, size):
+        if armed[0] and size > HEADER.size:
+            armed[0] = False
+            fill(w, HEADER.size)
+            raise KeyboardInterrupt
+        return fill(w, size)
+
+    loader.workers._fill = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        next(iter(loader))
+    assert [k for b in loader for k in b["key"]] == first
+
+
 def _compare_later(batch, expect, go, result):
     go.wait(60)
     result.put(torch.equal(batch["image"], expect))

@@ -118,16 +118,20 @@ class Workers:
                                    "a loader runs one pass at a time")
             if not self.procs:
                 raise RuntimeError("the loader was closed while this pass was being read")
-            got, kind, slot, n, size = HEADER.unpack(self._read(w, HEADER.size))
-            payload = bytes(self._read(w, size)) if size else b""
+            # the message leaves the buffer whole: a Ctrl-C caught between its header and its payload
+            # would otherwise leave the next read parsing a payload as a header
+            got, kind, slot, n, size = HEADER.unpack_from(self._fill(w, HEADER.size))
+            buf = self._fill(w, HEADER.size + size)
+            payload = bytes(buf[HEADER.size:HEADER.size + size])
+            del buf[:HEADER.size + size]
             if got == pass_id:
                 return kind, slot, n, payload
             if kind == BATCH:  # a batch of a pass the consumer left: its slot is free again
                 self._give_back(w, slot)
 
-    def _read(self, w, size):
-        """The next `size` bytes from worker w, read as much as is there at a time: a message's
-        header and its payload usually arrive in one read (one system call a batch, not two)."""
+    def _fill(self, w, size):
+        """Worker w's buffer, holding at least `size` bytes, read as much as is there at a time: a
+        message's header and its payload usually arrive in one read (one system call a batch, not two)."""
         buf = self.buffers[w]
         fd = self.ready[w].fileno()
         waited = 0.0
@@ -146,9 +150,7 @@ class Workers:
             if not chunk:
                 raise self._died(w)
             buf += chunk
-        out = buf[:size]
-        del buf[:size]
-        return out
+        return buf
 
     def _died(self, w):
         p = self.procs[w]
