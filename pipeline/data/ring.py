@@ -230,11 +230,8 @@ class Ring:
         """Whether slots wait for a GPU copy to complete (a consumer waiting for a producer must reap)."""
         return bool(self._pending)
 
-    def keep_private(self):
-        """In a process forked from the consumer (not a worker of this ring): the slots lent out
-        become this process's own copies, so that a batch handed to it (a writer, a logger)
-        is not overwritten when the consumer's worker reuses the slot. Page by page: the pages
-        holding those slots are copied and mapped privately at the same addresses."""
+    def lent_pages(self):
+        """[(address, bytes)] of the whole pages holding the slots lent out, copied now."""
         page, base = mmap.PAGESIZE, self.memory.data_ptr()
         spans = []
         for start in sorted(base + (producer * self.depth + k) * self.spec.slot_bytes
@@ -244,8 +241,7 @@ class Ring:
                 spans[-1][1] = max(spans[-1][1], hi)
             else:
                 spans.append([lo, hi])
-        for lo, hi in spans:
-            _remap_private(lo, hi - lo)
+        return [(lo, ctypes.string_at(lo, hi - lo)) for lo, hi in spans]
 
     def close(self):
         if self._registered:
@@ -257,31 +253,45 @@ class Ring:
                 pass
 
 
-_shared_rings = weakref.WeakSet()  # this process's shared rings, made private where it forks (`_forked`)
+_shared_rings = weakref.WeakSet()  # this process's shared rings, whose lent slots a forked process keeps
+_at_fork = []  # (address, bytes) of the lent slots' pages, copied just before a fork
 
 
-def _forked():
-    for ring in list(_shared_rings):
-        if not ring.forking and any(ring.lent):
-            ring.keep_private()
+def _before_fork():
+    """A process forked from the consumer (not a worker of the ring) keeps the batches lent out
+    then as they were, although their slots go back to the workers: their pages are copied
+    here, before the fork, and mapped privately in the child from the copy, which the child
+    sees as it was at the fork whenever it runs (copied in the child, they were sometimes
+    already overwritten)."""
+    _at_fork[:] = [span for ring in list(_shared_rings) if not ring.forking and any(ring.lent)
+                   for span in ring.lent_pages()]
 
 
-def _remap_private(address, size):
-    """The bytes at [address, address + size) (whole pages) copied, and mapped again there as
-    this process's own memory."""
+def _after_fork_in_parent():
+    _at_fork.clear()
+
+
+def _after_fork_in_child():
+    for address, data in _at_fork:
+        _map_private(address, data)
+    _at_fork.clear()
+
+
+def _map_private(address, data):
+    """`data` mapped at `address` (whole pages) as this process's own memory."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                                             ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    saved = ctypes.string_at(address, size)
-    got = libc.mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED,
-                    -1, 0)
+    got = libc.mmap(address, len(data), mmap.PROT_READ | mmap.PROT_WRITE,
+                    mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED, -1, 0)
     if got != address:
         raise OSError(ctypes.get_errno(), "a forked process could not keep its batches (mmap)")
-    ctypes.memmove(address, saved, size)
+    ctypes.memmove(address, data, len(data))
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forked)
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)
 
 
 def _register(memory):
