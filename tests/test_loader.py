@@ -393,6 +393,62 @@ def test_a_ctrl_c_between_a_messages_header_and_its_payload_loses_nothing(data):
     assert [k for b in loader for k in b["key"]] == first
 
 
+@pytest.mark.slow
+def test_a_ctrl_c_between_a_batchs_message_and_its_lend_loses_no_slot(data, monkeypatch):
+    """A KeyboardInterrupt caught after a worker's message left the pipe but before its slot was
+    lent, once a pass for more passes than the worker has slots: each pass begins with every slot
+    nobody holds, so the last pass still reads its whole epoch (it waited for a slot for good)."""
+    import pipeline.data.loader as loader_module
+
+    s = _stream(data)
+    loader = make_loader(s, 1, prefetch_factor=2, timeout=30)  # 4 slots
+    first = [k for b in loader for k in b["key"]]
+    unpack = loader_module.unpack
+
+    def interrupted(payload, n):
+        monkeypatch.setattr(loader_module, "unpack", unpack)
+        raise KeyboardInterrupt
+
+    for _ in range(loader.ring.depth + 1):
+        s.set_epoch(0)
+        monkeypatch.setattr(loader_module, "unpack", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            next(iter(loader))
+    s.set_epoch(0)
+    assert [k for b in loader for k in b["key"]] == first
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the Ctrl-C Python ignores
+def test_a_batch_whose_return_was_cut_short_frees_its_slot_at_the_next_pass(data):
+    """A Ctrl-C as a dropped batch's finalizer begins: Python prints it as ignored and the slot's
+    return never runs. The next pass finds the batch gone and frees the slot, so the worker keeps
+    its slots and no batch is copied out (every batch was copied out from the third pass on)."""
+    import sys
+    import weakref
+
+    s = _stream(data)
+    loader = make_loader(s, 1, prefetch_factor=2)  # 4 slots
+    armed = [False]
+
+    def profile(frame, event, arg):
+        if armed[0] and event == "call" and frame.f_code is weakref.finalize.__call__.__code__:
+            armed[0] = False
+            raise KeyboardInterrupt
+
+    for epoch in range(loader.ring.depth + 1):
+        s.set_epoch(epoch)
+        for i, b in enumerate(loader):
+            if i == 2:
+                armed[0] = True
+                sys.setprofile(profile)  # the batch is dropped as the loop moves on
+            elif i == 4:
+                sys.setprofile(None)
+        sys.setprofile(None)
+        assert not armed[0]  # the finalizer was cut short
+    assert loader.ring.copied == 0
+
+
 def _compare_later(batch, expect, go, result):
     go.wait(60)
     result.put(torch.equal(batch["image"], expect))

@@ -92,6 +92,8 @@ class Loader:
         plan = self.stream.plan() if hasattr(self.stream, "plan") else None
         self._passes += 1
         if self.workers is None:
+            free = self.ring.free_slots(self._fresh)[0]
+            self._free.extend(free)
             return self._here(plan, self._passes)
         self.start()
         early, self._early = self._early, None
@@ -123,6 +125,9 @@ class Loader:
             kind, k, n = batch.pop("slot")
             batch.update(self.ring.lend(0, k, n) if kind == "slot" else self.ring.spec.views(k, n))
             yield self._arrived(batch)
+
+    def _fresh(self):
+        self._free = collections.deque()  # what is given back from now on; the pass's free slots join it
 
     def _borrow(self, n):
         self.ring.reap()

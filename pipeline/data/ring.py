@@ -15,6 +15,7 @@ reading it goes back only once an event recorded then has completed.
 import collections
 import ctypes
 import gc
+import itertools
 import math
 import mmap
 import os
@@ -121,9 +122,10 @@ class Ring:
         self.buf = self.memory.numpy()
         self.pin = pin
         self.give_back = None  # set by whoever owns the producers
-        self.lent = [set() for _ in range(producers)]  # slots lent out per producer (tensors alive, or copy in flight)
+        self.lent = [{} for _ in range(producers)]  # per producer, slot -> (token, finalizer) of the batch lent from it
+        self._tokens = itertools.count()  # a lend's token: a late return of an earlier lend of the slot is ignored
         self.copied = 0  # batches handed out as copies (the user held every other slot)
-        self._pending = collections.deque()  # (CUDA event, producer, slot) of dropped slots a copy may still read
+        self._pending = collections.deque()  # (CUDA event, producer, slot, token): dropped, a copy may still read
         self._lock = threading.Lock()
         self._pid = os.getpid()  # a process forked from this one drops copies of batches, not slots
         self._registered = False
@@ -137,25 +139,36 @@ class Ring:
 
     def __setstate__(self, state):
         self.__dict__.update(state, buf=state["memory"].numpy(), pin=False, give_back=None,
-                             lent=[set() for _ in range(state["producers"])], forking=True)
+                             lent=[{} for _ in range(state["producers"])], forking=True)
 
     @property
     def held(self):
         """How many slots of each producer are lent out."""
         return [len(s) for s in self.lent]
 
-    def unlent(self, producer, install):
-        """The slots of `producer` not lent out, for a producer (re)started while the user may
-        still hold batches of the one before it; `install()` is called in the same step, so that
-        a slot dropped from then on goes to the new producer and one dropped before is in the
-        answer: none is given twice, none lost. The collector is held off meanwhile, as a batch
-        it collects would come back here and find the lock taken."""
+    def free_slots(self, install):
+        """Per producer, the slots nothing holds, for producers beginning a pass; `install()` is
+        called in the same step, for whoever owns the producers to mark what they give back from
+        then on, so that a slot dropped before is in the answer and one dropped after is given
+        back: none twice, none lost. Each pass starts again from here, so a slot lost between a
+        worker's message and its lend (a Ctrl-C caught there), or one whose batch died while its
+        return was cut short, is free again at the next pass. The collector is held off
+        meanwhile: a batch it collects would come back here and find the lock taken."""
         was = gc.isenabled()
         gc.disable()
         try:
             with self._lock:
+                pending = {(producer, k, token) for _, producer, k, token in self._pending}
+                orphans = [(slots, k, done) for producer, slots in enumerate(self.lent)
+                           for k, (token, done) in slots.items()
+                           if done.peek() is None and (producer, k, token) not in pending]
+                if orphans and self._events:  # a copy from one may be queued still
+                    torch.cuda.synchronize()
+                for slots, k, done in orphans:  # its batch is gone, but its return never came
+                    done.detach()
+                    del slots[k]
                 install()
-                return [k for k in range(self.depth) if k not in self.lent[producer]]
+                return [[k for k in range(self.depth) if k not in slots] for slots in self.lent]
         finally:
             if was:
                 gc.enable()
@@ -187,13 +200,14 @@ class Ring:
             self.give_back(producer, k)
             return self.spec.views(base, n)
         holder = self.spec.holder(self.slot(producer, k))
-        with self._lock:
-            self.lent[producer].add(k)
-        done = weakref.finalize(holder, self._dropped, producer, k)
+        token = next(self._tokens)
+        done = weakref.finalize(holder, self._dropped, producer, k, token)
         done.atexit = False
+        with self._lock:
+            self.lent[producer][k] = token, done
         return self.spec.tensors(holder, n)
 
-    def _dropped(self, producer, k):
+    def _dropped(self, producer, k, token):
         """The tensors of a slot are gone. With CUDA, a copy from it may still be queued: the slot
         goes back once an event recorded now on the current stream has completed (`reap`)."""
         if os.getpid() != self._pid:  # a forked child's copy of a batch: the slot is still the parent's
@@ -206,13 +220,15 @@ class Ring:
                 event = None
             if event is not None:
                 with self._lock:
-                    self._pending.append((event, producer, k))
+                    self._pending.append((event, producer, k, token))
                 return
-        self._back(producer, k)
+        self._back(producer, k, token)
 
-    def _back(self, producer, k):
-        with self._lock:  # with `unlent`: a slot goes to the producer that did not start with it
-            self.lent[producer].discard(k)
+    def _back(self, producer, k, token):
+        with self._lock:  # with `free_slots`: a slot goes back once, to the producer that lacks it
+            if self.lent[producer].get(k, (None,))[0] != token:
+                return  # freed by `free_slots` already (and maybe lent again since)
+            del self.lent[producer][k]
             if self.give_back is not None:
                 self.give_back(producer, k)
 
@@ -222,8 +238,8 @@ class Ring:
             with self._lock:
                 if not self._pending or not self._pending[0][0].query():
                     return
-                _, producer, k = self._pending.popleft()
-            self._back(producer, k)
+                _, producer, k, token = self._pending.popleft()
+            self._back(producer, k, token)
 
     @property
     def waiting(self):

@@ -31,7 +31,7 @@ from pipeline.errors import cut
 
 HEADER = struct.Struct("<qiiii")  # pass, kind, slot, samples, payload bytes
 BATCH, END, ERROR = 0, 1, 2
-SLOT = struct.Struct("<i")
+SLOT = struct.Struct("<qi")  # a slot given back: the pass it was given back in, the slot
 READ = 1 << 16  # bytes asked of a worker's pipe at a time (a pipe holds 64 KiB)
 POLL_S = 0.2  # how often a worker waiting for a slot looks whether its pass was left or it should stop
 STOP = -1
@@ -59,6 +59,7 @@ class Workers:
         self.control = ctx.Array("q", [0] * count, lock=False)  # per worker: the current pass, or STOP
         self.procs, self.commands, self.ready, self.free, self.buffers = [], [], [], [], []
         self.pass_id = 0
+        self.given_in = 0  # the pass the slots given back now belong to (see `begin`)
         self.parent = os.getpid()
         ring.give_back = self._give_back
 
@@ -78,12 +79,9 @@ class Workers:
             cmd_r, cmd_w = self.ctx.Pipe(duplex=False)
             ready_r, ready_w = self.ctx.Pipe(duplex=False)
             free_r, free_w = self.ctx.Pipe(duplex=False)
-            # a worker started again begins without the slots whose batches the user still holds
-            # (they come back through its pipe when dropped): its predecessor's batches stay as they were
-            slots = self.ring.unlent(w, lambda: self.free.append(free_w))
             p = self.ctx.Process(target=_serve, name=f"pipeline-loader-{w}", daemon=True,
-                                 args=(self.source, w, self.count, self.ring, slots, cmd_r, ready_w, free_r,
-                                       self.control, self.parent))
+                                 args=(self.source, w, self.count, self.ring, cmd_r, ready_w, free_r, self.control,
+                                       self.parent))
             # Ctrl-C held back in the forked worker until it ignores it (_set_up): one that came while
             # the worker was still starting ended it (seen at a load of 4)
             held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -98,16 +96,20 @@ class Workers:
             self.procs.append(p)
             self.commands.append(cmd_w)
             self.ready.append(ready_r)
+            self.free.append(free_w)
             self.buffers.append(bytearray())
 
     def begin(self, plan):
-        """Start a pass with `plan` on every worker; returns its id. Batches of earlier passes
-        still in the pipes are dropped as they come (`receive`)."""
+        """Start a pass with `plan` on every worker; returns its id. Each worker begins it with
+        the slots the user holds nothing of (a worker started again too: its predecessor's
+        batches stay as they were) and, from its pipe, those given back in this pass; batches of
+        earlier passes still in the pipes are dropped as they come (`receive`)."""
         self.start()
         self.pass_id += 1
+        free = self.ring.free_slots(lambda: setattr(self, "given_in", self.pass_id))
         for w in range(self.count):
             self.control[w] = self.pass_id
-            self.commands[w].send(("pass", self.pass_id, plan))
+            self.commands[w].send(("pass", self.pass_id, plan, free[w]))
         return self.pass_id
 
     def receive(self, w, pass_id):
@@ -126,8 +128,7 @@ class Workers:
             del buf[:HEADER.size + size]
             if got == pass_id:
                 return kind, slot, n, payload
-            if kind == BATCH:  # a batch of a pass the consumer left: its slot is free again
-                self._give_back(w, slot)
+            # a batch of a pass the consumer left: its slot was free for this pass already (`begin`)
 
     def _fill(self, w, size):
         """Worker w's buffer, holding at least `size` bytes, read as much as is there at a time: a
@@ -146,8 +147,13 @@ class Workers:
                     raise TimeoutError(f"loader worker {w} (pid {self.procs[w].pid}) sent nothing for "
                                        f"{self.timeout:g} s (make_loader's timeout)")
                 continue
-            chunk = os.read(fd, max(size - len(buf), READ))
+            try:
+                chunk = os.read(fd, max(size - len(buf), READ))
+            except OSError:
+                chunk = b""
             if not chunk:
+                if not self.procs or self.control[w] == STOP:  # close() from another thread
+                    raise RuntimeError("the loader was closed while this pass was being read")
                 raise self._died(w)
             buf += chunk
         return buf
@@ -167,7 +173,7 @@ class Workers:
         free = self.free  # one list: `close` and `start` replace it
         if w < len(free):
             try:
-                os.write(free[w].fileno(), SLOT.pack(slot))
+                os.write(free[w].fileno(), SLOT.pack(self.given_in, slot))
             except (OSError, ValueError):  # the worker is gone, or the loader closed
                 pass
 
@@ -195,11 +201,11 @@ class Workers:
 # ---------------------------------------------------------------- in the worker
 
 
-def _serve(source, w, count, ring, free_slots, commands, ready, free, control, parent):
+def _serve(source, w, count, ring, commands, ready, free, control, parent):
     """A worker's life: passes as the consumer asks, until it says stop or is gone."""
     _set_up(w, count, parent)
     fd = ready.fileno()
-    slots = _Slots(free_slots, free.fileno(), control, w)
+    slots = _Slots(free.fileno(), control, w)
     worker = Worker(w, count)
     while True:
         try:
@@ -208,7 +214,8 @@ def _serve(source, w, count, ring, free_slots, commands, ready, free, control, p
             return
         if msg[0] != "pass":
             return
-        _, pass_id, plan = msg
+        _, pass_id, plan, free_slots = msg
+        slots.begin(pass_id, free_slots)
         try:
             for batch in source.batches(worker, slots.borrower(ring, w, pass_id), plan):
                 k, n = batch.pop("slot")
@@ -305,11 +312,17 @@ class _Left(Exception):
 
 
 class _Slots:
-    """A worker's free slots: those the user held none of when it started, then each as the
-    consumer gives it back."""
+    """A worker's free slots: at each pass, those the consumer says the user holds nothing of,
+    then each it gives back in that pass (one given back earlier is in that list already)."""
 
-    def __init__(self, free, fd, control, w):
-        self.free, self.fd, self.control, self.w = list(free), fd, control, w
+    def __init__(self, fd, control, w):
+        self.free, self.fd, self.control, self.w, self.pass_id = [], fd, control, w, 0
+        self.later = []  # (pass, slot) given back in a pass this worker has not begun yet
+
+    def begin(self, pass_id, free):
+        self.pass_id = pass_id
+        self.free = list(free) + [k for given_in, k in self.later if given_in == pass_id]
+        self.later = [(given_in, k) for given_in, k in self.later if given_in > pass_id]
 
     def take(self, pass_id):
         while not self.free:
@@ -320,7 +333,11 @@ class _Slots:
                 data = os.read(self.fd, SLOT.size * 64)
                 if not data:
                     raise _Left()
-                self.free.extend(x for (x,) in SLOT.iter_unpack(data))
+                for given_in, k in SLOT.iter_unpack(data):
+                    if given_in == self.pass_id:
+                        self.free.append(k)
+                    elif given_in > self.pass_id:
+                        self.later.append((given_in, k))
         return self.free.pop(0)
 
     def borrower(self, ring, w, pass_id):
