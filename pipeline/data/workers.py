@@ -168,8 +168,6 @@ class Workers:
                           f"the workers again")
 
     def _give_back(self, w, slot):
-        if os.getpid() != self.parent:  # a process forked from the consumer dropping its copy of a batch
-            return
         free = self.free  # one list: `close` and `start` replace it
         if w < len(free):
             try:
