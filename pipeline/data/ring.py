@@ -180,9 +180,13 @@ class Ring:
             self._registered = self._events = _register(self.memory)
         return self._registered
 
+    def offset(self, producer, k):
+        """Where slot k of a producer starts in the ring's memory (bytes)."""
+        return (producer * self.depth + k) * self.spec.slot_bytes
+
     def slot(self, producer, k):
         """Slot k of a producer, as a uint8 numpy array (a new view object each call)."""
-        start = (producer * self.depth + k) * self.spec.slot_bytes
+        start = self.offset(producer, k)
         return self.buf[start:start + self.spec.slot_bytes]
 
     def arrays(self, producer, k, n):
@@ -250,8 +254,7 @@ class Ring:
         """[(address, bytes)] of the whole pages holding the slots lent out, copied now."""
         page, base = mmap.PAGESIZE, self.memory.data_ptr()
         spans = []
-        for start in sorted(base + (producer * self.depth + k) * self.spec.slot_bytes
-                            for producer, slots in enumerate(self.lent) for k in slots):
+        for start in sorted(base + self.offset(producer, k) for producer, slots in enumerate(self.lent) for k in slots):
             lo, hi = start // page * page, -(-(start + self.spec.slot_bytes) // page) * page
             if spans and lo <= spans[-1][1]:
                 spans[-1][1] = max(spans[-1][1], hi)
