@@ -215,7 +215,7 @@ def _serve(source, w, count, ring, commands, ready, free, control, parent):
         _, pass_id, plan, free_slots = msg
         slots.begin(pass_id, free_slots)
         try:
-            for batch in source.batches(worker, slots.borrower(ring, w, pass_id), plan):
+            for batch in source.batches(worker, slots.borrower(ring, w), plan):
                 k, n = batch.pop("slot")
                 _send(fd, pass_id, BATCH, k, n, pack(batch, ring.spec.names))
                 if control[w] != pass_id:
@@ -322,10 +322,10 @@ class _Slots:
         self.free = list(free) + [k for given_in, k in self.later if given_in == pass_id]
         self.later = [(given_in, k) for given_in, k in self.later if given_in > pass_id]
 
-    def take(self, pass_id):
+    def take(self):
         while not self.free:
             ready = select.select([self.fd], [], [], POLL_S)[0]
-            if self.control[self.w] != pass_id:
+            if self.control[self.w] != self.pass_id:
                 raise _Left()
             if ready:
                 data = os.read(self.fd, SLOT.size * 64)
@@ -338,9 +338,9 @@ class _Slots:
                         self.later.append((given_in, k))
         return self.free.pop(0)
 
-    def borrower(self, ring, w, pass_id):
-        """borrow(n) for the stream: (handle, {field: array to fill}) in a free slot."""
+    def borrower(self, ring, w):
+        """borrow(n) for the stream: (handle, {field: array to fill}) in a free slot of the pass begun."""
         def borrow(n):
-            k = self.take(pass_id)
+            k = self.take()
             return (k, n), ring.arrays(w, k, n)
         return borrow
