@@ -69,7 +69,7 @@ class Loader:
         else:
             self.ring = Ring(1, depth, spec, shared=False, pin=self.pin)
             self.workers = None
-            self._free = collections.deque(range(depth))
+            self._free = collections.deque()  # each pass fills it (`__iter__`)
             self.ring.give_back = lambda producer, k: self._free.append(k)
 
     def __len__(self):
@@ -92,7 +92,7 @@ class Loader:
         plan = self.stream.plan() if hasattr(self.stream, "plan") else None
         self._passes += 1
         if self.workers is None:
-            free = self.ring.free_slots(self._fresh)[0]
+            free = self.ring.free_slots(self._fresh)[0]  # first: it puts a new deque in self._free
             self._free.extend(free)
             return self._here(plan, self._passes)
         self.start()
