@@ -14,7 +14,6 @@ from helpers import _launch_env, finish, free_port, launchers
 from pipeline.errors import InputError
 from pipeline.train import checkpoint, options
 from pipeline.train.model import build_model, check_name
-from pipeline.train.usercode import user_function
 
 # the user's file of the tests: a model without BatchNorm (no buffers at all), one with
 # BatchNorm and dropout, one fixed to 64x64 inputs, one that returns two outputs, one no model
