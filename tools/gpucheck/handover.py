@@ -74,7 +74,7 @@ def verdict(what, held, folder, batch, epochs, device):
             image, label = image.cpu(), label.cpu()
             for i, k in enumerate(keys):
                 ref_image, ref_label = samples.get(k, (None, None))
-                differ += 0 and not torch.equal(image[i], ref_image) or int(label[i]) != ref_label
+                differ += ref_image is None or not torch.equal(image[i], ref_image) or int(label[i]) != ref_label
             rows += len(keys)
         got[epoch] += keys
     wrong_epochs = [e + 1 for e in range(epochs) if sorted(got[e]) != want[e]]
