@@ -138,6 +138,47 @@ def test_a_malformed_model_flag_is_one_line(bad, capsys):
     assert e.value.code == 2 and "--model" in capsys.readouterr().err
 
 
+class NanAt:
+    """F.cross_entropy, but NaN for every sample at the given call."""
+
+    def __init__(self, call):
+        self.call, self.calls, self.real = call, 0, torch.nn.functional.cross_entropy
+
+    def __call__(self, logits, y, **kw):
+        self.calls += 1
+        out = self.real(logits, y, **kw)
+        return out * float("nan") if self.calls == self.call else out
+
+
+@pytest.mark.parametrize("model", ["resnet18", "h2_models:make_model"])
+def test_a_skipped_step_leaves_any_models_weights_and_buffers_alone(mixed_shards, user_file, tmp_path, monkeypatch,
+                                                                     model):
+    """The trainer's step decided on the device, with a torchvision model's BatchNorm buffers
+    and with a model that has no buffer at all."""
+    import copy
+
+    from pipeline.data import remote
+    from pipeline.data.stream import make_loader, resolve
+    from pipeline.ordering.topology import Topology
+    from pipeline.train.run import Run
+
+    args = options.parse(["--train", f"mnist={mixed_shards}/", "--train", f"cifar10={mixed_shards}/", "--model", model,
+                          "--batch-size", "4", "--workers", "0", "--out", str(tmp_path / "run")])
+    srcs = [resolve(n, spec, "train") for n, spec in args.train.items()]
+    run = Run(args, Topology(), torch.device("cpu"), srcs, [], policy=remote.Policy(), started=0.0, startup={})
+    assert bool(run.buffers) == (model == "resnet18")
+    batch = next(iter(make_loader(run.stream, 0)))
+    gen = torch.Generator().manual_seed(0)
+    run.step_once(batch, gen)
+    before = copy.deepcopy(run.model.state_dict())
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", NanAt(1))
+    losses, _, found = run.step_once(batch, gen)
+    assert found.item() == 1 and not torch.isfinite(losses).any()
+    assert [k for k, v in run.model.state_dict().items() if not torch.equal(before[k], v)] == []
+    run.step_once(batch, gen)  # the next finite step trains again
+    assert any(not torch.equal(before[k], v) for k, v in run.model.state_dict().items())
+
+
 # ---------------------------------------------------------------- the trainer with another model
 
 
