@@ -51,14 +51,14 @@ USER = textwrap.dedent("""
 
 @pytest.fixture
 def user_file(tmp_path, monkeypatch):
-    """h2_models.py in a folder of its own, made the current folder, with neither it nor '' on
+    """mymodule.py in a folder of its own, made the current folder, with neither it nor '' on
     sys.path: the trainer must find it there as `python -m` would."""
     folder = tmp_path / "mine"
     folder.mkdir()
-    (folder / "h2_models.py").write_text(USER)
+    (folder / "mymodule.py").write_text(USER)
     monkeypatch.chdir(folder)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(folder))])
-    monkeypatch.delitem(sys.modules, "h2_models", raising=False)
+    monkeypatch.delitem(sys.modules, "mymodule", raising=False)
     return folder
 
 
@@ -85,15 +85,15 @@ def test_a_misspelt_name_is_one_line_naming_valid_ones():
 
 
 def test_a_users_function_is_called_with_classes_and_shape_from_the_current_folder(user_file):
-    model = build_model("h2_models:make_model", 12, (3, 6, 5), 64)
+    model = build_model("mymodule:make_model", 12, (3, 6, 5), 64)
     assert model[1].in_features == 3 * 6 * 5 and model[-1].out_features == 12
 
 
 @pytest.mark.parametrize("spec, needle", [
-    ("h2_models:fixed_size", "--model h2_models:fixed_size cannot take 3x28x28 images"),
-    ("h2_models:two_outputs", "gave tuple, not a (2, 10) tensor of class scores"),
-    ("h2_models:not_a_model", "returned str, not a torch.nn.Module"),
-    ("h2_models:missing", "--model h2_models:missing: AttributeError"),
+    ("mymodule:fixed_size", "--model mymodule:fixed_size cannot take 3x28x28 images"),
+    ("mymodule:two_outputs", "gave tuple, not a (2, 10) tensor of class scores"),
+    ("mymodule:not_a_model", "returned str, not a torch.nn.Module"),
+    ("mymodule:missing", "--model mymodule:missing: AttributeError"),
     ("no_such_module_h2:make", "--model no_such_module_h2:make: ModuleNotFoundError"),
 ])
 def test_a_model_that_cannot_train_on_the_data_is_refused_in_one_line(user_file, spec, needle):
@@ -106,11 +106,11 @@ def test_the_blank_batch_check_leaves_no_trace(user_file):
     """The check runs the model in training mode: it must not move BatchNorm's statistics nor
     draw from the global generator (dropout), which every rank and a resume rely on."""
     torch.manual_seed(3)
-    model = build_model("h2_models:with_bn", 10, (3, 8, 8), 64)
+    model = build_model("mymodule:with_bn", 10, (3, 8, 8), 64)
     assert bool((model[1].running_var == 1).all()) and int(model[1].num_batches_tracked) == 0
     after = torch.rand(4)
     torch.manual_seed(3)
-    with_bn = sys.modules["h2_models"].with_bn(10, (3, 8, 8))
+    with_bn = sys.modules["mymodule"].with_bn(10, (3, 8, 8))
     assert torch.equal(torch.rand(4), after)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), with_bn.state_dict().values()))
 
@@ -150,7 +150,7 @@ class NanAt:
         return out * float("nan") if self.calls == self.call else out
 
 
-@pytest.mark.parametrize("model", ["resnet18", "h2_models:make_model"])
+@pytest.mark.parametrize("model", ["resnet18", "mymodule:make_model"])
 def test_a_skipped_step_leaves_any_models_weights_and_buffers_alone(mixed_shards, user_file, tmp_path, monkeypatch,
                                                                      model):
     """The trainer's step decided on the device, with a torchvision model's BatchNorm buffers
@@ -198,7 +198,7 @@ def keys_by_epoch(out, ranks):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["resnet18", "h2_models:make_model"])
+@pytest.mark.parametrize("model", ["resnet18", "mymodule:make_model"])
 def test_another_model_trains_on_2_ranks_and_resumes_on_1_with_no_sample_twice(one_source, user_file, tmp_path,
                                                                                 model):
     """resnet18 (BatchNorm) and the user's model without any buffer: an epoch and 3 steps of the
