@@ -46,6 +46,9 @@ USER = textwrap.dedent("""
 
     def not_a_model(num_classes, shape):
         return "resnet18"
+
+    def one_argument(num_classes):
+        return nn.Linear(1, num_classes)
 """)
 
 
@@ -94,6 +97,7 @@ def test_a_users_function_is_called_with_classes_and_shape_from_the_current_fold
     ("mymodule:two_outputs", "gave tuple, not a (2, 10) tensor of class scores"),
     ("mymodule:not_a_model", "returned str, not a torch.nn.Module"),
     ("mymodule:missing", "--model mymodule:missing: AttributeError"),
+    ("mymodule:one_argument", "--model mymodule:one_argument: raised TypeError"),
     ("no_such_module_h2:make", "--model no_such_module_h2:make: ModuleNotFoundError"),
 ])
 def test_a_model_that_cannot_train_on_the_data_is_refused_in_one_line(user_file, spec, needle):

@@ -5,12 +5,13 @@ A checkpoint holds the model, optimiser and RNG states, where the run stands (ep
 step, samples seen, every rank's stream state, the partial sums of the current
 metrics line) and a fingerprint of what must not change across a resume: the
 sources in order with their classes and shapes and the digest of each one's shard
-list, the model (--model, and --width for the default CNN), seed, epoch samples and weights (and, recorded but free to change,
-the batch size and what the learning rate follows). `check_resume` lists every
-difference in one line; `trainer_state`, `load_model` and `load_optimizer` check every
-number and tensor against the run before it is used, and the counts against each other
-(the samples seen are what the epochs' and the ranks' tallies add up to; a rank's key
-log holds at most a line per sample it consumed), each failure one line naming the field.
+list, the model (--model, and --width for the default CNN), seed, epoch samples and
+weights (and, recorded but free to change, the batch size and what the learning rate
+follows). `check_resume` lists every difference in one line; `trainer_state`,
+`load_model` and `load_optimizer` check every number and tensor against the run before
+it is used, and the counts against each other (the samples seen are what the epochs'
+and the ranks' tallies add up to; a rank's key log holds at most a line per sample it
+consumed), each failure one line naming the field.
 """
 import json
 import math
@@ -49,8 +50,9 @@ RECORDED = ("batch_size", "schedule")  # in the fingerprint, but free to change 
 MODEL_FIELDS = ("sources", "model", "width")  # what the model's shape depends on: all --eval-only needs to match
 
 
-FLAGS = {"batch_size": "--batch-size", "model": "--model", "width": "--width", "seed": "--seed", "epoch_samples": "--epoch-samples",
-         "weights": "--weights", "final_weights": "--final-weights", "sources": "sources (--train)"}  # as the user typed them
+FLAGS = {"batch_size": "--batch-size", "model": "--model", "width": "--width", "seed": "--seed",
+         "epoch_samples": "--epoch-samples", "weights": "--weights", "final_weights": "--final-weights",
+         "sources": "sources (--train)"}  # as the user typed them
 
 
 def check_resume(saved, current, allow_weights=False, allow_data=False, only=None, what="--resume"):

@@ -22,8 +22,9 @@ EVAL_SPLITS = ("test", "val", "valid", "validation", "eval", "holdout")
 
 def check_memory(args, stream, eval_sources=0, device=None):
     """ValueError (one line) when the job's batches, and on a CPU `device` the model's step, may
-    take more than --max-batch-memory (pipeline.data.budget; the step of the default --model only);
-    `stream`: the training MixedStream, built but not yet read. A GPU's step is in its own memory, not counted here."""
+    take more than --max-batch-memory (pipeline.data.budget; the step of the default --model
+    only); `stream`: the training MixedStream, built but not yet read. A GPU's step is in its own
+    memory, not counted here."""
     cap = getattr(args, "max_batch_memory", None) or budget.default_cap()
     step = 0
     if device is not None and device.type == "cpu" and getattr(args, "model", DEFAULT_MODEL) == DEFAULT_MODEL:

@@ -57,7 +57,13 @@ def build_model(spec, num_classes, shape, width):
     if spec == DEFAULT:
         return Net(num_classes, width, in_channels=shape[0])
     if ":" in spec:
-        made = user_function("--model", spec)(num_classes, tuple(shape))
+        make = user_function("--model", spec)
+        try:
+            made = make(num_classes, tuple(shape))
+        except Exception as e:  # noqa: BLE001 - whatever the user's function raises, in one line
+            why = (str(e).strip().splitlines() or [""])[0][:200]
+            raise InputError(f"--model {spec}: raised {type(e).__name__}: {why} (it is called as "
+                             f"{spec.partition(':')[2]}(num_classes, (C, H, W)))") from None
         if not isinstance(made, nn.Module):
             raise InputError(f"--model {spec}: returned {type(made).__name__}, not a torch.nn.Module")
     else:

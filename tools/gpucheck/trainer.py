@@ -154,10 +154,11 @@ def model_check(folder, work, trained, model="cnn", steps=300):
     torch.cuda.synchronize(dev)
     rate = steps * args.batch_size / (time.perf_counter() - t)
     share = trained.get("samples_per_s", float("nan")) / rate if trained else float("nan")
+    width = f", width {args.width}" if model == "cnn" else ""
     figures = {"model": model, "model_samples_per_s": round(rate, 1), "trainer_share": round(share, 3),
                "summary": f"--model {model}: the trainer's step alone {rate:,.0f} samples/s (batch {args.batch_size}"
-                          f"{f', width {args.width}' if model == 'cnn' else ''}, bf16); the trainer reached {share:.0%} "
-                          f"of it (target >= {TARGETS['trainer_share']:.0%})"}
+                          f"{width}, bf16); the trainer reached {share:.0%} of it (target >= "
+                          f"{TARGETS['trainer_share']:.0%})"}
     if not torch.isfinite(losses).all() or found.item():
         raise Failed("the step's loss or gradients are not finite", figures)
     return figures
