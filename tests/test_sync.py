@@ -76,13 +76,13 @@ def test_the_loaders_workers_start_before_the_model_is_built(data, tmp_path, mon
     from pipeline.train import run as run_module
 
     seen = []
-    real = run_module.Net
+    real = run_module.build_model
 
-    def net(*a, **kw):
+    def build_model(*a, **kw):
         seen.append(len(multiprocessing.active_children()))
         return real(*a, **kw)
 
-    monkeypatch.setattr(run_module, "Net", net)
+    monkeypatch.setattr(run_module, "build_model", build_model)
     assert train.main(args(data, tmp_path / "run", "--workers", "2", "--epochs", "1")) == 0
     assert seen == [2]
 

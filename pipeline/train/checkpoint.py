@@ -5,12 +5,13 @@ A checkpoint holds the model, optimiser and RNG states, where the run stands (ep
 step, samples seen, every rank's stream state, the partial sums of the current
 metrics line) and a fingerprint of what must not change across a resume: the
 sources in order with their classes and shapes and the digest of each one's shard
-list, model width, seed, epoch samples and weights (and, recorded but free to change,
-the batch size and what the learning rate follows). `check_resume` lists every
-difference in one line; `trainer_state`, `load_model` and `load_optimizer` check every
-number and tensor against the run before it is used, and the counts against each other
-(the samples seen are what the epochs' and the ranks' tallies add up to; a rank's key
-log holds at most a line per sample it consumed), each failure one line naming the field.
+list, the model (--model, and --width for the default CNN), seed, epoch samples and
+weights (and, recorded but free to change, the batch size and what the learning rate
+follows). `check_resume` lists every difference in one line; `trainer_state`,
+`load_model` and `load_optimizer` check every number and tensor against the run before
+it is used, and the counts against each other (the samples seen are what the epochs'
+and the ranks' tallies add up to; a rank's key log holds at most a line per sample it
+consumed), each failure one line naming the field.
 """
 import json
 import math
@@ -22,6 +23,7 @@ import torch
 from pipeline.errors import ShardError, short
 from pipeline.ordering import order, place
 from pipeline.files import open_regular
+from pipeline.train.options import DEFAULT_MODEL
 
 VERSION = 2  # of the checkpoint file (its stream state has its own: pipeline.ordering.place.VERSION)
 
@@ -33,7 +35,8 @@ def fingerprint(args, sources, world=1):
     return {
         "sources": [{"name": s.name, "classes": len(s.classes), "shape": list(s.shape)} for s in sources],
         "data": {s.name: {"shards": len(s.urls), "samples": s.total, "listing": s.listing} for s in sources},
-        "width": args.width, "batch_size": args.batch_size, "seed": args.seed,
+        "model": args.model, "width": args.width if args.model == DEFAULT_MODEL else None,  # other models: no width
+        "batch_size": args.batch_size, "seed": args.seed,
         "epoch_samples": args.epoch_samples, "weights": [round(w, 12) for w in args.weights],
         "final_weights": [round(w, 12) for w in args.final_weights] if args.final_weights else None,
         "schedule": {"lr": args.lr, "world": world, "epochs": args.epochs,
@@ -44,11 +47,12 @@ def fingerprint(args, sources, world=1):
 RECORDED = ("batch_size", "schedule")  # in the fingerprint, but free to change on resume
 
 
-MODEL_FIELDS = ("sources", "width")  # what the model's shape depends on: all --eval-only needs to match
+MODEL_FIELDS = ("sources", "model", "width")  # what the model's shape depends on: all --eval-only needs to match
 
 
-FLAGS = {"batch_size": "--batch-size", "width": "--width", "seed": "--seed", "epoch_samples": "--epoch-samples",
-         "weights": "--weights", "final_weights": "--final-weights", "sources": "sources (--train)"}  # as the user typed them
+FLAGS = {"batch_size": "--batch-size", "model": "--model", "width": "--width", "seed": "--seed",
+         "epoch_samples": "--epoch-samples", "weights": "--weights", "final_weights": "--final-weights",
+         "sources": "sources (--train)"}  # as the user typed them
 
 
 def check_resume(saved, current, allow_weights=False, allow_data=False, only=None, what="--resume"):
@@ -58,6 +62,8 @@ def check_resume(saved, current, allow_weights=False, allow_data=False, only=Non
     for key in only or sorted((set(saved) | set(current)) - set(RECORDED)):
         if allow_weights and key in ("weights", "final_weights") or allow_data and key == "data":
             continue
+        if key == "width" and saved.get("model") != current.get("model"):
+            continue  # only the default model has a width: the line on --model says it
         if key == "data":
             diffs += [f"data of {name}: checkpoint {_listing(was)}, now {_listing(now)}"
                       for name, (was, now) in data_changes(saved, current).items()]
@@ -173,8 +179,10 @@ def epoch_samples_of(saved, now):
 
 
 def fingerprint_of(state, path):
-    """The checkpoint's fingerprint, a dict (ValueError naming the field if it is not one)."""
-    return _Fields(path, state).mapping(_Fields(path, state).json("fingerprint"), "fingerprint")
+    """The checkpoint's fingerprint, a dict (ValueError naming the field if it is not one); one
+    written before --model existed trained the default model."""
+    saved = _Fields(path, state).mapping(_Fields(path, state).json("fingerprint"), "fingerprint")
+    return saved if "model" in saved else dict(saved, model=DEFAULT_MODEL)
 
 
 def trainer_state(state, path, limits):
@@ -304,8 +312,8 @@ def load_model(model, state, path):
     try:
         model.load_state_dict(weights)
     except (RuntimeError, KeyError, TypeError, ValueError) as e:
-        f.bad("model", f"it does not fit this run's model ({_first_line(e)}); the sources' classes and "
-                       f"--width must be those the checkpoint was trained with")
+        f.bad("model", f"it does not fit this run's model ({_first_line(e)}); the sources' classes, --model "
+                       f"and --width must be those the checkpoint was trained with")
 
 
 def load_optimizer(opt, state, path):

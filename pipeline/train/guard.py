@@ -14,6 +14,7 @@ from pipeline.data import budget, remote
 from pipeline.data.manifest import repeated
 from pipeline.errors import InputError, redact
 from pipeline.files import Busy, locked
+from pipeline.train.options import DEFAULT_MODEL
 
 LOCK = ".train.lock"  # in --out while a trainer runs there; holds its pid
 EVAL_SPLITS = ("test", "val", "valid", "validation", "eval", "holdout")
@@ -21,12 +22,13 @@ EVAL_SPLITS = ("test", "val", "valid", "validation", "eval", "holdout")
 
 def check_memory(args, stream, eval_sources=0, device=None):
     """ValueError (one line) when the job's batches, and on a CPU `device` the model's step, may
-    take more than --max-batch-memory (pipeline.data.budget); `stream`: the training
-    MixedStream, built but not yet read. A GPU's step is in its own memory, not counted here."""
+    take more than --max-batch-memory (pipeline.data.budget; the step of the default --model
+    only); `stream`: the training MixedStream, built but not yet read. A GPU's step is in its own
+    memory, not counted here."""
     cap = getattr(args, "max_batch_memory", None) or budget.default_cap()
     step = 0
-    if device is not None and device.type == "cpu":
-        from pipeline.train.model import step_bytes
+    if device is not None and device.type == "cpu" and getattr(args, "model", DEFAULT_MODEL) == DEFAULT_MODEL:
+        from pipeline.train.model import step_bytes  # fitted to the default CNN: another model's step is not counted
 
         step = step_bytes(args.batch_size, *stream.layout.hw, args.width)
     return budget.check_budget(args.batch_size, {s.name: s.shape for s in stream.sources}, args.workers, cap,

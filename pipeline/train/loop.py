@@ -28,6 +28,7 @@ from pipeline.train.console import one_line
 from pipeline.train.epoch import train_epoch
 from pipeline.train.evaluate import epoch_line, eval_loaders, evaluate, evaluate_only
 from pipeline.train.metrics import KeyLog, Metrics
+from pipeline.train.model import check_name
 from pipeline.train.outdir import prepare_out
 from pipeline.train.run import NonFiniteLoss, Run, where
 from pipeline.train.summary import write_summary
@@ -50,6 +51,7 @@ def train(args, topo, device, stopper=None):
         options.per_rank_batch(args, topo.world)  # --global-batch: each rank's share, now that the world is known
     except ValueError as e:
         raise InputError(str(e)) from None
+    check_name(args.model)  # a misspelt --model: one line before any shard is read
     policy = remote.Policy(**cli.io_limits(args))
     check = http_check(topo, policy)
     train_sources = [stream.resolve(n, spec, "train", policy=policy, check_http=check) for n, spec in args.train.items()]

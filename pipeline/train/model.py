@@ -1,13 +1,17 @@
-"""The model: a small VGG-style CNN over the common batch format of every source.
+"""The model (--model): the default small VGG-style CNN, a torchvision classification model
+by name, or a function of the user's own; each built for the batch's image shape and one head
+over the union of all sources' classes (MNIST 0-9, CIFAR10 10-19).
 
-One head over the union of all sources' classes (MNIST 0-9, CIFAR10 10-19): every
-parameter takes part in every step, so DDP never meets unused parameters, even
-when a batch happens to hold only one source.
+Every parameter of the CNN takes part in every step, so DDP never meets unused parameters,
+even when a batch happens to hold only one source.
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.errors import InputError
+from pipeline.train.options import DEFAULT_MODEL as DEFAULT
+from pipeline.train.usercode import user_function
 
 MIN_SIDE = 4  # two 2x2 max-pools: a smaller input has nothing left to pool
 # Bytes a training step on the CPU holds for each pixel of each sample: for each unit of
@@ -26,6 +30,80 @@ def step_bytes(batch_size, height, width, model_width):
     a manifest's shape alone can make a step of a few images need tens of GB."""
     return batch_size * max(height, MIN_SIDE) * max(width, MIN_SIDE) * (STEP_PIXEL_BYTES +
                                                                        STEP_WIDTH_BYTES * model_width)
+
+
+def check_name(spec):
+    """InputError (one line with a few valid names) unless `spec` is the default, MODULE:FUNCTION
+    or a torchvision classification model: checked before any data is read."""
+    if spec == DEFAULT or ":" in spec:
+        return
+    import torchvision
+
+    names = torchvision.models.list_models(module=torchvision.models)
+    if spec not in names:
+        some = [n for n in ("resnet18", "resnet50", "mobilenet_v3_small", "efficientnet_b0", "convnext_tiny")
+                if n in names]
+        raise InputError(f"--model {spec}: not a torchvision classification model; e.g. {', '.join(some)} "
+                         f"({len(names)} in all: torchvision.models.list_models(module=torchvision.models)), "
+                         f"{DEFAULT} (the default) or MODULE:FUNCTION of your own")
+
+
+def build_model(spec, num_classes, shape, width):
+    """The model --model names, on the CPU, for images of `shape` (C, H, W) and `num_classes`
+    classes: the default CNN at --width; a torchvision model by name, untrained
+    (`torchvision.models.get_model(name, weights=None, num_classes=num_classes)`); or
+    MODULE:FUNCTION called as `FUNCTION(num_classes, shape)`, which returns an nn.Module.
+    InputError (one line) where the model cannot be had or cannot take the input (`check_fits`)."""
+    if spec == DEFAULT:
+        return Net(num_classes, width, in_channels=shape[0])
+    if ":" in spec:
+        make = user_function("--model", spec)
+        try:
+            made = make(num_classes, tuple(shape))
+        except Exception as e:  # noqa: BLE001 - whatever the user's function raises, in one line
+            why = (str(e).strip().splitlines() or [""])[0][:200]
+            raise InputError(f"--model {spec}: raised {type(e).__name__}: {why} (it is called as "
+                             f"{spec.partition(':')[2]}(num_classes, (C, H, W)))") from None
+        if not isinstance(made, nn.Module):
+            raise InputError(f"--model {spec}: returned {type(made).__name__}, not a torch.nn.Module")
+    else:
+        check_name(spec)
+        import torchvision
+
+        made = torchvision.models.get_model(spec, weights=None, num_classes=num_classes)
+    check_fits(made, spec, num_classes, shape)
+    return made
+
+
+def check_fits(model, spec, num_classes, shape):
+    """One forward pass of two blank images in training mode, as the trainer runs it: a model
+    that cannot take the input size (too small for its poolings, or fixed to another size) or
+    whose output is not a (batch, classes) tensor of scores (torchvision's googlenet and
+    inception_v3 return their auxiliary heads too while training) is refused in one line before
+    the run starts, rather than in its first step. Leaves no trace: its running statistics are
+    put back and the global random state is untouched (every rank starts from the same)."""
+    kept = [b.clone() for b in model.buffers()]
+    size = "x".join(map(str, shape))
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            out = model(torch.zeros(2, *shape))
+    except Exception as e:  # noqa: BLE001 - whatever the model raises, in one line
+        why = (str(e).strip().splitlines() or [""])[0][:200]
+        raise InputError(f"--model {spec} cannot take {size} images ({type(e).__name__}: {why}); pick a model "
+                         f"for images of this size or resize the data when writing its shards") from None
+    finally:
+        with torch.no_grad():
+            for b, k in zip(model.buffers(), kept):
+                b.copy_(k)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, num_classes):
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise InputError(f"--model {spec}: a batch of 2 {size} images gave {got}, not a (2, {num_classes}) "
+                         f"tensor of class scores")
+
+
+def input_shape(stream):
+    """(C, H, W) of the batches' image field: what every model is built for."""
+    return next(f.shape for f in stream.batch_spec().fields if f.name == "image")
 
 
 def conv_bn(cin, cout):

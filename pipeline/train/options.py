@@ -16,6 +16,7 @@ from pipeline.train import stop
 
 MAX_TIMEOUT = 7 * 24 * 3600  # a week: more overflows torch's timeout deep in the process group set-up
 DEFAULT_BATCH = 256  # --batch-size
+DEFAULT_MODEL = "cnn"  # --model: pipeline.train.model.Net
 
 DESCRIPTION = """Train one model with DDP on the weighted mix of several shard streams.
 
@@ -66,7 +67,12 @@ def parse(argv=None):
       help="peak SGD learning rate for a global batch of 256; the rate used is LR x global batch / 256, "
            "with global batch = ranks x --batch-size (or --global-batch), after a linear warm-up (default: 0.1)")
     a("--weight-decay", type=float, default=5e-4, help="L2 penalty on the weights, applied by SGD (default: 5e-4)")
-    a("--width", type=int, default=64, metavar="N", help="model width: 64 for GPUs, 16 for CPUs (default: 64)")
+    a("--model", default=DEFAULT_MODEL, metavar="NAME",
+      help="the model: cnn (a small CNN, sized by --width), a torchvision classification model by name (resnet18, "
+           "mobilenet_v3_small, ...; untrained), or MODULE:FUNCTION of your own, called as FUNCTION(num_classes, "
+           "(C, H, W)) and returning a torch.nn.Module (see docs/training.md, 'The model'; default: cnn)")
+    a("--width", type=int, default=64, metavar="N",
+      help="width of the cnn model: 64 for GPUs, 16 for CPUs (default: 64)")
     a("--flip", metavar="NAMES",
       help="training sources to flip horizontally when augmenting, comma-separated (default: cifar10 if it is a "
            "source; '' for none: a flipped digit is another digit)")
@@ -213,6 +219,10 @@ def check(p, args):
         unknown = sorted(set(args.flip) - set(names))
         if unknown:
             p.error(f"--flip {', '.join(unknown)}: no --train source of that name; sources are {', '.join(names)}")
+    module, sep, function = args.model.partition(":")
+    if sep and not (module and function) or not args.model.strip() or any(c.isspace() for c in args.model):
+        p.error(f"--model {args.model!r}: expected a torchvision model's name (e.g. resnet18) or MODULE:FUNCTION, "
+                f"e.g. my_models:make_model")
     for stage in args.sample_stage:
         module, sep, function = stage.partition(":")
         if not (sep and module and function):

@@ -6,7 +6,6 @@ One class, because a checkpoint must save and restore the same fields: a field a
 live in pipeline.train.checkpoint.
 """
 import argparse
-import importlib
 import json
 import math
 import os
@@ -22,23 +21,14 @@ from pipeline.ordering import order
 from pipeline.data import cache, stream
 from pipeline.errors import InputError, redacted, short
 from pipeline.train import checkpoint, dist, options, prefetch
-from pipeline.train.model import Net, augment
+from pipeline.train.model import augment, build_model, input_shape
+from pipeline.train.usercode import user_function
 from pipeline.train.schedule import BASE_BATCH, learning_rate
 
 
 def load_stages(names):
     """--sample-stage MODULE:FUNCTION -> the functions."""
-    out = []
-    for item in names:
-        module, _, function = item.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), function)
-        except Exception as e:  # noqa: BLE001 - whatever a user's module raises on import, in one line
-            raise InputError(f"--sample-stage {item}: {e.__class__.__name__}: {e}") from None
-        if not callable(fn):
-            raise InputError(f"--sample-stage {item}: not a function")
-        out.append(fn)
-    return out
+    return [user_function("--sample-stage", item) for item in names]
 
 
 def autocast(device):
@@ -84,10 +74,10 @@ class Run:
         self.names = self.layout.names
         self.flip_ids = [self.layout.index(n) for n in args.flip]
         torch.manual_seed(args.seed)
-        self.model = Net(self.layout.num_classes, args.width).to(device)
+        self.model = build_model(args.model, self.layout.num_classes, input_shape(self.stream), args.width).to(device)
         self.ddp = (DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
                     if topo.world > 1 else self.model)
-        self.buffers = list(self.model.buffers())  # BatchNorm's running stats: a skipped step leaves them too
+        self.buffers = list(self.model.buffers())  # e.g. BatchNorm's running stats: a skipped step leaves them too
         self.kept_buffers = [b.clone() for b in self.buffers]
         self.opt = sgd(self.model, args)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -124,7 +114,8 @@ class Run:
         x = augment(self.layout.normalize(x, s), s, self.flip_tensor, gen)
         for group in self.opt.param_groups:
             group["lr"] = self.lr()
-        torch._foreach_copy_(self.kept_buffers, self.buffers)
+        if self.buffers:  # (a model without buffers, e.g. no BatchNorm: the foreach call refuses empty lists)
+            torch._foreach_copy_(self.kept_buffers, self.buffers)
         with autocast(self.device):
             losses = F.cross_entropy(self.ddp(x).float(), y, reduction="none")
         self.opt.zero_grad(set_to_none=True)
