@@ -84,7 +84,7 @@ class Run:
         self.names = self.layout.names
         self.flip_ids = [self.layout.index(n) for n in args.flip]
         torch.manual_seed(args.seed)
-        self.model = Net(self.layout.num_classes, args.width).to(device)
+        self.model = Net(self.layout.num_classes, args.width, self.layout.batch_shape(1)[1]).to(device)
         self.ddp = (DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
                     if topo.world > 1 else self.model)
         self.buffers = list(self.model.buffers())  # BatchNorm's running stats: a skipped step leaves them too
