@@ -176,7 +176,8 @@ def test_the_trainer_names_what_a_schema_lacks(i2d):
     stream = MixedStream([src], {"web": 1}, 8, schemas=parse_fields("image:image=jpg,size=16x16 caption:text=txt"))
     with pytest.raises(InputError, match="no class field `label`"):
         stream.layout.num_classes
-    stream = MixedStream([src], {"web": 1}, 8, schemas=parse_fields("picture:image=jpg,size=8x8 label:class=json:class"))
+    schema = parse_fields("picture:image=jpg,size=8x8 label:class=json:class")
+    stream = MixedStream([src], {"web": 1}, 8, schemas=schema)
     with pytest.raises(InputError, match="no image field `image`"):
         stream.layout.hw
 

@@ -110,7 +110,8 @@ def summarise_fields(name, split, spec, found, names, schema):
     if len(classes) > MAX_CLASSES:
         raise ShardError(f"{spec}: class index {len(classes) - 1} in field "
                          f"{next(c.name for c in schema.columns if c.kind == 'class')}, more than the {MAX_CLASSES} "
-                         f"classes a manifest may hold: {CLASSES_WHY}; if it is an ID, not a class, make it an int field")
+                         f"classes a manifest may hold: {CLASSES_WHY}; if it is an ID, not a class, make it an int "
+                         f"field")
     if shapes:
         origin.update(image_shapes=len(shapes), most_common_shape=list(shapes.most_common(1)[0][0]))
     return {
