@@ -4,7 +4,7 @@ loader's workers: python examples/classify_native.py SHARDS_DIR [--name pets] [-
 Index the shards once, in place, with the image at its native size (up to a cap) and the label:
 
     python tools/make_shards.py --index pets:train=SHARDS_DIR --out SHARDS_DIR \\
-        --fields 'image:image=jpg;png;webp,fit=native,size=512x512 label:int=cls'
+        --fields 'image:image=jpg;png;webp,fit=native,size=512x512 label:class=cls'
 
 The stream's own schema adds the stages: a random resized crop to 64x64 and a flip, drawn from
 each sample's seed, so a resumed run repeats them. Batches hold `image` (uint8 B x 3 x 64 x 64)
@@ -35,7 +35,8 @@ except ShardError as e:
 if source.schema is None:
     sys.exit(f"classify_native: error: {source.manifest} has no fields; index it with --fields (see --help)")
 schema = Schema(source.schema.columns, stages=[augment.RandomResizedCrop("image", 64), augment.Flip("image")])
-stream = MixedStream([source], {args.name: 1}, batch_size=16, seed=0, schemas={args.name: schema})
+stream = MixedStream([source], {args.name: 1}, batch_size=16, seed=0, schemas={args.name: schema},
+                     normalize=False)  # uint8 images: scaled in the loop
 model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 64 * 64, args.classes))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 loader = make_loader(stream, num_workers=2)        # make it once: its workers persist across passes

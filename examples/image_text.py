@@ -44,7 +44,7 @@ if source.schema is None or {"image", "caption"} - {c.name for c in source.schem
     sys.exit(f"image_text: error: {source.manifest} has no image and caption fields; index it with --fields (see --help)")
 schema = Schema(source.schema.columns, stages=[augment.Flip("image"), augment.Tokenize("caption", utf8_ids, 32)])
 stream = MixedStream([source], {args.name: 1}, batch_size=16, topo=Topology.from_env(), seed=0,
-                     schemas={args.name: schema})
+                     schemas={args.name: schema}, normalize=False)  # uint8 images: normalised in the loop
 loader = make_loader(stream, num_workers=args.workers)
 
 images = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 5, stride=4), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),

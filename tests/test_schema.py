@@ -45,6 +45,18 @@ def test_numbers_from_text_members_and_json_paths():
             value(col, data)
 
 
+def test_a_class_field_is_one_class_index_a_sample_and_one_a_schema():
+    assert value(Column("y", "class", "cls"), b"7\n") == 7 and value(Column("y", "class", "json:c"), b'{"c": 2}') == 2
+    for data, said in ((b"-1", "not a class index"), (b"2.0", "not a class index"), (b"cat", "not a number")):
+        with pytest.raises(ValueError, match=said):
+            value(Column("y", "class", "cls"), data)
+    with pytest.raises(ValueError, match="no length"):
+        Column("y", "class", "cls", length=2)
+    with pytest.raises(ValueError, match="one class field"):
+        Schema([Column("a", "class", "cls"), Column("b", "class", "json:c")])
+    assert check_value(Column("y", "class", "cls"), 3) is None and check_value(Column("y", "class", "cls"), 0.5)
+
+
 def test_arrays_are_checked_from_their_header_and_cast_within_their_kind():
     col = Column("a", "array", "npy", shape=(3, 4))
     f = np.asfortranarray(np.arange(6, dtype=np.float64).reshape(2, 3))

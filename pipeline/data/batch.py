@@ -1,29 +1,32 @@
-"""The batch format shared by every source, and the one place images are normalised.
+"""The one batch layout of every stream, and the one place images are normalised.
 
-A batch is a dict: `image` (B, 3, H, W) with H, W the largest over the sources
-(smaller images zero-padded around the centre, grey ones repeated to 3
-channels), `label` int64 with each source's classes offset (MNIST 0-9, CIFAR10
-10-19 when listed in that order, so classes never collide), `source` the source
-index of each sample, `key` the sample keys, `skipped` the malformed samples
-skipped while making it, and, from a training stream, `state` (where the
-worker that made it stands; see MixedStream.state_dict).
+Every source has a schema (pipeline.data.schema): its own, or the default one, an image at
+its manifest's shape and a class label (columns.default_columns). A batch is a dict of the
+union of the sources' fields (pipeline.data.columns says how each field type is held): with
+the default schema, `image` (B, 3, H, W) with H, W the largest over the sources (smaller
+images zero-padded around the centre, grey ones repeated to 3 channels) and `label` int64
+with each source's classes offset (MNIST 0-9, CIFAR10 10-19 when listed in that order, so
+classes never collide; a `class` field of any schema is offset the same way); beside them
+`source` the source index of each sample, `key` the sample keys, `skipped` the malformed
+samples skipped while making it, and, from a training stream, `state` (where the worker
+that made it stands; see MixedStream.state_dict).
 
-Images stay uint8 unless the stream normalises them (`Layout.collate` into a float32
-slot, with each source's own mean and std from its manifest); the trainer takes uint8, a
-quarter of the bytes to the GPU, and normalises there (`Layout.normalize`).
+Every field stays as decoded (images uint8) but `image` when the stream normalises it
+(`Layout.collate` into a float32 slot, with each source's own mean and std from its
+manifest); the trainer takes uint8, a quarter of the bytes to the GPU, and normalises
+there (`Layout.normalize`).
 """
 import contextlib
+import dataclasses
 import threading
 
 import numpy as np
 import torch
 
+from pipeline.data.columns import canvas, default_columns, fields_of, form, put, said
 from pipeline.data.node import Node
 from pipeline.data.ring import Field, Spec
-
-
-def _rgb(values):
-    return list(values) * 3 if len(values) == 1 else list(values)
+from pipeline.errors import InputError
 
 
 def _alone():
@@ -50,34 +53,42 @@ def one_torch_thread():
         torch.set_num_threads(threads)
 
 
-def _to_canvas(pixels, h, w):
-    """(n, C, sh, sw) uint8 images as (n, C, h, w), zero-padded around the centre. Padding
-    here, in a small array, and then placing whole rows in the batch with one fancy
-    assignment costs half what one windowed assignment into the batch did (it copies
-    28-byte runs for MNIST). A grey channel is not repeated here: the assignment into the
-    batch broadcasts it to 3, which costs about half of np.repeat and then the assignment
-    (docs/benchmarks.md, "Small choices in the batch code")."""
-    c, sh, sw = pixels.shape[1:]
-    if (sh, sw) != (h, w):
-        top, left = (h - sh) // 2, (w - sw) // 2
-        pad = np.zeros((len(pixels), c, h, w), np.uint8)
-        pad[:, :, top:top + sh, left:left + sw] = pixels
-        pixels = pad
-    return pixels
-
-
 class Layout:
-    """Where each source's images and labels go in a batch, and how they are normalised."""
+    """The one batch layout: where each source's fields go in a batch, and how its images are
+    normalised. Every source has a schema, its own or the default one (image and class,
+    columns.default_columns); a field several sources have is one batch field (columns.form)."""
 
     def __init__(self, sources):
         self.sources = list(sources)
-        self.names = [s.name for s in sources]
-        sizes = [len(s.classes) for s in sources]
-        self.offsets = np.cumsum([0] + sizes[:-1]).astype(np.int64)
-        self.num_classes = sum(sizes)
-        self.hw = (max(s.shape[1] for s in sources), max(s.shape[2] for s in sources))
-        mean = torch.tensor([_rgb(s.mean) for s in sources], dtype=torch.float32).view(-1, 3, 1, 1)
-        std = torch.tensor([_rgb(s.std) for s in sources], dtype=torch.float32).view(-1, 3, 1, 1)
+        self.names = [s.name for s in self.sources]
+        self.finals = [s.schema.final if getattr(s, "schema", None) else default_columns(s) for s in self.sources]
+        union, first = {}, {}
+        for s, cols in zip(self.sources, self.finals):
+            for col in cols:
+                have = union.setdefault(col.name, col)
+                first.setdefault(col.name, s.name)
+                if form(have) != form(col):
+                    raise ValueError(f"field {col.name!r} is {said(have)} in source {first[col.name]} and "
+                                     f"{said(col)} in source {s.name}; one batch field needs one type and shape: "
+                                     f"give the sources' schemas the same, or another name")
+                if canvas(col):  # the canvas: the largest height, width and channels
+                    union[col.name] = dataclasses.replace(have, size=tuple(np.maximum(have.size, col.size).tolist()),
+                                                          channels=max(have.channels, col.channels))
+        self.columns = list(union.values())
+        self.masked = [c.name for c in self.columns
+                       if any(all(o.name != c.name for o in cols) or any(o.name == c.name and o.optional for o in cols)
+                              for cols in self.finals)]
+        self.fixed = [f for c in self.columns for f in fields_of(c)]
+        self.fixed += [Field(n + "_mask", np.bool_) for n in self.masked] + [Field("source", np.int64)]
+        self.zeroed = [f.name for c in self.columns if c.padded or c.name in self.masked for f in fields_of(c)]
+        sizes = [len(s.classes) for s in self.sources]
+        self.offsets = np.cumsum([0] + sizes[:-1]).astype(np.int64)  # each source's first class in the batch
+        self.classes = sum(sizes)
+        image = union.get("image")
+        c = image.channels if image is not None and image.kind == "image" else 3
+        stats = lambda v: list(v) * c if len(v) == 1 else list(v)[:c]  # noqa: E731 (grey stats on an RGB canvas)
+        mean = torch.tensor([stats(s.mean) for s in self.sources], dtype=torch.float32).view(-1, c, 1, 1)
+        std = torch.tensor([stats(s.std) for s in self.sources], dtype=torch.float32).view(-1, c, 1, 1)
         self.scale, self.shift = 1.0 / (255.0 * std), mean / std
         self._on_device = {}
         self._u8 = None
@@ -91,52 +102,114 @@ class Layout:
         except ValueError:
             raise ValueError(f"unknown source {name!r}; sources are {', '.join(self.names)}") from None
 
-    def batch_shape(self, batch_size):
-        return (batch_size, 3, *self.hw)
+    def trained(self):
+        """(image column, label column) the trainer takes: an image field `image` and a class
+        field `label` every source has; other fields ride along. InputError, one line, else."""
+        cols = {c.name: c for c in self.columns}
+        image, label = cols.get("image"), cols.get("label")
+        problem = None
+        if image is None or image.kind != "image" or image.padded:
+            problem = "no image field `image` fitted to one size (fit resize, center-crop or random-crop)"
+        elif label is None or label.kind != "class":
+            problem = "no class field `label` (e.g. --fields '... label:class=cls' or label:class=json:class)"
+        elif "image" in self.masked or "label" in self.masked:
+            problem = "sources where `image` or `label` is missing or optional"
+        if problem:
+            return None, InputError(f"the trainer takes an image and a class label, and the stream has {problem}; "
+                                    f"fields are {', '.join(c.name + ' (' + c.kind + ')' for c in self.columns)} "
+                                    f"(docs/data.md, 'Fields')")
+        return (image, label), None
 
-    def spec(self, batch_size, normalize):
-        """The batch's fixed-shape fields as a ring lays them out (pipeline.data.ring): images
-        float32 when the producer normalises them, else uint8."""
-        return Spec([Field("image", np.float32 if normalize else np.uint8, (3, *self.hw)), Field("label", np.int64),
-                     Field("source", np.int64)], batch_size)
+    def _need(self):
+        cols, error = self.trained()
+        if error is not None:
+            raise error
+        return cols
+
+    @property
+    def num_classes(self):
+        """Classes over the sources, each source's offset past those before it."""
+        self._need()
+        return self.classes
+
+    @property
+    def hw(self):
+        """(H, W) of the `image` field: the canvas every source's images are placed on."""
+        return self._need()[0].size
+
+    def batch_shape(self, batch_size):
+        return (batch_size, self._need()[0].channels, *self.hw)
+
+    def spec(self, batch_size, normalize=False):
+        """The batch's fixed-shape fields as a ring lays them out (pipeline.data.ring); the
+        `image` field float32 when the producer normalises it, every other field as it is."""
+        fixed = [Field(f.name, np.float32, f.shape) if normalize and f.name == "image" and self._normalizable() else f
+                 for f in self.fixed]
+        return Spec(fixed, batch_size)
+
+    def _normalizable(self):
+        image = next((c for c in self.columns if c.name == "image"), None)
+        return image is not None and image.kind == "image" and not image.padded
+
+    def memory(self, batch_size):
+        """(bytes of one batch with every field at its cap, bytes of the largest image field as
+        decoded): what pipeline.data.budget counts for this layout."""
+        listed = sum(c.max_bytes + 64 for c in self.columns if c.listed)
+        batch = sum(f.nbytes(batch_size) for f in self.fixed) + batch_size * listed
+        image = max([c.channels * c.size[0] * c.size[1] for c in self.columns if c.kind == "image"] or [0])
+        return batch, image
 
     def collate(self, choice, parts, skipped=0, out=None):
         """One batch from each source's taken samples.
 
-        choice: the source index of each position; parts[s]: (keys, uint8 images, labels)
-        of source s, as many as choice names it; out: {"image", "label", "source"} arrays to
-        fill (a ring slot's, pipeline.data.ring), else they are made. A float32 `image` gets the
+        choice: the source index of each position; parts[s]: (keys, values, labels) of source
+        s, as many as choice names it: values uint8 images (a default-schema source: its labels
+        beside) or an object array of {field: value} (a schema's source); out: the arrays of a
+        ring slot to fill (pipeline.data.ring), else they are made. A float32 `image` gets the
         images normalised (collated into a uint8 canvas first, kept for the next batch): the
         producer normalises, so the consumer only hands the batch on. Every byte of `out` is
         written, padding included, so a reused slot needs no zeroing first.
         """
         b = len(choice)
-        h, w = self.hw
-        out = dict(out or {})
-        image = out.get("image")
-        if image is None:
-            image = np.empty((b, 3, h, w), np.uint8)
-        u8 = image if image.dtype == np.uint8 else self._canvas(b)
-        label = out["label"] if "label" in out else np.empty(b, np.int64)
-        source = out["source"] if "source" in out else np.empty(b, np.int64)
+        arrays = dict(out or {})
+        for f in self.fixed:
+            if f.name not in arrays:
+                arrays[f.name] = np.empty((b, *f.shape), f.dtype)
+        image = arrays.get("image")
+        floats = image is not None and image.dtype == np.float32
+        if floats:
+            arrays["image"] = self._canvas(b)
+        for name in self.zeroed:
+            arrays[name][...] = 0
+        for name in self.masked:
+            arrays[name + "_mask"][...] = False
+        lists = {c.name: [None] * b for c in self.columns if c.listed}
         keys = np.empty(b, object)
-        for s, (k, pixels, labels) in enumerate(parts):
+        for s, (k, values, labels) in enumerate(parts):
             idx = np.flatnonzero(choice == s)
-            if not len(k):
-                u8[idx] = 0  # places nothing was taken for read as zeros, as they always have
+            if not len(idx):
                 continue
-            u8[idx] = _to_canvas(pixels, h, w)
+            if not len(k):  # places nothing was taken for read as zeros, as they always have
+                for f in self.fixed:
+                    arrays[f.name][idx] = 0
+                continue
             keys[idx] = k
-            label[idx] = labels + self.offsets[s]
-        source[:] = choice
-        if u8 is not image:
-            self._normalize_cpu(torch.from_numpy(image), torch.from_numpy(u8), torch.from_numpy(source))
-        return {"image": image, "label": label, "source": source, "key": keys.tolist(), "skipped": skipped}
+            by_name = {"image": values, "label": labels} if values.dtype != object else None
+            for col in self.finals[s]:
+                vals = by_name[col.name] if by_name else [v[col.name] for v in values]
+                put(col, arrays, lists, idx, vals, col.name in self.masked, self.offsets[s])
+        arrays["source"][:] = choice
+        if floats:
+            self._normalize_cpu(torch.from_numpy(image), torch.from_numpy(arrays["image"]),
+                                torch.from_numpy(arrays["source"]))
+            arrays["image"] = image
+        return dict(arrays, **lists, key=keys.tolist(), skipped=skipped)
 
     def _canvas(self, b):
-        """A uint8 canvas of b images, made once per process and reused."""
+        """A uint8 `image` canvas of b images, made once per process and reused."""
+        shape = next(f.shape for f in self.fixed if f.name == "image")
         if self._u8 is None or len(self._u8) < b:
-            self._u8 = np.empty((b, 3, *self.hw), np.uint8)
+            self._u8 = np.empty((b, *shape), np.uint8)
         return self._u8[:b]
 
     def normalize(self, image, source, pin_memory=None):

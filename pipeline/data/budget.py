@@ -33,14 +33,14 @@ def needed(batch_size, shapes, workers, *, prefetch_factor=PREFETCH, window_byte
     min(workers, 2) workers;
     decode: in each process that decodes (every worker, or the trainer itself without workers),
     a batch's images as decoded, stacked into one array and padded to the batch's height and
-    width (decode.decode_batch, batch._to_canvas: three arrays of at most a batch's bytes), and
+    width (decode.decode_batch, columns.to_canvas: three arrays of at most a batch's bytes), and
     one image being resized: the source image as decoded (at most bounds.MAX_DECODE_RATIO
     times the target's pixels, 4 bytes each), the resized image, its array and its CHW copy
     (3 images of the target's size); trainer: the uint8 batch copied out and its float32 copy
     (5 bytes a pixel); windows: `window_bytes` (what one (rank, worker) holds for one source's
     shuffle window) per source and worker; step: the caller's `step_bytes`, what the model's
     step holds (the trainer counts it on the CPU). fields: (bytes of a batch with every field at its
-    cap, bytes of its largest image field) of a stream of fields (columns.FieldLayout.memory), in
+    cap, bytes of its largest image field) of a stream of fields (batch.Layout.memory), in
     place of the image batch the shapes make."""
     shapes = list(shapes)
     batch = batch_bytes(batch_size, shapes) if fields is None else fields[0]

@@ -1,5 +1,5 @@
-"""The batch of a stream whose sources have schemas (pipeline.data.schema): every field of
-every source, in one dict.
+"""The batch fields of a schema's columns (pipeline.data.schema), and how each column's values
+are put in them: what batch.Layout, the one layout of every stream, is made of.
 
 Fixed-shape fields go in the ring's slot (pipeline.data.ring), stacked, so the hand-over
 from the workers carries them without a copy, as it carries images: images of a fitted size
@@ -10,22 +10,25 @@ bytes travel as lists in the batch's pickled part. `source`, `key`, `skipped` an
 training stream) `state` are what they are for image and label.
 
 Sources may have different schemas: a field several sources have is one field of the batch
-(they must agree on its type and shape), and a field some sources lack, or an optional
-field, has NAME_mask beside it, False (and the value zero or None) where a sample lacks it.
-A source without a schema contributes its `image` (uint8 at its manifest's shape) and
-`label` (its class index, not offset). Images stay uint8: normalise them in your loop.
+(they must agree on its type and shape, but for images fitted to a size: those share a canvas
+of the largest height, width and channels, smaller ones zero-padded around the centre, grey
+ones repeated), and a field some sources lack, or an optional field, has NAME_mask beside
+it, False (and the value zero or None) where a sample lacks it. A source without a schema
+has the default one (`default_columns`): its image and its class label.
 """
 import numpy as np
 
-from pipeline.data.ring import Field, Spec
+from pipeline.data.ring import Field
 from pipeline.data.schema import Column
-from pipeline.errors import InputError
 
 
 def default_columns(source):
-    """A source without a schema as fields: its image at the manifest's shape and its label."""
-    c, h, w = source.shape
-    return (Column("image", "image", "png", fit="resize", size=(h, w), channels=c), Column("label", "int", "cls"))
+    """The default schema's fields: the image at the manifest's shape (3 channels: grey images
+    are repeated, as the image-and-label batch always held them) and the class label. Such a
+    source is read and decoded by the image-and-label reader (decode.Target); these say where
+    its values go in the batch."""
+    h, w = source.shape[1:]
+    return (Column("image", "image", "png", fit="resize", size=(h, w), channels=3), Column("label", "class", "cls"))
 
 
 def fields_of(col):
@@ -36,116 +39,34 @@ def fields_of(col):
                                                                   if col.padded else [])
     if col.kind == "text":
         return [] if col.tokens is None else [Field(n, np.int64, (col.tokens,)), Field(n + "_len", np.int64)]
-    if col.kind in ("int", "float"):
-        return [Field(n, np.int64 if col.kind == "int" else np.float32, () if col.length is None else (col.length,))]
+    if col.kind in ("int", "float", "class"):
+        return [Field(n, np.float32 if col.kind == "float" else np.int64, () if col.length is None else (col.length,))]
     if col.kind == "array":
         return [Field(n, col.dtype, col.shape), Field(n + "_shape", np.int64, (len(col.shape),))]
     return []
 
 
-def _form(col):
+def canvas(col):
+    """Whether a field's images may differ in size and channels between sources (one canvas
+    holds them all): images fitted to a size, not padded ones (their sizes ride beside)."""
+    return col.kind == "image" and not col.padded
+
+
+def form(col):
+    """What sources must agree on to share a field."""
+    if canvas(col):
+        return "image", "canvas"
     return col.kind, col.listed, [(f.name, f.dtype, f.shape) for f in fields_of(col)]
 
 
-class FieldLayout:
-    """Where each source's fields go in a batch (the counterpart of batch.Layout for schemas)."""
-
-    def __init__(self, sources):
-        self.sources = list(sources)
-        self.names = [s.name for s in self.sources]
-        self.finals = [s.schema.final if getattr(s, "schema", None) else default_columns(s) for s in self.sources]
-        union, first = {}, {}
-        for s, cols in zip(self.sources, self.finals):
-            for col in cols:
-                have = union.setdefault(col.name, col)
-                first.setdefault(col.name, s.name)
-                if _form(have) != _form(col):
-                    raise ValueError(f"field {col.name!r} is {_said(have)} in source {first[col.name]} and "
-                                     f"{_said(col)} in source {s.name}; one batch field needs one type and shape: "
-                                     f"give the sources' schemas the same, or another name")
-        self.columns = list(union.values())
-        self.masked = [c.name for c in self.columns
-                       if any(all(o.name != c.name for o in cols) or any(o.name == c.name and o.optional for o in cols)
-                              for cols in self.finals)]
-        self.fixed = [f for c in self.columns for f in fields_of(c)]
-        self.fixed += [Field(n + "_mask", np.bool_) for n in self.masked] + [Field("source", np.int64)]
-        self.zeroed = [f.name for c in self.columns if c.padded or c.name in self.masked for f in fields_of(c)]
-
-    def _refusal(self):
-        named = [s.name for s in self.sources if getattr(s, "schema", None) is not None]
-        return InputError(f"source(s) {', '.join(named)} hold fields of their own (their manifests' or the stream's "
-                          f"schemas: {', '.join(c.name for c in self.columns)}); the trainer takes image and label "
-                          f"only: stream the fields with MixedStream in your own loop (docs/data.md, 'Fields'), where "
-                          f"schemas={{name: None}} also reads such a source as image and label")
-
-    @property
-    def num_classes(self):  # what the image-and-label trainer asks of batch.Layout first: one line, not an AttributeError
-        raise self._refusal()
-
-    hw = offsets = num_classes
-
-    def normalize(self, *args, **kwargs):
-        raise self._refusal()
-
-    def index(self, name):
-        try:
-            return self.names.index(name)
-        except ValueError:
-            raise ValueError(f"unknown source {name!r}; sources are {', '.join(self.names)}") from None
-
-    def spec(self, batch_size, normalize=False):
-        """The batch's fixed-shape fields as a ring lays them out; images stay uint8 (`normalize`
-        applies to the image-and-label layout only)."""
-        return Spec(self.fixed, batch_size)
-
-    def memory(self, batch_size):
-        """(bytes of one batch with every field at its cap, bytes of the largest image field as
-        decoded): what pipeline.data.budget counts for this layout."""
-        listed = sum(c.max_bytes + 64 for c in self.columns if c.listed)
-        batch = sum(f.nbytes(batch_size) for f in self.fixed) + batch_size * listed
-        image = max([c.channels * c.size[0] * c.size[1] for c in self.columns if c.kind == "image"] or [0])
-        return batch, image
-
-    def collate(self, choice, parts, skipped=0, out=None):
-        """One batch from each source's taken samples: parts[s] is (keys, values, labels), values an
-        object array of {field: value} (a schema's source) or uint8 images (a source without one);
-        `out`: the arrays of a ring slot to fill, else they are made. Every byte of `out` is
-        written, padding included."""
-        b = len(choice)
-        arrays = dict(out or {})
-        for f in self.fixed:
-            if f.name not in arrays:
-                arrays[f.name] = np.empty((b, *f.shape), f.dtype)
-        for name in self.zeroed:
-            arrays[name][...] = 0
-        for name in self.masked:
-            arrays[name + "_mask"][...] = False
-        lists = {c.name: [None] * b for c in self.columns if c.listed}
-        keys = np.empty(b, object)
-        for s, (k, values, labels) in enumerate(parts):
-            idx = np.flatnonzero(choice == s)
-            if not len(idx):
-                continue
-            if not len(k):  # places nothing was taken for read as zeros
-                for f in self.fixed:
-                    arrays[f.name][idx] = 0
-                continue
-            keys[idx] = k
-            by_name = {"image": values, "label": labels} if values.dtype != object else None
-            for col in self.finals[s]:
-                vals = by_name[col.name] if by_name else [v[col.name] for v in values]
-                _put(col, arrays, lists, idx, vals, col.name in self.masked)
-        arrays["source"][:] = choice
-        return dict(arrays, **lists, key=keys.tolist(), skipped=skipped)
-
-
-def _said(col):
+def said(col):
     shape = ", ".join(f"{f.name} {f.dtype}{list(f.shape)}" for f in fields_of(col)) or "a list"
     return f"{col.kind} ({shape})"
 
 
-def _put(col, arrays, lists, rows, vals, masked):
-    """One column's values into the rows of a batch."""
+def put(col, arrays, lists, rows, vals, masked, offset=0):
+    """One column's values into the rows of a batch: images of a canvas centred in it, class
+    indices past `offset` (the classes of the sources before this one)."""
     name = col.name
     if not isinstance(vals, np.ndarray):
         present = [i for i, v in enumerate(vals) if v is not None]
@@ -160,8 +81,14 @@ def _put(col, arrays, lists, rows, vals, masked):
             lists[name][r] = v
         return
     a = arrays[name]
+    if col.kind == "image" and not col.padded:
+        a[rows] = to_canvas(vals if isinstance(vals, np.ndarray) else np.stack(vals), *a.shape[2:])
+        return
+    if col.kind == "class":
+        a[rows] = np.asarray(vals, np.int64) + offset
+        return
     if not col.padded:
-        a[rows] = vals if isinstance(vals, np.ndarray) else np.stack(vals) if col.kind == "image" else vals
+        a[rows] = vals
         return
     if col.kind == "image":
         size = arrays[name + "_size"]
@@ -178,3 +105,19 @@ def _put(col, arrays, lists, rows, vals, masked):
         for r, v in zip(rows.tolist(), vals):
             a[(r, *(slice(0, d) for d in v.shape))] = v
             shape[r] = v.shape
+
+
+def to_canvas(pixels, h, w):
+    """(n, C, sh, sw) uint8 images as (n, C, h, w), zero-padded around the centre. Padding
+    here, in a small array, and then placing whole rows in the batch with one fancy
+    assignment costs half what one windowed assignment into the batch did (it copies
+    28-byte runs for MNIST). A grey channel is not repeated here: the assignment into the
+    batch broadcasts it to 3, which costs about half of np.repeat and then the assignment
+    (docs/benchmarks.md, "Small choices in the batch code")."""
+    c, sh, sw = pixels.shape[1:]
+    if (sh, sw) != (h, w):
+        top, left = (h - sh) // 2, (w - sw) // 2
+        pad = np.zeros((len(pixels), c, h, w), np.uint8)
+        pad[:, :, top:top + sh, left:left + sw] = pixels
+        pixels = pad
+    return pixels

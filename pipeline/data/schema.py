@@ -9,8 +9,10 @@ A member is named by its extension (`txt`, `rgb.png`), by alternatives tried in 
 (`jpg;png;webp`), or by a path into the sample's .json (`json:caption`, `json:meta.tags.0`).
 Types: `image` (decoded, then fitted: `resize` to HxW, `center-crop`/`random-crop` after a
 shorter-side resize, `pad` keeping the aspect, `native` shrunk only to fit its cap), `text`
-(UTF-8, at most `max_bytes`), `int`/`float` (a scalar or a vector of `length`), `array`
-(a .npy of at most `shape`, cast to `dtype`), `bytes` (at most `max_bytes`).
+(UTF-8, at most `max_bytes`), `int`/`float` (a scalar or a vector of `length`), `class` (a
+class index 0..N-1, N the classes the manifest lists, offset in the batch past the classes of
+the sources before it, as an image-and-label source's are), `array` (a .npy of at most
+`shape`, cast to `dtype`), `bytes` (at most `max_bytes`).
 
 Every cap comes from the schema, never from the data: a member over its field's cap, a
 .npy whose header claims more than the shape or holds objects, a .json over
@@ -20,8 +22,9 @@ stages of a schema (`augment` or any function of the sample dict) run after deco
 each with a `random.Random` drawn from the sample's seed, a pure function of its
 position, so a resumed stream repeats them.
 
-Today's image and label is the default: a source without a schema is decoded as it always
-was (pipeline.data.decode.Target) and needs none of this.
+Image and class is the default schema (pipeline.data.columns.default_columns): a source
+without a schema has an image field at its manifest's shape and a class field, decoded by
+the image-and-label reader (pipeline.data.decode.Target), and batched like any other.
 """
 import dataclasses
 import math
@@ -35,7 +38,7 @@ from pipeline.data.read import MAX_MEMBER
 from pipeline.data.values import NPY_HEADER, user_stage, value_of
 from pipeline.errors import cut
 
-KINDS = ("image", "text", "int", "float", "array", "bytes")
+KINDS = ("image", "text", "int", "float", "class", "array", "bytes")
 FITS = ("resize", "center-crop", "random-crop", "pad", "native")
 PADDED = ("pad", "native")  # fits whose images keep their own size: padded in the batch, with NAME_size
 DTYPES = ("uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "float32", "float64", "bool")
@@ -99,7 +102,8 @@ class Column:
     """One field of a sample. `name`: its key in the batch; `kind`: one of KINDS; `member`: where
     it is (see parse_member). image: `fit` (FITS), `size` (H, W) (the cap for `native`),
     `channels` 1 or 3; text and bytes: `max_bytes`; int and float: `length` (None: a scalar);
-    array: `shape` (the largest per dimension) and `dtype`; `optional`: a sample without the
+    class: a class index (see the module's docstring); array: `shape` (the largest per dimension)
+    and `dtype`; `optional`: a sample without the
     member is kept, the field masked (NAME_mask False), rather than skipped. `tokens`: set by
     a tokenising stage (augment.Tokenize), the text is then token ids, at most that many."""
 
@@ -152,6 +156,8 @@ class Column:
             default = MAX_TEXT if self.kind == "text" else MAX_BYTES
             set_("max_bytes", default if self.max_bytes is None else self.max_bytes)
             _within(self.max_bytes, 1, MAX_MEMBER, bad, "max_bytes")
+        if self.kind == "class" and self.length is not None:
+            raise bad("a class field holds one class index a sample (no length)")
         if self.kind in ("int", "float") and self.length is not None:
             _within(self.length, 1, MAX_LENGTH, bad, "length")
         if self.tokens is not None:
@@ -190,7 +196,7 @@ class Column:
             return MAX_JSON_BYTES
         if self.kind in ("text", "bytes"):
             return self.max_bytes
-        if self.kind in ("int", "float"):
+        if self.kind in ("int", "float", "class"):
             return 32 * (self.length or 1) + 64
         if self.kind == "array":
             return NPY_HEADER + 8 * math.prod(self.shape)
@@ -275,6 +281,8 @@ class Schema:
         twice = next((n for n in names if names.count(n) > 1), None)
         if twice:
             raise ValueError(f"field {twice!r} is named twice")
+        if sum(c.kind == "class" for c in self.columns) > 1:
+            raise ValueError("a schema holds one class field: its classes are the manifest's (make the others int)")
         final = {c.name: c for c in self.columns}
         for stage in self.stages:
             if hasattr(stage, "column"):

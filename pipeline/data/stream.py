@@ -30,7 +30,6 @@ import torch
 from pipeline.data import loader, remote, stages
 from pipeline.ordering import deal, order, place
 from pipeline.data.batch import NOTHING, Collate, Layout
-from pipeline.data.columns import FieldLayout
 from pipeline.data.schema import Schema
 from pipeline.errors import Errors, ShardError
 from pipeline.data.loader import make_loader  # noqa: F401  (make_loader: this module's API)
@@ -91,9 +90,11 @@ class MixedStream(torch.utils.data.IterableDataset):
     returns the sample (image of the same shape and dtype) or None to drop it.
     `on_error`: the pipeline.errors.Errors policy ("warn", "skip", "raise"; strict=True is
     "raise"). `schemas`: {source name: pipeline.data.schema.Schema} (or one Schema for
-    every source), the fields read from its samples in place of its manifest's; sources
-    with a schema give batches of their fields (pipeline.data.columns), the sample stages
-    then see and return those fields.
+    every source), the fields read from its samples in place of its manifest's (None: the
+    default schema, image and class label); every batch holds the union of the sources'
+    fields (pipeline.data.batch.Layout), and the sample stages of a source with a schema see
+    and return its fields. `normalize`: the `image` field float32, normalised with each
+    source's mean and std, whatever the schemas; every other field stays as decoded.
     """
 
     def __init__(self, sources, weights, batch_size, topo=None, *, seed=0, epoch_samples=None,
@@ -479,8 +480,8 @@ def with_schemas(sources, schemas):
 
 
 def layout_of(sources):
-    """The batch layout: image and label (batch.Layout) unless a source has fields of its own."""
-    return FieldLayout(sources) if any(getattr(s, "schema", None) is not None for s in sources) else Layout(sources)
+    """The batch layout of the sources, whatever their schemas (batch.Layout: there is one)."""
+    return Layout(sources)
 
 
 def _every_rank(seg, ranks, here):

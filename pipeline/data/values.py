@@ -90,17 +90,19 @@ def _numbers(col, items, where):
     for x in items:
         if isinstance(x, str):
             try:
-                x = int(x) if col.kind == "int" and decode._INTEGER.match(x) else float(x)
+                x = int(x) if col.kind != "float" and decode._INTEGER.match(x) else float(x)
             except ValueError:
                 raise ValueError(f"{where}: {cut(repr(x), 40)} is not a number") from None
         if isinstance(x, bool) or not isinstance(x, (int, float)):
             raise ValueError(f"{where}: {cut(repr(x), 40)} is not a number")
         if col.kind == "int" and (isinstance(x, float) or not -(1 << 63) <= x < (1 << 63)):
             raise ValueError(f"{where}: {cut(repr(x), 40)} is not a 64-bit integer")
+        if col.kind == "class" and (isinstance(x, float) or not 0 <= x < (1 << 31)):
+            raise ValueError(f"{where}: {cut(repr(x), 40)} is not a class index (0, 1, 2 ...)")
         if col.kind == "float" and not math.isfinite(x):
             raise ValueError(f"{where}: {x} is not finite")
         out.append(x)
-    a = np.array(out, np.int64 if col.kind == "int" else np.float32)
+    a = np.array(out, np.float32 if col.kind == "float" else np.int64)
     return a if col.length is not None else a[0]
 
 
@@ -179,10 +181,10 @@ def check_value(col, value):
     elif col.listed:
         if not isinstance(value, str if col.kind == "text" else bytes):
             return f"{'a str' if col.kind == 'text' else 'bytes'} expected, got {_described(value)}"
-    elif col.kind in ("int", "float"):
+    elif col.kind in ("int", "float", "class"):
         a = np.asarray(value) if isinstance(value, (int, float, np.number, np.ndarray, list)) else None
         want = () if col.length is None else (col.length,)
-        if a is None or a.shape != want or a.dtype.kind not in ("iu" if col.kind == "int" else "iuf"):
+        if a is None or a.shape != want or a.dtype.kind not in ("iuf" if col.kind == "float" else "iu"):
             return f"{col.kind} of shape {want} expected, got {_described(value)}"
     elif col.kind == "array":
         a = value if isinstance(value, np.ndarray) else None

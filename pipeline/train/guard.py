@@ -34,7 +34,13 @@ def check_memory(args, stream, eval_sources=0, device=None):
     return budget.check_budget(args.batch_size, {s.name: s.shape for s in stream.sources}, args.workers, cap,
                                window_bytes=stream.window_held(), eval_sources=eval_sources,  # the loaders' PREFETCH
                                fetched_ahead=stream.fetches_ahead(), step_bytes=step,
-                               width=getattr(args, "width", None))
+                               width=getattr(args, "width", None),
+                               fields=stream.layout.memory(args.batch_size) if schemas(stream) else None)
+
+
+def schemas(stream):
+    """Whether a source has fields of its own: its batch is counted field by field."""
+    return any(getattr(s, "schema", None) is not None for s in stream.sources)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ import numpy as np
 
 from pipeline.data import decode
 from pipeline.data.decode import CONTENT_ERRORS, image_format, open_image, pil_reason, pixels_of
-from pipeline.data.manifest import FORMAT
+from pipeline.data.manifest import CLASSES_WHY, FORMAT, MAX_CLASSES
 from pipeline.data.schema import MAX_TEXT, Column, Schema, parse_fields
 from pipeline.data.values import value_of
 from pipeline.errors import ShardError, redact
@@ -40,7 +40,9 @@ def scan_fields(sample, scan, url):
                 continue
             ext, path, data = got
             if col.kind != "image":
-                value_of(col, ext, path, data, parsed, lambda: random.Random(0))
+                value = value_of(col, ext, path, data, parsed, lambda: random.Random(0))
+                if col.kind == "class":  # the classes: 0 to the largest index seen
+                    scan["labels"][int(value)] += 1
             elif image_format(ext) == "raw":
                 pixels = decode.decode_image(bytes(data), "raw", (col.channels, *col.size))
                 stats = stats or (ext, pixels.transpose(1, 2, 0), col.size)
@@ -101,12 +103,21 @@ def summarise_fields(name, split, spec, found, names, schema):
     std = np.sqrt(np.maximum(sq / max(n, 1) - mean ** 2, 1e-12)) if n else np.full(c, 0.25)
     image_exts = [e for e, _ in exts.most_common()] or [image.members[0][0] if image else "png"]
     origin = {"kind": "index", "spec": redact(spec), "note": "an existing WebDataset, indexed in place, not rewritten"}
+    labels = collections.Counter()
+    for f in found:
+        labels += f["labels"]
+    classes = [str(i) for i in range(max(labels) + 1)] if labels else []
+    if len(classes) > MAX_CLASSES:
+        raise ShardError(f"{spec}: class index {len(classes) - 1} in field "
+                         f"{next(c.name for c in schema.columns if c.kind == 'class')}, more than the {MAX_CLASSES} "
+                         f"classes a manifest may hold: {CLASSES_WHY}; if it is an ID, not a class, make it an int "
+                         f"field")
     if shapes:
         origin.update(image_shapes=len(shapes), most_common_shape=list(shapes.most_common(1)[0][0]))
     return {
         "format": FORMAT, "dataset": name, "split": split, "encoding": image_format(image_exts[0]),
         "image_exts": image_exts, "label": "cls", "origin": origin, "fields": schema.to_json(),
-        "shape": [c, *image.size] if image else [1, 1, 1], "classes": [],
+        "shape": [c, *image.size] if image else [1, 1, 1], "classes": classes,
         "shards": [{"name": n_, "samples": f["samples"], "bytes": f["bytes"], "sha256": f["sha256"]}
                    for n_, f in zip(names, found)],
         "total": sum(f["samples"] for f in found),
@@ -116,10 +127,10 @@ def summarise_fields(name, split, spec, found, names, schema):
 
 def captioned_fields(encoding, shape, longest):
     """The fields of a set make_shards wrote with captions: its image at the manifest's shape,
-    the label, the caption (`.txt`, its cap at least the longest written)."""
+    the class label, the caption (`.txt`, its cap at least the longest written)."""
     c, h, w = shape
     return Schema([Column("image", "image", encoding, fit="resize", size=(h, w), channels=c),
-                   Column("label", "int", "cls"),
+                   Column("label", "class", "cls"),
                    Column("caption", "text", "txt", max_bytes=max(MAX_TEXT, longest))]).to_json()
 
 
@@ -139,7 +150,8 @@ def add_options(a):
     a("--fields", metavar="SPEC", help="with --index: the samples' fields, recorded in the manifest in place of an "
                                        "image and a label: NAME:TYPE=MEMBER[,OPTION=VALUE...] separated by spaces, "
                                        "e.g. 'image:image=jpg;png;webp,fit=center-crop,size=224x224 caption:text=txt "
-                                       "score:float=json:aesthetic' (types image, text, int, float, array, bytes; "
+                                       "score:float=json:aesthetic' (types image, text, int, float, class, array, "
+                                       "bytes; a class field, label:class=cls, is the trainer's label; "
                                        "docs/data.md, 'Fields')")
     a("--captions", action="store_true", help="with --imagefolder: write each image's caption, the .txt file "
                                               "beside it (IMAGE.txt for IMAGE.jpg), as a .txt member (the folder may "
@@ -154,7 +166,7 @@ def check_options(p, args, label_flags):
         given = [f"--{k.replace('_', '-')}" for k in label_flags if getattr(args, k)]
         if given:
             p.error(f"--fields names every field; {', '.join(given)} describe an image and a label: give the label "
-                    f"as a field instead (e.g. label:int=cls)")
+                    f"as a field instead (e.g. label:class=cls)")
         try:
             args.fields = parse_fields(args.fields)
         except ValueError as e:

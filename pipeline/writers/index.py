@@ -410,6 +410,32 @@ def resolve_classes(found, classes_file, classes_from):
     return names_given, None, True
 
 
+FREE_TEXT_WORDS, FREE_TEXT_CHARS = 5, 40  # a median class name this long reads as a sentence, not a class
+
+
+def free_text(m):
+    """A warning line when an indexed set's labels look like free text, not classes: names
+    most of them distinct (as many as half the samples), or long (a median of FREE_TEXT_WORDS
+    words or FREE_TEXT_CHARS characters: captions one a class, say). Such a set indexed as
+    image and label would train on its captions as classes; --fields reads them as text."""
+    names = m["classes"] if m.get("label_names") else []
+    if not names:
+        return None
+    words = sorted(len(n.split()) for n in names)[len(names) // 2]
+    chars = sorted(len(n) for n in names)[len(names) // 2]
+    distinct = len(names) * 2 > m["total"] >= 20
+    if not (distinct or words >= FREE_TEXT_WORDS or chars >= FREE_TEXT_CHARS):
+        return None
+    why = "most of them distinct" if distinct else f"a median of {words} words, {chars} characters"
+    label = describe_label(m["label"])
+    member = "txt" if m["label"].startswith("dir") else m["label"]  # where the text is (a folder's name is none)
+    return (f"  warning: the labels ({label}) look like free text, not classes: {len(names)} names for {m['total']} "
+            f"samples, {why}, e.g. {names[len(names) // 2][:60]!r}; they are indexed as classes. To read them as "
+            f"text, index with --fields (e.g. --fields 'image:image={m['image_exts'][0]},size="
+            f"{m['shape'][1]}x{m['shape'][2]} caption:text={member}' and a class field, "
+            f"label:class=MEMBER, to train on); to take another label, --label-key")
+
+
 def _at(first, value, problem):
     url, key = first[value]
     return f"{url}: sample {key}: {problem}"

@@ -293,10 +293,9 @@ def run_index(args, stage=None):
             print(printable(f"  warning: {len(twice)} shard(s) hold the same bytes (sha256) as another, e.g. "
                             f"{twice[0][1]} = {twice[0][0]}: each epoch would read them twice; leave the copies "
                             f"out of {spec}"))
-        if m.get("label_names") and len(m["classes"]) * 2 > m["total"] >= 20:
-            print(f"  warning: {len(m['classes'])} class names for {m['total']} samples: is "
-                  f"{decode.describe_label(m['label'])} a caption rather than a class? Choose the label with "
-                  f"--label-key (cls, txt, index, json:FIELD, dir, dir:K)")
+        text = index.free_text(m)
+        if text:
+            print(printable(text))
         origin = m.get("origin", {})
         if args.shape is None and origin.get("most_common_images", 0) * 2 < origin.get("images", 0):
             most = "x".join(map(str, m["shape"]))

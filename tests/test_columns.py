@@ -1,0 +1,231 @@
+"""One batch model (pipeline.data.batch.Layout) for every schema: pipeline/ defines one layout
+class; a two-source mix gives the same keys, labels (the second source's classes offset) and
+images through the default schema (image and class) and an explicit --fields one, at 0 and 2
+workers and on 2 ranks; an img2dataset-shaped set (jpg, txt caption, json class) trains with
+the trainer on 2 ranks and resumes exactly, its captions riding along in the API; free-text
+labels indexed as classes are named, with --fields."""
+import ast
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from helpers import (HANG, build_shards, encode_pil, finish, free_port, launch_train, make_shards_in_process,
+                     run_capture, train_sources)
+from pipeline.data.manifest import resolve
+from pipeline.data.stream import MixedStream, make_loader
+from pipeline.errors import InputError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPES = {"mnist": (1, 12, 12), "cifar10": (3, 16, 16)}
+COUNTS = {"mnist": 40, "cifar10": 30}
+HALF = {"mnist": 0.5, "cifar10": 0.5}
+
+
+def test_pipeline_defines_one_layout_class():
+    """No second batch model beside batch.Layout: a class named *Layout, or one with a collate
+    method, anywhere in pipeline/."""
+    found = []
+    for top, _, files in os.walk(os.path.join(ROOT, "pipeline")):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(top, f)
+                for node in ast.walk(ast.parse(open(path).read())):
+                    if isinstance(node, ast.ClassDef) and (node.name.endswith("Layout") or any(
+                            isinstance(d, ast.FunctionDef) and d.name == "collate" for d in node.body)):
+                        found.append((os.path.relpath(path, ROOT), node.name))
+    assert found == [(os.path.join("pipeline", "data", "batch.py"), "Layout")]
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    """(folder of image-and-label manifests, folder of --fields manifests of the same shards,
+    {name: the synthetic source}): MNIST-like grey 12x12 and CIFAR10-like RGB 16x16 PNGs."""
+    top = tmp_path_factory.mktemp("two")
+    plain, fields = top / "plain", top / "fields"
+    truth = {}
+    for name, shape in SHAPES.items():
+        truth[name] = build_shards(plain, name, "train", COUNTS[name], shape=shape, encoding="png", maxcount=10)[1]
+        c, h, w = shape
+        done = make_shards_in_process([
+            "--index", f"{name}:train={plain}/{name}-train-*.tar", "--out", str(fields), "--quiet",
+            "--fields", f"image:image=png,fit=resize,size={h}x{w},channels={c} label:class=cls"])
+        assert done.returncode == 0, done.stderr
+    return str(plain), str(fields), truth
+
+
+def batches(folder, workers, normalize=False):
+    stream = MixedStream(train_sources(folder), HALF, 8, seed=5, normalize=normalize)
+    return [{k: (v.numpy() if hasattr(v, "numpy") else v) for k, v in b.items() if k != "state"}
+            for b in make_loader(stream, workers)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_default_schema_and_an_explicit_one_give_the_same_batches(two, workers):
+    plain, fields, truth = two
+    assert [len(s.classes) for s in train_sources(fields)] == [10, 10]  # the class field's classes, from the index
+    a, b = batches(plain, workers), batches(fields, workers)
+    assert len(a) == len(b) == 70 // 8
+    seen = 0
+    for x, y in zip(a, b):
+        assert sorted(x) == sorted(y) == ["image", "key", "label", "skipped", "source"]
+        assert x["key"] == y["key"] and np.array_equal(x["source"], y["source"])
+        assert np.array_equal(x["label"], y["label"]) and np.array_equal(x["image"], y["image"])
+        assert x["image"].shape == (8, 3, 16, 16) and x["image"].dtype == np.uint8
+        for r, key in enumerate(x["key"]):
+            name = ["mnist", "cifar10"][x["source"][r]]
+            i = int(key.rsplit("-", 1)[1])
+            assert x["label"][r] == truth[name].label(i) + (10 if name == "cifar10" else 0)  # 10-19 after 0-9
+            if name == "mnist":  # grey, repeated to 3 channels, centred on the 16x16 canvas
+                assert np.array_equal(x["image"][r, :, 2:14, 2:14], np.repeat(truth[name].image(i), 3, 0))
+                seen += 1
+    assert seen > 0
+
+
+def test_normalised_batches_differ_only_by_each_manifests_statistics(two):
+    """normalize=True normalises `image` whatever the schema; the other fields stay as they are."""
+    plain, fields, _ = two
+    for folder in (plain, fields):
+        floats, u8 = batches(folder, 0, normalize=True), batches(folder, 0)
+        stream = MixedStream(train_sources(folder), HALF, 8, seed=5)
+        for f, u in zip(floats, u8):
+            assert f["image"].dtype == np.float32 and np.array_equal(f["label"], u["label"])
+            assert np.array_equal(f["image"], stream.layout.normalize(u["image"], u["source"]).numpy())
+
+
+RANKS = r'''
+import json, os, sys
+import torch.distributed as dist
+from pipeline.data.stream import MixedStream, make_loader, resolve
+from pipeline.ordering.topology import Topology
+
+dist.init_process_group("gloo")
+topo = Topology.from_env()
+out = {}
+for folder in sys.argv[1:3]:
+    stream = MixedStream([resolve(n, folder, "train") for n in ("mnist", "cifar10")], {"mnist": 1, "cifar10": 1}, 5,
+                         topo, seed=2, normalize=False)
+    got = out.setdefault(folder, {"keys": [], "labels": [], "images": []})
+    for b in make_loader(stream, num_workers=2):
+        got["keys"] += b["key"]
+        got["labels"] += b["label"].tolist()
+        got["images"] += b["image"].sum(dim=(1, 2, 3)).tolist()
+with open(os.path.join(sys.argv[3], f"rank{topo.rank}.json"), "w") as f:
+    json.dump(out, f)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+def test_on_two_ranks_the_default_and_explicit_schemas_give_the_same_batches(two, tmp_path):
+    plain, fields, _ = two
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = run_capture([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+                        "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), plain, fields,
+                        str(tmp_path)], env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert r[plain] == r[fields] and len(r[plain]["keys"]) == 70 // 10 * 5
+        assert any(v >= 10 for v in r[plain]["labels"]) and any(v < 10 for v in r[plain]["labels"])
+    assert ranks[0][plain]["keys"] != ranks[1][plain]["keys"]  # each rank its own share
+
+
+def i2d_sample(i):
+    """What img2dataset writes: an image, its caption and a json (here with a class)."""
+    img = np.random.default_rng(i).integers(0, 256, (20 + i % 3 * 6, 28, 3), dtype=np.uint8)
+    caption = f"a photo of thing {i}"
+    return {"__key__": f"{i:09d}", "jpg": encode_pil(Image.fromarray(img), "JPEG"), "txt": caption.encode(),
+            "json": json.dumps({"caption": caption, "class": i % 3, "status": "success", "width": 28}).encode()}
+
+
+@pytest.fixture(scope="module")
+def i2d(tmp_path_factory):
+    import webdataset as wds
+
+    out = tmp_path_factory.mktemp("i2d")
+    with wds.ShardWriter(str(out / "%05d.tar"), maxcount=16, verbose=0) as sink:
+        for i in range(96):
+            sink.write(i2d_sample(i))
+    done = make_shards_in_process(["--index", f"web:train={out}", "--out", str(out), "--quiet", "--fields",
+                                   "image:image=jpg,size=16x16 caption:text=txt label:class=json:class"])
+    assert done.returncode == 0, done.stderr
+    return str(out)
+
+
+def test_an_img2dataset_set_has_classes_and_its_captions_ride_along(i2d):
+    stream = MixedStream([resolve("web", i2d, "train")], {"web": 1}, 8, seed=0, normalize=False)
+    assert stream.layout.num_classes == 3 and stream.layout.hw == (16, 16)
+    keys = []
+    for b in make_loader(stream, 0):
+        for r, key in enumerate(b["key"]):
+            assert b["caption"][r] == f"a photo of thing {int(key)}" and b["label"][r] == int(key) % 3
+        keys += b["key"]
+    assert len(keys) == len(set(keys)) == 96
+
+
+def test_the_trainer_names_what_a_schema_lacks(i2d):
+    from pipeline.data.schema import parse_fields
+
+    src = resolve("web", i2d, "train")
+    stream = MixedStream([src], {"web": 1}, 8, schemas=parse_fields("image:image=jpg,size=16x16 caption:text=txt"))
+    with pytest.raises(InputError, match="no class field `label`"):
+        stream.layout.num_classes
+    schema = parse_fields("picture:image=jpg,size=8x8 label:class=json:class")
+    stream = MixedStream([src], {"web": 1}, 8, schemas=schema)
+    with pytest.raises(InputError, match="no image field `image`"):
+        stream.layout.hw
+
+
+def keys_and_losses(out):
+    keys = {r: open(os.path.join(out, f"keys-rank{r}.txt")).read().splitlines() for r in range(2)}
+    lines = [json.loads(ln) for ln in open(os.path.join(out, "metrics.jsonl"))]
+    losses = [ln["loss"] for ln in lines if ln["kind"] == "train"]
+    return keys, losses
+
+
+@pytest.mark.slow
+def test_an_img2dataset_set_trains_on_two_ranks_and_resumes_exactly(i2d, tmp_path):
+    args = ["--train", f"web={i2d}/", "--epochs", "2", "--batch-size", "4", "--workers", "2", "--width", "4",
+            "--log-every", "2", "--record-keys"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    code, err = finish(launch_train([*args, "--out", whole], 2), HANG)
+    assert code == 0, err[-3000:]
+    code, err = finish(launch_train([*args, "--out", cut, "--checkpoint-every", "5", "--stop-after-steps", "5"], 2),
+                       HANG)
+    assert code == 0, err[-3000:]
+    code, err = finish(launch_train([*args, "--out", cut, "--resume"], 2), HANG)
+    assert code == 0, err[-3000:]
+    keys, losses = keys_and_losses(whole)
+    assert keys_and_losses(cut) == (keys, losses) and len(losses) == 2 * 96 // 8 // 2
+    assert all(len(k) == 2 * 96 // 2 for k in keys.values())
+
+
+def captions_as_labels(tmp_path, n, caption):
+    from helpers import write_foreign
+
+    def sample(i):
+        img = np.full((8, 8, 3), i % 250, np.uint8)
+        return f"s{i:04d}", [(f"s{i:04d}.png", encode_pil(Image.fromarray(img), "PNG")),
+                             (f"s{i:04d}.txt", caption(i).encode())]
+
+    write_foreign(tmp_path / "shards", n, 20, "part-{:03d}.tar", sample)
+    return make_shards_in_process(["--index", f"caps:train={tmp_path / 'shards'}", "--label-key", "txt", "--out",
+                                   str(tmp_path / "out"), "--quiet"])
+
+
+@pytest.mark.parametrize("n, caption, warned", [
+    (60, lambda i: f"caption number {i} of a set", True),  # most labels distinct
+    (60, lambda i: f"a photo of a small thing of kind {i % 10}", True),  # one caption a class: long
+    (60, lambda i: ["cat", "dog", "golden_retriever"][i % 3], False),  # class names
+])
+def test_labels_that_look_like_free_text_are_named_with_fields(tmp_path, n, caption, warned):
+    done = captions_as_labels(tmp_path, n, caption)
+    assert done.returncode == 0, done.stderr
+    said = "look like free text, not classes" in done.stdout and "--fields" in done.stdout
+    assert said == warned, done.stdout
