@@ -46,12 +46,18 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None, cache
     """manifest.resolve, indexing the shards SPEC names on first use when they have no manifest
     (see the module docstring). fields: a Schema (or a --fields spec) in place of the inferred
     fields of the same names. Returns the Source; ShardError (one line) as manifest.resolve."""
+    from pipeline.writers import index as indexer
+
     try:
         return manifest.resolve(name, spec, split, policy=policy, check_http=check_http)
-    except manifest.NoManifest:
+    except manifest.NoManifest as missing:
         if spec.endswith(".json"):
             raise
-    folder = ensure(name, split, spec, policy=policy, cache_dir=cache_dir, fields=fields, progress=progress,
+        try:
+            urls = indexer.expand(spec, policy)
+        except ShardError:  # no shards either: what is missing is the manifest (or the folder)
+            raise missing from None
+    folder = ensure(name, split, spec, urls, policy=policy, cache_dir=cache_dir, fields=fields, progress=progress,
                     workers=workers)
     return manifest.resolve(name, folder, split, policy=policy, check_http=check_http)
 
@@ -75,11 +81,12 @@ def default_cache():
     return os.path.join(base, "pipeline")
 
 
-def ensure(name, split, spec, *, policy=remote.Policy(), cache_dir=None, fields=None, progress=True, workers=None):
-    """The folder holding NAME-SPLIT.json for the shards SPEC names: found by the listing's key,
-    else made now (under a lock: one process indexes, the others wait for its result)."""
+def ensure(name, split, spec, urls, *, policy=remote.Policy(), cache_dir=None, fields=None, progress=True,
+           workers=None):
+    """The folder holding NAME-SPLIT.json for the shards SPEC names (`urls`, as
+    pipeline.writers.index.expand lists them): found by the listing's key, else made now (under
+    a lock: one process indexes, the others wait for its result)."""
     from pipeline.data.schema import parse_fields
-    from pipeline.writers import index as indexer
 
     if remote.kind(spec) == "http" and spec.endswith("/"):
         raise ShardError(f"{name}={redact(spec)}: an http(s) folder cannot be listed; give its shards as a brace "
@@ -90,7 +97,6 @@ def ensure(name, split, spec, *, policy=remote.Policy(), cache_dir=None, fields=
             fields = parse_fields(fields)
         except ValueError as e:
             raise ShardError(str(e)) from None
-    urls = indexer.expand(spec, policy)
     key = listing_key(name, split, urls, policy, fields)
     folder = os.path.join(home(urls, cache_dir), f"{name}-{split}-{key}")
     path = os.path.join(folder, manifest.manifest_name(name, split))
