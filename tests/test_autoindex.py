@@ -118,10 +118,24 @@ def test_over_http_the_second_use_reads_no_shard_and_a_changed_shard_is_indexed_
 
 
 SCRIPT = """
-import sys
+import sys, time
+from pipeline.data import autoindex
 from pipeline.data.stream import resolve
+build = autoindex.build
+autoindex.build = lambda *a, **kw: time.sleep(4) or build(*a, **kw)  # an index that takes a while
 print(resolve("web", sys.argv[1], "train", cache_dir=sys.argv[2]).total)
 """
+
+
+def test_a_changed_local_shard_is_indexed_again(tmp_path, capsys):
+    write_captioned(tmp_path / "set", 40)
+    first = resolve("web", str(tmp_path / "set"), "train")
+    assert resolve("web", str(tmp_path / "set"), "train").manifest == first.manifest
+    assert capsys.readouterr().err.count("indexed on first use") == 1
+    write_captioned(tmp_path / "set", 5, start=1)  # shard 1 rewritten, 5 samples now
+    changed = resolve("web", str(tmp_path / "set"), "train")
+    assert changed.total == 25 and changed.manifest != first.manifest
+    assert "indexed on first use: 2 shards, 25 samples" in capsys.readouterr().err
 
 
 def test_processes_started_together_index_once(tmp_path):
