@@ -9,11 +9,16 @@
 
 `state_dict()`/`load_state_dict()` are the calls torchdata's `StatefulDataLoader` answers and
 Lightning's fit loop makes on a train dataloader that has them (it saves the state into its
-checkpoint and loads it on resume); `accelerate` passes such a loader through
-`prepare` when told not to shard it again (`DataLoaderConfiguration(dispatch_batches=False,
-split_batches=False)` and the stream's own Topology: the stream already gives each rank its
-share). The state is the stream's (pipeline.data.stream.MixedStream.state_dict) and the
-next epoch this face starts: nothing else, so nothing can disagree with it.
+checkpoint and loads it on resume); `accelerate`'s `prepare` passes the loader through as it
+is (it is no torch DataLoader: the stream already gives each rank its share) and
+`accelerator.register_for_checkpointing(loader)` saves its state with `save_state`. The state
+is the stream's (pipeline.data.stream.MixedStream.state_dict) and the next epoch this face
+starts: nothing else, so nothing can disagree with it.
+
+A batch counts as read when the loader hands it out. A loop that fetches batches ahead of
+using them (Lightning prefetches one) passes `record=False` and calls `used(batch)` as it
+trains each one, so that a state taken between steps never counts a batch not trained.
+An iterator that is made but never advanced starts nothing (Lightning makes one early).
 """
 from pipeline.data.loader import make_loader
 
@@ -26,18 +31,33 @@ class StatefulLoader:
         self.stream = stream
         self.loader = make_loader(stream, num_workers, **kw)
         self.next_epoch = 0  # the epoch the next pass starts, unless a state was loaded
+        self.epoch = None  # the epoch of the pass under way (or the last one)
         self._resumed = False
 
     def __len__(self):
         return len(self.loader)
 
+    @property
+    def pending(self):
+        """The epoch the next pass reads: a loaded state's own, else next_epoch."""
+        return self.next_epoch - 1 if self._resumed else self.next_epoch
+
     def __iter__(self):
+        return self._pass()
+
+    def _pass(self):
+        """A generator: nothing happens until its first batch is asked for."""
         if self._resumed:  # the loaded state decides this pass's epoch and where it starts
             self._resumed = False
         else:
             self.stream.set_epoch(self.next_epoch)
             self.next_epoch += 1
-        return iter(self.loader)
+        self.epoch = self.next_epoch - 1
+        yield from self.loader
+
+    def used(self, batch):
+        """With record=False: `batch` was trained, so a state taken now counts it."""
+        self.stream.record(batch["state"])
 
     def state_dict(self):
         """{"next_epoch", "stream": the stream's state_dict()}; JSON-serialisable."""
