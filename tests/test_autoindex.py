@@ -194,3 +194,21 @@ def test_a_shardwriter_set_trains_under_torchrun_with_no_index_step_and_no_field
             summary = json.loads((tmp_path / run / "summary.json").read_text())
             assert summary["epochs"][0]["batches"] == {"rank0": 6, "rank1": 6}
             assert p.stderr.count("indexed on first use") == (run == "one"), p.stderr[-3000:]
+
+
+def test_a_store_prefix_is_indexed_on_first_use_into_the_cache_folder(s3_server, tmp_path, capsys):
+    import boto3
+
+    from pipeline.data import storage
+
+    shards = write_captioned(tmp_path / "set", 40)
+    bucket = f"autoindex-{os.getpid()}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    for path in shards:
+        storage.put(path, f"s3://{bucket}/web/{os.path.basename(path)}")
+    src = resolve("web", f"s3://{bucket}/web", "train", cache_dir=str(tmp_path / "cache"))
+    assert src.total == 40 and src.classes == ["0", "1", "2", "3"] and src.urls[0].startswith(f"s3://{bucket}/web/")
+    assert src.manifest.startswith(str(tmp_path / "cache" / "index"))
+    assert "web-train: indexed on first use: 2 shards, 40 samples" in capsys.readouterr().err
+    assert resolve("web", f"s3://{bucket}/web/", "train", cache_dir=str(tmp_path / "cache")).manifest == src.manifest
+    assert "indexed" not in capsys.readouterr().err
