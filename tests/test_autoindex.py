@@ -212,3 +212,16 @@ def test_a_store_prefix_is_indexed_on_first_use_into_the_cache_folder(s3_server,
     assert "web-train: indexed on first use: 2 shards, 40 samples" in capsys.readouterr().err
     assert resolve("web", f"s3://{bucket}/web/", "train", cache_dir=str(tmp_path / "cache")).manifest == src.manifest
     assert "indexed" not in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_index_prints_its_three_runs_and_the_ratio(tmp_path):
+    from helpers import run_capture
+
+    r = run_capture([sys.executable, os.path.join(ROOT, "tools", "bench_index.py"), "--shards", "3", "--per-shard",
+                     "4", "--workers", "1", "--work-dir", str(tmp_path / "bench")], capture_output=True, text=True,
+                    timeout=HANG, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [json.loads(ln) for ln in r.stdout.splitlines()]
+    assert [ln.get("run") for ln in lines[:3]] == ["make_shards_index", "first_use", "cached"]
+    assert all(ln["samples"] == 12 and ln["seconds"] >= 0 for ln in lines[:3]) and "first_use_over_make_shards" in lines[3]

@@ -5,8 +5,9 @@ Writes --shards wds.ShardWriter shards (--per-shard samples each: a small JPEG, 
 127.0.0.1, and times, each in a fresh process: `make_shards.py --index` of the brace pattern,
 the stream's `resolve` of the same pattern with no manifest (inference, then the index), and
 `resolve` again (the cached index: one HEAD a shard, no shard read). Prints one JSON line per
-run: seconds, the peak RSS of the process once its imports are done and at the end, and of its largest child
-(any process it waited for), in MiB; imports are not timed, and the ratio of the first use to make_shards.
+run (seconds, imports not timed; the peak RSS of the process after its imports and at the end,
+and of its largest child, any process it waited for, in MiB), then the ratio of the first use
+to make_shards.
 
     python tools/bench_index.py --shards 1000 --per-shard 10 --workers 8 --work-dir /tmp/bench_index
 """
