@@ -117,6 +117,13 @@ def test_over_http_the_second_use_reads_no_shard_and_a_changed_shard_is_indexed_
         assert any(m == "GET" and p.endswith(".tar") for m, p in server.log)
 
 
+def test_an_http_folder_with_no_manifest_asks_for_a_brace_pattern(tmp_path):
+    write_captioned(tmp_path / "set", 20)
+    with serving(functools.partial(Logged, directory=str(tmp_path)), log=[]) as server:
+        with pytest.raises(ShardError, match=r"cannot read manifest .*404.*cannot be listed.*brace pattern"):
+            resolve("web", f"{server.url}set/", "train")
+
+
 SCRIPT = """
 import sys, time
 from pipeline.data import autoindex

@@ -53,6 +53,10 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None, cache
     except manifest.NoManifest as missing:
         if spec.endswith(".json"):
             raise
+        if remote.kind(spec) == "http" and spec.endswith("/"):
+            raise ShardError(f"{missing}; an http(s) folder cannot be listed, so its shards cannot be indexed on "
+                             f"first use: give them as a brace pattern (e.g. {redact(spec)}train-{{000000..000099}}"
+                             f".tar), or index them ahead with make_shards.py --index") from None
         try:
             urls = indexer.expand(spec, policy)
         except ShardError:  # no shards either: what is missing is the manifest (or the folder)
@@ -89,10 +93,6 @@ def ensure(name, split, spec, urls, *, policy=remote.Policy(), cache_dir=None, f
     a lock: one process indexes, the others wait for its result)."""
     from pipeline.data.schema import parse_fields
 
-    if remote.kind(spec) == "http" and spec.endswith("/"):
-        raise ShardError(f"{name}={redact(spec)}: an http(s) folder cannot be listed; give its shards as a brace "
-                         f"pattern (e.g. {redact(spec)}train-{{000000..000099}}.tar), or index them ahead with "
-                         f"make_shards.py --index")
     if isinstance(fields, str):
         try:
             fields = parse_fields(fields)
