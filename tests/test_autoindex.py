@@ -71,6 +71,16 @@ def test_what_looks_like_a_class():
     assert not infer.looks_like_class([f"item {i}" for i in range(40)])  # mostly distinct
 
 
+def test_json_keys_are_named_apart_from_reserved_and_added_batch_fields():
+    samples = [{"__key__": f"{i:03d}", "jpg": encode_pil(foreign_image(0, (8, 8), i), "JPEG"),
+                "json": json.dumps({"image_size": 3, "key": "k", "score": 0.5, "tags": ["a"]}).encode()}
+               for i in range(3)]
+    schema, label = infer.infer(samples)
+    assert [(c.name, c.member) for c in schema.columns] == [
+        ("image", "jpg"), ("json_image_size", "json:image_size"), ("json_key", "json:key"), ("score", "json:score")]
+    assert label is None  # lists are left to --fields
+
+
 def test_fields_override_the_inferred_ones_of_the_same_name(tmp_path):
     write_captioned(tmp_path / "set", 20)
     src = resolve("web", str(tmp_path / "set"), "train", fields="caption:text=txt,max=100 score:float=json:similarity")

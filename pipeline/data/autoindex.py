@@ -45,7 +45,8 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None, cache
             progress=True, workers=None):
     """manifest.resolve, indexing the shards SPEC names on first use when they have no manifest
     (see the module docstring). fields: a Schema (or a --fields spec) in place of the inferred
-    fields of the same names. Returns the Source; ShardError (one line) as manifest.resolve."""
+    fields of the same names, for an index made here (a set with a manifest keeps its own:
+    pass schemas= to the stream for that). Returns the Source; ShardError (one line) as manifest.resolve."""
     from pipeline.writers import index as indexer
 
     try:
