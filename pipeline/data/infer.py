@@ -18,7 +18,8 @@ import json
 import re
 
 from pipeline.data.decode import image_format
-from pipeline.data.schema import MAX_TEXT, RESERVED, Column, Schema
+from pipeline.data.read import MAX_MEMBER
+from pipeline.data.schema import MAX_SIDE, MAX_TEXT, RESERVED, SUFFIXES, Column, Schema
 from pipeline.data.values import NPY_HEADER
 
 SAMPLES = 256  # samples of the first shard read to infer the fields
@@ -108,8 +109,8 @@ def _json_columns(samples, taken, want_label):
         if kind is None or not re.fullmatch(r"[^.\s]+", key):
             continue
         name = _name(key)
-        if name in taken or name in RESERVED:
-            name = "json_" + name
+        if name in taken or name in RESERVED or any(name == t + x for t in taken for x in SUFFIXES):
+            name = "json_" + name  # "key", or "image_size" beside an image field: named apart
         if want_label and label is None and key in CLASS_KEYS and kind in ("int", "text") \
                 and looks_like_class([str(v) for v in values]):
             label = f"json:{key}"
@@ -155,7 +156,7 @@ def _integer(v):
 
 def _text_cap(samples, ext):
     longest = max((len(s[ext]) for s in samples if s.get(ext) is not None), default=0)
-    return max(MAX_TEXT, 4 * longest)
+    return min(MAX_MEMBER, max(MAX_TEXT, 4 * longest))
 
 
 def _common_size(samples, ext):
@@ -173,7 +174,8 @@ def _common_size(samples, ext):
             continue
     if not sizes:
         raise ValueError(f"no readable .{ext} image among the first {len(samples)} samples")
-    return sizes.most_common(1)[0][0]
+    h, w = sizes.most_common(1)[0][0]
+    return min(h, MAX_SIDE), min(w, MAX_SIDE)  # larger images are the index's to refuse, naming one
 
 
 def _npy_shape(samples, ext):
