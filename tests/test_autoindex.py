@@ -127,6 +127,14 @@ def test_over_http_the_second_use_reads_no_shard_and_a_changed_shard_is_indexed_
         assert any(m == "GET" and p.endswith(".tar") for m, p in server.log)
 
 
+def test_a_cache_folder_that_cannot_be_written_is_one_line(tmp_path):
+    write_captioned(tmp_path / "set", 20)
+    (tmp_path / "file").write_text("not a folder")
+    with serving(functools.partial(Logged, directory=str(tmp_path / "set")), log=[]) as server:
+        with pytest.raises(ShardError, match=r"web=.*: cannot keep its index in .*/file/index .*--cache-dir"):
+            resolve("web", f"{server.url}wds-000000.tar", "train", cache_dir=str(tmp_path / "file"))
+
+
 def test_an_http_folder_with_no_manifest_asks_for_a_brace_pattern(tmp_path):
     write_captioned(tmp_path / "set", 20)
     with serving(functools.partial(Logged, directory=str(tmp_path)), log=[]) as server:

@@ -21,6 +21,7 @@ is indexed again; an unchanged one is reused and no shard is read. Several proce
 ranks of a torchrun job) take a file lock on the key (pipeline.files.locked): the first
 indexes, the others wait for it and read its result.
 """
+import contextlib
 import hashlib
 import json
 import os
@@ -104,8 +105,13 @@ def ensure(name, split, spec, urls, *, policy=remote.Policy(), cache_dir=None, f
     path = os.path.join(folder, manifest.manifest_name(name, split))
     if os.path.exists(path):
         return folder
-    os.makedirs(os.path.dirname(folder), exist_ok=True)
-    with locked(folder + ".lock"):
+    with contextlib.ExitStack() as held:
+        try:
+            os.makedirs(os.path.dirname(folder), exist_ok=True)
+            held.enter_context(locked(folder + ".lock"))
+        except OSError as e:
+            raise ShardError(f"{name}={redact(spec)}: cannot keep its index in {os.path.dirname(folder)} "
+                             f"({e.strerror or e}); give a writable --cache-dir (or $PIPELINE_CACHE)") from None
         if os.path.exists(path):  # another rank or job made it while this one waited
             return folder
         t0 = time.monotonic()
