@@ -81,6 +81,15 @@ def test_json_keys_are_named_apart_from_reserved_and_added_batch_fields():
     assert label is None  # lists are left to --fields
 
 
+def test_a_test_split_short_of_a_class_takes_the_training_split_s_classes(tmp_path):
+    """As the trainer resolves --eval NAME=SPEC: classes_from its training source."""
+    write_captioned(tmp_path / "train", 40)
+    write_captioned(tmp_path / "test", 12, cls=lambda i: str(i % 3))  # no sample of class 3
+    train = resolve("web", str(tmp_path / "train"), "train")
+    test = resolve("web", str(tmp_path / "test"), "test", classes_from=train)
+    assert test.classes == train.classes == ["0", "1", "2", "3"] and test.total == 12
+
+
 def test_fields_override_the_inferred_ones_of_the_same_name(tmp_path):
     write_captioned(tmp_path / "set", 20)
     src = resolve("web", str(tmp_path / "set"), "train", fields="caption:text=txt,max=100 score:float=json:similarity")

@@ -43,11 +43,13 @@ class _Enough(Exception):
 
 
 def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None, cache_dir=None, fields=None,
-            progress=True, workers=None):
+            progress=True, workers=None, classes_from=None):
     """manifest.resolve, indexing the shards SPEC names on first use when they have no manifest
     (see the module docstring). fields: a Schema (or a --fields spec) in place of the inferred
     fields of the same names, for an index made here (a set with a manifest keeps its own:
-    pass schemas= to the stream for that). Returns the Source; ShardError (one line) as manifest.resolve."""
+    pass schemas= to the stream for that). classes_from: the Source of another split of the set
+    (the trainer's training source for an --eval of the same name), whose classes an index made
+    here takes, so that a test split short of a class still matches the model's head. Returns the Source; ShardError (one line) as manifest.resolve."""
     from pipeline.writers import index as indexer
 
     try:
@@ -64,7 +66,7 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None, cache
         except ShardError:  # no shards either: what is missing is the manifest (or the folder)
             raise missing from None
     folder = ensure(name, split, spec, urls, policy=policy, cache_dir=cache_dir, fields=fields, progress=progress,
-                    workers=workers)
+                    workers=workers, classes_from=classes_from)
     # every http(s) shard answered a HEAD for the key just now, with the size the index holds
     return manifest.resolve(name, folder, split, policy=policy, check_http=lambda urls, sizes: ([], []))
 
@@ -89,7 +91,7 @@ def default_cache():
 
 
 def ensure(name, split, spec, urls, *, policy=remote.Policy(), cache_dir=None, fields=None, progress=True,
-           workers=None):
+           workers=None, classes_from=None):
     """The folder holding NAME-SPLIT.json for the shards SPEC names (`urls`, as
     pipeline.writers.index.expand lists them): found by the listing's key, else made now (under
     a lock: one process indexes, the others wait for its result)."""
@@ -100,7 +102,7 @@ def ensure(name, split, spec, urls, *, policy=remote.Policy(), cache_dir=None, f
             fields = parse_fields(fields)
         except ValueError as e:
             raise ShardError(str(e)) from None
-    key = listing_key(name, split, urls, policy, fields)
+    key = listing_key(name, split, urls, policy, fields, classes_from.classes if classes_from else None)
     folder = os.path.join(home(urls, cache_dir), f"{name}-{split}-{key}")
     path = os.path.join(folder, manifest.manifest_name(name, split))
     if os.path.exists(path):
@@ -116,7 +118,7 @@ def ensure(name, split, spec, urls, *, policy=remote.Policy(), cache_dir=None, f
             return folder
         t0 = time.monotonic()
         m, line = build(name, split, spec, urls, folder, policy=policy, fields=fields, progress=progress,
-                        workers=workers)
+                        workers=workers, classes_from=classes_from)
         print(f"{name}-{split}: indexed on first use: {len(m['shards'])} shards, {m['total']:,} samples in "
               f"{time.monotonic() - t0:.1f} s; cached in {path} (reused until the shards change)",
               file=sys.stderr, flush=True)
@@ -136,10 +138,11 @@ def home(urls, cache_dir=None):
     return os.path.join(given.folder if given else default_cache(), "index")
 
 
-def listing_key(name, split, urls, policy=remote.Policy(), fields=None):
-    """16 hex digits of sha256 over the set's name, split, fields asked for and each shard's stamp."""
+def listing_key(name, split, urls, policy=remote.Policy(), fields=None, classes=None):
+    """16 hex digits of sha256 over the set's name, split, fields and classes asked for and each
+    shard's stamp."""
     stamped = stamps(urls, policy)
-    text = json.dumps([name, split, fields.to_json() if fields is not None else None, stamped])
+    text = json.dumps([name, split, fields.to_json() if fields is not None else None, classes, stamped])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -199,7 +202,8 @@ def first_samples(url, policy=remote.Policy(), n=SAMPLES):
     return got
 
 
-def build(name, split, spec, urls, out, *, policy=remote.Policy(), fields=None, progress=True, workers=None):
+def build(name, split, spec, urls, out, *, policy=remote.Policy(), fields=None, progress=True, workers=None,
+          classes_from=None):
     """Index the shards into OUT/NAME-SPLIT.json with the inferred fields (and `fields` over
     them); a set with an image and a class as image and label too. Returns (manifest, the
     fields in one line)."""
@@ -214,7 +218,8 @@ def build(name, split, spec, urls, out, *, policy=remote.Policy(), fields=None, 
     workers = workers or min(8, os.cpu_count() or 1, len(urls))
     kw = dict(workers=workers, policy=policy, progress=progress)
     if label and len(images) == 1:
-        m = indexer.index(name, split, spec, out, label=label, image_key=images[0].member, **kw)
+        given = (classes_from.manifest, manifest.load(classes_from.manifest, policy)) if classes_from else None
+        m = indexer.index(name, split, spec, out, label=label, image_key=images[0].member, classes_from=given, **kw)
         c, h, w = m["shape"]
         image = images[0].to_json()
         image.update(size=[h, w], channels=c)

@@ -55,7 +55,9 @@ def train(args, topo, device, stopper=None):
     found = dict(policy=policy, check_http=check, cache_dir=args.cache_dir, progress=topo.is_main)  # shards with no
     # manifest are indexed on first use, by the first rank to take the lock (pipeline.data.autoindex)
     train_sources = [autoindex.trainable(stream.resolve(n, spec, "train", **found)) for n, spec in args.train.items()]
-    eval_sources = [autoindex.trainable(stream.resolve(n, spec, "test", **found)) for n, spec in args.eval.items()]
+    trained = {s.name: s for s in train_sources}  # an --eval indexed here takes its training source's classes
+    eval_sources = [autoindex.trainable(stream.resolve(n, spec, "test", classes_from=trained.get(n), **found))
+                    for n, spec in args.eval.items()]
     startup = {"resolve_s": round(time.perf_counter() - t0, 3), "torch_threads": torch.get_num_threads()}
     if topo.is_main:
         guard.warn_data(train_sources, eval_sources)
