@@ -217,17 +217,21 @@ def test_a_mid_epoch_state_through_the_dataloader_face_reads_every_sample_once(t
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["local", "http"])
 def test_a_shardwriter_set_trains_under_torchrun_with_no_index_step_and_no_fields(tmp_path, where):
-    write_captioned(tmp_path / "set", 96, per_shard=12)
+    """2 gloo ranks, --train and --eval of shards with no manifest (the test split a class short):
+    the first run indexes each once, the second reads the indexes it left."""
+    write_captioned(tmp_path / "set" / "train", 96, per_shard=12)
+    write_captioned(tmp_path / "set" / "test", 12, cls=lambda i: str(i % 3))
     with serving(functools.partial(Logged, directory=str(tmp_path / "set")), log=[]) as server:
-        spec = str(tmp_path / "set") if where == "local" else f"{server.url}wds-{{000000..000007}}.tar"
-        args = ["--train", f"web={spec}", "--epochs", "1", "--batch-size", "8", "--workers", "1", "--width", "4",
-                "--cache-dir", tmp_path / "cache"]
+        base = f"{tmp_path}/set/" if where == "local" else server.url
+        args = ["--train", f"web={base}train/wds-{{000000..000007}}.tar", "--eval", f"web={base}test/wds-000000.tar",
+                "--epochs", "1", "--batch-size", "8", "--workers", "1", "--width", "4", "--cache-dir", tmp_path / "cache"]
         for run in ("one", "two"):
             p = completed(launch_train([*args, "--out", tmp_path / run]))
             assert p.returncode == 0, p.stderr[-3000:]
             summary = json.loads((tmp_path / run / "summary.json").read_text())
             assert summary["epochs"][0]["batches"] == {"rank0": 6, "rank1": 6}
-            assert p.stderr.count("indexed on first use") == (run == "one"), p.stderr[-3000:]
+            assert summary["eval"]["web"]["count"] == 12
+            assert p.stderr.count("indexed on first use") == (2 if run == "one" else 0), p.stderr[-3000:]
 
 
 def test_a_store_prefix_is_indexed_on_first_use_into_the_cache_folder(s3_server, tmp_path, capsys):
