@@ -224,7 +224,8 @@ def test_a_shardwriter_set_trains_under_torchrun_with_no_index_step_and_no_field
     with serving(functools.partial(Logged, directory=str(tmp_path / "set")), log=[]) as server:
         base = f"{tmp_path}/set/" if where == "local" else server.url
         args = ["--train", f"web={base}train/wds-{{000000..000007}}.tar", "--eval", f"web={base}test/wds-000000.tar",
-                "--epochs", "1", "--batch-size", "8", "--workers", "1", "--width", "4", "--cache-dir", tmp_path / "cache"]
+                "--epochs", "1", "--batch-size", "8", "--workers", "1", "--width", "4",
+                "--cache-dir", tmp_path / "cache"]
         for run in ("one", "two"):
             p = completed(launch_train([*args, "--out", tmp_path / run]))
             assert p.returncode == 0, p.stderr[-3000:]
@@ -262,4 +263,5 @@ def test_bench_index_prints_its_three_runs_and_the_ratio(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [json.loads(ln) for ln in r.stdout.splitlines()]
     assert [ln.get("run") for ln in lines[:3]] == ["make_shards_index", "first_use", "cached"]
-    assert all(ln["samples"] == 12 and ln["seconds"] >= 0 for ln in lines[:3]) and "first_use_over_make_shards" in lines[3]
+    assert all(ln["samples"] == 12 and ln["seconds"] >= 0 for ln in lines[:3])
+    assert "first_use_over_make_shards" in lines[3]

@@ -49,7 +49,8 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None, cache
     fields of the same names, for an index made here (a set with a manifest keeps its own:
     pass schemas= to the stream for that). classes_from: the Source of another split of the set
     (the trainer's training source for an --eval of the same name), whose classes an index made
-    here takes, so that a test split short of a class still matches the model's head. Returns the Source; ShardError (one line) as manifest.resolve."""
+    here takes, so that a test split short of a class still matches the model's head. Returns the
+    Source; ShardError (one line) as manifest.resolve."""
     from pipeline.writers import index as indexer
 
     try:

@@ -101,7 +101,6 @@ def _json_columns(samples, taken, want_label):
             doc = None
         docs.append(doc if isinstance(doc, dict) else None)
     keys = collections.Counter(k for d in docs if d for k in d)
-    present = sum(1 for d in docs if d is not None)
     columns, label = [], None
     for key in sorted(keys, key=lambda k: (k not in CLASS_KEYS, k)):
         values = [d.get(key) for d in docs if d and key in d]
@@ -114,10 +113,8 @@ def _json_columns(samples, taken, want_label):
         if want_label and label is None and key in CLASS_KEYS and kind in ("int", "text") \
                 and looks_like_class([str(v) for v in values]):
             label = f"json:{key}"
-        if kind == "text":
-            columns.append(Column(name, "text", f"json:{key}", max_bytes=MAX_TEXT, optional=keys[key] < len(samples)))
-        else:
-            columns.append(Column(name, kind, f"json:{key}", optional=keys[key] < len(samples) or present < len(samples)))
+        cap = {"max_bytes": MAX_TEXT} if kind == "text" else {}
+        columns.append(Column(name, kind, f"json:{key}", optional=keys[key] < len(samples), **cap))
         taken.add(name)
     return columns, label
 

@@ -108,8 +108,9 @@ class NoManifest(ShardError):
 
 def _absent(error):
     """True for a read that failed because the file is not there (not for a server that fails)."""
-    return isinstance(error, (FileNotFoundError, storage.Missing)) or re.search(r"\b(404|NoSuchKey|no such object)\b", str(error)) \
-        is not None
+    if isinstance(error, (FileNotFoundError, storage.Missing)):
+        return True
+    return re.search(r"\b(404|NoSuchKey|no such object)\b", str(error)) is not None
 
 
 # ---------------------------------------------------------------- checking
