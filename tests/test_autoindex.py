@@ -54,6 +54,17 @@ def test_an_img2dataset_set_infers_image_caption_class_and_the_json_numbers(tmp_
     assert os.path.dirname(os.path.dirname(src.manifest)) == str(tmp_path / "set" / autoindex.INDEX_FOLDER)
 
 
+def test_the_helpers_img2dataset_set_takes_its_class_from_the_json(tmp_path):
+    """tests/helpers.py's img2dataset layout (gzip, no .cls): the class is the .json's "label"."""
+    from helpers import write_img2dataset
+
+    write_img2dataset(tmp_path / "i2d", 40, gz=True)
+    src = resolve("i2d", str(tmp_path / "i2d"), "train")
+    assert kinds(src) == {"image": ("image", "jpg"), "caption": ("text", "txt"), "label": ("int", "json:label"),
+                          "json_key": ("text", "json:key"), "width": ("int", "json:width")}
+    assert src.target.label == "json:label" and src.classes == ["0", "1", "2", "3"]
+
+
 def test_a_thousand_way_free_text_member_is_text_not_a_class(tmp_path):
     """The same set with a free-text .cls (each value its own, 1,000 of them): text, and the set
     has no class (webdataset would have made a 1,000-way head of it)."""
