@@ -18,6 +18,7 @@ from helpers import (FOLDERS, HANG, NAMES, SYNSETS, build_shards, built_once, co
                      write_imagefolder_tar, write_multi_member, write_named_shardwriter, write_shardwriter,
                      write_synset_tar)
 from pipeline.writers.index import expand
+from pipeline.data import manifest
 from pipeline.data.stream import MixedStream, make_loader, resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -332,11 +333,14 @@ def test_index_and_train_on_a_glob(tmp_path):
         assert p.returncode == 0, (spec, p.stderr[-2000:])
 
 
-def test_training_on_unindexed_shards_says_how_to_index_them(tmp_path):
+def test_training_on_unindexed_shards_indexes_them_on_first_use(tmp_path):
+    """Once a line naming the index command to run first; now the trainer indexes them itself
+    (pipeline.data.autoindex), and says so in one line."""
     write_gnu_tar(tmp_path, 30)
-    p = train_in_process(["--train", f"pets={tmp_path}/gnu-{{0000..0001}}.tar", "--out", str(tmp_path / "run")])
-    assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert f"make_shards.py --index 'pets:train={tmp_path}/gnu-{{0000..0001}}.tar'" in p.stderr
+    p = train_in_process(["--train", f"pets={tmp_path}/gnu-{{0000..0001}}.tar", "--epochs", "1", "--epoch-samples",
+                          "16", "--batch-size", "8", "--workers", "0", "--width", "4", "--out", str(tmp_path / "run")])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "pets-train: indexed on first use: 2 shards, 30 samples" in p.stderr
 
 
 @pytest.mark.slow
@@ -491,8 +495,8 @@ def test_the_hint_for_an_unindexed_split_folder_indexes_both_splits_in_one_comma
     monkeypatch.chdir(tmp_path)
     write_shardwriter(tmp_path / "their" / "train", 20, classes=4)
     write_shardwriter(tmp_path / "their" / "test", 8, classes=3, seed=1)  # a class short: alone, it would differ
-    with pytest.raises(ShardError) as e:
-        resolve("web", "their/train", "train")
+    with pytest.raises(ShardError) as e:  # the strict resolver's word (the stream's indexes them on first use)
+        manifest.resolve("web", "their/train", "train")
     said = str(e.value)
     assert said.endswith(" then give web=their/ to --train and --eval"), said
     command = said.split("so that they share classes: ")[1].split(", then give")[0]

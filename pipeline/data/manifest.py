@@ -101,6 +101,18 @@ class Source:
         return self.origin.get("kind") == "synthetic"
 
 
+class NoManifest(ShardError):
+    """The manifest a SPEC needs is not there (no file, HTTP 404, no such object): shards
+    with no manifest, which pipeline.data.autoindex indexes on first use."""
+
+
+def _absent(error):
+    """True for a read that failed because the file is not there (not for a server that fails)."""
+    if isinstance(error, (FileNotFoundError, storage.Missing)):
+        return True
+    return re.search(r"\b(404|NoSuchKey|no such object)\b", str(error)) is not None
+
+
 # ---------------------------------------------------------------- checking
 
 
@@ -370,17 +382,17 @@ def load(url, policy=remote.Policy()):
     """Read and check the manifest at a path, URL or pipe: command."""
     if remote.kind(url) == "file":
         if not os.path.exists(url):
-            raise ShardError(f"no manifest at {url} (build one with tools/make_shards.py, or index existing "
+            raise NoManifest(f"no manifest at {url} (build one with tools/make_shards.py, or index existing "
                              f"shards with make_shards.py --index)")
         m = read_json(url)
     else:
         try:
             text = remote.fetch(url, policy=policy, limit=MAX_JSON, limit_name="the most a manifest may hold")
         except (OSError, ShardError) as e:  # ShardError: a body past MAX_JSON
-            said = str(e)
+            said, error = str(e), NoManifest if _absent(e) else ShardError
             if said.startswith((url, redact(url))):  # most read errors name the URL first: name it once
-                raise ShardError(f"cannot read manifest {said}") from None
-            raise ShardError(f"cannot read manifest {url}: {said}") from None
+                raise error(f"cannot read manifest {said}") from None
+            raise error(f"cannot read manifest {url}: {said}") from None
         m = parse_json(text, url)
     return check(m, url)
 
@@ -416,7 +428,7 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
         if remote.kind(url) == "file" and not os.path.exists(url):
             url = _lister(name, split, pattern, policy)[0]
         if remote.kind(url) == "file" and not os.path.exists(url):
-            raise ShardError(f"{name}={spec}: no manifest {url} beside these shards; index them in place with: "
+            raise NoManifest(f"{name}={spec}: no manifest {url} beside these shards; index them in place with: "
                              f"python tools/make_shards.py --index {shlex.quote(f'{name}:{split}={spec}')} "
                              f"--out {shlex.quote(os.path.dirname(url) or '.')}")
     m = load(url, policy)
@@ -501,7 +513,7 @@ def _check_folder(name, split, folder, url):
     if tars and other and os.path.isdir(os.path.join(parent, other)) and any(
             f.endswith((".tar", ".tar.gz", ".tgz")) for f in os.listdir(os.path.join(parent, other))):
         top = os.path.dirname(folder.rstrip("/")) or "."  # train/ and test/ side by side: index them together
-        raise ShardError(f"{name}={folder}: no manifest {url}, but {len(tars)} shard(s) ({tars[0]}, ...) and a "
+        raise NoManifest(f"{name}={folder}: no manifest {url}, but {len(tars)} shard(s) ({tars[0]}, ...) and a "
                          f"{other}/ folder of shards beside it; index both splits in one command, so that they share "
                          f"classes: "
                          f"python tools/make_shards.py --index {shlex.quote(f'{name}:train={top}/train')} --index "
@@ -509,7 +521,7 @@ def _check_folder(name, split, folder, url):
                          f"{name}={top}/ to --train and --eval")
     if tars:
         where = folder.rstrip("/") or "/"
-        raise ShardError(f"{name}={folder}: no manifest {url}, but {len(tars)} shard(s) ({tars[0]}, ...); index them "
+        raise NoManifest(f"{name}={folder}: no manifest {url}, but {len(tars)} shard(s) ({tars[0]}, ...); index them "
                          f"in place with: python tools/make_shards.py --index "
                          f"{shlex.quote(f'{name}:{split}={where}')} --out {shlex.quote(where)}")
 

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from pipeline.data import remote, stream
+from pipeline.data import autoindex, remote, stream
 from pipeline.train import dist, guard, options, stop
 from pipeline import cli
 from pipeline.errors import InputError
@@ -54,8 +54,12 @@ def train(args, topo, device, stopper=None):
     check_name(args.model)  # a misspelt --model: one line before any shard is read
     policy = remote.Policy(**cli.io_limits(args))
     check = http_check(topo, policy)
-    train_sources = [stream.resolve(n, spec, "train", policy=policy, check_http=check) for n, spec in args.train.items()]
-    eval_sources = [stream.resolve(n, spec, "test", policy=policy, check_http=check) for n, spec in args.eval.items()]
+    found = dict(policy=policy, check_http=check, cache_dir=args.cache_dir, progress=topo.is_main)  # shards with no
+    # manifest are indexed on first use, by the first rank to take the lock (pipeline.data.autoindex)
+    train_sources = [autoindex.trainable(stream.resolve(n, spec, "train", **found)) for n, spec in args.train.items()]
+    trained = {s.name: s for s in train_sources}  # an --eval indexed here takes its training source's classes
+    eval_sources = [autoindex.trainable(stream.resolve(n, spec, "test", classes_from=trained.get(n), **found))
+                    for n, spec in args.eval.items()]
     startup = {"resolve_s": round(time.perf_counter() - t0, 3), "torch_threads": torch.get_num_threads()}
     if topo.is_main:
         guard.warn_data(train_sources, eval_sources)

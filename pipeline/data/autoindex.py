@@ -1,0 +1,233 @@
+"""Indexing on first use: a set of shards opened by its URL, with no manifest, is indexed once.
+
+    resolve("cifar", "https://host/data/cifar-train-{000..099}.tar", "train")
+    python -m pipeline.train --train cifar=/data/cifar/ ...      # no make-shards --index first
+
+The exact epoch, the resume and the memory bound rest on knowing each shard's samples, so a
+set still needs its manifest; `resolve` makes it when a pattern, glob, folder or store prefix
+has none (manifest.NoManifest), with the indexer behind `make_shards --index`
+(pipeline.writers.index), in parallel across the shards within the job's deadlines, with a
+progress bar. The fields come from the members (pipeline.data.infer) unless `fields` names
+them; a set with an image and a class is also indexed as image and label, so the trainer
+trains on it as on any indexed set.
+
+Where: beside the shards (`FOLDER/.pipeline-index/`) when they are local files of one
+writable folder, else in the cache folder (`cache_dir`, the trainer's --cache-dir; default
+$PIPELINE_CACHE, else $XDG_CACHE_HOME/pipeline or ~/.cache/pipeline). Keyed by the listing:
+each shard's name with its size and mtime (local), its Content-Length and ETag or
+Last-Modified (http, one HEAD each), or its name alone (stores: a rewritten object under
+the same name is not noticed; index it with --index). A changed set gets a new key, so it
+is indexed again; an unchanged one is reused and no shard is read. Several processes (the
+ranks of a torchrun job) take a file lock on the key (pipeline.files.locked): the first
+indexes, the others wait for it and read its result.
+"""
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from pipeline.data import cache as caching
+from pipeline.data import infer, manifest, remote
+from pipeline.errors import ShardError, redact
+from pipeline.files import locked, read_json, write_json_atomic
+
+INDEX_FOLDER = ".pipeline-index"
+SAMPLES = infer.SAMPLES
+
+
+class _Enough(Exception):
+    """Raised inside a read to stop it once enough samples are in."""
+
+
+def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None, cache_dir=None, fields=None,
+            progress=True, workers=None, classes_from=None):
+    """manifest.resolve, indexing the shards SPEC names on first use when they have no manifest
+    (see the module docstring). fields: a Schema (or a --fields spec) in place of the inferred
+    fields of the same names, for an index made here (a set with a manifest keeps its own:
+    pass schemas= to the stream for that). classes_from: the Source of another split of the set
+    (the trainer's training source for an --eval of the same name), whose classes an index made
+    here takes, so that a test split short of a class still matches the model's head. Returns the
+    Source; ShardError (one line) as manifest.resolve."""
+    from pipeline.writers import index as indexer
+
+    try:
+        return manifest.resolve(name, spec, split, policy=policy, check_http=check_http)
+    except manifest.NoManifest as missing:
+        if spec.endswith(".json"):
+            raise
+        if remote.kind(spec) == "http" and spec.endswith("/"):
+            raise ShardError(f"{missing}; an http(s) folder cannot be listed, so its shards cannot be indexed on "
+                             f"first use: give them as a brace pattern (e.g. {redact(spec)}train-{{000000..000099}}"
+                             f".tar), or index them ahead with make_shards.py --index") from None
+        try:
+            urls = indexer.expand(spec, policy)
+        except ShardError:  # no shards either: what is missing is the manifest (or the folder)
+            raise missing from None
+    folder = ensure(name, split, spec, urls, policy=policy, cache_dir=cache_dir, fields=fields, progress=progress,
+                    workers=workers, classes_from=classes_from)
+    # every http(s) shard answered a HEAD for the key just now, with the size the index holds
+    return manifest.resolve(name, folder, split, policy=policy, check_http=lambda urls, sizes: ([], []))
+
+
+def trainable(source):
+    """A source indexed on first use as the image-and-label trainer reads it: without its
+    inferred fields when it has a class (else as it is, and the trainer says it has none)."""
+    import dataclasses
+
+    if source.origin.get("inferred") and source.classes:
+        return dataclasses.replace(source, schema=None)
+    return source
+
+
+def default_cache():
+    """The cache folder when none is given: $PIPELINE_CACHE, else $XDG_CACHE_HOME/pipeline, else
+    ~/.cache/pipeline."""
+    if os.environ.get("PIPELINE_CACHE"):
+        return os.environ["PIPELINE_CACHE"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pipeline")
+
+
+def ensure(name, split, spec, urls, *, policy=remote.Policy(), cache_dir=None, fields=None, progress=True,
+           workers=None, classes_from=None):
+    """The folder holding NAME-SPLIT.json for the shards SPEC names (`urls`, as
+    pipeline.writers.index.expand lists them): found by the listing's key, else made now (under
+    a lock: one process indexes, the others wait for its result)."""
+    from pipeline.data.schema import parse_fields
+
+    if isinstance(fields, str):
+        try:
+            fields = parse_fields(fields)
+        except ValueError as e:
+            raise ShardError(str(e)) from None
+    key = listing_key(name, split, urls, policy, fields, classes_from.classes if classes_from else None)
+    folder = os.path.join(home(urls, cache_dir), f"{name}-{split}-{key}")
+    path = os.path.join(folder, manifest.manifest_name(name, split))
+    if os.path.exists(path):
+        return folder
+    with contextlib.ExitStack() as held:
+        try:
+            os.makedirs(os.path.dirname(folder), exist_ok=True)
+            held.enter_context(locked(folder + ".lock"))
+        except OSError as e:
+            raise ShardError(f"{name}={redact(spec)}: cannot keep its index in {os.path.dirname(folder)} "
+                             f"({e.strerror or e}); give a writable --cache-dir (or $PIPELINE_CACHE)") from None
+        if os.path.exists(path):  # another rank or job made it while this one waited
+            return folder
+        t0 = time.monotonic()
+        m, line = build(name, split, spec, urls, folder, policy=policy, fields=fields, progress=progress,
+                        workers=workers, classes_from=classes_from)
+        print(f"{name}-{split}: indexed on first use: {len(m['shards'])} shards, {m['total']:,} samples in "
+              f"{time.monotonic() - t0:.1f} s; cached in {path} (reused until the shards change)",
+              file=sys.stderr, flush=True)
+        print(f"{name}-{split}: {line}", file=sys.stderr, flush=True)
+    return folder
+
+
+def home(urls, cache_dir=None):
+    """Where an index of these shards is kept: beside them when they are local files of one
+    writable folder, else the cache folder."""
+    folders = {os.path.dirname(os.path.abspath(u)) for u in urls if remote.kind(u) == "file"}
+    if len(folders) == 1 and len(urls) == sum(remote.kind(u) == "file" for u in urls):
+        folder = folders.pop()
+        if os.access(folder, os.W_OK):
+            return os.path.join(folder, INDEX_FOLDER)
+    given = caching.of(cache_dir)
+    return os.path.join(given.folder if given else default_cache(), "index")
+
+
+def listing_key(name, split, urls, policy=remote.Policy(), fields=None, classes=None):
+    """16 hex digits of sha256 over the set's name, split, fields and classes asked for and each
+    shard's stamp."""
+    stamped = stamps(urls, policy)
+    text = json.dumps([name, split, fields.to_json() if fields is not None else None, classes, stamped])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def stamps(urls, policy=remote.Policy(), threads=16):
+    """[url, size, mtime or ETag] of each shard: stat for local files, a HEAD for http(s) URLs,
+    the name alone for the rest."""
+    def stamp(url):
+        where = remote.kind(url)
+        if where == "file":
+            st = os.stat(url)
+            return [os.path.abspath(url), st.st_size, st.st_mtime_ns]
+        if where == "http":
+            return [url, *_head(url, policy)]
+        return [url]
+
+    if sum(remote.kind(u) == "http" for u in urls) > 1:
+        with ThreadPoolExecutor(threads) as pool:
+            return list(pool.map(stamp, urls))
+    return [stamp(u) for u in urls]
+
+
+def _head(url, policy):
+    """(Content-Length, ETag or Last-Modified) of an http(s) shard; ShardError when it is missing."""
+    for attempt in range(policy.retries + 1):
+        try:
+            head = remote._HTTP(url, policy, 0, method="HEAD")
+            try:
+                h = head.resp.headers
+                return h.get("Content-Length"), h.get("ETag") or h.get("Last-Modified")
+            finally:
+                head.close()
+        except Exception as e:  # noqa: BLE001 - sorted as remote.head_check sorts them
+            if remote.permanent(e) or not remote.transient(e) or attempt == policy.retries:
+                raise ShardError(f"{redact(url)}: cannot stamp it for the index ({remote.describe(e)})") from None
+            time.sleep(policy.wait(attempt))
+
+
+def first_samples(url, policy=remote.Policy(), n=SAMPLES):
+    """Up to n samples of the shard at `url`, read from its start (the rest is not read)."""
+    from pipeline.data.read import is_meta, iter_samples
+
+    got = []
+
+    def consume(stream):
+        for sample in iter_samples(stream, None, url):
+            if not is_meta(sample["__key__"]):
+                got.append(sample)
+            if len(got) >= n:
+                raise _Enough
+
+    try:
+        remote.read_url(url, consume, policy=policy)
+    except _Enough:
+        pass
+    except OSError as e:
+        raise ShardError(f"{redact(url)}: unreadable ({e})") from None
+    return got
+
+
+def build(name, split, spec, urls, out, *, policy=remote.Policy(), fields=None, progress=True, workers=None,
+          classes_from=None):
+    """Index the shards into OUT/NAME-SPLIT.json with the inferred fields (and `fields` over
+    them); a set with an image and a class as image and label too. Returns (manifest, the
+    fields in one line)."""
+    from pipeline.writers import index as indexer
+
+    try:
+        schema, label = infer.infer(first_samples(urls[0], policy))
+    except ValueError as e:
+        raise ShardError(f"{redact(urls[0])}: {e}") from None
+    schema = infer.override(schema, fields)
+    images = [c for c in schema.columns if c.kind == "image"]
+    workers = workers or min(8, os.cpu_count() or 1, len(urls))
+    kw = dict(workers=workers, policy=policy, progress=progress)
+    if label and len(images) == 1:
+        given = (classes_from.manifest, manifest.load(classes_from.manifest, policy)) if classes_from else None
+        m = indexer.index(name, split, spec, out, label=label, image_key=images[0].member, classes_from=given, **kw)
+        c, h, w = m["shape"]
+        image = images[0].to_json()
+        image.update(size=[h, w], channels=c)
+        m["fields"] = [image if f["name"] == image["name"] else f for f in schema.to_json()]
+    else:
+        m = indexer.index(name, split, spec, out, fields=schema, **kw)
+    m["origin"]["inferred"] = True
+    path = os.path.join(out, manifest.manifest_name(name, split))
+    write_json_atomic(path, manifest.check(m, path))
+    return read_json(path), infer.describe(manifest.schema_of(m), label)

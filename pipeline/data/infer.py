@@ -1,0 +1,210 @@
+"""Fields inferred from a WebDataset's members, as webdataset's decoders name them.
+
+A set opened by its URL with no manifest and no `--fields` (pipeline.data.autoindex) gets
+its schema from the first samples of its first shard: an image extension (`jpg`, `png`,
+`rgb.png`, ...) is an image field, `txt` the caption, `cls` the class, each key of a
+`.json` a field of its value's type (`json:KEY`), a `.npy` an array of the largest shape
+seen. A member missing from some samples is optional. A class must look like one: a
+member that looks like free text (most values distinct, or long) is text, never a class,
+so a caption in `.cls` never becomes a 1,000-way head.
+
+The result is a Schema (pipeline.data.schema) plus the label rule of the class, if any
+(`cls`, `json:label`), which the image-and-label trainer reads; `override` puts a user's
+`--fields` columns in place of the inferred ones of the same name.
+"""
+import collections
+import io
+import json
+import re
+
+from pipeline.data.decode import image_format
+from pipeline.data.read import MAX_MEMBER
+from pipeline.data.schema import MAX_SIDE, MAX_TEXT, RESERVED, SUFFIXES, Column, Schema
+from pipeline.data.values import NPY_HEADER
+
+SAMPLES = 256  # samples of the first shard read to infer the fields
+MAX_CLASS_TEXT = 32  # a class name longer than this (in characters, on average) is free text
+DISTINCT = 0.5  # more than this share of distinct values among the samples read: free text, not a class
+MIN_FOR_DISTINCT = 16  # fewer samples than this say nothing about how many values are distinct
+CLASS_KEYS = ("label", "class", "cls")  # a .json key that names the class, in this order
+_NAME = re.compile(r"[^A-Za-z0-9_]")
+
+
+def infer(samples):
+    """(Schema, label rule or None) of the sample dicts read from a shard (read.iter_samples).
+    ValueError (one line) when no sample holds a member a field can read."""
+    samples = [s for s in samples if not s["__key__"].startswith("__")]
+    if not samples:
+        raise ValueError("no samples to infer the fields from")
+    seen = collections.Counter(e for s in samples for e in s if not e.startswith("__"))
+    n = len(samples)
+    columns, label = [], None
+    images = sorted(e for e in seen if image_format(e) not in (None, "npy", "raw"))
+    for ext in images:
+        name = "image" if len(images) == 1 else _name(ext)
+        columns.append(Column(name, "image", ext, fit="center-crop", size=_common_size(samples, ext),
+                              optional=seen[ext] < n))
+    if "txt" in seen:
+        columns.append(Column("caption", "text", "txt", max_bytes=_text_cap(samples, "txt"), optional=seen["txt"] < n))
+    if "cls" in seen:
+        values = _texts(samples, "cls")
+        if looks_like_class(values):
+            label = "cls"
+            kind = "int" if all(_integer(v) for v in values) else "text"
+            columns.append(Column("label", kind, "cls", optional=seen["cls"] < n))
+        else:
+            columns.append(Column("cls", "text", "cls", max_bytes=_text_cap(samples, "cls"), optional=seen["cls"] < n))
+    if "json" in seen:
+        more, json_label = _json_columns(samples, {c.name for c in columns}, label is None)
+        columns += more
+        label = label or json_label
+    for ext in sorted(e for e in seen if e.rpartition(".")[2] == "npy"):
+        columns.append(Column(_name(ext), "array", ext, shape=_npy_shape(samples, ext), dtype="float32",
+                              optional=seen[ext] < n))
+    if not columns:
+        raise ValueError(f"no member a field can read (members: {', '.join(sorted(seen)) or 'none'}); "
+                         f"name the fields with --fields")
+    return Schema(columns), label
+
+
+def looks_like_class(values):
+    """True unless the values look like free text: long, or mostly distinct among enough samples.
+    Integers are class ids whatever their count (ImageNet's 1,000)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return False
+    if all(_integer(v) for v in values):
+        return True
+    if sum(len(v) for v in values) / len(values) > MAX_CLASS_TEXT:
+        return False
+    return len(values) < MIN_FOR_DISTINCT or len(set(values)) <= DISTINCT * len(values)
+
+
+def override(schema, given):
+    """The inferred schema with the columns of `given` (a Schema, from --fields) in place of
+    those of the same name, and the rest of `given` added after."""
+    if given is None:
+        return schema
+    by_name = {c.name: c for c in given.columns}
+    columns = [by_name.pop(c.name, c) for c in schema.columns] + list(by_name.values())
+    return Schema(columns, given.stages)
+
+
+def _json_columns(samples, taken, want_label):
+    """The fields of the .json members' top-level keys (numbers, strings, booleans), and the
+    label rule of a key that names a class (CLASS_KEYS) when `want_label`."""
+    docs = []
+    for s in samples:
+        try:
+            doc = json.loads(bytes(s["json"])) if s.get("json") is not None else None
+        except (ValueError, UnicodeDecodeError):
+            doc = None
+        docs.append(doc if isinstance(doc, dict) else None)
+    keys = collections.Counter(k for d in docs if d for k in d)
+    columns, label = [], None
+    for key in sorted(keys, key=lambda k: (k not in CLASS_KEYS, k)):
+        values = [d.get(key) for d in docs if d and key in d]
+        kind = _json_kind(values)
+        if kind is None or not re.fullmatch(r"[^.\s]+", key):
+            continue
+        name = _name(key)
+        if name in taken or name in RESERVED or any(name == t + x for t in taken for x in SUFFIXES):
+            name = "json_" + name  # "key", or "image_size" beside an image field: named apart
+        if want_label and label is None and key in CLASS_KEYS and kind in ("int", "text") \
+                and looks_like_class([str(v) for v in values]):
+            label = f"json:{key}"
+        cap = {"max_bytes": MAX_TEXT} if kind == "text" else {}
+        columns.append(Column(name, kind, f"json:{key}", optional=keys[key] < len(samples), **cap))
+        taken.add(name)
+    return columns, label
+
+
+def _json_kind(values):
+    if all(isinstance(v, bool) for v in values):
+        return "int"
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return "int"
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return "float"
+    if all(isinstance(v, str) for v in values):
+        return "text"
+    return None  # lists, objects, nulls and mixtures: name them with --fields
+
+
+def _name(ext):
+    name = _NAME.sub("_", ext)
+    return name if re.match(r"[A-Za-z_]", name) else "f_" + name
+
+
+def _texts(samples, ext):
+    out = []
+    for s in samples:
+        data = s.get(ext)
+        try:
+            out.append(bytes(data).decode("utf-8").strip() if data is not None else None)
+        except UnicodeDecodeError:
+            out.append("\ufffd" * (MAX_CLASS_TEXT + 1))  # not text: never a class name
+    return out
+
+
+def _integer(v):
+    return v is not None and re.fullmatch(r"[+-]?[0-9]+", v) is not None
+
+
+def _text_cap(samples, ext):
+    longest = max((len(s[ext]) for s in samples if s.get(ext) is not None), default=0)
+    return min(MAX_MEMBER, max(MAX_TEXT, 4 * longest))
+
+
+def _common_size(samples, ext):
+    """The most common (H, W) of the image member `ext` among the samples (header only)."""
+    from PIL import Image
+
+    sizes = collections.Counter()
+    for s in samples:
+        if s.get(ext) is None:
+            continue
+        try:
+            with Image.open(io.BytesIO(bytes(s[ext]))) as img:
+                sizes[img.size[::-1]] += 1
+        except Exception:  # noqa: BLE001 - an undecodable image is the index's to report, naming its sample
+            continue
+    if not sizes:
+        raise ValueError(f"no readable .{ext} image among the first {len(samples)} samples")
+    h, w = sizes.most_common(1)[0][0]
+    return min(h, MAX_SIDE), min(w, MAX_SIDE)  # larger images are the index's to refuse, naming one
+
+
+def _npy_shape(samples, ext):
+    """The largest size of each dimension among the .npy headers read."""
+    from numpy.lib import format as npformat
+
+    shape = None
+    for s in samples:
+        data = s.get(ext)
+        if data is None:
+            continue
+        try:
+            stream = io.BytesIO(bytes(data)[:NPY_HEADER])
+            version = npformat.read_magic(stream)
+            read = npformat.read_array_header_1_0 if version == (1, 0) else npformat.read_array_header_2_0
+            got = read(stream, max_header_size=NPY_HEADER)[0]
+        except Exception:  # noqa: BLE001 - the index or the reader names a bad .npy
+            continue
+        got = tuple(got) or (1,)
+        shape = got if shape is None or len(shape) != len(got) else tuple(max(a, b) for a, b in zip(shape, got))
+    if shape is None:
+        raise ValueError(f"no readable .{ext} array among the first {len(samples)} samples")
+    return shape
+
+
+def describe(schema, label):
+    """One line: 'fields: image (image .jpg 32x32), caption (text .txt), label (class .cls), ...'."""
+    parts = []
+    for c in schema.columns:
+        what = "class" if label and c.member == label else c.kind
+        where = c.member if ":" in c.member else "." + c.member
+        size = f" {c.size[0]}x{c.size[1]}" if c.kind == "image" else f" {'x'.join(map(str, c.shape))}" \
+            if c.kind == "array" else ""
+        parts.append(f"{c.name} ({what} {where}{size}{', optional' if c.optional else ''})")
+    return "fields: " + ", ".join(parts)

@@ -1,0 +1,278 @@
+"""A set opened by its URL with no manifest: indexed on first use, fields inferred from its members
+(pipeline.data.autoindex, pipeline.data.infer), read through the DataLoader face
+(pipeline.data.dataloader)."""
+import functools
+import http.server
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import HANG, Quiet, completed, encode_pil, foreign_image, launch_train, serving
+from pipeline.data import autoindex, infer
+from pipeline.errors import ShardError
+from pipeline.data.stream import MixedStream, resolve
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_captioned(folder, n, *, per_shard=20, cls=lambda i: str(i % 4), side=16, start=0):
+    """img2dataset's shape written by wds.ShardWriter: .jpg, .txt caption, .json of numbers (and
+    its own key), .cls from `cls(i)`. Returns the shard paths."""
+    import webdataset as wds
+
+    os.makedirs(folder, exist_ok=True)
+    with wds.ShardWriter(os.path.join(str(folder), "wds-%06d.tar"), maxcount=per_shard, verbose=0,
+                         start_shard=start) as sink:
+        for i in range(n):
+            sink.write({"__key__": f"{i:06d}", "jpg": encode_pil(foreign_image(i % 4, (side, side), i), "JPEG"),
+                        "txt": f"a small photo, number {i}, of class {i % 4}".encode(), "cls": cls(i).encode(),
+                        "json": json.dumps({"key": f"{i:06d}", "width": side, "height": side,
+                                            "similarity": 0.25 + i / 1000}).encode()})
+    return sorted(os.path.join(str(folder), f) for f in os.listdir(folder) if f.endswith(".tar"))
+
+
+def kinds(source):
+    return {c.name: (c.kind, c.member) for c in source.schema.columns}
+
+
+def test_an_img2dataset_set_infers_image_caption_class_and_the_json_numbers(tmp_path, capsys):
+    write_captioned(tmp_path / "set", 40)
+    src = resolve("web", str(tmp_path / "set"), "train")
+    assert kinds(src) == {"image": ("image", "jpg"), "caption": ("text", "txt"), "label": ("int", "cls"),
+                          "json_key": ("text", "json:key"), "width": ("int", "json:width"),
+                          "height": ("int", "json:height"), "similarity": ("float", "json:similarity")}
+    assert src.classes == ["0", "1", "2", "3"] and src.total == 40 and src.target.label == "cls"
+    assert autoindex.trainable(src).schema is None  # the trainer reads it as image and class
+    err = capsys.readouterr().err
+    assert "web-train: indexed on first use: 2 shards, 40 samples in " in err
+    assert "web-train: fields: image (image .jpg 16x16), caption (text .txt), label (class .cls), " in err
+    m = json.loads(open(src.manifest).read())
+    assert m["fields"][0]["name"] == "image" and m["origin"]["inferred"] is True  # the schema is in the index
+    assert os.path.dirname(os.path.dirname(src.manifest)) == str(tmp_path / "set" / autoindex.INDEX_FOLDER)
+
+
+def test_the_helpers_img2dataset_set_takes_its_class_from_the_json(tmp_path):
+    """tests/helpers.py's img2dataset layout (gzip, no .cls): the class is the .json's "label"."""
+    from helpers import write_img2dataset
+
+    write_img2dataset(tmp_path / "i2d", 40, gz=True)
+    src = resolve("i2d", str(tmp_path / "i2d"), "train")
+    assert kinds(src) == {"image": ("image", "jpg"), "caption": ("text", "txt"), "label": ("int", "json:label"),
+                          "json_key": ("text", "json:key"), "width": ("int", "json:width")}
+    assert src.target.label == "json:label" and src.classes == ["0", "1", "2", "3"]
+
+
+def test_a_thousand_way_free_text_member_is_text_not_a_class(tmp_path):
+    """The same set with a free-text .cls (each value its own, 1,000 of them): text, and the set
+    has no class (webdataset would have made a 1,000-way head of it)."""
+    write_captioned(tmp_path / "set", 1000, per_shard=250, side=8, cls=lambda i: f"item {i} of the shop")
+    src = resolve("web", f"{tmp_path}/set/*.tar", "train")
+    assert kinds(src)["cls"] == ("text", "cls") and "label" not in kinds(src)
+    assert src.classes == [] and src.total == 1000
+    assert autoindex.trainable(src).schema is not None  # no class: the trainer refuses it in one line
+
+
+def test_what_looks_like_a_class():
+    assert infer.looks_like_class([str(i % 1000) for i in range(256)])  # integers: ids, whatever their count
+    assert infer.looks_like_class(["cat", "dog", "ship"] * 10)
+    assert not infer.looks_like_class([f"a photo of a {w} on a sunny afternoon" for w in ("cat", "dog")] * 10)  # long
+    assert not infer.looks_like_class([f"item {i}" for i in range(40)])  # mostly distinct
+
+
+def test_json_keys_are_named_apart_from_reserved_and_added_batch_fields():
+    samples = [{"__key__": f"{i:03d}", "jpg": encode_pil(foreign_image(0, (8, 8), i), "JPEG"),
+                "json": json.dumps({"image_size": 3, "key": "k", "score": 0.5, "tags": ["a"]}).encode()}
+               for i in range(3)]
+    schema, label = infer.infer(samples)
+    assert [(c.name, c.member) for c in schema.columns] == [
+        ("image", "jpg"), ("json_image_size", "json:image_size"), ("json_key", "json:key"), ("score", "json:score")]
+    assert label is None  # lists are left to --fields
+
+
+def test_a_test_split_short_of_a_class_takes_the_training_split_s_classes(tmp_path):
+    """As the trainer resolves --eval NAME=SPEC: classes_from its training source."""
+    write_captioned(tmp_path / "train", 40)
+    write_captioned(tmp_path / "test", 12, cls=lambda i: str(i % 3))  # no sample of class 3
+    train = resolve("web", str(tmp_path / "train"), "train")
+    test = resolve("web", str(tmp_path / "test"), "test", classes_from=train)
+    assert test.classes == train.classes == ["0", "1", "2", "3"] and test.total == 12
+
+
+def test_fields_override_the_inferred_ones_of_the_same_name(tmp_path):
+    write_captioned(tmp_path / "set", 20)
+    src = resolve("web", str(tmp_path / "set"), "train", fields="caption:text=txt,max=100 score:float=json:similarity")
+    by_name = {c.name: c for c in src.schema.columns}
+    assert by_name["caption"].max_bytes == 100 and by_name["score"].kind == "float" and "width" in by_name
+
+
+def test_an_empty_folder_still_says_no_manifest(tmp_path):
+    with pytest.raises(ShardError, match="no manifest"):
+        resolve("web", str(tmp_path), "train")
+
+
+class Logged(Quiet, http.server.SimpleHTTPRequestHandler):
+    """Serves a folder and logs each request's method and path on the server."""
+
+    def do_GET(self):
+        self.server.log.append(("GET", self.path))
+        super().do_GET()
+
+    def do_HEAD(self):
+        self.server.log.append(("HEAD", self.path))
+        super().do_HEAD()
+
+
+def test_over_http_the_second_use_reads_no_shard_and_a_changed_shard_is_indexed_again(tmp_path, capsys):
+    shards = write_captioned(tmp_path / "set", 60)
+    with serving(functools.partial(Logged, directory=str(tmp_path / "set")), log=[]) as server:
+        spec = f"{server.url}wds-{{000000..000002}}.tar"
+        src = resolve("web", spec, "train", cache_dir=str(tmp_path / "cache"))
+        assert src.total == 60 and src.classes == ["0", "1", "2", "3"]
+        assert src.manifest.startswith(str(tmp_path / "cache" / "index"))  # not beside http shards
+        assert any(m == "GET" and p.endswith(".tar") for m, p in server.log)
+        assert "indexed on first use: 3 shards, 60 samples" in capsys.readouterr().err
+        server.log.clear()
+        again = resolve("web", spec, "train", cache_dir=str(tmp_path / "cache"))
+        assert again.manifest == src.manifest and again.total == 60
+        assert [p for m, p in server.log if m == "GET"] == ["/web-train.json"]  # the manifest looked for; no shard
+        assert "indexed" not in capsys.readouterr().err
+        write_captioned(tmp_path / "set", 7, start=1)  # shard 1 rewritten, 7 samples now
+        os.utime(shards[1], (1, 1))
+        server.log.clear()
+        changed = resolve("web", spec, "train", cache_dir=str(tmp_path / "cache"))
+        assert changed.total == 47 and changed.manifest != src.manifest
+        assert any(m == "GET" and p.endswith(".tar") for m, p in server.log)
+
+
+def test_a_cache_folder_that_cannot_be_written_is_one_line(tmp_path):
+    write_captioned(tmp_path / "set", 20)
+    (tmp_path / "file").write_text("not a folder")
+    with serving(functools.partial(Logged, directory=str(tmp_path / "set")), log=[]) as server:
+        with pytest.raises(ShardError, match=r"web=.*: cannot keep its index in .*/file/index .*--cache-dir"):
+            resolve("web", f"{server.url}wds-000000.tar", "train", cache_dir=str(tmp_path / "file"))
+
+
+def test_an_http_folder_with_no_manifest_asks_for_a_brace_pattern(tmp_path):
+    write_captioned(tmp_path / "set", 20)
+    with serving(functools.partial(Logged, directory=str(tmp_path)), log=[]) as server:
+        with pytest.raises(ShardError, match=r"cannot read manifest .*404.*cannot be listed.*brace pattern"):
+            resolve("web", f"{server.url}set/", "train")
+
+
+SCRIPT = """
+import sys, time
+from pipeline.data import autoindex
+from pipeline.data.stream import resolve
+build = autoindex.build
+autoindex.build = lambda *a, **kw: time.sleep(4) or build(*a, **kw)  # an index that takes a while
+print(resolve("web", sys.argv[1], "train", cache_dir=sys.argv[2]).total)
+"""
+
+
+def test_a_changed_local_shard_is_indexed_again(tmp_path, capsys):
+    write_captioned(tmp_path / "set", 40)
+    first = resolve("web", str(tmp_path / "set"), "train")
+    assert resolve("web", str(tmp_path / "set"), "train").manifest == first.manifest
+    assert capsys.readouterr().err.count("indexed on first use") == 1
+    write_captioned(tmp_path / "set", 5, start=1)  # shard 1 rewritten, 5 samples now
+    changed = resolve("web", str(tmp_path / "set"), "train")
+    assert changed.total == 25 and changed.manifest != first.manifest
+    assert "indexed on first use: 2 shards, 25 samples" in capsys.readouterr().err
+
+
+def test_processes_started_together_index_once(tmp_path):
+    """Ranks of one job open the set at the same moment: the first to take the lock indexes,
+    the others wait and read its index."""
+    write_captioned(tmp_path / "set", 200, per_shard=25)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, f"{tmp_path}/set/", str(tmp_path / "cache")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=HANG) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    assert [o.strip() for o, _ in outs] == ["200"] * 3
+    assert sum(e.count("indexed on first use") for _, e in outs) == 1, [e[-500:] for _, e in outs]
+
+
+def test_a_mid_epoch_state_through_the_dataloader_face_reads_every_sample_once(tmp_path):
+    from pipeline.data.dataloader import StatefulLoader
+    from pipeline.topology import Topology
+
+    write_captioned(tmp_path / "set", 96, per_shard=12)
+    src = autoindex.trainable(resolve("web", str(tmp_path / "set"), "train"))
+
+    def face():
+        stream = MixedStream([src], {"web": 1}, batch_size=8, topo=Topology(0, 1), seed=3)
+        return StatefulLoader(stream, num_workers=2)
+
+    whole = face()
+    everything = [k for b in whole for k in b["key"]]
+    whole.close()
+    first = face()
+    it = iter(first)
+    head = [k for _ in range(5) for k in next(it)["key"]]
+    state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint keeps it
+    first.close()
+    second = face()
+    second.load_state_dict(state)
+    tail = [k for b in second for k in b["key"]]
+    assert len(head) == 40 and sorted(head + tail) == sorted(everything) and len(set(everything)) == len(everything)
+    assert second.next_epoch == 1
+    nxt = [k for b in second for k in b["key"]]  # the next pass is epoch 1: every sample again, another order
+    second.close()
+    assert sorted(nxt) == sorted(everything) and nxt != everything
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["local", "http"])
+def test_a_shardwriter_set_trains_under_torchrun_with_no_index_step_and_no_fields(tmp_path, where):
+    """2 gloo ranks, --train and --eval of shards with no manifest (the test split a class short):
+    the first run indexes each once, the second reads the indexes it left."""
+    write_captioned(tmp_path / "set" / "train", 96, per_shard=12)
+    write_captioned(tmp_path / "set" / "test", 12, cls=lambda i: str(i % 3))
+    with serving(functools.partial(Logged, directory=str(tmp_path / "set")), log=[]) as server:
+        base = f"{tmp_path}/set/" if where == "local" else server.url
+        args = ["--train", f"web={base}train/wds-{{000000..000007}}.tar", "--eval", f"web={base}test/wds-000000.tar",
+                "--epochs", "1", "--batch-size", "8", "--workers", "1", "--width", "4",
+                "--cache-dir", tmp_path / "cache"]
+        for run in ("one", "two"):
+            p = completed(launch_train([*args, "--out", tmp_path / run]))
+            assert p.returncode == 0, p.stderr[-3000:]
+            summary = json.loads((tmp_path / run / "summary.json").read_text())
+            assert summary["epochs"][0]["batches"] == {"rank0": 6, "rank1": 6}
+            assert summary["eval"]["web"]["count"] == 12
+            assert p.stderr.count("indexed on first use") == (2 if run == "one" else 0), p.stderr[-3000:]
+
+
+def test_a_store_prefix_is_indexed_on_first_use_into_the_cache_folder(s3_server, tmp_path, capsys):
+    import boto3
+
+    from pipeline.data import storage
+
+    shards = write_captioned(tmp_path / "set", 40)
+    bucket = f"autoindex-{os.getpid()}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    for path in shards:
+        storage.put(path, f"s3://{bucket}/web/{os.path.basename(path)}")
+    src = resolve("web", f"s3://{bucket}/web", "train", cache_dir=str(tmp_path / "cache"))
+    assert src.total == 40 and src.classes == ["0", "1", "2", "3"] and src.urls[0].startswith(f"s3://{bucket}/web/")
+    assert src.manifest.startswith(str(tmp_path / "cache" / "index"))
+    assert "web-train: indexed on first use: 2 shards, 40 samples" in capsys.readouterr().err
+    assert resolve("web", f"s3://{bucket}/web/", "train", cache_dir=str(tmp_path / "cache")).manifest == src.manifest
+    assert "indexed" not in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_index_prints_its_three_runs_and_the_ratio(tmp_path):
+    from helpers import run_capture
+
+    r = run_capture([sys.executable, os.path.join(ROOT, "tools", "bench_index.py"), "--shards", "3", "--per-shard",
+                     "4", "--workers", "1", "--work-dir", str(tmp_path / "bench")], capture_output=True, text=True,
+                    timeout=HANG, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [json.loads(ln) for ln in r.stdout.splitlines()]
+    assert [ln.get("run") for ln in lines[:3]] == ["make_shards_index", "first_use", "cached"]
+    assert all(ln["samples"] == 12 and ln["seconds"] >= 0 for ln in lines[:3])
+    assert "first_use_over_make_shards" in lines[3]
