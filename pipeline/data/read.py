@@ -509,25 +509,31 @@ def _regular_kinds(headers):
 
 
 def _checked_keys(head, tail, image_ext, label_ext):
-    """The key bytes (n, key length) of samples whose image headers are `head` and label
-    headers `tail`, if every name reads as iter_samples would group it: KEY.image_ext then
-    KEY.label_ext, one key length, no dot, NUL or leading "__" in a key, a new key each
-    sample; else None. (The finders refuse POSIX name prefixes.)"""
-    name1, name2 = bytes(head[0, :100]).split(b"\0", 1)[0], bytes(tail[0, :100]).split(b"\0", 1)[0]
-    key_len = name1.rfind(b".")
-    if (key_len < 1 or name1[key_len + 1:] != image_ext.encode() or name2 != name1[:key_len + 1] + label_ext.encode()
-            or b"." in name1[:key_len] or name1.startswith(b"__") or head[0, 99] or tail[0, 99]):
+    """The key bytes (n, 100; NUL after each key) of samples whose image headers are `head`
+    and label headers `tail`, if every name reads as iter_samples would group it:
+    KEY.image_ext then KEY.label_ext, no dot, NUL or leading "__" in a key, a new key each
+    sample; else None. Keys may differ in length (`cat/0655`, `truck/3050`, as
+    tools/write_wds.py writes them). (The finders refuse POSIX name prefixes.)"""
+    names, tails = head[:, :100], tail[:, :100]
+    if names[:, 99].any() or tails[:, 99].any():  # a name of 100 bytes: iter_samples reads it another way
         return None
-    l1, l2 = len(name1), len(name2)  # each name ends in NUL at the same place in every sample
-    keys = np.ascontiguousarray(head[:, :key_len])  # the checks below, and the keys, read it contiguous
-    rows = keys.view(f"S{key_len}").ravel()  # NUL-free (checked), so no byte is lost to the S type
-    if not ((head[:, key_len:l1 + 1] == head[0, key_len:l1 + 1]).all()  # same extension, then NUL
-            and (tail[:, key_len:l2 + 1] == tail[0, key_len:l2 + 1]).all()
-            and (keys == tail[:, :key_len]).all()
-            and keys.min() and not (keys == 46).any()  # no NUL, no dot in a key
-            and (keys[:, -1] != 47).all()  # a key ends before its dot, not in a folder's slash
+    ends = (names == 0).argmax(axis=1)  # each name's length: its first NUL
+    image, label = b"." + image_ext.encode(), b"." + label_ext.encode()
+    key_len = ends - len(image)
+    if key_len.min() < 1 or ((tails == 0).argmax(axis=1) != key_len + len(label)).any():
+        return None
+    rows = np.arange(len(names))[:, None]
+    if not ((names[rows, key_len[:, None] + np.arange(len(image))] == np.frombuffer(image, np.uint8)).all() and
+            (tails[rows, key_len[:, None] + np.arange(len(label))] == np.frombuffer(label, np.uint8)).all()):
+        return None
+    inside = np.arange(100) < key_len[:, None]
+    keys = np.where(inside, names, 0).astype(np.uint8)  # the checks below, and the keys, read it contiguous
+    texts = keys.view("S100").ravel()  # a key holds no NUL, so the S type drops only the padding
+    if not ((keys == np.where(inside, tails, 0)).all()
+            and not ((keys == 46) & inside).any()  # no dot in a key
+            and (names[rows[:, 0], key_len - 1] != 47).all()  # a key ends before its dot, not in a folder's slash
             and not ((head[:, 0] == 95) & (head[:, 1] == 95)).any()  # webdataset skips top-level __*__ names
-            and (rows[1:] != rows[:-1]).all()):
+            and (texts[1:] != texts[:-1]).all()):
         return None
     return keys
 
