@@ -4,6 +4,7 @@ import io
 import os
 import json
 import struct
+import sys
 import time
 import zlib
 
@@ -12,10 +13,20 @@ import pytest
 from PIL import Image
 
 from helpers import HANG, handmade_png, pil_png, pixels, run_capture
-from pipeline.data import decode, png
+from pipeline.data import decode, jpeg, png, turbo
 from pipeline.data.decode import Target
 
 SHAPES = [(1, 28, 28), (3, 32, 32), (3, 5, 7)]
+
+
+@pytest.fixture
+def without_simplejpeg(monkeypatch):
+    """simplejpeg not installed (`import simplejpeg` fails): JPEGs go torchvision's and PIL's way."""
+    monkeypatch.setitem(sys.modules, "simplejpeg", None)
+    turbo._module.cache_clear()
+    yield
+    monkeypatch.undo()
+    turbo._module.cache_clear()
 
 
 def encoded(a, fmt, **kw):
@@ -47,7 +58,7 @@ def test_a_batch_decodes_at_once_whichever_path_each_image_took(shape):
 
 @pytest.mark.parametrize("shape", [(3, 32, 32), (1, 28, 28)])
 @pytest.mark.parametrize("cut_scan", [False, True])
-def test_a_jpeg_batch_decodes_as_each_image_does_alone(shape, cut_scan, monkeypatch):
+def test_a_jpeg_batch_decodes_as_each_image_does_alone(shape, cut_scan, monkeypatch, without_simplejpeg):
     """The batch's one libjpeg-turbo call gives exactly what decode_image gives image by image
     (pixels, random crops, refusals, PIL's draft path for large ones); a JPEG whose scan is
     cut short makes that call fail, and the batch then goes image by image."""
@@ -77,7 +88,7 @@ def test_a_jpeg_batch_decodes_as_each_image_does_alone(shape, cut_scan, monkeypa
     assert len(kept) == 5 and [i for i, _ in errors][-2:] == [len(datas) - 2, len(datas) - 1]
 
 
-def test_a_jpeg_batch_holds_at_most_one_call_budget_of_full_size_pixels(monkeypatch):
+def test_a_jpeg_batch_holds_at_most_one_call_budget_of_full_size_pixels(monkeypatch, without_simplejpeg):
     """torchvision's call keeps every image it decodes until it returns: wide JPEGs that the
     bounds let through at full size (60x1900 for a 32x32 target) go in calls of at most
     JPEG_CALL_PIXELS together, not one call of the whole batch (128 such images of 100 KB at

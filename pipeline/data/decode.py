@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.data import bounds, jpeg, png
+from pipeline.data import bounds, jpeg, png, turbo
 from pipeline.errors import cut
 
 IMAGE_EXTS = ("raw", "png", "jpg", "jpeg", "webp", "ppm", "pgm", "bmp", "tif", "tiff", "gif", "npy")
@@ -344,8 +344,31 @@ def decode_batch(images, exts, target, crops=None):
     if exts and all(e == "png" for e in exts):
         return _png_fast(images, exts, target, crops)
     if exts and all(e in ("jpg", "jpeg") for e in exts):
-        return _jpeg_batch(images, exts, target, crops)
+        return (_turbo_batch if turbo.available() else _jpeg_batch)(images, exts, target, crops)
     return _each(images, exts, target, crops, range(len(images)))
+
+
+def _turbo_batch(images, exts, target, crops):
+    """JPEGs as `decode_image` decodes them, with simplejpeg (`pipeline.data.turbo`): each
+    of exactly the target's size and upright straight into the batch's buffer, the others
+    through decode_image. Its headers are read first, each checked before its pixels."""
+    c, h, w = shape = tuple(target.shape)
+    out = np.empty((len(images), h, w, c), np.uint8)
+    kept, errors = [], []
+    for i, data in enumerate(images):
+        row = out[len(kept)]
+        try:
+            head = jpeg.header(data)
+            if (head.height, head.width, head.orientation) == (h, w, 1) and head.components in turbo.COLOUR:
+                bounds.check(w, h, shape, "jpg")
+                if turbo.into(row, data, c):
+                    kept.append(i)
+                    continue
+            row[...] = decode_image(data, exts[i], shape, None if crops is None else crops[i]).transpose(1, 2, 0)
+            kept.append(i)
+        except ValueError as e:
+            errors.append((i, str(e)))
+    return np.ascontiguousarray(out[:len(kept)].transpose(0, 3, 1, 2)), kept, errors
 
 
 def _jpeg_batch(images, exts, target, crops):
@@ -491,7 +514,11 @@ def _decode_image(data, ext, shape, crop):
         head = jpeg.header(data)
         ih, iw = head.upright
         bounds.check(iw, ih, shape, ext)
-        if _direct(ih, iw, shape):
+        if turbo.available() and head.components in turbo.COLOUR:
+            pixels = turbo.decode(data, head, shape)
+            if pixels is not None:
+                return fit(pixels, shape, crop)
+        if _direct(ih, iw, shape):  # without simplejpeg, or what it refused: as before it came
             pixels = _torchvision_jpeg(data, c, (ih, iw))
             if pixels is not None:
                 return fit(pixels, shape, crop)
