@@ -363,3 +363,92 @@ def test_npy_goes_through_the_bounds_check_for_its_target():
     np.save(buf, np.zeros((2, 2000), np.uint8))
     with pytest.raises(ValueError, match="elongated"):
         decode.decode_image(buf.getvalue(), "npy", (1, 8, 8))
+
+
+def smooth(c, h, w, seed=0):
+    """uint8 CHW gradients (lossy formats keep them), shifted by `seed`."""
+    yy, xx = np.mgrid[:h, :w]
+    return np.stack([(xx * 200 // w + yy * 40 // h + 30 * k + seed) % 256 for k in range(c)]).astype(np.uint8)
+
+
+def exif_rotated(a, orientation):
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return encoded(a, "JPEG", quality=95, exif=exif.tobytes())
+
+
+def jpeg_cases(shape):
+    """JPEGs of every kind decode_batch meets: the target's size in its own mode and the other,
+    stored sideways, larger (DCT-scaled with simplejpeg), CMYK, a cut scan, not a JPEG, too elongated."""
+    c, h, w = shape
+    cmyk = io.BytesIO()
+    Image.fromarray(smooth(3, h, w, 5).transpose(1, 2, 0)).convert("CMYK").save(cmyk, format="JPEG", quality=95)
+    good = encoded(smooth(c, h, w, 1), "JPEG", quality=95)
+    sos = good.find(b"\xff\xda")
+    return [encoded(smooth(c, h, w, 2), "JPEG", quality=95), encoded(smooth(4 - c, h, w, 3), "JPEG", quality=95),
+            exif_rotated(smooth(c, w, h, 4), 6), encoded(smooth(c, 3 * h + 4, 3 * w + 5, 6), "JPEG", quality=95),
+            cmyk.getvalue(), good[:sos + 4 + int.from_bytes(good[sos + 2:sos + 4], "big") + 10],
+            b"\xff\xd8 not a jpeg", encoded(smooth(c, 4, 400), "JPEG"), good]
+
+
+@pytest.mark.parametrize("shape", [(3, 32, 32), (1, 28, 28)])
+def test_jpegs_decode_the_same_with_simplejpeg_and_without(shape, monkeypatch):
+    """simplejpeg (pipeline.data.turbo) or, where it is missing, torchvision and PIL: the same
+    images kept, the same refusals, the same pixels for every image decoded at its own size
+    (both are libjpeg-turbo), and within a mean of 6 levels for one simplejpeg decodes at a
+    smaller DCT scale before the resize (3/8 here, where PIL's draft mode takes 1/2)."""
+    pytest.importorskip("simplejpeg")
+    datas = jpeg_cases(shape)
+    crops = np.random.default_rng(0).random((len(datas), 2))
+    target = Target(shape, ("jpg",))
+    assert turbo.available()
+    with_turbo = decode.decode_batch(datas, ["jpg"] * len(datas), target, crops)
+    monkeypatch.setitem(sys.modules, "simplejpeg", None)
+    turbo._module.cache_clear()
+    try:
+        assert not turbo.available()
+        without = decode.decode_batch(datas, ["jpg"] * len(datas), target, crops)
+    finally:
+        monkeypatch.undo()
+        turbo._module.cache_clear()
+    (out, kept, errors), (out0, kept0, errors0) = with_turbo, without
+    assert kept == kept0 == [0, 1, 2, 3, 4, 8] and errors == errors0
+    same = [kept.index(i) for i in (0, 1, 2, 4, 8)]
+    assert (out[same] == out0[same]).all()
+    scaled = kept.index(3)
+    assert np.abs(out[scaled].astype(int) - out0[scaled]).mean() <= 6  # 4.4 seen: another scale, another resize
+
+
+@pytest.mark.parametrize("shape", [(3, 32, 32), (1, 28, 28)])
+def test_a_jpeg_batch_with_simplejpeg_decodes_as_each_image_does_alone(shape):
+    """The batch's straight-into-the-buffer path gives exactly what decode_image gives."""
+    pytest.importorskip("simplejpeg")
+    datas = jpeg_cases(shape)
+    crops = np.random.default_rng(1).random((len(datas), 2))
+    out, kept, errors = decode.decode_batch(datas, ["jpg"] * len(datas), Target(shape, ("jpg",)), crops)
+    alone_out, alone_kept, alone_errors = [], [], []
+    for i, d in enumerate(datas):
+        try:
+            alone_out.append(decode.decode_image(d, "jpg", shape, crops[i]))
+            alone_kept.append(i)
+        except ValueError as e:
+            alone_errors.append((i, str(e)))
+    assert kept == alone_kept and errors == alone_errors and (out == np.stack(alone_out)).all()
+
+
+def test_a_remembered_jpeg_header_is_only_reused_for_the_same_bytes():
+    """jpeg.header remembers a header by the bytes up to the first scan: a JPEG that starts
+    with them still has its scans counted (a scan bomb is refused), one that differs in a
+    byte of its frame header reads its own size."""
+    a = smooth(3, 16, 24)
+    data = encoded(a, "JPEG", progressive=True)
+    assert jpeg.header(data).upright == (16, 24)
+    last, end = data.rfind(b"\xff\xda"), data.rfind(b"\xff\xd9")
+    bomb = data[:end] + data[last:end] * (jpeg.MAX_SCANS + 1) + data[end:]
+    with pytest.raises(ValueError, match="scans"):
+        jpeg.header(bomb)
+    taller = bytearray(data)
+    sof = data.find(b"\xff\xc2")
+    taller[sof + 5:sof + 7] = (4000).to_bytes(2, "big")
+    assert jpeg.header(bytes(taller)).upright == (4000, 24)
+    assert jpeg.header(data).upright == (16, 24)

@@ -355,12 +355,16 @@ def _turbo_batch(images, exts, target, crops):
     c, h, w = shape = tuple(target.shape)
     out = np.empty((len(images), h, w, c), np.uint8)
     kept, errors = [], []
+    try:
+        bounds.check(w, h, shape, "jpg")  # what bounds says of every image of the target's own size
+        exact = (h, w, 1)
+    except ValueError:
+        exact = None  # each goes through decode_image, which says why
     for i, data in enumerate(images):
         row = out[len(kept)]
         try:
             head = jpeg.header(data)
-            if (head.height, head.width, head.orientation) == (h, w, 1) and head.components in turbo.COLOUR:
-                bounds.check(w, h, shape, "jpg")
+            if (head.height, head.width, head.orientation) == exact and head.components in turbo.COLOUR:
                 if turbo.into(row, data, c):
                     kept.append(i)
                     continue
