@@ -215,6 +215,34 @@ def test_regular_reads_wds_tarwriter_shards_exactly_as_the_sequential_reader(ext
     assert [bytes(x) for x in images] == want_images and keys[4] == "train/1/0004"
 
 
+def test_regular_reads_damaged_mtime_pax_headers_as_the_sequential_reader():
+    """wds.TarWriter's PAX headers hold one mtime record each and are checked for all members at
+    once (read._mtime_only): any byte of one changed reads as iter_samples reads it, or is left
+    to it (None), never otherwise."""
+    import webdataset as wds
+
+    out = io.BytesIO()
+    with wds.TarWriter(out) as sink:
+        for i in range(4):
+            sink.write({"__key__": f"k{i}", "jpg": bytes([i]) * 20, "cls": str(i).encode()})
+    buf = out.getvalue()
+    body = 2 * 1024 + 512  # the third member's PAX body
+    size = int(buf[body - 512 + 124:body - 512 + 135], 8)
+    assert read.regular(buf, "jpg", "cls") is not None and b"mtime=" in buf[body:body + size]
+    for at in range(size):
+        for byte in b"0 =.\n\0x9":
+            damaged = bytearray(buf)
+            damaged[body + at] = byte
+            found = read.regular(bytes(damaged), "jpg", "cls")
+            try:
+                want = sequential(bytes(damaged), "jpg")
+            except ShardError:
+                want = None
+            if found is not None:
+                keys, images, labels = found
+                assert (keys, [bytes(x) for x in images], labels.tolist()) == want, (at, byte)
+
+
 def test_regular_leaves_pax_headers_that_change_a_member_to_the_sequential_reader():
     members = [("a.raw", b"x" * 9), ("a.cls", b"1"), ("b.raw", b"y" * 9), ("b.cls", b"2")]
     for pax in ({"path": "z.raw"}, {"size": "9"}, {"GNU.sparse.size": "9"}):

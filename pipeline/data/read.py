@@ -509,15 +509,16 @@ def _regular_kinds(headers):
 
 
 def _checked_keys(head, tail, image_ext, label_ext):
-    """The key bytes (n, 100; NUL after each key) of samples whose image headers are `head`
+    """The key bytes (n, longest name; NUL after each key) of samples whose image headers are `head`
     and label headers `tail`, if every name reads as iter_samples would group it:
     KEY.image_ext then KEY.label_ext, no dot, NUL or leading "__" in a key, a new key each
     sample; else None. Keys may differ in length (`cat/0655`, `truck/3050`, as
     tools/write_wds.py writes them). (The finders refuse POSIX name prefixes.)"""
-    names, tails = head[:, :100], tail[:, :100]
-    if names[:, 99].any() or tails[:, 99].any():  # a name of 100 bytes: iter_samples reads it another way
+    if head[:, 99].any() or tail[:, 99].any():  # a name of 100 bytes: iter_samples reads it another way
         return None
-    ends = (names == 0).argmax(axis=1)  # each name's length: its first NUL
+    ends = (head[:, :100] == 0).argmax(axis=1)  # each name's length: its first NUL
+    width = int(ends.max()) + 1  # the columns any name reaches: the checks below look at no others
+    names, tails = head[:, :width], tail[:, :width]
     image, label = b"." + image_ext.encode(), b"." + label_ext.encode()
     key_len = ends - len(image)
     if key_len.min() < 1 or ((tails == 0).argmax(axis=1) != key_len + len(label)).any():
@@ -526,9 +527,9 @@ def _checked_keys(head, tail, image_ext, label_ext):
     if not ((names[rows, key_len[:, None] + np.arange(len(image))] == np.frombuffer(image, np.uint8)).all() and
             (tails[rows, key_len[:, None] + np.arange(len(label))] == np.frombuffer(label, np.uint8)).all()):
         return None
-    inside = np.arange(100) < key_len[:, None]
-    keys = np.where(inside, names, 0).astype(np.uint8)  # the checks below, and the keys, read it contiguous
-    texts = keys.view("S100").ravel()  # a key holds no NUL, so the S type drops only the padding
+    inside = np.arange(width) < key_len[:, None]
+    keys = np.where(inside, names, np.uint8(0))  # the checks below, and the keys, read it contiguous
+    texts = keys.view(f"S{width}").ravel()  # a key holds no NUL, so the S type drops only the padding
     if not ((keys == np.where(inside, tails, 0)).all()
             and not ((keys == 46) & inside).any()  # no dot in a key
             and (names[rows[:, 0], key_len - 1] != 47).all()  # a key ends before its dot, not in a folder's slash
@@ -560,7 +561,9 @@ def _past_pax(buf, at, headers, sizes):
     kinds = headers[:, 156]
     if len(at) % 2 or not (kinds[0::2] == _PAX).all() or (kinds[1::2] == _PAX).any():
         return None
-    for a, size in zip(((at[0::2] + 1) * 512).tolist(), sizes[0::2].tolist()):
+    starts, lengths = (at[0::2] + 1) * 512, sizes[0::2]
+    other = np.flatnonzero(~_mtime_only(np.frombuffer(buf, np.uint8, len(buf)), starts, lengths))
+    for a, size in zip(starts[other].tolist(), lengths[other].tolist()):
         if size > 1 << 20:
             return None
         try:
@@ -569,6 +572,34 @@ def _past_pax(buf, at, headers, sizes):
         except ShardError:
             return None
     return at[1::2], headers[1::2], sizes[1::2]
+
+
+def _mtime_only(flat, starts, sizes):
+    """Which PAX bodies at `starts` hold one well-formed record and it is an mtime (as
+    wds.TarWriter writes them: "27 mtime=1796506195.041254\n"), checked for all at once,
+    those of each length (a few: the time's digits vary) against the first of it.
+    `_pax_records` reads {} from each, so only the others are parsed one by one."""
+    ok = np.zeros(len(starts), bool)
+    lengths = np.unique(sizes)
+    for size in lengths[lengths <= 64].tolist()[:8]:
+        pick = np.flatnonzero(sizes == size)
+        ok[pick] = _mtime_rows(flat, starts[pick], size)
+    return ok
+
+
+def _mtime_rows(flat, starts, size):
+    """_mtime_only for bodies of one `size`: their bytes match the first's up to the time,
+    with digits and a point in the time and a newline at the end."""
+    first = bytes(flat[starts[0]:starts[0] + size])
+    head, _, rest = first.partition(b" ")
+    if not (head.isdigit() and 1 <= len(head) <= 3 and int(head) == size and rest.startswith(b"mtime=")
+            and first.endswith(b"\n")):
+        return False
+    fixed = len(head) + 7  # "27 mtime=": the same in each
+    rows = flat[starts[:, None] + np.arange(size)]
+    time = rows[:, fixed:size - 1]
+    return ((rows[:, :fixed] == rows[0, :fixed]).all(axis=1) & (rows[:, size - 1] == 10)
+            & (((time - np.uint8(48)) <= 9) | (time == 46)).all(axis=1))
 
 
 _USTAR = int.from_bytes(b"ustar", "little")
