@@ -219,14 +219,10 @@ def test_regular_reads_damaged_mtime_pax_headers_as_the_sequential_reader():
     """wds.TarWriter's PAX headers hold one mtime record each and are checked for all members at
     once (read._mtime_only): any byte of one changed reads as iter_samples reads it, or is left
     to it (None), never otherwise."""
-    import webdataset as wds
-
-    out = io.BytesIO()
-    with wds.TarWriter(out) as sink:
-        for i in range(4):
-            sink.write({"__key__": f"k{i}", "jpg": bytes([i]) * 20, "cls": str(i).encode()})
-    buf = out.getvalue()
-    body = 2 * 1024 + 512  # the third member's PAX body
+    members = [(f"k{i}.{ext}", bytes([i]) * 20 if ext == "jpg" else str(i).encode())
+               for i in range(4) for ext in ("jpg", "cls")]
+    buf = pax_tar(members, lambda name: {"mtime": "1796506823.467961"})  # as wds.TarWriter's, one length
+    body = 3 * 2048 + 512  # the fourth member's PAX body: not the first of its length
     size = int(buf[body - 512 + 124:body - 512 + 135], 8)
     assert read.regular(buf, "jpg", "cls") is not None and b"mtime=" in buf[body:body + size]
     for at in range(size):
