@@ -362,12 +362,14 @@ def _turbo_batch(images, exts, target, crops):
         exact = (h, w, 1)
     except ValueError:
         exact = None  # each goes through decode_image, which says why
+    into, direct = turbo.into, None  # direct: the last header of the target's size seen (most are the same one)
     for i, data in enumerate(images):
-        row = out[len(kept)]
         try:
             head = jpeg.header(data)
-            if (head.height, head.width, head.orientation) == exact and head.components in turbo.COLOUR:
-                if turbo.into(row, data, c):
+            if head is direct or (head.height, head.width, head.orientation) == exact and \
+                    head.components in turbo.COLOUR:
+                direct = head
+                if into(out[len(kept)], data, c):
                     kept.append(i)
                     continue
             other[len(kept)] = decode_image(data, exts[i], shape, None if crops is None else crops[i])
@@ -377,8 +379,8 @@ def _turbo_batch(images, exts, target, crops):
     if not other:
         return np.ascontiguousarray(out[:len(kept)].transpose(0, 3, 1, 2)), kept, errors
     pixels = np.empty((len(kept), c, h, w), np.uint8)
-    direct = [k for k in range(len(kept)) if k not in other]
-    pixels[direct] = out[direct].transpose(0, 3, 1, 2)
+    done = [k for k in range(len(kept)) if k not in other]
+    pixels[done] = out[done].transpose(0, 3, 1, 2)
     for k, chw in other.items():
         pixels[k] = chw
     return pixels, kept, errors

@@ -47,13 +47,14 @@ def header(data):
     frame header, EXIF), so a header is remembered by those bytes: bytes that start with them
     read the same Header by the same steps, and only their scans are counted. The walk costs
     more than a small JPEG's decode takes beside it."""
-    if isinstance(data, bytes):
+    if type(data) is bytes:
         for prefix, at, head in _known:
             if data.startswith(prefix):
-                _check_scans(data, at)
+                if data.count(b"\xff\xda", at) >= MAX_SCANS:  # scans past the first
+                    _check_scans(data, at)
                 return head
     head, prefix, at = _walk(data)
-    if isinstance(data, bytes):
+    if type(data) is bytes:
         _known[:] = [(prefix, at, head)] + _known[:KNOWN - 1]
     return head
 
