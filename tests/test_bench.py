@@ -128,7 +128,7 @@ def test_memory_entries(record):
 
 @SLOW
 @pytest.mark.xdist_group("bench-record")  # shares the module's fixture run
-def test_profile_ceiling_and_decoders(record):
+def test_profile_ceiling_and_jpeg_path(record):
     assert record["profile"]["top"] and record["profile"]["samples"] == 256
     assert record["profile"]["method"] == "C" and record["profile_c8"]["method"] == "C8"
     assert record["profile_c8"]["top"] and record["profile_c8"]["samples"] == 256
@@ -141,8 +141,11 @@ def test_profile_ceiling_and_decoders(record):
         enc = e["encoding"] or "raw"  # the peers (where installed) hold the raw shards' pixels
         ceiling = next(c for c in record["read_ceiling"] if c["encoding"] == enc)["samples_per_s"]["median"]
         assert e["ceiling_share_cpu"] == pytest.approx(e["samples_per_cpu_s"]["median"] / ceiling)
-    chosen = {r["images"]: r["decoder"] for r in record["decoders"] if r["chosen"]}
-    assert chosen == {"32x32 -> 32x32": "torchvision.io.decode_jpeg", "128x128 -> 32x32": "PIL draft"}
+    rows = {(r["set"], r["what"]): r for r in record["jpeg"]}  # the JPEG path beside each bare decoder
+    for name in ("small", "large"):
+        assert {(name, w) for w in ("torchvision", "stream, 0 workers", "stream, 2 workers")} <= set(rows)
+    assert all(r["samples_per_cpu_s"]["median"] > 0 and r["of_best"] > 0 for r in rows.values())
+    assert max(r["of_best"] for r in rows.values() if not r["what"].startswith("stream")) == 1
 
 
 @SLOW

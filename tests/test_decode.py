@@ -4,6 +4,7 @@ import io
 import os
 import json
 import struct
+import sys
 import time
 import zlib
 
@@ -12,10 +13,20 @@ import pytest
 from PIL import Image
 
 from helpers import HANG, handmade_png, pil_png, pixels, run_capture
-from pipeline.data import decode, png
+from pipeline.data import decode, jpeg, png, turbo
 from pipeline.data.decode import Target
 
 SHAPES = [(1, 28, 28), (3, 32, 32), (3, 5, 7)]
+
+
+@pytest.fixture
+def without_simplejpeg(monkeypatch):
+    """simplejpeg not installed (`import simplejpeg` fails): JPEGs go torchvision's and PIL's way."""
+    monkeypatch.setitem(sys.modules, "simplejpeg", None)
+    turbo._module.cache_clear()
+    yield
+    monkeypatch.undo()
+    turbo._module.cache_clear()
 
 
 def encoded(a, fmt, **kw):
@@ -47,7 +58,7 @@ def test_a_batch_decodes_at_once_whichever_path_each_image_took(shape):
 
 @pytest.mark.parametrize("shape", [(3, 32, 32), (1, 28, 28)])
 @pytest.mark.parametrize("cut_scan", [False, True])
-def test_a_jpeg_batch_decodes_as_each_image_does_alone(shape, cut_scan, monkeypatch):
+def test_a_jpeg_batch_decodes_as_each_image_does_alone(shape, cut_scan, monkeypatch, without_simplejpeg):
     """The batch's one libjpeg-turbo call gives exactly what decode_image gives image by image
     (pixels, random crops, refusals, PIL's draft path for large ones); a JPEG whose scan is
     cut short makes that call fail, and the batch then goes image by image."""
@@ -77,7 +88,7 @@ def test_a_jpeg_batch_decodes_as_each_image_does_alone(shape, cut_scan, monkeypa
     assert len(kept) == 5 and [i for i, _ in errors][-2:] == [len(datas) - 2, len(datas) - 1]
 
 
-def test_a_jpeg_batch_holds_at_most_one_call_budget_of_full_size_pixels(monkeypatch):
+def test_a_jpeg_batch_holds_at_most_one_call_budget_of_full_size_pixels(monkeypatch, without_simplejpeg):
     """torchvision's call keeps every image it decodes until it returns: wide JPEGs that the
     bounds let through at full size (60x1900 for a 32x32 target) go in calls of at most
     JPEG_CALL_PIXELS together, not one call of the whole batch (128 such images of 100 KB at
@@ -352,3 +363,92 @@ def test_npy_goes_through_the_bounds_check_for_its_target():
     np.save(buf, np.zeros((2, 2000), np.uint8))
     with pytest.raises(ValueError, match="elongated"):
         decode.decode_image(buf.getvalue(), "npy", (1, 8, 8))
+
+
+def smooth(c, h, w, seed=0):
+    """uint8 CHW gradients (lossy formats keep them), shifted by `seed`."""
+    yy, xx = np.mgrid[:h, :w]
+    return np.stack([(xx * 200 // w + yy * 40 // h + 30 * k + seed) % 256 for k in range(c)]).astype(np.uint8)
+
+
+def exif_rotated(a, orientation):
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return encoded(a, "JPEG", quality=95, exif=exif.tobytes())
+
+
+def jpeg_cases(shape):
+    """JPEGs of every kind decode_batch meets: the target's size in its own mode and the other,
+    stored sideways, larger (DCT-scaled with simplejpeg), CMYK, a cut scan, not a JPEG, too elongated."""
+    c, h, w = shape
+    cmyk = io.BytesIO()
+    Image.fromarray(smooth(3, h, w, 5).transpose(1, 2, 0)).convert("CMYK").save(cmyk, format="JPEG", quality=95)
+    good = encoded(smooth(c, h, w, 1), "JPEG", quality=95)
+    sos = good.find(b"\xff\xda")
+    return [encoded(smooth(c, h, w, 2), "JPEG", quality=95), encoded(smooth(4 - c, h, w, 3), "JPEG", quality=95),
+            exif_rotated(smooth(c, w, h, 4), 6), encoded(smooth(c, 3 * h + 4, 3 * w + 5, 6), "JPEG", quality=95),
+            cmyk.getvalue(), good[:sos + 4 + int.from_bytes(good[sos + 2:sos + 4], "big") + 10],
+            b"\xff\xd8 not a jpeg", encoded(smooth(c, 4, 400), "JPEG"), good]
+
+
+@pytest.mark.parametrize("shape", [(3, 32, 32), (1, 28, 28)])
+def test_jpegs_decode_the_same_with_simplejpeg_and_without(shape, monkeypatch):
+    """simplejpeg (pipeline.data.turbo) or, where it is missing, torchvision and PIL: the same
+    images kept, the same refusals, the same pixels for every image decoded at its own size
+    (both are libjpeg-turbo), and within a mean of 6 levels for one simplejpeg decodes at a
+    smaller DCT scale before the resize (3/8 here, where PIL's draft mode takes 1/2)."""
+    pytest.importorskip("simplejpeg")
+    datas = jpeg_cases(shape)
+    crops = np.random.default_rng(0).random((len(datas), 2))
+    target = Target(shape, ("jpg",))
+    assert turbo.available()
+    with_turbo = decode.decode_batch(datas, ["jpg"] * len(datas), target, crops)
+    monkeypatch.setitem(sys.modules, "simplejpeg", None)
+    turbo._module.cache_clear()
+    try:
+        assert not turbo.available()
+        without = decode.decode_batch(datas, ["jpg"] * len(datas), target, crops)
+    finally:
+        monkeypatch.undo()
+        turbo._module.cache_clear()
+    (out, kept, errors), (out0, kept0, errors0) = with_turbo, without
+    assert kept == kept0 == [0, 1, 2, 3, 4, 8] and errors == errors0
+    same = [kept.index(i) for i in (0, 1, 2, 4, 8)]
+    assert (out[same] == out0[same]).all()
+    scaled = kept.index(3)
+    assert np.abs(out[scaled].astype(int) - out0[scaled]).mean() <= 6  # 4.4 seen: another scale, another resize
+
+
+@pytest.mark.parametrize("shape", [(3, 32, 32), (1, 28, 28)])
+def test_a_jpeg_batch_with_simplejpeg_decodes_as_each_image_does_alone(shape):
+    """The batch's straight-into-the-buffer path gives exactly what decode_image gives."""
+    pytest.importorskip("simplejpeg")
+    datas = jpeg_cases(shape)
+    crops = np.random.default_rng(1).random((len(datas), 2))
+    out, kept, errors = decode.decode_batch(datas, ["jpg"] * len(datas), Target(shape, ("jpg",)), crops)
+    alone_out, alone_kept, alone_errors = [], [], []
+    for i, d in enumerate(datas):
+        try:
+            alone_out.append(decode.decode_image(d, "jpg", shape, crops[i]))
+            alone_kept.append(i)
+        except ValueError as e:
+            alone_errors.append((i, str(e)))
+    assert kept == alone_kept and errors == alone_errors and (out == np.stack(alone_out)).all()
+
+
+def test_a_remembered_jpeg_header_is_only_reused_for_the_same_bytes():
+    """jpeg.header remembers a header by the bytes up to the first scan: a JPEG that starts
+    with them still has its scans counted (a scan bomb is refused), one that differs in a
+    byte of its frame header reads its own size."""
+    a = smooth(3, 16, 24)
+    data = encoded(a, "JPEG", progressive=True)
+    assert jpeg.header(data).upright == (16, 24)
+    last, end = data.rfind(b"\xff\xda"), data.rfind(b"\xff\xd9")
+    bomb = data[:end] + data[last:end] * (jpeg.MAX_SCANS + 1) + data[end:]
+    with pytest.raises(ValueError, match="scans"):
+        jpeg.header(bomb)
+    taller = bytearray(data)
+    sof = data.find(b"\xff\xc2")
+    taller[sof + 5:sof + 7] = (4000).to_bytes(2, "big")
+    assert jpeg.header(bytes(taller)).upright == (4000, 24)
+    assert jpeg.header(data).upright == (16, 24)

@@ -215,6 +215,30 @@ def test_regular_reads_wds_tarwriter_shards_exactly_as_the_sequential_reader(ext
     assert [bytes(x) for x in images] == want_images and keys[4] == "train/1/0004"
 
 
+def test_regular_reads_damaged_mtime_pax_headers_as_the_sequential_reader():
+    """wds.TarWriter's PAX headers hold one mtime record each and are checked for all members at
+    once (read._mtime_only): any byte of one changed reads as iter_samples reads it, or is left
+    to it (None), never otherwise."""
+    members = [(f"k{i}.{ext}", bytes([i]) * 20 if ext == "jpg" else str(i).encode())
+               for i in range(4) for ext in ("jpg", "cls")]
+    buf = pax_tar(members, lambda name: {"mtime": "1796506823.467961"})  # as wds.TarWriter's, one length
+    body = 3 * 2048 + 512  # the fourth member's PAX body: not the first of its length
+    size = int(buf[body - 512 + 124:body - 512 + 135], 8)
+    assert read.regular(buf, "jpg", "cls") is not None and b"mtime=" in buf[body:body + size]
+    for at in range(size):
+        for byte in b"0 =.\n\0x9":
+            damaged = bytearray(buf)
+            damaged[body + at] = byte
+            found = read.regular(bytes(damaged), "jpg", "cls")
+            try:
+                want = sequential(bytes(damaged), "jpg")
+            except ShardError:
+                want = None
+            if found is not None:
+                keys, images, labels = found
+                assert (keys, [bytes(x) for x in images], labels.tolist()) == want, (at, byte)
+
+
 def test_regular_leaves_pax_headers_that_change_a_member_to_the_sequential_reader():
     members = [("a.raw", b"x" * 9), ("a.cls", b"1"), ("b.raw", b"y" * 9), ("b.cls", b"2")]
     for pax in ({"path": "z.raw"}, {"size": "9"}, {"GNU.sparse.size": "9"}):
@@ -291,7 +315,11 @@ def two_samples():
     lambda: ustar([("a.raw", b"x" * 9), ("a.cls", b"1"), ("a.json", b"{}"), ("b.raw", b"y" * 9), ("b.cls", b"2"),
                    ("b.json", b"{}")]),                                            # three members a sample
     lambda: ustar([("a.raw", b"x" * 9), ("a.cls", b"1a"), ("b.raw", b"y" * 9), ("b.cls", b"2")]),  # not digits
-    lambda: ustar([("a.raw", b"x" * 9), ("a.cls", b"1"), ("bb.raw", b"y" * 9), ("bb.cls", b"2")]),  # key lengths
+    lambda: ustar([("a.raw", b"x" * 9), ("a.cls", b"1"), ("bb.raw", b"y" * 9), ("b.cls", b"2")]),  # keys differ
+    lambda: ustar([("a.raw", b"x" * 9), ("a.cls", b"1"), ("b.raw", b"y" * 9), ("bb.cls", b"2")]),  # keys differ
+    lambda: ustar([("a.raw", b"x" * 9), ("a.cls", b"1"), ("b.c.raw", b"y" * 9), ("b.c.cls", b"2")]),  # a dot
+    lambda: ustar([("a.raw", b"x" * 9), ("b.cls", b"1"), ("bb.raw", b"y" * 9), ("bb.cls", b"2")]),  # keys differ
+    lambda: ustar([("a.raw", b"x" * 9), ("a.clsx", b"1"), ("b.raw", b"y" * 9), ("b.clsx", b"2")]),  # not .cls
     lambda: ustar([("a.RAW", b"x" * 9), ("a.cls", b"1"), ("b.RAW", b"y" * 9), ("b.cls", b"2")]),   # other case
     lambda: ustar([("a.raw", b"x" * 9), ("a.cls", b"1"), ("a.raw", b"y" * 9), ("a.cls", b"2")]),   # a key twice
     lambda: two_samples()[:4 * 1024],                                               # no end-of-archive block
@@ -305,6 +333,18 @@ def test_regular_leaves_every_other_layout_to_the_sequential_reader(make):
     """None, not a misreading: iter_samples then reads (or rejects) the shard."""
     assert read.regular(make(), "raw", "cls") is None
     assert read.regular(two_samples(), "raw", "cls") is not None  # the unbroken layout is read
+
+
+def test_regular_reads_keys_of_different_lengths_as_the_sequential_reader():
+    """Keys as tools/write_wds.py writes them (`cat/0655`, `truck/3050`), of any lengths: the
+    numpy path, as iter_samples reads them (a JPEG set's shards read 2x faster that way)."""
+    members = []
+    for i, key in enumerate(["cat/0655", "truck/3050", "a", "horse/1", "dog/" + "7" * 80]):
+        members += [(f"{key}.jpg", bytes([i]) * (i + 1)), (f"{key}.cls", str(i).encode())]
+    buf = ustar(members)
+    keys, images, labels = read.regular(buf, "jpg", "cls")
+    assert (keys, [bytes(x) for x in images], labels.tolist()) == sequential(buf, "jpg")
+    assert keys[:3] == ["cat/0655", "truck/3050", "a"] and labels.tolist() == [0, 1, 2, 3, 4]
 
 
 def test_regular_reads_keys_and_labels_of_every_form_as_the_sequential_reader():

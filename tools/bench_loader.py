@@ -110,6 +110,13 @@ def parse_args(argv):
     p.add_argument("--stores", action="store_true",
                    help="only read the same mnist shards from local files, HTTP, a local S3-compatible server and "
                         "that server behind 50 ms of latency (tools/bench/stores.py; --synthetic or --shards DIR)")
+    p.add_argument("--jpeg", action="store_true",
+                   help="only the JPEG path: the stream at each --workers count beside each bare decoder, on the "
+                        "--cifar-folder JPEGs (32x32) and on them made 500x375 for a 224x224 target "
+                        "(tools/bench/jpeg.py; also run by the full benchmark when jpg is among --encoding)")
+    p.add_argument("--jpeg-samples", type=int, nargs=2, default=[20000, 1000], metavar=("SMALL", "LARGE"),
+                   help="with --jpeg (or jpg among --encoding): images of the small and the large set "
+                        "(default: 20000 1000)")
     p.add_argument("--handover", action="store_true",
                    help="only time the hand-over from workers that do no work: the consuming process's own CPU a "
                         "batch through torch's DataLoader and through pipeline.data.loader (tools/bench/handover.py; "
@@ -131,6 +138,7 @@ def parse_args(argv):
     args.temp_parent, args.work_dir = args.work_dir, args.work_dir or "bench-out"
     if args.json is None:
         args.json = os.path.join("bench-out", "stages.json" if args.stages else "stores.json" if args.stores else
+                                 "jpeg.json" if args.jpeg else
                                  "handover.json" if args.handover else
                                  "tar-format.json" if args.tar_format else "bench.json")
     if args.batch_size < 2 or args.batch_size % 2:
@@ -146,7 +154,9 @@ def parse_args(argv):
         p.error(f"--rank {args.rank} outside --world {args.world}")
     if args.stores and not (args.synthetic or args.shards):
         p.error("--stores reads --shards DIR (its mnist-train.json) or --synthetic shards")
-    if not args.synthetic and not args.stages and not args.stores and not args.handover and \
+    if args.jpeg and not (args.synthetic or args.cifar_folder):
+        p.error("--jpeg reads the --cifar-folder JPEGs (or --synthetic ones)")
+    if not args.synthetic and not args.stages and not args.stores and not args.handover and not args.jpeg and \
             not (args.mnist_root and (args.cifar_folder or args.tar_format)):
         p.error("give --mnist-root and --cifar-folder, or --synthetic")
     args.skipped = choose_peers(p, args)

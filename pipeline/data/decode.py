@@ -13,10 +13,11 @@ Images of another size or mode are brought to the source's shape here, inside
 the loader workers: grey/RGB/RGBA to the source's channel count, JPEGs
 turned upright by their EXIF orientation, the shorter side resized to fit, then
 a crop (random for training, centred for evaluation). JPEG goes through
-torchvision.io.decode_jpeg (libjpeg-turbo), about 1.4x PIL's speed on 32x32
-images here (79.5 against 109.1 us, docs/benchmarks.md "JPEG decoders"); a JPEG at least
-twice the target size in both directions goes through PIL's draft mode instead,
-which decodes at 1/2, 1/4 or 1/8 scale for free. Exactly what make_shards writes
+libjpeg-turbo by simplejpeg where it is installed (`pipeline.data.turbo`: a batch's
+images of the target's size straight into its buffer, larger ones at a DCT scale), else
+through torchvision.io.decode_jpeg, and PIL's draft mode for a JPEG at least twice
+the target size in both directions (README.md "JPEG decoding" has the measured
+reasons). Exactly what make_shards writes
 (raw pixels, or a PNG with the Up filter on every row) takes the fast paths in
 `pipeline/data/png.py`, one numpy operation a batch.
 """
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.data import bounds, jpeg, png
+from pipeline.data import bounds, jpeg, png, turbo
 from pipeline.errors import cut
 
 IMAGE_EXTS = ("raw", "png", "jpg", "jpeg", "webp", "ppm", "pgm", "bmp", "tif", "tiff", "gif", "npy")
@@ -344,8 +345,45 @@ def decode_batch(images, exts, target, crops=None):
     if exts and all(e == "png" for e in exts):
         return _png_fast(images, exts, target, crops)
     if exts and all(e in ("jpg", "jpeg") for e in exts):
-        return _jpeg_batch(images, exts, target, crops)
+        return (_turbo_batch if turbo.available() else _jpeg_batch)(images, exts, target, crops)
     return _each(images, exts, target, crops, range(len(images)))
+
+
+def _turbo_batch(images, exts, target, crops):
+    """JPEGs as `decode_image` decodes them, with simplejpeg (`pipeline.data.turbo`): each
+    of exactly the target's size and upright straight into the batch's buffer (HWC, made
+    CHW at once), the others through decode_image. Its headers are read first, each checked
+    before its pixels."""
+    c, h, w = shape = tuple(target.shape)
+    out = np.empty((len(images), h, w, c), np.uint8)
+    kept, errors, other = [], [], {}  # other: position in kept -> CHW pixels of decode_image
+    try:
+        bounds.check(w, h, shape, "jpg")  # what bounds says of every image of the target's own size
+        exact = (h, w, 1)
+    except ValueError:
+        exact = None  # each goes through decode_image, which says why
+    into, direct = turbo.into, None  # direct: the last header of the target's size seen (most are the same one)
+    for i, data in enumerate(images):
+        try:
+            head = jpeg.header(data)
+            if head is direct or (head.height, head.width, head.orientation) == exact and \
+                    head.components in turbo.COLOUR:
+                direct = head
+                if into(out[len(kept)], data, c):
+                    kept.append(i)
+                    continue
+            other[len(kept)] = decode_image(data, exts[i], shape, None if crops is None else crops[i])
+            kept.append(i)
+        except ValueError as e:
+            errors.append((i, str(e)))
+    if not other:
+        return np.ascontiguousarray(out[:len(kept)].transpose(0, 3, 1, 2)), kept, errors
+    pixels = np.empty((len(kept), c, h, w), np.uint8)
+    done = [k for k in range(len(kept)) if k not in other]
+    pixels[done] = out[done].transpose(0, 3, 1, 2)
+    for k, chw in other.items():
+        pixels[k] = chw
+    return pixels, kept, errors
 
 
 def _jpeg_batch(images, exts, target, crops):
@@ -491,7 +529,11 @@ def _decode_image(data, ext, shape, crop):
         head = jpeg.header(data)
         ih, iw = head.upright
         bounds.check(iw, ih, shape, ext)
-        if _direct(ih, iw, shape):
+        if turbo.available() and head.components in turbo.COLOUR:
+            pixels = turbo.decode(data, head, shape)
+            if pixels is not None:
+                return fit(pixels, shape, crop)
+        if _direct(ih, iw, shape):  # without simplejpeg, or what it refused: as before it came
             pixels = _torchvision_jpeg(data, c, (ih, iw))
             if pixels is not None:
                 return fit(pixels, shape, crop)

@@ -36,8 +36,38 @@ class Header:
         return (self.width, self.height) if self.orientation >= 5 else (self.height, self.width)
 
 
+KNOWN = 8  # headers remembered by the bytes that led to them: a set's JPEGs share a few such prefixes
+_known = []  # (the bytes up to the end of the first scan's header, where its scan count starts, Header)
+
+
 def header(data):
-    """The Header of JPEG bytes; ValueError saying why there is none libjpeg would agree on."""
+    """The Header of JPEG bytes; ValueError saying why there is none libjpeg would agree on.
+
+    JPEGs written by one encoder at one size share every byte up to their first scan (tables,
+    frame header, EXIF), so a header is remembered by those bytes: bytes that start with them
+    read the same Header by the same steps, and only their scans are counted. The walk costs
+    more than a small JPEG's decode takes beside it."""
+    if type(data) is bytes:
+        for prefix, at, head in _known:
+            if data.startswith(prefix):
+                if data.count(b"\xff\xda", at) >= MAX_SCANS:  # scans past the first
+                    _check_scans(data, at)
+                return head
+    head, prefix, at = _walk(data)
+    if type(data) is bytes:
+        _known[:] = [(prefix, at, head)] + _known[:KNOWN - 1]
+    return head
+
+
+def _check_scans(data, at):
+    scans = 1 + data.count(b"\xff\xda", at)  # entropy-coded data stuffs 0xFF with 0x00: these are markers
+    if scans > MAX_SCANS:
+        raise ValueError(f"JPEG with {scans} scans (at most {MAX_SCANS}, pipeline.data.jpeg.MAX_SCANS)")
+
+
+def _walk(data):
+    """(Header, the bytes it was read from, where the scans are counted from): the header's
+    segments walked one by one."""
     if data[:2] != b"\xff\xd8":
         raise ValueError("not a JPEG (no SOI marker)")
     i, n, frame, orientation = 2, len(data), None, None
@@ -70,10 +100,8 @@ def header(data):
         elif marker == _SOS:
             if frame is None:
                 raise ValueError("JPEG scan before its frame header")
-            scans = 1 + data.count(b"\xff\xda", i)  # entropy-coded data stuffs 0xFF with 0x00: these are markers
-            if scans > MAX_SCANS:
-                raise ValueError(f"JPEG with {scans} scans (at most {MAX_SCANS}, pipeline.data.jpeg.MAX_SCANS)")
-            return Header(*frame, orientation or 1)
+            _check_scans(data, i)
+            return Header(*frame, orientation or 1), bytes(data[:i + length]), i
         i += length
 
 

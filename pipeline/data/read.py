@@ -509,25 +509,48 @@ def _regular_kinds(headers):
 
 
 def _checked_keys(head, tail, image_ext, label_ext):
-    """The key bytes (n, key length) of samples whose image headers are `head` and label
-    headers `tail`, if every name reads as iter_samples would group it: KEY.image_ext then
-    KEY.label_ext, one key length, no dot, NUL or leading "__" in a key, a new key each
-    sample; else None. (The finders refuse POSIX name prefixes.)"""
-    name1, name2 = bytes(head[0, :100]).split(b"\0", 1)[0], bytes(tail[0, :100]).split(b"\0", 1)[0]
-    key_len = name1.rfind(b".")
-    if (key_len < 1 or name1[key_len + 1:] != image_ext.encode() or name2 != name1[:key_len + 1] + label_ext.encode()
-            or b"." in name1[:key_len] or name1.startswith(b"__") or head[0, 99] or tail[0, 99]):
+    """The key bytes (n, key length or longest name; NUL after each key) of samples whose image
+    headers are `head` and label headers `tail`, if every name reads as iter_samples would group
+    it: KEY.image_ext then KEY.label_ext, no dot, NUL or leading "__" in a key, a new key each
+    sample; else None. Keys may differ in length (`cat/0655`, `truck/3050`, as
+    tools/write_wds.py writes them); where they all have the first's (make_shards' keys) the
+    checks take slices of that length rather than masks: a third of the time. (The finders
+    refuse POSIX name prefixes.)"""
+    if head[:, 99].any() or tail[:, 99].any():  # a name of 100 bytes: iter_samples reads it another way
         return None
-    l1, l2 = len(name1), len(name2)  # each name ends in NUL at the same place in every sample
-    keys = np.ascontiguousarray(head[:, :key_len])  # the checks below, and the keys, read it contiguous
-    rows = keys.view(f"S{key_len}").ravel()  # NUL-free (checked), so no byte is lost to the S type
-    if not ((head[:, key_len:l1 + 1] == head[0, key_len:l1 + 1]).all()  # same extension, then NUL
-            and (tail[:, key_len:l2 + 1] == tail[0, key_len:l2 + 1]).all()
-            and (keys == tail[:, :key_len]).all()
-            and keys.min() and not (keys == 46).any()  # no NUL, no dot in a key
-            and (keys[:, -1] != 47).all()  # a key ends before its dot, not in a folder's slash
+    image, label = np.frombuffer(b"." + image_ext.encode(), np.uint8), np.frombuffer(b"." + label_ext.encode(), np.uint8)
+    first = int((head[0, :100] == 0).argmax())  # the first name's length
+    if head[:, first].any() or not head[:, :first].all():  # names of other lengths
+        ends = (head[:, :100] == 0).argmax(axis=1)  # each name's length: its first NUL
+        width = int(ends.max()) + 1  # the columns any name reaches: the checks below look at no others
+    else:
+        ends, width = np.full(len(head), first), first + 1
+    more = max(len(label) - len(image), 0)  # a label's name reaches further when its extension is longer
+    names, tails = np.ascontiguousarray(head[:, :width]), np.ascontiguousarray(tail[:, :width + more])
+    key_len = ends - len(image)
+    k = first - len(image)
+    if key_len.min() < 1:
+        return None
+    if width == first + 1:
+        keys = np.ascontiguousarray(names[:, :k])
+        if not ((names[:, k:first] == image).all() and (tails[:, k:k + len(label)] == label).all()
+                and not tails[:, k + len(label)].any() and (keys == tails[:, :k]).all()
+                and not (keys == 46).any()):  # the label's name ends there; no dot in a key
+            return None
+    else:
+        if ((tails == 0).argmax(axis=1) != key_len + len(label)).any():
+            return None
+        rows = np.arange(len(names))[:, None]
+        inside = np.arange(width) < key_len[:, None]
+        keys = np.where(inside, names, np.uint8(0))
+        if not ((names[rows, key_len[:, None] + np.arange(len(image))] == image).all()
+                and (tails[rows, key_len[:, None] + np.arange(len(label))] == label).all()
+                and (keys == np.where(inside, tails[:, :width], 0)).all() and not ((keys == 46) & inside).any()):
+            return None
+    texts = keys.view(f"S{keys.shape[1]}").ravel()  # a key holds no NUL, so the S type drops only the padding
+    if not ((names[np.arange(len(names)), key_len - 1] != 47).all()  # a key ends before its dot, not in a slash
             and not ((head[:, 0] == 95) & (head[:, 1] == 95)).any()  # webdataset skips top-level __*__ names
-            and (rows[1:] != rows[:-1]).all()):
+            and (texts[1:] != texts[:-1]).all()):
         return None
     return keys
 
@@ -554,7 +577,9 @@ def _past_pax(buf, at, headers, sizes):
     kinds = headers[:, 156]
     if len(at) % 2 or not (kinds[0::2] == _PAX).all() or (kinds[1::2] == _PAX).any():
         return None
-    for a, size in zip(((at[0::2] + 1) * 512).tolist(), sizes[0::2].tolist()):
+    starts, lengths = (at[0::2] + 1) * 512, sizes[0::2]
+    other = np.flatnonzero(~_mtime_only(np.frombuffer(buf, np.uint8, len(buf)), starts, lengths))
+    for a, size in zip(starts[other].tolist(), lengths[other].tolist()):
         if size > 1 << 20:
             return None
         try:
@@ -563,6 +588,30 @@ def _past_pax(buf, at, headers, sizes):
         except ShardError:
             return None
     return at[1::2], headers[1::2], sizes[1::2]
+
+
+def _mtime_only(flat, starts, sizes):
+    """Which PAX bodies at `starts` hold one well-formed record and it is an mtime (as
+    wds.TarWriter writes them: "27 mtime=1796506195.041254\n"), checked for all at once,
+    those of each length (a few: the time's digits vary) against the first of it.
+    `_pax_records` reads {} from each, so only the others are parsed one by one."""
+    ok = np.zeros(len(starts), bool)
+    lengths = np.unique(sizes)
+    for size in lengths[lengths <= 64].tolist()[:8]:
+        pick = np.flatnonzero(sizes == size)
+        ok[pick] = _mtime_rows(flat, starts[pick], size)
+    return ok
+
+
+def _mtime_rows(flat, starts, size):
+    """_mtime_only for bodies of one `size`: each is one record, as the first is, if its bytes
+    up to the time match the first's ("27 mtime="): `_pax_records` reads no more of it."""
+    first = bytes(flat[starts[0]:starts[0] + size])
+    head, _, rest = first.partition(b" ")
+    if not (head.isdigit() and 1 <= len(head) <= 3 and int(head) == size and rest.startswith(b"mtime=")):
+        return False
+    fixed = len(head) + 7  # "27 mtime="
+    return (flat[starts[:, None] + np.arange(fixed)] == np.frombuffer(first[:fixed], np.uint8)).all(axis=1)
 
 
 _USTAR = int.from_bytes(b"ustar", "little")

@@ -9,7 +9,7 @@ import torch
 
 import bench_peers
 
-from bench import micro
+from bench import jpeg, micro
 from bench.host import git_state, host_facts
 from bench.inputs import all_input_files, build_caption_webdataset, find_shards, make_corpus_10x, \
     make_synthetic_inputs, project_sources, warm_page_cache
@@ -73,6 +73,14 @@ def run_stages(args):
     return 0
 
 
+def run_jpeg(args, cifar_folder, work):
+    rows = jpeg.run(cifar_folder, work, args.workers, args.repeats, args.jpeg_samples)
+    jpeg.report(rows)
+    write_record(args.json, {"command": [os.path.basename(sys.executable), *sys.argv], "git": git_state(),
+                             "host": host_facts(), "jpeg": rows})
+    return 0
+
+
 def run(args, work):
     if args.synthetic:
         mnist_root, cifar_folder = make_synthetic_inputs(work, args.synthetic_size, args.synthetic_size)
@@ -82,6 +90,8 @@ def run(args, work):
         return run_tar_format(args, mnist_root)
     if args.stages:
         return run_stages(args)
+    if args.jpeg:
+        return run_jpeg(args, cifar_folder, work)
     shard_dirs = find_shards(args, mnist_root, cifar_folder, work, maxcount=50 if args.synthetic else 500)
     os.makedirs(work, exist_ok=True)
     setup = Setup(mnist_root, cifar_folder, shard_dirs, cifar_root=args.cifar_root,
@@ -123,7 +133,7 @@ def run(args, work):
             e["ceiling_share"] = e["samples_per_s"]["median"] / ceilings[enc]
             e["ceiling_share_cpu"] = e["samples_per_cpu_s"]["median"] / ceilings[enc]
     if "jpg" in args.encoding and cifar_folder:
-        record["decoders"] = micro.decoder_choice(setup)
+        record["jpeg"] = jpeg.run(cifar_folder, work, args.workers, args.repeats, args.jpeg_samples)
     primary = args.encoding[0]
     if not args.skip_memory:
         setup.corpus10x = {primary: make_corpus_10x(shard_dirs[primary], os.path.join(work, f"corpus10x-{primary}"))}
