@@ -32,7 +32,8 @@ _SAMPLES = {}
 
 
 def _expected(data, name, index):
-    """(3x32x32 uint8 image, label) of a sample as a uint8 batch holds it (MNIST padded, CIFAR10's labels after MNIST's)."""
+    """(3x32x32 uint8 image, label) of a sample as a uint8 batch holds it (MNIST padded, CIFAR10's
+    labels after MNIST's)."""
     if (data.dir, name, index) not in _SAMPLES:
         _SAMPLES[data.dir, name, index] = _made(data, name, index)
     return _SAMPLES[data.dir, name, index]
@@ -152,9 +153,9 @@ def test_keeping_every_batchs_labels_keeps_only_their_bytes(data, workers):
 def test_two_threads_iterating_one_loader_without_workers_never_get_wrong_data(data):
     """One loader at num_workers=0, its pass on this thread paused between writing a batch into
     its slot and handing it out, while another thread runs a pass of its own: that pass waits for
-    the batch to be handed out, this one's next step is refused in one line (or it ends first), and every batch
-    either thread holds is the samples its keys name (the second pass wrote its first batch into
-    the slot the first was writing: wrong data without an error, 6 of 20 attempts)."""
+    the batch to be handed out, this one's next step is refused in one line (or it ends first),
+    and every batch either thread holds is the samples its keys name (the second pass wrote its
+    first batch into the slot the first was writing: wrong data without an error, 6 of 20 attempts)."""
     loader = make_loader(_stream(data, n=8), 0, prefetch_factor=8, record=False)  # a slot for every batch
     lend, calls, other = loader.ring.lend, [0], {}
 

@@ -233,7 +233,10 @@ class Ring:
             return False
         torch.cuda.synchronize(self.cuda_device)
         torch.cuda.cudart().cudaHostUnregister(self.memory.data_ptr())
-        self._registered = self._locked = False
+        with self._lock:
+            self._registered = self._locked = False
+            self._syncs += 1  # the synchronisation above counts for every batch dropped before it
+            self._synced = self._syncs
         self.reap()
         return True
 
