@@ -49,7 +49,6 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
         t1 = time.perf_counter()
         run.startup.setdefault("first_batch_s", round(t1 - run.t0, 3))
         run.tally["wait"] += t1 - t0
-        counts = torch.bincount(batch["source"], minlength=len(run.names))
         # augmentation keyed by the batch's place, as the data's order is: a resume on the same world
         # draws the same, and no two ranks or batches share a key
         gen.manual_seed(order.seed_of((order.AUGMENT, args.seed, epoch, segment.generation, topo.rank, made + got)))
@@ -57,7 +56,7 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
         got += 1
         run.tally["batches"] += 1
         run.tally["skipped"] += batch["skipped"]
-        per_source += counts
+        per_source.index_add_(0, batch["source"], torch.ones_like(batch["source"]))  # bincount on CUDA reads its max
         log.add(run.step, losses, source, found)
         log.skipped += batch["skipped"]
         if args.record_keys:
