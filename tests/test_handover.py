@@ -183,6 +183,7 @@ def test_two_threads_iterating_one_loader_without_workers_never_get_wrong_data(d
         assert _wrong(data, b["key"], b["image"], b["label"], b["source"]) == []
 
 
+@pytest.mark.slow
 def test_two_threads_iterating_one_loader_again_and_again_never_get_wrong_data(data):
     """The same with real threads and no pause, many attempts: each pass either ends or is refused
     in one line, and every batch held is the samples its keys name."""
@@ -259,6 +260,7 @@ print("NEXT", [k for b in loader for k in b["key"]] == first, flush=True)
 """
 
 
+@pytest.mark.slow
 def test_a_worker_that_times_out_is_replaced_and_the_process_can_end(data):
     """A stopped worker meets make_loader's timeout with one line naming it; it is killed, the next
     pass starts the workers again and reads its whole epoch, and the interpreter exits (it sent to
@@ -334,6 +336,7 @@ class _NeverDone:
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_a_slot_waiting_for_a_gpu_copy_is_not_polled_and_the_timeout_still_fires(data):
     """While a slot waits for a GPU copy's event and its worker sends nothing, the consumer blocks
     on the event (never polls it every millisecond), and make_loader's timeout still fires (it
