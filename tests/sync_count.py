@@ -36,19 +36,19 @@ def install(record=None, patch=setattr):
     """Patch the trainer (with `patch`, e.g. pytest's monkeypatch.setattr) so that every epoch's
     step loop runs under the returned `Syncs`; `record(seen)`, if given, gets its list of
     (step, call) when the process ends."""
-    from pipeline.train import loop, prefetch, run as run_module
+    from pipeline.train import loop, run as run_module
 
     syncs = Syncs()
     syncs.paused = 1  # outside train_epoch nothing is counted
 
-    real_epoch, real_step, real_ahead = loop.train_epoch, run_module.Run.step_once, prefetch.ahead
+    real_epoch, real_step = loop.train_epoch, run_module.Run.step_once
 
-    def train_epoch(run, *a, **kw):
+    def train_epoch(run, loader, *a, **kw):
         syncs.step = run.step
         syncs.paused -= 1
         try:
             with syncs:
-                return real_epoch(run, *a, **kw)
+                return real_epoch(run, pulled(loader), *a, **kw)
         finally:
             syncs.paused += 1
 
@@ -57,8 +57,8 @@ def install(record=None, patch=setattr):
         syncs.step = self.step
         return out
 
-    def ahead(batches, device):
-        it = real_ahead(batches, device)
+    def pulled(batches):
+        it = iter(batches)
         while True:
             syncs.paused += 1
             try:
@@ -79,7 +79,6 @@ def install(record=None, patch=setattr):
 
     patch(loop, "train_epoch", train_epoch)
     patch(run_module.Run, "step_once", step_once)
-    patch(prefetch, "ahead", ahead)
     for name in COLLECTIVES:
         if hasattr(dist, name):
             patch(dist, name, counted(name, getattr(dist, name)))

@@ -37,8 +37,8 @@ def _in_ring(loader, tensor):
 
 @pytest.mark.slow
 def test_worker_batches_are_views_of_the_ring_and_reused_slots_start_clean(data):
-    """40 batches over 2 workers reuse each of a worker's 6 slots several times: every batch is
-    a view of the shared ring (no copy in this process), and a CIFAR10 image left in a slot must
+    """40 batches over 2 workers reuse each of a worker's 6 slots several times: every batch's
+    image is a view of the shared ring (no copy in this process), and a CIFAR10 image left in a slot must
     not show through the border of a later MNIST one. Normalised by the workers, the float32
     batches equal Layout.normalize of the uint8 ones, bit for bit."""
     def stream(normalize):
@@ -50,7 +50,8 @@ def test_worker_batches_are_views_of_the_ring_and_reused_slots_start_clean(data)
     for a, b in zip(*loaders):
         count += 1
         for loader, batch in zip(loaders, (a, b)):
-            assert all(_in_ring(loader, batch[k]) for k in ("image", "label", "source"))
+            assert _in_ring(loader, batch["image"])  # the small fields are tensors of their own
+            assert not any(_in_ring(loader, batch[k]) for k in ("label", "source"))
         assert a["image"].dtype == torch.uint8 and b["image"].dtype == torch.float32
         _check_pixels(data, a)
         assert torch.equal(u8.layout.normalize(a["image"], a["source"]), b["image"])
@@ -95,7 +96,7 @@ def test_a_slot_goes_back_only_when_its_last_tensor_is_gone(data):
 
 
 def test_a_ring_lends_views_and_copies_once_the_user_holds_all_but_one_slot():
-    spec = Spec([Field("image", np.uint8, (2, 2)), Field("label", np.int64)], batch=3)
+    spec = Spec([Field("image", np.uint8, (16, 16)), Field("label", np.int64)], batch=3)
     ring = Ring(1, 3, spec, shared=False)
     back = []
     ring.give_back = lambda p, k: back.append(k)

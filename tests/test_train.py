@@ -239,22 +239,6 @@ def test_a_users_sample_stage_runs_in_the_trainer(data, tmp_path, monkeypatch):
     assert p.returncode == 2 and "no_such_module" in p.stderr and "Traceback" not in p.stderr
 
 
-def test_prefetch_passes_cpu_batches_through_and_moves_them_on_demand():
-    """On a CPU the one-ahead copy is skipped (nothing to overlap): the loader's own batches
-    come out, and on_device gives their tensors; on CUDA, tools/gpu_check.py checks the copy."""
-    import torch
-
-    from pipeline.train.prefetch import ahead, on_device
-    batches = [{"image": torch.full((2, 1, 2, 2), i, dtype=torch.uint8), "label": torch.tensor([i, i]),
-                "source": torch.tensor([0, 1])} for i in range(3)]
-    out = list(ahead(iter(batches), torch.device("cpu")))
-    assert [b is a for a, b in zip(batches, out)] == [True] * 3
-    x, y, s = on_device(out[2], torch.device("cpu"))
-    assert x.dtype == torch.uint8 and y.tolist() == [2, 2] and s.tolist() == [0, 1]
-    moved = {**out[1], "on_device": ("X", "Y", "S")}
-    assert on_device(moved, torch.device("cpu")) == ("X", "Y", "S")
-
-
 def test_a_class_with_no_test_samples_is_not_measured_not_zero():
     import json
 
@@ -377,22 +361,23 @@ def test_the_command_installs_the_one_line_warnings(data, tmp_path):
 
 
 def test_a_checkpoint_taken_while_the_next_batch_is_prefetched_counts_only_trained_batches(tmp_path, monkeypatch):
-    """On a GPU, prefetch.ahead pulls batch n+1 before step n: the stream's place must still be
-    after batch n when step n's checkpoint is written (it counted n+1, and the resume refused
-    the checkpoint as damaged). The same look-ahead on the CPU, then a resume that finishes the
-    epoch with every key once."""
+    """An epoch that pulls batch n+1 before step n (as the trainer's copy to the GPU one step ahead
+    did): the stream's place must still be after batch n when step n's checkpoint is written (it
+    counted n+1, and the resume refused the checkpoint as damaged). The look-ahead on the CPU,
+    then a resume that finishes the epoch with every key once."""
     from helpers import build_shards, train_in_process
-    from pipeline.train import epoch as epoch_module
+    from pipeline.train import loop
 
-    def one_ahead(batches, device):
+    def one_ahead(batches):
         it = iter(batches)
         pending = next(it, None)
         while pending is not None:
-            upcoming = next(it, None)  # pulled, as the CUDA path does, before the batch is used
+            upcoming = next(it, None)  # pulled before the batch is used
             yield pending
             pending = upcoming
 
-    monkeypatch.setattr(epoch_module.prefetch, "ahead", one_ahead)
+    real = loop.train_epoch
+    monkeypatch.setattr(loop, "train_epoch", lambda run, loader, *a: real(run, one_ahead(loader), *a))
     build_shards(tmp_path, "mnist", "train", 320, maxcount=40)
     args = ["--train", f"mnist={tmp_path}/", "--epochs", "1", "--batch-size", "16", "--workers", "1", "--width", "4",
             "--record-keys", "--out", str(tmp_path / "run")]

@@ -119,8 +119,9 @@ def parse_args(argv):
                         "(default: 20000 1000)")
     p.add_argument("--handover", action="store_true",
                    help="only time the hand-over from workers that do no work: the consuming process's own CPU a "
-                        "batch through torch's DataLoader and through pipeline.data.loader (tools/bench/handover.py; "
-                        "--workers' largest count, --batch-size, --repeats)")
+                        "batch through torch's DataLoader and through pipeline.data.loader; then the stream (C, C8) "
+                        "at 0 and N workers through a loop that keeps nothing and one that keeps each batch's labels "
+                        "(tools/bench/handover.py; N: --workers' largest count, --batch-size, --repeats)")
     p.add_argument("--torch-threads", type=int, metavar="N",
                    help="torch.set_num_threads(N) in the benchmarking process (default: torch's own choice; "
                         "A's and B's per-sample torch calls use them; C normalises in one "

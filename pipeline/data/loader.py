@@ -6,29 +6,45 @@ slot of a `ring.Ring` (page-locked for the GPU copy where CUDA is), and handed o
 tensors that view the slot: the consuming process does O(1) work a batch, whatever its
 size, and a batch the user keeps is never overwritten. With workers, `workers.Workers`
 runs the processes; each pass begins with the stream's plan, so every `set_epoch`,
-`load_state_dict` or `set_workers` made before it reaches them.
+`load_state_dict` or `set_workers` made before it reaches them. With `device`, the loader
+copies each batch to the device itself (pipeline.data.device) and the slot goes back once
+that copy is done.
 """
 import collections
+import math
 import multiprocessing
 import os
+import threading
 
 import torch
 
 from pipeline.data.budget import PREFETCH
+from pipeline.data.device import ToDevice, parse_device
 from pipeline.data.ring import Ring
 from pipeline.ordering.topology import Worker
 from pipeline.data.workers import BATCH, END, Workers, raise_error, unpack
 
 
 def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=PREFETCH, start_method="fork", record=True,
-                timeout=None):
+                timeout=None, device=None):
     """A loader over a stream: iterate it once per epoch (after `stream.set_epoch`); its workers
-    persist across epochs. With record=False the stream does not take a batch's place as it
-    arrives: a consumer that pulls batches ahead of using them (the trainer's copy to the GPU
-    one step ahead) records each one as it uses it (`stream.record(batch["state"])`), so a
-    checkpoint never counts a batch not trained. pin_memory: batches page-locked for
-    asynchronous copies to the GPU (where CUDA is). timeout: seconds a worker may send nothing
-    before the pass fails (TimeoutError; default: wait, as torch's DataLoader does).
+    persist across epochs. One pass at a time: a new iteration (from any thread) ends the one
+    before, whose next step raises RuntimeError. With record=False the stream does not take a
+    batch's place as it arrives: a consumer that pulls batches ahead of using them records each
+    one as it uses it (`stream.record(batch["state"])`), so a checkpoint never counts a batch
+    not trained. timeout: seconds a worker may send nothing before the pass fails (TimeoutError
+    naming the worker, which is killed; the next pass starts the workers again; default: wait,
+    as torch's DataLoader does).
+
+    device: None, "cuda", "cuda:N", a torch.device, or "cpu". With a CUDA device each batch's
+    tensors arrive on it, copied by the loader on a stream of its own, which the current stream
+    of the thread that takes the batch waits on (docs/training.md, "Handing batches over");
+    "cpu" copies them out of the ring the same way, on the CPU. Without a device, tensors view
+    the ring (small fields, at most ring.SMALL_BYTES a sample, are copied out), and pin_memory
+    page-locks it where CUDA is: a user who copies them to the GPU with non_blocking=True, on any
+    stream, is safe, because a dropped page-locked batch's slot goes back only after a
+    synchronisation of the device that began after the drop (the loader makes one when a worker
+    would otherwise wait); `device=` is the faster way to the GPU.
 
     Each worker holds `prefetch_factor` + 2 slots; it works ahead as long as one is free.
     Forking a process while another of its Python threads starts or exits can deadlock the
@@ -41,28 +57,36 @@ def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=PREFETC
     `if __name__ == "__main__":` guard).
     """
     return Loader(stream, num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor,
-                  start_method=start_method, record=record, timeout=timeout)
+                  start_method=start_method, record=record, timeout=timeout, device=device)
 
 
 class Loader:
     """Batches of a stream, one pass per iteration (see make_loader)."""
 
     def __init__(self, stream, num_workers=0, *, pin_memory=False, prefetch_factor=PREFETCH, start_method="fork",
-                 record=True, timeout=None):
-        if num_workers < 0 or prefetch_factor < 1 or (timeout is not None and timeout <= 0):
-            raise ValueError(f"num_workers must be at least 0, prefetch_factor at least 1 and a timeout above 0, got "
-                             f"{num_workers}, {prefetch_factor}, {timeout}")
+                 record=True, timeout=None, device=None):
+        if num_workers < 0 or prefetch_factor < 1:
+            raise ValueError(f"num_workers must be at least 0 and prefetch_factor at least 1, got "
+                             f"{num_workers}, {prefetch_factor}")
+        if timeout is not None and not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"make_loader's timeout must be a finite number of seconds above 0 (or None to wait "
+                             f"for good), got {timeout!r}")
+        self.device = parse_device(device)
         depth = prefetch_factor + 2
         spec = stream.batch_spec()
         if num_workers:
             check_shared_memory(num_workers * depth * spec.slot_bytes)
+        else:
+            check_memory(depth, spec.slot_bytes)
         if hasattr(stream, "set_workers"):
             stream.set_workers(max(1, num_workers))
         self.stream, self.num_workers, self.record = stream, num_workers, record
         self._early = None  # (plan, pass id) of a pass `start` began
-        self._passes = 0  # passes begun here: an iterator of an earlier one stops (at 0 workers)
+        self._passes = 0  # passes begun here: an iterator of an earlier one stops
+        self._pass_lock = threading.Lock()  # at 0 workers: a pass begins only between two batches of another
         self._record = getattr(stream, "record", None) if record else None
-        self.pin = bool(pin_memory) and torch.cuda.is_available()
+        cuda = self.device is not None and self.device.type == "cuda"
+        self.pin = (bool(pin_memory) or cuda) and torch.cuda.is_available()
         if num_workers:
             self.ring = Ring(num_workers, depth, spec, shared=True, pin=self.pin)
             self.workers = Workers(stream, num_workers, self.ring, worker_context(start_method), timeout)
@@ -71,6 +95,7 @@ class Loader:
             self.workers = None
             self._free = collections.deque()  # each pass fills it (`__iter__`)
             self.ring.give_back = lambda producer, k: self._free.append(k)
+        self._to_device = ToDevice(self.device, self.ring) if self.device is not None else None
 
     def __len__(self):
         return len(self.stream)
@@ -82,19 +107,22 @@ class Loader:
         before the pass (a state loaded, another epoch set), that work is dropped."""
         if self.workers is not None and not self.workers.started:
             self.workers.start()
-            self.ring.page_lock()
+            self.ring.page_lock()  # where CUDA refuses, one warning: the batches are not pinned
             if hasattr(self.stream, "plan"):
                 plan = self.stream.plan(begin=False)  # a state just loaded still decides the epoch
                 self._early = (plan, self.workers.begin(plan))
         return self
 
     def __iter__(self):
+        if self.workers is None:
+            with self._pass_lock:  # not while another thread's pass writes into a slot it took from `_free`
+                plan = self.stream.plan() if hasattr(self.stream, "plan") else None
+                self._passes += 1
+                free = self.ring.free_slots(self._fresh)[0]  # first: it puts a new deque in self._free
+                self._free.extend(free)
+                return self._here(plan, self._passes)
         plan = self.stream.plan() if hasattr(self.stream, "plan") else None
         self._passes += 1
-        if self.workers is None:
-            free = self.ring.free_slots(self._fresh)[0]  # first: it puts a new deque in self._free
-            self._free.extend(free)
-            return self._here(plan, self._passes)
         self.start()
         early, self._early = self._early, None
         return self._from_workers(early[1] if early is not None and early[0] is plan else self.workers.begin(plan))
@@ -112,25 +140,47 @@ class Loader:
                 if kind != BATCH:
                     raise_error(payload, w)
                 batch = unpack(payload, n)
-                batch.update(self.ring.lend(w, slot, n))
+                batch.update(self._hand_over(w, slot, n))
                 yield self._arrived(batch)
+
+    def _hand_over(self, producer, k, n):
+        """The fixed fields of slot k: copies on the device, or views lent to the user."""
+        if self._to_device is not None:
+            return self._to_device.slot(producer, k, n)
+        return self.ring.lend(producer, k, n)
 
     def _here(self, plan, pass_id):
         """A pass in this process: the stream writes into this loader's own slots (or, while the
-        user holds all of them, into new memory)."""
-        for batch in self.stream.batches(Worker(), self._borrow, plan):
-            if pass_id != self._passes:
-                raise RuntimeError("the loader was iterated again while this pass was being read; "
-                                   "a loader runs one pass at a time")
-            kind, k, n = batch.pop("slot")
-            batch.update(self.ring.lend(0, k, n) if kind == "slot" else self.ring.spec.views(k, n))
-            yield self._arrived(batch)
+        user holds all of them, into new memory). Each batch is made under the pass lock, which a
+        new pass takes to begin: so the free slots it finds are never one this pass is writing."""
+        batches = self.stream.batches(Worker(), self._borrow, plan)
+        try:
+            while True:
+                with self._pass_lock:
+                    if pass_id != self._passes:
+                        raise RuntimeError("the loader was iterated again while this pass was being read; "
+                                           "a loader runs one pass at a time")
+                    batch = next(batches, None)
+                    if batch is None:
+                        return
+                    kind, k, n = batch.pop("slot")
+                    if kind == "slot":
+                        batch.update(self._hand_over(0, k, n))
+                    elif self._to_device is not None:
+                        batch.update(self._to_device.copy(self.ring.spec.views(k, n))[0])
+                    else:
+                        batch.update(self.ring.spec.views(k, n))
+                yield self._arrived(batch)
+        finally:
+            batches.close()
 
     def _fresh(self):
         self._free = collections.deque()  # what is given back from now on; the pass's free slots join it
 
     def _borrow(self, n):
         self.ring.reap()
+        if not self._free and self.ring.waiting:  # slots wait for GPU copies: wait for one, not for new memory
+            self.ring.wait()
         if self._free:
             k = self._free.popleft()
             return ("slot", k, n), self.ring.arrays(0, k, n)
@@ -168,6 +218,21 @@ def check_shared_memory(nbytes, folder="/dev/shm"):
         raise ValueError(f"the loader's workers need {nbytes / 2**20:.0f} MiB of shared memory for their batches, "
                          f"{folder} has {free / 2**20:.0f} MiB free: lower --workers or --batch-size, or give the "
                          f"container more (docker run --shm-size)")
+
+
+def check_memory(depth, slot_bytes, meminfo="/proc/meminfo"):
+    """ValueError (one line) when the ring of a loader without workers (`depth` batches of
+    `slot_bytes`) would not fit in the memory this machine has available: the refusal that
+    `check_shared_memory` gives with workers, before the allocator's own error."""
+    try:
+        with open(meminfo) as f:
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):  # no such figure here: the allocator decides
+        return
+    if depth * slot_bytes > free:
+        raise ValueError(f"the loader needs {depth * slot_bytes / 2**20:.0f} MiB for its batches ({depth} of "
+                         f"{slot_bytes / 2**20:.0f} MiB), this machine has {free / 2**20:.0f} MiB available: "
+                         f"lower --batch-size (or the batch's fields' sizes)")
 
 
 def plain(stream):

@@ -9,8 +9,16 @@ it overwritten, and a batch costs the consumer O(1) whatever its size
 
 The ring of a loader with workers is shared memory mapped by every process; with CUDA it
 is page-locked in the consumer (cudaHostRegister), so the copy to the GPU reads it
-directly and asynchronously. A slot whose tensors die while such a copy may still be
-reading it goes back only once an event recorded then has completed.
+directly and asynchronously. A copy the loader makes itself (make_loader's `device`)
+returns its slot once an event recorded on the loader's copy stream has completed
+(`hand`). A page-locked batch lent to the user, who may copy it on any stream of theirs,
+returns its slot once a synchronisation of the whole device begun after it was dropped
+has ended (`wait`): no event recorded in a finalizer, on whatever stream or device is
+current on whatever thread drops it.
+
+Small fields (at most SMALL_BYTES a sample: labels, sources, sizes, lengths, masks) reach
+the user as tensors of their own, copied out of the slot on arrival: keeping them keeps
+their own bytes, never the slot.
 """
 import collections
 import ctypes
@@ -20,6 +28,7 @@ import math
 import mmap
 import os
 import threading
+import warnings
 import weakref
 
 import numpy as np
@@ -27,6 +36,7 @@ import torch
 
 ALIGN = 64  # bytes: every field of a slot starts on a cache line (and any dtype's alignment)
 MAP_FIXED = 0x10  # Linux (every architecture): mmap at exactly the address given
+SMALL_BYTES = 64  # a field of at most this many bytes a sample is copied out of its slot, not viewed
 
 
 class Field:
@@ -37,6 +47,11 @@ class Field:
 
     def nbytes(self, n):
         return n * self.dtype.itemsize * math.prod(self.shape)
+
+    @property
+    def small(self):
+        """Whether a batch hands this field out as a tensor of its own (see SMALL_BYTES)."""
+        return self.nbytes(1) <= SMALL_BYTES
 
     def __repr__(self):
         return f"Field({self.name!r}, {self.dtype}, {self.shape})"
@@ -77,17 +92,30 @@ class Spec:
         reinterpreting of one uint8 tensor did."""
         return self._ctype.from_buffer(memory)
 
+    @property
+    def large(self):
+        """Whether any field views its slot (else a lent slot goes back at once)."""
+        return not all(f.small for f in self.fields)
+
     def tensors(self, holder, n):
-        """{name: tensor (n, *shape)} viewing the slot's bytes that `holder` exports."""
-        return {f.name: torch.from_numpy(np.ndarray((n, *f.shape), f.dtype, holder, o))
-                for f, o in zip(self.fields, self.offsets)}
+        """{name: tensor (n, *shape)} viewing the slot's bytes that `holder` exports; small
+        fields copied out of it (a kept label keeps its own bytes, not the slot)."""
+        out = {}
+        for f, o in zip(self.fields, self.offsets):
+            array = np.ndarray((n, *f.shape), f.dtype, holder, o)
+            out[f.name] = torch.from_numpy(array.copy() if f.small else array)
+        return out
 
     def views(self, base, n):
         """{name: tensor (n, *shape)} viewing a uint8 tensor of slot_bytes of its own (a batch copied
         out, or made while every slot was lent): torch views of `base`, so that torch's pinned-memory
-        allocator knows when an asynchronous copy from them has completed before it reuses `base`."""
-        return {f.name: base[o:o + f.nbytes(n)].view(torch.from_numpy(np.empty(0, f.dtype)).dtype).view(n, *f.shape)
-                for f, o in zip(self.fields, self.offsets)}
+        allocator knows when an asynchronous copy from them has completed before it reuses `base`.
+        Small fields are copied out of `base`, as in `tensors`."""
+        out = {}
+        for f, o in zip(self.fields, self.offsets):
+            view = base[o:o + f.nbytes(n)].view(torch.from_numpy(np.empty(0, f.dtype)).dtype).view(n, *f.shape)
+            out[f.name] = view.clone() if f.small else view
+        return out
 
     def own(self, pin):
         """(a new uint8 tensor of slot_bytes, pinned if asked, and a numpy view of it to write into)."""
@@ -122,14 +150,20 @@ class Ring:
         self.buf = self.memory.numpy()
         self.pin = pin
         self.give_back = None  # set by whoever owns the producers
-        self.lent = [{} for _ in range(producers)]  # per producer, slot -> (token, finalizer) of the batch lent from it
+        self.lent = [{} for _ in range(producers)]  # per producer, slot -> (token, finalizer or None) lent from it
         self._tokens = itertools.count()  # a lend's token: a late return of an earlier lend of the slot is ignored
         self.copied = 0  # batches handed out as copies (the user held every other slot)
-        self._pending = collections.deque()  # (CUDA event, producer, slot, token): dropped, a copy may still read
+        # (ticket, producer, slot, token) of slots a GPU copy may still read: a CUDA event of the
+        # loader's copy stream (`hand`), or the count of device synchronisations begun when a
+        # page-locked batch lent to the user was dropped (`_dropped`; it goes back after the next)
+        self._pending = collections.deque()
+        self._syncs = 0  # device synchronisations begun (`wait`)
+        self._synced = 0  # ... and ended
         self._lock = threading.Lock()
         self._pid = os.getpid()  # a process forked from this one drops copies of batches, not slots
         self._registered = False
-        self._events = pin and torch.cuda.is_available() and not shared  # a shared ring: once `page_lock` took
+        self._locked = pin and torch.cuda.is_available() and not shared  # page-locked now (a shared ring: `page_lock`)
+        self.cuda_device = torch.cuda.current_device() if self._locked else None
         self.forking = False  # set while this ring's own workers fork: they keep the ring shared
         if shared:
             _shared_rings.add(self)
@@ -143,7 +177,7 @@ class Ring:
 
     @property
     def held(self):
-        """How many slots of each producer are lent out."""
+        """How many slots of each producer are lent out (or wait for a GPU copy)."""
         return [len(s) for s in self.lent]
 
     def free_slots(self, install):
@@ -152,7 +186,8 @@ class Ring:
         then on, so that a slot dropped before is in the answer and one dropped after is given
         back: none twice, none lost. Each pass starts again from here, so a slot lost between a
         worker's message and its lend (a Ctrl-C caught there), or one whose batch died while its
-        return was cut short, is free again at the next pass. The collector is held off
+        return was cut short, is free again at the next pass. A slot a GPU copy may still read
+        stays out until its copy is known to be done (`reap`). The collector is held off
         meanwhile: a batch it collects would come back here and find the lock taken."""
         was = gc.isenabled()
         gc.disable()
@@ -161,11 +196,12 @@ class Ring:
                 pending = {(producer, k, token) for _, producer, k, token in self._pending}
                 orphans = [(slots, k, done) for producer, slots in enumerate(self.lent)
                            for k, (token, done) in slots.items()
-                           if done.peek() is None and (producer, k, token) not in pending]
-                if orphans and self._events:  # a copy from one may be queued still
-                    torch.cuda.synchronize()
+                           if (done is None or done.peek() is None) and (producer, k, token) not in pending]
+                if orphans and self._locked:  # a copy from one may be queued still
+                    torch.cuda.synchronize(self.cuda_device)
                 for slots, k, done in orphans:  # its batch is gone, but its return never came
-                    done.detach()
+                    if done is not None:
+                        done.detach()
                     del slots[k]
                 install()
                 return [[k for k in range(self.depth) if k not in slots] for slots in self.lent]
@@ -175,10 +211,34 @@ class Ring:
 
     def page_lock(self):
         """Page-lock a shared ring for the GPU copy (cudaHostRegister), once. The loader calls it
-        after its workers forked, so that they start before CUDA does in this process."""
-        if self.pin and not self._registered and not self._events and torch.cuda.is_available():
-            self._registered = self._events = _register(self.memory)
+        after its workers forked, so that they start before CUDA does in this process. Returns
+        whether the ring is page-locked; where CUDA refuses (a container's memlock limit), one
+        warning says that batches come out pageable (the copies to the GPU then wait for the host)."""
+        if self.pin and not self._registered and not self._locked and torch.cuda.is_available():
+            self._registered = self._locked = _register(self.memory)
+            if self._registered:
+                self.cuda_device = torch.cuda.current_device()
+            else:
+                self.pin = False
+                warnings.warn(f"cudaHostRegister refused to page-lock the loader's {self.memory.numel() / 2**20:.0f} "
+                              f"MiB ring (often a container's memlock limit: ulimit -l): its batches are not pinned "
+                              f"and each copy to the GPU waits for the host", RuntimeWarning, stacklevel=3)
         return self._registered
+
+    def unlock(self):
+        """Undo `page_lock` before workers fork again: CUDA maps page-locked memory MADV_DONTFORK,
+        so a worker forked while the ring is registered would not have it. Waits for every copy
+        still reading the ring. Returns whether it was locked (`page_lock` then locks it again)."""
+        if not self._registered:
+            return False
+        torch.cuda.synchronize(self.cuda_device)
+        torch.cuda.cudart().cudaHostUnregister(self.memory.data_ptr())
+        with self._lock:
+            self._registered = self._locked = False
+            self._syncs += 1  # the synchronisation above counts for every batch dropped before it
+            self._synced = self._syncs
+        self.reap()
+        return True
 
     def offset(self, producer, k):
         """Where slot k of a producer starts in the ring's memory (bytes)."""
@@ -193,10 +253,13 @@ class Ring:
         return self.spec.arrays(self.slot(producer, k), n)
 
     def lend(self, producer, k, n):
-        """The first n samples of slot k as tensors that view it; the slot goes back when the last
-        of them (or anything sharing their storage) is gone. A copy instead, and the slot back at
-        once, when the producer would otherwise be left with no slot but those the user holds."""
+        """The first n samples of slot k as tensors that view it (small fields copied out); the
+        slot goes back when the last of them (or anything sharing their storage) is gone. A copy
+        instead, and the slot back at once, when the producer would otherwise be left with no
+        slot but those the user holds."""
         self.reap()
+        if len(self.lent[producer]) + 1 >= self.depth and self._pending:
+            self.wait()  # slots that wait for a GPU copy are not the user's: free them first
         if len(self.lent[producer]) + 1 >= self.depth:
             base, copy = self.spec.own(self.pin)
             copy[:] = self.slot(producer, k)
@@ -204,6 +267,10 @@ class Ring:
             self.give_back(producer, k)
             return self.spec.views(base, n)
         holder = self.spec.holder(self.slot(producer, k))
+        if not self.spec.large:  # every field copied out: nothing views the slot
+            out = self.spec.tensors(holder, n)
+            self.give_back(producer, k)
+            return out
         token = next(self._tokens)
         done = weakref.finalize(holder, self._dropped, producer, k, token)
         done.atexit = False
@@ -211,21 +278,33 @@ class Ring:
             self.lent[producer][k] = token, done
         return self.spec.tensors(holder, n)
 
+    def view(self, producer, k, n):
+        """The first n samples of slot k as tensors that view it, every field, for the loader's
+        own copy out of it (`hand` then says when the slot may go back)."""
+        return {f.name: torch.from_numpy(a) for f, a in zip(self.spec.fields, self.arrays(producer, k, n).values())}
+
+    def hand(self, producer, k, event):
+        """Slot k, copied out by the loader (make_loader's `device`), goes back to its producer once
+        `event` (recorded on the copy's stream after the copy) has completed; at once with None
+        (a copy on the CPU, or from pageable memory: done when it returns)."""
+        if event is None:
+            self.give_back(producer, k)
+            return
+        token = next(self._tokens)
+        with self._lock:
+            self.lent[producer][k] = token, None
+            self._pending.append((event, producer, k, token))
+
     def _dropped(self, producer, k, token):
-        """The tensors of a slot are gone. With CUDA, a copy from it may still be queued: the slot
-        goes back once an event recorded now on the current stream has completed (`reap`)."""
+        """The tensors of a slot are gone. Page-locked, a copy the user queued from it may still
+        read it, on any stream: the slot goes back after a device synchronisation begun from now
+        (`wait`). Nothing touches CUDA here: a finalizer runs on whatever thread drops the batch."""
         if os.getpid() != self._pid:  # a forked child's copy of a batch: the slot is still the parent's
             return
-        if self._events:
-            try:
-                event = torch.cuda.Event()
-                event.record()
-            except Exception:  # noqa: BLE001 - interpreter shutdown, a CUDA error: nothing can read it any more
-                event = None
-            if event is not None:
-                with self._lock:
-                    self._pending.append((event, producer, k, token))
-                return
+        if self._locked:
+            with self._lock:
+                self._pending.append((self._syncs, producer, k, token))
+            return
         self._back(producer, k, token)
 
     def _back(self, producer, k, token):
@@ -236,14 +315,35 @@ class Ring:
             if self.give_back is not None:
                 self.give_back(producer, k)
 
+    def _ready(self, ticket):
+        return ticket < self._synced if isinstance(ticket, int) else ticket.query()
+
     def reap(self):
-        """Slots whose copies to the GPU have completed go back to their producers."""
+        """Slots whose copies to the GPU are known to be done go back to their producers."""
         while self._pending:
             with self._lock:
-                if not self._pending or not self._pending[0][0].query():
+                if not self._pending or not self._ready(self._pending[0][0]):
                     return
                 _, producer, k, token = self._pending.popleft()
             self._back(producer, k, token)
+
+    def wait(self):
+        """Block, without polling, until the oldest slot that waits for a GPU copy may go back,
+        and give back every slot that may: the event's own wait, or a synchronisation of the device."""
+        with self._lock:
+            if not self._pending:
+                return
+            ticket = self._pending[0][0]
+            if isinstance(ticket, int):
+                self._syncs += 1
+                begun = self._syncs
+        if isinstance(ticket, int):
+            torch.cuda.synchronize(self.cuda_device)
+            with self._lock:
+                self._synced = max(self._synced, begun)
+        else:
+            ticket.synchronize()
+        self.reap()
 
     @property
     def waiting(self):
@@ -251,10 +351,21 @@ class Ring:
         return bool(self._pending)
 
     def lent_pages(self):
-        """[(address, bytes)] of the whole pages holding the slots lent out, copied now."""
+        """[(address, bytes)] of the whole pages holding the slots lent out, copied now. The lent
+        table is read under the lock (a batch dropped on another thread changes it), the collector
+        held off as in `free_slots`."""
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            with self._lock:
+                starts = sorted(self.offset(producer, k) for producer, slots in enumerate(self.lent) for k in slots)
+        finally:
+            if was:
+                gc.enable()
         page, base = mmap.PAGESIZE, self.memory.data_ptr()
         spans = []
-        for start in sorted(base + self.offset(producer, k) for producer, slots in enumerate(self.lent) for k in slots):
+        for start in starts:
+            start += base
             lo, hi = start // page * page, -(-(start + self.spec.slot_bytes) // page) * page
             if spans and lo <= spans[-1][1]:
                 spans[-1][1] = max(spans[-1][1], hi)
@@ -266,7 +377,7 @@ class Ring:
         if self._registered:
             self._registered = False
             try:
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(self.cuda_device)
                 torch.cuda.cudart().cudaHostUnregister(self.memory.data_ptr())
             except Exception:  # noqa: BLE001 - best effort at the end
                 pass

@@ -75,6 +75,7 @@ class Workers:
             return
         if self.procs:
             self.close()
+        relock = self.ring.unlock()  # page-locked memory is not inherited by a fork (MADV_DONTFORK)
         for w in range(self.count):
             cmd_r, cmd_w = self.ctx.Pipe(duplex=False)
             ready_r, ready_w = self.ctx.Pipe(duplex=False)
@@ -98,6 +99,8 @@ class Workers:
             self.ready.append(ready_r)
             self.free.append(free_w)
             self.buffers.append(bytearray())
+        if relock:
+            self.ring.page_lock()
 
     def begin(self, plan):
         """Start a pass with `plan` on every worker; returns its id. Each worker begins it with
@@ -132,21 +135,21 @@ class Workers:
 
     def _fill(self, w, size):
         """Worker w's buffer, holding at least `size` bytes, read as much as is there at a time: a
-        message's header and its payload usually arrive in one read (one system call a batch, not two)."""
+        message's header and its payload usually arrive in one read (one system call a batch, not two).
+        While slots wait for GPU copies and the worker has sent nothing, the wait is the GPU's
+        (`Ring.wait`: an event's, or a device synchronisation), never a poll; the timeout counts it."""
         buf = self.buffers[w]
         fd = self.ready[w].fileno()
-        waited = 0.0
+        deadline = time.monotonic() + self.timeout if self.timeout else None
         while len(buf) < size:
-            if self.ring.waiting:  # slots wait for GPU copies: free them while this worker waits
-                self.ring.reap()
-                if not select.select([fd], [], [], 0.001)[0]:
-                    continue
-            if self.timeout and not select.select([fd], [], [], min(self.timeout - waited, POLL_S))[0]:
-                waited += POLL_S
-                if waited >= self.timeout:
-                    raise TimeoutError(f"loader worker {w} (pid {self.procs[w].pid}) sent nothing for "
-                                       f"{self.timeout:g} s (make_loader's timeout)")
+            self.ring.reap()
+            if self.ring.waiting and not select.select([fd], [], [], 0)[0]:
+                self.ring.wait()  # the worker may be waiting for one of these slots
+                if deadline is not None and time.monotonic() >= deadline and not select.select([fd], [], [], 0)[0]:
+                    raise self._stuck(w)
                 continue
+            if deadline is not None and not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                raise self._stuck(w)
             try:
                 chunk = os.read(fd, max(size - len(buf), READ))
             except OSError:
@@ -157,6 +160,15 @@ class Workers:
                 raise self._died(w)
             buf += chunk
         return buf
+
+    def _stuck(self, w):
+        """The TimeoutError of worker w, which sent nothing for the timeout: it is killed (a stopped
+        process, or one in uninterruptible I/O, would be waited for by the next pass and at exit)."""
+        p = self.procs[w]
+        p.kill()
+        p.join(5)
+        return TimeoutError(f"loader worker {w} (pid {p.pid}) sent nothing for {self.timeout:g} s (make_loader's "
+                            f"timeout): it was killed, and the next pass starts the workers again")
 
     def _died(self, w):
         p = self.procs[w]

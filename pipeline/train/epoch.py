@@ -10,7 +10,7 @@ import time
 import torch
 
 from pipeline.ordering import order
-from pipeline.train import dist, options, prefetch
+from pipeline.train import dist, options
 from pipeline.train.console import progress_bar
 from pipeline.train.metrics import StepLog
 from pipeline.train.run import NonFiniteLoss
@@ -40,16 +40,15 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
     made = segment.batches - left  # this rank's batches of the segment before this pass
     done_before = run.tally["batches"]
     bar = progress_bar(topo, done_before + left, f"epoch {epoch + 1}/{args.epochs}", done_before)
-    per_source = torch.zeros(len(run.names), dtype=torch.int64)
+    per_source = torch.zeros(len(run.names), dtype=torch.int64, device=run.device)  # where the batch is: no wait
     votes = dist.Votes()
     t0 = time.perf_counter()
     got = 0
-    for batch in prefetch.ahead(loader, run.device):  # workers persist across epochs and pick up set_epoch
+    for batch in loader:  # on run.device already (make_loader's device); workers persist and pick up set_epoch
         run.stream.record(batch["state"])  # this batch is trained now: the stream's place is after it
         t1 = time.perf_counter()
         run.startup.setdefault("first_batch_s", round(t1 - run.t0, 3))
         run.tally["wait"] += t1 - t0
-        counts = torch.bincount(batch["source"], minlength=len(run.names))  # on the CPU: no wait for the device
         # augmentation keyed by the batch's place, as the data's order is: a resume on the same world
         # draws the same, and no two ranks or batches share a key
         gen.manual_seed(order.seed_of((order.AUGMENT, args.seed, epoch, segment.generation, topo.rank, made + got)))
@@ -57,7 +56,7 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
         got += 1
         run.tally["batches"] += 1
         run.tally["skipped"] += batch["skipped"]
-        per_source += counts
+        per_source.index_add_(0, batch["source"], torch.ones_like(batch["source"]))  # bincount on CUDA reads its max
         log.add(run.step, losses, source, found)
         log.skipped += batch["skipped"]
         if args.record_keys:

@@ -12,7 +12,7 @@ from pipeline.data import stream
 from pipeline.errors import InputError, redact
 from pipeline import cli
 from pipeline.files import write_json_atomic
-from pipeline.train import checkpoint, dist, prefetch
+from pipeline.train import checkpoint, dist
 from pipeline.train.run import autocast
 
 PER_CLASS_MAX = 20  # sources with at most this many classes are evaluated per class (a confusion matrix each)
@@ -47,7 +47,7 @@ def evaluate(run, loaders):
                 sums[i, 3] += batch["skipped"]
                 if len(batch["label"]) == 0:
                     continue
-                x, y, s = prefetch.on_device(batch, device)
+                x, y, s = batch["image"], batch["label"], batch["source"]  # on the device (make_loader's device)
                 with autocast(device):
                     logits = model(run.layout.normalize(x, s)).float()
                 predicted = logits.argmax(1)
@@ -103,7 +103,8 @@ def epoch_line(epoch, epochs, evals):
 def eval_loaders(run):
     """One loader per test source, made once: their workers persist between evaluations
     (at most 2 each, idle while training runs)."""
-    return [stream.make_loader(ev, min(run.args.workers, 2), pin_memory=run.device.type == "cuda") for ev in run.evals]
+    device = run.device if run.device.type == "cuda" else None  # on the CPU the views themselves
+    return [stream.make_loader(ev, min(run.args.workers, 2), device=device) for ev in run.evals]
 
 
 def evaluate_only(run):

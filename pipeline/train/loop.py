@@ -65,12 +65,13 @@ def train(args, topo, device, stopper=None):
         guard.warn_data(train_sources, eval_sources)
     def start_loader(train_stream):
         """The memory check, then the loader's workers, started while the model is built: they fork
-        before CUDA starts here and read the first batches meanwhile. record=False: prefetch.ahead
-        pulls batch n+1 before step n; the epoch records each batch as it trains it."""
+        before CUDA starts here and read the first batches meanwhile. On a GPU each batch arrives
+        there (make_loader's device). record=False: the epoch records each batch as it trains it."""
         guard.check_memory(args, train_stream, len(eval_sources), device)  # before any loader starts or reads
         if args.eval_only:
             return None
-        return stream.make_loader(train_stream, args.workers, pin_memory=device.type == "cuda", record=False).start()
+        return stream.make_loader(train_stream, args.workers, record=False,
+                                  device=device if device.type == "cuda" else None).start()
 
     try:
         run = Run(args, topo, device, train_sources, eval_sources, policy=policy, started=t0, startup=startup,

@@ -20,7 +20,7 @@ from pipeline.ordering import order
 
 from pipeline.data import cache, stream
 from pipeline.errors import InputError, redacted, short
-from pipeline.train import checkpoint, dist, options, prefetch
+from pipeline.train import checkpoint, dist, options
 from pipeline.train.model import augment, build_model, input_shape
 from pipeline.train.usercode import user_function
 from pipeline.train.schedule import BASE_BATCH, learning_rate
@@ -110,7 +110,7 @@ class Run:
         finite; the weights and running stats were then left as they were, on every rank alike).
         Nothing here waits for the device: the host queues the next step while this one runs, and
         learns what happened when the step log is read (pipeline.train.metrics.StepLog.reduce)."""
-        x, y, s = prefetch.on_device(batch, self.device)
+        x, y, s = batch["image"], batch["label"], batch["source"]  # on the device (make_loader's device)
         x = augment(self.layout.normalize(x, s), s, self.flip_tensor, gen)
         for group in self.opt.param_groups:
             group["lr"] = self.lr()

@@ -3,7 +3,12 @@ own CPU, to receive a batch from workers that do no other work. torch's DataLoad
 yielding the small fields a batch of this project carries (keys, state, labels; the pixels
 already in shared memory), against pipeline.data.loader with the same fields in its ring. This
 is the measured reason the loader runs its own worker processes: the consumer's budget is
-0.3 us a sample, 77 us a batch of 256."""
+0.3 us a sample, 77 us a batch of 256.
+
+Then the stream itself through the loops users write (`run_stream`): one that keeps nothing,
+and one that keeps each batch's labels to score the epoch at its end, at 0 and N workers,
+C (float32) and C8 (uint8): samples per CPU-second of the whole process tree, and the
+consuming process's own CPU a sample."""
 import statistics
 import tempfile
 import time
@@ -18,6 +23,7 @@ from pipeline.ordering.topology import Topology, Worker
 from pipeline.writers import shards
 from pipeline.writers.sources import SyntheticSource
 
+from bench.cpu import tree_cpu
 from bench.report import log, spread
 
 
@@ -78,10 +84,11 @@ def consumer_us(loader):
     return (time.process_time() - t0) / n * 1e6
 
 
-def stream_consumer(folder, workers, batch, normalize, epochs):
+def stream_consumer(folder, workers, batch, normalize, epochs, keep=False):
     """The consuming process's own CPU a sample of this project's stream (C: float32 batches, C8:
-    uint8), its loader persisting across epochs as in training: each epoch after the first
-    (which pays for forking the workers) measured on its own."""
+    uint8), and samples per CPU-second of the whole process tree, its loader persisting across
+    epochs as in training: each epoch after the first (which pays for forking the workers)
+    measured on its own. keep: the loop keeps every batch's labels until the epoch ends."""
     srcs = [resolve(n, folder, "train") for n in ("mnist", "cifar10")]
     s = MixedStream(srcs, {"mnist": 1.0, "cifar10": 1.0}, batch, Topology(), seed=0, normalize=normalize,
                     shuffle_buffer=1000)
@@ -89,12 +96,17 @@ def stream_consumer(folder, workers, batch, normalize, epochs):
     out = []
     for epoch in range(epochs + 1):
         s.set_epoch(epoch)
-        t0, w0, n = time.process_time(), time.perf_counter(), 0
+        kept = []
+        (m0, r0), t0, w0, n = tree_cpu(), time.process_time(), time.perf_counter(), 0
         for b in loader:
             n += len(b["key"])
+            if keep:
+                kept.append(b["label"])
+        wall, own, (m1, r1) = time.perf_counter() - w0, time.process_time() - t0, tree_cpu()
         if epoch:
-            out.append({"us_per_sample": (time.process_time() - t0) / n * 1e6,
-                        "samples_per_s": n / (time.perf_counter() - w0)})
+            out.append({"us_per_sample": own / n * 1e6, "samples_per_s": n / wall,
+                        "samples_per_cpu_s": n / ((m1 - m0) + (r1 - r0)), "copied": loader.ring.copied})
+        del kept
     loader.close()
     return out
 
@@ -107,17 +119,27 @@ def synthetic_shards(folder, n):
 
 
 def run_stream(workers=2, batch=256, repeats=3, samples=20000, epochs=2):
-    rows = []
+    """C and C8 at 0 and `workers` workers, each loop (keep nothing, keep labels) run back to back
+    within a repeat; medians over every measured epoch of the repeats."""
+    runs = {}
     with tempfile.TemporaryDirectory(prefix="bench-handover-") as folder:
         synthetic_shards(folder, samples)
-        for method, normalize in (("C", True), ("C8", False)):
-            runs = [r for _ in range(repeats) for r in stream_consumer(folder, workers, batch, normalize, epochs)]
-            us = spread([r["us_per_sample"] for r in runs])
-            rate = spread([r["samples_per_s"] for r in runs])
-            rows.append({"method": method, "workers": workers, "us_per_sample": us, "samples_per_s": rate,
-                         "epochs": len(runs)})
-            log(f"  {method:<3} {workers} workers: {us['median']:.3f} us a sample [{us['min']:.3f}-{us['max']:.3f}] "
-                f"of the consumer's CPU, {rate['median']:,.0f} samples/s ({len(runs)} epochs of {2 * samples})")
+        for _ in range(repeats):
+            for w in sorted({0, workers}):
+                for method, normalize in (("C", True), ("C8", False)):
+                    for loop in ("keep nothing", "keep labels"):
+                        runs.setdefault((method, w, loop), []).extend(
+                            stream_consumer(folder, w, batch, normalize, epochs, keep=loop == "keep labels"))
+    rows = []
+    for (method, w, loop), rs in runs.items():
+        us, rate = spread([r["us_per_sample"] for r in rs]), spread([r["samples_per_s"] for r in rs])
+        per_cpu = spread([r["samples_per_cpu_s"] for r in rs])
+        rows.append({"method": method, "workers": w, "loop": loop, "us_per_sample": us, "samples_per_s": rate,
+                     "samples_per_cpu_s": per_cpu, "copied": max(r["copied"] for r in rs), "epochs": len(rs)})
+        log(f"  {method:<3} {w} workers, {loop:<12}: {per_cpu['median']:9,.0f} samples/cpu-s "
+            f"[{per_cpu['min']:,.0f}-{per_cpu['max']:,.0f}], consumer {us['median']:.3f} us a sample "
+            f"[{us['min']:.3f}-{us['max']:.3f}], {rate['median']:,.0f} samples/s, batches copied out "
+            f"{rows[-1]['copied']} ({len(rs)} epochs of {2 * samples})")
     return rows
 
 
@@ -142,5 +164,5 @@ def run(workers=2, batches=2000, batch=256, repeats=5):
     ratio = statistics.median(a / b for a, b in zip(rows["DataLoader"], rows["pipeline.data.loader"]))
     log(f"  DataLoader / pipeline.data.loader: {ratio:.2f}x (median of the paired repeats)")
     log(f"\nthe stream (synthetic MNIST + CIFAR10 shapes, raw shards, batches of {batch}), loader kept across epochs:")
-    streams = run_stream(workers, batch, max(1, repeats // 2))
+    streams = run_stream(workers, batch, repeats)
     return {"workers": workers, "batches": batches, "batch": batch, "rows": out, "ratio": ratio, "stream": streams}

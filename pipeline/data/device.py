@@ -1,0 +1,66 @@
+"""Batches handed over on a device: the loader copies each batch out of its ring slot itself.
+
+A user who copies a batch's page-locked views to the GPU is the one who knows which stream
+reads the slot; when the loader makes the copy, it knows. So with make_loader's `device`
+(FFCV's rule, docs/training.md "Handing batches over"): each batch's tensors are copied with
+non_blocking=True on a CUDA stream of the loader's own, an event recorded on that stream
+after the copy says when the slot may go back to its worker (`ring.Ring.hand`), and the
+consumer's current stream waits on the copy stream before the batch is handed out. The
+user's code never stands between the copy and the slot's reuse. Lists (keys, captions)
+stay on the host. device="cpu" runs the same path without CUDA (the copy made at once, the
+slot back right after it): the tests' stand-in where no GPU is.
+"""
+import torch
+
+
+def parse_device(device):
+    """None, or a torch.device of type cuda (with its index) or cpu; ValueError (one line) for
+    anything else, or a CUDA device where CUDA is not."""
+    if device is None:
+        return None
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"make_loader's device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}") \
+            from e
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"make_loader's device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"make_loader's device is {device!r} but CUDA is not available here: "
+                             f"pass device=None (or 'cpu')")
+        if parsed.index is None:
+            parsed = torch.device("cuda", torch.cuda.current_device())
+    return parsed
+
+
+class ToDevice:
+    """Copies of a ring's slots on `device`, each slot given back once its copy is done."""
+
+    def __init__(self, device, ring):
+        self.device, self.ring = device, ring
+        self.cuda = device.type == "cuda"
+        self.stream = None  # made at the first batch: CUDA starts after the workers forked
+
+    def slot(self, producer, k, n):
+        """{name: tensor on the device} of the first n samples of slot k; the slot goes back
+        once the copy is done."""
+        out, event = self.copy(self.ring.view(producer, k, n))
+        self.ring.hand(producer, k, event)
+        return out
+
+    def copy(self, tensors):
+        """({name: copy on the device}, the CUDA event recorded after it, or None on the CPU)."""
+        if not self.cuda:
+            return {name: t.clone() for name, t in tensors.items()}, None
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        consumer = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            out = {name: t.to(self.device, non_blocking=True) for name, t in tensors.items()}
+            event = torch.cuda.Event(blocking=True)  # its wait sleeps, never spins (Ring.wait)
+            event.record(self.stream)
+        consumer.wait_stream(self.stream)
+        for t in out.values():  # made on the copy stream, read on the consumer's: freed only after that
+            t.record_stream(consumer)
+        return out, event
