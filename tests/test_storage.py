@@ -348,17 +348,23 @@ def test_a_bucket_s_region_is_looked_up_within_the_job_s_timeout_and_alone(fake_
     import time
 
     fake_s3.heads = [(200, "eu-west-1", 60)]
-    slow = threading.Thread(target=lambda: pytest.raises(FetchError, remote.fetch, "s3://hanging/x.tar",
-                                                         policy=remote.Policy(retries=0, timeout=2)), daemon=True)
+    failed = []
+    slow = threading.Thread(target=lambda: failed.append(
+        pytest.raises(FetchError, remote.fetch, "s3://hanging/x.tar", policy=remote.Policy(retries=0, timeout=2))),
+        daemon=True)
     t0 = time.monotonic()
     slow.start()
-    time.sleep(0.3)
+    # the hanging bucket's HEAD has arrived (and waits) before the other bucket's answer is made quick
+    # (a 0.3 s sleep here missed on a loaded machine, and the hanging HEAD was answered at once)
+    while not any(s[:2] == ("HEAD", "hanging") for s in fake_s3.seen):
+        assert slow.is_alive() and time.monotonic() - t0 < 20, ("the hanging bucket was never asked", fake_s3.seen)
+        time.sleep(0.01)
     fake_s3.heads = [(200, "eu-west-1", 0)]
     assert remote.fetch("s3://other/x.tar", policy=FAST) == b"shard"
     # bounds far from both the deadline (2 s) and the hang (60 s): a loaded machine is slow, not that slow
     assert time.monotonic() - t0 < 20, "the other bucket waited for the hanging one's lookup"
     slow.join(40)
-    assert not slow.is_alive() and time.monotonic() - t0 < 30
+    assert not slow.is_alive() and time.monotonic() - t0 < 30 and len(failed) == 1
 
 
 def test_a_region_lookup_that_drips_ends_at_the_job_s_timeout(fake_s3):
