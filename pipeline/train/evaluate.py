@@ -103,7 +103,8 @@ def epoch_line(epoch, epochs, evals):
 def eval_loaders(run):
     """One loader per test source, made once: their workers persist between evaluations
     (at most 2 each, idle while training runs)."""
-    return [stream.make_loader(ev, min(run.args.workers, 2), pin_memory=run.device.type == "cuda") for ev in run.evals]
+    return [stream.make_loader(ev, min(run.args.workers, 2), pin_memory=run.device.type == "cuda",
+                               timeout=getattr(run.args, "loader_timeout", 0) or None) for ev in run.evals]
 
 
 def evaluate_only(run):

@@ -23,6 +23,7 @@ import torch
 from pipeline.data import remote, stream
 from pipeline.train import dist, guard, options, stop
 from pipeline import cli
+from pipeline.data.workers import WorkerDied
 from pipeline.errors import InputError
 from pipeline.train.console import one_line
 from pipeline.train.epoch import train_epoch
@@ -64,7 +65,8 @@ def train(args, topo, device, stopper=None):
         guard.check_memory(args, train_stream, len(eval_sources), device)  # before any loader starts or reads
         if args.eval_only:
             return None
-        return stream.make_loader(train_stream, args.workers, pin_memory=device.type == "cuda", record=False).start()
+        return stream.make_loader(train_stream, args.workers, pin_memory=device.type == "cuda", record=False,
+                                  timeout=args.loader_timeout or None).start()
 
     try:
         run = Run(args, topo, device, train_sources, eval_sources, policy=policy, started=t0, startup=startup,
@@ -159,7 +161,11 @@ def main(argv=None, args=None):
         last = re.sub(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): ", "", last)  # a worker's "pkg.Class: "
         one_line(f"pipeline.train: error: {last}")
         if isinstance(e, OSError) and not args.eval_only:
-            say_resume(args.out, argv)
+            say_resume(args.out, argv, start_again=isinstance(e, TimeoutError))
+        return 2
+    except WorkerDied as e:  # killed (the OOM killer), or a crash in C: this run makes no next pass
+        one_line(f"pipeline.train: error: {str(e).split('; the next pass')[0]}")
+        say_resume(args.out, argv, start_again=not args.eval_only)
         return 2
     except NonFiniteLoss as e:
         one_line(f"pipeline.train: error: {e}")
@@ -175,13 +181,19 @@ def main(argv=None, args=None):
     return 0
 
 
-def say_resume(out, argv):
-    """After the environment failed (a store or a disk out, retries used up) the run's last
-    checkpoint goes on once it is back, as after a scheduler's signal: say how, beside the
-    error line (on each rank that failed: the others may be ended before they could say it)."""
+def say_resume(out, argv, start_again=False):
+    """After the environment failed (a store or a disk out, retries used up, a loader worker
+    stuck or killed) the run's last checkpoint goes on once it is back, as after a scheduler's
+    signal: say how, beside the error line (on each rank that failed: the others may be ended
+    before they could say it). start_again: where no checkpoint was written yet, say that the
+    same command starts the run again."""
     if os.path.isfile(os.path.join(out, "checkpoint.pt")):
         print(f"pipeline.train: the last checkpoint stays in {out}/; resume with: {stop.resume_command(argv)}",
               file=sys.stderr, flush=True)
+    elif start_again:  # --resume would be refused without a checkpoint, a plain rerun by what --out holds
+        again = stop.resume_command(argv)
+        again = again[:-len("--resume")] + "--resume-or-start" if again.endswith(" --resume") else again
+        print(f"pipeline.train: no checkpoint yet in {out}/; start again with: {again}", file=sys.stderr, flush=True)
 
 
 def signal_of(name):

@@ -122,6 +122,10 @@ def parse(argv=None):
       help=f"seconds a rank waits for the others in a collective before the job fails, at most {MAX_TIMEOUT} "
            f"(default: 600)")
     add_io_options(p)
+    # the loader's own limits (issue 53)
+    a("--loader-timeout", type=float, default=600, metavar="S",
+      help="seconds a loader worker may send nothing before the run ends with a line naming it and the resume "
+           "command (a worker stuck in I/O otherwise hangs the run); 0: wait for ever (default: 600)")
     args, extra = p.parse_known_args(argv)
     if extra:
         spaced = _spaced(sys.argv[1:] if argv is None else list(argv), extra)
@@ -167,6 +171,8 @@ def check(p, args):
                       "retries": 0, "max_nonfinite": 0})
     p.within(args, {"timeout": (1, MAX_TIMEOUT), "workers": (0, 1024)})
     p.at_least(args, {"shuffle_window": 1})
+    if not (math.isfinite(args.loader_timeout) and 0 <= args.loader_timeout <= MAX_TIMEOUT):
+        p.error(f"--loader-timeout {args.loader_timeout}: seconds between 0 (wait for ever) and {MAX_TIMEOUT}")
     if args.slots is not None:
         print("pipeline.train: --slots is no longer used (every world change is dealt exactly without it); ignored",
               file=sys.stderr)
