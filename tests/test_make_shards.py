@@ -373,6 +373,14 @@ def test_unwritable_output_folder(tmp_path):
     assert_one_error_line(p.returncode, p.stderr, "afile/sub")
 
 
+@pytest.mark.parametrize("out", ["", "  "])
+def test_an_empty_out_is_one_line_as_the_trainer_s(tmp_path, out):
+    """`--out ""` wrote ./shards/ without a word; the trainer refuses an empty --out."""
+    p = cli(tmp_path, "--synthetic", "--datasets", "mnist", "--splits", "test", "--limit", 3, "--quiet", "--out", out)
+    assert_one_error_line(p.returncode, p.stderr, "--out: empty")
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("layout", ["empty", "no_images", "absent"])
 def test_empty_imagefolder(tmp_path, main, layout):
     folder = tmp_path / "pets"

@@ -91,6 +91,8 @@ def parse_args(argv):
 
 
 def check(p, args):
+    if args.out is not None and not args.out.strip():  # "" wrote ./shards/ without a word
+        p.error("--out: empty; name the folder (or s3://BUCKET/PREFIX) to write to, or leave --out out for shards/")
     args.out_given, args.out = args.out is not None, args.out or "shards"
     kind = out_kind(p, args.out)
     if kind in ("http", "pipe") and not args.preview:
