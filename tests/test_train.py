@@ -175,6 +175,15 @@ def test_bad_command_lines_fail_in_one_line(data, tmp_path, bad, message):
     assert p.stderr.count("\n") == 1 and "\x1b" not in p.stderr, p.stderr
 
 
+def test_a_misspelt_flag_is_named_before_a_missing_train(tmp_path):
+    """`--trian ...` said only "the following arguments are required: --train"."""
+    p = run(["--trian", "mnist=shards/", "--out", str(tmp_path / "o")], nproc=0, check=False)
+    assert p.returncode == 2 and "unrecognized arguments: --trian mnist=shards/" in p.stderr, p.stderr
+    assert p.stderr.count("\n") == 1, p.stderr
+    p = run(["--out", str(tmp_path / "o")], nproc=0, check=False)
+    assert p.returncode == 2 and "required: --train" in p.stderr and p.stderr.count("\n") == 1, p.stderr
+
+
 def test_missing_test_shards_fail_before_training(data, tmp_path):
     p = run(["--train", f"mnist={data}/mnist-train.json", "--eval", f"mnist={tmp_path}/nothing-here.json",
              "--out", str(tmp_path / "o")], nproc=0, check=False)

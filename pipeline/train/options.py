@@ -31,7 +31,7 @@ multi-node torchrun. See docs/training.md for recipes and what lands in --out.
 def parse(argv=None):
     p = Parser(prog="pipeline.train", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--train", action="append", default=[], metavar="NAME=SPEC", required=True,
+    a("--train", action="append", default=[], metavar="NAME=SPEC",  # required: checked after unknown flags
       help="a training source: SPEC is a manifest, a folder or base URL (ending in /) holding NAME-train.json, "
            "or a brace pattern of shards with NAME-train.json beside them; local, http(s)://, an object store "
            "(s3://, gs://, hf://: docs/stores.md) or pipe: (repeatable)")
@@ -133,6 +133,8 @@ def parse(argv=None):
             flag, name, spec = spaced
             p.error(f"{flag} {name} {spec}: expected NAME=SPEC, e.g. {flag} {name}={spec} (no space around =)")
         p.error(f"unrecognized arguments: {' '.join(extra)}")
+    if not args.train:  # after the unknown flags: `--trian X` said only that --train was missing
+        p.error("the following arguments are required: --train")
     check(p, args)
     return args
 
