@@ -30,7 +30,7 @@ from pipeline.data.decode import (CONTENT_ERRORS, IMAGE_EXTS, LABEL_EXTS, Unlabe
                                   default_label, describe_label, image_format, label_hint, label_member, open_image,
                                   parse_label_key, pil_reason, pixels_of, raw_label)
 from pipeline.errors import ShardError, redact
-from pipeline.files import MAX_JSON, open_regular, write_json_atomic
+from pipeline.files import MAX_JSON, missing_folder, open_regular, write_json_atomic
 from pipeline.data.manifest import (FORMAT, NAME_RE, CLASSES_WHY, MAX_CLASSES, MAX_SIDE, check, expand_shards,
                                     manifest_name, pipe_shard_name, plain_relative)
 from pipeline.data.read import MAX_MEMBER, is_meta, iter_samples
@@ -51,6 +51,8 @@ def expand(spec, policy=remote.Policy()):
     ShardError when nothing matches."""
     if remote.kind(spec) == "file" and os.path.isdir(spec):
         urls = sorted(os.path.join(spec, f) for f in os.listdir(spec) if f.endswith(SHARD_SUFFIXES))
+    elif remote.kind(spec) == "file" and missing_folder(spec):  # was "1 of 1 shard(s) do not exist, e.g. DIR/"
+        raise ShardError(f"{spec}: no such folder")
     elif remote.kind(spec) == "store" and "{" not in spec and not spec.endswith(SHARD_SUFFIXES):
         urls = listings.urls(spec, SHARD_SUFFIXES, policy)  # a prefix: the shards under it, read where they are
     else:
