@@ -273,6 +273,8 @@ def test_verify_cli(tmp_path):
                "--workers", 1, "--quiet", "--out", "out").returncode == 0
     p = cli(tmp_path, "--verify", "--out", "out")
     assert p.returncode == 0 and "FAIL" not in p.stdout and "OK" in p.stdout
+    # what an OK covers (it printed only "OK")
+    assert "checked 1 manifest(s), 2 shard(s), 6 sample(s): each shard's size, sha256 and sample count" in p.stdout
     shard = tmp_path / "out" / "mnist-test-000001.tar"
     data = bytearray(shard.read_bytes())
     data[600] ^= 0xFF

@@ -8,6 +8,7 @@ WebDatasets that other tools wrote, in place.
 See docs/data.md for the sample format and every option.
 """
 import argparse
+import collections
 import os
 import shutil
 import signal
@@ -368,10 +369,13 @@ def run(args):
     if args.preview:
         return run_preview(args)
     if args.verify:
-        problems = shards.verify(args.out, remote.Policy(**io_limits(args)))
+        checked = collections.Counter()
+        problems = shards.verify(args.out, remote.Policy(**io_limits(args)), checked)
         for line in problems:
             print(f"FAIL {line}")
-        print(f"verify {args.out}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
+        what = (f"{checked['manifests']} manifest(s), {checked['shards']} shard(s), {checked['samples']} sample(s): "
+                f"each shard's size, sha256 and sample count against its manifest")
+        print(f"verify {args.out}: {'OK' if not problems else f'{len(problems)} problem(s)'}; checked {what}")
         return 1 if problems else 0
     if args.store:
         return run_store(args)

@@ -29,6 +29,7 @@ a needed name that no make_shards manifest of this split there names is refused)
 whose bytes a store already holds under their name are not uploaded again, and a lock
 key (pipeline.writers.storelock) keeps a second make_shards from writing the prefix meanwhile.
 """
+import collections
 import contextlib
 import hashlib
 import io
@@ -460,15 +461,18 @@ def publish(stage, out, name, split, *, progress=True, say=None, policy=None):
 # ---------------------------------------------------------------- verifying
 
 
-def verify(folder, policy=None):
+def verify(folder, policy=None, checked=None):
     """Re-check every manifest in `folder` against its shards: the manifest's fields, and
     each shard's presence, size, sha256 and sample count. Returns every problem found,
-    one line each, across all manifests (an empty list: all is well)."""
+    one line each, across all manifests (an empty list: all is well). `checked`: a Counter
+    given the manifests, shards and samples (by their manifests) it went through, for a line
+    that says what an OK covers."""
     from pipeline.data import remote
     from pipeline.data.manifest import locate
 
+    checked = collections.Counter() if checked is None else checked
     if remote.kind(folder) == "store":
-        return _verify_store(folder, policy or remote.Policy())
+        return _verify_store(folder, policy or remote.Policy(), checked)
     if not os.path.isdir(folder):
         return [f"{folder}: no such folder"]
     problems = []
@@ -482,6 +486,7 @@ def verify(folder, policy=None):
         except ShardError as e:
             problems.append(str(e))
             continue
+        _count(checked, m)
         for s in m["shards"]:
             try:
                 url = locate(path, s["name"])
@@ -494,7 +499,11 @@ def verify(folder, policy=None):
     return problems
 
 
-def _verify_store(prefix, policy):
+def _count(checked, m):
+    checked.update(manifests=1, shards=len(m["shards"]), samples=sum(s["samples"] for s in m["shards"]))
+
+
+def _verify_store(prefix, policy, checked):
     """verify() for a store prefix: its manifests, each shard streamed once against its entry."""
     from pipeline.data import listings, storage
     from pipeline.data.manifest import load, locate
@@ -513,6 +522,7 @@ def _verify_store(prefix, policy):
         except ShardError as e:
             problems.append(str(e))
             continue
+        _count(checked, m)
         for s in m["shards"]:
             try:
                 problem = _verify_shard(locate(url, s["name"]), s, policy)
