@@ -375,6 +375,15 @@ def test_unwritable_output_folder(tmp_path):
     assert_one_error_line(p.returncode, p.stderr, "afile/sub")
 
 
+def test_progress_bars_written_to_a_log_file_are_lines(tmp_path):
+    """Off a terminal tqdm's carriage-return redraws made one huge line of a whole build."""
+    p = cli(tmp_path, "--synthetic", "--datasets", "mnist", "--splits", "test", "--limit", 40, "--maxcount", 10,
+            "--workers", 1, "--out", "out")
+    assert p.returncode == 0, p.stderr
+    assert "\r" not in p.stderr and "mnist-test" in p.stderr, p.stderr
+    assert all(len(line) <= 200 for line in p.stderr.splitlines()), p.stderr
+
+
 @pytest.mark.parametrize("out", ["", "  "])
 def test_an_empty_out_is_one_line_as_the_trainer_s(tmp_path, out):
     """`--out ""` wrote ./shards/ without a word; the trainer refuses an empty --out."""

@@ -25,6 +25,7 @@ import urllib.parse
 
 import numpy as np
 
+from pipeline import cli
 from pipeline.data import bounds, listings, remote
 from pipeline.data.decode import (CONTENT_ERRORS, IMAGE_EXTS, LABEL_EXTS, Unlabelled, as_integer, as_name,
                                   default_label, describe_label, image_format, label_hint, label_member, open_image,
@@ -271,11 +272,9 @@ def index(name, split, spec, out, *, label=None, image_key=None, shape=None, cla
 
 def _index(name, split, spec, out, urls, names, label, image_key, shape, classes_file, classes_from, skip_unlabelled,
            workers, policy, progress, fields=None):
-    from tqdm import tqdm
-
     tasks = [(u, label, policy, image_key, skip_unlabelled, fields) for u in urls]
     found = []
-    bar = tqdm(total=len(urls), unit="shard", desc=f"index {name}-{split}", disable=not progress, dynamic_ncols=True)
+    bar = cli.progress(total=len(urls), unit="shard", desc=f"index {name}-{split}", disable=not progress)
     try:
         if workers > 1 and len(urls) > 1:
             for scan in forked_imap(_scan_task, tasks, min(workers, len(urls))):

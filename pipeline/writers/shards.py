@@ -40,6 +40,7 @@ import tarfile
 
 import numpy as np
 
+from pipeline import cli
 from pipeline.data import png
 from pipeline.errors import FetchError, ShardError
 from pipeline.files import (MAX_JSON, Busy, locked, open_regular, parse_json, read_json,
@@ -292,12 +293,9 @@ def _manifest_file(dataset, split, part):
 
 
 def _run_tasks(source, tasks, workers, progress, desc):
-    from tqdm import tqdm
-
     global _SOURCE
     _SOURCE = source
-    bar = tqdm(total=sum(len(t[1]) for t in tasks), unit="sample", desc=desc, disable=not progress,
-               dynamic_ncols=True)
+    bar = cli.progress(total=sum(len(t[1]) for t in tasks), unit="sample", desc=desc, disable=not progress)
     entries = []
     try:
         if workers > 1 and len(tasks) > 1:
@@ -405,8 +403,6 @@ def publish(stage, out, name, split, *, progress=True, say=None, policy=None):
     that holds an object no make_shards manifest of this split names, FetchError when an
     upload fails (its temporary keys are then removed and nothing else was touched). `policy`:
     the job's remote.Policy, which bounds the listing of `out`."""
-    from tqdm import tqdm
-
     from pipeline.data import listings, remote, storage
 
     say = say or (lambda line: None)
@@ -429,8 +425,8 @@ def publish(stage, out, name, split, *, progress=True, say=None, policy=None):
             if not (s["name"] in present and old.get(s["name"]) == (s["bytes"], s["sha256"]))]
     tag = f".tmp-{os.getpid()}"
     pending = []  # temporary keys written and not yet moved into place
-    bar = tqdm(total=sum(s["bytes"] for s in todo), unit="B", unit_scale=True, desc=f"upload {name}-{split}",
-               disable=not progress, dynamic_ncols=True)
+    bar = cli.progress(total=sum(s["bytes"] for s in todo), unit="B", unit_scale=True, desc=f"upload {name}-{split}",
+                       disable=not progress)
     try:
         for s in todo:
             pending.append(s["name"] + tag)
