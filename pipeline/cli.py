@@ -18,13 +18,13 @@ CONSOLE = {"make_shards": "make-shards", "pipeline.train": "pipeline-train", "re
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that reports a bad command line in one line (no usage dump), exit code 2. Run as
-    its installed command (pyproject's scripts), a tool's usage and errors name that command."""
+    """argparse that reports a bad command line in one line (no usage dump), exit code 2. A tool's
+    usage and errors name its installed command (pyproject's scripts) however it was started
+    (`python -m pipeline.train`, `tools/make_shards.py`): one program name a command, as in the
+    lines it prints itself."""
 
     def __init__(self, *args, prog=None, **kwargs):
-        if prog in CONSOLE and sys.argv and sys.argv[0].rsplit("/", 1)[-1] == CONSOLE[prog]:
-            prog = CONSOLE[prog]
-        super().__init__(*args, prog=prog, **kwargs)
+        super().__init__(*args, prog=CONSOLE.get(prog, prog), **kwargs)
 
     def error(self, message):
         message = printable(message)  # it may echo the command line: a newline or an escape there stays one line

@@ -58,8 +58,9 @@ def test_the_trainer_names_a_report_command_that_exists_where_it_was_installed(t
     from pipeline.train.summary import report_command
 
     python = sys.executable
-    assert report_command("runs/x", clone=str(ROOT)) == f"{python} tools/report.py runs/x"
-    assert report_command("runs/x", clone=str(tmp_path)) == f"{python} -m pipeline.train.report runs/x"
+    assert report_command("runs/x", clone=str(ROOT), installed=False) == f"{python} tools/report.py runs/x"
+    assert report_command("runs/x", clone=str(tmp_path), installed=False) == f"{python} -m pipeline.train.report runs/x"
+    assert report_command("runs/x", installed=True) == "pipeline-report runs/x"  # the installed command, if there
     p = run_capture([python, "-m", "pipeline.train.report", "--help"], cwd=tmp_path, capture_output=True,
                     text=True, timeout=HANG)  # a hang guard only
     tool = run_capture([python, "tools/report.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=HANG)

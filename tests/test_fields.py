@@ -344,7 +344,7 @@ def test_the_index_refuses_a_sample_that_does_not_fit_in_one_line(img2dataset, t
     done = make_shards_in_process(["--index", f"laion:train={img2dataset}", "--fields", "caption:text=txt,max=10",
                                    "--out", str(tmp_path), "--quiet", "--workers", "1"])
     assert done.returncode == 2
-    assert done.stderr.splitlines() == [f"make_shards: error: {img2dataset}/00000.tar: sample 000000001: field caption: "
+    assert done.stderr.splitlines() == [f"make-shards: error: {img2dataset}/00000.tar: sample 000000001: field caption: "
                                         f".txt of 12 bytes, more than its cap of 10 (raise the field's max_bytes)"]
     for args, said in ((["--fields", "caption:txt"], "NAME:TYPE=MEMBER"),
                        (["--fields", "caption:text=txt", "--label-key", "cls"], "give the label as a field"),

@@ -339,7 +339,7 @@ def test_training_on_unindexed_shards_says_how_to_index_them(tmp_path):
     write_gnu_tar(tmp_path, 30)
     p = train_in_process(["--train", f"pets={tmp_path}/gnu-{{0000..0001}}.tar", "--out", str(tmp_path / "run")])
     assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert f"make_shards.py --index 'pets:train={tmp_path}/gnu-{{0000..0001}}.tar'" in p.stderr
+    assert f"make-shards --index 'pets:train={tmp_path}/gnu-{{0000..0001}}.tar'" in p.stderr
 
 
 @pytest.mark.slow
@@ -499,9 +499,9 @@ def test_the_hint_for_an_unindexed_split_folder_indexes_both_splits_in_one_comma
     said = str(e.value)
     assert said.endswith(" then give web=their/ to --train and --eval"), said
     command = said.split("so that they share classes: ")[1].split(", then give")[0]
-    assert command == "python tools/make_shards.py --index web:train=their/train --index web:test=their/test " \
+    assert command == "make-shards --index web:train=their/train --index web:test=their/test " \
                       "--out their"
-    p = make_shards(*shlex.split(command)[2:])
+    p = make_shards(*shlex.split(command)[1:])
     assert p.returncode == 0, p.stderr
     assert resolve("web", "their/", "train").classes == resolve("web", "their/", "test").classes
 

@@ -64,7 +64,7 @@ def assert_one_error_line(code, err, *fragments):
     assert "Traceback" not in err
     lines = err.splitlines()
     assert len(lines) == 1, err
-    assert lines[0].startswith("make_shards: error:"), err
+    assert lines[0].startswith("make-shards: error:"), err
     for f in fragments:
         assert f in lines[0], err
 
@@ -565,7 +565,7 @@ def test_a_rebuild_past_the_file_size_limit_keeps_the_old_set_usable(tmp_path):
 def test_a_fifo_given_as_classes_is_one_line_not_a_hang(main, tmp_path):
     os.mkfifo(tmp_path / "classes.txt")
     code, out, err = main("--index", f"c:train={tmp_path}", "--classes", tmp_path / "classes.txt", "--out", tmp_path)
-    assert code == 2 and err.splitlines() == [f"make_shards: error: --classes {tmp_path}/classes.txt: not a regular "
+    assert code == 2 and err.splitlines() == [f"make-shards: error: --classes {tmp_path}/classes.txt: not a regular "
                                               f"file (see --help)"], err
 
 
@@ -594,7 +594,7 @@ def test_a_failed_run_takes_back_the_out_folders_it_made(main, tmp_path, how):
               "imagefolder": ["--imagefolder", f"x:train={tmp_path}/nothere"],
               "source": ["--datasets", "mnist", "--root", tmp_path / "no-data"]}[how]
     code, said, err = main(*source, "--out", tmp_path / "new" / "deeper")
-    assert code == 2 and err.startswith("make_shards: error:"), err
+    assert code == 2 and err.startswith("make-shards: error:"), err
     assert sorted(os.listdir(tmp_path)) == []
     (tmp_path / "kept").mkdir()
     code, said, err = main(*source, "--out", tmp_path / "kept")

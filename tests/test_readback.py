@@ -654,7 +654,7 @@ def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(data, tmp_path):
                             start_new_session=True)
     code, err = finish(proc, timeout=HANG)
     assert code != 0
-    errors = [part.splitlines()[0] for part in err.split("pipeline.train: error:")[1:]]  # ranks share stderr
+    errors = [part.splitlines()[0] for part in err.split("pipeline-train: error:")[1:]]  # ranks share stderr
     assert errors and len(set(errors)) == 1, err[-3000:]  # every rank that said it said the same step
     assert "step 4 " in errors[0] and ("mnist" in errors[0] or "cifar10" in errors[0]), errors[0]
     lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]

@@ -207,7 +207,7 @@ def test_a_lock_is_taken_over_when_its_holder_is_gone(s3_bucket, holder, taken):
     p = make_shards_in_process([*BUILD, "--out", out])
     if taken is None:
         assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "\x1b" not in p.stderr, p.stderr
-        assert "another make_shards is writing this prefix (host " in p.stderr and "pid " in p.stderr, p.stderr
+        assert "another make-shards is writing this prefix (host " in p.stderr and "pid " in p.stderr, p.stderr
         assert storelock.LOCK in listings.names(out)
         return
     assert p.returncode == 0, p.stderr

@@ -243,7 +243,9 @@ def test_a_users_sample_stage_runs_in_the_trainer(data, tmp_path, monkeypatch):
                           "--workers", "1", "--width", "4", "--sample-stage", "my_stages:invert", "--out", str(out)])
     assert p.returncode == 0, p.stderr[-2000:]
     assert read(out, "summary.json")["config"]["sample_stage"] == ["my_stages:invert"]
-    assert f"pictures: {sys.executable} tools/report.py {out}" in p.stdout  # the interpreter that ran, not `python`
+    from pipeline.train.summary import report_command
+
+    assert f"pictures: {report_command(out)}" in p.stdout  # the installed command, else this interpreter's script
     p = train_in_process([*sources(data)[:4], "--sample-stage", "no_such_module:f", "--out", str(tmp_path / "other")])
     assert p.returncode == 2 and "no_such_module" in p.stderr and "Traceback" not in p.stderr
 
@@ -291,9 +293,9 @@ def test_the_trainers_error_and_warning_lines_escape_control_characters(capsys):
     """A skipped sample's warning and an input error quote keys and names from shards."""
     from pipeline.train import console
 
-    assert console.one_line_warning("sample a\x1b[2J", UserWarning, "f.py", 1) == "pipeline.train: warning: sample a\\x1b[2J\n"
-    console.one_line("pipeline.train: error: sample b\rc")
-    assert capsys.readouterr().err == "pipeline.train: error: sample b\\rc\n"
+    assert console.one_line_warning("sample a\x1b[2J", UserWarning, "f.py", 1) == "pipeline-train: warning: sample a\\x1b[2J\n"
+    console.one_line("pipeline-train: error: sample b\rc")
+    assert capsys.readouterr().err == "pipeline-train: error: sample b\\rc\n"
 
 
 def test_the_trainers_progress_bar_starts_no_monitor_thread():
@@ -329,12 +331,12 @@ def test_warnings_written_while_the_bar_shows_start_their_own_line_in_a_log_file
     log.write(console.one_line_warning("s-000001.tar: skipped 3 sample(s)", UserWarning, "f.py", 1))
     bar.update(10)
     bar.close()
-    console.one_line("pipeline.train: error: it stopped")
+    console.one_line("pipeline-train: error: it stopped")
     lines = log.getvalue().split("\n")
     assert lines[-1] == "" and "\r" not in log.getvalue(), log.getvalue()
-    assert "pipeline.train: warning: s-000001.tar: skipped 3 sample(s)" in lines, lines
-    assert "pipeline.train: error: it stopped" in lines, lines
-    bars = [x for x in lines[:-1] if not x.startswith("pipeline.train: ")]
+    assert "pipeline-train: warning: s-000001.tar: skipped 3 sample(s)" in lines, lines
+    assert "pipeline-train: error: it stopped" in lines, lines
+    bars = [x for x in lines[:-1] if not x.startswith("pipeline-train: ")]
     assert bars and all(x.startswith("epoch 1/1: ") for x in bars), lines
     assert bars[-1].startswith("epoch 1/1: 100%"), lines
 
@@ -348,14 +350,14 @@ def test_the_trainers_warnings_are_one_line_each(monkeypatch):
     monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal, as in a log file
     line = console.one_line_warning(UserWarning("s-000001.tar: not a tar header; skipped 3 sample(s)"), UserWarning,
                                  "/x/pipeline/data/stages.py", 192, "self._piece(url)")
-    assert line == "pipeline.train: warning: s-000001.tar: not a tar header; skipped 3 sample(s)\n"
+    assert line == "pipeline-train: warning: s-000001.tar: not a tar header; skipped 3 sample(s)\n"
     assert line.count("\n") == 1 and "stages.py" not in line
     assert warnings.formatwarning is not console.one_line_warning  # only the command (pipeline/train/__main__.py) installs it
     class Terminal(io.StringIO):
         def isatty(self):
             return True
     monkeypatch.setattr(sys, "stderr", Terminal())  # a worker's warning on a terminal first clears the bar's line
-    assert console.one_line_warning(UserWarning("w"), UserWarning, "f.py", 1) == "\r\x1b[Kpipeline.train: warning: w\n"
+    assert console.one_line_warning(UserWarning("w"), UserWarning, "f.py", 1) == "\r\x1b[Kpipeline-train: warning: w\n"
 
 
 def test_off_a_terminal_the_bar_is_not_redrawn_for_every_logged_step(data, tmp_path):
@@ -380,9 +382,9 @@ def test_the_command_installs_the_one_line_warnings(data, tmp_path):
     lines = p.stderr.splitlines()
     assert p.returncode == 2 and len(lines) == 2, p.stderr  # a warning in Python's format takes two lines
     warning, error = lines
-    assert warning == (f"pipeline.train: warning: --train mnist: {data}/mnist-test.json records split 'test': "
+    assert warning == (f"pipeline-train: warning: --train mnist: {data}/mnist-test.json records split 'test': "
                        "the model trains on held-out data"), p.stderr
-    assert error.startswith("pipeline.train: error: an epoch of 230 samples is less than one batch"), p.stderr
+    assert error.startswith("pipeline-train: error: an epoch of 230 samples is less than one batch"), p.stderr
 
 
 def test_a_checkpoint_taken_while_the_next_batch_is_prefetched_counts_only_trained_batches(tmp_path, monkeypatch):

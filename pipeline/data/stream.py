@@ -531,7 +531,7 @@ class EvalStream(torch.utils.data.IterableDataset):
             raise ShardError(f"{source.name}: the test manifest lists {len(source.classes)} classes "
                              f"({_preview(source.classes)}), the training manifest {len(train.classes)} "
                              f"({_preview(train.classes)}); their labels would not match the model's head: index "
-                             f"the test shards with the training split's classes (tools/make_shards.py --index "
+                             f"the test shards with the training split's classes (make-shards --index "
                              f"{source.name}:{source.split}=SHARDS --classes-from {train.manifest} --out DIR)")
         self.on_error = _error_mode(on_error, strict)
         self.cache_dir, self.policy, self.normalize = cache_dir, policy, normalize

@@ -40,7 +40,7 @@ def one_line_warning(message, category, filename, lineno, line=None):
     its next update: a loader worker or another rank can't reach that bar's
     tqdm.write, and its warning would otherwise start in the middle of the bar."""
     clear = "\r\x1b[K" if _is_terminal(sys.stderr) else ""
-    return f"{clear}pipeline.train: warning: {cli.printable(message)}\n"
+    return f"{clear}pipeline-train: warning: {cli.printable(message)}\n"
 
 
 _is_terminal = cli._is_terminal

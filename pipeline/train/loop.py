@@ -159,20 +159,20 @@ def main(argv=None, args=None):
         # carry its whole traceback in their message: keep the last line
         last = str(e).strip().splitlines()[-1]
         last = re.sub(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): ", "", last)  # a worker's "pkg.Class: "
-        one_line(f"pipeline.train: error: {last}")
+        one_line(f"pipeline-train: error: {last}")
         if isinstance(e, OSError) and not args.eval_only:
             say_resume(args.out, argv, start_again=isinstance(e, TimeoutError))
         return 2
     except WorkerDied as e:  # killed (the OOM killer), or a crash in C: this run makes no next pass
-        one_line(f"pipeline.train: error: {str(e).split('; the next pass')[0]}")
+        one_line(f"pipeline-train: error: {str(e).split('; the next pass')[0]}")
         say_resume(args.out, argv, start_again=not args.eval_only)
         return 2
     except NonFiniteLoss as e:
-        one_line(f"pipeline.train: error: {e}")
+        one_line(f"pipeline-train: error: {e}")
         return 3
     except KeyboardInterrupt:  # SIGINT left out of --stop-signals: every rank lands here, rank 0 says it
         if os.environ.get("RANK", "0") == "0":
-            print(f"pipeline.train: interrupted; the last complete checkpoint stays in {args.out}/", file=sys.stderr)
+            print(f"pipeline-train: interrupted; the last complete checkpoint stays in {args.out}/", file=sys.stderr)
         return 130
     finally:
         stop.end_children()
@@ -188,12 +188,12 @@ def say_resume(out, argv, start_again=False):
     before they could say it). start_again: where no checkpoint was written yet, say that the
     same command starts the run again."""
     if os.path.isfile(os.path.join(out, "checkpoint.pt")):
-        print(f"pipeline.train: the last checkpoint stays in {out}/; resume with: {stop.resume_command(argv)}",
+        print(f"pipeline-train: the last checkpoint stays in {out}/; resume with: {stop.resume_command(argv)}",
               file=sys.stderr, flush=True)
     elif start_again:  # --resume would be refused without a checkpoint, a plain rerun by what --out holds
         again = stop.resume_command(argv)
         again = again[:-len("--resume")] + "--resume-or-start" if again.endswith(" --resume") else again
-        print(f"pipeline.train: no checkpoint yet in {out}/; start again with: {again}", file=sys.stderr, flush=True)
+        print(f"pipeline-train: no checkpoint yet in {out}/; start again with: {again}", file=sys.stderr, flush=True)
 
 
 def signal_of(name):

@@ -1,6 +1,6 @@
 """The trainer's command line: every option checked before anything is read or written.
 
-A bad value ends with one `pipeline.train: error: ...` line and exit code 2. Nothing here
+A bad value ends with one `pipeline-train: error: ...` line and exit code 2. Nothing here
 imports torch, webdataset or numpy: `--help` and every command-line error answer at once
 (tests/test_preempt.py checks that importing this module leaves torch out).
 """
@@ -176,7 +176,7 @@ def check(p, args):
     if not (math.isfinite(args.loader_timeout) and 0 <= args.loader_timeout <= MAX_TIMEOUT):
         p.error(f"--loader-timeout {args.loader_timeout}: seconds between 0 (wait for ever) and {MAX_TIMEOUT}")
     if args.slots is not None:
-        print("pipeline.train: --slots is no longer used (every world change is dealt exactly without it); ignored",
+        print("pipeline-train: --slots is no longer used (every world change is dealt exactly without it); ignored",
               file=sys.stderr)
     check_io(p, args)
     if args.batch_size is not None and args.global_batch is not None:

@@ -81,7 +81,7 @@ def parse_args(argv):
            "else in a new temporary folder, never the current one; repeatable)")
     a("--out", metavar="DIR",
       help="output folder (default: shards), or an object-store prefix (s3://BUCKET/PREFIX, gs://, hf://...) the "
-           "shards and manifests are uploaded to, each manifest last; one make_shards at a time writes a folder, a "
+           "shards and manifests are uploaded to, each manifest last; one make-shards at a time writes a folder, a "
            "second one is refused")
     a("--quiet", action="store_true", help="no progress bars")
     io = p.add_argument_group("remote reads (--index and --verify of http(s), object-store and pipe: shards; as in the trainer)")
@@ -97,7 +97,7 @@ def check(p, args):
     args.out_given, args.out = args.out is not None, args.out or "shards"
     kind = out_kind(p, args.out)
     if kind in ("http", "pipe") and not args.preview:
-        p.error(f"--out {printable(args.out)}: make_shards writes to a local folder or an object store (s3://, gs://, "
+        p.error(f"--out {printable(args.out)}: make-shards writes to a local folder or an object store (s3://, gs://, "
                 f"hf://...), not to an http(s) URL or a command")
     args.store = kind == "store"
     args.part = parse_part(p, args.part)
@@ -105,7 +105,7 @@ def check(p, args):
         args.out = args.out.rstrip("/")
         if args.merge or args.part != (0, 1):
             p.error(f"--out {args.out}: --part and --merge need a local --out; build and merge the parts in a local "
-                    f"folder, or write the whole split to the store in one make_shards")
+                    f"folder, or write the whole split to the store in one make-shards")
     p.at_least(args, {"limit": 1, "maxcount": 1, "seed": 0, "workers": 1, "holdout": 1})
     p.within(args, {"workers": (1, 1024)})  # each one a process
     check_io(p, args)
@@ -204,7 +204,7 @@ def load_sources(args):
                     raise
                 if not said:
                     why = printable(str(e)) if args.download else f"{name}: no real data under {args.root}/"
-                    print(f"make_shards: {why}, writing SYNTHETIC look-alike data; for real data "
+                    print(f"make-shards: {why}, writing SYNTHETIC look-alike data; for real data "
                           f"{real_data_hint(name, args.download)}", file=sys.stderr)
                     said = True
                 yield sources.synthetic_source(name, split, seed=args.seed)
@@ -468,10 +468,10 @@ def main(argv=None):
     try:
         return run(args)
     except (sources.SourceError, ShardError, OSError) as e:
-        print(f"make_shards: error: {printable(e)}", file=sys.stderr)  # it may quote a key from a shard
+        print(f"make-shards: error: {printable(e)}", file=sys.stderr)  # it may quote a key from a shard
         return 2
     except KeyboardInterrupt as e:
-        print(f"make_shards: {'stopped by SIGTERM' if isinstance(e, Terminated) else 'interrupted'}; no manifest "
+        print(f"make-shards: {'stopped by SIGTERM' if isinstance(e, Terminated) else 'interrupted'}; no manifest "
               f"was written for the unfinished split" + (" (its temporary keys and the prefix's lock were removed)"
                                                          if args.store else ""), file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130

@@ -61,7 +61,7 @@ def writing(out):
         try:
             held.enter_context(locked(os.path.join(out, LOCK), wait=False))
         except Busy as e:
-            raise ShardError(f"{out}: another make_shards is writing this folder ({e.strerror}); wait for it to finish "
+            raise ShardError(f"{out}: another make-shards is writing this folder ({e.strerror}); wait for it to finish "
                              f"or choose another --out") from None
         yield
 
@@ -210,7 +210,7 @@ def _build(source, out, encoding, maxcount, seed, limit, workers, part, progress
     mine = [shard_name(name, split, k) for k, _ in plan]
     for f in mine:
         if os.path.lexists(os.path.join(out, f)) and f not in owned:
-            raise ShardError(f"{os.path.join(out, f)} exists and no make_shards manifest of {name}-{split} in {out} "
+            raise ShardError(f"{os.path.join(out, f)} exists and no make-shards manifest of {name}-{split} in {out} "
                              f"names it: refusing to overwrite a file this tool did not write; move it away or "
                              f"choose another --out")
     tasks = [(os.path.join(out, f), idx, encoding) for f, (_, idx) in zip(mine, plan)]
@@ -418,7 +418,7 @@ def publish(stage, out, name, split, *, progress=True, say=None, policy=None):
     new = [s["name"] for s in manifest["shards"]]
     for f in new:
         if f in present and f not in owned:
-            raise ShardError(f"{store.url(f)} exists and no make_shards manifest of {name}-{split} in {out} "
+            raise ShardError(f"{store.url(f)} exists and no make-shards manifest of {name}-{split} in {out} "
                              f"names it: refusing to overwrite an object this tool did not write; move it away or "
                              f"choose another --out")
     todo = [s for s in manifest["shards"]
