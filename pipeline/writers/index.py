@@ -111,7 +111,7 @@ def scan_shard(url, label, policy=remote.Policy(), image_key=None, skip_unlabell
         scan.update(url=url, samples=0, unlabelled=0, exts=collections.Counter(), shapes=collections.Counter(),
                      labels=collections.Counter(), first={}, rgb=np.zeros(7), grey=np.zeros(3), label=label,
                      image_key=image_key, skip_unlabelled=skip_unlabelled, wide=(0, None, 0, 0, None),
-                     tall=(0, None, 0, 0, None), large=(0, None, 0, 0, None), fields=fields)
+                     tall=(0, None, 0, 0, None), large=(0, None, 0, 0, None), fields=fields, held=collections.Counter())
         h = _Hashing(stream)
         for sample in iter_samples(h, wanted, url, **read_kw):
             if is_meta(sample["__key__"]):  # a __meta__ sample describes the shard: not a sample to index

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 
 from pipeline.data import decode, manifest, remote, storage
 from pipeline.writers import fields, index, shards, sources, storelock  # noqa: E402
@@ -465,6 +466,7 @@ def main(argv=None):
     _MAIN[0] = os.getpid()
     here = threading.current_thread() is threading.main_thread()  # else main() runs in a test's thread
     previous = signal.signal(signal.SIGTERM, _terminate) if here else None
+    formatwarning, warnings.formatwarning = warnings.formatwarning, _one_line_warning
     try:
         return run(args)
     except (sources.SourceError, ShardError, OSError) as e:
@@ -476,8 +478,14 @@ def main(argv=None):
                                                          if args.store else ""), file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130
     finally:
+        warnings.formatwarning = formatwarning
         if here:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _one_line_warning(message, category, filename, lineno, line=None):
+    """A warning as the tool's other lines read (not Python's two lines with the file of the stage that said it)."""
+    return f"make-shards: warning: {printable(message)}\n"
 
 
 if __name__ == "__main__":
