@@ -2,6 +2,7 @@
 127.0.0.1 (moto's server mode, tests/conftest.py's s3_server): read a source from s3://,
 the same batches as from local files, one line for a wrong bucket or key, secrets never
 shown; gs:// and hf:// as far as they go offline."""
+import contextlib
 import http.server
 import os
 import sys
@@ -272,6 +273,20 @@ class _S3Fake(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Length", "200")
             self.end_headers()
             return self._drip(b"<Error><Code>AccessDenied</Code>"[:10], 1)
+        if got and got[0] == "huge":  # an error answer whose body is got[2] bytes, sent as fast as it is read
+            self.send_response(got[1])
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(got[2]))
+            self.end_headers()
+            head = b"<Error><Code>InternalError</Code><Message>" + b"x" * 100
+            sent, block = 0, head + b"y" * ((1 << 20) - len(head))
+            with contextlib.suppress(OSError):
+                while sent < got[2] and not self.server.stopping:
+                    self.wfile.write(block[:got[2] - sent])
+                    sent += len(block[:got[2] - sent])
+                    block = b"y" * (1 << 20)
+            self.server.sent = getattr(self.server, "sent", 0) + sent
+            return
         if got and got[0] == "redirect":
             self.send_response(got[1])
             if got[2]:
@@ -456,6 +471,17 @@ def test_a_slow_error_body_is_the_refusal_it_is_not_a_deadline(fake_s3):
     assert time.monotonic() - t0 < remote.ERROR_BODY_SECONDS + 3
     assert "deadline" not in str(e.value) and "attempts" not in str(e.value), str(e.value)
     assert [s[0] for s in fake_s3.seen].count("GET") == 1
+
+
+def test_a_huge_error_body_is_read_to_its_cap_and_named(fake_s3):
+    """An S3 500 whose body was 200 MB read as `TimeoutError: timed out` after 20.8 s and 700 MB:
+    an error answer's body is read to 64 KiB at most, and the refusal names the status."""
+    fake_s3.get = ("huge", 500, 200 << 20)
+    with pytest.raises(FetchError) as e:
+        remote.fetch("s3://b/x.tar", policy=remote.Policy(retries=2, delay=0.01, timeout=30))
+    assert "500" in str(e.value) and "timed out" not in str(e.value), str(e.value)
+    gets = [s[0] for s in fake_s3.seen].count("GET")
+    assert fake_s3.sent < gets * (8 << 20), (fake_s3.sent, gets)  # the cap, and the socket's buffers, a try
 
 
 @pytest.mark.parametrize("store", [True, False])
