@@ -33,6 +33,7 @@ import collections
 import contextlib
 import hashlib
 import io
+import json
 import multiprocessing
 import os
 import re
@@ -376,16 +377,23 @@ def remove_stale(out, names):
 # ---------------------------------------------------------------- object stores
 
 
+MOVING = ".moving"  # NAME-SPLIT.json.moving: the shards a store build moves into place, written before the first
+
+
 def store_owned(out, name, split, present):
     """(names, entries): the shard names the make_shards manifest of this split under the store
     prefix `out` lists, and its entries as name -> (bytes, sha256); empty when there is none,
-    it is unreadable, or it indexed somebody else's shards. `present`: the names under `out`."""
+    it is unreadable, or it indexed somebody else's shards. `present`: the names under `out`.
+    The names also hold those of a build that was stopped (KILL, TERM, a lost node) while it
+    moved its shards into place (`MOVING`): the moved ones are this tool's, not "an object
+    this tool did not write" (its rerun refused them); they get no entry, so they are written again."""
     from pipeline.data import remote, storage
 
-    if manifest_name(name, split) not in present:
-        return set(), {}
-    url = storage.join(out, manifest_name(name, split))
     shard = re.compile(rf"^{re.escape(name)}-{re.escape(split)}-\d+\.tar$")
+    moving = _moving(out, manifest_name(name, split) + MOVING, present, shard)
+    if manifest_name(name, split) not in present:
+        return moving, {}
+    url = storage.join(out, manifest_name(name, split))
     try:
         m = parse_json(remote.fetch(url, limit=MAX_JSON), url)
         if (m.get("origin") or {}).get("kind") == "index":
@@ -393,8 +401,21 @@ def store_owned(out, name, split, present):
         entries = {s["name"]: (s.get("bytes"), s.get("sha256")) for s in m["shards"]
                    if isinstance(s.get("name"), str) and shard.match(s["name"])}
     except (ShardError, OSError, KeyError, TypeError, AttributeError):
-        return set(), {}  # unreadable: it vouches for nothing
-    return set(entries), entries
+        return moving, {}  # unreadable: it vouches for nothing
+    return set(entries) | moving, entries
+
+
+def _moving(out, marker, present, shard):
+    """The shard names a stopped build's marker lists (those it moved in, and the set it replaced)."""
+    from pipeline.data import remote, storage
+
+    if marker not in present:
+        return set()
+    try:
+        m = parse_json(remote.fetch(storage.join(out, marker), limit=MAX_JSON), marker)
+        return {n for n in [*m["shards"], *m["replacing"]] if isinstance(n, str) and shard.match(n)}
+    except (ShardError, OSError, KeyError, TypeError):
+        return set()  # unreadable: it vouches for nothing
 
 
 def publish(stage, out, name, split, *, progress=True, say=None, policy=None):
@@ -433,12 +454,18 @@ def publish(stage, out, name, split, *, progress=True, say=None, policy=None):
             store.put(os.path.join(stage, s["name"]), pending[-1])
             bar.update(s["bytes"])
         bar.close()
+        # before anything moves into place: what this build owns, should it be stopped while moving
+        marker = os.path.join(stage, mname + MOVING)
+        with open(marker, "w") as f:
+            json.dump({"shards": new, "replacing": sorted(owned)}, f)
+        store.put(marker, mname + MOVING)
         if old and any(s["name"] in owned for s in todo):  # its shards are about to change: it goes first
             store.remove(mname)
         while pending:
             store.move(pending[0], pending[0][:-len(tag)])
             pending.pop(0)
         store.put(os.path.join(stage, mname), mname)  # last: an object is written whole or not at all
+        store.remove(mname + MOVING)
     except BaseException:
         bar.close()
         for t in pending:
