@@ -184,6 +184,27 @@ def test_a_misspelt_flag_is_named_before_a_missing_train(tmp_path):
     assert p.returncode == 2 and "required: --train" in p.stderr and p.stderr.count("\n") == 1, p.stderr
 
 
+def test_threads_beyond_the_free_cores_are_said_once():
+    """One process with a thread per core ran 10x slower on a busy machine, without a word."""
+    from pipeline.train.dist import busy_line
+
+    line = busy_line(2, 8, cores=2, load=6.3)
+    assert "2 torch threads and 8 loader worker(s)" in line and "1 of 2 cores free (load average 6.3)" in line
+    assert "OMP_NUM_THREADS=1" in line
+    assert busy_line(2, 0, cores=16, load=0.5) is None and busy_line(1, 0, cores=2, load=9) is None
+
+
+def test_the_trainer_says_when_its_threads_exceed_the_free_cores(data, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (7.0, 7.0, 7.0))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # train_in_process sets 1, as OMP_NUM_THREADS=1 does
+    p = run([*sources(data)[:4], "--epochs", "1", "--epoch-samples", "64", "--batch-size", "16", "--workers", "0",
+             "--width", "4", "--out", str(tmp_path / "o")], nproc=0)
+    notes = [ln for ln in p.stderr.splitlines() if ln.startswith("pipeline-train: note: 2 torch threads")]
+    assert len(notes) == 1 and "OMP_NUM_THREADS=1" in notes[0], p.stderr[-2000:]
+
+
 def test_missing_test_shards_fail_before_training(data, tmp_path):
     p = run(["--train", f"mnist={data}/mnist-train.json", "--eval", f"mnist={tmp_path}/nothing-here.json",
              "--out", str(tmp_path / "o")], nproc=0, check=False)

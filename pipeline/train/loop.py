@@ -56,6 +56,9 @@ def train(args, topo, device, stopper=None):
     train_sources = [stream.resolve(n, spec, "train", policy=policy, check_http=check) for n, spec in args.train.items()]
     eval_sources = [stream.resolve(n, spec, "test", policy=policy, check_http=check) for n, spec in args.eval.items()]
     startup = {"resolve_s": round(time.perf_counter() - t0, 3), "torch_threads": torch.get_num_threads()}
+    busy = dist.busy_line(torch.get_num_threads(), 0 if args.eval_only else args.workers)
+    if busy and topo.local_rank == 0:  # once a machine
+        print(f"pipeline-train: note: {busy}", file=sys.stderr, flush=True)
     if topo.is_main:
         guard.warn_data(train_sources, eval_sources)
     def start_loader(train_stream):
