@@ -19,7 +19,7 @@ import time
 import warnings
 
 from pipeline.data import decode, manifest, remote, storage
-from pipeline.writers import fields, index, shards, sources, storelock  # noqa: E402
+from pipeline.writers import fields, index, publish, shards, sources, storelock  # noqa: E402
 from pipeline.cli import Parser, add_io_options, check_io, io_limits, printable  # noqa: E402
 from pipeline.errors import ShardError  # noqa: E402
 from pipeline.files import new_folders, remove_empty  # noqa: E402
@@ -394,7 +394,7 @@ def run(args):
 
 def run_store(args):
     """Everything built or indexed in a local temporary folder, as for a local --out, then
-    uploaded to the store prefix --out (shards.publish: the manifest last)."""
+    uploaded to the store prefix --out (publish.publish: the manifest last)."""
     stage = tempfile.mkdtemp(prefix="make_shards-stage-")
     try:
         with storelock.store_writing(args.out, remote.Policy(**io_limits(args)), say=print):
@@ -423,7 +423,7 @@ def write(args, stage=None):
         m = shards.build(src, stage or args.out, encoding=args.encoding, maxcount=args.maxcount, seed=args.seed,
                          limit=args.limit, workers=args.workers, part=args.part, progress=not args.quiet, say=say)
         if stage is not None:
-            shards.publish(stage, args.out, src.name, src.split, progress=not args.quiet, say=say,
+            publish.publish(stage, args.out, src.name, src.split, progress=not args.quiet, say=say,
                            policy=remote.Policy(**io_limits(args)))
             for s in m["shards"]:  # uploaded: the stage need not hold every split at once
                 os.remove(os.path.join(stage, s["name"]))

@@ -26,7 +26,7 @@ from pipeline.errors import FetchError, ShardError, printable
 LOCK = ".make_shards.lock"  # the name of a local --out's lock too (shards.LOCK)
 RENEW = 30.0  # seconds between renewals of a held lock
 STALE = 4 * RENEW  # a lock not renewed for this long is its holder's no more
-TEMPORARY = re.compile(r"^[^/]+\.tar\.tmp-\d+$")  # the temporary keys of make_shards' uploads (shards.publish)
+TEMPORARY = re.compile(r"^[^/]+\.tar\.tmp-\d+$")  # the temporary keys of make_shards' uploads (publish.publish)
 
 
 @contextlib.contextmanager
