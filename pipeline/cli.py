@@ -18,13 +18,13 @@ CONSOLE = {"make_shards": "make-shards", "pipeline.train": "pipeline-train", "re
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that reports a bad command line in one line (no usage dump), exit code 2. Run as
-    its installed command (pyproject's scripts), a tool's usage and errors name that command."""
+    """argparse that reports a bad command line in one line (no usage dump), exit code 2. A tool's
+    usage and errors name its installed command (pyproject's scripts) however it was started
+    (`python -m pipeline.train`, `tools/make_shards.py`): one program name a command, as in the
+    lines it prints itself."""
 
     def __init__(self, *args, prog=None, **kwargs):
-        if prog in CONSOLE and sys.argv and sys.argv[0].rsplit("/", 1)[-1] == CONSOLE[prog]:
-            prog = CONSOLE[prog]
-        super().__init__(*args, prog=prog, **kwargs)
+        super().__init__(*args, prog=CONSOLE.get(prog, prog), **kwargs)
 
     def error(self, message):
         message = printable(message)  # it may echo the command line: a newline or an escape there stays one line
@@ -110,3 +110,42 @@ def io_limits(args):
     return {"retries": args.retries, "timeout": args.io_timeout, "min_rate": args.min_rate * 1e6,
             "max_bytes": args.max_shard_bytes, "max_source": "--max-shard-bytes"}
 
+
+
+LOG_INTERVAL = 30.0  # seconds between a log file's progress lines
+
+
+def progress(**kw):
+    """A tqdm bar on stderr: redrawn in place on a terminal; written to a log file (stderr not a
+    terminal), a line of its own every LOG_INTERVAL seconds at most, since tqdm's carriage-return
+    redraws made one line of a whole run there (a line that grew to megabytes)."""
+    from tqdm import tqdm
+
+    if _is_terminal(sys.stderr):
+        return tqdm(dynamic_ncols=True, file=sys.stderr, **kw)
+    return tqdm(ncols=100, mininterval=LOG_INTERVAL, file=_Lines(sys.stderr), **kw)
+
+
+class _Lines:
+    """tqdm's output for a log file: each redraw a line of its own. tqdm redraws in place
+    with a carriage return and no newline, so a warning or an error written meanwhile (by a
+    loader worker or another rank, which can't reach the bar) would continue the bar's
+    line, and a search for lines starting "pipeline-train: warning" would miss it."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        text = text.replace("\r", "").replace("\x1b[A", "").rstrip("\n")
+        if text.strip():
+            self.stream.write(text + "\n")
+
+    def flush(self):
+        self.stream.flush()
+
+
+def _is_terminal(stream):
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without it, or closed
+        return False

@@ -58,9 +58,33 @@ def test_the_trainer_names_a_report_command_that_exists_where_it_was_installed(t
     from pipeline.train.summary import report_command
 
     python = sys.executable
-    assert report_command("runs/x", clone=str(ROOT)) == f"{python} tools/report.py runs/x"
-    assert report_command("runs/x", clone=str(tmp_path)) == f"{python} -m pipeline.train.report runs/x"
+    assert report_command("runs/x", clone=str(ROOT), installed=False) == f"{python} tools/report.py runs/x"
+    assert report_command("runs/x", clone=str(tmp_path), installed=False) == f"{python} -m pipeline.train.report runs/x"
+    assert report_command("runs/x", installed=True) == "pipeline-report runs/x"  # the installed command, if there
     p = run_capture([python, "-m", "pipeline.train.report", "--help"], cwd=tmp_path, capture_output=True,
                     text=True, timeout=HANG)  # a hang guard only
     tool = run_capture([python, "tools/report.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=HANG)
     assert p.returncode == 0 and p.stdout == tool.stdout
+
+
+@pytest.mark.slow  # a 2-rank torchrun job
+def test_torchrun_runs_the_installed_trainer_with_no_python(tmp_path):
+    """`torchrun ... pipeline-train` failed ("can't open file .../pipeline-train": torchrun runs a
+    Python script); `torchrun --no-python pipeline-train ...`, as the docs show, runs the command."""
+    import json
+    import os
+
+    from helpers import build_shards, free_port
+
+    command = os.path.join(os.path.dirname(sys.executable), "pipeline-train")
+    if not os.path.exists(command):
+        pytest.skip("the package is not installed in this Python's environment (make setup installs it)")
+    build_shards(tmp_path, "mnist", "train", 64, maxcount=16)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    p = run_capture([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+                     "--no-python", "pipeline-train", "--train", f"mnist={tmp_path}/", "--epochs", "1",
+                     "--batch-size", "8", "--workers", "0", "--width", "4", "--out", str(tmp_path / "run")],
+                    cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["world_size"] == 2

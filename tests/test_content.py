@@ -120,3 +120,39 @@ def test_json_hints_are_cut_to_a_line_and_suggest_only_keys_the_rule_can_read():
     long_key = {"__key__": "k" * 10_000, "json": json.dumps(many).encode()}
     for text in (decode.json_hint(many), decode.label_hint(long_key)):
         assert len(text) < 800, len(text)
+
+
+def png_tar(path, n, without=()):
+    """Samples s0..s{n-1}, a 16x16 PNG and a .cls each; those in `without` lack their .png."""
+    members = []
+    for i in range(n):
+        if i not in without:
+            members.append((f"s{i}.png", encode_pil(foreign_image(i % 2, (16, 16), seed=i), "PNG")))
+        members.append((f"s{i}.cls", str(i % 2).encode()))
+    write_tar(path, members)
+
+
+@pytest.mark.slow  # starts loader workers
+def test_a_sample_refused_while_read_is_counted_once_whatever_the_workers(tmp_path):
+    """Two samples without their .png were counted 2 times at 0 workers and 3 times at 2 in
+    `skipped` (and the trainer's skipped_samples, their sum): every (rank, worker) whose share
+    lies in a window read it whole and counted its refusals, and so did a chain reading a
+    window again for the samples it still owed."""
+    import warnings
+
+    from pipeline.data.loader import make_loader
+
+    png_tar(tmp_path / "web-000000.tar", 20)
+    p = index("--index", f"web:train={tmp_path}/web-000000.tar", "--out", tmp_path)
+    assert p.returncode == 0, p.stderr
+    png_tar(tmp_path / "web-000000.tar", 20, without=(3, 11))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        src = resolve("web", str(tmp_path / "web-train.json"), "train")
+        got = {}
+        for workers in (0, 2):
+            batches = list(make_loader(MixedStream([src], {"web": 1}, 4, epoch_samples=20), num_workers=workers))
+            got[workers] = (sum(b["skipped"] for b in batches), sum(len(b["key"]) for b in batches))
+    assert got == {0: (2, 20), 2: (2, 20)}, got
+    named = [str(w.message) for w in said if "skipped sample" in str(w.message)]
+    assert len(named) == 2, named  # at 0 workers (a worker's warnings stay in its process)

@@ -223,3 +223,53 @@ def test_remote_shard_with_wrong_sha256_is_reported_and_skipped(data, tmp_path):
         strict = stream.MixedStream([src], {"mnist": 1}, 20, epoch_samples=400, shuffle_buffer=10, strict=True)
         with pytest.raises(ShardError, match="sha256"):
             list(strict)
+
+
+def stop_worker_mid_run(tmp_path, data, sig, *extra):
+    """A one-process trainer (--workers 1) whose loader worker gets `sig` once the first
+    checkpoint is written: (exit code, stderr), under the hang guard."""
+    from helpers import launch_trainer
+
+    out = tmp_path / "run"
+    proc = launch_trainer(args_for(data, out, "--epochs", "50", "--checkpoint-every", "5", *extra))
+    try:
+        wait_for(out / "checkpoint.pt", proc)
+        workers = children(proc.pid)
+        assert workers, "no loader worker found"
+        for pid in workers:
+            os.kill(pid, sig)
+        rc, err = finish(proc, timeout=HANG)
+    finally:
+        for pid in workers if "workers" in locals() else ():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return rc, err, out
+
+
+def test_a_stuck_loader_worker_ends_the_run_in_one_line_with_the_resume_command(data, tmp_path):
+    """A worker stopped (as one in uninterruptible I/O) left `python -m pipeline.train` waiting
+    for ever with no line: --loader-timeout ends it, naming the worker and the resume command."""
+    rc, err, out = stop_worker_mid_run(tmp_path, data, signal.SIGSTOP, "--loader-timeout", "3")
+    assert rc == 2 and "Traceback" not in err, err[-3000:]
+    errors = [ln for ln in err.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and "loader worker 0" in errors[0] and "sent nothing for 3 s" in errors[0], err[-3000:]
+    assert f"resume with: " in err and "--resume" in err.split("resume with: ")[1], err[-3000:]
+
+
+def test_a_killed_loader_worker_ends_the_run_in_one_line_with_what_to_do(data, tmp_path):
+    """A worker killed (as the OOM killer does) ended the trainer with a traceback whose last
+    line promised a next pass the trainer never makes."""
+    rc, err, out = stop_worker_mid_run(tmp_path, data, signal.SIGKILL)
+    assert rc == 2 and "Traceback" not in err, err[-3000:]
+    errors = [ln for ln in err.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and "loader worker 0" in errors[0] and "SIGKILL" in errors[0], err[-3000:]
+    assert "next pass" not in err and "lower --workers or --batch-size" in errors[0]
+    assert "resume with: " in err, err[-3000:]
+
+
+def test_the_loader_timeout_is_checked_in_one_line(tmp_path):
+    for bad in ("nan", "-1", "inf", "1e9"):
+        p = train_in_process(args_for(tmp_path, tmp_path / "run", "--loader-timeout", bad))
+        assert p.returncode == 2 and "--loader-timeout" in p.stderr and "Traceback" not in p.stderr, p.stderr

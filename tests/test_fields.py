@@ -173,6 +173,31 @@ def test_fields_from_the_command_line_and_the_manifest(every, tmp_path):
             parse_fields(bad)
 
 
+@pytest.mark.parametrize("n, members", [(5000, 1), (1, 30000)])
+def test_the_index_line_of_many_fields_or_members_stays_a_line(tmp_path, n, members):
+    """5,000 fields printed a summary line of 94,001 characters, 30,000 members one of 120,122."""
+    from helpers import write_tar
+
+    write_tar(tmp_path / "web-000000.tar", [(f"s{i}.t{j}", b"x") for i in range(2) for j in range(n)])
+    spec = " ".join(f"f{j}:text=" + ";".join([f"t{j}"] * members) for j in range(n))
+    p = make_shards_in_process(["--quiet", "--index", f"web:train={tmp_path}/web-000000.tar", "--fields", spec,
+                                "--out", tmp_path / "out"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("indexed web-train"))
+    assert len(line) < 1000, line[:2000]
+    assert ("... and 4980 more field(s)" if n > 1 else "more characters") in line, line
+
+
+def test_an_optional_field_no_sample_holds_is_warned_at_indexing(tmp_path):
+    from helpers import write_tar
+
+    write_tar(tmp_path / "web-000000.tar", [(f"s{i}.txt", b"x") for i in range(3)])
+    with pytest.warns(UserWarning, match=r"web-train: no sample holds the optional field\(s\) extra \(\.nope\)"):
+        p = make_shards_in_process(["--quiet", "--index", f"web:train={tmp_path}/web-000000.tar", "--fields",
+                                    "caption:text=txt extra:text=nope,optional", "--out", tmp_path / "out"])
+    assert p.returncode == 0, p.stderr
+
+
 def test_a_schema_source_mixes_with_an_image_and_label_source_with_masks(every, tmp_path):
     from helpers import build_shards
 
@@ -347,7 +372,7 @@ def test_the_index_refuses_a_sample_that_does_not_fit_in_one_line(img2dataset, t
     done = make_shards_in_process(["--index", f"laion:train={img2dataset}", "--fields", "caption:text=txt,max=10",
                                    "--out", str(tmp_path), "--quiet", "--workers", "1"])
     assert done.returncode == 2
-    assert done.stderr.splitlines() == [f"make_shards: error: {img2dataset}/00000.tar: sample 000000001: field caption: "
+    assert done.stderr.splitlines() == [f"make-shards: error: {img2dataset}/00000.tar: sample 000000001: field caption: "
                                         f".txt of 12 bytes, more than its cap of 10 (raise the field's max_bytes)"]
     for args, said in ((["--fields", "caption:txt"], "NAME:TYPE=MEMBER"),
                        (["--fields", "caption:text=txt", "--label-key", "cls"], "give the label as a field"),

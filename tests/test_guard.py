@@ -82,7 +82,7 @@ def test_under_torchrun_every_rank_ends_on_the_lock_in_one_line(shards, tmp_path
     out.mkdir()
     with locked(str(out / guard.LOCK)):  # held by this process, as a live trainer would
         p = completed(launch_train(["--train", f"mnist={shards}/", "--epochs", "1", *SMALL, "--out", out]))
-    lines = [ln for ln in p.stderr.splitlines() if "pipeline.train: error:" in ln]
+    lines = [ln for ln in p.stderr.splitlines() if "pipeline-train: error:" in ln]
     assert p.returncode != 0 and len(lines) == 2, p.stderr[-3000:]
     assert all(f"pid {os.getpid()}" in ln and "nothing touched" in ln for ln in lines), lines
     assert "Connection closed" not in p.stderr and "[rank1]: Traceback" not in p.stderr, p.stderr[-3000:]

@@ -249,7 +249,8 @@ def test_members_nobody_asked_for_are_never_kept(foreign):
 
 
 @pytest.mark.parametrize("case, needle", [
-    ("no match", "no shards"), ("missing files", "do not exist"), ("no image", r"no image member"),
+    ("no match", "no shards"), ("missing files", "do not exist"), ("missing folder", r"gone/: no such folder"),
+    ("missing folder, no slash", r"gone: no such folder"), ("no image", r"no image member"),
     ("no label", r"no \.cls, \.txt, \.index or \.json label member"), ("bad label", "not text"),
     ("garbage", "unreadable|not a tar"), ("unlabelled", "has no label .*--skip-unlabelled"),
     ("two images", r"2 image members \(\.rgb\.png, \.depth\.npy\); choose one with --image-key"),
@@ -271,6 +272,8 @@ def test_index_errors_are_one_line(tmp_path, case, needle):
         spec = str(folder)
     elif case == "missing files":
         spec = str(folder / "x-{000..003}.tar")
+    elif case.startswith("missing folder"):  # it said "1 of 1 shard(s) do not exist, e.g. gone/"
+        spec = str(folder / "gone") + ("" if "no slash" in case else "/")
     elif case == "garbage":
         (folder / "x.tar").write_bytes(b"\x01" * 5000)
     else:
@@ -500,9 +503,9 @@ def test_the_hint_for_an_unindexed_split_folder_indexes_both_splits_in_one_comma
     said = str(e.value)
     assert said.endswith(" then give web=their/ to --train and --eval"), said
     command = said.split("so that they share classes: ")[1].split(", then give")[0]
-    assert command == "python tools/make_shards.py --index web:train=their/train --index web:test=their/test " \
+    assert command == "make-shards --index web:train=their/train --index web:test=their/test " \
                       "--out their"
-    p = make_shards(*shlex.split(command)[2:])
+    p = make_shards(*shlex.split(command)[1:])
     assert p.returncode == 0, p.stderr
     assert resolve("web", "their/", "train").classes == resolve("web", "their/", "test").classes
 

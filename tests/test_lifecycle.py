@@ -207,6 +207,25 @@ def test_a_state_loaded_before_its_loader_goes_on_exactly(sources):
     assert head + keys(make_loader(t, 2)) == whole
 
 
+@pytest.mark.slow
+def test_a_state_loaded_before_its_loader_says_so_and_its_lengths_are_the_next_pass(sources):
+    """load_state_dict before make_loader(stream, 2), on the same 2 workers, answered
+    {'deal': 're-deal', ..., 'to': [1, 1, 10]} (the stream assumes 1 worker until its loader
+    says), and len(stream) then said the whole segment's batches (30) where the pass yielded 18."""
+    s = new_stream(sources)
+    keys(make_loader(s, 2), 12)
+    t = new_stream(sources)
+    said = t.load_state_dict(json.loads(json.dumps(s.state_dict())))
+    assert said["deal"] == "same on as many workers" and said["to"] == [1, None, BATCH], said
+    assert len(t) == t.remaining() == 18
+    loader = make_loader(t, 2)
+    assert len(t) == t.remaining() == len(loader) == 18
+    assert len(keys(loader)) == 18 * BATCH
+    u = new_stream(sources)
+    make_loader(u, 2)  # the workers given first: the same state is "same"
+    assert u.load_state_dict(json.loads(json.dumps(s.state_dict())))["deal"] == "same"
+
+
 def _at(sources, epoch):
     s = new_stream(sources)
     s.set_epoch(epoch)

@@ -95,7 +95,7 @@ BAD_IO = [
 ])
 def test_the_trainer_refuses_overflowing_io_flags_in_one_line(capsys, bad, needle):
     err = parse_error(options.parse, ["--train", "a=x/", *bad], capsys)
-    assert err.startswith("pipeline.train: error:") and needle in err, err
+    assert err.startswith("pipeline-train: error:") and needle in err, err
 
 
 @pytest.mark.parametrize("k", ["0", "7", str(1 << 23)])
@@ -103,14 +103,14 @@ def test_slots_is_ignored_with_one_line(capsys, k):
     """--slots went with the canonical slots: any value is taken, said to be ignored in one line."""
     options.parse(["--train", "a=x/", "--slots", k])
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("pipeline.train: --slots is no longer used"), lines
+    assert len(lines) == 1 and lines[0].startswith("pipeline-train: --slots is no longer used"), lines
     assert lines[0].endswith("ignored") and "error" not in lines[0], lines
 
 
 @pytest.mark.parametrize("bad, needle", BAD_IO + [(["--workers", "100000"], "--workers")])
 def test_make_shards_refuses_the_same_flags_alike(tool, capsys, bad, needle):
     err = parse_error(tool.parse_args, ["--index", "a:train=x/", *bad], capsys)
-    assert err.startswith("make_shards: error:") and needle in err, err
+    assert err.startswith("make-shards: error:") and needle in err, err
 
 
 def test_both_entry_points_share_one_definition_of_the_io_flags(tool, capsys):
@@ -138,13 +138,13 @@ def test_good_io_flags_make_the_policy(tool):
 @pytest.mark.slow
 def test_overflowing_flags_from_the_real_command_lines(data, tmp_path):
     p = run(["-m", "pipeline.train", "--train", f"mnist={data}/", "--io-timeout", "1e308", "--out", tmp_path / "run"])
-    one_line_error(p, "pipeline.train", "--io-timeout")
+    one_line_error(p, "pipeline-train", "--io-timeout")
     p = run(["-m", "torch.distributed.run", "--nproc_per_node=1", "-m", "pipeline.train", "--train", f"mnist={data}/",
              "--timeout", "9" * 25, "--out", tmp_path / "run"])
     assert p.returncode != 0 and "OverflowError" not in p.stderr  # torchrun adds its own report of the exit
-    assert p.stderr.startswith("pipeline.train: error: --timeout must be a finite number from 1 to 604800"), p.stderr
+    assert p.stderr.startswith("pipeline-train: error: --timeout must be a finite number from 1 to 604800"), p.stderr
     p = run([TOOL, "--index", f"x:train={data}", "--retries", "9" * 25, "--out", tmp_path / "idx"])
-    one_line_error(p, "make_shards", "--retries")
+    one_line_error(p, "make-shards", "--retries")
     assert not (tmp_path / "run").exists() and not (tmp_path / "idx").exists()
 
 
@@ -167,7 +167,7 @@ def test_make_shards_index_obeys_the_io_flags(tmp_path):
                                     "--min-rate", "100", "--retries", "0", "--workers", "1", "--quiet",
                                     "--out", tmp_path / "idx"])
         took = time.time() - t0
-    one_line_error(p, "make_shards", "deadline", f"{srv.url}x-0.tar")
+    one_line_error(p, "make-shards", "deadline", f"{srv.url}x-0.tar")
     assert took < 20, took
 
 
@@ -196,7 +196,7 @@ def test_a_manifest_claiming_more_than_the_ceiling_is_refused_before_any_read(da
         manifest.resolve("mnist", str(data), "train", policy=remote.Policy(max_bytes=biggest - 1))
     assert manifest.resolve("mnist", str(data), "train", policy=remote.Policy(max_bytes=biggest)).total == 60
     p = train_in_process(["--train", f"mnist={lying}/", "--out", tmp_path / "run"])
-    one_line_error(p, "pipeline.train", "--max-shard-bytes", "mnist-train-000000.tar")
+    one_line_error(p, "pipeline-train", "--max-shard-bytes", "mnist-train-000000.tar")
     assert not (tmp_path / "run").exists()
 
 
@@ -251,7 +251,7 @@ def test_overwrite_on_a_shard_folder_from_the_trainer_deletes_nothing(data, tmp_
     before = {f: (out / f).read_bytes() for f in os.listdir(out)}
     p = train_in_process(["--train", f"mnist={data}/", "--epochs", "1", "--batch-size", "16", "--workers", "0",
                           "--width", "4", "--out", out, "--overwrite"])
-    one_line_error(p, "pipeline.train", "--overwrite", "nothing deleted", ".tar'")
+    one_line_error(p, "pipeline-train", "--overwrite", "nothing deleted", ".tar'")
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before
 
 
@@ -274,7 +274,7 @@ def test_a_second_make_shards_on_one_out_is_refused_while_the_first_writes(tmp_p
     finally:
         out1, err1 = first.communicate(timeout=HANG)
     assert first.returncode == 0, err1[-2000:]
-    one_line_error(second, "make_shards", "another make_shards is writing this folder", f"pid {first.pid}")
+    one_line_error(second, "make-shards", "another make-shards is writing this folder", f"pid {first.pid}")
     assert "wrote manifests and shards" in out1
     verify = run([TOOL, "--verify", "--out", out])
     assert verify.returncode == 0 and "verify" in verify.stdout and "OK" in verify.stdout, verify.stdout
@@ -301,9 +301,9 @@ def test_a_second_build_in_one_folder_is_refused_while_the_first_holds_it(tmp_pa
     first.start()
     try:
         assert halfway.wait(30)
-        with pytest.raises(ShardError, match="another make_shards is writing this folder"):
+        with pytest.raises(ShardError, match="another make-shards is writing this folder"):
             shards.build(SyntheticSource("mnist", "train", 40, (1, 8, 8), 1), out, maxcount=5, progress=False)
-        with pytest.raises(ShardError, match="another make_shards is writing this folder"):
+        with pytest.raises(ShardError, match="another make-shards is writing this folder"):
             shards.merge_parts(out, "mnist", "train")
     finally:
         go.set()
@@ -361,9 +361,9 @@ def test_a_brace_pattern_of_millions_is_one_line_within_a_memory_limit(tmp_path,
     """Refused from counting, before braceexpand builds a single range (which it does in
     memory, whole, before yielding the first name), in both entry points, under 400 MB."""
     p = limited("train", "--train", f"x={tmp_path}/{pattern}", "--out", tmp_path / "run")
-    one_line_error(p, "pipeline.train", "brace" if "{0..3" not in pattern else "Unbalanced")
+    one_line_error(p, "pipeline-train", "brace" if "{0..3" not in pattern else "Unbalanced")
     p = limited(TOOL, "--index", f"x:train={tmp_path}/{pattern}", "--out", tmp_path / "idx")
-    one_line_error(p, "make_shards", "brace" if "{0..3" not in pattern else "Unbalanced")
+    one_line_error(p, "make-shards", "brace" if "{0..3" not in pattern else "Unbalanced")
 
 
 @pytest.mark.slow
@@ -402,7 +402,7 @@ def test_a_2gb_manifest_body_is_one_line_naming_its_url(tmp_path, kind, limited)
         assert time.process_time() - t0 < 10
         assert str(e.value).startswith(f"cannot read manifest {url}: ") and "67108864" in str(e.value), e.value
         p = limited("train", "--train", f"mnist={srv.url}{kind}/", "--retries", "0", "--out", tmp_path / "run")
-    one_line_error(p, "pipeline.train", url, "67108864")
+    one_line_error(p, "pipeline-train", url, "67108864")
 
 
 def test_a_gzip_shard_cannot_claim_more_samples_than_it_may_inflate_to(tmp_path):

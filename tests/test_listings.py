@@ -141,7 +141,7 @@ def test_make_shards_index_of_a_dripping_listing_ends_in_one_line(lister):
     assert not thread.is_alive(), "make_shards --index was still listing after 120 s"
     p = box["p"]
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith(
-        "make_shards: error: s3://listdrip/base/: cannot list: "), p.stderr
+        "make-shards: error: s3://listdrip/base/: cannot list: "), p.stderr
 
 
 def test_an_error_answer_s_huge_body_is_read_up_to_a_small_cap_and_named(lister):

@@ -64,7 +64,7 @@ def assert_one_error_line(code, err, *fragments):
     assert "Traceback" not in err
     lines = err.splitlines()
     assert len(lines) == 1, err
-    assert lines[0].startswith("make_shards: error:"), err
+    assert lines[0].startswith("make-shards: error:"), err
     for f in fragments:
         assert f in lines[0], err
 
@@ -273,6 +273,8 @@ def test_verify_cli(tmp_path):
                "--workers", 1, "--quiet", "--out", "out").returncode == 0
     p = cli(tmp_path, "--verify", "--out", "out")
     assert p.returncode == 0 and "FAIL" not in p.stdout and "OK" in p.stdout
+    # what an OK covers (it printed only "OK")
+    assert "checked 1 manifest(s), 2 shard(s), 6 sample(s): each shard's size, sha256 and sample count" in p.stdout
     shard = tmp_path / "out" / "mnist-test-000001.tar"
     data = bytearray(shard.read_bytes())
     data[600] ^= 0xFF
@@ -371,6 +373,23 @@ def test_unwritable_output_folder(tmp_path):
     p = cli(tmp_path, "--synthetic", "--datasets", "mnist", "--splits", "test", "--limit", 3, "--quiet",
             "--out", "afile/sub")
     assert_one_error_line(p.returncode, p.stderr, "afile/sub")
+
+
+def test_progress_bars_written_to_a_log_file_are_lines(tmp_path):
+    """Off a terminal tqdm's carriage-return redraws made one huge line of a whole build."""
+    p = cli(tmp_path, "--synthetic", "--datasets", "mnist", "--splits", "test", "--limit", 40, "--maxcount", 10,
+            "--workers", 1, "--out", "out")
+    assert p.returncode == 0, p.stderr
+    assert "\r" not in p.stderr and "mnist-test" in p.stderr, p.stderr
+    assert all(len(line) <= 200 for line in p.stderr.splitlines()), p.stderr
+
+
+@pytest.mark.parametrize("out", ["", "  "])
+def test_an_empty_out_is_one_line_as_the_trainer_s(tmp_path, out):
+    """`--out ""` wrote ./shards/ without a word; the trainer refuses an empty --out."""
+    p = cli(tmp_path, "--synthetic", "--datasets", "mnist", "--splits", "test", "--limit", 3, "--quiet", "--out", out)
+    assert_one_error_line(p.returncode, p.stderr, "--out: empty")
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("layout", ["empty", "no_images", "absent"])
@@ -546,7 +565,7 @@ def test_a_rebuild_past_the_file_size_limit_keeps_the_old_set_usable(tmp_path):
 def test_a_fifo_given_as_classes_is_one_line_not_a_hang(main, tmp_path):
     os.mkfifo(tmp_path / "classes.txt")
     code, out, err = main("--index", f"c:train={tmp_path}", "--classes", tmp_path / "classes.txt", "--out", tmp_path)
-    assert code == 2 and err.splitlines() == [f"make_shards: error: --classes {tmp_path}/classes.txt: not a regular "
+    assert code == 2 and err.splitlines() == [f"make-shards: error: --classes {tmp_path}/classes.txt: not a regular "
                                               f"file (see --help)"], err
 
 
@@ -575,7 +594,7 @@ def test_a_failed_run_takes_back_the_out_folders_it_made(main, tmp_path, how):
               "imagefolder": ["--imagefolder", f"x:train={tmp_path}/nothere"],
               "source": ["--datasets", "mnist", "--root", tmp_path / "no-data"]}[how]
     code, said, err = main(*source, "--out", tmp_path / "new" / "deeper")
-    assert code == 2 and err.startswith("make_shards: error:"), err
+    assert code == 2 and err.startswith("make-shards: error:"), err
     assert sorted(os.listdir(tmp_path)) == []
     (tmp_path / "kept").mkdir()
     code, said, err = main(*source, "--out", tmp_path / "kept")

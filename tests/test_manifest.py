@@ -33,7 +33,7 @@ def test_resolve_manifest_folder_and_pattern(data):
 def test_resolve_errors(data, tmp_path):
     with pytest.raises(ShardError, match="no manifest"):
         resolve("mnist", str(tmp_path), "train")
-    with pytest.raises(ShardError, match="index them in place with: python tools/make_shards.py --index"):
+    with pytest.raises(ShardError, match="index them in place with: make-shards --index"):
         resolve("mnist", str(tmp_path / "whatever.tar"), "train")
     with pytest.raises(ShardError) as e:  # a pattern's hint writes the manifest where resolve looks for it
         resolve("mnist", str(tmp_path / "x-{0..3}.tar"), "train")
@@ -96,7 +96,7 @@ def test_test_classes_that_differ_from_training_point_at_classes_from(tmp_path):
     (tmp_path / "toy-test.json").write_text(json.dumps(m))
     train, test = resolve("toy", str(tmp_path), "train"), resolve("toy", str(tmp_path), "test")
     with pytest.raises(ShardError, match=r"would not match the model's head: index the test shards with the training "
-                                         r"split's classes \(tools/make_shards.py --index toy:test=SHARDS "
+                                         r"split's classes \(make-shards --index toy:test=SHARDS "
                                          rf"--classes-from {tmp_path}/toy-train.json --out DIR\)"):
         MixedStream([train], {"toy": 1}, 5).eval_stream(test)
 
@@ -114,11 +114,11 @@ def test_a_folder_of_tars_without_a_manifest_gets_the_index_command(tmp_path):
     said = str(e.value)
     assert "no manifest" in said and "2 shard(s) (00000.tar, ...)" in said
     command = said.split("index them in place with: ")[1]
-    assert command == f"python tools/make_shards.py --index 'web:train={folder}' --out '{folder}'"
+    assert command == f"make-shards --index 'web:train={folder}' --out '{folder}'"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(manifest.__file__))))
     argv = shlex.split(command)
-    p = run_capture([sys.executable, *argv[1:], "--label-key", "json:label"], cwd=root, capture_output=True,
-                    text=True, timeout=HANG)
+    p = run_capture([sys.executable, "tools/make_shards.py", *argv[1:], "--label-key", "json:label"],
+                    cwd=root, capture_output=True, text=True, timeout=HANG)
     assert p.returncode == 0, p.stderr
     assert resolve("web", str(folder), "train").total == 10  # the command did what it said
     with pytest.raises(ShardError, match=r"no manifest .+/web-test.json; the folder holds 1 other\(s\): "

@@ -75,3 +75,56 @@ def test_the_training_stream_mixes_through_it(monkeypatch, tmp_path):
     monkeypatch.setattr(mix.RandomMix, "next", next_)
     s = MixedStream(train_sources(str(tmp_path)), {"mnist": 1, "cifar10": 1}, 8, epoch_samples=64)
     assert len(list(s)) == 8 and len(used) == 8 and all(isinstance(m.choices, deal.Choices) for m in used)
+
+
+@pytest.mark.parametrize("probs, match", [([float("nan"), 1], "probability nan is not a finite"),
+                                          ([float("inf"), 1], "probability inf is not a finite"),
+                                          ([-1, 1], "probability -1.0 is not a finite"),
+                                          ([0, 0], "not all 0")])
+def test_weights_that_are_no_weights_are_one_line_each(probs, match):
+    with pytest.raises(ValueError, match=match):
+        RandomMix([[1], [2]], probs)
+
+
+def test_no_datasets_is_one_line():
+    with pytest.raises(ValueError, match="no datasets"):
+        RandomMix([])
+
+
+def test_huge_weights_are_relative():
+    """1e308 is a finite weight: it counts against the others (BLOCK * 1e308 overflowed to inf)."""
+    got = list(RandomMix([range(5000), range(10000, 10005)], [1e308, 1e308]))
+    assert set(x // 10000 for x in got[:deal.BLOCK // 2]) == {0, 1}
+    assert list(RandomMix([[1, 2], [3]], [1e308, 0], longest=True)) == [1, 2]
+
+
+@pytest.mark.timeout(60)  # the spin yielded nothing, for ever
+@pytest.mark.parametrize("tiny", [0, 1e-300])
+def test_longest_ends_when_nothing_left_can_be_drawn(tiny):
+    """A dataset never drawn (weight 0, or a share of a block that rounds to 0) ends the mix once
+    the others have: it spun at 100% CPU, yielding nothing."""
+    assert list(RandomMix([[1, 2, 3], [4, 5]], [1, tiny], longest=True)) == [1, 2, 3]
+
+
+@pytest.mark.timeout(60)
+def test_longest_yields_what_can_be_drawn_and_ends_over_random_weights():
+    """Property: over random weights (zeros among them) and lengths, longest=True yields every
+    sample of each dataset that can be drawn, in its order, and ends; longest=False stops at the
+    first that runs out."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        n = int(rng.integers(1, 5))
+        lengths = rng.integers(0, 40, n).tolist()
+        probs = [float(rng.choice([0, 1e-300, rng.random(), 1e308 * rng.random()])) for _ in range(n)]
+        if max(probs) == 0:
+            probs[0] = 1.0
+        data = [[(i, j) for j in range(k)] for i, k in enumerate(lengths)]
+        mixed = RandomMix(data, probs, longest=True, seed=trial)
+        drawn = [k > 0 for k in mixed.choices.every]
+        got = list(mixed)
+        for i in range(n):
+            assert [x for x in got if x[0] == i] == (data[i] if drawn[i] else []), (lengths, probs)
+        short = list(RandomMix(data, probs, seed=trial))
+        assert len(short) <= len(got)

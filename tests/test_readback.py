@@ -129,6 +129,12 @@ TAMPERED = {  # name: (which checkpoint, change to its state, the field the line
     "key count negative": ("end", edit_json("key_counts", lambda k: [-1]), "key_counts[0]"),
     "key count huge": ("end", edit_json("key_counts", lambda k: [10 ** 12]), "key_counts[0]"),
     "key counts for two ranks": ("end", edit_json("key_counts", lambda k: [0, 0]), "key_counts"),
+    # within the samples consumed, yet not the lines the run logged: it silently cut keys-rank0.txt
+    "key count edited at an epoch's end": ("end", edit_json("key_counts", lambda k: [k[0] + 7]), "key_counts[0]"),
+    "key count edited inside an epoch": ("mid", edit_json("key_counts", lambda k: [k[0] + 7]), "key_counts[0]"),
+    "history key lines past the samples": ("end", edit_json("history", setitem(["epochs", 0, "keys", "rank0"], 10 ** 9)),
+                                           "history.epochs[0].keys.rank0"),
+    "tally key lines past its samples": ("mid", edit_json("facts", setitem([0, "keys"], 10 ** 6)), "facts[0].keys"),
     "history epochs not a list": ("end", edit_json("history", setitem(["epochs"], "x")), "history.epochs"),
     "history skipped negative": ("end", edit_json("history", setitem(["epochs", 0, "skipped"], -5)),
                                  "history.epochs[0].skipped"),
@@ -196,6 +202,20 @@ def test_the_untampered_checkpoints_pass(runs):
         state = torch.load(runs[which] / "checkpoint.pt", weights_only=True)
         got = checkpoint.trainer_state(state, "ckpt.pt", limits_for(state))
         assert got["mid"] is mid and got["step"] == (5 if mid else 10) and got["seen"] == got["step"] * 16
+
+
+def test_a_checkpoint_whose_tallies_did_not_count_key_lines_is_checked_as_before(runs):
+    """Tallies written before they counted key lines can't fix key_counts: at most the samples."""
+    for which in ("mid", "end"):
+        state = torch.load(runs[which] / "checkpoint.pt", weights_only=True)
+        history = json.loads(state["history"])
+        for e in history["epochs"]:
+            del e["keys"]
+        state["history"] = json.dumps(history)
+        if which == "mid":
+            state["facts"] = json.dumps([{k: v for k, v in f.items() if k != "keys"} for f in json.loads(state["facts"])])
+        state["key_counts"] = json.dumps([3])
+        assert checkpoint.trainer_state(state, "ckpt.pt", limits_for(state))["key_counts"] == [3]
 
 
 def net_and_opt(width=4):
@@ -654,7 +674,7 @@ def test_a_nan_on_one_rank_stops_every_rank_at_the_same_step(data, tmp_path):
                             start_new_session=True)
     code, err = finish(proc, timeout=HANG)
     assert code != 0
-    errors = [part.splitlines()[0] for part in err.split("pipeline.train: error:")[1:]]  # ranks share stderr
+    errors = [part.splitlines()[0] for part in err.split("pipeline-train: error:")[1:]]  # ranks share stderr
     assert errors and len(set(errors)) == 1, err[-3000:]  # every rank that said it said the same step
     assert "step 4 " in errors[0] and ("mnist" in errors[0] or "cifar10" in errors[0]), errors[0]
     lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]

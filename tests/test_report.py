@@ -198,7 +198,7 @@ def test_bad_run_folders_fail_in_one_line(tmp_path, case):
     r = cli(_bad_folders(tmp_path)[case])
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
-    assert r.stderr.startswith("report: error: ") and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("pipeline-report: error: ") and r.stderr.count("\n") == 1, r.stderr
     assert r.stdout == ""
 
 
@@ -206,14 +206,14 @@ def test_bad_run_folders_fail_in_one_line(tmp_path, case):
 def test_bad_command_lines_fail_in_one_line(run_dir, args):
     r = cli(*([run_dir] if args else []), *args)
     assert r.returncode == 2
-    assert "Traceback" not in r.stderr and r.stderr.startswith("report: error: ")
+    assert "Traceback" not in r.stderr and r.stderr.startswith("pipeline-report: error: ")
 
 
 def test_unwritable_picture_fails_in_one_line(run_dir, tmp_path):
     for out in (tmp_path / "no" / "such" / "dir" / "r.png", tmp_path / "r.xyz"):
         r = cli(run_dir, "--out", out)
         assert r.returncode == 2, out
-        assert "Traceback" not in r.stderr and r.stderr.startswith("report: error: ")
+        assert "Traceback" not in r.stderr and r.stderr.startswith("pipeline-report: error: ")
         assert not os.path.exists(out)
 
 
@@ -333,7 +333,7 @@ def test_a_fifo_in_the_run_folder_is_not_waited_on(run_dir, name):
         assert p.returncode == 0 and "picture:" in p.stdout
     else:
         assert p.returncode == 2 and p.stderr.splitlines() == [
-            f"report: error: {run_dir}/metrics.jsonl: {run_dir}/metrics.jsonl is a FIFO, not a regular file: refused"]
+            f"pipeline-report: error: {run_dir}/metrics.jsonl: {run_dir}/metrics.jsonl is a FIFO, not a regular file: refused"]
 
 
 def test_help_says_what_the_picture_holds():

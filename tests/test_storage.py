@@ -2,6 +2,7 @@
 127.0.0.1 (moto's server mode, tests/conftest.py's s3_server): read a source from s3://,
 the same batches as from local files, one line for a wrong bucket or key, secrets never
 shown; gs:// and hf:// as far as they go offline."""
+import contextlib
 import http.server
 import os
 import sys
@@ -272,6 +273,20 @@ class _S3Fake(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Length", "200")
             self.end_headers()
             return self._drip(b"<Error><Code>AccessDenied</Code>"[:10], 1)
+        if got and got[0] == "huge":  # an error answer whose body is got[2] bytes, sent as fast as it is read
+            self.send_response(got[1])
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(got[2]))
+            self.end_headers()
+            head = b"<Error><Code>InternalError</Code><Message>" + b"x" * 100
+            sent, block = 0, head + b"y" * ((1 << 20) - len(head))
+            with contextlib.suppress(OSError):
+                while sent < got[2] and not self.server.stopping:
+                    self.wfile.write(block[:got[2] - sent])
+                    sent += len(block[:got[2] - sent])
+                    block = b"y" * (1 << 20)
+            self.server.sent = getattr(self.server, "sent", 0) + sent
+            return
         if got and got[0] == "redirect":
             self.send_response(got[1])
             if got[2]:
@@ -348,17 +363,23 @@ def test_a_bucket_s_region_is_looked_up_within_the_job_s_timeout_and_alone(fake_
     import time
 
     fake_s3.heads = [(200, "eu-west-1", 60)]
-    slow = threading.Thread(target=lambda: pytest.raises(FetchError, remote.fetch, "s3://hanging/x.tar",
-                                                         policy=remote.Policy(retries=0, timeout=2)), daemon=True)
+    failed = []
+    slow = threading.Thread(target=lambda: failed.append(
+        pytest.raises(FetchError, remote.fetch, "s3://hanging/x.tar", policy=remote.Policy(retries=0, timeout=2))),
+        daemon=True)
     t0 = time.monotonic()
     slow.start()
-    time.sleep(0.3)
+    # the hanging bucket's HEAD has arrived (and waits) before the other bucket's answer is made quick
+    # (a 0.3 s sleep here missed on a loaded machine, and the hanging HEAD was answered at once)
+    while not any(s[:2] == ("HEAD", "hanging") for s in fake_s3.seen):
+        assert slow.is_alive() and time.monotonic() - t0 < 20, ("the hanging bucket was never asked", fake_s3.seen)
+        time.sleep(0.01)
     fake_s3.heads = [(200, "eu-west-1", 0)]
     assert remote.fetch("s3://other/x.tar", policy=FAST) == b"shard"
     # bounds far from both the deadline (2 s) and the hang (60 s): a loaded machine is slow, not that slow
     assert time.monotonic() - t0 < 20, "the other bucket waited for the hanging one's lookup"
     slow.join(40)
-    assert not slow.is_alive() and time.monotonic() - t0 < 30
+    assert not slow.is_alive() and time.monotonic() - t0 < 30 and len(failed) == 1
 
 
 def test_a_region_lookup_that_drips_ends_at_the_job_s_timeout(fake_s3):
@@ -450,6 +471,17 @@ def test_a_slow_error_body_is_the_refusal_it_is_not_a_deadline(fake_s3):
     assert time.monotonic() - t0 < remote.ERROR_BODY_SECONDS + 3
     assert "deadline" not in str(e.value) and "attempts" not in str(e.value), str(e.value)
     assert [s[0] for s in fake_s3.seen].count("GET") == 1
+
+
+def test_a_huge_error_body_is_read_to_its_cap_and_named(fake_s3):
+    """An S3 500 whose body was 200 MB read as `TimeoutError: timed out` after 20.8 s and 700 MB:
+    an error answer's body is read to 64 KiB at most, and the refusal names the status."""
+    fake_s3.get = ("huge", 500, 200 << 20)
+    with pytest.raises(FetchError) as e:
+        remote.fetch("s3://b/x.tar", policy=remote.Policy(retries=2, delay=0.01, timeout=30))
+    assert "500" in str(e.value) and "timed out" not in str(e.value), str(e.value)
+    gets = [s[0] for s in fake_s3.seen].count("GET")
+    assert fake_s3.sent < gets * (8 << 20), (fake_s3.sent, gets)  # the cap, and the socket's buffers, a try
 
 
 @pytest.mark.parametrize("store", [True, False])

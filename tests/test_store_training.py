@@ -181,11 +181,11 @@ def test_a_store_stopped_mid_epoch_fails_in_one_line_and_resume_finishes_the_epo
         store.stop()
     printed = p.stdout + p.stderr
     assert p.returncode != 0, printed[-3000:]  # torchrun reports a failed rank as 1; the rank itself exits 2
-    errors = [ln for ln in p.stderr.splitlines() if "pipeline.train: error:" in ln]
+    errors = [ln for ln in p.stderr.splitlines() if "pipeline-train: error:" in ln]
     assert 1 <= len(errors) <= WORLD, printed[-3000:]  # one line from the rank that failed (or from each)
     assert all(f"s3://{bucket}/shards/mnist-" in e and "failed after 2 attempts" in e for e in errors), errors
     assert "retrying" in p.stderr, printed[-3000:]
-    said = [ln for ln in p.stderr.splitlines() if ln.startswith(f"pipeline.train: the last checkpoint stays in {out}/; "
+    said = [ln for ln in p.stderr.splitlines() if ln.startswith(f"pipeline-train: the last checkpoint stays in {out}/; "
                                                                  f"resume with: ")]
     assert 1 <= len(said) <= WORLD and all(ln.endswith(" --resume") for ln in said), printed[-3000:]
     stopped_at = position(out)

@@ -76,6 +76,38 @@ def test_a_rebuild_whose_upload_fails_leaves_the_old_set_readable(s3_bucket, mon
     assert len(new) == 300 and sorted(new) != sorted(old_keys)
 
 
+@pytest.mark.parametrize("first", [True, False])
+def test_a_build_stopped_while_moving_its_shards_in_is_recognised_by_its_rerun(s3_bucket, monkeypatch, first):
+    """A KILLed or TERMed store build leaves the shards it had moved into place (and, on a rebuild,
+    no manifest: it goes before the shards change); its rerun refused them as "an object this tool
+    did not write", and a person had to delete them. The stop is an exception out of the 3rd move
+    with the clean-up of the temporaries a KILL never makes done by hand (the rerun's own job)."""
+    out = f"s3://{s3_bucket}/p"
+    if not first:
+        make_shards(*BUILD, "--out", out)
+    real_move, moves = storage.Writer.move, []
+
+    def stopped_move(self, src, dst):
+        moves.append(dst)
+        if len(moves) == 3:
+            raise KeyboardInterrupt  # as a TERM arrives
+        return real_move(self, src, dst)
+
+    monkeypatch.setattr(storage.Writer, "move", stopped_move)
+    p = make_shards_in_process([*BUILD, "--seed", "1", "--out", out])
+    assert p.returncode == 130 and len(moves) == 3, p.stdout + p.stderr
+    left = listings.names(out)
+    assert "mnist-train.json" not in left and {"mnist-train-000000.tar", "mnist-train-000001.tar"} <= set(left), left
+    monkeypatch.setattr(storage.Writer, "move", real_move)
+    p = make_shards(*BUILD, "--seed", "1", "--out", out)  # refused before: "an object this tool did not write"
+    names = listings.names(out)
+    assert names == sorted(["mnist-train.json"] + [f"mnist-train-{i:06d}.tar" for i in range(6)]), names
+    got = keys(resolve("mnist", out + "/", "train"))
+    assert len(got) == 300
+    verify = make_shards_in_process(["--verify", "--out", out])
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
 def test_a_store_object_of_a_needed_name_that_no_manifest_names_is_refused(s3_bucket, tmp_path):
     out = f"s3://{s3_bucket}/p"
     storage.write_bytes(b"somebody else's", storage.join(out, "mnist-train-000002.tar"))
@@ -207,7 +239,7 @@ def test_a_lock_is_taken_over_when_its_holder_is_gone(s3_bucket, holder, taken):
     p = make_shards_in_process([*BUILD, "--out", out])
     if taken is None:
         assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "\x1b" not in p.stderr, p.stderr
-        assert "another make_shards is writing this prefix (host " in p.stderr and "pid " in p.stderr, p.stderr
+        assert "another make-shards is writing this prefix (host " in p.stderr and "pid " in p.stderr, p.stderr
         assert storelock.LOCK in listings.names(out)
         return
     assert p.returncode == 0, p.stderr

@@ -175,6 +175,36 @@ def test_bad_command_lines_fail_in_one_line(data, tmp_path, bad, message):
     assert p.stderr.count("\n") == 1 and "\x1b" not in p.stderr, p.stderr
 
 
+def test_a_misspelt_flag_is_named_before_a_missing_train(tmp_path):
+    """`--trian ...` said only "the following arguments are required: --train"."""
+    p = run(["--trian", "mnist=shards/", "--out", str(tmp_path / "o")], nproc=0, check=False)
+    assert p.returncode == 2 and "unrecognized arguments: --trian mnist=shards/" in p.stderr, p.stderr
+    assert p.stderr.count("\n") == 1, p.stderr
+    p = run(["--out", str(tmp_path / "o")], nproc=0, check=False)
+    assert p.returncode == 2 and "required: --train" in p.stderr and p.stderr.count("\n") == 1, p.stderr
+
+
+def test_threads_beyond_the_free_cores_are_said_once():
+    """One process with a thread per core ran 10x slower on a busy machine, without a word."""
+    from pipeline.train.dist import busy_line
+
+    line = busy_line(2, 8, cores=2, load=6.3)
+    assert "2 torch threads and 8 loader worker(s)" in line and "1 of 2 cores free (load average 6.3)" in line
+    assert "OMP_NUM_THREADS=1" in line
+    assert busy_line(2, 0, cores=16, load=0.5) is None and busy_line(1, 0, cores=2, load=9) is None
+
+
+def test_the_trainer_says_when_its_threads_exceed_the_free_cores(data, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (7.0, 7.0, 7.0))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # train_in_process sets 1, as OMP_NUM_THREADS=1 does
+    p = run([*sources(data)[:4], "--epochs", "1", "--epoch-samples", "64", "--batch-size", "16", "--workers", "0",
+             "--width", "4", "--out", str(tmp_path / "o")], nproc=0)
+    notes = [ln for ln in p.stderr.splitlines() if ln.startswith("pipeline-train: note: 2 torch threads")]
+    assert len(notes) == 1 and "OMP_NUM_THREADS=1" in notes[0], p.stderr[-2000:]
+
+
 def test_missing_test_shards_fail_before_training(data, tmp_path):
     p = run(["--train", f"mnist={data}/mnist-train.json", "--eval", f"mnist={tmp_path}/nothing-here.json",
              "--out", str(tmp_path / "o")], nproc=0, check=False)
@@ -234,7 +264,9 @@ def test_a_users_sample_stage_runs_in_the_trainer(data, tmp_path, monkeypatch):
                           "--workers", "1", "--width", "4", "--sample-stage", "my_stages:invert", "--out", str(out)])
     assert p.returncode == 0, p.stderr[-2000:]
     assert read(out, "summary.json")["config"]["sample_stage"] == ["my_stages:invert"]
-    assert f"pictures: {sys.executable} tools/report.py {out}" in p.stdout  # the interpreter that ran, not `python`
+    from pipeline.train.summary import report_command
+
+    assert f"pictures: {report_command(out)}" in p.stdout  # the installed command, else this interpreter's script
     p = train_in_process([*sources(data)[:4], "--sample-stage", "no_such_module:f", "--out", str(tmp_path / "other")])
     assert p.returncode == 2 and "no_such_module" in p.stderr and "Traceback" not in p.stderr
 
@@ -266,9 +298,9 @@ def test_the_trainers_error_and_warning_lines_escape_control_characters(capsys):
     """A skipped sample's warning and an input error quote keys and names from shards."""
     from pipeline.train import console
 
-    assert console.one_line_warning("sample a\x1b[2J", UserWarning, "f.py", 1) == "pipeline.train: warning: sample a\\x1b[2J\n"
-    console.one_line("pipeline.train: error: sample b\rc")
-    assert capsys.readouterr().err == "pipeline.train: error: sample b\\rc\n"
+    assert console.one_line_warning("sample a\x1b[2J", UserWarning, "f.py", 1) == "pipeline-train: warning: sample a\\x1b[2J\n"
+    console.one_line("pipeline-train: error: sample b\rc")
+    assert capsys.readouterr().err == "pipeline-train: error: sample b\\rc\n"
 
 
 def test_the_trainers_progress_bar_starts_no_monitor_thread():
@@ -304,12 +336,12 @@ def test_warnings_written_while_the_bar_shows_start_their_own_line_in_a_log_file
     log.write(console.one_line_warning("s-000001.tar: skipped 3 sample(s)", UserWarning, "f.py", 1))
     bar.update(10)
     bar.close()
-    console.one_line("pipeline.train: error: it stopped")
+    console.one_line("pipeline-train: error: it stopped")
     lines = log.getvalue().split("\n")
     assert lines[-1] == "" and "\r" not in log.getvalue(), log.getvalue()
-    assert "pipeline.train: warning: s-000001.tar: skipped 3 sample(s)" in lines, lines
-    assert "pipeline.train: error: it stopped" in lines, lines
-    bars = [x for x in lines[:-1] if not x.startswith("pipeline.train: ")]
+    assert "pipeline-train: warning: s-000001.tar: skipped 3 sample(s)" in lines, lines
+    assert "pipeline-train: error: it stopped" in lines, lines
+    bars = [x for x in lines[:-1] if not x.startswith("pipeline-train: ")]
     assert bars and all(x.startswith("epoch 1/1: ") for x in bars), lines
     assert bars[-1].startswith("epoch 1/1: 100%"), lines
 
@@ -323,14 +355,14 @@ def test_the_trainers_warnings_are_one_line_each(monkeypatch):
     monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal, as in a log file
     line = console.one_line_warning(UserWarning("s-000001.tar: not a tar header; skipped 3 sample(s)"), UserWarning,
                                  "/x/pipeline/data/stages.py", 192, "self._piece(url)")
-    assert line == "pipeline.train: warning: s-000001.tar: not a tar header; skipped 3 sample(s)\n"
+    assert line == "pipeline-train: warning: s-000001.tar: not a tar header; skipped 3 sample(s)\n"
     assert line.count("\n") == 1 and "stages.py" not in line
     assert warnings.formatwarning is not console.one_line_warning  # only the command (pipeline/train/__main__.py) installs it
     class Terminal(io.StringIO):
         def isatty(self):
             return True
     monkeypatch.setattr(sys, "stderr", Terminal())  # a worker's warning on a terminal first clears the bar's line
-    assert console.one_line_warning(UserWarning("w"), UserWarning, "f.py", 1) == "\r\x1b[Kpipeline.train: warning: w\n"
+    assert console.one_line_warning(UserWarning("w"), UserWarning, "f.py", 1) == "\r\x1b[Kpipeline-train: warning: w\n"
 
 
 def test_off_a_terminal_the_bar_is_not_redrawn_for_every_logged_step(data, tmp_path):
@@ -355,9 +387,9 @@ def test_the_command_installs_the_one_line_warnings(data, tmp_path):
     lines = p.stderr.splitlines()
     assert p.returncode == 2 and len(lines) == 2, p.stderr  # a warning in Python's format takes two lines
     warning, error = lines
-    assert warning == (f"pipeline.train: warning: --train mnist: {data}/mnist-test.json records split 'test': "
+    assert warning == (f"pipeline-train: warning: --train mnist: {data}/mnist-test.json records split 'test': "
                        "the model trains on held-out data"), p.stderr
-    assert error.startswith("pipeline.train: error: an epoch of 230 samples is less than one batch"), p.stderr
+    assert error.startswith("pipeline-train: error: an epoch of 230 samples is less than one batch"), p.stderr
 
 
 def test_a_checkpoint_taken_while_the_next_batch_is_prefetched_counts_only_trained_batches(tmp_path, monkeypatch):

@@ -61,7 +61,7 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None, cache
         if remote.kind(spec) == "http" and spec.endswith("/"):
             raise ShardError(f"{missing}; an http(s) folder cannot be listed, so its shards cannot be indexed on "
                              f"first use: give them as a brace pattern (e.g. {redact(spec)}train-{{000000..000099}}"
-                             f".tar), or index them ahead with make_shards.py --index") from None
+                             f".tar), or index them ahead with make-shards --index") from None
         try:
             urls = indexer.expand(spec, policy)
         except ShardError:  # no shards either: what is missing is the manifest (or the folder)

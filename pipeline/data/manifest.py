@@ -133,7 +133,7 @@ def check(m, where):
             bad("fields", str(e))
         m = dict(_field_defaults(schema), **m)
     if m.get("format") not in FORMATS:
-        bad("format", f"{m.get('format')!r}; expected {FORMAT!r} (build or index the shards with tools/make_shards.py)")
+        bad("format", f"{m.get('format')!r}; expected {FORMAT!r} (build or index the shards with make-shards)")
     for key in ("dataset", "split"):
         if not isinstance(m.get(key), str) or not NAME_RE.match(m[key]):
             bad(key, "letters, digits and _ expected")
@@ -382,8 +382,8 @@ def load(url, policy=remote.Policy()):
     """Read and check the manifest at a path, URL or pipe: command."""
     if remote.kind(url) == "file":
         if not os.path.exists(url):
-            raise NoManifest(f"no manifest at {url} (build one with tools/make_shards.py, or index existing "
-                             f"shards with make_shards.py --index)")
+            raise NoManifest(f"no manifest at {url} (build one with make-shards, or index existing "
+                             f"shards with make-shards --index)")
         m = read_json(url)
     else:
         try:
@@ -429,7 +429,7 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
             url = _lister(name, split, pattern, policy)[0]
         if remote.kind(url) == "file" and not os.path.exists(url):
             raise NoManifest(f"{name}={spec}: no manifest {url} beside these shards; index them in place with: "
-                             f"python tools/make_shards.py --index {shlex.quote(f'{name}:{split}={spec}')} "
+                             f"make-shards --index {shlex.quote(f'{name}:{split}={spec}')} "
                              f"--out {shlex.quote(os.path.dirname(url) or '.')}")
     m = load(url, policy)
     if m["dataset"] != name:
@@ -468,7 +468,7 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
         resized += more
     if resized:
         warnings.warn(f"{name}={redact(spec)}: {len(resized)} shard(s) differ in size from the manifest, e.g. {resized[0]}; "
-                      f"they may be damaged (damage is skipped and counted; check with make_shards.py --verify)",
+                      f"they may be damaged (damage is skipped and counted; check with make-shards --verify)",
                       stacklevel=2)
     return Source(name, chosen, [e["samples"] for e in entries], target_of(m), list(m["classes"]),
                   list(m["mean"]), list(m["std"]), [e["bytes"] for e in entries], [e.get("sha256") for e in entries],
@@ -516,13 +516,13 @@ def _check_folder(name, split, folder, url):
         raise NoManifest(f"{name}={folder}: no manifest {url}, but {len(tars)} shard(s) ({tars[0]}, ...) and a "
                          f"{other}/ folder of shards beside it; index both splits in one command, so that they share "
                          f"classes: "
-                         f"python tools/make_shards.py --index {shlex.quote(f'{name}:train={top}/train')} --index "
+                         f"make-shards --index {shlex.quote(f'{name}:train={top}/train')} --index "
                          f"{shlex.quote(f'{name}:test={top}/test')} --out {shlex.quote(top)}, then give "
                          f"{name}={top}/ to --train and --eval")
     if tars:
         where = folder.rstrip("/") or "/"
         raise NoManifest(f"{name}={folder}: no manifest {url}, but {len(tars)} shard(s) ({tars[0]}, ...); index them "
-                         f"in place with: python tools/make_shards.py --index "
+                         f"in place with: make-shards --index "
                          f"{shlex.quote(f'{name}:{split}={where}')} --out {shlex.quote(where)}")
 
 

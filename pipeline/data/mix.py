@@ -20,26 +20,30 @@ from pipeline.data.node import Node
 class RandomMix(torch.utils.data.IterableDataset, Node):
     """Samples of several datasets mixed by `probs` (default: equal), as wds.RandomMix mixes them,
     with exact, seeded draws. longest=False ends at the first dataset that runs out (as
-    wds.RandomMix does); longest=True goes on with the others. `seed`: the draws' seed;
+    wds.RandomMix does); longest=True goes on with the others, and ends when none left can be
+    drawn: a dataset whose share of a block of `deal.BLOCK` draws rounds to 0 (weight 0, or 1e-300
+    beside 1) is never drawn, so `RandomMix([[1, 2, 3], [4, 5]], [1, 0], longest=True)` yields
+    1, 2, 3 and ends. Weights are relative: [1e308, 1] is [1, 1e-308]. `seed`: the draws' seed;
     `choices`: the draws themselves (the training stream's `deal.Choices` of one pair); in the
     training stream, `batch_size` and `at`, the batches already taken."""
 
     def __init__(self, datasets, probs=None, longest=False, *, seed=0, choices=None, batch_size=None, at=0):
         self.datasets, self.longest, self.batch_size, self.at = list(datasets), longest, batch_size, at
         if choices is None:
-            probs = [1.0] * len(self.datasets) if probs is None else [float(p) for p in probs]
-            if len(probs) != len(self.datasets) or min(probs) < 0 or sum(probs) <= 0:
-                raise ValueError(f"RandomMix: {len(self.datasets)} datasets need as many probabilities >= 0, not all "
-                                 f"0; got {probs}")
-            choices = Choices.unending(probs, (order.MIX, seed))
+            choices = Choices.unending(_checked(probs, len(self.datasets)), (order.MIX, seed))
         self.choices = choices
 
     def __iter__(self):
         """Sample by sample: the next of the dataset each draw names (a dataset that ran out is
         passed over with longest=True)."""
         sources = [iter(d) for d in self.datasets]
-        live = [True] * len(sources)
+        # a dataset that is never drawn (no place in any block) counts as ended: without this,
+        # longest=True drew block after block for it once the others ended, yielding nothing, forever
+        every = self.choices.every
+        live = [True] * len(sources) if every is None else [int(k) > 0 for k in every]
         for b in range(1 << 62):
+            if not any(live):
+                return
             for s in self.choices.take(b * BLOCK, (b + 1) * BLOCK).tolist():
                 if not live[s]:
                     continue
@@ -61,3 +65,20 @@ class RandomMix(torch.utils.data.IterableDataset, Node):
         wanted = np.bincount(choice, minlength=len(self.datasets))
         return choice, [source.take(int(k)) if k else None for source, k in zip(self.datasets, wanted)]
 
+
+
+def _checked(probs, n):
+    """The weights of n datasets as floats, or one ValueError line naming the bad value and the fix."""
+    if n == 0:
+        raise ValueError("RandomMix: no datasets; give it at least one iterable to mix")
+    probs = [1.0] * n if probs is None else [float(p) for p in probs]
+    if len(probs) != n:
+        raise ValueError(f"RandomMix: {n} datasets need as many probabilities, got {len(probs)}: {probs}")
+    bad = [p for p in probs if not np.isfinite(p) or p < 0]
+    if bad:
+        raise ValueError(f"RandomMix: probability {bad[0]} is not a finite number >= 0; give each dataset a finite "
+                         f"weight >= 0, got {probs}")
+    if max(probs) <= 0:
+        raise ValueError(f"RandomMix: probabilities >= 0, not all 0; got {probs}")
+    top = max(probs)
+    return [p / top for p in probs]  # relative: BLOCK * 1e308 (or a sum of two) is inf, and inf / inf nan

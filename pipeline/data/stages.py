@@ -377,6 +377,7 @@ class Reader:
         self.miscount_said = set()  # urls whose count differing from the manifest was reported
         self.damage_said = set()  # urls whose damage was reported: a later read of them counts it without a line
         self.suspect = {}  # url -> DigestError: the whole shard cannot be trusted, so it is not read again
+        self.refused = set()  # (url, position) of the samples refused while read that this reader counted
         # remote shards read whole: fetched ahead of the reading (`_ahead`); never local files or pipe: commands
         self.fetchable = {u for u, (_, b, _) in self.expected.items() if b is not None and b <= WHOLE_SHARD
                           and _remote(u)}
@@ -391,10 +392,11 @@ class Reader:
         if self.arena is not None:  # the last window's rows were all taken before this one is read
             claimed = sum(self.expected.get(url, (0, 0, 0))[1] or 0 for url in {url for url, _, _ in window.rows})
             self.arena.clear(min(claimed, WHOLE_SHARD))  # a claim sizes the first room, never more than a shard
+        place = 0  # the window's place of each row's first sample
         for url, lo, hi in window.rows:
             if url not in shards:  # a window may list a shard twice (drawn with replacement)
                 shards[url] = self._read_shard(url, self.fetched.pop(url, None))
-            self._piece(url, shards[url], lo, hi, out)
+            place = self._piece(url, shards[url], lo, hi, out, window, place)
         return out.seal()
 
     def close(self):
@@ -516,9 +518,10 @@ class Reader:
                                  (f"; the {lost} missing counted as skipped" if lost else ""))
         return cols, bad, got, error, count
 
-    def _piece(self, url, shard, lo, hi, out):
+    def _piece(self, url, shard, lo, hi, out, window=None, place=0):
         """The samples at positions [lo, hi) of a read shard into `out`; what is missing
-        there, or bad, counted as skipped."""
+        there, or bad, counted as skipped. `place`: the window's place of position lo; returns
+        the place after hi."""
         cols, bad, got, error, count = shard
         end = (count or got) if hi is None else hi
         lost = max(end - max(lo, got), 0)
@@ -532,8 +535,28 @@ class Reader:
         elif lost:  # a tar that ends early: named once when read (see _read_shard)
             self.errors.skipped += lost
         for at, key, e in bad:
-            if lo <= at < end:
+            if lo <= at < end and self._counts(window, place + at - lo, url, at):
                 self.bad(url, key, e)
+        self._add(url, cols, lo, end, got, out)
+        return place + max(end - lo, 0)
+
+    def _counts(self, window, place, url, at):
+        """Whether this reader counts (and names) a sample refused while its shard was read. Every
+        (rank, worker) whose share of the epoch lies in a window reads all of it, and a chain may
+        read a window again (its reserve, its run once more): each counted the refusal, so one
+        sample missing its image was skipped 2 or 3 times, a figure that changed with the workers.
+        It counts in the one chain whose places skip..size of the window hold the refused
+        sample's place, once."""
+        if window is not None and window.size is not None and not window.skip <= place < window.size:
+            return False
+        if (url, at) in self.refused:
+            return False
+        self.refused.add((url, at))
+        return True
+
+    @staticmethod
+    def _add(url, cols, lo, end, got, out):
+        """The good samples of a read shard at positions [lo, end) into `out`."""
         if cols is None or not len(cols[0]):
             return
         keys, images, exts, labels, where = cols

@@ -127,7 +127,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         if fetch_ahead < 0:
             raise ValueError(f"fetch_ahead must be at least 0 bytes, got {fetch_ahead}")
         self.fetch_ahead = fetch_ahead
-        self.workers = 1
+        self.workers, self._workers_given = 1, False  # given: make_loader (or a DataLoader user) said how many
         self.epoch = 0
         self._plan, self.arrived = None, {}  # where the stream stands: a Plan, the batches arrived under it
         self._loaded = None  # a loaded state (segment, done, ranks, passed, targets) the next plan is dealt from
@@ -163,9 +163,10 @@ class MixedStream(torch.utils.data.IterableDataset):
         return self._place().segment
 
     def __len__(self):
-        """Batches of the epoch the next pass reads, on this rank (`remaining`: what it yields)."""
-        self._place()
-        return self.batches_per_epoch if self._finished() else self.current().batches
+        """Batches the next pass yields on this rank (`remaining`): a loop sized by len() and one
+        counting what it gets agree, after a partial pass or a resume too (len() said the whole
+        plan's batches, 150 on a resume whose pass yielded 110)."""
+        return self.remaining()
 
     def remaining(self):
         """Batches the next pass yields on this rank: all of its epoch's, or what a resumed or
@@ -256,6 +257,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         """How many loader workers read this stream (make_loader says). What was read of the
         epoch so far is dealt to them again: the rest of this rank's share on one rank; on
         several, the workers change only where the epoch has not begun on this rank."""
+        self._workers_given = True
         if workers == self.workers:
             return
         if self._plan is not None and sum(self._done().values()):
@@ -417,10 +419,12 @@ class MixedStream(torch.utils.data.IterableDataset):
             raise ValueError(_epoch_clash(seg.epoch, ended, epoch_before, "load_state_dict after set_epoch"))
         self._adopt_checked(seg, done, ranks, passed, ended, targets)
         self._pinned = (seg.epoch, ended)
-        here = (self.topo.world, self.workers, self.batch_size)
+        # before make_loader the workers are not known yet (the stream assumes 1): the loader's decide
+        given = self._workers_given
+        here = (self.topo.world, self.workers if given else None, self.batch_size)
         was = (seg.world, seg.workers, seg.batch_size)
-        same = was == here and self.topo.rank in ranks
-        kind = "next epoch" if ended else "same" if same else "re-deal"
+        same = was[::2] == here[::2] and self.topo.rank in ranks and (was[1] == here[1] or not given)
+        kind = "next epoch" if ended else ("same" if given else "same on as many workers") if same else "re-deal"
         return {"deal": kind, "generation": 0 if ended else seg.generation + (kind == "re-deal"),
                 "from": list(was), "to": list(here),
                 "passed": {r: sum(sum(v) for p, v in passed.items() if p % seg.world == r) for r in ranks}}
@@ -533,7 +537,7 @@ class EvalStream(torch.utils.data.IterableDataset):
             raise ShardError(f"{source.name}: the test manifest lists {len(source.classes)} classes "
                              f"({_preview(source.classes)}), the training manifest {len(train.classes)} "
                              f"({_preview(train.classes)}); their labels would not match the model's head: index "
-                             f"the test shards with the training split's classes (tools/make_shards.py --index "
+                             f"the test shards with the training split's classes (make-shards --index "
                              f"{source.name}:{source.split}=SHARDS --classes-from {train.manifest} --out DIR)")
         self.on_error = _error_mode(on_error, strict)
         self.cache_dir, self.policy, self.normalize = cache_dir, policy, normalize

@@ -211,6 +211,10 @@ def trainer_state(state, path, limits):
     seen = f.integer(pos["seen"], "position.seen", 0, (epoch + mid) * samples)  # an epoch is at most its samples
     step = f.integer(pos["step"], "position.step", epoch, seen)  # each step at least one sample; each epoch a step
     by_rank = {}  # samples each rank consumed, by the run's own counts: what its key log may hold
+    # key lines each rank wrote, by the run's tallies; None where they can't say: a tally that did not count
+    # them (an older checkpoint's), or another world before (a rank's key log then starts again at 0 lines)
+    logged = {}
+    world_ranks = {f"rank{r}" for r in range(world)}
     for i, e in enumerate(epochs):
         field = f"history.epochs[{i}]"
         f.mapping(e, field, ("epoch", "batches", "skipped", "samples"))
@@ -221,8 +225,14 @@ def trainer_state(state, path, limits):
         for name, ranks in f.mapping(e["samples"], f"{field}.samples").items():
             for r, n in f.mapping(ranks, f"{field}.samples.{name}").items():
                 by_rank[r] = by_rank.get(r, 0) + f.integer(n, f"{field}.samples.{name}.{r}", 0, samples)
+        if logged is not None and "keys" in e and set(f.mapping(e["keys"], f"{field}.keys")) == world_ranks \
+                and not e.get("before_resume"):
+            for r, n in e["keys"].items():
+                logged[r] = logged.get(r, 0) + f.integer(n, f"{field}.keys.{r}", 0, samples)
+        else:
+            logged = None
         for k, v in f.mapping(e.get("before_resume", {}), f"{field}.before_resume").items():
-            _add(by_rank, k, facts(f, v, f"{field}.before_resume.{k}", samples, None, limits.sources))
+            logged = _add(by_rank, k, facts(f, v, f"{field}.before_resume.{k}", samples, None, limits.sources), logged)
     for key in ("wait", "busy"):
         if key in history:
             f.number(history[key], f"history.{key}")
@@ -238,11 +248,12 @@ def trainer_state(state, path, limits):
         out["facts"] = f.items(f.json("facts"), "facts", world,
                                lambda v, field: facts(f, v, field, per_rank, b, limits.sources))
         for r, v in enumerate(out["facts"]):
-            _add(by_rank, f"rank{r}", v)
+            logged = _add(by_rank, f"rank{r}", v, logged)
         carried = f.json("carried")
         if carried is not None:
+            logged = None if carried else logged
             for k, v in f.mapping(carried, "carried").items():
-                _add(by_rank, k, facts(f, v, f"carried.{k}", samples, None, limits.sources))
+                logged = _add(by_rank, k, facts(f, v, f"carried.{k}", samples, None, limits.sources), logged)
         out["carried"] = carried
     if seen != sum(by_rank.values()):  # a step's samples are its batches': the run's counts must add up to it
         f.bad("position.seen", f"{seen}, but the run's epochs and tallies hold {sum(by_rank.values())} samples")
@@ -252,6 +263,9 @@ def trainer_state(state, path, limits):
         if n > by_rank.get(f"rank{r}", 0):
             f.bad(f"key_counts[{r}]", f"{n} key lines, but the run's counts say rank {r} consumed "
                                       f"{by_rank.get(f'rank{r}', 0)} samples")
+        if logged is not None and n != logged.get(f"rank{r}", 0):  # an edited count cut keys-rank*.txt silently
+            f.bad(f"key_counts[{r}]", f"{n} key lines, but the run's tallies say rank {r} logged "
+                                      f"{logged.get(f'rank{r}', 0)}")
     if not mid:
         return out
     sums = f.json("log_sums")
@@ -278,13 +292,20 @@ def facts(f, v, field, most, b, sources):
     f.integer(v["skipped"], f"{field}.skipped", 0, order.MAX_COUNT)
     f.number(v["wait"], f"{field}.wait")
     f.number(v["busy"], f"{field}.busy")
+    if "keys" in v:
+        f.integer(v["keys"], f"{field}.keys", 0, sum(per))  # a key line per sample, at most
     return v
 
 
-def _add(by_rank, key, tally):
-    """A tally's samples added to its rank's ("rank3" or "before_resume_rank3")."""
+def _add(by_rank, key, tally, logged=None):
+    """A tally's samples added to its rank's ("rank3" or "before_resume_rank3"), and its key lines
+    to `logged`'s; returns `logged`, None where the tally did not count key lines."""
     rank = "rank" + key.rsplit("rank", 1)[-1]
     by_rank[rank] = by_rank.get(rank, 0) + sum(tally["samples"])
+    if logged is None or "keys" not in tally:
+        return None
+    logged[rank] = logged.get(rank, 0) + tally["keys"]
+    return logged
 
 
 def set_rng(state, path):

@@ -22,31 +22,7 @@ def progress_bar(topo, total, desc, initial=0):
     from tqdm import tqdm
 
     tqdm.monitor_interval = 0
-    if _is_terminal(sys.stderr):
-        return tqdm(total=total, initial=initial, desc=desc, unit="batch", dynamic_ncols=True, file=sys.stderr)
-    return tqdm(total=total, initial=initial, desc=desc, unit="batch", ncols=100, mininterval=LOG_INTERVAL,
-                file=_Lines(sys.stderr))
-
-
-LOG_INTERVAL = 30.0  # seconds between a log file's progress lines
-
-
-class _Lines:
-    """tqdm's output for a log file: each redraw a line of its own. tqdm redraws in place
-    with a carriage return and no newline, so a warning or an error written meanwhile (by a
-    loader worker or another rank, which can't reach the bar) would continue the bar's
-    line, and a search for lines starting "pipeline.train: warning" would miss it."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, text):
-        text = text.replace("\r", "").replace("\x1b[A", "").rstrip("\n")
-        if text.strip():
-            self.stream.write(text + "\n")
-
-    def flush(self):
-        self.stream.flush()
+    return cli.progress(total=total, initial=initial, desc=desc, unit="batch")
 
 
 def one_line(text):
@@ -64,11 +40,7 @@ def one_line_warning(message, category, filename, lineno, line=None):
     its next update: a loader worker or another rank can't reach that bar's
     tqdm.write, and its warning would otherwise start in the middle of the bar."""
     clear = "\r\x1b[K" if _is_terminal(sys.stderr) else ""
-    return f"{clear}pipeline.train: warning: {cli.printable(message)}\n"
+    return f"{clear}pipeline-train: warning: {cli.printable(message)}\n"
 
 
-def _is_terminal(stream):
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):  # replaced by an object without it, or closed
-        return False
+_is_terminal = cli._is_terminal

@@ -31,6 +31,26 @@ def set_threads(environ=os.environ):
     return torch.get_num_threads()
 
 
+def busy_line(threads, workers, cores=None, load=None):
+    """One line when this process's torch threads and its loader workers want more cores than
+    the machine has free (its cores less the 1-minute load average), else None: on a busy
+    machine one process with a thread per core ran 10x slower than with one (85 s against
+    8-10 s, docs/training.md "Threads"), and nothing on screen said why."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:  # no load average on this system: nothing to compare
+            return None
+    free = max(1.0, cores - load)
+    if threads <= 1 or threads + workers <= free:
+        return None
+    return (f"{threads} torch threads and {workers} loader worker(s) in this process, {free:.0f} of {cores} cores free "
+            f"(load average {load:.1f}): threads that wait for busy cores run slower than one; set "
+            f"OMP_NUM_THREADS=1 (or fewer --workers) on a busy machine")
+
+
 def device_for(topo):
     """cuda:LOCAL_RANK when CUDA is there, else CPU. LOCAL_RANK, not the global rank:
     on the second node rank 8 still drives GPU 0..7 of its own machine."""

@@ -61,6 +61,8 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
         log.skipped += batch["skipped"]
         if args.record_keys:
             keys.add(epoch + 1, batch["key"])
+            if "keys" in run.tally:  # (a tally from a checkpoint written before it counted them: unknown)
+                run.tally["keys"] += len(batch["key"])
         if bar is not None:
             bar.update(1)
         if run.stopper is not None and run.stopping is None:  # a step late, without waiting (dist.Votes)
@@ -139,6 +141,8 @@ def gather_epoch(run, epoch):
              "samples": {n: {f"rank{r}": f["samples"][i] for r, f in enumerate(tallies)}
                          for i, n in enumerate(run.names)},
              "skipped": sum(f["skipped"] for f in tallies)}
+    if all("keys" in f for f in tallies):
+        entry["keys"] = {f"rank{r}": f["keys"] for r, f in enumerate(tallies)}
     if run.before_resume:
         entry["before_resume"] = run.before_resume
         entry["skipped"] += sum(f.get("skipped", 0) for f in run.before_resume.values())

@@ -104,7 +104,8 @@ def eval_loaders(run):
     """One loader per test source, made once: their workers persist between evaluations
     (at most 2 each, idle while training runs)."""
     device = run.device if run.device.type == "cuda" else None  # on the CPU the views themselves
-    return [stream.make_loader(ev, min(run.args.workers, 2), device=device) for ev in run.evals]
+    return [stream.make_loader(ev, min(run.args.workers, 2), device=device,
+                               timeout=getattr(run.args, "loader_timeout", 0) or None) for ev in run.evals]
 
 
 def evaluate_only(run):

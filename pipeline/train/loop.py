@@ -23,6 +23,7 @@ import torch
 from pipeline.data import autoindex, remote, stream
 from pipeline.train import dist, guard, options, stop
 from pipeline import cli
+from pipeline.data.workers import WorkerDied
 from pipeline.errors import InputError
 from pipeline.train.console import one_line
 from pipeline.train.epoch import train_epoch
@@ -61,6 +62,9 @@ def train(args, topo, device, stopper=None):
     eval_sources = [autoindex.trainable(stream.resolve(n, spec, "test", classes_from=trained.get(n), **found))
                     for n, spec in args.eval.items()]
     startup = {"resolve_s": round(time.perf_counter() - t0, 3), "torch_threads": torch.get_num_threads()}
+    busy = dist.busy_line(torch.get_num_threads(), 0 if args.eval_only else args.workers)
+    if busy and topo.local_rank == 0:  # once a machine
+        print(f"pipeline-train: note: {busy}", file=sys.stderr, flush=True)
     if topo.is_main:
         guard.warn_data(train_sources, eval_sources)
     def start_loader(train_stream):
@@ -71,7 +75,8 @@ def train(args, topo, device, stopper=None):
         if args.eval_only:
             return None
         return stream.make_loader(train_stream, args.workers, record=False,
-                                  device=device if device.type == "cuda" else None).start()
+                                  device=device if device.type == "cuda" else None,
+                                  timeout=args.loader_timeout or None).start()
 
     try:
         run = Run(args, topo, device, train_sources, eval_sources, policy=policy, started=t0, startup=startup,
@@ -164,16 +169,20 @@ def main(argv=None, args=None):
         # carry its whole traceback in their message: keep the last line
         last = str(e).strip().splitlines()[-1]
         last = re.sub(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): ", "", last)  # a worker's "pkg.Class: "
-        one_line(f"pipeline.train: error: {last}")
+        one_line(f"pipeline-train: error: {last}")
         if isinstance(e, OSError) and not args.eval_only:
-            say_resume(args.out, argv)
+            say_resume(args.out, argv, start_again=isinstance(e, TimeoutError))
+        return 2
+    except WorkerDied as e:  # killed (the OOM killer), or a crash in C: this run makes no next pass
+        one_line(f"pipeline-train: error: {str(e).split('; the next pass')[0]}")
+        say_resume(args.out, argv, start_again=not args.eval_only)
         return 2
     except NonFiniteLoss as e:
-        one_line(f"pipeline.train: error: {e}")
+        one_line(f"pipeline-train: error: {e}")
         return 3
     except KeyboardInterrupt:  # SIGINT left out of --stop-signals: every rank lands here, rank 0 says it
         if os.environ.get("RANK", "0") == "0":
-            print(f"pipeline.train: interrupted; the last complete checkpoint stays in {args.out}/", file=sys.stderr)
+            print(f"pipeline-train: interrupted; the last complete checkpoint stays in {args.out}/", file=sys.stderr)
         return 130
     finally:
         stop.end_children()
@@ -182,13 +191,19 @@ def main(argv=None, args=None):
     return 0
 
 
-def say_resume(out, argv):
-    """After the environment failed (a store or a disk out, retries used up) the run's last
-    checkpoint goes on once it is back, as after a scheduler's signal: say how, beside the
-    error line (on each rank that failed: the others may be ended before they could say it)."""
+def say_resume(out, argv, start_again=False):
+    """After the environment failed (a store or a disk out, retries used up, a loader worker
+    stuck or killed) the run's last checkpoint goes on once it is back, as after a scheduler's
+    signal: say how, beside the error line (on each rank that failed: the others may be ended
+    before they could say it). start_again: where no checkpoint was written yet, say that the
+    same command starts the run again."""
     if os.path.isfile(os.path.join(out, "checkpoint.pt")):
-        print(f"pipeline.train: the last checkpoint stays in {out}/; resume with: {stop.resume_command(argv)}",
+        print(f"pipeline-train: the last checkpoint stays in {out}/; resume with: {stop.resume_command(argv)}",
               file=sys.stderr, flush=True)
+    elif start_again:  # --resume would be refused without a checkpoint, a plain rerun by what --out holds
+        again = stop.resume_command(argv)
+        again = again[:-len("--resume")] + "--resume-or-start" if again.endswith(" --resume") else again
+        print(f"pipeline-train: no checkpoint yet in {out}/; start again with: {again}", file=sys.stderr, flush=True)
 
 
 def signal_of(name):

@@ -1,6 +1,6 @@
 """The trainer's command line: every option checked before anything is read or written.
 
-A bad value ends with one `pipeline.train: error: ...` line and exit code 2. Nothing here
+A bad value ends with one `pipeline-train: error: ...` line and exit code 2. Nothing here
 imports torch, webdataset or numpy: `--help` and every command-line error answer at once
 (tests/test_preempt.py checks that importing this module leaves torch out).
 """
@@ -32,7 +32,7 @@ multi-node torchrun. See docs/training.md for recipes and what lands in --out.
 def parse(argv=None):
     p = Parser(prog="pipeline.train", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--train", action="append", default=[], metavar="NAME=SPEC", required=True,
+    a("--train", action="append", default=[], metavar="NAME=SPEC",  # required: checked after unknown flags
       help="a training source: SPEC is a manifest, a folder or base URL (ending in /) holding NAME-train.json, "
            "or a brace pattern of shards with NAME-train.json beside them; local, http(s)://, an object store "
            "(s3://, gs://, hf://: docs/stores.md) or pipe: (repeatable)")
@@ -128,6 +128,10 @@ def parse(argv=None):
       help=f"seconds a rank waits for the others in a collective before the job fails, at most {MAX_TIMEOUT} "
            f"(default: 600)")
     add_io_options(p)
+    # the loader's own limits (issue 53)
+    a("--loader-timeout", type=float, default=600, metavar="S",
+      help="seconds a loader worker may send nothing before the run ends with a line naming it and the resume "
+           "command (a worker stuck in I/O otherwise hangs the run); 0: wait for ever (default: 600)")
     args, extra = p.parse_known_args(argv)
     if extra:
         spaced = _spaced(sys.argv[1:] if argv is None else list(argv), extra)
@@ -135,6 +139,8 @@ def parse(argv=None):
             flag, name, spec = spaced
             p.error(f"{flag} {name} {spec}: expected NAME=SPEC, e.g. {flag} {name}={spec} (no space around =)")
         p.error(f"unrecognized arguments: {' '.join(extra)}")
+    if not args.train:  # after the unknown flags: `--trian X` said only that --train was missing
+        p.error("the following arguments are required: --train")
     check(p, args)
     return args
 
@@ -173,8 +179,10 @@ def check(p, args):
                       "retries": 0, "max_nonfinite": 0})
     p.within(args, {"timeout": (1, MAX_TIMEOUT), "workers": (0, 1024)})
     p.at_least(args, {"shuffle_window": 1})
+    if not (math.isfinite(args.loader_timeout) and 0 <= args.loader_timeout <= MAX_TIMEOUT):
+        p.error(f"--loader-timeout {args.loader_timeout}: seconds between 0 (wait for ever) and {MAX_TIMEOUT}")
     if args.slots is not None:
-        print("pipeline.train: --slots is no longer used (every world change is dealt exactly without it); ignored",
+        print("pipeline-train: --slots is no longer used (every world change is dealt exactly without it); ignored",
               file=sys.stderr)
     check_io(p, args)
     if args.batch_size is not None and args.global_batch is not None:

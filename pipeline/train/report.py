@@ -71,7 +71,7 @@ def main(argv=None):
     try:
         path, text = report(args.run_dir, args.out)
     except ReportError as e:
-        print(f"report: error: {printable(e)}", file=sys.stderr)  # it may quote a name from the run
+        print(f"pipeline-report: error: {printable(e)}", file=sys.stderr)  # it may quote a name from the run
         return 2
     print(text)
     print(f"picture: {path}")

@@ -99,7 +99,8 @@ class Run:
         self.stopping = None  # the stop signal all ranks agreed on, at a step or an epoch boundary
 
     def new_tally(self):
-        return {"batches": 0, "samples": [0] * len(self.names), "skipped": 0, "wait": 0.0, "busy": 0.0}
+        # keys: the lines this rank added to its key log (--record-keys), which a checkpoint's key_counts must add up to
+        return {"batches": 0, "samples": [0] * len(self.names), "skipped": 0, "wait": 0.0, "busy": 0.0, "keys": 0}
 
     def lr(self):
         return learning_rate(self.args, self.global_batch, self.seen, self.total)
@@ -317,7 +318,8 @@ def _before_resume(tallies, before):
         if key in out:
             g = out[key]
             f = {"batches": g["batches"] + f["batches"], "samples": [a + b for a, b in zip(g["samples"], f["samples"])],
-                 "skipped": g["skipped"] + f["skipped"], "wait": g["wait"] + f["wait"], "busy": g["busy"] + f["busy"]}
+                 "skipped": g["skipped"] + f["skipped"], "wait": g["wait"] + f["wait"], "busy": g["busy"] + f["busy"],
+                 **({"keys": g["keys"] + f["keys"]} if "keys" in g and "keys" in f else {})}
         out[key] = f
     return out
 

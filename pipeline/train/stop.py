@@ -155,4 +155,6 @@ def launcher(argv):
                 words = words[1:]  # `python .../bin/torchrun ...` is what `torchrun ...` runs
             return words
         return ["torchrun", "...", "-m", "pipeline.train"]
+    if os.path.basename(sys.argv[0] if sys.argv else "") == "pipeline-train":  # the installed command
+        return ["pipeline-train"]
     return [sys.executable or "python", "-m", "pipeline.train"]

@@ -74,9 +74,15 @@ def write_summary(run, evals, t_start, resumed_from, finished, sources):
     return summary
 
 
-def report_command(out, clone=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))):
-    """The command that draws this run's pictures: tools/report.py in a clone (`clone`: where the
-    package sits), the installed module where pip put the package and no tools/ came with it."""
+def report_command(out, clone=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                   installed=None):
+    """The command that draws this run's pictures: the installed `pipeline-report` where pip put it
+    beside this Python (`installed`: whether it did; default: look), else tools/report.py in a
+    clone (`clone`: where the package sits), else the installed module."""
+    if installed is None:
+        installed = os.path.isfile(os.path.join(os.path.dirname(sys.executable), "pipeline-report"))
+    if installed:
+        return f"pipeline-report {shlex.quote(str(out))}"
     in_clone = os.path.isfile(os.path.join(clone, "tools", "report.py"))
     tool = "tools/report.py" if in_clone else "-m pipeline.train.report"
     return f"{shlex.quote(sys.executable)} {tool} {shlex.quote(str(out))}"

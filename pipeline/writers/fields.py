@@ -11,6 +11,7 @@ shard, the sample and the field, as damage does there.
 """
 import collections
 import random
+import warnings
 
 import numpy as np
 
@@ -19,7 +20,7 @@ from pipeline.data.decode import CONTENT_ERRORS, image_format, open_image, pil_r
 from pipeline.data.manifest import CLASSES_WHY, FORMAT, MAX_CLASSES
 from pipeline.data.schema import MAX_TEXT, Column, Schema, parse_fields
 from pipeline.data.values import value_of
-from pipeline.errors import ShardError, redact
+from pipeline.errors import ShardError, cut, redact
 
 STAT_SIDE = 64  # images are decoded at most about this big for the mean and std (JPEG draft mode)
 GREY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"}
@@ -38,6 +39,7 @@ def scan_fields(sample, scan, url):
             got = record.get(col.name)
             if got is None:
                 continue
+            scan["held"][col.name] += 1
             ext, path, data = got
             if col.kind != "image":
                 value = value_of(col, ext, path, data, parsed, lambda: random.Random(0))
@@ -96,6 +98,13 @@ def totals(found):
 def summarise_fields(name, split, spec, found, names, schema):
     """The manifest of an indexed set of fields, from every shard's scan."""
     shapes, exts, rgb, grey = totals(found)
+    held = sum((f.get("held", collections.Counter()) for f in found), collections.Counter())
+    never = [c for c in schema.columns if c.optional and not held[c.name]]
+    if never and found:  # a misspelt member of an optional field was indexed without a word, and is always empty
+        named = ", ".join(f"{c.name} ({_member(c)})" for c in never[:FIELDS_SHOWN])
+        more = f" and {len(never) - FIELDS_SHOWN} more" if len(never) > FIELDS_SHOWN else ""
+        warnings.warn(f"{name}-{split}: no sample holds the optional field(s) {named}{more}; check the member "
+                      f"name(s) in --fields", stacklevel=2)
     image = next((c for c in schema.columns if c.kind == "image"), None)
     c = image.channels if image else 1
     n, s, sq = (rgb[0], rgb[1:4], rgb[4:7]) if c == 3 else (grey[0], grey[1:2], grey[2:3])
@@ -134,15 +143,27 @@ def captioned_fields(encoding, shape, longest):
                    Column("caption", "text", "txt", max_bytes=max(MAX_TEXT, longest))]).to_json()
 
 
+FIELDS_SHOWN = 20  # fields a summary line names before "... and K more" (5,000 made a 94,001-character line)
+
+
 def describe(fields):
-    """'image (jpg;png, center-crop 64x64), caption (text .txt)': a manifest's fields in words."""
+    """'image (jpg;png, center-crop 64x64), caption (text .txt)': a manifest's fields in words, the
+    first FIELDS_SHOWN of them, each member list cut to a line's part."""
+    columns = Schema.from_json(fields).columns
     out = []
-    for f in Schema.from_json(fields).columns:
+    for f in columns[:FIELDS_SHOWN]:
         if f.kind == "image":
-            out.append(f"{f.name} ({f.member}, {f.fit} {f.size[0]}x{f.size[1]})")
+            out.append(f"{f.name} ({_member(f)}, {f.fit} {f.size[0]}x{f.size[1]})")
         else:
-            out.append(f"{f.name} ({f.kind} {f.member if ':' in f.member else '.' + f.member})")
-    return ", ".join(out)
+            out.append(f"{f.name} ({f.kind} {_member(f)})")
+    more = len(columns) - FIELDS_SHOWN
+    return ", ".join(out) + (f", ... and {more} more field(s)" if more > 0 else "")
+
+
+def _member(f):
+    """A field's member(s) as written (`jpg;png`, `.txt`, `json:score`), cut to about 80 characters."""
+    text = f.member if f.kind == "image" or ":" in f.member else "." + f.member
+    return cut(text, 80)
 
 
 def add_options(a):

@@ -25,12 +25,13 @@ import urllib.parse
 
 import numpy as np
 
+from pipeline import cli
 from pipeline.data import bounds, listings, remote
 from pipeline.data.decode import (CONTENT_ERRORS, IMAGE_EXTS, LABEL_EXTS, Unlabelled, as_integer, as_name,
                                   default_label, describe_label, image_format, label_hint, label_member, open_image,
                                   parse_label_key, pil_reason, pixels_of, raw_label)
 from pipeline.errors import ShardError, redact
-from pipeline.files import MAX_JSON, open_regular, write_json_atomic
+from pipeline.files import MAX_JSON, missing_folder, open_regular, write_json_atomic
 from pipeline.data.manifest import (FORMAT, NAME_RE, CLASSES_WHY, MAX_CLASSES, MAX_SIDE, check, expand_shards,
                                     manifest_name, pipe_shard_name, plain_relative)
 from pipeline.data.read import MAX_MEMBER, is_meta, iter_samples
@@ -51,6 +52,8 @@ def expand(spec, policy=remote.Policy()):
     ShardError when nothing matches."""
     if remote.kind(spec) == "file" and os.path.isdir(spec):
         urls = sorted(os.path.join(spec, f) for f in os.listdir(spec) if f.endswith(SHARD_SUFFIXES))
+    elif remote.kind(spec) == "file" and missing_folder(spec):  # was "1 of 1 shard(s) do not exist, e.g. DIR/"
+        raise ShardError(f"{spec}: no such folder")
     elif remote.kind(spec) == "store" and "{" not in spec and not spec.endswith(SHARD_SUFFIXES):
         urls = listings.urls(spec, SHARD_SUFFIXES, policy)  # a prefix: the shards under it, read where they are
     else:
@@ -108,7 +111,7 @@ def scan_shard(url, label, policy=remote.Policy(), image_key=None, skip_unlabell
         scan.update(url=url, samples=0, unlabelled=0, exts=collections.Counter(), shapes=collections.Counter(),
                      labels=collections.Counter(), first={}, rgb=np.zeros(7), grey=np.zeros(3), label=label,
                      image_key=image_key, skip_unlabelled=skip_unlabelled, wide=(0, None, 0, 0, None),
-                     tall=(0, None, 0, 0, None), large=(0, None, 0, 0, None), fields=fields)
+                     tall=(0, None, 0, 0, None), large=(0, None, 0, 0, None), fields=fields, held=collections.Counter())
         h = _Hashing(stream)
         for sample in iter_samples(h, wanted, url, **read_kw):
             if is_meta(sample["__key__"]):  # a __meta__ sample describes the shard: not a sample to index
@@ -269,11 +272,9 @@ def index(name, split, spec, out, *, label=None, image_key=None, shape=None, cla
 
 def _index(name, split, spec, out, urls, names, label, image_key, shape, classes_file, classes_from, skip_unlabelled,
            workers, policy, progress, fields=None):
-    from tqdm import tqdm
-
     tasks = [(u, label, policy, image_key, skip_unlabelled, fields) for u in urls]
     found = []
-    bar = tqdm(total=len(urls), unit="shard", desc=f"index {name}-{split}", disable=not progress, dynamic_ncols=True)
+    bar = cli.progress(total=len(urls), unit="shard", desc=f"index {name}-{split}", disable=not progress)
     try:
         if workers > 1 and len(urls) > 1:
             for scan in forked_imap(_scan_task, tasks, min(workers, len(urls))):

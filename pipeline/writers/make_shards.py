@@ -8,6 +8,7 @@ WebDatasets that other tools wrote, in place.
 See docs/data.md for the sample format and every option.
 """
 import argparse
+import collections
 import os
 import shutil
 import signal
@@ -15,9 +16,10 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 
 from pipeline.data import decode, manifest, remote, storage
-from pipeline.writers import fields, index, shards, sources, storelock  # noqa: E402
+from pipeline.writers import fields, index, publish, shards, sources, storelock  # noqa: E402
 from pipeline.cli import Parser, add_io_options, check_io, io_limits, printable  # noqa: E402
 from pipeline.errors import ShardError  # noqa: E402
 from pipeline.files import new_folders, remove_empty  # noqa: E402
@@ -80,7 +82,7 @@ def parse_args(argv):
            "else in a new temporary folder, never the current one; repeatable)")
     a("--out", metavar="DIR",
       help="output folder (default: shards), or an object-store prefix (s3://BUCKET/PREFIX, gs://, hf://...) the "
-           "shards and manifests are uploaded to, each manifest last; one make_shards at a time writes a folder, a "
+           "shards and manifests are uploaded to, each manifest last; one make-shards at a time writes a folder, a "
            "second one is refused")
     a("--quiet", action="store_true", help="no progress bars")
     io = p.add_argument_group("remote reads (--index and --verify of http(s), object-store and pipe: shards; as in the trainer)")
@@ -91,10 +93,12 @@ def parse_args(argv):
 
 
 def check(p, args):
+    if args.out is not None and not args.out.strip():  # "" wrote ./shards/ without a word
+        p.error("--out: empty; name the folder (or s3://BUCKET/PREFIX) to write to, or leave --out out for shards/")
     args.out_given, args.out = args.out is not None, args.out or "shards"
     kind = out_kind(p, args.out)
     if kind in ("http", "pipe") and not args.preview:
-        p.error(f"--out {printable(args.out)}: make_shards writes to a local folder or an object store (s3://, gs://, "
+        p.error(f"--out {printable(args.out)}: make-shards writes to a local folder or an object store (s3://, gs://, "
                 f"hf://...), not to an http(s) URL or a command")
     args.store = kind == "store"
     args.part = parse_part(p, args.part)
@@ -102,7 +106,7 @@ def check(p, args):
         args.out = args.out.rstrip("/")
         if args.merge or args.part != (0, 1):
             p.error(f"--out {args.out}: --part and --merge need a local --out; build and merge the parts in a local "
-                    f"folder, or write the whole split to the store in one make_shards")
+                    f"folder, or write the whole split to the store in one make-shards")
     p.at_least(args, {"limit": 1, "maxcount": 1, "seed": 0, "workers": 1, "holdout": 1})
     p.within(args, {"workers": (1, 1024)})  # each one a process
     check_io(p, args)
@@ -201,7 +205,7 @@ def load_sources(args):
                     raise
                 if not said:
                     why = printable(str(e)) if args.download else f"{name}: no real data under {args.root}/"
-                    print(f"make_shards: {why}, writing SYNTHETIC look-alike data; for real data "
+                    print(f"make-shards: {why}, writing SYNTHETIC look-alike data; for real data "
                           f"{real_data_hint(name, args.download)}", file=sys.stderr)
                     said = True
                 yield sources.synthetic_source(name, split, seed=args.seed)
@@ -365,10 +369,13 @@ def run(args):
     if args.preview:
         return run_preview(args)
     if args.verify:
-        problems = shards.verify(args.out, remote.Policy(**io_limits(args)))
+        checked = collections.Counter()
+        problems = shards.verify(args.out, remote.Policy(**io_limits(args)), checked)
         for line in problems:
             print(f"FAIL {line}")
-        print(f"verify {args.out}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
+        what = (f"{checked['manifests']} manifest(s), {checked['shards']} shard(s), {checked['samples']} sample(s): "
+                f"each shard's size, sha256 and sample count against its manifest")
+        print(f"verify {args.out}: {'OK' if not problems else f'{len(problems)} problem(s)'}; checked {what}")
         return 1 if problems else 0
     if args.store:
         return run_store(args)
@@ -386,7 +393,7 @@ def run(args):
 
 def run_store(args):
     """Everything built or indexed in a local temporary folder, as for a local --out, then
-    uploaded to the store prefix --out (shards.publish: the manifest last)."""
+    uploaded to the store prefix --out (publish.publish: the manifest last)."""
     stage = tempfile.mkdtemp(prefix="make_shards-stage-")
     try:
         with storelock.store_writing(args.out, remote.Policy(**io_limits(args)), say=print):
@@ -415,7 +422,7 @@ def write(args, stage=None):
         m = shards.build(src, stage or args.out, encoding=args.encoding, maxcount=args.maxcount, seed=args.seed,
                          limit=args.limit, workers=args.workers, part=args.part, progress=not args.quiet, say=say)
         if stage is not None:
-            shards.publish(stage, args.out, src.name, src.split, progress=not args.quiet, say=say,
+            publish.publish(stage, args.out, src.name, src.split, progress=not args.quiet, say=say,
                            policy=remote.Policy(**io_limits(args)))
             for s in m["shards"]:  # uploaded: the stage need not hold every split at once
                 os.remove(os.path.join(stage, s["name"]))
@@ -458,19 +465,26 @@ def main(argv=None):
     _MAIN[0] = os.getpid()
     here = threading.current_thread() is threading.main_thread()  # else main() runs in a test's thread
     previous = signal.signal(signal.SIGTERM, _terminate) if here else None
+    formatwarning, warnings.formatwarning = warnings.formatwarning, _one_line_warning
     try:
         return run(args)
     except (sources.SourceError, ShardError, OSError) as e:
-        print(f"make_shards: error: {printable(e)}", file=sys.stderr)  # it may quote a key from a shard
+        print(f"make-shards: error: {printable(e)}", file=sys.stderr)  # it may quote a key from a shard
         return 2
     except KeyboardInterrupt as e:
-        print(f"make_shards: {'stopped by SIGTERM' if isinstance(e, Terminated) else 'interrupted'}; no manifest "
+        print(f"make-shards: {'stopped by SIGTERM' if isinstance(e, Terminated) else 'interrupted'}; no manifest "
               f"was written for the unfinished split" + (" (its temporary keys and the prefix's lock were removed)"
                                                          if args.store else ""), file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130
     finally:
+        warnings.formatwarning = formatwarning
         if here:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _one_line_warning(message, category, filename, lineno, line=None):
+    """A warning as the tool's other lines read (not Python's two lines with the file of the stage that said it)."""
+    return f"make-shards: warning: {printable(message)}\n"
 
 
 if __name__ == "__main__":

@@ -20,15 +20,10 @@ manifest names is refused, never overwritten. A folder is written by one writer 
 time (`writing`): two builds into one folder would write the same temporary names, and
 both could report success over shards the other one cut short.
 
-An object store (`--out s3://bucket/prefix`) gets the same promise through `publish`: the
-split is built in a local temporary folder as for a local --out, then every shard is
-uploaded under a temporary key (`NAME.tmp-<pid>`), and only when all are there are they
-moved into place and the manifest written, last. A failed or interrupted upload removes
-its temporary keys and has touched nothing else. The same ownership rule holds (a key of
-a needed name that no make_shards manifest of this split there names is refused), shards
-whose bytes a store already holds under their name are not uploaded again, and a lock
-key (pipeline.writers.storelock) keeps a second make_shards from writing the prefix meanwhile.
+An object store (`--out s3://bucket/prefix`) gets the same promise through
+pipeline.writers.publish.
 """
+import collections
 import contextlib
 import hashlib
 import io
@@ -39,10 +34,10 @@ import tarfile
 
 import numpy as np
 
+from pipeline import cli
 from pipeline.data import png
 from pipeline.errors import FetchError, ShardError
-from pipeline.files import (MAX_JSON, Busy, locked, open_regular, parse_json, read_json,
-                            write_json_atomic)
+from pipeline.files import Busy, locked, open_regular, read_json, write_json_atomic
 from pipeline.data.manifest import FORMAT, NAME_RE, check, manifest_name, shard_name
 from pipeline.data.read import iter_samples
 from pipeline.writers.fields import captioned_fields
@@ -59,7 +54,7 @@ def writing(out):
         try:
             held.enter_context(locked(os.path.join(out, LOCK), wait=False))
         except Busy as e:
-            raise ShardError(f"{out}: another make_shards is writing this folder ({e.strerror}); wait for it to finish "
+            raise ShardError(f"{out}: another make-shards is writing this folder ({e.strerror}); wait for it to finish "
                              f"or choose another --out") from None
         yield
 
@@ -208,7 +203,7 @@ def _build(source, out, encoding, maxcount, seed, limit, workers, part, progress
     mine = [shard_name(name, split, k) for k, _ in plan]
     for f in mine:
         if os.path.lexists(os.path.join(out, f)) and f not in owned:
-            raise ShardError(f"{os.path.join(out, f)} exists and no make_shards manifest of {name}-{split} in {out} "
+            raise ShardError(f"{os.path.join(out, f)} exists and no make-shards manifest of {name}-{split} in {out} "
                              f"names it: refusing to overwrite a file this tool did not write; move it away or "
                              f"choose another --out")
     tasks = [(os.path.join(out, f), idx, encoding) for f, (_, idx) in zip(mine, plan)]
@@ -291,12 +286,9 @@ def _manifest_file(dataset, split, part):
 
 
 def _run_tasks(source, tasks, workers, progress, desc):
-    from tqdm import tqdm
-
     global _SOURCE
     _SOURCE = source
-    bar = tqdm(total=sum(len(t[1]) for t in tasks), unit="sample", desc=desc, disable=not progress,
-               dynamic_ncols=True)
+    bar = cli.progress(total=sum(len(t[1]) for t in tasks), unit="sample", desc=desc, disable=not progress)
     entries = []
     try:
         if workers > 1 and len(tasks) > 1:
@@ -374,101 +366,21 @@ def remove_stale(out, names):
     return gone
 
 
-# ---------------------------------------------------------------- object stores
-
-
-def store_owned(out, name, split, present):
-    """(names, entries): the shard names the make_shards manifest of this split under the store
-    prefix `out` lists, and its entries as name -> (bytes, sha256); empty when there is none,
-    it is unreadable, or it indexed somebody else's shards. `present`: the names under `out`."""
-    from pipeline.data import remote, storage
-
-    if manifest_name(name, split) not in present:
-        return set(), {}
-    url = storage.join(out, manifest_name(name, split))
-    shard = re.compile(rf"^{re.escape(name)}-{re.escape(split)}-\d+\.tar$")
-    try:
-        m = parse_json(remote.fetch(url, limit=MAX_JSON), url)
-        if (m.get("origin") or {}).get("kind") == "index":
-            return set(), {}
-        entries = {s["name"]: (s.get("bytes"), s.get("sha256")) for s in m["shards"]
-                   if isinstance(s.get("name"), str) and shard.match(s["name"])}
-    except (ShardError, OSError, KeyError, TypeError, AttributeError):
-        return set(), {}  # unreadable: it vouches for nothing
-    return set(entries), entries
-
-
-def publish(stage, out, name, split, *, progress=True, say=None, policy=None):
-    """Upload the split `build` wrote into the local folder `stage` to the store prefix `out`
-    (see the module's docstring); returns the manifest. Raises ShardError for a needed key
-    that holds an object no make_shards manifest of this split names, FetchError when an
-    upload fails (its temporary keys are then removed and nothing else was touched). `policy`:
-    the job's remote.Policy, which bounds the listing of `out`."""
-    from tqdm import tqdm
-
-    from pipeline.data import listings, remote, storage
-
-    say = say or (lambda line: None)
-    mname = manifest_name(name, split)
-    manifest = read_json(os.path.join(stage, mname))
-    store = storage.Writer(out, policy)
-    present = set(listings.names(out, policy or remote.Policy()))
-    owned, old = store_owned(out, name, split, present)
-    ours = re.compile(rf"^{re.escape(name)}-{re.escape(split)}-\d+\.tar\.tmp-\d+$")
-    for f in sorted(present):  # a killed run's temporaries (the marker says no run is writing now)
-        if ours.match(f):
-            store.remove(f)
-    new = [s["name"] for s in manifest["shards"]]
-    for f in new:
-        if f in present and f not in owned:
-            raise ShardError(f"{store.url(f)} exists and no make_shards manifest of {name}-{split} in {out} "
-                             f"names it: refusing to overwrite an object this tool did not write; move it away or "
-                             f"choose another --out")
-    todo = [s for s in manifest["shards"]
-            if not (s["name"] in present and old.get(s["name"]) == (s["bytes"], s["sha256"]))]
-    tag = f".tmp-{os.getpid()}"
-    pending = []  # temporary keys written and not yet moved into place
-    bar = tqdm(total=sum(s["bytes"] for s in todo), unit="B", unit_scale=True, desc=f"upload {name}-{split}",
-               disable=not progress, dynamic_ncols=True)
-    try:
-        for s in todo:
-            pending.append(s["name"] + tag)
-            store.put(os.path.join(stage, s["name"]), pending[-1])
-            bar.update(s["bytes"])
-        bar.close()
-        if old and any(s["name"] in owned for s in todo):  # its shards are about to change: it goes first
-            store.remove(mname)
-        while pending:
-            store.move(pending[0], pending[0][:-len(tag)])
-            pending.pop(0)
-        store.put(os.path.join(stage, mname), mname)  # last: an object is written whole or not at all
-    except BaseException:
-        bar.close()
-        for t in pending:
-            store.remove(t)
-        raise
-    gone = [f for f in sorted(owned - set(new)) if f in present]
-    for f in gone:
-        store.remove(f)
-    if old:
-        say(f"  replaced {mname} in {out}/: {len([s for s in todo if s['name'] in owned])} of its shards rewritten, "
-            f"{len(manifest['shards']) - len(todo)} unchanged kept, {len(gone)} no longer listed removed; no other "
-            f"key touched")
-    return manifest
-
-
 # ---------------------------------------------------------------- verifying
 
 
-def verify(folder, policy=None):
+def verify(folder, policy=None, checked=None):
     """Re-check every manifest in `folder` against its shards: the manifest's fields, and
     each shard's presence, size, sha256 and sample count. Returns every problem found,
-    one line each, across all manifests (an empty list: all is well)."""
+    one line each, across all manifests (an empty list: all is well). `checked`: a Counter
+    given the manifests, shards and samples (by their manifests) it went through, for a line
+    that says what an OK covers."""
     from pipeline.data import remote
     from pipeline.data.manifest import locate
 
+    checked = collections.Counter() if checked is None else checked
     if remote.kind(folder) == "store":
-        return _verify_store(folder, policy or remote.Policy())
+        return _verify_store(folder, policy or remote.Policy(), checked)
     if not os.path.isdir(folder):
         return [f"{folder}: no such folder"]
     problems = []
@@ -482,6 +394,7 @@ def verify(folder, policy=None):
         except ShardError as e:
             problems.append(str(e))
             continue
+        _count(checked, m)
         for s in m["shards"]:
             try:
                 url = locate(path, s["name"])
@@ -494,7 +407,11 @@ def verify(folder, policy=None):
     return problems
 
 
-def _verify_store(prefix, policy):
+def _count(checked, m):
+    checked.update(manifests=1, shards=len(m["shards"]), samples=sum(s["samples"] for s in m["shards"]))
+
+
+def _verify_store(prefix, policy, checked):
     """verify() for a store prefix: its manifests, each shard streamed once against its entry."""
     from pipeline.data import listings, storage
     from pipeline.data.manifest import load, locate
@@ -513,6 +430,7 @@ def _verify_store(prefix, policy):
         except ShardError as e:
             problems.append(str(e))
             continue
+        _count(checked, m)
         for s in m["shards"]:
             try:
                 problem = _verify_shard(locate(url, s["name"]), s, policy)

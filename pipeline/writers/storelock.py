@@ -26,7 +26,7 @@ from pipeline.errors import FetchError, ShardError, printable
 LOCK = ".make_shards.lock"  # the name of a local --out's lock too (shards.LOCK)
 RENEW = 30.0  # seconds between renewals of a held lock
 STALE = 4 * RENEW  # a lock not renewed for this long is its holder's no more
-TEMPORARY = re.compile(r"^[^/]+\.tar\.tmp-\d+$")  # the temporary keys of make_shards' uploads (shards.publish)
+TEMPORARY = re.compile(r"^[^/]+\.tar\.tmp-\d+$")  # the temporary keys of make_shards' uploads (publish.publish)
 
 
 @contextlib.contextmanager
@@ -43,7 +43,7 @@ def store_writing(out, policy=None, say=None):
     if held is not None:
         gone = _gone(held)
         if not gone:
-            raise ShardError(f"{out}: another make_shards is writing this prefix ({_who(held)}, its lock "
+            raise ShardError(f"{out}: another make-shards is writing this prefix ({_who(held)}, its lock "
                              f"{store.url(LOCK)}); wait for it to finish: the lock is taken over once its holder is "
                              f"gone (its process ended on that host, or {STALE:.0f} s without a renewal)")
         say(printable(f"  took over {store.url(LOCK)} from {_who(held)}: {gone}"))
@@ -57,7 +57,7 @@ def store_writing(out, policy=None, say=None):
         for k in left:
             store.remove(k)
         if left:
-            say(f"  removed {len(left)} temporary key(s) a stopped make_shards left in {out}/ (e.g. {left[0]})")
+            say(f"  removed {len(left)} temporary key(s) a stopped make-shards left in {out}/ (e.g. {left[0]})")
         yield
     finally:
         stop.set()

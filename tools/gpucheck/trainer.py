@@ -78,7 +78,7 @@ def cause(path):
     """What a failed rank said: the trainer's one-line error, else the last exception line
     that is not torchrun's own (its report of a failed child buries the rank's words above it)."""
     lines = log_lines(path)
-    own = [ln for ln in lines if ln.startswith("pipeline.train: error:")]
+    own = [ln for ln in lines if ln.startswith("pipeline-train: error:")]
     raised = [ln for ln in lines if re.match(r"[\w.]*(Error|Exception)\b", ln) and "ChildFailedError" not in ln]
     return (own or raised or ["see the log"])[-1]
 
