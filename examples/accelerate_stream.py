@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 
-from pipeline.data import autoindex  # noqa: E402
+from pipeline.writers import autoindex  # noqa: E402
 from pipeline.data.dataloader import StatefulLoader  # noqa: E402
 from pipeline.stream import MixedStream, resolve  # noqa: E402
 from pipeline.topology import Topology  # noqa: E402

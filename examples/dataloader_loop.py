@@ -2,7 +2,7 @@
 python examples/dataloader_loop.py SPEC [--epochs 2] [--stop-after N] [--state FILE] [--keys FILE]
 
 SPEC is a folder, glob, brace pattern (http(s) too) or store prefix of shards with no manifest:
-the first run indexes them (pipeline.data.autoindex) and infers their fields from the members
+the first run indexes them (pipeline.writers.autoindex) and infers their fields from the members
 (image, caption, class, the .json's numbers). The loop reads the fields' batches through the
 DataLoader face (pipeline.data.dataloader.StatefulLoader): --stop-after N stops after N batches
 and writes the loader's state to --state; the next run with the same --state goes on where it

@@ -27,7 +27,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from pipeline.data import autoindex  # noqa: E402
+from pipeline.writers import autoindex  # noqa: E402
 from pipeline.data.dataloader import StatefulLoader  # noqa: E402
 from pipeline.stream import MixedStream, resolve  # noqa: E402
 from pipeline.topology import Topology  # noqa: E402

@@ -6,6 +6,6 @@ Data flows one way, and the subpackages follow it:
 hand-over from workers) -> `train` (the DDP loop, checkpoints, metrics, the report).
 `files`, `errors` and `cli` are shared by all three.
 
-`from pipeline import stream` and `from pipeline.stream import ...` keep working (small
-modules that stand for `pipeline.data.stream` and `pipeline.ordering.topology`).
+`pipeline.stream` is the streaming API users import (the data path's stream, with a `resolve`
+that indexes a set on first use); `pipeline.topology` stands for `pipeline.ordering.topology`.
 """

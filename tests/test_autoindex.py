@@ -1,5 +1,5 @@
 """A set opened by its URL with no manifest: indexed on first use, fields inferred from its members
-(pipeline.data.autoindex, pipeline.data.infer), read through the DataLoader face
+(pipeline.writers.autoindex, pipeline.writers.infer), read through the DataLoader face
 (pipeline.data.dataloader)."""
 import functools
 import http.server
@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from helpers import HANG, Quiet, completed, encode_pil, foreign_image, launch_train, serving
-from pipeline.data import autoindex, infer
+from pipeline.writers import autoindex, infer
 from pipeline.errors import ShardError
-from pipeline.data.stream import MixedStream, resolve
+from pipeline.stream import MixedStream, resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -164,8 +164,8 @@ def test_an_http_folder_with_no_manifest_asks_for_a_brace_pattern(tmp_path):
 
 SCRIPT = """
 import sys, time
-from pipeline.data import autoindex
-from pipeline.data.stream import resolve
+from pipeline.writers import autoindex
+from pipeline.stream import resolve
 build = autoindex.build
 autoindex.build = lambda *a, **kw: time.sleep(4) or build(*a, **kw)  # an index that takes a while
 print(resolve("web", sys.argv[1], "train", cache_dir=sys.argv[2]).total)

@@ -338,7 +338,7 @@ def test_index_and_train_on_a_glob(tmp_path):
 
 def test_training_on_unindexed_shards_indexes_them_on_first_use(tmp_path):
     """Once a line naming the index command to run first; now the trainer indexes them itself
-    (pipeline.data.autoindex), and says so in one line."""
+    (pipeline.writers.autoindex), and says so in one line."""
     write_gnu_tar(tmp_path, 30)
     p = train_in_process(["--train", f"pets={tmp_path}/gnu-{{0000..0001}}.tar", "--epochs", "1", "--epoch-samples",
                           "16", "--batch-size", "8", "--workers", "0", "--width", "4", "--out", str(tmp_path / "run")])

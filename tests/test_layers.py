@@ -4,16 +4,17 @@ a lazy one inside a function too: it is a circle all the same, only hidden.
 
 Layers, bottom first: the shared modules (cli, errors, files, figures) < pipeline.ordering (the
 order of samples: arithmetic on positions, no bytes read) < pipeline.data < pipeline.writers <
-pipeline.train < tools. A module may import its own layer and those below.
+pipeline.stream (the streaming API) < pipeline.train < tools. A module may import its own layer and those below.
 """
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BOTTOM = {"pipeline", "pipeline.cli", "pipeline.errors", "pipeline.files", "pipeline.figures"}
-ORDER = ["bottom", "pipeline.ordering", "pipeline.data", "pipeline.writers", "pipeline.train", "tools"]
-# pipeline.stream and pipeline.topology only stand for pipeline.data.stream and pipeline.ordering.topology
-STAND_INS = {"pipeline.stream": "pipeline.data", "pipeline.topology": "pipeline.ordering"}
+ORDER = ["bottom", "pipeline.ordering", "pipeline.data", "pipeline.writers", "pipeline.stream", "pipeline.train", "tools"]
+# pipeline.topology only stands for pipeline.ordering.topology; pipeline.stream is the streaming API, above
+# the writers because its resolve indexes on first use (pipeline.writers.autoindex)
+STAND_INS = {"pipeline.topology": "pipeline.ordering"}
 
 
 def module_files():

@@ -36,7 +36,7 @@ print("BENCH", json.dumps({{"seconds": round(seconds, 2), "peak_after_imports_mi
                            "child_peak_mib": round(mib(resource.RUSAGE_CHILDREN), 1)}}))
 """
 MAKE_SHARDS = ("from pipeline.writers.make_shards import main", "assert not main({argv!r})")
-FIRST_USE = ("from pipeline.data.stream import resolve",
+FIRST_USE = ("from pipeline.stream import resolve",
              "src = resolve('bench', {spec!r}, 'train', cache_dir={cache!r}, workers={workers}, progress=False)\n"
              "assert src.total == {total}, src.total")
 

@@ -103,7 +103,7 @@ class Source:
 
 class NoManifest(ShardError):
     """The manifest a SPEC needs is not there (no file, HTTP 404, no such object): shards
-    with no manifest, which pipeline.data.autoindex indexes on first use."""
+    with no manifest, which pipeline.writers.autoindex indexes on first use."""
 
 
 def _absent(error):

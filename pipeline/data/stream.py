@@ -33,8 +33,7 @@ from pipeline.data.batch import NOTHING, Collate, Layout
 from pipeline.data.schema import Schema
 from pipeline.errors import Errors, ShardError
 from pipeline.data.loader import make_loader  # noqa: F401  (make_loader: this module's API)
-from pipeline.data.autoindex import resolve  # noqa: F401  (part of this module's API: indexes on first use)
-from pipeline.data.manifest import Source  # noqa: F401  (part of this module's API)
+from pipeline.data.manifest import Source, resolve  # noqa: F401  (part of this module's API; pipeline.stream's resolve also indexes)
 from pipeline.data.mix import RandomMix
 from pipeline.ordering.topology import Topology, Worker, own_items
 from pipeline.ordering.weights import check_weights, parse_weights  # noqa: F401  (part of this module's API)

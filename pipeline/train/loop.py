@@ -20,7 +20,9 @@ import time
 
 import torch
 
-from pipeline.data import autoindex, remote, stream
+from pipeline import stream
+from pipeline.data import remote
+from pipeline.writers import autoindex
 from pipeline.train import dist, guard, options, stop
 from pipeline import cli
 from pipeline.data.workers import WorkerDied
@@ -56,7 +58,7 @@ def train(args, topo, device, stopper=None):
     policy = remote.Policy(**cli.io_limits(args))
     check = http_check(topo, policy)
     found = dict(policy=policy, check_http=check, cache_dir=args.cache_dir, progress=topo.is_main)  # shards with no
-    # manifest are indexed on first use, by the first rank to take the lock (pipeline.data.autoindex)
+    # manifest are indexed on first use, by the first rank to take the lock (pipeline.writers.autoindex)
     train_sources = [autoindex.trainable(stream.resolve(n, spec, "train", **found)) for n, spec in args.train.items()]
     trained = {s.name: s for s in train_sources}  # an --eval indexed here takes its training source's classes
     eval_sources = [autoindex.trainable(stream.resolve(n, spec, "test", classes_from=trained.get(n), **found))

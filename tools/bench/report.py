@@ -77,9 +77,6 @@ def report(record):
     for c in record.get("read_ceiling", []):
         log(f"read ceiling ({c['encoding']} shards, page cache): {fmt_spread(c['samples_per_s'])} samples/s, "
             f"{c['mb_per_s']:,.0f} MB/s")
-    if "jpeg" in record:
-        from bench import jpeg
-        jpeg.report(record["jpeg"])
     for prof in (record[k] for k in ("profile", "profile_c8") if k in record):
         log(f"\nprofile of {prof.get('method', 'C')}/{prof['encoding']}, workers=0, {prof['samples']} samples, "
             f"{prof['total_s']} s (under cProfile)\n{'tottime':>8} {'cumtime':>8} {'calls':>9}  function")

@@ -146,5 +146,7 @@ def run(args, work):
             record["profile_c8"] = micro.profile_c(setup, primary, normalize=False)
     record["loadavg_at_end"] = os.getloadavg()
     report(record)
+    if "jpeg" in record:  # its own table (bench.jpeg), after the rest
+        jpeg.report(record["jpeg"])
     write_record(args.json, record)
     return 0

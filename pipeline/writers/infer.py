@@ -1,6 +1,6 @@
 """Fields inferred from a WebDataset's members, as webdataset's decoders name them.
 
-A set opened by its URL with no manifest and no `--fields` (pipeline.data.autoindex) gets
+A set opened by its URL with no manifest and no `--fields` (pipeline.writers.autoindex) gets
 its schema from the first samples of its first shard: an image extension (`jpg`, `png`,
 `rgb.png`, ...) is an image field, `txt` the caption, `cls` the class, each key of a
 `.json` a field of its value's type (`json:KEY`), a `.npy` an array of the largest shape

@@ -7,7 +7,7 @@ The exact epoch, the resume and the memory bound rest on knowing each shard's sa
 set still needs its manifest; `resolve` makes it when a pattern, glob, folder or store prefix
 has none (manifest.NoManifest), with the indexer behind `make_shards --index`
 (pipeline.writers.index), in parallel across the shards within the job's deadlines, with a
-progress bar. The fields come from the members (pipeline.data.infer) unless `fields` names
+progress bar. The fields come from the members (pipeline.writers.infer) unless `fields` names
 them; a set with an image and a class is also indexed as image and label, so the trainer
 trains on it as on any indexed set.
 
@@ -30,7 +30,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pipeline.data import cache as caching
-from pipeline.data import infer, manifest, remote
+from pipeline.data import manifest, remote
+from pipeline.writers import infer
 from pipeline.errors import ShardError, redact
 from pipeline.files import locked, read_json, write_json_atomic
 
