@@ -362,14 +362,15 @@ def _turbo_batch(images, exts, target, crops):
         exact = (h, w, 1)
     except ValueError:
         exact = None  # each goes through decode_image, which says why
-    into, direct = turbo.into, None  # direct: the last header of the target's size seen (most are the same one)
+    rows = list(out)  # each row's view, made in one call rather than one indexing an image
+    into, header, direct = turbo.into_of(c), jpeg.header, None  # direct: the last header of the target's size seen
     for i, data in enumerate(images):
         try:
-            head = jpeg.header(data)
+            head = header(data)
             if head is direct or (head.height, head.width, head.orientation) == exact and \
                     head.components in turbo.COLOUR:
                 direct = head
-                if into(out[len(kept)], data, c):
+                if into(rows[len(kept)], data):
                     kept.append(i)
                     continue
             other[len(kept)] = decode_image(data, exts[i], shape, None if crops is None else crops[i])
