@@ -551,9 +551,11 @@ def _torchvision_jpeg(data, c, size):
     return None if decoded is None else _upright_as(decoded[0], size)
 
 
-def _torchvision_jpegs(datas, c):
+def _torchvision_jpegs(datas, c, device="cpu"):
     """CHW uint8 tensors of JPEGs from libjpeg-turbo, turned upright by their EXIF, in one
-    torchvision call; None if it refuses any of them (CMYK, damage)."""
+    torchvision call; None if it refuses any of them (CMYK, damage). On a CUDA `device`
+    nvJPEG decodes them there and the EXIF is not applied (pipeline.data.gpujpeg sends only
+    upright ones)."""
     import torch
     from torchvision.io import ImageReadMode, decode_jpeg
 
@@ -563,7 +565,8 @@ def _torchvision_jpegs(datas, c):
                             DeprecationWarning)
     try:
         return decode_jpeg([torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in datas],
-                           mode=ImageReadMode.GRAY if c == 1 else ImageReadMode.RGB, apply_exif_orientation=True)
+                           mode=ImageReadMode.GRAY if c == 1 else ImageReadMode.RGB, device=device,
+                           apply_exif_orientation=True)
     except RuntimeError:
         return None
 
