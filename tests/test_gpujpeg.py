@@ -2,7 +2,6 @@
 exact-size ones left encoded) and decoded on a device to what decode_batch gives."""
 import pickle
 
-import numpy as np
 import pytest
 import torch
 
