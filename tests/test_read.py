@@ -347,6 +347,20 @@ def test_regular_reads_keys_of_different_lengths_as_the_sequential_reader():
     assert keys[:3] == ["cat/0655", "truck/3050", "a"] and labels.tolist() == [0, 1, 2, 3, 4]
 
 
+def test_regular_reads_keys_the_first_of_which_is_the_longest_as_the_sequential_reader():
+    """A wds.ShardWriter set's shard whose first key is its longest (`automobile/4547` before
+    `bird/3887`): the numpy path too, not left to the sequential reader."""
+    members = []
+    for i, key in enumerate(["automobile/4547", "bird/3887", "cat/12", "automobile/1"]):
+        members += [(f"{key}.cls", str(i).encode()), (f"{key}.jpg", bytes([i]) * (i + 1))]
+    buf = ustar(members)
+    found = read.regular(buf, "jpg", "cls")
+    assert found is not None
+    keys, images, labels = found
+    assert (keys, [bytes(x) for x in images], labels.tolist()) == sequential(buf, "jpg")
+    assert keys == ["automobile/4547", "bird/3887", "cat/12", "automobile/1"]
+
+
 def test_regular_reads_keys_and_labels_of_every_form_as_the_sequential_reader():
     """Keys that are not UTF-8 (decoded with replacement, a key at a time there, all at once
     here), keys in folders, and labels of 1 to 18 digits."""

@@ -362,14 +362,15 @@ def _turbo_batch(images, exts, target, crops):
         exact = (h, w, 1)
     except ValueError:
         exact = None  # each goes through decode_image, which says why
-    into, direct = turbo.into, None  # direct: the last header of the target's size seen (most are the same one)
+    rows = list(out)  # each row's view, made in one call rather than one indexing an image
+    into, header, direct = turbo.into_of(c), jpeg.header, None  # direct: the last header of the target's size seen
     for i, data in enumerate(images):
         try:
-            head = jpeg.header(data)
+            head = header(data)
             if head is direct or (head.height, head.width, head.orientation) == exact and \
                     head.components in turbo.COLOUR:
                 direct = head
-                if into(out[len(kept)], data, c):
+                if into(rows[len(kept)], data):
                     kept.append(i)
                     continue
             other[len(kept)] = decode_image(data, exts[i], shape, None if crops is None else crops[i])
@@ -550,9 +551,11 @@ def _torchvision_jpeg(data, c, size):
     return None if decoded is None else _upright_as(decoded[0], size)
 
 
-def _torchvision_jpegs(datas, c):
+def _torchvision_jpegs(datas, c, device="cpu"):
     """CHW uint8 tensors of JPEGs from libjpeg-turbo, turned upright by their EXIF, in one
-    torchvision call; None if it refuses any of them (CMYK, damage)."""
+    torchvision call; None if it refuses any of them (CMYK, damage). On a CUDA `device`
+    nvJPEG decodes them there and the EXIF is not applied (pipeline.data.gpujpeg sends only
+    upright ones)."""
     import torch
     from torchvision.io import ImageReadMode, decode_jpeg
 
@@ -562,7 +565,8 @@ def _torchvision_jpegs(datas, c):
                             DeprecationWarning)
     try:
         return decode_jpeg([torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in datas],
-                           mode=ImageReadMode.GRAY if c == 1 else ImageReadMode.RGB, apply_exif_orientation=True)
+                           mode=ImageReadMode.GRAY if c == 1 else ImageReadMode.RGB, device=device,
+                           apply_exif_orientation=True)
     except RuntimeError:
         return None
 

@@ -520,7 +520,8 @@ def _checked_keys(head, tail, image_ext, label_ext):
         return None
     image, label = np.frombuffer(b"." + image_ext.encode(), np.uint8), np.frombuffer(b"." + label_ext.encode(), np.uint8)
     first = int((head[0, :100] == 0).argmax())  # the first name's length
-    if head[:, first].any() or not head[:, :first].all():  # names of other lengths
+    same = not head[:, first].any() and head[:, :first].all()  # every name of the first's length
+    if not same:
         ends = (head[:, :100] == 0).argmax(axis=1)  # each name's length: its first NUL
         width = int(ends.max()) + 1  # the columns any name reaches: the checks below look at no others
     else:
@@ -531,7 +532,7 @@ def _checked_keys(head, tail, image_ext, label_ext):
     k = first - len(image)
     if key_len.min() < 1:
         return None
-    if width == first + 1:
+    if same:  # not width == first + 1: where the first name is the longest, the others are shorter
         keys = np.ascontiguousarray(names[:, :k])
         if not ((names[:, k:first] == image).all() and (tails[:, k:k + len(label)] == label).all()
                 and not tails[:, k + len(label)].any() and (keys == tails[:, :k]).all()

@@ -31,15 +31,19 @@ def available():
     return _module() is not None
 
 
-def into(row, data, c):
-    """Decode a JPEG of exactly row's (H, W) with orientation 1 into `row` (H, W, c uint8,
-    contiguous); False where libjpeg-turbo refuses it or warns (damage: the caller's other
-    path then says why)."""
-    try:
-        _module().decode_jpeg(data, colorspace="GRAY" if c == 1 else "RGB", buffer=row, strict=True)
-    except (ValueError, OSError, RuntimeError):
-        return False
-    return True
+def into_of(c):
+    """fn(row, data) decoding a JPEG of exactly row's (H, W) with orientation 1 into `row` (H, W, c
+    uint8, contiguous), the module and colour space looked up once for a batch's calls; False
+    where libjpeg-turbo refuses it or warns (damage: the caller's other path then says why)."""
+    decode_jpeg, space = _module().decode_jpeg, "GRAY" if c == 1 else "RGB"
+
+    def fn(row, data):
+        try:
+            decode_jpeg(data, colorspace=space, buffer=row, strict=True)
+        except (ValueError, OSError, RuntimeError):
+            return False
+        return True
+    return fn
 
 
 def decode(data, head, shape):
