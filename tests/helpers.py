@@ -82,7 +82,7 @@ STREAM_SPECS = {  # the module fixture `data` (conftest): (name, split): (sample
 
 def train_sources(folder, names=("mnist", "cifar10")):
     """The train splits of `names` under `folder`, resolved as the trainer resolves --train."""
-    from pipeline.data.stream import resolve
+    from pipeline.data.streams.stream import resolve
 
     return [resolve(n, folder, "train") for n in names]
 
@@ -91,7 +91,7 @@ def run_epoch(stream, workers=0):
     """Every batch of one epoch through make_loader, reduced to plain lists."""
     from types import SimpleNamespace
 
-    from pipeline.data.stream import make_loader
+    from pipeline.data.streams.stream import make_loader
 
     out = []
     for b in make_loader(stream, workers):
@@ -128,7 +128,7 @@ def build_source(src, out, **kw):
 
 def project_samples(path, stream=None, **kw):
     """[(key, {ext: bytes})] as pipeline.read reads them, from `path` or an open stream."""
-    from pipeline.data import read
+    from pipeline.data.shards import read
 
     with (stream or open(path, "rb")) as f:
         return [(s.pop("__key__"), {k: v for k, v in s.items() if k != "__url__"})
@@ -159,7 +159,7 @@ def handmade_png(a, filter_type):
 
     import numpy as np
 
-    from pipeline.data import png
+    from pipeline.data.decoding import png
 
     c, h, w = a.shape
     rows = a.transpose(1, 2, 0).reshape(h, w * c).astype(np.int16)

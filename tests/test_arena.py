@@ -1,4 +1,4 @@
-"""pipeline.data.arena: a window's raw shards read into one buffer, rows gathered from it;
+"""pipeline.data.shards.readbuffer: a window's raw shards read into one buffer, rows gathered from it;
 and the Reader that reads raw windows through it."""
 import io
 
@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from helpers import build_shards, read_members, write_tar
-from pipeline.data import remote, stages
-from pipeline.data.arena import CHUNK, Arena, Rows
-from pipeline.data.manifest import resolve
-from pipeline.data.read import iter_samples, regular_members
+from pipeline.data.store import remote
+from pipeline.data.streams import stages
+from pipeline.data.shards.readbuffer import CHUNK, Arena, Rows
+from pipeline.data.manifests.manifest import resolve
+from pipeline.data.shards.read import iter_samples, regular_members
 from pipeline.errors import ShardError
 
 

@@ -7,9 +7,9 @@ import struct
 import pytest
 
 from helpers import encode_pil, foreign_image, make_shards_in_process, write_tar
-from pipeline.data import decode
-from pipeline.data.decode import Target, Unlabelled
-from pipeline.data.stream import MixedStream, resolve
+from pipeline.data.decoding import decode
+from pipeline.data.decoding.decode import Target, Unlabelled
+from pipeline.data.streams.stream import MixedStream, resolve
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
 NAMES = ("cat", "dog")

@@ -21,10 +21,10 @@ import pytest
 from PIL import Image
 
 from helpers import build_shards, encode_pil, write_foreign
-from pipeline.data import augment, schema
+from pipeline.data.fields import augment, schema
 from pipeline.writers import index
-from pipeline.data.manifest import resolve
-from pipeline.data.stream import MixedStream
+from pipeline.data.manifests.manifest import resolve
+from pipeline.data.streams.stream import MixedStream
 from pipeline.ordering.topology import Topology, Worker
 
 
@@ -35,7 +35,7 @@ SIZES = (("a", 530, 40), ("b", 260, 25), ("c", 97, 13))
 def corpus(tmp_path_factory, request):
     """Three sources in shards of uneven sizes (the last shard is short): tiny raw images and
     labels, or (fields) PNGs of 3x4 with a caption (the key) and a label, read through a schema
-    with a text field and a random resized crop stage (pipeline.data.schema)."""
+    with a text field and a random resized crop stage (pipeline.data.fields.schema)."""
     out = tmp_path_factory.mktemp("coverage")
     if request.param == "image+label":
         for name, n, per in SIZES:

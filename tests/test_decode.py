@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 
 from helpers import HANG, handmade_png, pil_png, pixels, run_capture
-from pipeline.data import decode, png
-from pipeline.data.decode import Target
+from pipeline.data.decoding import decode, png
+from pipeline.data.decoding.decode import Target
 
 SHAPES = [(1, 28, 28), (3, 32, 32), (3, 5, 7)]
 
@@ -328,7 +328,7 @@ def test_npy_claiming_more_pixels_than_it_holds_is_refused_before_any_array(tmp_
     code = """
 import resource, sys
 import numpy as np
-from pipeline.data import decode
+from pipeline.data.decoding import decode
 soft, hard = resource.getrlimit(resource.RLIMIT_AS)
 used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
 resource.setrlimit(resource.RLIMIT_AS, (used + (32 << 20), hard))  # half the claimed array

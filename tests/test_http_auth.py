@@ -1,5 +1,5 @@
 """Credentials for plain HTTP(S): an Authorization header from $PIPELINE_HTTP_AUTHORIZATION
-(pipeline.data.remote._request), against a server on 127.0.0.1 that answers 401 without it.
+(pipeline.data.store.remote._request), against a server on 127.0.0.1 that answers 401 without it.
 The header goes to the hosts the job reads (or those $PIPELINE_HTTP_AUTH_HOSTS names), never to
 a host a redirect leads to, and never into a message."""
 import functools
@@ -8,7 +8,7 @@ import http.server
 import pytest
 
 from helpers import Quiet, build_shards, serving, train_in_process
-from pipeline.data import remote
+from pipeline.data.store import remote
 from pipeline.errors import FetchError
 
 TOKEN = "Bearer http-t0ken-never-printed-9876"

@@ -11,9 +11,9 @@ import urllib.parse
 import pytest
 
 from helpers import HANG, build_shards, run_capture, serving
-from pipeline.data import remote, storage
-from pipeline.data.manifest import resolve
-from pipeline.data.stream import MixedStream
+from pipeline.data.store import remote, storage
+from pipeline.data.manifests.manifest import resolve
+from pipeline.data.streams.stream import MixedStream
 from pipeline.errors import FetchError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BOTTOM = {"pipeline", "pipeline.cli", "pipeline.errors", "pipeline.files", "pipeline.figures"}
 ORDER = ["bottom", "pipeline.ordering", "pipeline.data", "pipeline.writers", "pipeline.train", "tools"]
-# pipeline.stream and pipeline.topology only stand for pipeline.data.stream and pipeline.ordering.topology
+# pipeline.stream and pipeline.topology only stand for pipeline.data.streams.stream and pipeline.ordering.topology
 STAND_INS = {"pipeline.stream": "pipeline.data", "pipeline.topology": "pipeline.ordering"}
 
 
@@ -114,9 +114,9 @@ def circles(edges):
 def test_the_reader_sees_the_imports_it_should():
     edges = graph()
     assert [m for m, _ in edges["pipeline.files"]] == ["pipeline.errors"]
-    assert {"pipeline.data.decode", "pipeline.data.manifest", "pipeline.data.remote"} <= {
+    assert {"pipeline.data.decoding.decode", "pipeline.data.manifests.manifest", "pipeline.data.store.remote"} <= {
         m for m, _ in edges["pipeline.writers.make_shards"]}  # `from pipeline.data import decode, manifest, remote`
-    assert "pipeline.data.remote" in [m for m, _ in edges["pipeline.data.manifest"]]
+    assert "pipeline.data.store.remote" in [m for m, _ in edges["pipeline.data.manifests.manifest"]]
     assert "tools.bench_peers" in [m for m, _ in edges["tools.bench_loader"]]
     assert {"pipeline", "pipeline.data", "pipeline.train", "pipeline.writers.make_shards", "tools.make_shards"} <= set(edges)
     assert [m for m, _ in edges["tools.make_shards"]] == ["pipeline.writers.make_shards"]  # the tool is its entry point

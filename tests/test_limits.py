@@ -17,7 +17,8 @@ import pytest
 from helpers import (Forker, HANG, Quiet, build_shards, drip, make_shards_in_process, run_capture, serving,
                      train_in_process)
 from pipeline import cli
-from pipeline.data import manifest, remote
+from pipeline.data.manifests import manifest
+from pipeline.data.store import remote
 from pipeline.train import options, outdir
 from pipeline.writers import shards
 from pipeline.errors import ShardError
@@ -408,7 +409,7 @@ def test_a_2gb_manifest_body_is_one_line_naming_its_url(tmp_path, kind, limited)
 def test_a_gzip_shard_cannot_claim_more_samples_than_it_may_inflate_to(tmp_path):
     """A 2 KB .tar.gz listed with 10**15 samples made an epoch of 10**15 samples (the shard's 200
     read over and over, for ever): its count is bounded by what the reader inflates it to at most."""
-    from pipeline.data.read import INFLATE_RATIO, INFLATE_SLACK
+    from pipeline.data.shards.read import INFLATE_RATIO, INFLATE_SLACK
 
     def m(samples, nbytes=2000):
         return {"format": manifest.FORMAT, "dataset": "x", "split": "train", "shape": [1, 4, 4], "classes": ["a"],

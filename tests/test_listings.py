@@ -1,4 +1,4 @@
-"""Listing a store prefix under the job's limits (pipeline.data.listings), against hostile
+"""Listing a store prefix under the job's limits (pipeline.data.store.listings), against hostile
 servers on 127.0.0.1: an S3 look-alike whose ListObjectsV2 answers drip, run huge, hold
 entities or a NUL, loop or never end; a Hub look-alike whose tree pages do the same. Each
 ends in one line within the job's deadline, having read about its cap."""
@@ -11,7 +11,7 @@ import pytest
 
 from conftest import S3_SECRET
 from helpers import drip, make_shards_in_process, no_aws_credentials, serving
-from pipeline.data import listings, remote, storage
+from pipeline.data.store import listings, remote, storage
 from pipeline.errors import FetchError
 
 QUICK = remote.Policy(retries=3, delay=0.01, timeout=1, min_rate=64 << 20)  # a page's deadline: 1 s + its size

@@ -1,4 +1,4 @@
-"""Remote shards fetched ahead of the reader (pipeline.data.stages.Reader, `_Fetcher`): over a
+"""Remote shards fetched ahead of the reader (pipeline.data.streams.stages.Reader, `_Fetcher`): over a
 local HTTP server that waits before every answer, an epoch reads the same keys in clearly less
 time than one shard after another; damage and missing shards are said in the same line as
 without fetching ahead; local sources start no thread; a reader's threads end with it, and a
@@ -14,9 +14,10 @@ import warnings
 import pytest
 
 from helpers import Quiet, build_shards, serving, shard_keys
-from pipeline.data import remote, stages
-from pipeline.data.manifest import resolve
-from pipeline.data.stream import MixedStream
+from pipeline.data.store import remote
+from pipeline.data.streams import stages
+from pipeline.data.manifests.manifest import resolve
+from pipeline.data.streams.stream import MixedStream
 from pipeline.errors import FetchError
 
 DELAY = 0.2  # seconds the server waits before each answer

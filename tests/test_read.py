@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from helpers import array_source, build_source, project_samples
-from pipeline.data import read
+from pipeline.data.shards import read
 from pipeline.writers import shards
 from pipeline.errors import ShardError
 

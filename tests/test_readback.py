@@ -22,10 +22,11 @@ import torch
 from helpers import HANG, build_shards, finish, free_port
 from pipeline.train import checkpoint, options, loop as train
 from pipeline.train.run import Run
-from pipeline.data import manifest, remote
+from pipeline.data.manifests import manifest
+from pipeline.data.store import remote
 from pipeline.errors import ShardError
 from pipeline.train.metrics import Metrics
-from pipeline.data.stream import make_loader, resolve
+from pipeline.data.streams.stream import make_loader, resolve
 from pipeline.ordering.topology import Topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -319,9 +320,9 @@ def test_a_stream_state_the_stream_refuses_is_one_line_from_the_trainer(data, ru
 
 def signed(state, entries):
     """Rank entries as state_dict writes them over `state`'s root: each with its check."""
-    from pipeline.ordering import place
+    from pipeline.ordering import state_format
 
-    return [dict(e, check=place.check_of(state, e)) for e in entries]
+    return [dict(e, check=state_format.check_of(state, e)) for e in entries]
 
 
 def resigned(change):

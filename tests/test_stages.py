@@ -1,12 +1,12 @@
-"""pipeline.data.stages: shard lists split like webdataset splits them, the windows a
+"""pipeline.data.streams.stages: shard lists split like webdataset splits them, the windows a
 pair's run reads from its position, per-window shuffles, a chain rebuilt at its position."""
 import pytest
 import webdataset as wds
 
-from pipeline.data import stages
-from pipeline.data.mix import RandomMix
+from pipeline.data.streams import stages
+from pipeline.data.streams.mix import RandomMix
 from pipeline.ordering.order import SourceOrder
-from pipeline.data.stages import RunPlan, Window
+from pipeline.data.streams.stages import RunPlan, Window
 from pipeline.ordering.topology import Topology, Worker
 
 
@@ -85,7 +85,7 @@ def test_the_fast_and_the_sequential_reader_agree_on_bad_labels(tmp_path, encodi
     import warnings
 
     from helpers import build_shards, read_members, write_tar
-    from pipeline.data.manifest import resolve
+    from pipeline.data.manifests.manifest import resolve
 
     build_shards(tmp_path, "toy", "train", 12, encoding=encoding, maxcount=12)
     shard = tmp_path / "toy-train-000000.tar"
@@ -121,8 +121,8 @@ def test_a_sources_chain_is_named_stages_and_goes_on_from_its_position_alone(tmp
     it keeps: a chain rebuilt at that position (what a resume builds) goes on identically."""
     from helpers import build_shards
     from pipeline.ordering import deal
-    from pipeline.data.manifest import resolve
-    from pipeline.data.node import Node
+    from pipeline.data.manifests.manifest import resolve
+    from pipeline.data.streams.node import Node
 
     build_shards(tmp_path, "toy", "train", 60, maxcount=10)
     src = resolve("toy", str(tmp_path), "train")

@@ -1,4 +1,4 @@
-"""Object stores through pipeline.data.storage, against a real S3-compatible server on
+"""Object stores through pipeline.data.store.storage, against a real S3-compatible server on
 127.0.0.1 (moto's server mode, tests/conftest.py's s3_server): read a source from s3://,
 the same batches as from local files, one line for a wrong bucket or key, secrets never
 shown; gs:// and hf:// as far as they go offline."""
@@ -11,9 +11,9 @@ import pytest
 
 from conftest import S3_SECRET
 from helpers import HANG, build_shards, no_aws_credentials, run_capture
-from pipeline.data import listings, remote, storage
-from pipeline.data.manifest import resolve
-from pipeline.data.stream import MixedStream
+from pipeline.data.store import listings, remote, storage
+from pipeline.data.manifests.manifest import resolve
+from pipeline.data.streams.stream import MixedStream
 from pipeline.errors import FetchError, ShardError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -157,7 +157,7 @@ def test_signed_urls_are_botocore_s_own_for_any_key_region_and_endpoint(monkeypa
                 break
         assert ours == theirs, (case, key)
         assert S3_SECRET not in ours
-        token = rng.choice([None, key[::-1] + "==", "1/+ =x"])  # a listing (pipeline.data.listings): its query signed too
+        token = rng.choice([None, key[::-1] + "==", "1/+ =x"])  # a listing (pipeline.data.store.listings): its query signed too
         query = {"list-type": "2", "prefix": key, "delimiter": "/", "encoding-type": "url",
                  **({"continuation-token": token} if token else {})}
         params = {"Bucket": "my-bucket", "Prefix": key, "Delimiter": "/", **({"ContinuationToken": token} if token else {})}

@@ -12,7 +12,7 @@ Mosaic Streaming), feeding MNIST + CIFAR10 to one model on the same data in one 
      timing, into the same array torchvision would hold.
   B  stock webdataset over the same shards as C: WebDataset per source (tarfile reading,
      .decode("pil"), .to_tuple, .map(transform)), wds.RandomMix, wds.batched, wds.WebLoader.
-  C  this project: pipeline.data.stream.resolve + MixedStream(normalize=True) + make_loader.
+  C  this project: pipeline.data.streams.stream.resolve + MixedStream(normalize=True) + make_loader.
   C8 the same with normalize=False: uint8 batches, as the trainer takes them (it normalises
      on its device). "consumer us/sample": the consuming process's own CPU a sample (all its
      threads, not its workers'): what caps one rank whatever its workers (--handover times the
@@ -112,7 +112,7 @@ def parse_args(argv):
                         "that server behind 50 ms of latency (tools/bench/stores.py; --synthetic or --shards DIR)")
     p.add_argument("--handover", action="store_true",
                    help="only time the hand-over from workers that do no work: the consuming process's own CPU a "
-                        "batch through torch's DataLoader and through pipeline.data.loader (tools/bench/handover.py; "
+                        "batch through torch's DataLoader and through pipeline.data.handover.loader (tools/bench/handover.py; "
                         "--workers' largest count, --batch-size, --repeats)")
     p.add_argument("--torch-threads", type=int, metavar="N",
                    help="torch.set_num_threads(N) in the benchmarking process (default: torch's own choice; "

@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from pipeline.data import remote, stream
+from pipeline.data.store import remote
+from pipeline import stream
 from pipeline.train import dist, guard, options, stop
 from pipeline import cli
 from pipeline.errors import InputError

@@ -16,12 +16,14 @@ import tempfile
 import threading
 import time
 
-from pipeline.data import decode, manifest, remote, storage
+from pipeline.data.decoding import decode
+from pipeline.data.manifests import manifest
+from pipeline.data.store import remote, storage
 from pipeline.writers import fields, index, shards, sources, storelock  # noqa: E402
 from pipeline.cli import Parser, add_io_options, check_io, io_limits, printable  # noqa: E402
 from pipeline.errors import ShardError  # noqa: E402
 from pipeline.files import new_folders, remove_empty  # noqa: E402
-from pipeline.data.manifest import NAME_RE  # noqa: E402
+from pipeline.data.manifests.manifest import NAME_RE  # noqa: E402
 
 
 def parse_args(argv):

@@ -11,7 +11,8 @@ import textwrap
 
 import numpy as np
 
-from pipeline.data import manifest, stages
+from pipeline.data.manifests import manifest
+from pipeline.data.streams import stages
 from pipeline.figures import new_figure, plain
 
 

@@ -39,12 +39,12 @@ import tarfile
 
 import numpy as np
 
-from pipeline.data import png
+from pipeline.data.decoding import png
 from pipeline.errors import FetchError, ShardError
 from pipeline.files import (MAX_JSON, Busy, locked, open_regular, parse_json, read_json,
                             write_json_atomic)
-from pipeline.data.manifest import FORMAT, NAME_RE, check, manifest_name, shard_name
-from pipeline.data.read import iter_samples
+from pipeline.data.manifests.manifest import FORMAT, NAME_RE, check, manifest_name, shard_name
+from pipeline.data.shards.read import iter_samples
 from pipeline.writers.fields import captioned_fields
 
 ENCODINGS = ("png", "raw")
@@ -222,7 +222,7 @@ def _build(source, out, encoding, maxcount, seed, limit, workers, part, progress
             "part": list(part) if part[1] > 1 else None,
             "shards": entries,
         }
-        if getattr(source, "captions", False):  # image, label and caption: a schema's fields (pipeline.data.schema)
+        if getattr(source, "captions", False):  # image, label and caption: a schema's fields (pipeline.data.fields.schema)
             longest = max(e.pop("caption_bytes") for e in entries)
             manifest["fields"] = captioned_fields(encoding, source.shape, longest)
         manifest = finish_manifest(manifest)
@@ -381,7 +381,7 @@ def store_owned(out, name, split, present):
     """(names, entries): the shard names the make_shards manifest of this split under the store
     prefix `out` lists, and its entries as name -> (bytes, sha256); empty when there is none,
     it is unreadable, or it indexed somebody else's shards. `present`: the names under `out`."""
-    from pipeline.data import remote, storage
+    from pipeline.data.store import remote, storage
 
     if manifest_name(name, split) not in present:
         return set(), {}
@@ -406,7 +406,7 @@ def publish(stage, out, name, split, *, progress=True, say=None, policy=None):
     the job's remote.Policy, which bounds the listing of `out`."""
     from tqdm import tqdm
 
-    from pipeline.data import listings, remote, storage
+    from pipeline.data.store import listings, remote, storage
 
     say = say or (lambda line: None)
     mname = manifest_name(name, split)
@@ -464,8 +464,8 @@ def verify(folder, policy=None):
     """Re-check every manifest in `folder` against its shards: the manifest's fields, and
     each shard's presence, size, sha256 and sample count. Returns every problem found,
     one line each, across all manifests (an empty list: all is well)."""
-    from pipeline.data import remote
-    from pipeline.data.manifest import locate
+    from pipeline.data.store import remote
+    from pipeline.data.manifests.manifest import locate
 
     if remote.kind(folder) == "store":
         return _verify_store(folder, policy or remote.Policy())
@@ -496,8 +496,8 @@ def verify(folder, policy=None):
 
 def _verify_store(prefix, policy):
     """verify() for a store prefix: its manifests, each shard streamed once against its entry."""
-    from pipeline.data import listings, storage
-    from pipeline.data.manifest import load, locate
+    from pipeline.data.store import listings, storage
+    from pipeline.data.manifests.manifest import load, locate
 
     try:
         manifests = [f for f in listings.names(prefix, policy) if f.endswith(".json") and ".part" not in f]
@@ -524,7 +524,7 @@ def _verify_store(prefix, policy):
 
 
 def _verify_shard(url, entry, policy):
-    from pipeline.data import remote
+    from pipeline.data.store import remote
 
     local = remote.kind(url) == "file"
     if local:

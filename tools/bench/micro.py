@@ -1,6 +1,6 @@
 """What one part costs, beside the timed runs: cProfile of C, the read ceiling of the shards,
 the two tar formats, the stages written here against webdataset's, the thread switch of
-normalize, and the JPEG decoders pipeline.data.decode chooses between."""
+normalize, and the JPEG decoders pipeline.data.decoding.decode chooses between."""
 import cProfile
 import itertools
 import os
@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from pipeline.data import read
+from pipeline.data.shards import read
 from pipeline.writers import shards, sources
 
 from bench import ROOT
@@ -165,7 +165,7 @@ def thread_switch(repeats=5, normalizes=200, steps=5):
     batches: C/raw's figure shows it); and ms of CPU for one CPU training step of the
     trainer's model at batch 64, with and without that switch before it (the switch was
     thought to clear oneDNN's caches)."""
-    from pipeline.data.batch import one_torch_thread, by_numpy, by_torch
+    from pipeline.data.fields.batch import one_torch_thread, by_numpy, by_torch
     from pipeline.train.model import Net
 
     rng = np.random.default_rng(0)
@@ -211,7 +211,7 @@ def thread_switch(repeats=5, normalizes=200, steps=5):
 
 
 def decoder_choice(setup, n=2000, repeats=3):
-    """Per-image cost of the JPEG decoders pipeline.data.decode chooses between, on the CIFAR10
+    """Per-image cost of the JPEG decoders pipeline.data.decoding.decode chooses between, on the CIFAR10
     JPEGs: at their own size (libjpeg-turbo through torchvision.io against PIL), and made 4x
     larger for a 32x32 target (libjpeg-turbo, then a resize, against PIL's draft mode)."""
     import io
@@ -219,7 +219,7 @@ def decoder_choice(setup, n=2000, repeats=3):
     import torchvision
     from PIL import Image
 
-    from pipeline.data import decode
+    from pipeline.data.decoding import decode
 
     paths = [p for p, _ in torchvision.datasets.ImageFolder(setup.cifar_folder).samples[:n]]
     small = []

@@ -78,7 +78,7 @@ def report(record):
         log(f"read ceiling ({c['encoding']} shards, page cache): {fmt_spread(c['samples_per_s'])} samples/s, "
             f"{c['mb_per_s']:,.0f} MB/s")
     if "decoders" in record:
-        log("\nJPEG decoders, us an image (median [min-max]); * = what pipeline.data.decode uses")
+        log("\nJPEG decoders, us an image (median [min-max]); * = what pipeline.data.decoding.decode uses")
         for r in record["decoders"]:
             log(f"  {r['images']:<18} {r['decoder']:<28} {fmt_spread(r['us_per_image'], 1):>22} "
                 f"{'*' if r['chosen'] else ''}")

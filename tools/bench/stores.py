@@ -138,7 +138,7 @@ def build(work):
 def upload(folder, base):
     """The shards and manifest to the bucket, readable without a signature too: the http path
     reads the same objects from the same server as plain URLs."""
-    from pipeline.data import storage
+    from pipeline.data.store import storage
 
     fs = storage.filesystem(storage.parse(base))
     fs.mkdir(BUCKET)
@@ -154,7 +154,7 @@ def epoch(src, workers, batch_size, shuffle_buffer, seed, times):
     """One epoch of `src` as uint8 batches: a generator of batch sizes. `times` gets the clock
     at its start and at its first batch: the wait before training starts is paid once an
     epoch, so it is shown apart from the rate after it."""
-    from pipeline.data import stream
+    from pipeline import stream
 
     times.append(time.perf_counter())
     ms = stream.MixedStream([src], {src.name: 1.0}, batch_size, seed=seed, shuffle_buffer=shuffle_buffer,
@@ -170,7 +170,8 @@ def configured(endpoint=None, threads=None, s3fs_reads=False):
     """AWS_ENDPOINT_URL and stages.PREFETCH_THREADS for one run; with s3fs_reads, s3:// shards
     read through s3fs's file object instead of a signed GET (DataLoader workers are forked,
     so they read the same way)."""
-    from pipeline.data import stages, storage
+    from pipeline.data.streams import stages
+    from pipeline.data.store import storage
 
     saved = os.environ.get("AWS_ENDPOINT_URL"), stages.PREFETCH_THREADS, storage.direct
     if s3fs_reads:
@@ -211,7 +212,7 @@ def measure_run(src, workers, args, seed, expected, server_pid):
 
 
 def run(args, work):
-    from pipeline.data import stages, stream
+    from pipeline.data.streams import stages, stream
     from pipeline.files import write_json_atomic
 
     from bench.host import git_state, host_facts

@@ -6,7 +6,7 @@ extension: nothing is unpickled or torch.load-ed (webdataset's default decoders
 do both for .pyd/.pickle/.pth), and PIL is only asked to open the one format
 an extension names (an .png member that is really EPS would make PIL run
 Ghostscript). An image's size, as its decoder will produce it, is checked
-against `pipeline.data.bounds` before its pixels are decoded (`open_image`), and
+against `pipeline.data.decoding.image_caps` before its pixels are decoded (`open_image`), and
 16-bit grey images keep their top 8 bits rather than saturate.
 
 Images of another size or mode are brought to the source's shape here, inside
@@ -18,7 +18,7 @@ images here (79.5 against 109.1 us, docs/benchmarks.md "JPEG decoders"); a JPEG 
 twice the target size in both directions goes through PIL's draft mode instead,
 which decodes at 1/2, 1/4 or 1/8 scale for free. Exactly what make_shards writes
 (raw pixels, or a PNG with the Up filter on every row) takes the fast paths in
-`pipeline/data/png.py`, one numpy operation a batch.
+`pipeline/data/decoding/png.py`, one numpy operation a batch.
 """
 import functools
 import io
@@ -31,12 +31,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.data import bounds, jpeg, png
+from pipeline.data.decoding import image_caps, jpeg, png
 from pipeline.errors import cut
 
 IMAGE_EXTS = ("raw", "png", "jpg", "jpeg", "webp", "ppm", "pgm", "bmp", "tif", "tiff", "gif", "npy")
 LABEL_EXTS = ("cls", "txt", "index")
-MAX_PIXELS = bounds.MAX_PIXELS
+MAX_PIXELS = image_caps.MAX_PIXELS
 _PIL_FORMATS = {"png": "PNG", "jpg": "JPEG", "jpeg": "JPEG", "webp": "WEBP", "ppm": "PPM", "pgm": "PPM",
                 "bmp": "BMP", "tif": "TIFF", "tiff": "TIFF", "gif": "GIF"}
 _MEMBER_EXT = re.compile(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*\Z")
@@ -188,7 +188,7 @@ def label_json(data):
     nested or not JSON, checked before parsing where it can be."""
     if len(data) > MAX_LABEL_JSON:
         raise ValueError(f".json of {len(data)} bytes, more than the {MAX_LABEL_JSON} a label's .json may hold "
-                         f"(pipeline.data.decode.MAX_LABEL_JSON)")
+                         f"(pipeline.data.decoding.decode.MAX_LABEL_JSON)")
     try:
         return json.loads(bytes(data))
     except RecursionError:
@@ -412,7 +412,7 @@ def _direct_size(data, shape):
     else None (an image it refuses, or decodes through PIL's draft mode)."""
     try:
         ih, iw = jpeg.header(data).upright
-        bounds.check(iw, ih, shape, "jpg")
+        image_caps.check(iw, ih, shape, "jpg")
     except ValueError:
         return None
     return (ih, iw) if _direct(ih, iw, shape) else None
@@ -490,7 +490,7 @@ def _decode_image(data, ext, shape, crop):
     if ext in ("jpg", "jpeg"):
         head = jpeg.header(data)
         ih, iw = head.upright
-        bounds.check(iw, ih, shape, ext)
+        image_caps.check(iw, ih, shape, ext)
         if _direct(ih, iw, shape):
             pixels = _torchvision_jpeg(data, c, (ih, iw))
             if pixels is not None:
@@ -540,7 +540,7 @@ def pil_reason(error):
 
 def open_image(data, ext, shape=None, head=None):
     """(PIL image, EXIF orientation) of an image member, opened as the format its extension
-    names, its size checked by `bounds.check` for `shape` before any pixel is decoded: the
+    names, its size checked by `image_caps.check` for `shape` before any pixel is decoded: the
     image comes back unloaded. A JPEG's size is libjpeg's (`jpeg.header`, or `head` if read
     already) and PIL must agree with it; a GIF is its first frame. A `.npy` member's size is
     its header's, checked before np.load (without pickles) makes the array. ValueError for
@@ -553,7 +553,7 @@ def open_image(data, ext, shape=None, head=None):
     if is_jpeg and head is None:
         head = jpeg.header(data)
     if ext == "webp" and webp_size(data):  # libwebp allocates its canvas on opening, before PIL's size is known
-        bounds.check(*webp_size(data), shape, ext)
+        image_caps.check(*webp_size(data), shape, ext)
     try:
         img = Image.open(io.BytesIO(data), formats=[_PIL_FORMATS[ext]])
     except (OSError, SyntaxError, Image.DecompressionBombError, KeyError) as e:
@@ -565,7 +565,7 @@ def open_image(data, ext, shape=None, head=None):
             raise ValueError(f"JPEG headers disagree: PIL reads {w}x{h}, the frame is {head.width}x{head.height}")
         orientation = head.orientation
         h, w = head.upright
-    bounds.check(w, h, shape, ext)
+    image_caps.check(w, h, shape, ext)
     if img.format == "TIFF":
         _check_tiles(img)
     return img, orientation
@@ -602,7 +602,7 @@ def _pil(data, ext, shape, head=None):
 
 def _npy(data, target=None):
     """An HxW or HxWxC (C 1, 3 or 4) uint8 array from .npy bytes; its header is read and its
-    size checked (`bounds.check` for the target shape) first, so a claimed shape costs nothing."""
+    size checked (`image_caps.check` for the target shape) first, so a claimed shape costs nothing."""
     import tokenize
 
     from numpy.lib import format as npformat
@@ -616,7 +616,7 @@ def _npy(data, target=None):
         raise ValueError(f"undecodable .npy: {e}") from None
     if dtype != np.uint8 or not (len(shape) == 2 or (len(shape) == 3 and shape[2] in (1, 3, 4))):
         raise ValueError(f".npy holds a {dtype} array of shape {shape}; an image is uint8 HxW or HxWxC (C 1, 3 or 4)")
-    bounds.check(shape[1], shape[0], target, "npy")
+    image_caps.check(shape[1], shape[0], target, "npy")
     if len(data) - f.tell() < int(np.prod(shape)):  # np.load would make the whole array before finding out
         raise ValueError(f".npy header claims {'x'.join(map(str, shape))} bytes of pixels, the member holds "
                          f"{len(data) - f.tell()}")

@@ -72,7 +72,7 @@ def header(data):
                 raise ValueError("JPEG scan before its frame header")
             scans = 1 + data.count(b"\xff\xda", i)  # entropy-coded data stuffs 0xFF with 0x00: these are markers
             if scans > MAX_SCANS:
-                raise ValueError(f"JPEG with {scans} scans (at most {MAX_SCANS}, pipeline.data.jpeg.MAX_SCANS)")
+                raise ValueError(f"JPEG with {scans} scans (at most {MAX_SCANS}, pipeline.data.decoding.jpeg.MAX_SCANS)")
             return Header(*frame, orientation or 1)
         i += length
 

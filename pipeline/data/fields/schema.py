@@ -17,14 +17,14 @@ the sources before it, as an image-and-label source's are), `array` (a .npy of a
 Every cap comes from the schema, never from the data: a member over its field's cap, a
 .npy whose header claims more than the shape or holds objects, a .json over
 MAX_JSON_BYTES, a value of the wrong type, is a ValueError naming the field and why; the
-reader counts the sample as skipped with that line (pipeline.data.stages). The sample
+reader counts the sample as skipped with that line (pipeline.data.streams.stages). The sample
 stages of a schema (`augment` or any function of the sample dict) run after decoding,
 each with a `random.Random` drawn from the sample's seed, a pure function of its
 position, so a resumed stream repeats them.
 
-Image and class is the default schema (pipeline.data.columns.default_columns): a source
+Image and class is the default schema (pipeline.data.fields.columns.default_columns): a source
 without a schema has an image field at its manifest's shape and a class field, decoded by
-the image-and-label reader (pipeline.data.decode.Target), and batched like any other.
+the image-and-label reader (pipeline.data.decoding.decode.Target), and batched like any other.
 """
 import dataclasses
 import math
@@ -33,9 +33,9 @@ import re
 
 import numpy as np
 
-from pipeline.data import decode
-from pipeline.data.read import MAX_MEMBER
-from pipeline.data.values import NPY_HEADER, user_stage, value_of
+from pipeline.data.decoding import decode
+from pipeline.data.shards.read import MAX_MEMBER
+from pipeline.data.fields.member_values import NPY_HEADER, user_stage, value_of
 from pipeline.errors import cut
 
 KINDS = ("image", "text", "int", "float", "class", "array", "bytes")
@@ -409,5 +409,5 @@ class _Shape:
 
 def _cap_hint(col, ext):
     if ext == "json":
-        return " (pipeline.data.schema.MAX_JSON_BYTES)"
+        return " (pipeline.data.fields.schema.MAX_JSON_BYTES)"
     return " (raise the field's max_bytes)" if col.kind in ("text", "bytes") else ""

@@ -14,10 +14,10 @@ import os
 
 import torch
 
-from pipeline.data.budget import PREFETCH
-from pipeline.data.ring import Ring
+from pipeline.data.handover.budget import PREFETCH
+from pipeline.data.handover.ring import Ring
 from pipeline.ordering.topology import Worker
-from pipeline.data.workers import BATCH, END, Workers, raise_error, unpack
+from pipeline.data.handover.workers import BATCH, END, Workers, raise_error, unpack
 
 
 def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=PREFETCH, start_method="fork", record=True,
@@ -170,21 +170,8 @@ def check_shared_memory(nbytes, folder="/dev/shm"):
                          f"container more (docker run --shm-size)")
 
 
-def plain(stream):
-    """One pass in this process with no ring: a stream iterated directly (`iter(stream)`), which
-    is also what a DataLoader of the user's own runs in each of its workers."""
-    plan = stream.plan() if hasattr(stream, "plan") else None
-    names = stream.batch_spec().names
-    for batch in stream.batches(None, None, plan):
-        for name in names:
-            batch[name] = torch.from_numpy(batch[name])
-        if "state" in batch:
-            stream.record(batch["state"])
-        yield batch
-
-
 def worker_context(start_method="fork"):
     ctx = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "pipeline.data.stream"])
+        ctx.set_forkserver_preload(["torch", "pipeline.data.streams.stream"])
     return ctx

@@ -35,12 +35,12 @@ from dataclasses import dataclass, field
 
 import braceexpand as brace
 
-from pipeline.data import nearby, remote, storage
-from pipeline.data.decode import IMAGE_EXTS, Target, image_format, parse_label_key
-from pipeline.data.schema import Schema
+from pipeline.data.store import find_manifest, remote, storage
+from pipeline.data.decoding.decode import IMAGE_EXTS, Target, image_format, parse_label_key
+from pipeline.data.fields.schema import Schema
 from pipeline.errors import ShardError, redact
 from pipeline.files import MAX_JSON, missing_folder, parse_json, read_json
-from pipeline.data.read import INFLATE_RATIO, INFLATE_SLACK
+from pipeline.data.shards.read import INFLATE_RATIO, INFLATE_SLACK
 
 FORMAT = "pipeline-shards/2"
 FORMATS = ("pipeline-shards/1", FORMAT)  # /1: make_shards before origins and label keys; same fields otherwise
@@ -86,7 +86,7 @@ class Source:
     dataset: str = ""
     split: str = ""
     listing: str = ""  # listing_digest of its shards: what a checkpoint's fingerprint holds
-    schema: object = None  # its fields (pipeline.data.schema.Schema); None: image and label, as always
+    schema: object = None  # its fields (pipeline.data.fields.schema.Schema); None: image and label, as always
 
     @property
     def total(self):
@@ -141,7 +141,7 @@ def check(m, where):
         room = s["bytes"] * INFLATE_RATIO + INFLATE_SLACK if compressed else s["bytes"]  # what the reader inflates at most
         if s["samples"] * 1024 > room:  # a sample is at least two members, each behind a 512-byte header
             bad(f"shards[{i}].samples", f"{s['samples']} samples cannot fit in {s['bytes']} bytes"
-                + (" once inflated (pipeline.data.read.INFLATE_RATIO)" if compressed else ""))
+                + (" once inflated (pipeline.data.shards.read.INFLATE_RATIO)" if compressed else ""))
         if s.get("sha256") is not None and not (isinstance(s["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", s["sha256"])):
             bad(f"shards[{i}].sha256", "64 lowercase hex digits expected")
     shape = m.get("shape")
@@ -151,7 +151,7 @@ def check(m, where):
     classes = m.get("classes")
     if isinstance(classes, list) and len(classes) > MAX_CLASSES:
         bad("classes", f"{len(classes)} classes, more than the {MAX_CLASSES} a manifest may hold "
-                       f"(pipeline.data.manifest.MAX_CLASSES): {CLASSES_WHY}")
+                       f"(pipeline.data.manifests.manifest.MAX_CLASSES): {CLASSES_WHY}")
     if not (isinstance(classes, list) and (classes or "fields" in m) and all(isinstance(c, str) for c in classes)):
         bad("classes", "a non-empty list of class names expected")
     for key in ("mean", "std"):
@@ -293,10 +293,10 @@ def expand_pattern(spec, limit=MAX_PATTERN):
 def expand_shards(spec, policy=remote.Policy()):
     """The shards a SPEC names: its brace pattern expanded (`expand_pattern`), then each local
     or object-store name holding a wildcard (`train/*.tar`) replaced by the shards it matches,
-    in name order (`nearby.globbed`; a store's listing within `policy`'s limits)."""
+    in name order (`find_manifest.globbed`; a store's listing within `policy`'s limits)."""
     names = []
     for name in expand_pattern(spec):
-        names += nearby.globbed(name, policy) if nearby.is_glob(name) else [name]
+        names += find_manifest.globbed(name, policy) if find_manifest.is_glob(name) else [name]
     if len(names) > MAX_PATTERN:
         raise ShardError(f"{spec[:200]}: the pattern names more than {MAX_PATTERN:,} shards, the most one may name; "
                          f"list the shards in a manifest instead")
@@ -404,7 +404,7 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
     elif spec.endswith("/") or (remote.kind(spec) == "file" and os.path.isdir(spec)):
         url = spec.rstrip("/") + "/" + manifest_name(name, split)
         if remote.kind(spec) == "file" and os.path.isdir(spec) and not os.path.exists(url):
-            tars = sorted(os.path.join(spec, f) for f in os.listdir(spec) if f.endswith(nearby.SHARD_SUFFIXES))
+            tars = sorted(os.path.join(spec, f) for f in os.listdir(spec) if f.endswith(find_manifest.SHARD_SUFFIXES))
             url, within = _lister(name, split, tars, policy) if tars else (url, None)
         if remote.kind(spec) == "file":
             _check_folder(name, split, spec, url)
@@ -465,14 +465,14 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
 
 def _lister(name, split, shards, policy):
     """(url, the shards as listed) of the first local manifest of SPLIT beside `shards` (local
-    paths of one folder) or one folder above that lists every one of them (nearby.candidates,
+    paths of one folder) or one folder above that lists every one of them (find_manifest.candidates,
     NAME-SPLIT.json first), else (the manifest beside them, None). A candidate that is no
     manifest, or names shards it may not, is passed over: it is not the one asked for."""
     wanted = {_normal(u) for u in shards}
     beside = os.path.join(os.path.dirname(shards[0]), manifest_name(name, split))
     if remote.kind(shards[0]) != "file" or len({os.path.dirname(u) for u in wanted}) != 1:
         return beside, None
-    for url in nearby.candidates(os.path.dirname(shards[0]), name, split):
+    for url in find_manifest.candidates(os.path.dirname(shards[0]), name, split):
         try:
             listed = {_normal(locate(url, s["name"])) for s in load(url, policy)["shards"]}
         except ShardError:

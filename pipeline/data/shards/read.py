@@ -305,7 +305,7 @@ class _Gunzip:
             self.inflated += len(out)
             if self.inflated > INFLATE_RATIO * self.got + INFLATE_SLACK:
                 raise ShardError(f"gzip stream inflates {self.got} compressed bytes to more than "
-                                 f"{INFLATE_RATIO}x plus {INFLATE_SLACK >> 20} MiB (pipeline.data.read.INFLATE_RATIO): "
+                                 f"{INFLATE_RATIO}x plus {INFLATE_SLACK >> 20} MiB (pipeline.data.shards.read.INFLATE_RATIO): "
                                  f"a gzip bomb, or a shard to store uncompressed")
         return out
 

@@ -2,7 +2,7 @@
 `--out`) under the job's limits, as a shard is read.
 
 S3's listing (ListObjectsV2) and the Hub's (its tree API) are GETs sent by the project's own
-HTTP client (pipeline.data.remote, signed by botocore for S3 as reads are), page by page:
+HTTP client (pipeline.data.store.remote, signed by botocore for S3 as reads are), page by page:
 each page within a transfer's deadline (--io-timeout plus its bytes at --min-rate) and at
 most PAGE_BYTES, retried as a read is; the whole listing within --io-timeout plus all its
 bytes at --min-rate plus a thousandth of --io-timeout for each entry it lists (a full page of
@@ -30,7 +30,7 @@ import time
 import urllib.parse
 from xml.parsers import expat
 
-from pipeline.data import remote, storage
+from pipeline.data.store import remote, storage
 from pipeline.errors import FetchError, ShardError, cut, redact
 
 PAGE_BYTES = 8 << 20  # the most one page may hold: S3's 1,000 keys of 1,024 bytes, URL-encoded, with their fields, stay under 4 MB

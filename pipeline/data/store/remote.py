@@ -1,5 +1,5 @@
 """Reading bytes from wherever shards live: local files, http(s) URLs, pipe: commands and object
-stores (pipeline.data.storage).
+stores (pipeline.data.store.storage).
 
 A remote read is bounded: every transfer has a total deadline (a base plus its
 byte size at a minimum rate), so a server that drips one byte every few seconds
@@ -21,7 +21,7 @@ says "HTTP Error 404" rather than "curl exit 22".
 
 A remote shard is parsed while it streams in, hashed on the way, and checked
 against its manifest's sha256 and size at the end; only then is a cached copy
-renamed into place (see pipeline.data.cache).
+renamed into place (see pipeline.data.store.cache).
 """
 import base64
 import contextlib
@@ -42,8 +42,8 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from pipeline.data import cache as caching
-from pipeline.data import storage
+from pipeline.data.store import cache as caching
+from pipeline.data.store import storage
 from pipeline.errors import DigestError, FetchError, ShardError, cut, redact
 from pipeline.files import open_regular
 
@@ -53,7 +53,7 @@ MAX_DELAY = 60.0  # seconds: retry delays double up to this
 
 
 def kind(url):
-    """'http', 'pipe', 'store' (s3://, gs://, hf://, any fsspec protocol: pipeline.data.storage)
+    """'http', 'pipe', 'store' (s3://, gs://, hf://, any fsspec protocol: pipeline.data.store.storage)
     or 'file'. Raises ShardError for any other scheme."""
     if url.startswith(("http://", "https://")):
         return "http"
@@ -419,12 +419,12 @@ def read_url(url, consume, *, policy=Policy(), nbytes=None, digest=None, cache_d
     max_bytes; a damaged copy raises ShardError, a read that keeps failing
     FetchError. With `cache_dir` (a folder, or a cache.Cache with a size), a remote
     file read once in full is kept there, and later reads use the copy while it
-    matches `nbytes` and `digest` (see pipeline.data.cache), within a local file's
+    matches `nbytes` and `digest` (see pipeline.data.store.cache), within a local file's
     deadline. Local files are read as they are (`make_shards.py --verify` checks
     them), through `open_local`.
 
     request: for a store request that `url` alone does not name (a page of a listing,
-    pipeline.data.listings), a function giving each attempt's `storage.Direct`; `url` then
+    pipeline.data.store.listings), a function giving each attempt's `storage.Direct`; `url` then
     only names it in messages. until: a time.monotonic() after which no retry starts (a
     listing's deadline in all): the last failure is then the error, as when retries run out.
     """

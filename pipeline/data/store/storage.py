@@ -7,7 +7,7 @@ HfFileSystem), installed as the project's extras (`pip install -e '.[s3]'`); cre
 way each ecosystem finds them (the AWS chain: environment, config files, instance roles,
 `AWS_ENDPOINT_URL` for S3-compatible servers; `HF_TOKEN` and `HF_ENDPOINT` for the Hub;
 Google's application default credentials), never from the URL. What the project
-promises for HTTP holds here too: pipeline.data.remote wraps a store's reader with the
+promises for HTTP holds here too: pipeline.data.store.remote wraps a store's reader with the
 job's deadline, retries, byte cap, sha256 check and cache.
 """
 import contextlib
@@ -26,7 +26,7 @@ from pipeline.errors import FetchError, ShardError, cut, redact
 # scheme -> (the extra that installs its fsspec implementation, the package it imports)
 STORES = {"s3": ("s3", "s3fs"), "s3a": ("s3", "s3fs"), "gs": ("gcs", "gcsfs"), "gcs": ("gcs", "gcsfs"),
           "hf": ("hf", "huggingface_hub"), "az": ("azure", "adlfs"), "abfs": ("azure", "adlfs")}
-OURS = ("file", "http", "https", "pipe")  # read by pipeline.data.remote itself
+OURS = ("file", "http", "https", "pipe")  # read by pipeline.data.store.remote itself
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 BLOCK = 8 << 20  # bytes a store's reader asks for at a time
 
@@ -119,7 +119,7 @@ SIGNED_FOR = 3600  # seconds a signed S3 URL is good for: checked when a request
 
 @dataclass(frozen=True)
 class Direct:
-    """A store object read with one plain GET by pipeline.data.remote's own HTTP client, the
+    """A store object read with one plain GET by pipeline.data.store.remote's own HTTP client, the
     one that reads http(s):// shards: its URL, the Authorization header's value sent with it
     (to that host only, never after a redirect; None: none), and `refused(status, headers,
     body)`, the exception for an error answer (`Missing` or `Unreachable`, one line)."""
@@ -260,7 +260,7 @@ class _Signer:
 
     def url(self, key, query=None):
         """A GET of `key`, or with `query` (a dict of parameters) of the bucket itself: a
-        listing (pipeline.data.listings), its parameters signed with it."""
+        listing (pipeline.data.store.listings), its parameters signed with it."""
         from botocore.auth import S3SigV4QueryAuth
         from botocore.awsrequest import AWSRequest
 
@@ -350,7 +350,7 @@ def _signer(loc, bucket, timeout):
 def _regional_signer(bucket, timeout, known):
     """(the bucket's _Signer, whether its region is settled). The region is the one the
     bucket's HEAD answer names (as s3fs finds it), whatever the answer's status; botocore's
-    own retries are off (pipeline.data.remote retries) and its timeouts are the job's. The
+    own retries are off (pipeline.data.store.remote retries) and its timeouts are the job's. The
     CA bundle is the one botocore would use ($AWS_CA_BUNDLE, the config file's ca_bundle)."""
     try:
         import botocore
@@ -555,7 +555,7 @@ def join(base, name):
 
 class Writer:
     """Objects under one store prefix, written, moved and removed through one client (listed by
-    pipeline.data.listings):
+    pipeline.data.store.listings):
     a client per call (as the functions above make) spends most of a small upload starting
     its session. Names are relative to the prefix; a failure is a FetchError naming the URL."""
 

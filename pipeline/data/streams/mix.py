@@ -14,7 +14,7 @@ import torch
 
 from pipeline.ordering import order
 from pipeline.ordering.deal import BLOCK, Choices
-from pipeline.data.node import Node
+from pipeline.data.streams.node import Node
 
 
 class RandomMix(torch.utils.data.IterableDataset, Node):

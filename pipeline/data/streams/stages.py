@@ -18,7 +18,7 @@ came before it. Positions count whether the sample there was kept, skipped as
 damaged or dropped by a stage, so a pure stage of the user's resumes exactly.
 
 Two stages are written here rather than taken from webdataset, for measured
-reasons (docs/benchmarks.md, "Why some stages are our own"): tar reading (`pipeline.data.read`),
+reasons (docs/benchmarks.md, "Why some stages are our own"): tar reading (`pipeline.data.shards.read`),
 and the shuffle, a permutation per window instead of `wds.shuffle`'s buffer,
 which costs a `random.randint` per sample and holds state no checkpoint can reach.
 """
@@ -35,15 +35,16 @@ import numpy as np
 
 from pipeline.ordering import order
 
-from pipeline.data import remote, values
+from pipeline.data.store import remote
+from pipeline.data.fields import member_values
 from pipeline.ordering.topology import stride
-from pipeline.data.node import Node
-from pipeline.data.decode import Unlabelled, class_index, decode_batch, image_format, image_of, label_of, parse_label_key
+from pipeline.data.streams.node import Node
+from pipeline.data.decoding.decode import Unlabelled, class_index, decode_batch, image_format, image_of, label_of, parse_label_key
 from pipeline.errors import DigestError, Errors, InputError, ShardError
-from pipeline.data.arena import Arena, Rows
-from pipeline.data.read import MAX_MEMBER, is_meta, iter_samples, regular_members
-from pipeline.data.schema import Oversized
-from pipeline.data.values import user_stage
+from pipeline.data.shards.readbuffer import Arena, Rows
+from pipeline.data.shards.read import MAX_MEMBER, is_meta, iter_samples, regular_members
+from pipeline.data.fields.schema import Oversized
+from pipeline.data.fields.member_values import user_stage
 
 
 def split(urls, topo, worker):
@@ -347,7 +348,7 @@ def _remote(url):
 
 
 class Reader:
-    """read_window for one source: reads shards with `pipeline.data.remote`, reports damage.
+    """read_window for one source: reads shards with `pipeline.data.store.remote`, reports damage.
 
     What damage costs goes to `errors` (pipeline.errors.Errors): a malformed shard is
     skipped from the point of damage, its unread samples counted (or it raises, under
@@ -365,7 +366,7 @@ class Reader:
         one_image = len(self.target.image_exts) == 1
         integers = field is None and self.target.names is None and label_ext != "dir"  # what read.regular parses
         self.regular = (self.target.image_exts[0], label_ext) if one_image and integers else None
-        self.schema = getattr(source, "schema", None)  # fields of its own (pipeline.data.schema), else image+label
+        self.schema = getattr(source, "schema", None)  # fields of its own (pipeline.data.fields.schema), else image+label
         self.read_kw = {}
         if self.schema is not None:  # every field's members, each within its cap; one too large skips its sample
             self.want, self.regular = self.schema.members, None
@@ -801,7 +802,7 @@ class UserStage(Node):
 
     def _apply(self, sample):
         key, fn = sample["__key__"], self.fn
-        sample = values.call_stage(fn, sample, key)
+        sample = member_values.call_stage(fn, sample, key)
         if sample is None:
             return None
         image = np.asarray(sample.get("image"))
@@ -889,4 +890,4 @@ SEED_MASK = (1 << 63) - 1  # a sample's seed fits an int64 and any numpy or torc
 
 
 def _name(fn):
-    return values.stage_name(fn)
+    return member_values.stage_name(fn)

@@ -7,7 +7,8 @@
     in each (rank, worker):         stages.SourceStream per source:
                                     run -> read -> shuffle -> decode -> your stages
     across sources:                 mix.RandomMix takes each batch from the sources its choices name
-    then:                           batch.Collate, loader.make_loader's hand-over
+    then:                           batch.Collate; the hand-over (pipeline.data.handover.loader)
+                                    reads the stream, the stream knows no loader
 
 Every rank yields exactly `batches_per_epoch` batches whatever its shards hold, so no
 rank is ever left waiting in an all-reduce. Within an epoch no position is read by two
@@ -15,7 +16,7 @@ pairs, and a source's sample is read a second time only once all of its samples 
 read (a source smaller than its share of the epoch starts a new pass). `EvalStream`
 reads a source's test shards once, split over ranks and workers.
 
-A stream's state (`state_dict`, pipeline.ordering.place) is the epoch's segment (the world
+A stream's state (`state_dict`, pipeline.ordering.state_format) is the epoch's segment (the world
 that reads it, and the worlds before it with what each consumed), the batches each rank
 made of it, the positions its workers passed over, and each source's shard-list digest:
 everything else is recomputed. `load_state_dict` goes on where that state stopped: on
@@ -27,18 +28,18 @@ import dataclasses
 import numpy as np
 import torch
 
-from pipeline.data import loader, remote, stages
-from pipeline.ordering import deal, order, place
-from pipeline.data.batch import NOTHING, Collate, Layout
-from pipeline.data.schema import Schema
+from pipeline.data.store import remote
+from pipeline.data.streams import stages
+from pipeline.ordering import deal, order, state_format
+from pipeline.data.fields.batch import NOTHING, Collate, Layout
+from pipeline.data.fields.schema import Schema
 from pipeline.errors import Errors, ShardError
-from pipeline.data.loader import make_loader  # noqa: F401  (make_loader: this module's API)
-from pipeline.data.manifest import Source, resolve  # noqa: F401  (part of this module's API)
-from pipeline.data.mix import RandomMix
+from pipeline.data.manifests.manifest import Source, resolve  # noqa: F401  (part of this module's API)
+from pipeline.data.streams.mix import RandomMix
 from pipeline.ordering.topology import Topology, Worker, own_items
 from pipeline.ordering.weights import check_weights, parse_weights  # noqa: F401  (part of this module's API)
 
-__all__ = ["MixedStream", "EvalStream", "Source", "resolve", "make_loader", "parse_weights", "check_weights"]
+__all__ = ["MixedStream", "EvalStream", "Source", "resolve", "parse_weights", "check_weights", "in_process"]
 WINDOW_SAMPLES = 10_000  # a shuffle window: shards adding up to about this many samples...
 WINDOW_BYTES = 256 << 20  # ...and no more bytes than this (plus one shard)
 HEADER_BYTES = 1024  # a sample's tar headers, for sources whose manifest gives no shard sizes
@@ -89,10 +90,10 @@ class MixedStream(torch.utils.data.IterableDataset):
     array, "label": int, "__seed__": int, a pure function of the sample's position}; each
     returns the sample (image of the same shape and dtype) or None to drop it.
     `on_error`: the pipeline.errors.Errors policy ("warn", "skip", "raise"; strict=True is
-    "raise"). `schemas`: {source name: pipeline.data.schema.Schema} (or one Schema for
+    "raise"). `schemas`: {source name: pipeline.data.fields.schema.Schema} (or one Schema for
     every source), the fields read from its samples in place of its manifest's (None: the
     default schema, image and class label); every batch holds the union of the sources'
-    fields (pipeline.data.batch.Layout), and the sample stages of a source with a schema see
+    fields (pipeline.data.fields.batch.Layout), and the sample stages of a source with a schema see
     and return its fields. `normalize`: the `image` field float32, normalised with each
     source's mean and std, whatever the schemas; every other field stays as decoded.
     """
@@ -307,10 +308,10 @@ class MixedStream(torch.utils.data.IterableDataset):
     # ------------------------------------------------------------ batches
 
     def __iter__(self):
-        return loader.plain(self)
+        return in_process(self)
 
     def batch_spec(self):
-        """The batch's fixed-shape fields (pipeline.data.ring)."""
+        """The batch's fixed-shape fields (pipeline.data.handover.ring)."""
         return self.layout.spec(self.batch_size, self.normalize)
 
     def batches(self, worker=None, borrow=None, plan=None):
@@ -372,7 +373,7 @@ class MixedStream(torch.utils.data.IterableDataset):
     def state_dict(self):
         """Where this rank stands in its epoch, JSON-serialisable: the segment (how it was dealt),
         the batches each rank made of it, and the positions this rank's workers passed over
-        without a sample (pipeline.ordering.place). `load_state_dict` takes a list of every rank's
+        without a sample (pipeline.ordering.state_format). `load_state_dict` takes a list of every rank's
         (or one, to go on on the same world)."""
         seg = self.current()
         start = self._start_now()
@@ -388,11 +389,11 @@ class MixedStream(torch.utils.data.IterableDataset):
             if min(passed[w], default=0) < 0:
                 raise ValueError(f"worker {w} read {list(at)} positions, fewer than its {done} batches took "
                                  f"({[int(t) for t in took]}): a batch recorded from another stream?")
-        return place.encode(seg, self._targets, self.layout.names, self._listings(), self.seed, self.topo.rank, done,
+        return state_format.encode(seg, self._targets, self.layout.names, self._listings(), self.seed, self.topo.rank, done,
                             passed, self._order_settings())
 
     def _listings(self):
-        return [place.listing(s) for s in self.sources]
+        return [state_format.listing(s) for s in self.sources]
 
     def _order_settings(self):
         return {"window_samples": self.shuffle_buffer, "window_bytes": self.window_bytes,
@@ -426,8 +427,8 @@ class MixedStream(torch.utils.data.IterableDataset):
 
     def _check(self, state):
         """(segment, done, ranks, passed, ended, targets) of a state, every number checked (a state is input)."""
-        root, ranks = place.merge(state)
-        seg, done, ranks, passed, ended = place.check(
+        root, ranks = state_format.merge(state)
+        seg, done, ranks, passed, ended = state_format.check(
             root, ranks, names=self.layout.names, listings=self._listings(), seed=self.seed, targets=self.targets(),
             passes=self._passes(), order_of=self._order_settings())
         if not ended and len(ranks) != seg.world:
@@ -456,10 +457,10 @@ class MixedStream(torch.utils.data.IterableDataset):
         self._targets = list(targets)
         if was == here and self.topo.rank in ranks:
             return seg, Start({w: seg.worker_done(w, done) for w in range(seg.workers)},
-                              place.positions(seg, done, passed, self.topo.rank), first_logical=done % seg.workers)
+                              state_format.positions(seg, done, passed, self.topo.rank), first_logical=done % seg.workers)
         if len(ranks) != seg.world:
             raise ValueError(_every_rank(seg, ranks, here))
-        return place.redeal(seg, done, tuple(sorted(passed.items())), *here), Start()
+        return state_format.redeal(seg, done, tuple(sorted(passed.items())), *here), Start()
 
     def eval_stream(self, source, batch_size=None):
         """A finite stream over one source's test shards in this stream's batch format."""
@@ -538,7 +539,7 @@ class EvalStream(torch.utils.data.IterableDataset):
         self.cache_dir, self.policy, self.normalize = cache_dir, policy, normalize
 
     def __iter__(self):
-        return loader.plain(self)
+        return in_process(self)
 
     def batch_spec(self):
         return self.layout.spec(self.batch_size, self.normalize)
@@ -573,3 +574,17 @@ class EvalStream(torch.utils.data.IterableDataset):
 
 def _preview(names, n=3):
     return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
+
+
+def in_process(stream):
+    """One pass in this process with no ring: a stream iterated directly (`iter(stream)`), which
+    is also what a DataLoader of the user's own runs in each of its workers. It lives with the
+    stream, not the loader, so the stream needs no loader to be iterated."""
+    plan = stream.plan() if hasattr(stream, "plan") else None
+    names = stream.batch_spec().names
+    for batch in stream.batches(None, None, plan):
+        for name in names:
+            batch[name] = torch.from_numpy(batch[name])
+        if "state" in batch:
+            stream.record(batch["state"])
+        yield batch
