@@ -91,7 +91,7 @@ def run_epoch(stream, workers=0):
     """Every batch of one epoch through make_loader, reduced to plain lists."""
     from types import SimpleNamespace
 
-    from pipeline.data.streams.stream import make_loader
+    from pipeline.data.handover.loader import make_loader
 
     out = []
     for b in make_loader(stream, workers):

@@ -16,7 +16,8 @@ from PIL import Image
 from helpers import (HANG, build_shards, encode_pil, finish, free_port, launch_train, make_shards_in_process,
                      run_capture, train_sources)
 from pipeline.data.manifests.manifest import resolve
-from pipeline.data.streams.stream import MixedStream, make_loader
+from pipeline.data.streams.stream import MixedStream
+from pipeline.data.handover.loader import make_loader
 from pipeline.errors import InputError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,7 +100,8 @@ def test_normalised_batches_differ_only_by_each_manifests_statistics(two):
 RANKS = r'''
 import json, os, sys
 import torch.distributed as dist
-from pipeline.data.streams.stream import MixedStream, make_loader, resolve
+from pipeline.data.streams.stream import MixedStream, resolve
+from pipeline.data.handover.loader import make_loader
 from pipeline.ordering.topology import Topology
 
 dist.init_process_group("gloo")

@@ -18,7 +18,8 @@ from pipeline.data.handover import budget
 from pipeline.data.shards import read
 from pipeline.data.manifests.manifest import resolve
 from pipeline.data.fields.schema import Column, Schema, parse_fields
-from pipeline.data.streams.stream import MixedStream, make_loader
+from pipeline.data.streams.stream import MixedStream
+from pipeline.data.handover.loader import make_loader
 from pipeline.ordering.topology import Topology
 from pipeline.errors import InputError
 from pipeline.writers import index
@@ -300,7 +301,8 @@ import json, os, sys
 import torch
 import torch.distributed as dist
 from pipeline.data.manifests.manifest import resolve
-from pipeline.data.streams.stream import MixedStream, make_loader
+from pipeline.data.streams.stream import MixedStream
+from pipeline.data.handover.loader import make_loader
 from pipeline.ordering.topology import Topology
 
 def main(data, out):

@@ -109,7 +109,8 @@ SCRIPT = r'''
 import dataclasses, json, resource, sys, warnings
 from pipeline.data.fields import augment
 from pipeline.data.manifests.manifest import resolve
-from pipeline.data.streams.stream import MixedStream, make_loader
+from pipeline.data.streams.stream import MixedStream
+from pipeline.data.handover.loader import make_loader
 
 src = resolve("h", sys.argv[1], "train")
 src = dataclasses.replace(src, schema=type(src.schema)(src.schema.columns, [augment.RandomCrop("image", 16)]))

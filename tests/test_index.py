@@ -18,7 +18,8 @@ from helpers import (FOLDERS, HANG, NAMES, SYNSETS, build_shards, built_once, co
                      write_imagefolder_tar, write_multi_member, write_named_shardwriter, write_shardwriter,
                      write_synset_tar)
 from pipeline.writers.index import expand
-from pipeline.data.streams.stream import MixedStream, make_loader, resolve
+from pipeline.data.streams.stream import MixedStream, resolve
+from pipeline.data.handover.loader import make_loader
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "make_shards.py")

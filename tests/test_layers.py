@@ -139,3 +139,36 @@ def test_the_circle_finder_finds_a_circle():
         ["a -> b (line 1)", "b -> c (line 2)", "c -> a (line 3)"]]
     assert circles({"a": [("a", 7)]}) == [["a -> a (line 7)"]]
     assert circles({"a": [("b", 1)], "b": []}) == []
+
+
+# The data path's folders, bottom first: a module of pipeline.data may import its own folder and
+# those below it, never one above (docs/layout.md draws them). The hand-over is on top.
+DATA_FOLDERS = ["store", "shards", "decoding", "fields", "manifests", "streams", "handover"]
+
+
+def data_folder(module):
+    """The folder of pipeline.data that `module` lies in, or None outside pipeline.data's folders."""
+    parts = module.split(".")
+    if parts[:2] == ["pipeline", "data"] and len(parts) > 2:
+        return parts[2]
+    return None
+
+
+def test_every_data_module_lies_in_a_folder_of_the_data_path():
+    loose = [m for m in graph() if m.startswith("pipeline.data.") and data_folder(m) not in DATA_FOLDERS]
+    assert not loose, f"modules of pipeline.data in no folder of {DATA_FOLDERS}: {loose}"
+
+
+def test_no_data_folder_imports_one_above_it():
+    up = [f"{a} (line {line}) imports {b}: {data_folder(a)} may not import {data_folder(b)}"
+          for a, targets in graph().items() if data_folder(a) in DATA_FOLDERS for b, line in targets
+          if data_folder(b) in DATA_FOLDERS and DATA_FOLDERS.index(data_folder(a)) < DATA_FOLDERS.index(data_folder(b))]
+    assert not up, "imports that run up the data path:\n" + "\n".join("  " + u for u in up)
+
+
+def test_nothing_below_the_hand_over_reaches_it_through_the_public_modules():
+    """pipeline.stream joins the stream and the loader for the user; no data module may import it
+    (or pipeline.topology's stand-in for the order) to reach the hand-over by a side door."""
+    side = [f"{a} (line {line}) imports {b}" for a, targets in graph().items() if a.startswith("pipeline.data.")
+            for b, line in targets if b == "pipeline.stream"]
+    assert not side, "data modules that import the public module:\n" + "\n".join("  " + s for s in side)

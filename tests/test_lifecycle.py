@@ -16,7 +16,8 @@ import pytest
 from helpers import build_shards
 from test_coverage import fields_corpus
 from pipeline.data.manifests.manifest import resolve
-from pipeline.data.streams.stream import MixedStream, make_loader
+from pipeline.data.streams.stream import MixedStream
+from pipeline.data.handover.loader import make_loader
 from pipeline.ordering.topology import Worker
 
 BATCH = 10

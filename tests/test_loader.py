@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from helpers import HALF, key_index, keys_of, run_epoch, train_sources
-from pipeline.data.handover.ring import Field, Ring, Spec
-from pipeline.data.streams.stream import MixedStream, make_loader
+from pipeline.data.fields.spec import Field, Spec
+from pipeline.data.handover.ring import Ring
+from pipeline.data.streams.stream import MixedStream
+from pipeline.data.handover.loader import make_loader
 from pipeline.data.handover.workers import WorkerDied
 from pipeline.errors import InputError
 

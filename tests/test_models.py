@@ -162,7 +162,8 @@ def test_a_skipped_step_leaves_any_models_weights_and_buffers_alone(mixed_shards
     import copy
 
     from pipeline.data.store import remote
-    from pipeline.data.streams.stream import make_loader, resolve
+    from pipeline.data.streams.stream import resolve
+    from pipeline.data.handover.loader import make_loader
     from pipeline.ordering.topology import Topology
     from pipeline.train.run import Run
 

@@ -26,7 +26,8 @@ from pipeline.data.manifests import manifest
 from pipeline.data.store import remote
 from pipeline.errors import ShardError
 from pipeline.train.metrics import Metrics
-from pipeline.data.streams.stream import make_loader, resolve
+from pipeline.data.streams.stream import resolve
+from pipeline.data.handover.loader import make_loader
 from pipeline.ordering.topology import Topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

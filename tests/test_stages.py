@@ -117,12 +117,11 @@ def _keep_all(sample):
 
 
 def test_a_sources_chain_is_named_stages_and_goes_on_from_its_position_alone(tmp_path):
-    """The chain is named stages (each a Node pulling from the one before); its position is all
+    """The chain is named stages (each pulling from the one before, its `upstream`); its position is all
     it keeps: a chain rebuilt at that position (what a resume builds) goes on identically."""
     from helpers import build_shards
     from pipeline.ordering import deal
     from pipeline.data.manifests.manifest import resolve
-    from pipeline.data.streams.node import Node
 
     build_shards(tmp_path, "toy", "train", 60, maxcount=10)
     src = resolve("toy", str(tmp_path), "train")
@@ -136,7 +135,9 @@ def test_a_sources_chain_is_named_stages_and_goes_on_from_its_position_alone(tmp
     head = first.take(7)[0]
     assert [name for name, _ in first.stages] == ["positions", "read", "shuffle", "decode",
                                                   f"stage:{__name__}:_keep_all"]
-    assert all(isinstance(node, Node) for _, node in first.stages) and isinstance(first, Node)
+    nodes = [node for _, node in first.stages]
+    assert nodes[0].upstream is None and all(b.upstream is a for a, b in zip(nodes, nodes[1:]))
+    assert all(callable(node.next) for node in nodes) and callable(first.next)
     assert first.position() == 7
     rest = first.take(20)[0]
     again = chain(7)

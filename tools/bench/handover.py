@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from pipeline.data.handover.loader import make_loader
-from pipeline.data.handover.ring import Field, Spec
+from pipeline.data.fields.spec import Field, Spec
 from pipeline.data.streams.stream import MixedStream, resolve
 from pipeline.ordering.topology import Topology, Worker
 from pipeline.writers import shards

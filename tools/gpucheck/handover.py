@@ -20,7 +20,8 @@ import torch
 
 from gpucheck.data import BATCH, SHAPES, train_sources
 from gpucheck.runner import Failed
-from pipeline.data.streams.stream import MixedStream, make_loader
+from pipeline.data.streams.stream import MixedStream
+from pipeline.data.handover.loader import make_loader
 
 DELAY_CYCLES = 20_000_000  # GPU clock cycles (about 10 ms) queued before each copy a user makes
 EPOCH_BATCHES = 40  # batches an epoch, at the check's batch size

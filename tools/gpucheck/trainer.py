@@ -132,7 +132,7 @@ def model_check(folder, work, trained, model="cnn", steps=300):
     fused SGD step that skips on the device) on one batch already there, with the trainer's
     flags: the samples/s the trainer is held against. `trained`: the train step's figures."""
     from pipeline.data.store import remote
-    from pipeline.data.streams.stream import make_loader
+    from pipeline.data.handover.loader import make_loader
     from pipeline.ordering.topology import Topology
     from pipeline.train import options
     from pipeline.train.run import Run

@@ -24,8 +24,7 @@ import numpy as np
 import torch
 
 from pipeline.data.fields.columns import canvas, default_columns, fields_of, form, put, said
-from pipeline.data.streams.node import Node
-from pipeline.data.handover.ring import Field, Spec
+from pipeline.data.fields.spec import Field, Spec
 from pipeline.errors import InputError
 
 
@@ -266,7 +265,7 @@ def by_numpy(out, image, scale, shift):
 NOTHING = ([], np.zeros((0, 1, 1, 1), np.uint8), np.zeros(0, np.int64))  # what a source not drawn gives
 
 
-class Collate(Node):
+class Collate:
     """The last stage: what `upstream` (a `stages.Mix`) took, as one batch in this layout,
     with the samples skipped since the last batch (`errors.skipped`), written into the arrays
     `borrow(n)` lends when given ((handle, {field: array}): a ring slot); the batch then

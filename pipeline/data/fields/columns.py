@@ -18,7 +18,7 @@ has the default one (`default_columns`): its image and its class label.
 """
 import numpy as np
 
-from pipeline.data.handover.ring import Field
+from pipeline.data.fields.spec import Field
 from pipeline.data.fields.schema import Column
 
 
@@ -32,7 +32,7 @@ def default_columns(source):
 
 
 def fields_of(col):
-    """The fixed-shape batch fields (ring.Field) that hold a column: none for a listed one."""
+    """The fixed-shape batch fields (spec.Field) that hold a column: none for a listed one."""
     n = col.name
     if col.kind == "image":
         return [Field(n, np.uint8, (col.channels, *col.size))] + ([Field(n + "_size", np.int64, (2,))]

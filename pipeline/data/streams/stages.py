@@ -11,6 +11,10 @@
 and across sources, `mix.RandomMix` takes each batch's samples from the sources its
 `deal.Choices` name.
 
+Every stage has one method, `next(n)`: its next item (for a source's stages, the chunk of
+the next n positions), pulled from the stage before it, its `upstream`, as webdataset's and
+torchdata's stages pull theirs. Stages keep no state a checkpoint needs.
+
 Every stage before `take` is a pure function of (seed, epoch, source, position):
 where a stream stands is, per source, how many positions of its run it has read
 (`SourceStream.state`), and any such point is reached again without reading what
@@ -38,7 +42,6 @@ from pipeline.ordering import order
 from pipeline.data.store import remote
 from pipeline.data.fields import member_values
 from pipeline.ordering.topology import stride
-from pipeline.data.streams.node import Node
 from pipeline.data.decoding.decode import Unlabelled, class_index, decode_batch, image_format, image_of, label_of, parse_label_key
 from pipeline.errors import DigestError, Errors, InputError, ShardError
 from pipeline.data.shards.readbuffer import Arena, Rows
@@ -617,9 +620,11 @@ class Chunk:
     seeds: np.ndarray = None
 
 
-class Positions(Node):
+class Positions:
     """The plan's windows, handed down as ranges of their places; `position()` is how many
     positions of the run the chain has taken: all a resume needs of it."""
+
+    upstream = None  # the first stage: it pulls from the plan
 
     def __init__(self, plan):
         self.plan, self.window, self.at = plan, None, 0
@@ -646,7 +651,7 @@ class Positions(Node):
         return self.plan.state(self.at - (self.window.skip if self.window else 0))
 
 
-class Read(Node):
+class Read:
     """Each window's pieces read once (`Reader`), kept while its positions are taken."""
 
     def __init__(self, reader, plan=None):
@@ -662,7 +667,7 @@ class Read(Node):
         return chunk
 
 
-class Shuffle(Node):
+class Shuffle:
     """One permutation of each window's samples, and each sample's crop, drawn from the
     window's key; windows without a key (evaluation) keep their order."""
 
@@ -687,7 +692,7 @@ class Shuffle(Node):
         return chunk
 
 
-class Decode(Node):
+class Decode:
     """The chunk's images decoded to the source's shape; what fails to decode is reported
     to the error policy (through the reader) and left out."""
 
@@ -747,7 +752,7 @@ class Decode(Node):
         return chunk
 
 
-class UserStage(Node):
+class UserStage:
     """A function of the user's on each decoded sample, a dict {"__key__", "__source__",
     "image", "label", "__seed__"}; it returns the sample or None to drop it. The stream
     counts positions, not kept samples, so a stage that depends only on its sample
@@ -816,7 +821,7 @@ class UserStage(Node):
         return sample
 
 
-class SourceStream(Node):
+class SourceStream:
     """One source's samples for one (rank, worker): a chain of stages, each pulling from
     the one before, in this order:
 
