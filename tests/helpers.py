@@ -1022,3 +1022,32 @@ def figure_texts(fig):
     from matplotlib.text import Text
 
     return [t.get_text() for t in fig.findobj(Text) if t.get_text()]
+
+
+CORPUS_FIELDS = "image:image=png,fit=native,size=4x4,channels=1 caption:text=txt label:int=cls"
+
+
+def fields_corpus(out, sizes):
+    """Sources of (name, samples, per shard) whose keys are make_shards' and whose captions are
+    their keys, read through a schema with a caption and a random resized crop + flip stage
+    (tests/test_coverage.py and tests/test_lifecycle.py read them)."""
+    import dataclasses
+
+    import numpy as np
+    from PIL import Image
+
+    from pipeline.data.fields import augment, schema
+    from pipeline.data.manifests.manifest import resolve
+    from pipeline.writers import index
+
+    fields = schema.parse_fields(CORPUS_FIELDS)
+    for name, n, per in sizes:
+        def sample(i, name=name):
+            key = f"{name}-train-{i:07d}"
+            png = encode_pil(Image.fromarray(np.full((3, 4), i % 251, np.uint8)), "PNG")
+            return key, [(key + ".png", png), (key + ".txt", key.encode()), (key + ".cls", str(i % 10).encode())]
+        write_foreign(out / name, n, per, name + "-{:04d}.tar", sample)
+        index.index(name, "train", str(out / name), str(out), fields=fields, progress=False)
+    stages = [augment.RandomResizedCrop("image", 2), augment.Flip("image")]
+    return [dataclasses.replace(resolve(name, str(out), "train"), schema=schema.Schema(fields.columns, stages))
+            for name, _, _ in sizes]

@@ -172,3 +172,17 @@ def test_nothing_below_the_hand_over_reaches_it_through_the_public_modules():
     side = [f"{a} (line {line}) imports {b}" for a, targets in graph().items() if a.startswith("pipeline.data.")
             for b, line in targets if b == "pipeline.stream"]
     assert not side, "data modules that import the public module:\n" + "\n".join("  " + s for s in side)
+
+
+def test_no_test_module_imports_another():
+    """Tests share their builders through tests/helpers.py and conftest.py, never by importing
+    each other: a test module imported by another runs its module-level code twice."""
+    tests = {p.stem for p in (ROOT / "tests").glob("test_*.py")}
+    found = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.name} (line {node.lineno}) imports {n}" for n in names
+                      if n.rpartition(".")[2] in tests or n.partition(".")[0] in tests]
+    assert not found, "test modules importing test modules:\n" + "\n".join("  " + f for f in found)

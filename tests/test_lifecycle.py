@@ -13,8 +13,7 @@ import json
 import numpy as np
 import pytest
 
-from helpers import build_shards
-from test_coverage import fields_corpus
+from helpers import build_shards, fields_corpus
 from pipeline.data.manifests.manifest import resolve
 from pipeline.data.streams.stream import MixedStream
 from pipeline.data.handover.loader import make_loader
