@@ -15,7 +15,8 @@ import random
 import numpy as np
 
 from pipeline.data.decoding import decode
-from pipeline.data.decoding.decode import CONTENT_ERRORS, image_format, open_image, pil_reason, pixels_of
+from pipeline.data.decoding.decode import image_format, open_image, pil_reason, pixels_of
+from pipeline.data.decoding.labelling import CONTENT_ERRORS
 from pipeline.data.manifests.manifest import CLASSES_WHY, FORMAT, MAX_CLASSES
 from pipeline.data.fields.schema import MAX_TEXT, Column, Schema, parse_fields
 from pipeline.data.fields.member_values import value_of

@@ -27,9 +27,10 @@ import numpy as np
 
 from pipeline.data.decoding import image_caps
 from pipeline.data.store import listings, remote
-from pipeline.data.decoding.decode import (CONTENT_ERRORS, IMAGE_EXTS, LABEL_EXTS, Unlabelled, as_integer, as_name,
-                                  default_label, describe_label, image_format, label_hint, label_member, open_image,
-                                  parse_label_key, pil_reason, pixels_of, raw_label)
+from pipeline.data.decoding.decode import IMAGE_EXTS, image_format, open_image, pil_reason, pixels_of
+from pipeline.data.decoding.labelling import (CONTENT_ERRORS, LABEL_EXTS, Unlabelled, as_integer, as_name,
+                                              default_label, describe_label, label_hint, label_member,
+                                              parse_label_key, raw_label)
 from pipeline.errors import ShardError, redact
 from pipeline.files import MAX_JSON, open_regular, write_json_atomic
 from pipeline.data.manifests.manifest import (FORMAT, NAME_RE, CLASSES_WHY, MAX_CLASSES, MAX_SIDE, check, expand_shards,

@@ -17,6 +17,7 @@ import threading
 import time
 
 from pipeline.data.decoding import decode
+from pipeline.data.decoding import labelling
 from pipeline.data.manifests import manifest
 from pipeline.data.store import remote, storage
 from pipeline.writers import fields, index, shards, sources, storelock  # noqa: E402
@@ -338,7 +339,7 @@ def classes_hint(out, name, m):
 
 def label_words(m):
     """`.json field "label", 10 class names`: what a manifest's labels are, in words."""
-    rule = decode.describe_label(m["label"])
+    rule = labelling.describe_label(m["label"])
     n = len(m["classes"])
     if m.get("label_names"):
         return f"{rule}, {n} class names"

@@ -34,6 +34,7 @@ import re
 import numpy as np
 
 from pipeline.data.decoding import decode
+from pipeline.data.decoding import labelling
 from pipeline.data.shards.read import MAX_MEMBER
 from pipeline.data.fields.member_values import NPY_HEADER, user_stage, value_of
 from pipeline.errors import cut
@@ -44,7 +45,7 @@ PADDED = ("pad", "native")  # fits whose images keep their own size: padded in t
 DTYPES = ("uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "float32", "float64", "bool")
 MAX_TEXT = 64 << 10  # bytes of a text field unless its max_bytes says otherwise
 MAX_BYTES = 1 << 20  # bytes of a bytes field unless its max_bytes says otherwise
-MAX_JSON_BYTES = decode.MAX_LABEL_JSON  # a .json member any field reads from
+MAX_JSON_BYTES = labelling.MAX_LABEL_JSON  # a .json member any field reads from
 MAX_LENGTH = 1 << 16  # values of an int/float vector, tokens of a text field
 MAX_ELEMENTS = 1 << 24  # elements of an array field (64 MiB as float32)
 MAX_SIDE = 4096  # pixels a side of an image field (manifest.MAX_SIDE)
@@ -377,7 +378,7 @@ class Schema:
                 values[col.name] = value_of(col, ext, path, data, parsed, lambda k=k: _rng(seed, 128 | k))
             except ValueError as e:
                 raise ValueError(f"field {col.name}: {e}") from None
-            except decode.CONTENT_ERRORS as e:
+            except labelling.CONTENT_ERRORS as e:
                 raise ValueError(f"field {col.name}: unreadable .{ext} ({type(e).__name__}: {cut(e, 80)})") from None
         for k, stage in enumerate(self.stages):
             rng = _rng(seed, k & 127)

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 import braceexpand as brace
 
 from pipeline.data.store import find_manifest, remote, storage
-from pipeline.data.decoding.decode import IMAGE_EXTS, Target, image_format, parse_label_key
+from pipeline.data.decoding.decode import IMAGE_EXTS, Target, image_format
+from pipeline.data.decoding.labelling import parse_label_key
 from pipeline.data.fields.schema import Schema
 from pipeline.errors import ShardError, redact
 from pipeline.files import MAX_JSON, missing_folder, parse_json, read_json

@@ -42,7 +42,8 @@ from pipeline.ordering import order
 from pipeline.data.store import remote
 from pipeline.data.fields import member_values
 from pipeline.ordering.topology import stride
-from pipeline.data.decoding.decode import Unlabelled, class_index, decode_batch, image_format, image_of, label_of, parse_label_key
+from pipeline.data.decoding.decode import decode_batch, image_format, image_of
+from pipeline.data.decoding.labelling import Unlabelled, class_index, label_of, parse_label_key
 from pipeline.errors import DigestError, Errors, InputError, ShardError
 from pipeline.data.shards.readbuffer import Arena, Rows
 from pipeline.data.shards.read import MAX_MEMBER, is_meta, iter_samples, regular_members
