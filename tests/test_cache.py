@@ -158,9 +158,11 @@ def test_a_rebuilt_set_behind_the_cache_streams_its_new_samples(tmp_path):
 def _keys_of(src, cache):
     """Every key of a source, shard by shard in manifest order, through stages.Reader."""
     from pipeline.data.streams import stages
+    from pipeline.data.streams import reading
+    from pipeline.data.streams import plans
 
-    reader = stages.Reader(src, policy=FAST, cache_dir=cache)
-    keys = reader(stages.Window(tuple((u, 0, None) for u in src.urls))).keys
+    reader = reading.Reader(src, policy=FAST, cache_dir=cache)
+    keys = reader(plans.Window(tuple((u, 0, None) for u in src.urls))).keys
     assert reader.errors.skipped == 0
     return keys
 
@@ -422,9 +424,10 @@ def test_a_planted_lock_link_is_refused_not_truncated(tmp_path):
 def test_the_shard_reader_through_a_bounded_cache_reads_every_sample_and_stays_within_it(tmp_path, monkeypatch):
     from helpers import serve
     from pipeline.data.streams import stages
+    from pipeline.data.streams import reading
     from pipeline.data.manifests.manifest import resolve
 
-    monkeypatch.setattr(stages, "PREFETCH_THREADS", 0)  # one shard after another: the LRU order is the reading order
+    monkeypatch.setattr(reading, "PREFETCH_THREADS", 0)  # one shard after another: the LRU order is the reading order
 
     folder = tmp_path / "srv"
     build_shards(folder, "mnist", "train", 100, maxcount=20, seed=0)

@@ -242,8 +242,10 @@ def test_members_nobody_asked_for_are_never_kept(foreign):
     """img2dataset's .txt captions are read past, not carried into the window."""
     src = resolve("i2d", str(foreign.out), "train")
     from pipeline.data.streams import stages
+    from pipeline.data.streams import reading
+    from pipeline.data.streams import plans
 
-    data = stages.Reader(src)(stages.Window(((src.urls[0], 0, None),)))
+    data = reading.Reader(src)(plans.Window(((src.urls[0], 0, None),)))
     assert len(data) == 20 and set(data.exts) == {"jpg"}
     assert all(img[:2] == b"\xff\xd8" for img in data.images)
 

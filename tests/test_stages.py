@@ -4,9 +4,11 @@ import pytest
 import webdataset as wds
 
 from pipeline.data.streams import stages
+from pipeline.data.streams import reading
+from pipeline.data.streams import plans
 from pipeline.data.streams.mix import RandomMix
 from pipeline.ordering.order import SourceOrder
-from pipeline.data.streams.stages import RunPlan, Window
+from pipeline.data.streams.plans import RunPlan, Window
 from pipeline.ordering.topology import Topology, Worker
 
 
@@ -31,7 +33,7 @@ def test_the_split_is_webdatasets_and_a_partition(world, workers, monkeypatch):
     for r in range(world):
         for w in range(workers):
             topo, worker = Topology(r, world), Worker(w, workers)
-            mine = stages.split(urls, topo, worker)
+            mine = plans.split(urls, topo, worker)
             # what webdataset itself gives a process with this rank and worker in its environment
             for k, v in dict(RANK=r, WORLD_SIZE=world, WORKER=w, NUM_WORKERS=workers).items():
                 monkeypatch.setenv(k, str(v))
@@ -94,7 +96,7 @@ def test_the_fast_and_the_sequential_reader_agree_on_bad_labels(tmp_path, encodi
     src = resolve("toy", str(tmp_path), "train")
     seen = []
     for fast in (True, False):
-        reader = stages.Reader(src)
+        reader = reading.Reader(src)
         if sparse:  # the source's labels are 0, 2, 4, ...: class index = label / 2
             reader.target = dataclasses.replace(reader.target, label_values=tuple(range(0, 20, 2)))
             reader.lookup = reader.target.lookup()
@@ -129,7 +131,7 @@ def test_a_sources_chain_is_named_stages_and_goes_on_from_its_position_alone(tmp
 
     def chain(at=0):
         plan = RunPlan(o, src.urls, [(10, 40)], at)
-        return stages.SourceStream(plan, stages.Reader(src), sample_stages=[_keep_all])
+        return stages.SourceStream(plan, reading.Reader(src), sample_stages=[_keep_all])
 
     first = chain()
     head = first.take(7)[0]

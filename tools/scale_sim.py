@@ -71,7 +71,7 @@ import numpy as np  # noqa: E402
 from pipeline.ordering import deal, state_format  # noqa: E402
 from pipeline.data.decoding.decode import Target  # noqa: E402
 from pipeline.data.manifests.manifest import Source  # noqa: E402
-from pipeline.data.streams.stages import RunPlan  # noqa: E402
+from pipeline.data.streams.plans import RunPlan  # noqa: E402
 from pipeline.data.streams.stream import MixedStream  # noqa: E402
 from pipeline.ordering.topology import Topology  # noqa: E402
 

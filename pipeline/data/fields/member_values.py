@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from pipeline.data.decoding import decode
+from pipeline.data.decoding import labelling
 from pipeline.errors import InputError, cut
 
 NPY_HEADER = 1 << 16  # bytes a .npy's header may take
@@ -90,7 +91,7 @@ def _numbers(col, items, where):
     for x in items:
         if isinstance(x, str):
             try:
-                x = int(x) if col.kind != "float" and decode._INTEGER.match(x) else float(x)
+                x = int(x) if col.kind != "float" and labelling._INTEGER.match(x) else float(x)
             except ValueError:
                 raise ValueError(f"{where}: {cut(repr(x), 40)} is not a number") from None
         if isinstance(x, bool) or not isinstance(x, (int, float)):

@@ -30,6 +30,8 @@ import torch
 
 from pipeline.data.store import remote
 from pipeline.data.streams import stages
+from pipeline.data.streams import reading
+from pipeline.data.streams import plans
 from pipeline.ordering import deal, order, state_format
 from pipeline.data.fields.batch import NOTHING, Collate, Layout
 from pipeline.data.fields.schema import Schema
@@ -101,7 +103,7 @@ class MixedStream(torch.utils.data.IterableDataset):
     def __init__(self, sources, weights, batch_size, topo=None, *, seed=0, epoch_samples=None,
                  shuffle_buffer=WINDOW_SAMPLES, window_bytes=WINDOW_BYTES, resample=False, strict=False,
                  cache_dir=None, policy=remote.Policy(), normalize=True, sample_stages=(), on_error=None,
-                 fetch_ahead=stages.FETCH_AHEAD, schemas=None):
+                 fetch_ahead=reading.FETCH_AHEAD, schemas=None):
         if batch_size < 1:
             raise ValueError(f"batch size must be at least 1, got {batch_size}")
         if shuffle_buffer < 1 or window_bytes < 1:
@@ -278,13 +280,13 @@ class MixedStream(torch.utils.data.IterableDataset):
     def window_held(self):
         """The most bytes one (rank, worker) holds for a shuffle window of one source: about
         `shuffle_buffer` samples, at most `window_bytes`, plus the one shard that crosses it;
-        for a remote source, also the later shards fetched ahead (stages.Reader): at most
+        for a remote source, also the later shards fetched ahead (reading.Reader): at most
         `fetch_ahead` bytes, or one shard."""
         most = 0
         for i, s in enumerate(self.sources):
             o = self.source_order(i, self.epoch)  # the window as the order cuts it
             largest = int(max(s.sizes) if s.sizes else max(s.counts) * o.sample_bytes)
-            ahead = max(self.fetch_ahead, min(largest, stages.WHOLE_SHARD)) if _remote(s) else 0
+            ahead = max(self.fetch_ahead, min(largest, reading.WHOLE_SHARD)) if _remote(s) else 0
             most = max(most, int(o.window * o.sample_bytes + largest) + ahead)
         return most
 
@@ -337,7 +339,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         errors = Errors(self.on_error)
         runs, reserves = seg.runs(pair), seg.reserves(pair, plan.targets)
         at = start.positions.get(logical, [0] * len(self.sources))
-        streams = [stages.SourceStream(stages.RunPlan(self.source_order(i, seg.epoch), s.urls, runs[i], at[i],
+        streams = [stages.SourceStream(plans.RunPlan(self.source_order(i, seg.epoch), s.urls, runs[i], at[i],
                                                       reserves[i]),
                                        self._reader(s, errors), sample_stages=self.sample_stages)
                    for i, s in enumerate(self.sources)]
@@ -355,7 +357,7 @@ class MixedStream(torch.utils.data.IterableDataset):
                 s.reader.close()
 
     def _reader(self, source, errors):
-        return stages.Reader(source, errors, policy=self.policy, cache_dir=self.cache_dir, ahead=self.fetch_ahead)
+        return reading.Reader(source, errors, policy=self.policy, cache_dir=self.cache_dir, ahead=self.fetch_ahead)
 
     # ------------------------------------------------------------ state
 
@@ -549,8 +551,8 @@ class EvalStream(torch.utils.data.IterableDataset):
         MixedStream.batches; an evaluation pass has no plan)."""
         worker = worker or Worker.current()
         errors = Errors(self.on_error)
-        reader = stages.Reader(self.source, errors, policy=self.policy, cache_dir=self.cache_dir)
-        stream = stages.SourceStream(stages.OncePlan(stages.split(self.source.urls, self.topo, worker)), reader,
+        reader = reading.Reader(self.source, errors, policy=self.policy, cache_dir=self.cache_dir)
+        stream = stages.SourceStream(plans.OncePlan(plans.split(self.source.urls, self.topo, worker)), reader,
                                      shuffle=False)
         parts = [NOTHING] * len(self.layout.sources)
         reported = 0
@@ -568,7 +570,7 @@ class EvalStream(torch.utils.data.IterableDataset):
                 yield batch
                 if len(keys) < self.batch_size:
                     return
-        finally:  # its fetch threads go with the pass (stages.Reader.close)
+        finally:  # its fetch threads go with the pass (reading.Reader.close)
             reader.close()
 
 
