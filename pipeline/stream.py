@@ -9,7 +9,8 @@ from pipeline.data.fields.schema import Column, Schema
 from pipeline.data.handover.loader import make_loader
 from pipeline.data.manifests.manifest import Source, resolve
 from pipeline.data.streams.mix import RandomMix
-from pipeline.data.streams.stream import EvalStream, MixedStream
+from pipeline.data.streams.stream import MixedStream
+from pipeline.data.streams.evaluation import EvalStream
 from pipeline.ordering.weights import check_weights, parse_weights
 
 __all__ = ["MixedStream", "EvalStream", "Source", "resolve", "make_loader", "parse_weights", "check_weights",

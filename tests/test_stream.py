@@ -25,7 +25,8 @@ from helpers import (HALF, HANG, STREAM_SPECS, build_shards, free_port, key_inde
                      run_epoch, sample_key, serve, train_sources, write_tar)
 from pipeline.errors import ShardError
 
-from pipeline.data.streams.stream import EvalStream, MixedStream, check_weights, parse_weights, resolve
+from pipeline.data.streams.stream import MixedStream, check_weights, parse_weights, resolve
+from pipeline.data.streams.evaluation import EvalStream
 from pipeline.data.handover.loader import make_loader
 from pipeline.ordering.topology import Topology
 
