@@ -23,6 +23,7 @@ from helpers import HANG, build_shards, finish, free_port
 from pipeline.train import checkpoint, options, loop as train
 from pipeline.train.run import Run
 from pipeline.data.manifests import manifest
+from pipeline.data.manifests import locations
 from pipeline.data.store import remote
 from pipeline.errors import ShardError
 from pipeline.train.metrics import Metrics
@@ -776,9 +777,9 @@ def test_hard_links_under_other_names_are_other_shards(data, tmp_path):
     ("http://[::1]/s/a.tar", "http://[::1]:80/s/a.tar"),
 ])
 def test_urls_are_compared_resolved(a, b):
-    assert manifest.canonical(a) == manifest.canonical(b)
+    assert locations.canonical(a) == locations.canonical(b)
     with pytest.raises(ShardError, match="are the same shard"):
-        manifest._once([a, b], "m.json: field shards")
+        locations._once([a, b], "m.json: field shards")
 
 
 @pytest.mark.parametrize("a, b", [
@@ -788,12 +789,12 @@ def test_urls_are_compared_resolved(a, b):
     ("http://h.example/s/a.tar", "http://h.example/S/a.tar"),
 ])
 def test_other_urls_stay_other_shards(a, b):
-    assert manifest.canonical(a) != manifest.canonical(b)
+    assert locations.canonical(a) != locations.canonical(b)
 
 
 def test_a_url_with_a_bad_port_is_one_line():
     with pytest.raises(ShardError, match="not a valid URL"):
-        manifest.canonical("http://h.example:99999/a.tar")
+        locations.canonical("http://h.example:99999/a.tar")
 
 
 def test_a_pattern_naming_a_shard_twice_is_refused(data):

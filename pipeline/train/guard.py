@@ -12,7 +12,7 @@ import warnings
 
 from pipeline.data.handover import budget
 from pipeline.data.store import remote
-from pipeline.data.manifests.manifest import repeated
+from pipeline.data.manifests.locations import repeated
 from pipeline.errors import InputError, redact
 from pipeline.files import Busy, locked
 from pipeline.train.options import DEFAULT_MODEL

@@ -33,8 +33,10 @@ from pipeline.data.decoding.labelling import (CONTENT_ERRORS, LABEL_EXTS, Unlabe
                                               parse_label_key, raw_label)
 from pipeline.errors import ShardError, redact
 from pipeline.files import MAX_JSON, open_regular, write_json_atomic
-from pipeline.data.manifests.manifest import (FORMAT, NAME_RE, CLASSES_WHY, MAX_CLASSES, MAX_SIDE, check, expand_shards,
-                                    manifest_name, pipe_shard_name, plain_relative)
+from pipeline.data.manifests.manifest import (FORMAT, NAME_RE, CLASSES_WHY, MAX_CLASSES, MAX_SIDE, check,
+                                              manifest_name, plain_relative)
+from pipeline.data.manifests.locations import pipe_shard_name
+from pipeline.data.manifests.patterns import expand_shards
 from pipeline.data.shards.read import MAX_MEMBER, is_meta, iter_samples
 from pipeline.data.fields.schema import Oversized
 from pipeline.writers.fields import scan_fields, summarise_fields, totals

@@ -19,6 +19,7 @@ import time
 from pipeline.data.decoding import decode
 from pipeline.data.decoding import labelling
 from pipeline.data.manifests import manifest
+from pipeline.data.manifests import locations
 from pipeline.data.store import remote, storage
 from pipeline.writers import fields, index, shards, sources, storelock  # noqa: E402
 from pipeline.cli import Parser, add_io_options, check_io, io_limits, printable  # noqa: E402
@@ -291,7 +292,7 @@ def run_index(args, stage=None):
         if classes_from and classes_from is given and given[1]["dataset"] != name:
             print(printable(f"  warning: --classes-from {given[0]} is data set {given[1]['dataset']!r}, not {name!r}: "
                             f"its classes were used; check that it is this data set's training manifest"))
-        twice = manifest.repeated((s["name"], s.get("sha256")) for s in m["shards"])
+        twice = locations.repeated((s["name"], s.get("sha256")) for s in m["shards"])
         if twice:
             print(printable(f"  warning: {len(twice)} shard(s) hold the same bytes (sha256) as another, e.g. "
                             f"{twice[0][1]} = {twice[0][0]}: each epoch would read them twice; leave the copies "

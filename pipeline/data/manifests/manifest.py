@@ -22,18 +22,14 @@ Anything else (`pipe:...`, `file:`, other schemes, `..`) is refused with one
 line naming the manifest and the shard, before anything is opened or run.
 """
 import collections
-import hashlib
-import json
 import math
 import os
-import posixpath
 import re
 import shlex
 import urllib.parse
 import warnings
 from dataclasses import dataclass, field
 
-import braceexpand as brace
 
 from pipeline.data.store import find_manifest, remote, storage
 from pipeline.data.decoding.decode import IMAGE_EXTS, Target, image_format
@@ -42,23 +38,19 @@ from pipeline.data.fields.schema import Schema
 from pipeline.errors import ShardError, redact
 from pipeline.files import MAX_JSON, missing_folder, parse_json, read_json
 from pipeline.data.shards.read import INFLATE_RATIO, INFLATE_SLACK
+from pipeline.data.manifests.patterns import expand_shards
+from pipeline.data.manifests.locations import _beside, _normal, _once, listing_digest
 
 FORMAT = "pipeline-shards/2"
 FORMATS = ("pipeline-shards/1", FORMAT)  # /1: make_shards before origins and label keys; same fields otherwise
 NAME_RE = re.compile(r"[A-Za-z0-9_]+\Z")  # \Z, not $: "$" also matches before a final newline
 _SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*\Z")
 _URL_SAFE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\x00-\x1f\x7f]+\Z")
-# a shard's file name inside a pipe: command; the longest suffix first, or "x.tar.gz" would be read as "x.tar"
-# A shard's file name inside a pipe: command: it ends where a shell word ends (space, quote,
-# ; | & < > ) or the end), and holds no $ ( ) ` that the shell would expand.
-PIPE_SHARD = re.compile(r"[^/\s'\"$()`;|&<>]+\.(?:tar\.gz|tgz|tar)(?=$|[\s'\";|&<>)])")
 MIN_STD = 1e-6  # per channel, on 0..1 pixels: below it normalising multiplies by more than a million
 MAX_STD = 1.0  # pixels in 0..1 have a std of at most 0.5; 1 admits a hand-written "scale only" (mean 0, std 1)
 MAX_SIDE = 4096
 MAX_CLASSES = 1 << 20
 CLASSES_WHY = "the model has an output per class and every worker keeps the class list"  # why MAX_CLASSES
-MAX_PATTERN = 1_000_000  # names a brace pattern may expand to; counted before a single one is made
-MAX_NESTING = 32  # braces inside braces: each level is parsed again, by braceexpand as by the count
 
 
 def manifest_name(dataset, split):
@@ -267,103 +259,6 @@ def _manifest_file(url):
     return found[-1]
 
 
-# ---------------------------------------------------------------- brace patterns
-
-
-def expand_pattern(spec, limit=MAX_PATTERN):
-    """The names a brace pattern expands to, as braceexpand makes them. ShardError when the
-    pattern is malformed or names more than `limit`, found by counting first: braceexpand
-    builds every range of a pattern in memory before it yields the first name, so
-    '{0..999999999}' alone would cost gigabytes."""
-    depth = deepest = 0
-    for ch in spec:  # escaped braces count too: an over-estimate, never an under-estimate
-        depth += (ch == "{") - (ch == "}")
-        deepest = max(deepest, depth)
-    if deepest > MAX_NESTING:
-        raise ShardError(f"{spec[:200]}: brace pattern nested {deepest} deep, more than {MAX_NESTING}")
-    try:
-        n = _count(spec, limit)
-    except ValueError as e:  # unbalanced braces, 5,000-digit range ends
-        raise ShardError(f"{spec[:200]}: not a brace pattern ({e})") from None
-    if n > limit:
-        raise ShardError(f"{spec[:200]}: the brace pattern names more than {limit:,} shards, the most one may name; "
-                         f"list the shards in a manifest instead")
-    return list(brace.braceexpand(spec))
-
-
-def expand_shards(spec, policy=remote.Policy()):
-    """The shards a SPEC names: its brace pattern expanded (`expand_pattern`), then each local
-    or object-store name holding a wildcard (`train/*.tar`) replaced by the shards it matches,
-    in name order (`find_manifest.globbed`; a store's listing within `policy`'s limits)."""
-    names = []
-    for name in expand_pattern(spec):
-        names += find_manifest.globbed(name, policy) if find_manifest.is_glob(name) else [name]
-    if len(names) > MAX_PATTERN:
-        raise ShardError(f"{spec[:200]}: the pattern names more than {MAX_PATTERN:,} shards, the most one may name; "
-                         f"list the shards in a manifest instead")
-    return names
-
-
-def _count(pattern, limit):
-    """How many names brace.parse_pattern makes (stopping early past `limit`); a part that
-    makes no name counts as one, as braceexpand still builds every other part."""
-    total, pos, start, depth, parts = 1, 0, 0, 0, []
-    while pos < len(pattern):
-        ch = pattern[pos]
-        if ch == "\\":
-            pos += 2
-            continue
-        if ch == "{":
-            if depth == 0:
-                start = pos
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                parts.append(_count_expression(pattern[start + 1:pos], limit))
-                if max(parts[-1], 1) > limit:
-                    return limit + 1
-                total *= max(parts[-1], 1)
-                if total > limit:
-                    return limit + 1
-        pos += 1
-    if depth != 0:
-        raise brace.UnbalancedBracesError(f"Unbalanced braces: '{pattern[:200]}'")
-    return total
-
-
-def _count_expression(expr, limit):
-    m = brace.int_range_re.match(expr)
-    if m:
-        lo, hi, step = int(m[1]), int(m[2]), (int(m[3]) or 1) if m[3] else 1
-        return abs(hi - lo) // step + 1
-    m = brace.char_range_re.match(expr)
-    if m:
-        return len(brace.make_char_range(*m.groups()))
-    items, pos, start, depth = [], 0, 0, 0
-    while pos < len(expr):
-        ch = expr[pos]
-        if ch == "\\":
-            pos += 2
-            continue
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            items.append(expr[start:pos])
-            start = pos + 1
-        pos += 1
-    if depth != 0 or not items:  # not a sequence: braces kept as text around a pattern
-        return _count(expr, limit)
-    total = 0
-    for item in items + [expr[start:]]:
-        total += _count(item, limit)
-        if total > limit:
-            return limit + 1
-    return total
-
-
 # ---------------------------------------------------------------- loading
 
 
@@ -515,92 +410,3 @@ def _check_folder(name, split, folder, url):
                          f"{shlex.quote(f'{name}:{split}={where}')} --out {shlex.quote(where)}")
 
 
-def listing_digest(entries):
-    """sha256 of the shard list as the manifest gives it (names, sha256, bytes, samples, in order):
-    the same data behind a source, wherever its folder or server is now."""
-    listing = [[e["name"], e.get("sha256"), e["bytes"], e["samples"]] for e in entries]
-    return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
-
-
-def canonical(location, folders=None):
-    """One spelling of where a shard is: a local path resolved (`dir//name`, `./name`, links and
-    the absolute form of a relative name all become one path); an http(s) URL with its scheme and
-    host in lower case, no default port, no fragment, its path's escapes decoded and its `//`, `.`
-    and `..` collapsed; a pipe: command as it is (its names are plain, checked by `locate`).
-    `folders`: a dict of resolved folders to reuse, so that a million shards in a few folders cost
-    an lstat each rather than a realpath each."""
-    where = remote.kind(location)
-    if where == "file":
-        if os.path.islink(location):
-            return os.path.realpath(location)
-        folder, name = os.path.split(os.path.abspath(location))
-        folders = {} if folders is None else folders
-        if folder not in folders:
-            folders[folder] = os.path.realpath(folder)
-        return os.path.join(folders[folder], name)
-    if where == "pipe":
-        return location
-    if where == "store":  # scheme://bucket/key: the key's // and . collapsed
-        scheme, _, path = location.partition("://")
-        return f"{scheme.lower()}://{posixpath.normpath(re.sub('/+', '/', path))}"
-    u = urllib.parse.urlsplit(location)
-    try:
-        port = u.port
-    except ValueError:
-        raise ShardError(f"{location}: not a valid URL (its port)") from None
-    host = (u.hostname or "").rstrip(".")  # "h.example." is h.example
-    default = {"http": 80, "https": 443}[u.scheme.lower()]
-    netloc = (f"[{host}]" if ":" in host else host) + (f":{port}" if port not in (None, default) else "")
-    if u.username is not None:
-        netloc = f"{u.username}{':' + u.password if u.password is not None else ''}@{netloc}"
-    path = posixpath.normpath(re.sub("/+", "/", urllib.parse.unquote(u.path)) or "/")
-    path = urllib.parse.quote(path + ("/" if u.path.endswith("/") and path != "/" else ""))
-    return urllib.parse.urlunsplit((u.scheme.lower(), netloc, path, u.query, ""))
-
-
-def repeated(named):
-    """[(first name, later name)] for (name, sha256) pairs whose bytes an earlier name already
-    holds: a copy under a second name is read twice an epoch (the indexer and the trainer
-    both warn of it)."""
-    seen, twice = {}, []
-    for name, digest in named:
-        if digest in seen:
-            twice.append((seen[digest], name))
-        elif digest:
-            seen[digest] = name
-    return twice
-
-
-def _once(locations, where):
-    """Refuse two spellings of one shard: it would be read twice, in training and in evaluation."""
-    seen, folders = {}, {}
-    for loc in locations:
-        key = canonical(loc, folders)
-        if key in seen:
-            raise ShardError(f"{where}: {seen[key]!r} and {loc!r} are the same shard ({key}); list it once")
-        seen[key] = loc
-
-
-def _beside(shard_url, filename):
-    """The URL of `filename` in the same folder as a shard (path, URL or inside a pipe: command)."""
-    if remote.kind(shard_url) == "pipe":
-        head, _, tail = shard_url.rpartition(pipe_shard_name(shard_url))
-        return head + filename + tail
-    return shard_url[:shard_url.rfind("/") + 1] + filename
-
-
-def pipe_shard_name(command):
-    """The shard's file name in a pipe: command (its one *.tar, *.tar.gz or *.tgz): the one
-    rule that both the manifest's reader and the indexer use. Two different names are
-    refused: which one the manifest sits beside would be a guess."""
-    found = set(PIPE_SHARD.findall(command))
-    if not found:
-        raise ShardError(f"{command}: no shard file name (*.tar, *.tar.gz, *.tgz) in the command")
-    if len(found) > 1:
-        raise ShardError(f"{command}: more than one shard file name ({', '.join(sorted(found))}); "
-                         f"write the command with the shard's name once")
-    return found.pop()
-
-
-def _normal(url):
-    return os.path.normpath(url) if remote.kind(url) == "file" else url
