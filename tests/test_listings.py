@@ -12,6 +12,7 @@ import pytest
 from conftest import S3_SECRET
 from helpers import drip, make_shards_in_process, no_aws_credentials, serving
 from pipeline.data.store import listings, remote, storage
+from pipeline.data.store import s3
 from pipeline.errors import FetchError
 
 QUICK = remote.Policy(retries=3, delay=0.01, timeout=1, min_rate=64 << 20)  # a page's deadline: 1 s + its size
@@ -67,7 +68,7 @@ class _Lister(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def lister(monkeypatch):
-    monkeypatch.setattr(storage, "_BUCKETS", {})
+    monkeypatch.setattr(s3, "_BUCKETS", {})
     with serving(_Lister, answer=None, gets=[], sent=0) as server:
         monkeypatch.setenv("AWS_ENDPOINT_URL", server.url.rstrip("/"))
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing-key-id")
@@ -237,7 +238,7 @@ def test_a_listing_refused_without_credentials_says_none_were_found(lister, monk
         remote.fetch("s3://b/base/x.tar", policy=ROOMY)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "some-key")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
-    monkeypatch.setattr(storage, "_BUCKETS", {})
+    monkeypatch.setattr(s3, "_BUCKETS", {})
     assert "no AWS credentials" not in refused()  # signed and refused: the key's fault, not a missing one
 
 

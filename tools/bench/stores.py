@@ -173,10 +173,11 @@ def configured(endpoint=None, threads=None, s3fs_reads=False):
     from pipeline.data.streams import stages
     from pipeline.data.streams import reading
     from pipeline.data.store import storage
+    from pipeline.data.store import direct_read
 
-    saved = os.environ.get("AWS_ENDPOINT_URL"), reading.PREFETCH_THREADS, storage.direct
+    saved = os.environ.get("AWS_ENDPOINT_URL"), reading.PREFETCH_THREADS, direct_read.direct
     if s3fs_reads:
-        storage.direct = lambda url, timeout=30.0: None
+        direct_read.direct = lambda url, timeout=30.0: None
     if endpoint:
         os.environ["AWS_ENDPOINT_URL"] = endpoint
         import s3fs
@@ -191,7 +192,7 @@ def configured(endpoint=None, threads=None, s3fs_reads=False):
             os.environ.pop("AWS_ENDPOINT_URL", None)
         else:
             os.environ["AWS_ENDPOINT_URL"] = saved[0]
-        reading.PREFETCH_THREADS, storage.direct = saved[1], saved[2]
+        reading.PREFETCH_THREADS, direct_read.direct = saved[1], saved[2]
 
 
 def measure_run(src, workers, args, seed, expected, server_pid):

@@ -31,6 +31,9 @@ import urllib.parse
 from xml.parsers import expat
 
 from pipeline.data.store import remote, storage
+from pipeline.data.store import hf_hub
+from pipeline.data.store import s3
+from pipeline.data.store import direct_read
 from pipeline.errors import FetchError, ShardError, cut, redact
 
 PAGE_BYTES = 8 << 20  # the most one page may hold: S3's 1,000 keys of 1,024 bytes, URL-encoded, with their fields, stay under 4 MB
@@ -136,8 +139,8 @@ def _s3(loc, policy):
             query["continuation-token"] = token
 
         def request(query=query):
-            signer = storage._signer(loc, bucket, policy.timeout)
-            return storage.Direct(signer.url("", query), None, storage.refusal(signer), signer.context)
+            signer = s3._signer(loc, bucket, policy.timeout)
+            return direct_read.Direct(signer.url("", query), None, s3.refusal(signer), signer.context)
         page = pages.read(request, _parse_s3)
         pages.entries += page.folders
         for key in page.keys:
@@ -237,14 +240,14 @@ def _hub(loc, policy):
         raise storage.Missing("not a folder of a repository: write hf://datasets/USER/REPO/FOLDER/")
     repo, _, revision = rest[1].partition("@")
     folder = "/".join(rest[2:])
-    endpoint = storage.hub_endpoint()
+    endpoint = hf_hub.hub_endpoint()
     origin = urllib.parse.urlsplit(endpoint)[:2]
     url = (f"{endpoint}/api/{kind}/{rest[0]}/{repo}/tree/"
            f"{urllib.parse.quote(urllib.parse.unquote(revision) or 'main', safe='')}"
            + (f"/{urllib.parse.quote(folder)}" if folder else ""))
-    pages, found, token = _Pages(loc, policy), [], storage.hub_token()
+    pages, found, token = _Pages(loc, policy), [], hf_hub.hub_token()
     while url:
-        page, url = pages.read(lambda url=url: storage.Direct(url, token, storage.hub_refusal(token)), _parse_hub)
+        page, url = pages.read(lambda url=url: direct_read.Direct(url, token, hf_hub.hub_refusal(token)), _parse_hub)
         for entry in page:
             path = entry.get("path") if isinstance(entry, dict) else None
             if not isinstance(path, str):

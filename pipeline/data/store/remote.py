@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from pipeline.data.store import cache as caching
 from pipeline.data.store import storage
+from pipeline.data.store import direct_read
 from pipeline.errors import DigestError, FetchError, ShardError, cut, redact
 from pipeline.files import open_regular
 
@@ -225,7 +226,7 @@ class _HTTP:
     line, headers or chunk sizes never trips the per-operation socket timeout either."""
 
     def __init__(self, url, policy, nbytes, method="GET", direct=None):
-        """direct: a store's `storage.Direct` read: `url` is its URL, sent with its header,
+        """direct: a store's `direct_read.Direct` read: `url` is its URL, sent with its header,
         and its error answers say what went wrong (Direct.refused)."""
         self.start = time.monotonic()
         self.socks, self.expired, self.resp, self.timer = [], threading.Event(), None, None
@@ -406,7 +407,7 @@ def _open_raw(url, policy, nbytes, request=None):
         return _HTTP(direct.url, policy, nbytes, direct=direct)
     where = kind(url)
     if where == "store":
-        direct = storage.direct(url, policy.timeout)
+        direct = direct_read.direct(url, policy.timeout)
         return _HTTP(direct.url, policy, nbytes, direct=direct) if direct else storage.Reader(url, policy.deadline(nbytes))
     return (_HTTP if where == "http" else _Pipe)(url, policy, nbytes)
 
@@ -424,7 +425,7 @@ def read_url(url, consume, *, policy=Policy(), nbytes=None, digest=None, cache_d
     them), through `open_local`.
 
     request: for a store request that `url` alone does not name (a page of a listing,
-    pipeline.data.store.listings), a function giving each attempt's `storage.Direct`; `url` then
+    pipeline.data.store.listings), a function giving each attempt's `direct_read.Direct`; `url` then
     only names it in messages. until: a time.monotonic() after which no retry starts (a
     listing's deadline in all): the last failure is then the error, as when retries run out.
     """
