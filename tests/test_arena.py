@@ -12,7 +12,8 @@ from pipeline.data.streams import reading
 from pipeline.data.streams import plans
 from pipeline.data.shards.readbuffer import CHUNK, Arena, Rows
 from pipeline.data.manifests.manifest import resolve
-from pipeline.data.shards.read import iter_samples, regular_members
+from pipeline.data.shards.read import iter_samples
+from pipeline.data.shards.regular import regular_members
 from pipeline.errors import ShardError
 
 

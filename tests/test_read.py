@@ -11,6 +11,7 @@ from PIL import Image
 
 from helpers import array_source, build_source, project_samples
 from pipeline.data.shards import read
+from pipeline.data.shards import regular
 from pipeline.writers import shards
 from pipeline.errors import ShardError
 
@@ -161,7 +162,7 @@ def test_regular_reads_project_shards_exactly_as_the_sequential_reader(tmp_path,
     src.images[::3] = 0  # these compress: png members of different sizes
     m = build_source(src, tmp_path, encoding=encoding, maxcount=23)
     buf = (tmp_path / m["shards"][0]["name"]).read_bytes()
-    found = read.regular(buf, encoding, "cls")
+    found = regular.regular(buf, encoding, "cls")
     assert found is not None  # the fast path is taken for the shards make_shards writes
     keys, images, labels = found
     want_keys, want_images, want_labels = sequential(buf, encoding)
@@ -179,7 +180,7 @@ def test_regular_reads_two_member_tars_of_other_writers(tmp_path):
     for i in range(7):
         members += [(f"s{i:03d}.jpg", rng.bytes(int(rng.integers(1, 3000)))), (f"s{i:03d}.cls", str(i * 11).encode())]
     buf = ustar(members)
-    keys, images, labels = read.regular(buf, "jpg", "cls")
+    keys, images, labels = regular.regular(buf, "jpg", "cls")
     assert (keys, images, labels.tolist()) == sequential(buf, "jpg")
 
 
@@ -207,7 +208,7 @@ def test_regular_reads_wds_tarwriter_shards_exactly_as_the_sequential_reader(ext
             data = rng.bytes(48) if ext == "raw" else rng.bytes(int(rng.integers(1, 2000)))
             sink.write({"__key__": f"train/{i % 3}/{i:04d}", ext: data, "cls": str(i % 4).encode()})
     buf = buf.getvalue()
-    found = read.regular(buf, ext, "cls")
+    found = regular.regular(buf, ext, "cls")
     assert found is not None and buf[156:157] == b"x"  # PAX headers, and still the fast path
     keys, images, labels = found
     want_keys, want_images, want_labels = sequential(buf, ext)
@@ -219,10 +220,10 @@ def test_regular_leaves_pax_headers_that_change_a_member_to_the_sequential_reade
     members = [("a.raw", b"x" * 9), ("a.cls", b"1"), ("b.raw", b"y" * 9), ("b.cls", b"2")]
     for pax in ({"path": "z.raw"}, {"size": "9"}, {"GNU.sparse.size": "9"}):
         buf = pax_tar(members, lambda name, pax=pax: dict(pax) if name == "b.raw" else {"mtime": "1.5"})
-        assert read.regular(buf, "raw", "cls") is None
+        assert regular.regular(buf, "raw", "cls") is None
     # a PAX header of several blocks before one member: the raw images are no longer evenly spaced
     buf = pax_tar(members, lambda name: {"comment": "c" * 700} if name == "a.cls" else {"mtime": "1.5"})
-    keys, images, labels = read.regular(buf, "raw", "cls")
+    keys, images, labels = regular.regular(buf, "raw", "cls")
     assert (keys, [bytes(x) for x in images], labels.tolist()) == sequential(buf, "raw") == (
         ["a", "b"], [b"x" * 9, b"y" * 9], [1, 2])
 
@@ -234,7 +235,7 @@ def test_regular_reads_raw_images_spaced_unevenly_by_a_long_pax_header_exactly()
     starts always make one period."""
     members = [(f"{k}.{e}", (k * 9).encode() if e == "raw" else b"1") for k in "abcd" for e in ("raw", "cls")]
     buf = pax_tar(members, lambda name: {"comment": "c" * 700} if name == "b.cls" else {"mtime": "1.5"})
-    keys, images, labels = read.regular(buf, "raw", "cls")
+    keys, images, labels = regular.regular(buf, "raw", "cls")
     assert (keys, [bytes(x) for x in images], labels.tolist()) == sequential(buf, "raw") == (
         list("abcd"), [k.encode() * 9 for k in "abcd"], [1] * 4)
 
@@ -245,20 +246,20 @@ def test_regular_leaves_a_last_member_without_its_pair_and_huge_pax_headers_to_t
     by the fast path, which would pair members wrongly or accept what the sequential reader refuses."""
     members = [("a.raw", b"x" * 9), ("a.cls", b"1"), ("b.raw", b"y" * 9), ("b.cls", b"2")]
     odd = ustar(members + [("c.raw", b"z" * 9)])
-    assert read.regular(odd, "raw", "cls") is None
+    assert regular.regular(odd, "raw", "cls") is None
     assert [sorted(s) for s in read.iter_samples(io.BytesIO(odd))][-1] == ["__key__", "__url__", "raw"]
     huge = pax_tar(members, lambda name: {"comment": "c" * (1 << 20)} if name == "b.raw" else {"mtime": "1.5"})
-    assert read.regular(huge, "raw", "cls") is None
+    assert regular.regular(huge, "raw", "cls") is None
     with pytest.raises(ShardError, match="tar extension header of"):
         list(read.iter_samples(io.BytesIO(huge)))
 
 
 def test_regular_reads_samples_whose_label_comes_first():
     buf = ustar([("s1.cls", b"3"), ("s1.jpg", b"one"), ("s2.cls", b"17"), ("s2.jpg", b"two!")])
-    keys, images, labels = read.regular(buf, "jpg", "cls")
+    keys, images, labels = regular.regular(buf, "jpg", "cls")
     assert (keys, images, labels.tolist()) == sequential(buf, "jpg") == (["s1", "s2"], [b"one", b"two!"], [3, 17])
     mixed = ustar([("s1.cls", b"3"), ("s1.jpg", b"one"), ("s2.jpg", b"two!"), ("s2.cls", b"17")])
-    assert read.regular(mixed, "jpg", "cls") is None  # one order throughout, or the sequential reader
+    assert regular.regular(mixed, "jpg", "cls") is None  # one order throughout, or the sequential reader
 
 
 def forged_headers_inside_data():
@@ -303,8 +304,8 @@ def two_samples():
 ])
 def test_regular_leaves_every_other_layout_to_the_sequential_reader(make):
     """None, not a misreading: iter_samples then reads (or rejects) the shard."""
-    assert read.regular(make(), "raw", "cls") is None
-    assert read.regular(two_samples(), "raw", "cls") is not None  # the unbroken layout is read
+    assert regular.regular(make(), "raw", "cls") is None
+    assert regular.regular(two_samples(), "raw", "cls") is not None  # the unbroken layout is read
 
 
 def test_regular_reads_keys_and_labels_of_every_form_as_the_sequential_reader():
@@ -320,7 +321,7 @@ def test_regular_reads_keys_and_labels_of_every_form_as_the_sequential_reader():
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
     buf = out.getvalue()
-    keys, images, labels = read.regular(buf, "raw", "cls")
+    keys, images, labels = regular.regular(buf, "raw", "cls")
     assert (keys, [bytes(x) for x in images], labels.tolist()) == sequential(buf, "raw")
     assert labels.tolist() == [int(d) for d in digits] and "\ufffd" in keys[1] and keys[3] == "dir/x"
 
@@ -334,7 +335,7 @@ def test_regular_reads_evenly_spaced_samples_whose_data_holds_tar_magic():
     for i in range(6):
         members += [(f"k{i}.raw", fake + bytes([i]) * 512), (f"k{i}.cls", str(i).encode())]
     buf = ustar(members)
-    found = read.regular(buf, "raw", "cls")
+    found = regular.regular(buf, "raw", "cls")
     assert found is not None
     keys, images, labels = found
     assert (keys, [bytes(x) for x in images], labels.tolist()) == sequential(buf, "raw")
@@ -344,10 +345,10 @@ def test_regular_leaves_a_member_over_the_member_limit_to_the_sequential_reader(
     """iter_samples refuses a wanted member over MAX_MEMBER bytes; the fast path must not read
     it either (the Reader never hands it such a shard, a caller of `regular` might)."""
     buf = ustar([("a.raw", b"x" * 101), ("a.cls", b"1"), ("b.raw", b"y" * 101), ("b.cls", b"2")])
-    monkeypatch.setattr(read, "MAX_MEMBER", 101)
-    assert read.regular(buf, "raw", "cls") is not None
-    monkeypatch.setattr(read, "MAX_MEMBER", 100)
-    assert read.regular(buf, "raw", "cls") is None
+    monkeypatch.setattr(regular, "MAX_MEMBER", 101)  # the limit as the fast path reads it
+    assert regular.regular(buf, "raw", "cls") is not None
+    monkeypatch.setattr(regular, "MAX_MEMBER", 100)
+    assert regular.regular(buf, "raw", "cls") is None
     with pytest.raises(ShardError, match="claims 101 bytes"):
         list(read.iter_samples(io.BytesIO(buf), {"raw", "cls"}, max_member=100))
 
@@ -356,7 +357,7 @@ def test_regular_never_reads_one_extension_as_image_and_label():
     twice = ustar([("a.cls", b"1"), ("a.cls", b"1"), ("b.cls", b"2"), ("b.cls", b"2")])
     with pytest.raises(ShardError, match="twice"):
         list(read.iter_samples(io.BytesIO(twice)))
-    assert read.regular(twice, "cls", "cls") is None
+    assert regular.regular(twice, "cls", "cls") is None
 
 
 def test_damaged_gzip_is_a_shard_error():

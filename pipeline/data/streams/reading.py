@@ -17,7 +17,8 @@ from pipeline.data.decoding.decode import image_format, image_of
 from pipeline.data.decoding.labelling import Unlabelled, class_index, label_of, parse_label_key
 from pipeline.errors import DigestError, Errors, ShardError
 from pipeline.data.shards.readbuffer import Arena, Rows
-from pipeline.data.shards.read import MAX_MEMBER, is_meta, iter_samples, regular_members
+from pipeline.data.shards.read import MAX_MEMBER, is_meta, iter_samples
+from pipeline.data.shards.regular import regular_members
 from pipeline.data.fields.schema import Oversized
 
 
