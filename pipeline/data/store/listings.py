@@ -270,7 +270,7 @@ _NEXT = re.compile(r'<([^>]*)>\s*;[^,]*\brel="?next"?')
 def _parse_hub(stream):
     """(the entries of one page of a tree listing, the URL of the next page or None)."""
     data = remote.read_all(stream)
-    resp = stream.raw.resp  # the page's answer (remote._HTTP's): its Link header and URL
+    resp = stream.raw.resp  # the page's answer (transports._HTTP's): its Link header and URL
     try:
         entries = json.loads(data)
     except (ValueError, RecursionError) as e:
