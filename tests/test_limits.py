@@ -22,6 +22,7 @@ from pipeline.data.manifests import patterns
 from pipeline.data.store import remote
 from pipeline.train import options, outdir
 from pipeline.writers import shards
+from pipeline.writers import verify
 from pipeline.errors import ShardError
 from pipeline.writers.sources import SyntheticSource
 
@@ -311,7 +312,7 @@ def test_a_second_build_in_one_folder_is_refused_while_the_first_holds_it(tmp_pa
         go.set()
         first.join(30)
     assert len(results) == 1 and results[0]["total"] == 40
-    assert shards.verify(out) == [] and not os.path.exists(os.path.join(out, shards.LOCK))
+    assert verify.verify(out) == [] and not os.path.exists(os.path.join(out, shards.LOCK))
 
 
 def test_the_lock_is_free_again_after_a_failed_build(tmp_path):
@@ -325,7 +326,7 @@ def test_the_lock_is_free_again_after_a_failed_build(tmp_path):
         shards.build(Broken("mnist", "train", 20, (1, 8, 8), 0), str(tmp_path), maxcount=5, progress=False)
     assert not (tmp_path / shards.LOCK).exists()
     shards.build(SyntheticSource("mnist", "train", 20, (1, 8, 8), 0), str(tmp_path), maxcount=5, progress=False)
-    assert shards.verify(str(tmp_path)) == []
+    assert verify.verify(str(tmp_path)) == []
 
 
 # ---------------------------------------------------------------- brace patterns and manifest bodies

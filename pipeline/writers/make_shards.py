@@ -22,6 +22,7 @@ from pipeline.data.manifests import manifest
 from pipeline.data.manifests import locations
 from pipeline.data.store import remote, storage
 from pipeline.writers import fields, index, shards, sources, storelock  # noqa: E402
+from pipeline.writers import verify
 from pipeline.cli import Parser, add_io_options, check_io, io_limits, printable  # noqa: E402
 from pipeline.errors import ShardError  # noqa: E402
 from pipeline.files import new_folders, remove_empty  # noqa: E402
@@ -369,7 +370,7 @@ def run(args):
     if args.preview:
         return run_preview(args)
     if args.verify:
-        problems = shards.verify(args.out, remote.Policy(**io_limits(args)))
+        problems = verify.verify(args.out, remote.Policy(**io_limits(args)))
         for line in problems:
             print(f"FAIL {line}")
         print(f"verify {args.out}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
