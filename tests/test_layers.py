@@ -4,7 +4,10 @@ a lazy one inside a function too: it is a circle all the same, only hidden.
 
 Layers, bottom first: the shared modules (cli, errors, files, figures) < pipeline.ordering (the
 order of samples: arithmetic on positions, no bytes read) < pipeline.data < pipeline.writers <
-pipeline.train < tools. A module may import its own layer and those below.
+pipeline.train < tools. A module may import its own layer and those below. Inside
+pipeline.data, its folders are layers of their own, bottom first: store < shards < decoding <
+fields < manifests < streams < handover (docs/layout.md). Tests never import each other, and
+no module of pipeline/ or tools/ passes 500 lines.
 """
 import ast
 from pathlib import Path
@@ -12,7 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BOTTOM = {"pipeline", "pipeline.cli", "pipeline.errors", "pipeline.files", "pipeline.figures"}
 ORDER = ["bottom", "pipeline.ordering", "pipeline.data", "pipeline.writers", "pipeline.train", "tools"]
-# pipeline.stream and pipeline.topology only stand for pipeline.data.streams.stream and pipeline.ordering.topology
+# the public API modules: pipeline.stream joins the stream and the hand-over (the data layer's top),
+# pipeline.topology gives pipeline.ordering.topology's names
 STAND_INS = {"pipeline.stream": "pipeline.data", "pipeline.topology": "pipeline.ordering"}
 
 
@@ -186,3 +190,10 @@ def test_no_test_module_imports_another():
             found += [f"{path.name} (line {node.lineno}) imports {n}" for n in names
                       if n.rpartition(".")[2] in tests or n.partition(".")[0] in tests]
     assert not found, "test modules importing test modules:\n" + "\n".join("  " + f for f in found)
+
+
+def test_no_module_over_500_lines_in_pipeline_or_tools():
+    """A module that grows past 500 lines holds more than one concern: split it by concern."""
+    long = {str(p.relative_to(ROOT)): n for p in module_files().values()
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 500}
+    assert not long, f"modules over 500 lines: {long}"
