@@ -38,7 +38,7 @@ def test_pipeline_defines_one_layout_class():
                     if isinstance(node, ast.ClassDef) and (node.name.endswith("Layout") or any(
                             isinstance(d, ast.FunctionDef) and d.name == "collate" for d in node.body)):
                         found.append((os.path.relpath(path, ROOT), node.name))
-    assert found == [(os.path.join("pipeline", "data", "batch.py"), "Layout")]
+    assert found == [(os.path.join("pipeline", "data", "fields", "batch.py"), "Layout")]
 
 
 @pytest.fixture(scope="module")
