@@ -1,7 +1,7 @@
 """A WebDataset opened by its URL, trained with Hugging Face `accelerate`, resumable mid-epoch:
 python examples/accelerate_stream.py SPEC --out DIR [--epochs 2] [--stop-after N] [--keys FILE]
 
-`accelerator.prepare` passes the loader (pipeline.data.dataloader.StatefulLoader) through as it
+`accelerator.prepare` passes the loader (pipeline.data.handover.dataloader.StatefulLoader) through as it
 is: it is no torch DataLoader, and the stream already gives each rank its share under
 `accelerate launch` (torchrun's variables). `accelerator.register_for_checkpointing(loader)`
 puts its state_dict() into `save_state`: --stop-after N saves the state after N steps into DIR
@@ -27,7 +27,7 @@ import torch.nn.functional as F  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 
 from pipeline.writers import autoindex  # noqa: E402
-from pipeline.data.dataloader import StatefulLoader  # noqa: E402
+from pipeline.data.handover.dataloader import StatefulLoader  # noqa: E402
 from pipeline.stream import MixedStream, resolve  # noqa: E402
 from pipeline.topology import Topology  # noqa: E402
 

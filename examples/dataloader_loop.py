@@ -4,7 +4,7 @@ python examples/dataloader_loop.py SPEC [--epochs 2] [--stop-after N] [--state F
 SPEC is a folder, glob, brace pattern (http(s) too) or store prefix of shards with no manifest:
 the first run indexes them (pipeline.writers.autoindex) and infers their fields from the members
 (image, caption, class, the .json's numbers). The loop reads the fields' batches through the
-DataLoader face (pipeline.data.dataloader.StatefulLoader): --stop-after N stops after N batches
+DataLoader face (pipeline.data.handover.dataloader.StatefulLoader): --stop-after N stops after N batches
 and writes the loader's state to --state; the next run with the same --state goes on where it
 stopped. --keys appends each batch's sample keys to FILE, one "epoch<TAB>key" a line.
 """
@@ -23,7 +23,7 @@ p.add_argument("--state", metavar="FILE", default="loader-state.json", help="the
 p.add_argument("--keys", metavar="FILE", help="append 'epoch<TAB>key' of every sample read to FILE")
 args = p.parse_args()                              # --help answers before torch loads
 
-from pipeline.data.dataloader import StatefulLoader  # noqa: E402
+from pipeline.data.handover.dataloader import StatefulLoader  # noqa: E402
 from pipeline.stream import MixedStream, resolve  # noqa: E402
 from pipeline.topology import Topology  # noqa: E402
 

@@ -24,8 +24,8 @@ args = p.parse_args()                              # --help answers before torch
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from pipeline.data import augment  # noqa: E402
-from pipeline.data.schema import Schema  # noqa: E402
+from pipeline.data.fields import augment  # noqa: E402
+from pipeline.data.fields.schema import Schema  # noqa: E402
 from pipeline.errors import ShardError  # noqa: E402
 from pipeline.stream import MixedStream, make_loader, resolve  # noqa: E402
 from pipeline.topology import Topology  # noqa: E402

@@ -1,7 +1,7 @@
 """A WebDataset opened by its URL, trained with Lightning, resumable mid-epoch:
 python examples/lightning_stream.py SPEC --out DIR [--epochs 2] [--stop-after N] [--keys FILE]
 
-The stream is the train dataloader (pipeline.data.dataloader.StatefulLoader): Lightning's fit
+The stream is the train dataloader (pipeline.data.handover.dataloader.StatefulLoader): Lightning's fit
 loop saves its state_dict() in every checkpoint and loads it on resume, so a run stopped inside
 an epoch goes on at the next batch. --stop-after N stops after N steps with a checkpoint there
 (DIR/last.ckpt); a run with the same --out resumes from it. Lightning fetches a batch ahead of
@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from pipeline.writers import autoindex  # noqa: E402
-from pipeline.data.dataloader import StatefulLoader  # noqa: E402
+from pipeline.data.handover.dataloader import StatefulLoader  # noqa: E402
 from pipeline.stream import MixedStream, resolve  # noqa: E402
 from pipeline.topology import Topology  # noqa: E402
 

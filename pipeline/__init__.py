@@ -2,10 +2,12 @@
 
 Data flows one way, and the subpackages follow it:
 `writers` (sources -> shards, manifests, indexes of other writers' tars) -> files, HTTP or `pipe:`
--> `data` (remote I/O, tar read, decode, the partition into slots, shuffle, mix, batches, the
-hand-over from workers) -> `train` (the DDP loop, checkpoints, metrics, the report).
+-> `data` (store, shards, decoding, fields, manifests, streams, and the hand-over from workers
+on top) -> `train` (the DDP loop, checkpoints, metrics, the report).
 `files`, `errors` and `cli` are shared by all three.
 
-`pipeline.stream` is the streaming API users import (the data path's stream, with a `resolve`
-that indexes a set on first use); `pipeline.topology` stands for `pipeline.ordering.topology`.
+`pipeline.stream` and `pipeline.topology` are the public API (`from pipeline.stream import
+MixedStream, make_loader, resolve`, `from pipeline.topology import Topology`); its `resolve`
+indexes a set that has no manifest on first use. docs/layout.md draws the folders of `data`,
+bottom to top.
 """

@@ -1,7 +1,7 @@
 """Command-line plumbing shared by the entry points: the one-line error parser, byte sizes,
 and the remote-read flags the trainer and `make_shards --index` share. It imports nothing
 from `data`, `writers` or `train`: the flags fill the data path's limits
-(`pipeline.data.remote.Policy(**io_limits(args))`), the caller builds them."""
+(`pipeline.data.store.remote.Policy(**io_limits(args))`), the caller builds them."""
 import argparse
 import math
 import re
@@ -77,7 +77,7 @@ IO_RANGES = {"io_timeout": (0.001, 3600.0), "min_rate": (0.001, 1e6), "retries":
 
 
 def add_io_options(p):
-    """The flags that bound every remote read (see pipeline.data.remote.Policy, and io_limits)."""
+    """The flags that bound every remote read (see pipeline.data.store.remote.Policy, and io_limits)."""
     a = p.add_argument
     a("--io-timeout", type=float, default=30.0, metavar="S",
       help="seconds one network read may stall, and the base of each shard's deadline (default: 30)")
@@ -92,7 +92,7 @@ def add_io_options(p):
            "server claims (default: 1G)")
 
 
-MAX_DELAY = 60.0  # what --help says of the retry delays: pipeline.data.remote.MAX_DELAY (tests/test_limits.py)
+MAX_DELAY = 60.0  # what --help says of the retry delays: pipeline.data.store.remote.MAX_DELAY (tests/test_limits.py)
 
 
 def check_io(p, args):
@@ -106,7 +106,7 @@ def check_io(p, args):
 
 def io_limits(args):
     """The I/O flags (checked by check_io) as the keyword arguments of the data path's limits:
-    `pipeline.data.remote.Policy(**io_limits(args))`. A read past the ceiling names the flag."""
+    `pipeline.data.store.remote.Policy(**io_limits(args))`. A read past the ceiling names the flag."""
     return {"retries": args.retries, "timeout": args.io_timeout, "min_rate": args.min_rate * 1e6,
             "max_bytes": args.max_shard_bytes, "max_source": "--max-shard-bytes"}
 

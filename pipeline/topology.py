@@ -1,6 +1,8 @@
-"""Kept so that `from pipeline.topology import ...` works: the module is `pipeline.ordering.topology`."""
-import sys
+"""The public API of who reads what: a rank's place among the ranks and workers.
 
-from pipeline.ordering import topology
+    from pipeline.topology import Topology
 
-sys.modules[__name__] = topology
+It lives in pipeline.ordering.topology, with the rest of the order of samples."""
+from pipeline.ordering.topology import Topology, Worker, own_items, stride
+
+__all__ = ["Topology", "Worker", "own_items", "stride"]

@@ -82,7 +82,7 @@ STREAM_SPECS = {  # the module fixture `data` (conftest): (name, split): (sample
 
 def train_sources(folder, names=("mnist", "cifar10")):
     """The train splits of `names` under `folder`, resolved as the trainer resolves --train."""
-    from pipeline.data.stream import resolve
+    from pipeline.data.streams.stream import resolve
 
     return [resolve(n, folder, "train") for n in names]
 
@@ -91,7 +91,7 @@ def run_epoch(stream, workers=0):
     """Every batch of one epoch through make_loader, reduced to plain lists."""
     from types import SimpleNamespace
 
-    from pipeline.data.stream import make_loader
+    from pipeline.data.handover.loader import make_loader
 
     out = []
     for b in make_loader(stream, workers):
@@ -128,7 +128,7 @@ def build_source(src, out, **kw):
 
 def project_samples(path, stream=None, **kw):
     """[(key, {ext: bytes})] as pipeline.read reads them, from `path` or an open stream."""
-    from pipeline.data import read
+    from pipeline.data.shards import read
 
     with (stream or open(path, "rb")) as f:
         return [(s.pop("__key__"), {k: v for k, v in s.items() if k != "__url__"})
@@ -159,7 +159,7 @@ def handmade_png(a, filter_type):
 
     import numpy as np
 
-    from pipeline.data import png
+    from pipeline.data.decoding import png
 
     c, h, w = a.shape
     rows = a.transpose(1, 2, 0).reshape(h, w * c).astype(np.int16)
@@ -1022,3 +1022,32 @@ def figure_texts(fig):
     from matplotlib.text import Text
 
     return [t.get_text() for t in fig.findobj(Text) if t.get_text()]
+
+
+CORPUS_FIELDS = "image:image=png,fit=native,size=4x4,channels=1 caption:text=txt label:int=cls"
+
+
+def fields_corpus(out, sizes):
+    """Sources of (name, samples, per shard) whose keys are make_shards' and whose captions are
+    their keys, read through a schema with a caption and a random resized crop + flip stage
+    (tests/test_coverage.py and tests/test_lifecycle.py read them)."""
+    import dataclasses
+
+    import numpy as np
+    from PIL import Image
+
+    from pipeline.data.fields import augment, schema
+    from pipeline.data.manifests.manifest import resolve
+    from pipeline.writers import index
+
+    fields = schema.parse_fields(CORPUS_FIELDS)
+    for name, n, per in sizes:
+        def sample(i, name=name):
+            key = f"{name}-train-{i:07d}"
+            png = encode_pil(Image.fromarray(np.full((3, 4), i % 251, np.uint8)), "PNG")
+            return key, [(key + ".png", png), (key + ".txt", key.encode()), (key + ".cls", str(i % 10).encode())]
+        write_foreign(out / name, n, per, name + "-{:04d}.tar", sample)
+        index.index(name, "train", str(out / name), str(out), fields=fields, progress=False)
+    stages = [augment.RandomResizedCrop("image", 2), augment.Flip("image")]
+    return [dataclasses.replace(resolve(name, str(out), "train"), schema=schema.Schema(fields.columns, stages))
+            for name, _, _ in sizes]

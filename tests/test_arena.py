@@ -1,4 +1,4 @@
-"""pipeline.data.arena: a window's raw shards read into one buffer, rows gathered from it;
+"""pipeline.data.shards.readbuffer: a window's raw shards read into one buffer, rows gathered from it;
 and the Reader that reads raw windows through it."""
 import io
 
@@ -6,10 +6,14 @@ import numpy as np
 import pytest
 
 from helpers import build_shards, read_members, write_tar
-from pipeline.data import remote, stages
-from pipeline.data.arena import CHUNK, Arena, Rows
-from pipeline.data.manifest import resolve
-from pipeline.data.read import iter_samples, regular_members
+from pipeline.data.store import remote
+from pipeline.data.streams import stages
+from pipeline.data.streams import reading
+from pipeline.data.streams import plans
+from pipeline.data.shards.readbuffer import CHUNK, Arena, Rows
+from pipeline.data.manifests.manifest import resolve
+from pipeline.data.shards.read import iter_samples
+from pipeline.data.shards.regular import regular_members
 from pipeline.errors import ShardError
 
 
@@ -63,7 +67,7 @@ def test_rows_gather_images_at_any_offsets_and_refuse_a_window_read_over():
 
 
 def window_of(src, shards=None):
-    return stages.Window(tuple((u, 0, None) for u in (shards or src.urls)))
+    return plans.Window(tuple((u, 0, None) for u in (shards or src.urls)))
 
 
 @pytest.fixture
@@ -85,7 +89,7 @@ def sequential(urls):
 
 
 def test_a_raw_window_reads_through_one_arena_exactly_as_the_sequential_reader(raw_source):
-    reader = stages.Reader(raw_source)
+    reader = reading.Reader(raw_source)
     data = reader(window_of(raw_source))
     assert isinstance(data.images, Rows) and data.images.arena is reader.arena
     keys, images, labels = sequential(raw_source.urls)
@@ -99,12 +103,12 @@ def test_a_raw_window_reads_through_one_arena_exactly_as_the_sequential_reader(r
 
 def test_manifest_sizes_that_understate_or_claim_the_most_change_nothing_read(raw_source):
     want = sequential(raw_source.urls)
-    for claim in (1, stages.WHOLE_SHARD):  # the arena grows past a small claim; a large one sizes no more
-        reader = stages.Reader(raw_source)
+    for claim in (1, reading.WHOLE_SHARD):  # the arena grows past a small claim; a large one sizes no more
+        reader = reading.Reader(raw_source)
         reader.expected = {u: (c, claim, d) for u, (c, _, d) in reader.expected.items()}
         data = reader(window_of(raw_source))
         assert (data.keys, [bytes(r) for r in data.images.take(slice(None))], data.labels.tolist()) == want
-        assert len(reader.arena.buf) <= stages.WHOLE_SHARD + (1 << 20)
+        assert len(reader.arena.buf) <= reading.WHOLE_SHARD + (1 << 20)
 
 
 def test_a_read_retried_from_the_start_of_its_shard_overwrites_the_failed_attempt(raw_source, monkeypatch):
@@ -122,7 +126,7 @@ def test_a_read_retried_from_the_start_of_its_shard_overwrites_the_failed_attemp
         return real(url, consume, **kw)
 
     monkeypatch.setattr(remote, "read_url", flaky)
-    reader = stages.Reader(raw_source)
+    reader = reading.Reader(raw_source)
     data = reader(window_of(raw_source))
     keys, images, labels = sequential(raw_source.urls)
     assert failed and data.keys == keys and [bytes(r) for r in data.images.take(slice(None))] == images
@@ -147,9 +151,9 @@ def test_the_arena_keeps_no_more_than_the_images_need_and_gives_back_a_large_win
     window much larger than the next two gives its buffer back."""
     padded = tmp_path / "padded.tar"
     padded.write_bytes(open(raw_source.urls[0], "rb").read() + bytes(8 << 20))  # zeros after the end: still read
-    reader = stages.Reader(raw_source)
+    reader = reading.Reader(raw_source)
     reader.expected[str(padded)] = (10, padded.stat().st_size, None)
-    data = reader(stages.Window(((str(padded), 0, None),)))
+    data = reader(plans.Window(((str(padded), 0, None),)))
     assert len(data) == 10 and reader.arena.used < 64 << 10
     assert len(reader.arena.buf) > 8 << 20  # the claim made room for the padding once
 
@@ -158,7 +162,7 @@ def test_the_arena_keeps_no_more_than_the_images_need_and_gives_back_a_large_win
     write_tar(extra, [m for name, body in members
                       for m in [(name, body)] + ([(name[:-3] + "bin", b"x" * 1000)] if name.endswith(".cls") else [])])
     reader.expected[str(extra)] = (10, extra.stat().st_size, None)
-    data = reader(stages.Window(((str(extra), 0, None),)))
+    data = reader(plans.Window(((str(extra), 0, None),)))
     assert len(data) == 10 and not isinstance(data.images, Rows) and reader.arena.used == 0
     reader(window_of(raw_source, raw_source.urls[:1]))
     assert len(reader.arena.buf) < 1 << 20  # two small windows after the large one: its memory is given back

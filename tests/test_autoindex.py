@@ -1,6 +1,6 @@
 """A set opened by its URL with no manifest: indexed on first use, fields inferred from its members
 (pipeline.writers.autoindex, pipeline.writers.infer), read through the DataLoader face
-(pipeline.data.dataloader)."""
+(pipeline.data.handover.dataloader)."""
 import functools
 import http.server
 import json
@@ -197,7 +197,7 @@ def test_processes_started_together_index_once(tmp_path):
 
 
 def test_a_mid_epoch_state_through_the_dataloader_face_reads_every_sample_once(tmp_path):
-    from pipeline.data.dataloader import StatefulLoader
+    from pipeline.data.handover.dataloader import StatefulLoader
     from pipeline.topology import Topology
 
     write_captioned(tmp_path / "set", 96, per_shard=12)
@@ -249,7 +249,7 @@ def test_a_shardwriter_set_trains_under_torchrun_with_no_index_step_and_no_field
 def test_a_store_prefix_is_indexed_on_first_use_into_the_cache_folder(s3_server, tmp_path, capsys):
     import boto3
 
-    from pipeline.data import storage
+    from pipeline.data.store import storage
 
     shards = write_captioned(tmp_path / "set", 40)
     bucket = f"autoindex-{os.getpid()}"

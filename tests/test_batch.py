@@ -1,4 +1,4 @@
-"""pipeline.data.batch: collate and normalize give exactly what the straightforward formulas
+"""pipeline.data.fields.batch: collate and normalize give exactly what the straightforward formulas
 they replaced give (a windowed, channel-broadcast assignment per source; uint8 * scale - shift)."""
 import threading
 from types import SimpleNamespace
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.data import batch as batch_module
-from pipeline.data.batch import Layout
+from pipeline.data.fields import batch as batch_module
+from pipeline.data.fields.batch import Layout
 
 
 def sources():

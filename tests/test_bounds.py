@@ -23,9 +23,11 @@ import pytest
 from PIL import Image, ImageOps
 
 from helpers import Forker, HANG, make_shards_in_process, one_line_error, run_capture, write_tar
-from pipeline.data import bounds, decode, jpeg, png, read, remote
+from pipeline.data.decoding import image_caps, decode, jpeg, png
+from pipeline.data.shards import read
+from pipeline.data.store import remote
 from pipeline.errors import ShardError
-from pipeline.data.manifest import FORMAT
+from pipeline.data.manifests.manifest import FORMAT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEADROOM = 400 << 20  # the address space a memory test may add to what its imports took
@@ -209,7 +211,9 @@ PREAMBLE = """
 import os, resource, sys, warnings
 sys.path.insert(0, {root!r})
 import numpy, torch, torchvision, PIL.Image
-from pipeline.data import decode, stream, remote
+from pipeline.data.decoding import decode
+from pipeline.data.streams import stream
+from pipeline.data.store import remote
 from pipeline.writers import index
 def vm():
     with open("/proc/self/status") as f:
@@ -288,21 +292,21 @@ def test_progressive_jpegs_decode_but_scan_bombs_do_not():
 
 
 def test_the_caps_are_relative_to_the_target():
-    bounds.check(512, 512, (3, 32, 32))  # 256 times the target's pixels
-    bounds.check(4096, 4096, (3, 32, 32), "jpg")  # a JPEG decodes at 1/8 a side: 512x512
-    bounds.check(1, 4096, (1, 4096, 1))  # a thin target takes thin images
+    image_caps.check(512, 512, (3, 32, 32))  # 256 times the target's pixels
+    image_caps.check(4096, 4096, (3, 32, 32), "jpg")  # a JPEG decodes at 1/8 a side: 512x512
+    image_caps.check(1, 4096, (1, 4096, 1))  # a thin target takes thin images
     for size, ext in (((513, 512), "png"), ((4096, 4096), "png"), ((4096, 4096), "npy"), ((4096, 4096), "bmp")):
         with pytest.raises(ValueError, match=r"times its 32x32 target's pixels as decoded \(.*MAX_DECODE_RATIO"):
-            bounds.check(*size, (3, 32, 32), ext)
+            image_caps.check(*size, (3, 32, 32), ext)
     with pytest.raises(ValueError, match=r"334 times its 28x28 target's pixels as decoded at 1/8 scale"):
-        bounds.check(4096, 4096, (3, 28, 28), "jpg")
-    bounds.check(32 * 32, 32, (3, 32, 32))
+        image_caps.check(4096, 4096, (3, 28, 28), "jpg")
+    image_caps.check(32 * 32, 32, (3, 32, 32))
     with pytest.raises(ValueError, match="MAX_ASPECT"):
-        bounds.check(33 * 32, 32, (3, 32, 32))
+        image_caps.check(33 * 32, 32, (3, 32, 32))
     with pytest.raises(ValueError, match="MAX_PIXELS"):
-        bounds.check(4097, 4096)
+        image_caps.check(4097, 4096)
     with pytest.raises(ValueError, match="image is 0x5"):
-        bounds.check(0, 5)
+        image_caps.check(0, 5)
 
 
 def huge_png(side=4096):
@@ -322,7 +326,7 @@ def test_a_png_of_far_more_pixels_than_its_target_is_refused_before_a_pixel_is_d
     with pytest.raises(ValueError) as e:
         decode.decode_image(data, "png", (1, 28, 28))
     assert str(e.value) == ("image is 4096x4096, 21400 times its 28x28 target's pixels as decoded (at most 256, "
-                            "pipeline.data.bounds.MAX_DECODE_RATIO)"), str(e.value)
+                            "pipeline.data.decoding.image_caps.MAX_DECODE_RATIO)"), str(e.value)
     monkeypatch.undo()
     assert decode.decode_image(huge_png(16 * 28), "png", (1, 28, 28)).shape == (1, 28, 28)
     assert decode.decode_image(jpeg_of(8 * 16 * 28, 8 * 16 * 28), "jpg", (1, 28, 28)).shape == (1, 28, 28)
@@ -331,7 +335,7 @@ def test_a_png_of_far_more_pixels_than_its_target_is_refused_before_a_pixel_is_d
 def test_huge_pngs_in_a_shard_are_skipped_and_counted_with_their_reason(tmp_path):
     write_set(tmp_path, [good(f"g{i}", (1, 28, 28)) for i in range(4)] + [(f"h{i}", "png", huge_png()) for i in range(4)],
               shape=(1, 28, 28))
-    from pipeline.data.stream import MixedStream, resolve
+    from pipeline.data.streams.stream import MixedStream, resolve
 
     src = resolve("hostile", str(tmp_path) + "/", "train")
     with pytest.warns(UserWarning) as said:
@@ -378,7 +382,7 @@ def test_hostile_images_in_a_shard_are_skipped_and_counted_by_the_stream(tmp_pat
 
 def test_strict_stops_at_the_first_hostile_image(tmp_path):
     write_set(tmp_path, [good("g0"), ("h0", *HOSTILE["png 1x1500000"])])
-    from pipeline.data.stream import MixedStream, resolve
+    from pipeline.data.streams.stream import MixedStream, resolve
 
     src = resolve("hostile", str(tmp_path) + "/", "train")
     with pytest.raises(ShardError, match="sample h0: image is 1x1500000"):
@@ -570,7 +574,7 @@ def test_special_files_named_by_a_manifest_are_refused_before_opening(tmp_path, 
     m["shards"].append({"name": path, "samples": 2, "bytes": 4096})
     m["total"] = 4
     (folder / "hostile-train.json").write_text(json.dumps(m))
-    from pipeline.data.stream import MixedStream, resolve
+    from pipeline.data.streams.stream import MixedStream, resolve
 
     done = []
 
@@ -689,7 +693,7 @@ def test_the_trainer_skips_the_issues_two_images_under_an_address_space_limit(tm
 @pytest.mark.slow
 def test_a_manifest_that_is_a_fifo_is_one_line_not_a_hang(tmp_path):
     """--train NAME=PATH where PATH is a FIFO: opening it would block until someone writes."""
-    from pipeline.data.manifest import resolve
+    from pipeline.data.manifests.manifest import resolve
 
     os.mkfifo(tmp_path / "x-train.json")
     done = []

@@ -1,4 +1,4 @@
-"""Batch memory from the job (pipeline.data.budget): what a batch, the loader's queue, the float
+"""Batch memory from the job (pipeline.data.handover.budget): what a batch, the loader's queue, the float
 copy and the shuffle windows take is computed from the batch size, the manifests' shapes and
 the workers, and a job over --max-batch-memory is refused in one line before it reads."""
 import json
@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from helpers import Forker, HANG, build_shards, train_in_process
-from pipeline.data import budget
+from pipeline.data.handover import budget
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

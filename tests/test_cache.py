@@ -14,10 +14,10 @@ import warnings
 import pytest
 
 from helpers import HANG, Quiet, build_shards, run_capture, serving
-from pipeline.data import cache as caching
-from pipeline.data.cache import Cache, path as cache_path
+from pipeline.data.store import cache as caching
+from pipeline.data.store.cache import Cache, path as cache_path
 from pipeline.errors import ShardError
-from pipeline.data.remote import Policy, read_all, read_url
+from pipeline.data.store.remote import Policy, read_all, read_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = Policy(retries=1, delay=0.05, timeout=2.0, min_rate=1e6)
@@ -139,7 +139,7 @@ def test_a_rebuilt_set_behind_the_cache_streams_its_new_samples(tmp_path):
     """End to end through the shard reader: rebuild the shard set on the server (other seed,
     new sha256 in the new manifest), resolve it again: the new keys, not the cached ones."""
     from helpers import serve
-    from pipeline.data.manifest import resolve
+    from pipeline.data.manifests.manifest import resolve
 
     folder, cache = tmp_path / "srv", str(tmp_path / "cache")
 
@@ -157,10 +157,12 @@ def test_a_rebuilt_set_behind_the_cache_streams_its_new_samples(tmp_path):
 
 def _keys_of(src, cache):
     """Every key of a source, shard by shard in manifest order, through stages.Reader."""
-    from pipeline.data import stages
+    from pipeline.data.streams import stages
+    from pipeline.data.streams import reading
+    from pipeline.data.streams import plans
 
-    reader = stages.Reader(src, policy=FAST, cache_dir=cache)
-    keys = reader(stages.Window(tuple((u, 0, None) for u in src.urls))).keys
+    reader = reading.Reader(src, policy=FAST, cache_dir=cache)
+    keys = reader(plans.Window(tuple((u, 0, None) for u in src.urls))).keys
     assert reader.errors.skipped == 0
     return keys
 
@@ -208,7 +210,7 @@ def test_a_full_disk_turns_the_cache_off_with_one_warning(tmp_path, monkeypatch,
 CHILD = r"""
 import resource, sys, warnings
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # any file over 4 KiB: EFBIG (Python ignores SIGXFSZ)
-from pipeline.data.remote import Policy, read_all, read_url
+from pipeline.data.store.remote import Policy, read_all, read_url
 url, cache, n, digest = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 for _ in range(3):
     data = read_url(url, read_all, policy=Policy(retries=0, timeout=5), nbytes=n, digest=digest, cache_dir=cache)
@@ -282,8 +284,8 @@ def test_eviction_removes_copies_whose_writer_died_but_not_live_ones(tmp_path):
 
 SHARER = r"""
 import json, random, sys, warnings
-from pipeline.data.cache import Cache
-from pipeline.data.remote import Policy, read_all, read_url
+from pipeline.data.store.cache import Cache
+from pipeline.data.store.remote import Policy, read_all, read_url
 base, folder, size, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 want = json.loads(sys.argv[5])  # name -> [bytes, sha256]
 rng = random.Random(seed)
@@ -421,10 +423,11 @@ def test_a_planted_lock_link_is_refused_not_truncated(tmp_path):
 
 def test_the_shard_reader_through_a_bounded_cache_reads_every_sample_and_stays_within_it(tmp_path, monkeypatch):
     from helpers import serve
-    from pipeline.data import stages
-    from pipeline.data.manifest import resolve
+    from pipeline.data.streams import stages
+    from pipeline.data.streams import reading
+    from pipeline.data.manifests.manifest import resolve
 
-    monkeypatch.setattr(stages, "PREFETCH_THREADS", 0)  # one shard after another: the LRU order is the reading order
+    monkeypatch.setattr(reading, "PREFETCH_THREADS", 0)  # one shard after another: the LRU order is the reading order
 
     folder = tmp_path / "srv"
     build_shards(folder, "mnist", "train", 100, maxcount=20, seed=0)

@@ -1,4 +1,4 @@
-"""One batch model (pipeline.data.batch.Layout) for every schema: pipeline/ defines one layout
+"""One batch model (pipeline.data.fields.batch.Layout) for every schema: pipeline/ defines one layout
 class; a two-source mix gives the same keys, labels (the second source's classes offset) and
 images through the default schema (image and class) and an explicit --fields one, at 0 and 2
 workers and on 2 ranks; an img2dataset-shaped set (jpg, txt caption, json class) trains with
@@ -15,8 +15,9 @@ from PIL import Image
 
 from helpers import (HANG, build_shards, encode_pil, finish, free_port, launch_train, make_shards_in_process,
                      run_capture, train_sources)
-from pipeline.data.manifest import resolve
-from pipeline.data.stream import MixedStream, make_loader
+from pipeline.data.manifests.manifest import resolve
+from pipeline.data.streams.stream import MixedStream
+from pipeline.data.handover.loader import make_loader
 from pipeline.errors import InputError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +38,7 @@ def test_pipeline_defines_one_layout_class():
                     if isinstance(node, ast.ClassDef) and (node.name.endswith("Layout") or any(
                             isinstance(d, ast.FunctionDef) and d.name == "collate" for d in node.body)):
                         found.append((os.path.relpath(path, ROOT), node.name))
-    assert found == [(os.path.join("pipeline", "data", "batch.py"), "Layout")]
+    assert found == [(os.path.join("pipeline", "data", "fields", "batch.py"), "Layout")]
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,8 @@ def test_normalised_batches_differ_only_by_each_manifests_statistics(two):
 RANKS = r'''
 import json, os, sys
 import torch.distributed as dist
-from pipeline.data.stream import MixedStream, make_loader, resolve
+from pipeline.data.streams.stream import MixedStream, resolve
+from pipeline.data.handover.loader import make_loader
 from pipeline.ordering.topology import Topology
 
 dist.init_process_group("gloo")
@@ -170,7 +172,7 @@ def test_an_img2dataset_set_has_classes_and_its_captions_ride_along(i2d):
 
 
 def test_the_trainer_names_what_a_schema_lacks(i2d):
-    from pipeline.data.schema import parse_fields
+    from pipeline.data.fields.schema import parse_fields
 
     src = resolve("web", i2d, "train")
     stream = MixedStream([src], {"web": 1}, 8, schemas=parse_fields("image:image=jpg,size=16x16 caption:text=txt"))

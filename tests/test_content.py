@@ -7,9 +7,11 @@ import struct
 import pytest
 
 from helpers import encode_pil, foreign_image, make_shards_in_process, write_tar
-from pipeline.data import decode
-from pipeline.data.decode import Target, Unlabelled
-from pipeline.data.stream import MixedStream, resolve
+from pipeline.data.decoding import decode
+from pipeline.data.decoding import labelling
+from pipeline.data.decoding.decode import Target
+from pipeline.data.decoding.labelling import Unlabelled
+from pipeline.data.streams.stream import MixedStream, resolve
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
 NAMES = ("cat", "dog")
@@ -43,7 +45,7 @@ def nested(i):
 @pytest.mark.parametrize("body, needle", [
     (DEEP, "nested too deeply"),
     (b'{"label": ' + DEEP + b"}", "nested too deeply"),
-    (b" " * (decode.MAX_LABEL_JSON + 1), "more than the"),
+    (b" " * (labelling.MAX_LABEL_JSON + 1), "more than the"),
     (b"\xff\xfe\xfd", "not valid JSON"),
     (b'{"label": ' + b"9" * 5000 + b"}", "not valid JSON"),
     (b'{"label": 1e999}', "not an integer"),
@@ -51,7 +53,7 @@ def nested(i):
 ], ids=["deep", "deep field", "huge", "not utf-8", "5000 digits", "inf", "object"])
 def test_any_json_label_is_a_value_error_of_one_short_line(body, needle):
     with pytest.raises(ValueError, match=needle) as e:
-        decode.label_of({"__key__": "k", "json": body}, Target((1, 4, 4), label="json:label"))
+        labelling.label_of({"__key__": "k", "json": body}, Target((1, 4, 4), label="json:label"))
     assert len(str(e.value)) < 300 and "\n" not in str(e.value)
 
 
@@ -59,10 +61,10 @@ def test_other_label_and_image_content_is_a_value_error(monkeypatch):
     cls = Target((1, 4, 4))
     for body in (b"\xff\xfe", b"1" * 10_000, b"", b"  "):
         with pytest.raises(ValueError):
-            decode.label_of({"__key__": "k", "cls": body}, cls)
+            labelling.label_of({"__key__": "k", "cls": body}, cls)
     names = Target((1, 4, 4), label="txt", classes=2, names=NAMES)
     with pytest.raises(ValueError, match=r"more characters\) \.\.\..* is not one of") as e:
-        decode.label_of({"__key__": "k", "txt": b"x" * 100_000}, names, names.lookup())
+        labelling.label_of({"__key__": "k", "txt": b"x" * 100_000}, names, names.lookup())
     assert len(str(e.value)) < 300
 
     def broken(*args):  # a decoder failing in a way of its own
@@ -110,15 +112,15 @@ def test_a_label_nested_in_json_is_named_with_the_fields_and_a_key_that_works(tm
 
 def test_json_hints_are_cut_to_a_line_and_suggest_only_keys_the_rule_can_read():
     some, many = ({f"field{i}": {"deeper": i} for i in range(n)} for n in (50, 5000))
-    assert "and 38 more; e.g. --label-key json:field0.deeper" in decode.json_hint(some)
-    assert len(decode.json_hint(many)) < 600 and "more" in decode.json_hint(many)
+    assert "and 38 more; e.g. --label-key json:field0.deeper" in labelling.json_hint(some)
+    assert len(labelling.json_hint(many)) < 600 and "more" in labelling.json_hint(many)
     odd = {"a.b": 1, "": 2, "flag": True, "class_name": "cat", "x": None}
-    assert decode.json_hint(odd).endswith("--label-key json:class_name")
-    assert "--label-key" not in decode.json_hint({"a.b": 1, "x": [1, 2]})
+    assert labelling.json_hint(odd).endswith("--label-key json:class_name")
+    assert "--label-key" not in labelling.json_hint({"a.b": 1, "x": [1, 2]})
     with pytest.raises(Unlabelled, match="it holds a JSON list"):
-        decode.raw_label({"__key__": "k", "json": b"[1]"}, "json:label")
+        labelling.raw_label({"__key__": "k", "json": b"[1]"}, "json:label")
     long_key = {"__key__": "k" * 10_000, "json": json.dumps(many).encode()}
-    for text in (decode.json_hint(many), decode.label_hint(long_key)):
+    for text in (labelling.json_hint(many), labelling.label_hint(long_key)):
         assert len(text) < 800, len(text)
 
 
@@ -140,7 +142,7 @@ def test_a_sample_refused_while_read_is_counted_once_whatever_the_workers(tmp_pa
     window again for the samples it still owed."""
     import warnings
 
-    from pipeline.data.loader import make_loader
+    from pipeline.data.handover.loader import make_loader
 
     png_tar(tmp_path / "web-000000.tar", 20)
     p = index("--index", f"web:train={tmp_path}/web-000000.tar", "--out", tmp_path)

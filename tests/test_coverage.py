@@ -13,18 +13,14 @@ rest of the epoch. The rule checked (README, "Guarantees"):
   finishes the epoch; and the epoch's samples split by the weights.
 """
 import collections
-import dataclasses
 import json
 
 import numpy as np
 import pytest
-from PIL import Image
 
-from helpers import build_shards, encode_pil, write_foreign
-from pipeline.data import augment, schema
-from pipeline.writers import index
-from pipeline.data.manifest import resolve
-from pipeline.data.stream import MixedStream
+from helpers import build_shards, fields_corpus
+from pipeline.data.manifests.manifest import resolve
+from pipeline.data.streams.stream import MixedStream
 from pipeline.ordering.topology import Topology, Worker
 
 
@@ -35,31 +31,13 @@ SIZES = (("a", 530, 40), ("b", 260, 25), ("c", 97, 13))
 def corpus(tmp_path_factory, request):
     """Three sources in shards of uneven sizes (the last shard is short): tiny raw images and
     labels, or (fields) PNGs of 3x4 with a caption (the key) and a label, read through a schema
-    with a text field and a random resized crop stage (pipeline.data.schema)."""
+    with a text field and a random resized crop stage (pipeline.data.fields.schema)."""
     out = tmp_path_factory.mktemp("coverage")
     if request.param == "image+label":
         for name, n, per in SIZES:
             build_shards(out, name, "train", n, shape=(1, 2, 2), maxcount=per)
         return {name: resolve(name, str(out), "train") for name in "abc"}
     return {s.name: s for s in fields_corpus(out, SIZES)}
-
-
-def fields_corpus(out, sizes):
-    """Sources of (name, samples, per shard) whose keys are make_shards' and whose captions are
-    their keys, read through a schema with a caption and a random resized crop + flip stage."""
-    for name, n, per in sizes:
-        def sample(i, name=name):
-            key = f"{name}-train-{i:07d}"
-            png = encode_pil(Image.fromarray(np.full((3, 4), i % 251, np.uint8)), "PNG")
-            return key, [(key + ".png", png), (key + ".txt", key.encode()), (key + ".cls", str(i % 10).encode())]
-        write_foreign(out / name, n, per, name + "-{:04d}.tar", sample)
-        index.index(name, "train", str(out / name), str(out), fields=FIELDS, progress=False)
-    stages = [augment.RandomResizedCrop("image", 2), augment.Flip("image")]
-    return [dataclasses.replace(resolve(name, str(out), "train"), schema=schema.Schema(FIELDS.columns, stages))
-            for name, _, _ in sizes]
-
-
-FIELDS = schema.parse_fields("image:image=png,fit=native,size=4x4,channels=1 caption:text=txt label:int=cls")
 
 
 def streams_for(sources, weights, world, workers, batch_size, **kw):

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from helpers import build_shards, read_members, write_tar
-from pipeline.data.manifest import resolve
-from pipeline.data.stream import MixedStream
+from pipeline.data.manifests.manifest import resolve
+from pipeline.data.streams.stream import MixedStream
 from pipeline.ordering.topology import Topology, Worker
 
 JUNK = 8

@@ -13,8 +13,9 @@ import pytest
 from PIL import Image
 
 from helpers import HANG, handmade_png, pil_png, pixels, run_capture
-from pipeline.data import decode, jpeg, png, turbo
-from pipeline.data.decode import Target
+from pipeline.data.decoding import decode, jpeg, png, turbo
+from pipeline.data.decoding import labelling
+from pipeline.data.decoding.decode import Target
 
 SHAPES = [(1, 28, 28), (3, 32, 32), (3, 5, 7)]
 
@@ -204,27 +205,27 @@ def test_decompression_bomb_is_refused_from_its_header(side):
 
 def test_labels_from_every_member_kind():
     t = Target((1, 4, 4), label="cls", classes=10)
-    assert decode.label_of({"cls": b"7"}, t) == 7
-    assert decode.label_of({"txt": b" 3\n"}, Target((1, 4, 4), label="txt")) == 3
-    assert decode.label_of({"index": b"2"}, Target((1, 4, 4), label="index")) == 2
+    assert labelling.label_of({"cls": b"7"}, t) == 7
+    assert labelling.label_of({"txt": b" 3\n"}, Target((1, 4, 4), label="txt")) == 3
+    assert labelling.label_of({"index": b"2"}, Target((1, 4, 4), label="index")) == 2
     nested = Target((1, 4, 4), label="json:meta.label")
-    assert decode.label_of({"json": json.dumps({"meta": {"label": 4}}).encode()}, nested) == 4
+    assert labelling.label_of({"json": json.dumps({"meta": {"label": 4}}).encode()}, nested) == 4
     sparse = Target((1, 4, 4), classes=3, label_values=(3, 7, 12))
-    assert decode.label_of({"cls": b"12"}, sparse, sparse.lookup()) == 2
-    assert decode.label_of({"json": b'{"meta": {"label": "4"}}'}, nested) == 4  # an integer, written as text
+    assert labelling.label_of({"cls": b"12"}, sparse, sparse.lookup()) == 2
+    assert labelling.label_of({"json": b'{"meta": {"label": "4"}}'}, nested) == 4  # an integer, written as text
     names = Target((1, 4, 4), label="json:label", classes=3, names=("cat", "dog", "n01440764"))
-    assert decode.label_of({"json": b'{"label": "dog"}'}, names, names.lookup()) == 1
+    assert labelling.label_of({"json": b'{"label": "dog"}'}, names, names.lookup()) == 1
     synsets = Target((1, 4, 4), label="cls", classes=3, names=("cat", "dog", "n01440764"))
-    assert decode.label_of({"cls": b"n01440764\n"}, synsets, synsets.lookup()) == 2
+    assert labelling.label_of({"cls": b"n01440764\n"}, synsets, synsets.lookup()) == 2
     folders = Target((1, 4, 4), label="dir", classes=2, names=("257.clutter", "airplane"))
-    assert decode.label_of({"__key__": "train/257.clutter/0001"}, folders, folders.lookup()) == 0
+    assert labelling.label_of({"__key__": "train/257.clutter/0001"}, folders, folders.lookup()) == 0
     first = Target((1, 4, 4), label="dir:0", classes=2, names=("257.clutter", "airplane"))
-    assert decode.label_of({"__key__": "airplane/x/0001"}, first, first.lookup()) == 1
+    assert labelling.label_of({"__key__": "airplane/x/0001"}, first, first.lookup()) == 1
     unlabelled = [({"cls": b"-1"}, t), ({}, t), ({"json": b"{}"}, nested),
                   ({"json": b'{"meta": {"label": null}}'}, nested), ({"json": b'{"meta": {"label": -1}}'}, nested)]
     for sample, target in unlabelled:
-        with pytest.raises(decode.Unlabelled):
-            decode.label_of(sample, target, target.lookup())
+        with pytest.raises(labelling.Unlabelled):
+            labelling.label_of(sample, target, target.lookup())
     bad = [({"cls": b"10"}, t, "outside 0..9"), ({"cls": b"cat"}, t, "not an integer"),
            ({}, t, "no .cls member"), ({"cls": b"-1"}, t, "marks a sample without a label"),
            ({"json": b"{}"}, nested, "no meta.label field"),
@@ -234,13 +235,13 @@ def test_labels_from_every_member_kind():
            ({"__key__": "0001"}, folders, "has no folder")]
     for sample, target, message in bad:
         with pytest.raises(ValueError, match=message):
-            decode.label_of(sample, target, target.lookup())
+            labelling.label_of(sample, target, target.lookup())
 
 
 def test_label_keys_and_image_extensions_are_checked():
     for bad in ("pyd", "json", "json:", "json:a..b", "pth", "", "dir:x", "dir:-1"):
         with pytest.raises(ValueError):
-            decode.parse_label_key(bad)
+            labelling.parse_label_key(bad)
     with pytest.raises(ValueError):
         Target((3, 8, 8), image_exts=("pyd",))
     assert Target((3, 8, 8), ("jpg", "png"), "json:label").members == {"jpg", "png", "json"}
@@ -255,7 +256,7 @@ def test_only_named_members_are_ever_looked_at():
     t = Target((1, 2, 2), ("png",), "cls")
     sample = {"png": png.encode(np.zeros((1, 2, 2), np.uint8)), "cls": b"1", "pyd": Explodes(b"x"),
               "pth": Explodes(b"y"), "pickle": Explodes(b"z")}
-    assert decode.image_of(sample, t)[0] == "png" and decode.label_of(sample, t) == 1
+    assert decode.image_of(sample, t)[0] == "png" and labelling.label_of(sample, t) == 1
 
 
 def test_tiff_gif_and_npy_images_decode():
@@ -339,7 +340,7 @@ def test_npy_claiming_more_pixels_than_it_holds_is_refused_before_any_array(tmp_
     code = """
 import resource, sys
 import numpy as np
-from pipeline.data import decode
+from pipeline.data.decoding import decode
 soft, hard = resource.getrlimit(resource.RLIMIT_AS)
 used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
 resource.setrlimit(resource.RLIMIT_AS, (used + (32 << 20), hard))  # half the claimed array
@@ -393,7 +394,7 @@ def jpeg_cases(shape):
 
 @pytest.mark.parametrize("shape", [(3, 32, 32), (1, 28, 28)])
 def test_jpegs_decode_the_same_with_simplejpeg_and_without(shape, monkeypatch):
-    """simplejpeg (pipeline.data.turbo) or, where it is missing, torchvision and PIL: the same
+    """simplejpeg (pipeline.data.decoding.turbo) or, where it is missing, torchvision and PIL: the same
     images kept, the same refusals, the same pixels for every image decoded at its own size
     (both are libjpeg-turbo), and within a mean of 6 levels for one simplejpeg decodes at a
     smaller DCT scale before the resize (3/8 here, where PIL's draft mode takes 1/2)."""

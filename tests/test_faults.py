@@ -204,7 +204,7 @@ def test_unloadable_checkpoint_is_one_line_error(data, tmp_path):
 
 
 def test_remote_shard_with_wrong_sha256_is_reported_and_skipped(data, tmp_path):
-    from pipeline.data import stream
+    from pipeline.data.streams import stream
     from pipeline.writers.shards import ShardError
 
     folder = linked_copy(data, tmp_path / "served", "mnist-train-000002.tar")

@@ -1,4 +1,4 @@
-"""Samples of any fields (pipeline.data.schema): every field type, decoded, staged and batched
+"""Samples of any fields (pipeline.data.fields.schema): every field type, decoded, staged and batched
 with the right types and shapes at 0 and 2 workers; an img2dataset-shaped set written by
 wds.ShardWriter; stages that repeat on resume; the schema from --fields, the manifest and
 the API; the default image-and-label layout untouched."""
@@ -13,10 +13,13 @@ import pytest
 from PIL import Image
 
 from helpers import encode_pil, make_shards_in_process, write_foreign
-from pipeline.data import augment, budget, read
-from pipeline.data.manifest import resolve
-from pipeline.data.schema import Column, Schema, parse_fields
-from pipeline.data.stream import MixedStream, make_loader
+from pipeline.data.fields import augment
+from pipeline.data.handover import budget
+from pipeline.data.shards import read
+from pipeline.data.manifests.manifest import resolve
+from pipeline.data.fields.schema import Column, Schema, parse_fields
+from pipeline.data.streams.stream import MixedStream
+from pipeline.data.handover.loader import make_loader
 from pipeline.ordering.topology import Topology
 from pipeline.errors import InputError
 from pipeline.writers import index
@@ -322,8 +325,9 @@ RANKS = r'''
 import json, os, sys
 import torch
 import torch.distributed as dist
-from pipeline.data.manifest import resolve
-from pipeline.data.stream import MixedStream, make_loader
+from pipeline.data.manifests.manifest import resolve
+from pipeline.data.streams.stream import MixedStream
+from pipeline.data.handover.loader import make_loader
 from pipeline.ordering.topology import Topology
 
 def main(data, out):

@@ -1,4 +1,4 @@
-"""Hostile fields (pipeline.data.schema): a 100 MB caption, a .npy of objects, a .npy claiming
+"""Hostile fields (pipeline.data.fields.schema): a 100 MB caption, a .npy of objects, a .npy claiming
 2^40 elements, a crop larger than its image, a .json path into a list of a million items. Each
 is one skipped, counted sample with its reason, the others stream on, and the process's peak
 memory stays far below what any of them claims."""
@@ -63,7 +63,7 @@ HOSTILE = {
                  dict(emb=claimed_npy((1 << 20, 1 << 20)))),
     "small_image": ("image of 8x8 is smaller than the 16x16 crop of RandomCrop('image')", dict(side=8)),
     "million_tags": ("field tags: .json of 7888900 bytes, more than its cap of 1048576 "
-                     "(pipeline.data.schema.MAX_JSON_BYTES)", dict(tags=list(range(1_000_000)))),
+                     "(pipeline.data.fields.schema.MAX_JSON_BYTES)", dict(tags=list(range(1_000_000)))),
 }
 
 
@@ -107,9 +107,10 @@ def hostile(tmp_path_factory):
 
 SCRIPT = r'''
 import dataclasses, json, resource, sys, warnings
-from pipeline.data import augment
-from pipeline.data.manifest import resolve
-from pipeline.data.stream import MixedStream, make_loader
+from pipeline.data.fields import augment
+from pipeline.data.manifests.manifest import resolve
+from pipeline.data.streams.stream import MixedStream
+from pipeline.data.handover.loader import make_loader
 
 src = resolve("h", sys.argv[1], "train")
 src = dataclasses.replace(src, schema=type(src.schema)(src.schema.columns, [augment.RandomCrop("image", 16)]))

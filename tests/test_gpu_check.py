@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import tool_module
-from pipeline.data.stream import make_loader
+from pipeline.data.handover.loader import make_loader
 
 NO_DEVICE = "device" not in inspect.signature(make_loader).parameters
 NEEDS_DEVICE = pytest.mark.skipif(NO_DEVICE, reason="make_loader has no device= yet (issue 52 item 2): the case "

@@ -1,12 +1,12 @@
-"""pipeline/data/gpujpeg.py: a batch's JPEGs split on the host (headers checked, the
+"""pipeline/data/decoding/gpujpeg.py: a batch's JPEGs split on the host (headers checked, the
 exact-size ones left encoded) and decoded on a device to what decode_batch gives."""
 import pickle
 
 import pytest
 import torch
 
-from pipeline.data import bounds, decode, gpujpeg, turbo
-from pipeline.data.decode import Target
+from pipeline.data.decoding import image_caps as bounds, decode, gpujpeg, turbo
+from pipeline.data.decoding.decode import Target
 from test_decode import encoded, jpeg_cases, smooth
 
 SHAPES = [(3, 32, 32), (1, 28, 28)]

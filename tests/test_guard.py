@@ -13,7 +13,7 @@ import torch
 from helpers import build_shards, completed, finish, launch_train, launch_trainer, launchers, steps_logged, \
     train_in_process
 from pipeline.files import locked
-from pipeline.data.stream import resolve
+from pipeline.data.streams.stream import resolve
 from pipeline.train import dist, guard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""The hand-over of batches to the user (pipeline.data.loader, ring, device, workers): batches
+"""The hand-over of batches to the user (pipeline.data.handover.loader, ring, device, workers): batches
 on the device, small fields that keep only themselves, bytes never overwritten whatever the
 user keeps or copies, and the hand-over's failures (issue 53: two threads, a stuck worker, a
 bad timeout, a huge batch without workers, the fork's copy, no busy wait). The CUDA cases
@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from helpers import HALF, HANG, key_index, train_sources
-from pipeline.data.stream import MixedStream, make_loader
+from pipeline.data.streams.stream import MixedStream
+from pipeline.data.handover.loader import make_loader
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -239,7 +240,8 @@ STUCK = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 from helpers import HALF, train_sources
-from pipeline.data.stream import MixedStream, make_loader
+from pipeline.data.streams.stream import MixedStream
+from pipeline.data.handover.loader import make_loader
 
 s = MixedStream(train_sources({folder!r}), HALF, 4, epoch_samples=4 * 30, normalize=False)
 loader = make_loader(s, 2, prefetch_factor=1, timeout=2, record=False)
@@ -398,7 +400,7 @@ def test_cuda_copies_on_a_side_stream_of_batches_dropped_before_any_wait_are_who
 
 @CUDA
 def test_cuda_a_refused_page_lock_is_one_warning_and_the_batches_are_right(data, monkeypatch):
-    from pipeline.data import ring
+    from pipeline.data.handover import ring
 
     monkeypatch.setattr(ring, "_register", lambda memory: False)
     loader = make_loader(_stream(data), 2, prefetch_factor=1, device="cuda")

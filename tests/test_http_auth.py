@@ -1,5 +1,5 @@
 """Credentials for plain HTTP(S): an Authorization header from $PIPELINE_HTTP_AUTHORIZATION
-(pipeline.data.remote._request), against a server on 127.0.0.1 that answers 401 without it.
+(pipeline.data.store.transports._request), against a server on 127.0.0.1 that answers 401 without it.
 The header goes to the hosts the job reads (or those $PIPELINE_HTTP_AUTH_HOSTS names), never to
 a host a redirect leads to, and never into a message."""
 import functools
@@ -8,7 +8,8 @@ import http.server
 import pytest
 
 from helpers import Quiet, build_shards, serving, train_in_process
-from pipeline.data import remote
+from pipeline.data.store import remote
+from pipeline.data.store import transports
 from pipeline.errors import FetchError
 
 TOKEN = "Bearer http-t0ken-never-printed-9876"
@@ -68,14 +69,14 @@ def guarded(shards):
 
 def test_a_read_with_the_variable_gets_the_bytes(guarded, shards, monkeypatch):
     server, _ = guarded
-    monkeypatch.setenv(remote.AUTH_VARIABLE, TOKEN)
+    monkeypatch.setenv(transports.AUTH_VARIABLE, TOKEN)
     assert remote.fetch(server.url + "mnist-train.json", policy=FAST) == (shards / "mnist-train.json").read_bytes()
     assert server.seen == [TOKEN]
 
 
 def test_without_the_variable_a_401_is_one_line_at_once(guarded, monkeypatch):
     server, _ = guarded
-    monkeypatch.delenv(remote.AUTH_VARIABLE, raising=False)
+    monkeypatch.delenv(transports.AUTH_VARIABLE, raising=False)
     with pytest.raises(FetchError) as e:
         remote.fetch(server.url + "mnist-train.json", policy=remote.Policy(retries=3, delay=5.0, timeout=5))
     assert "401" in str(e.value) and "mnist-train.json" in str(e.value) and "\n" not in str(e.value)
@@ -84,7 +85,7 @@ def test_without_the_variable_a_401_is_one_line_at_once(guarded, monkeypatch):
 
 def test_a_wrong_header_is_refused_and_never_shown(guarded, monkeypatch):
     server, _ = guarded
-    monkeypatch.setenv(remote.AUTH_VARIABLE, "Bearer wrong-t0ken-also-secret")
+    monkeypatch.setenv(transports.AUTH_VARIABLE, "Bearer wrong-t0ken-also-secret")
     with pytest.raises(FetchError) as e:
         remote.fetch(server.url + "mnist-train.json", policy=FAST)
     assert "401" in str(e.value) and "wrong-t0ken" not in str(e.value)
@@ -92,7 +93,7 @@ def test_a_wrong_header_is_refused_and_never_shown(guarded, monkeypatch):
 
 def test_the_header_never_follows_a_redirect(guarded, shards, monkeypatch):
     server, other = guarded
-    monkeypatch.setenv(remote.AUTH_VARIABLE, TOKEN)
+    monkeypatch.setenv(transports.AUTH_VARIABLE, TOKEN)
     got = remote.fetch(server.url + "away/mnist-train.json", policy=FAST)
     assert got == (shards / "mnist-train.json").read_bytes()
     assert server.seen == [TOKEN] and other.seen == [None]
@@ -103,7 +104,7 @@ def test_the_header_follows_a_redirect_within_its_own_origin(guarded, shards, mo
     a renamed repository to itself); tokens were dropped there, and a private file read as
     missing."""
     server, _ = guarded
-    monkeypatch.setenv(remote.AUTH_VARIABLE, TOKEN)
+    monkeypatch.setenv(transports.AUTH_VARIABLE, TOKEN)
     got = remote.fetch(server.url + "here/mnist-train.json", policy=FAST)
     assert got == (shards / "mnist-train.json").read_bytes() and server.seen == [TOKEN, TOKEN]
 
@@ -111,11 +112,11 @@ def test_the_header_follows_a_redirect_within_its_own_origin(guarded, shards, mo
 def test_a_header_with_a_line_break_is_one_line_that_never_shows_it(guarded, monkeypatch):
     """http.client refuses such a header with a ValueError quoting it: the secret, in a traceback."""
     server, _ = guarded
-    monkeypatch.setenv(remote.AUTH_VARIABLE, "Bearer line-t0ken-secret\nX-Injected: 1")
+    monkeypatch.setenv(transports.AUTH_VARIABLE, "Bearer line-t0ken-secret\nX-Injected: 1")
     with pytest.raises(FetchError) as e:
         remote.fetch(server.url + "mnist-train.json", policy=remote.Policy(retries=3, delay=5.0, timeout=5))
     said = str(e.value)
-    assert f"${remote.AUTH_VARIABLE} holds a line break" in said and "t0ken" not in said and "\n" not in said, said
+    assert f"${transports.AUTH_VARIABLE} holds a line break" in said and "t0ken" not in said and "\n" not in said, said
     assert server.seen == []
 
 
@@ -124,7 +125,7 @@ def test_a_redirect_to_a_port_that_is_no_port_is_one_line_with_credentials_too(g
     """Comparing origins read the redirect's port, which raised ValueError past every handler:
     a traceback when a token was set, one line without."""
     server, _ = guarded
-    monkeypatch.setenv(remote.AUTH_VARIABLE, TOKEN)
+    monkeypatch.setenv(transports.AUTH_VARIABLE, TOKEN)
     with pytest.raises(FetchError) as e:
         remote.fetch(server.url + f"port/{port}/x", policy=remote.Policy(retries=0, timeout=5))
     assert "\n" not in str(e.value) and "t0ken" not in str(e.value), str(e.value)
@@ -134,9 +135,9 @@ def test_a_header_with_a_line_break_is_one_line_when_shards_are_checked_too(guar
     """The check of a local manifest's http shards (remote.head_check) took the refusal for an
     HTTP answer and read its status code: AttributeError, a traceback."""
     server, _ = guarded
-    monkeypatch.setenv(remote.AUTH_VARIABLE, "Bearer line-t0ken-secret\nX-Injected: 1")
+    monkeypatch.setenv(transports.AUTH_VARIABLE, "Bearer line-t0ken-secret\nX-Injected: 1")
     problems, resized = remote.head_check([server.url + "mnist-train-000000.tar"], policy=FAST)
-    assert len(problems) == 1 and not resized and f"${remote.AUTH_VARIABLE} holds a line break" in problems[0]
+    assert len(problems) == 1 and not resized and f"${transports.AUTH_VARIABLE} holds a line break" in problems[0]
     assert "t0ken" not in problems[0] and server.seen == []
 
 
@@ -144,8 +145,8 @@ def test_a_header_with_a_line_break_is_one_line_when_shards_are_checked_too(guar
                                          ("shards.example.org", False), ("127.0.0.1:1", False)])
 def test_the_hosts_variable_limits_where_the_header_goes(guarded, monkeypatch, hosts, sent):
     server, _ = guarded
-    monkeypatch.setenv(remote.AUTH_VARIABLE, TOKEN)
-    monkeypatch.setenv(remote.AUTH_HOSTS_VARIABLE, hosts.format(port=server.server_address[1]))
+    monkeypatch.setenv(transports.AUTH_VARIABLE, TOKEN)
+    monkeypatch.setenv(transports.AUTH_HOSTS_VARIABLE, hosts.format(port=server.server_address[1]))
     if sent:
         remote.fetch(server.url + "mnist-train.json", policy=FAST)
     else:
@@ -157,7 +158,7 @@ def test_the_hosts_variable_limits_where_the_header_goes(guarded, monkeypatch, h
 def test_a_user_password_url_wins_over_the_variable(guarded, monkeypatch):
     """The URL's own credentials are the more specific: basic auth from them, not the variable."""
     server, _ = guarded
-    monkeypatch.setenv(remote.AUTH_VARIABLE, TOKEN)
+    monkeypatch.setenv(transports.AUTH_VARIABLE, TOKEN)
     url = server.url.replace("http://", "http://user:pw-secret@") + "mnist-train.json"
     with pytest.raises(FetchError) as e:
         remote.fetch(url, policy=FAST)
@@ -169,12 +170,12 @@ def test_the_trainer_reads_a_guarded_server_with_the_variable_and_says_one_line_
     server, _ = guarded
     args = ["--train", f"mnist={server.url}", "--epochs", "1", "--batch-size", "8", "--workers", "0", "--width", "4",
             "--retries", "1", "--io-timeout", "5"]
-    monkeypatch.delenv(remote.AUTH_VARIABLE, raising=False)
+    monkeypatch.delenv(transports.AUTH_VARIABLE, raising=False)
     p = train_in_process([*args, "--out", tmp_path / "without"])
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
     errors = [ln for ln in p.stderr.splitlines() if "error:" in ln]
     assert len(errors) == 1 and "401" in errors[0] and "mnist-train.json" in errors[0], p.stderr[-2000:]
-    monkeypatch.setenv(remote.AUTH_VARIABLE, TOKEN)
+    monkeypatch.setenv(transports.AUTH_VARIABLE, TOKEN)
     p = train_in_process([*args, "--out", tmp_path / "with"])
     assert p.returncode == 0, p.stderr[-2000:]
     assert TOKEN.split()[1] not in p.stdout + p.stderr

@@ -11,9 +11,10 @@ import urllib.parse
 import pytest
 
 from helpers import HANG, build_shards, run_capture, serving
-from pipeline.data import remote, storage
-from pipeline.data.manifest import resolve
-from pipeline.data.stream import MixedStream
+from pipeline.data.store import remote, storage
+from pipeline.data.store import hf_hub
+from pipeline.data.manifests.manifest import resolve
+from pipeline.data.streams.stream import MixedStream
 from pipeline.errors import FetchError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -184,7 +185,7 @@ def test_the_hub_s_refusals_are_one_line_at_once(hub, where, said):
 
 def test_hub_urls_are_written_as_huggingface_hub_downloads_them(monkeypatch):
     monkeypatch.delenv("HF_ENDPOINT", raising=False)
-    url = lambda u: storage.hub_url(storage.parse(u))  # noqa: E731
+    url = lambda u: hf_hub.hub_url(storage.parse(u))  # noqa: E731
     assert url("hf://datasets/u/d/shards/a b+c.tar") == "https://huggingface.co/datasets/u/d/resolve/main/shards/a%20b%2Bc.tar"
     assert url("hf://datasets/u/d@refs%2Fpr%2F3/x.tar") == "https://huggingface.co/datasets/u/d/resolve/refs%2Fpr%2F3/x.tar"
     assert url("hf://spaces/u/s/x.tar") == "https://huggingface.co/spaces/u/s/resolve/main/x.tar"

@@ -18,8 +18,9 @@ from helpers import (FOLDERS, HANG, NAMES, SYNSETS, build_shards, built_once, co
                      write_imagefolder_tar, write_multi_member, write_named_shardwriter, write_shardwriter,
                      write_synset_tar)
 from pipeline.writers.index import expand
-from pipeline.data import manifest
-from pipeline.data.stream import MixedStream, make_loader, resolve
+from pipeline.data.manifests import manifest
+from pipeline.data.streams.stream import MixedStream, resolve
+from pipeline.data.handover.loader import make_loader
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "make_shards.py")
@@ -241,9 +242,11 @@ def test_every_foreign_sample_streams_once_per_pass(foreign, workers):
 def test_members_nobody_asked_for_are_never_kept(foreign):
     """img2dataset's .txt captions are read past, not carried into the window."""
     src = resolve("i2d", str(foreign.out), "train")
-    from pipeline.data import stages
+    from pipeline.data.streams import stages
+    from pipeline.data.streams import reading
+    from pipeline.data.streams import plans
 
-    data = stages.Reader(src)(stages.Window(((src.urls[0], 0, None),)))
+    data = reading.Reader(src)(plans.Window(((src.urls[0], 0, None),)))
     assert len(data) == 20 and set(data.exts) == {"jpg"}
     assert all(img[:2] == b"\xff\xd8" for img in data.images)
 
@@ -583,7 +586,7 @@ def test_classes_from_a_manifest_of_too_many_classes_says_the_limit_and_why(tmp_
     """The hostile trial's --classes-from manifest of 2 million classes was "a non-empty list of
     class names expected"; a manifest of more than MAX_CLASSES classes, read anywhere, names its
     count, the limit and the reason in one line (the limit is lowered here so a small file reaches it)."""
-    from pipeline.data import manifest as manifest_module
+    from pipeline.data.manifests import manifest as manifest_module
 
     monkeypatch.setattr(manifest_module, "MAX_CLASSES", 5)
     build_shards(tmp_path / "s", "m", "train", 20, maxcount=10, encoding="png")
@@ -594,5 +597,5 @@ def test_classes_from_a_manifest_of_too_many_classes_says_the_limit_and_why(tmp_
                     "--out", tmp_path / "o")
     assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
     assert (f"{tmp_path}/many.json: field classes: 6 classes, more than the 5 a manifest may hold "
-            f"(pipeline.data.manifest.MAX_CLASSES): the model has an output per class and every worker keeps the "
+            f"(pipeline.data.manifests.manifest.MAX_CLASSES): the model has an output per class and every worker keeps the "
             f"class list") in p.stderr, p.stderr

@@ -4,7 +4,10 @@ a lazy one inside a function too: it is a circle all the same, only hidden.
 
 Layers, bottom first: the shared modules (cli, errors, files, figures) < pipeline.ordering (the
 order of samples: arithmetic on positions, no bytes read) < pipeline.data < pipeline.writers <
-pipeline.stream (the streaming API) < pipeline.train < tools. A module may import its own layer and those below.
+pipeline.stream (the streaming API) < pipeline.train < tools. A module may import its own layer and
+those below. Inside pipeline.data, its folders are layers of their own, bottom first: store < shards <
+decoding < fields < manifests < streams < handover (docs/layout.md). Tests never import each other, and
+no module of pipeline/ or tools/ passes 500 lines.
 """
 import ast
 from pathlib import Path
@@ -115,9 +118,9 @@ def circles(edges):
 def test_the_reader_sees_the_imports_it_should():
     edges = graph()
     assert [m for m, _ in edges["pipeline.files"]] == ["pipeline.errors"]
-    assert {"pipeline.data.decode", "pipeline.data.manifest", "pipeline.data.remote"} <= {
+    assert {"pipeline.data.decoding.decode", "pipeline.data.manifests.manifest", "pipeline.data.store.remote"} <= {
         m for m, _ in edges["pipeline.writers.make_shards"]}  # `from pipeline.data import decode, manifest, remote`
-    assert "pipeline.data.remote" in [m for m, _ in edges["pipeline.data.manifest"]]
+    assert "pipeline.data.store.remote" in [m for m, _ in edges["pipeline.data.manifests.manifest"]]
     assert "tools.bench_peers" in [m for m, _ in edges["tools.bench_loader"]]
     assert {"pipeline", "pipeline.data", "pipeline.train", "pipeline.writers.make_shards", "tools.make_shards"} <= set(edges)
     assert [m for m, _ in edges["tools.make_shards"]] == ["pipeline.writers.make_shards"]  # the tool is its entry point
@@ -140,3 +143,57 @@ def test_the_circle_finder_finds_a_circle():
         ["a -> b (line 1)", "b -> c (line 2)", "c -> a (line 3)"]]
     assert circles({"a": [("a", 7)]}) == [["a -> a (line 7)"]]
     assert circles({"a": [("b", 1)], "b": []}) == []
+
+
+# The data path's folders, bottom first: a module of pipeline.data may import its own folder and
+# those below it, never one above (docs/layout.md draws them). The hand-over is on top.
+DATA_FOLDERS = ["store", "shards", "decoding", "fields", "manifests", "streams", "handover"]
+
+
+def data_folder(module):
+    """The folder of pipeline.data that `module` lies in, or None outside pipeline.data's folders."""
+    parts = module.split(".")
+    if parts[:2] == ["pipeline", "data"] and len(parts) > 2:
+        return parts[2]
+    return None
+
+
+def test_every_data_module_lies_in_a_folder_of_the_data_path():
+    loose = [m for m in graph() if m.startswith("pipeline.data.") and data_folder(m) not in DATA_FOLDERS]
+    assert not loose, f"modules of pipeline.data in no folder of {DATA_FOLDERS}: {loose}"
+
+
+def test_no_data_folder_imports_one_above_it():
+    up = [f"{a} (line {line}) imports {b}: {data_folder(a)} may not import {data_folder(b)}"
+          for a, targets in graph().items() if data_folder(a) in DATA_FOLDERS for b, line in targets
+          if data_folder(b) in DATA_FOLDERS and DATA_FOLDERS.index(data_folder(a)) < DATA_FOLDERS.index(data_folder(b))]
+    assert not up, "imports that run up the data path:\n" + "\n".join("  " + u for u in up)
+
+
+def test_nothing_below_the_hand_over_reaches_it_through_the_public_modules():
+    """pipeline.stream joins the stream and the loader for the user; no data module may import it
+    (or pipeline.topology's stand-in for the order) to reach the hand-over by a side door."""
+    side = [f"{a} (line {line}) imports {b}" for a, targets in graph().items() if a.startswith("pipeline.data.")
+            for b, line in targets if b == "pipeline.stream"]
+    assert not side, "data modules that import the public module:\n" + "\n".join("  " + s for s in side)
+
+
+def test_no_test_module_imports_another():
+    """Tests share their builders through tests/helpers.py and conftest.py, never by importing
+    each other: a test module imported by another runs its module-level code twice."""
+    tests = {p.stem for p in (ROOT / "tests").glob("test_*.py")}
+    found = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.name} (line {node.lineno}) imports {n}" for n in names
+                      if n.rpartition(".")[2] in tests or n.partition(".")[0] in tests]
+    assert not found, "test modules importing test modules:\n" + "\n".join("  " + f for f in found)
+
+
+def test_no_module_over_500_lines_in_pipeline_or_tools():
+    """A module that grows past 500 lines holds more than one concern: split it by concern."""
+    long = {str(p.relative_to(ROOT)): n for p in module_files().values()
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 500}
+    assert not long, f"modules over 500 lines: {long}"

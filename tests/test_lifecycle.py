@@ -13,10 +13,10 @@ import json
 import numpy as np
 import pytest
 
-from helpers import build_shards
-from test_coverage import fields_corpus
-from pipeline.data.manifest import resolve
-from pipeline.data.stream import MixedStream, make_loader
+from helpers import build_shards, fields_corpus
+from pipeline.data.manifests.manifest import resolve
+from pipeline.data.streams.stream import MixedStream
+from pipeline.data.handover.loader import make_loader
 from pipeline.ordering.topology import Worker
 
 BATCH = 10

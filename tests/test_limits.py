@@ -17,9 +17,12 @@ import pytest
 from helpers import (Forker, HANG, Quiet, build_shards, drip, make_shards_in_process, run_capture, serving,
                      train_in_process)
 from pipeline import cli
-from pipeline.data import manifest, remote
+from pipeline.data.manifests import manifest
+from pipeline.data.manifests import patterns
+from pipeline.data.store import remote
 from pipeline.train import options, outdir
 from pipeline.writers import shards
+from pipeline.writers import verify
 from pipeline.errors import ShardError
 from pipeline.writers.sources import SyntheticSource
 
@@ -309,7 +312,7 @@ def test_a_second_build_in_one_folder_is_refused_while_the_first_holds_it(tmp_pa
         go.set()
         first.join(30)
     assert len(results) == 1 and results[0]["total"] == 40
-    assert shards.verify(out) == [] and not os.path.exists(os.path.join(out, shards.LOCK))
+    assert verify.verify(out) == [] and not os.path.exists(os.path.join(out, shards.LOCK))
 
 
 def test_the_lock_is_free_again_after_a_failed_build(tmp_path):
@@ -323,7 +326,7 @@ def test_the_lock_is_free_again_after_a_failed_build(tmp_path):
         shards.build(Broken("mnist", "train", 20, (1, 8, 8), 0), str(tmp_path), maxcount=5, progress=False)
     assert not (tmp_path / shards.LOCK).exists()
     shards.build(SyntheticSource("mnist", "train", 20, (1, 8, 8), 0), str(tmp_path), maxcount=5, progress=False)
-    assert shards.verify(str(tmp_path)) == []
+    assert verify.verify(str(tmp_path)) == []
 
 
 # ---------------------------------------------------------------- brace patterns and manifest bodies
@@ -368,11 +371,11 @@ def test_a_brace_pattern_of_millions_is_one_line_within_a_memory_limit(tmp_path,
 
 @pytest.mark.slow
 def test_a_pattern_within_the_cap_still_expands_as_braceexpand_does(tmp_path):
-    assert manifest.expand_pattern("a{0..2}/{x,y{1..2}}") == ["a0/x", "a0/y1", "a0/y2", "a1/x", "a1/y1", "a1/y2",
+    assert patterns.expand_pattern("a{0..2}/{x,y{1..2}}") == ["a0/x", "a0/y1", "a0/y2", "a1/x", "a1/y1", "a1/y2",
                                                               "a2/x", "a2/y1", "a2/y2"]
-    assert len(manifest.expand_pattern("{0..999}{0..999}")) == manifest.MAX_PATTERN
+    assert len(patterns.expand_pattern("{0..999}{0..999}")) == patterns.MAX_PATTERN
     with pytest.raises(ShardError, match="more than 1,000,000"):
-        manifest.expand_pattern("{0..999}{0..1000}")
+        patterns.expand_pattern("{0..999}{0..1000}")
 
 
 class Huge(Quiet, http.server.BaseHTTPRequestHandler):
@@ -408,7 +411,7 @@ def test_a_2gb_manifest_body_is_one_line_naming_its_url(tmp_path, kind, limited)
 def test_a_gzip_shard_cannot_claim_more_samples_than_it_may_inflate_to(tmp_path):
     """A 2 KB .tar.gz listed with 10**15 samples made an epoch of 10**15 samples (the shard's 200
     read over and over, for ever): its count is bounded by what the reader inflates it to at most."""
-    from pipeline.data.read import INFLATE_RATIO, INFLATE_SLACK
+    from pipeline.data.shards.read import INFLATE_RATIO, INFLATE_SLACK
 
     def m(samples, nbytes=2000):
         return {"format": manifest.FORMAT, "dataset": "x", "split": "train", "shape": [1, 4, 4], "classes": ["a"],

@@ -1,4 +1,4 @@
-"""Listing a store prefix under the job's limits (pipeline.data.listings), against hostile
+"""Listing a store prefix under the job's limits (pipeline.data.store.listings), against hostile
 servers on 127.0.0.1: an S3 look-alike whose ListObjectsV2 answers drip, run huge, hold
 entities or a NUL, loop or never end; a Hub look-alike whose tree pages do the same. Each
 ends in one line within the job's deadline, having read about its cap."""
@@ -11,7 +11,8 @@ import pytest
 
 from conftest import S3_SECRET
 from helpers import drip, make_shards_in_process, no_aws_credentials, serving
-from pipeline.data import listings, remote, storage
+from pipeline.data.store import listings, remote, storage
+from pipeline.data.store import s3
 from pipeline.errors import FetchError
 
 QUICK = remote.Policy(retries=3, delay=0.01, timeout=1, min_rate=64 << 20)  # a page's deadline: 1 s + its size
@@ -67,7 +68,7 @@ class _Lister(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def lister(monkeypatch):
-    monkeypatch.setattr(storage, "_BUCKETS", {})
+    monkeypatch.setattr(s3, "_BUCKETS", {})
     with serving(_Lister, answer=None, gets=[], sent=0) as server:
         monkeypatch.setenv("AWS_ENDPOINT_URL", server.url.rstrip("/"))
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing-key-id")
@@ -237,7 +238,7 @@ def test_a_listing_refused_without_credentials_says_none_were_found(lister, monk
         remote.fetch("s3://b/base/x.tar", policy=ROOMY)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "some-key")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
-    monkeypatch.setattr(storage, "_BUCKETS", {})
+    monkeypatch.setattr(s3, "_BUCKETS", {})
     assert "no AWS credentials" not in refused()  # signed and refused: the key's fault, not a missing one
 
 

@@ -1,4 +1,4 @@
-"""pipeline.data.loader, ring and workers: batches written once into ring slots, handed out as
+"""pipeline.data.handover.loader, ring and workers: batches written once into ring slots, handed out as
 views of them, slots back only when nothing refers to a batch; workers that persist across
 passes and follow set_epoch; errors and deaths of workers."""
 import os
@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from helpers import HALF, key_index, keys_of, run_epoch, train_sources
-from pipeline.data.ring import Field, Ring, Spec
-from pipeline.data.stream import MixedStream, make_loader
-from pipeline.data.workers import WorkerDied
+from pipeline.data.fields.spec import Field, Spec
+from pipeline.data.handover.ring import Ring
+from pipeline.data.streams.stream import MixedStream
+from pipeline.data.handover.loader import make_loader
+from pipeline.data.handover.workers import WorkerDied
 from pipeline.errors import InputError
 
 
@@ -373,7 +375,7 @@ def test_batches_kept_across_a_restart_of_the_workers_are_never_overwritten(data
 def test_a_ctrl_c_between_a_messages_header_and_its_payload_loses_nothing(data):
     """A KeyboardInterrupt caught while the consumer waits for a batch's payload, its header read:
     the next pass still reads whole messages (it parsed the payload as the next header)."""
-    from pipeline.data.workers import HEADER
+    from pipeline.data.handover.workers import HEADER
 
     s = _stream(data)
     loader = make_loader(s, 1, timeout=30)  # a payload read as a header waits for bytes that never come
@@ -399,7 +401,7 @@ def test_a_ctrl_c_between_a_batchs_message_and_its_lend_loses_no_slot(data, monk
     """A KeyboardInterrupt caught after a worker's message left the pipe but before its slot was
     lent, once a pass for more passes than the worker has slots: each pass begins with every slot
     nobody holds, so the last pass still reads its whole epoch (it waited for a slot for good)."""
-    import pipeline.data.loader as loader_module
+    import pipeline.data.handover.loader as loader_module
 
     s = _stream(data)
     loader = make_loader(s, 1, prefetch_factor=2, timeout=30)  # 4 slots
@@ -487,7 +489,7 @@ def test_a_second_pass_at_zero_workers_stops_the_first(data):
 
 
 def test_a_ring_that_would_not_fit_in_shared_memory_is_one_line(tmp_path):
-    from pipeline.data.loader import check_shared_memory
+    from pipeline.data.handover.loader import check_shared_memory
 
     free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
     check_shared_memory(free // 2, str(tmp_path))

@@ -21,6 +21,7 @@ from PIL import Image
 
 from helpers import HANG, make_shards_in_process, run_capture, write_tar
 from pipeline.writers import shards, sources
+from pipeline.writers import verify
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "make_shards.py"
 
@@ -111,7 +112,7 @@ def test_synthetic_writes_both_datasets_and_splits(tmp_path, read_tar, decode_im
         assert name in p.stdout
         for image, label in decoded_samples(out, m, read_tar, decode_image).values():
             assert image.shape == tuple(m["shape"]) and 0 <= label < 10
-    assert shards.verify(str(out)) == []
+    assert verify.verify(str(out)) == []
 
 
 def write_idx(path, array):
@@ -541,7 +542,7 @@ def test_a_rebuild_on_a_full_disk_keeps_the_old_set_usable(main, tmp_path, monke
     code, out, err = main(*SMALL, "--seed", 1)
     assert_one_error_line(code, err, "No space left on device")
     assert folder_bytes(tmp_path / "out") == before
-    assert shards.verify(str(tmp_path / "out")) == []
+    assert verify.verify(str(tmp_path / "out")) == []
 
 
 def test_a_rebuild_past_the_file_size_limit_keeps_the_old_set_usable(tmp_path):

@@ -6,9 +6,11 @@ import re
 import pytest
 
 from helpers import HANG, build_shards, run_capture, shard_keys
-from pipeline.data import manifest
+from pipeline.data.manifests import manifest
+from pipeline.data.manifests import locations
+from pipeline.data.manifests import patterns
 from pipeline.errors import ShardError
-from pipeline.data.stream import MixedStream, resolve
+from pipeline.data.streams.stream import MixedStream, resolve
 
 
 def test_resolve_manifest_folder_and_pattern(data):
@@ -79,7 +81,7 @@ def test_a_pipe_manifest_of_tar_gz_shards_resolves(tmp_path):
     write_img2dataset(folder, 30, per_shard=15, gz=True)
     index("web", "train", f"pipe:cat {folder}/{{00000..00001}}.tar.gz", str(folder), label="json:label",
           progress=False)
-    assert manifest.pipe_shard_name(f"pipe:cat {folder}/00000.tar.gz") == "00000.tar.gz"
+    assert locations.pipe_shard_name(f"pipe:cat {folder}/00000.tar.gz") == "00000.tar.gz"
     src = resolve("web", f"pipe:cat {folder}/00000.tar.gz", "train")
     assert src.manifest == f"pipe:cat {folder}/web-train.json"
     assert src.urls == [f"pipe:cat {folder}/00000.tar.gz"] and src.counts == [15]
@@ -115,7 +117,7 @@ def test_a_folder_of_tars_without_a_manifest_gets_the_index_command(tmp_path):
     assert "no manifest" in said and "2 shard(s) (00000.tar, ...)" in said
     command = said.split("index them in place with: ")[1]
     assert command == f"make-shards --index 'web:train={folder}' --out '{folder}'"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(manifest.__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the clone: tests/ is in its root
     argv = shlex.split(command)
     p = run_capture([sys.executable, "tools/make_shards.py", *argv[1:], "--label-key", "json:label"],
                     cwd=root, capture_output=True, text=True, timeout=HANG)
@@ -134,7 +136,7 @@ def test_a_folder_of_tars_without_a_manifest_gets_the_index_command(tmp_path):
                                            ("pipe:aws s3 cp s3://b/s/x-000.tar -", "x-000.tar"),
                                            ("pipe:cat /d/x.tar|gunzip", "x.tar")])
 def test_the_shard_name_in_a_pipe_command_ends_where_the_shell_word_ends(command, name):
-    from pipeline.data.manifest import pipe_shard_name
+    from pipeline.data.manifests.locations import pipe_shard_name
     assert pipe_shard_name(command) == name
 
 
@@ -143,7 +145,7 @@ def test_the_shard_name_in_a_pipe_command_ends_where_the_shell_word_ends(command
                                              ("pipe:cat /d/$(echo x).tar", "no shard file name"),
                                              ("pipe:cat /d/x.tar > /tmp/copy.tar", "more than one shard file name")])
 def test_a_pipe_command_without_one_plain_shard_name_is_refused(command, needle):
-    from pipeline.data.manifest import pipe_shard_name
+    from pipeline.data.manifests.locations import pipe_shard_name
     with pytest.raises(ShardError, match=needle):
         pipe_shard_name(command)
 
@@ -193,17 +195,17 @@ def test_a_manifest_above_that_does_not_list_every_shard_is_not_taken(wds):
 
 
 def test_globs_expand_in_name_order_and_say_what_is_wrong(tmp_path):
-    from pipeline.data import nearby
+    from pipeline.data.store import find_manifest
 
     for name in ("b-1.tar", "a-2.tar.gz", "a-1.tar", ".hidden.tar", "a-3.json", "c.tgz"):
         (tmp_path / name).write_bytes(b"x")
-    assert manifest.expand_shards(f"{tmp_path}/*") == [f"{tmp_path}/{n}" for n in ("a-1.tar", "a-2.tar.gz", "b-1.tar",
+    assert patterns.expand_shards(f"{tmp_path}/*") == [f"{tmp_path}/{n}" for n in ("a-1.tar", "a-2.tar.gz", "b-1.tar",
                                                                                       "c.tgz")]
-    assert manifest.expand_shards(f"{tmp_path}/{{b,a}}-?.tar") == [f"{tmp_path}/b-1.tar", f"{tmp_path}/a-1.tar"]
-    assert nearby.globbed(f"{tmp_path}/.h*") == [f"{tmp_path}/.hidden.tar"]
+    assert patterns.expand_shards(f"{tmp_path}/{{b,a}}-?.tar") == [f"{tmp_path}/b-1.tar", f"{tmp_path}/a-1.tar"]
+    assert find_manifest.globbed(f"{tmp_path}/.h*") == [f"{tmp_path}/.hidden.tar"]
     for spec, said in ((f"{tmp_path}/*.zip", "no shards (*.tar, *.tar.gz, *.tgz) match"),
                        (f"{tmp_path}/*/x.tar", "a wildcard in a folder's name"),
                        (f"{tmp_path}/gone/*.tar", "cannot list")):
         with pytest.raises(ShardError, match=re.escape(said)):
-            manifest.expand_shards(spec)
-    assert manifest.expand_shards("http://h/x.tar?sig=1") == ["http://h/x.tar?sig=1"]  # a query, not a glob
+            patterns.expand_shards(spec)
+    assert patterns.expand_shards("http://h/x.tar?sig=1") == ["http://h/x.tar?sig=1"]  # a query, not a glob

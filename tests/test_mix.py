@@ -1,4 +1,4 @@
-"""pipeline.data.mix.RandomMix: wds.RandomMix's constructor and place in a webdataset pipeline,
+"""pipeline.data.streams.mix.RandomMix: wds.RandomMix's constructor and place in a webdataset pipeline,
 with exact, seeded draws; and the training stream mixes through it."""
 import collections
 import itertools
@@ -8,9 +8,9 @@ import webdataset as wds
 
 from helpers import build_shards, train_sources
 from pipeline.ordering import deal
-from pipeline.data import mix
-from pipeline.data.mix import RandomMix
-from pipeline.data.stream import MixedStream
+from pipeline.data.streams import mix
+from pipeline.data.streams.mix import RandomMix
+from pipeline.data.streams.stream import MixedStream
 
 
 @pytest.fixture(scope="module")

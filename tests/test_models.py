@@ -161,8 +161,9 @@ def test_a_skipped_step_leaves_any_models_weights_and_buffers_alone(mixed_shards
     and with a model that has no buffer at all."""
     import copy
 
-    from pipeline.data import remote
-    from pipeline.data.stream import make_loader, resolve
+    from pipeline.data.store import remote
+    from pipeline.data.streams.stream import resolve
+    from pipeline.data.handover.loader import make_loader
     from pipeline.ordering.topology import Topology
     from pipeline.train.run import Run
 

@@ -7,8 +7,8 @@ import pytest
 import webdataset as wds
 
 from helpers import encode_pil, make_shards_in_process
-from pipeline.data.manifest import resolve
-from pipeline.data.stream import MixedStream
+from pipeline.data.manifests.manifest import resolve
+from pipeline.data.streams.stream import MixedStream
 from pipeline.ordering.topology import Topology, Worker
 
 CLASSES, PER_CLASS, PER_SHARD, BATCH = 10, 60, 100, 16

@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from helpers import handmade_png, pil_png, pixels
-from pipeline.data import png
+from pipeline.data.decoding import png
 
 SHAPES = [(1, 28, 28), (3, 32, 32), (3, 5, 7)]
 

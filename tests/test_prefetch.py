@@ -1,4 +1,4 @@
-"""Remote shards fetched ahead of the reader (pipeline.data.stages.Reader, `_Fetcher`): over a
+"""Remote shards fetched ahead of the reader (pipeline.data.streams.reading.Reader, `_Fetcher`): over a
 local HTTP server that waits before every answer, an epoch reads the same keys in clearly less
 time than one shard after another; damage and missing shards are said in the same line as
 without fetching ahead; local sources start no thread; a reader's threads end with it, and a
@@ -14,9 +14,12 @@ import warnings
 import pytest
 
 from helpers import Quiet, build_shards, serving, shard_keys
-from pipeline.data import remote, stages
-from pipeline.data.manifest import resolve
-from pipeline.data.stream import MixedStream
+from pipeline.data.store import remote
+from pipeline.data.streams import stages
+from pipeline.data.streams import reading
+from pipeline.data.streams import plans
+from pipeline.data.manifests.manifest import resolve
+from pipeline.data.streams.stream import MixedStream
 from pipeline.errors import FetchError
 
 DELAY = 0.2  # seconds the server waits before each answer
@@ -39,16 +42,16 @@ def slow_server(tmp_path):
 
 
 def prefetching(threads):
-    """stages.PREFETCH_THREADS set for a block (0: each shard read when its turn comes)."""
+    """reading.PREFETCH_THREADS set for a block (0: each shard read when its turn comes)."""
     import contextlib
 
     @contextlib.contextmanager
     def block():
-        saved, stages.PREFETCH_THREADS = stages.PREFETCH_THREADS, threads
+        saved, reading.PREFETCH_THREADS = reading.PREFETCH_THREADS, threads
         try:
             yield
         finally:
-            stages.PREFETCH_THREADS = saved
+            reading.PREFETCH_THREADS = saved
     return block()
 
 
@@ -102,8 +105,8 @@ def test_the_next_window_is_fetched_while_this_one_is_read(slow_server):
     ahead it waits DELAY for each; 0.8 of that leaves room for a loaded machine's reading time)."""
     _, url = slow_server
     src = resolve("mnist", url, "train")
-    reader = stages.Reader(src)
-    windows = [stages.Window(((u, 0, None),)) for u in src.urls]
+    reader = reading.Reader(src)
+    windows = [plans.Window(((u, 0, None),)) for u in src.urls]
     t0 = time.perf_counter()
     reader(windows[0], lambda: windows[1:2])
     waited = 0.0
@@ -174,7 +177,7 @@ def test_a_local_source_starts_no_thread(tmp_path):
                                                                         or s])
     assert sum(len(b["key"]) for b in stream) >= 56
     assert seen and max(seen) == 0
-    assert stages.Reader(src).fetchable == set()
+    assert reading.Reader(src).fetchable == set()
 
 
 def test_a_stream_dropped_mid_epoch_stops_its_threads(slow_server):
@@ -216,8 +219,8 @@ def test_a_forked_reader_starts_its_own_threads(slow_server):
     for transfers that no thread there will finish."""
     _, url = slow_server
     src = resolve("mnist", url, "train")
-    reader = stages.Reader(src)
-    windows = [stages.Window(((u, 0, None),)) for u in src.urls]
+    reader = reading.Reader(src)
+    windows = [plans.Window(((u, 0, None),)) for u in src.urls]
     reader(windows[0], lambda: windows[1:2])  # windows[1] is now in flight in this process
     pid = os.fork()
     if pid == 0:  # the child: read the window the parent's threads were fetching
@@ -247,8 +250,8 @@ def test_shards_are_fetched_ahead_across_windows_up_to_the_bytes_ahead(slow_serv
     _, url = slow_server
     src = resolve("mnist", url, "train")
     size = max(src.sizes)
-    reader = stages.Reader(src, ahead=ahead_shards * size)
-    windows = [stages.Window(((u, 0, None),)) for u in src.urls]
+    reader = reading.Reader(src, ahead=ahead_shards * size)
+    windows = [plans.Window(((u, 0, None),)) for u in src.urls]
     for k in range(len(windows)):
         reader(windows[k], lambda k=k: iter(windows[k + 1:]))
         expected = src.urls[k + 1:k + 1 + max(1, ahead_shards)]
@@ -273,7 +276,7 @@ def test_a_plan_looks_ahead_to_its_run_s_end_and_no_further():
                               window_samples=rng.randint(1, 120), window_bytes=1 << 30, sample_bytes=10)
         cuts = sorted(rng.sample(range(3 * o.total + 8), 2 * rng.randint(1, 4)))
         run = [(a, b - a) for a, b in zip(cuts[::2], cuts[1::2])]
-        plan = stages.RunPlan(o, [f"s{i}" for i in range(len(counts))], run)
+        plan = plans.RunPlan(o, [f"s{i}" for i in range(len(counts))], run)
         length = sum(n for _, n in run)
         seen = []
         while True:
@@ -284,7 +287,7 @@ def test_a_plan_looks_ahead_to_its_run_s_end_and_no_further():
                 break
             assert ahead and ahead[0] == w
         rest = [(w.rows, w.start) for w in seen[1:]]
-        first = stages.RunPlan(o, plan.urls, run)
+        first = plans.RunPlan(o, plan.urls, run)
         first.next()
         assert [(w.rows, w.start) for w in first.upcoming()] == rest, case
         assert sum(w.size - w.skip for w in seen) == length and np.all(np.diff([w.start for w in seen]) > 0)
@@ -310,7 +313,7 @@ def _plan(rng, case):
     o = order.SourceOrder(counts, None, seed=case, epoch=rng.randint(0, 3), source=0,
                           window_samples=rng.randint(1, 120), window_bytes=1 << 30, sample_bytes=10)
     cuts = sorted(rng.sample(range(3 * o.total + 8), 2 * rng.randint(1, 4)))
-    return stages.RunPlan(o, [f"s{i}" for i in range(len(counts))], [(a, b - a) for a, b in zip(cuts[::2], cuts[1::2])])
+    return plans.RunPlan(o, [f"s{i}" for i in range(len(counts))], [(a, b - a) for a, b in zip(cuts[::2], cuts[1::2])])
 
 
 def _from_scratch(windows, ahead, size):
@@ -351,7 +354,7 @@ def test_the_walk_carried_on_window_by_window_holds_what_a_walk_from_scratch_fin
             if not w.same(last):
                 last = w
                 if walk is None or not walk.reached(w):
-                    walk, walks = stages._Walk(iter(plan.upcoming()), ahead, sizes.get, w), walks + 1
+                    walk, walks = reading._Walk(iter(plan.upcoming()), ahead, sizes.get, w), walks + 1
                 walk.extend()
                 assert set(walk.held) == set(_from_scratch(plan.upcoming(), ahead, size)), case
             if w.start + w.size - w.skip >= plan.length:
@@ -366,18 +369,18 @@ def test_a_reader_walks_each_window_ahead_once(slow_server):
     folder, url = slow_server
     src = resolve("mnist", url, "train")
     made = []
-    original = stages.RunPlan._window_at
+    original = plans.RunPlan._window_at
 
     def counted(self, at):
         made.append(at)
         return original(self, at)
 
-    stages.RunPlan._window_at = counted
+    plans.RunPlan._window_at = counted
     try:
         with prefetching(4):
             keys, _ = epoch(src, shuffle_buffer=1, fetch_ahead=1 << 30)
     finally:
-        stages.RunPlan._window_at = original
+        plans.RunPlan._window_at = original
     windows = len(set(made))
     assert len(keys) == 160 and windows >= 8
     assert len(made) <= 2 * windows + 2, f"{len(made)} windows made for {windows}"
@@ -390,8 +393,8 @@ def test_a_fetch_thread_waiting_for_work_holds_no_shard(slow_server):
 
     _, url = slow_server
     src = resolve("mnist", url, "train")
-    reader = stages.Reader(src)
-    windows = [stages.Window(((u, 0, None),)) for u in src.urls]
+    reader = reading.Reader(src)
+    windows = [plans.Window(((u, 0, None),)) for u in src.urls]
     for k in range(len(windows)):
         assert len(reader(windows[k], lambda k=k: windows[k + 1:])) == 20
     assert not reader.fetched and fetch_threads()

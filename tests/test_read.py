@@ -10,7 +10,8 @@ import pytest
 from PIL import Image
 
 from helpers import array_source, build_source, project_samples
-from pipeline.data import read
+from pipeline.data.shards import read
+from pipeline.data.shards import regular
 from pipeline.writers import shards
 from pipeline.errors import ShardError
 
@@ -161,7 +162,7 @@ def test_regular_reads_project_shards_exactly_as_the_sequential_reader(tmp_path,
     src.images[::3] = 0  # these compress: png members of different sizes
     m = build_source(src, tmp_path, encoding=encoding, maxcount=23)
     buf = (tmp_path / m["shards"][0]["name"]).read_bytes()
-    found = read.regular(buf, encoding, "cls")
+    found = regular.regular(buf, encoding, "cls")
     assert found is not None  # the fast path is taken for the shards make_shards writes
     keys, images, labels = found
     want_keys, want_images, want_labels = sequential(buf, encoding)
@@ -179,7 +180,7 @@ def test_regular_reads_two_member_tars_of_other_writers(tmp_path):
     for i in range(7):
         members += [(f"s{i:03d}.jpg", rng.bytes(int(rng.integers(1, 3000)))), (f"s{i:03d}.cls", str(i * 11).encode())]
     buf = ustar(members)
-    keys, images, labels = read.regular(buf, "jpg", "cls")
+    keys, images, labels = regular.regular(buf, "jpg", "cls")
     assert (keys, images, labels.tolist()) == sequential(buf, "jpg")
 
 
@@ -207,7 +208,7 @@ def test_regular_reads_wds_tarwriter_shards_exactly_as_the_sequential_reader(ext
             data = rng.bytes(48) if ext == "raw" else rng.bytes(int(rng.integers(1, 2000)))
             sink.write({"__key__": f"train/{i % 3}/{i:04d}", ext: data, "cls": str(i % 4).encode()})
     buf = buf.getvalue()
-    found = read.regular(buf, ext, "cls")
+    found = regular.regular(buf, ext, "cls")
     assert found is not None and buf[156:157] == b"x"  # PAX headers, and still the fast path
     keys, images, labels = found
     want_keys, want_images, want_labels = sequential(buf, ext)
@@ -217,19 +218,19 @@ def test_regular_reads_wds_tarwriter_shards_exactly_as_the_sequential_reader(ext
 
 def test_regular_reads_damaged_mtime_pax_headers_as_the_sequential_reader():
     """wds.TarWriter's PAX headers hold one mtime record each and are checked for all members at
-    once (read._mtime_only): any byte of one changed reads as iter_samples reads it, or is left
+    once (regular._mtime_only): any byte of one changed reads as iter_samples reads it, or is left
     to it (None), never otherwise."""
     members = [(f"k{i}.{ext}", bytes([i]) * 20 if ext == "jpg" else str(i).encode())
                for i in range(4) for ext in ("jpg", "cls")]
     buf = pax_tar(members, lambda name: {"mtime": "1796506823.467961"})  # as wds.TarWriter's, one length
     body = 3 * 2048 + 512  # the fourth member's PAX body: not the first of its length
     size = int(buf[body - 512 + 124:body - 512 + 135], 8)
-    assert read.regular(buf, "jpg", "cls") is not None and b"mtime=" in buf[body:body + size]
+    assert regular.regular(buf, "jpg", "cls") is not None and b"mtime=" in buf[body:body + size]
     for at in range(size):
         for byte in b"0 =.\n\0x9":
             damaged = bytearray(buf)
             damaged[body + at] = byte
-            found = read.regular(bytes(damaged), "jpg", "cls")
+            found = regular.regular(bytes(damaged), "jpg", "cls")
             try:
                 want = sequential(bytes(damaged), "jpg")
             except ShardError:
@@ -243,10 +244,10 @@ def test_regular_leaves_pax_headers_that_change_a_member_to_the_sequential_reade
     members = [("a.raw", b"x" * 9), ("a.cls", b"1"), ("b.raw", b"y" * 9), ("b.cls", b"2")]
     for pax in ({"path": "z.raw"}, {"size": "9"}, {"GNU.sparse.size": "9"}):
         buf = pax_tar(members, lambda name, pax=pax: dict(pax) if name == "b.raw" else {"mtime": "1.5"})
-        assert read.regular(buf, "raw", "cls") is None
+        assert regular.regular(buf, "raw", "cls") is None
     # a PAX header of several blocks before one member: the raw images are no longer evenly spaced
     buf = pax_tar(members, lambda name: {"comment": "c" * 700} if name == "a.cls" else {"mtime": "1.5"})
-    keys, images, labels = read.regular(buf, "raw", "cls")
+    keys, images, labels = regular.regular(buf, "raw", "cls")
     assert (keys, [bytes(x) for x in images], labels.tolist()) == sequential(buf, "raw") == (
         ["a", "b"], [b"x" * 9, b"y" * 9], [1, 2])
 
@@ -258,7 +259,7 @@ def test_regular_reads_raw_images_spaced_unevenly_by_a_long_pax_header_exactly()
     starts always make one period."""
     members = [(f"{k}.{e}", (k * 9).encode() if e == "raw" else b"1") for k in "abcd" for e in ("raw", "cls")]
     buf = pax_tar(members, lambda name: {"comment": "c" * 700} if name == "b.cls" else {"mtime": "1.5"})
-    keys, images, labels = read.regular(buf, "raw", "cls")
+    keys, images, labels = regular.regular(buf, "raw", "cls")
     assert (keys, [bytes(x) for x in images], labels.tolist()) == sequential(buf, "raw") == (
         list("abcd"), [k.encode() * 9 for k in "abcd"], [1] * 4)
 
@@ -269,20 +270,20 @@ def test_regular_leaves_a_last_member_without_its_pair_and_huge_pax_headers_to_t
     by the fast path, which would pair members wrongly or accept what the sequential reader refuses."""
     members = [("a.raw", b"x" * 9), ("a.cls", b"1"), ("b.raw", b"y" * 9), ("b.cls", b"2")]
     odd = ustar(members + [("c.raw", b"z" * 9)])
-    assert read.regular(odd, "raw", "cls") is None
+    assert regular.regular(odd, "raw", "cls") is None
     assert [sorted(s) for s in read.iter_samples(io.BytesIO(odd))][-1] == ["__key__", "__url__", "raw"]
     huge = pax_tar(members, lambda name: {"comment": "c" * (1 << 20)} if name == "b.raw" else {"mtime": "1.5"})
-    assert read.regular(huge, "raw", "cls") is None
+    assert regular.regular(huge, "raw", "cls") is None
     with pytest.raises(ShardError, match="tar extension header of"):
         list(read.iter_samples(io.BytesIO(huge)))
 
 
 def test_regular_reads_samples_whose_label_comes_first():
     buf = ustar([("s1.cls", b"3"), ("s1.jpg", b"one"), ("s2.cls", b"17"), ("s2.jpg", b"two!")])
-    keys, images, labels = read.regular(buf, "jpg", "cls")
+    keys, images, labels = regular.regular(buf, "jpg", "cls")
     assert (keys, images, labels.tolist()) == sequential(buf, "jpg") == (["s1", "s2"], [b"one", b"two!"], [3, 17])
     mixed = ustar([("s1.cls", b"3"), ("s1.jpg", b"one"), ("s2.jpg", b"two!"), ("s2.cls", b"17")])
-    assert read.regular(mixed, "jpg", "cls") is None  # one order throughout, or the sequential reader
+    assert regular.regular(mixed, "jpg", "cls") is None  # one order throughout, or the sequential reader
 
 
 def forged_headers_inside_data():
@@ -331,8 +332,8 @@ def two_samples():
 ])
 def test_regular_leaves_every_other_layout_to_the_sequential_reader(make):
     """None, not a misreading: iter_samples then reads (or rejects) the shard."""
-    assert read.regular(make(), "raw", "cls") is None
-    assert read.regular(two_samples(), "raw", "cls") is not None  # the unbroken layout is read
+    assert regular.regular(make(), "raw", "cls") is None
+    assert regular.regular(two_samples(), "raw", "cls") is not None  # the unbroken layout is read
 
 
 def test_regular_reads_keys_of_different_lengths_as_the_sequential_reader():
@@ -342,7 +343,7 @@ def test_regular_reads_keys_of_different_lengths_as_the_sequential_reader():
     for i, key in enumerate(["cat/0655", "truck/3050", "a", "horse/1", "dog/" + "7" * 80]):
         members += [(f"{key}.jpg", bytes([i]) * (i + 1)), (f"{key}.cls", str(i).encode())]
     buf = ustar(members)
-    keys, images, labels = read.regular(buf, "jpg", "cls")
+    keys, images, labels = regular.regular(buf, "jpg", "cls")
     assert (keys, [bytes(x) for x in images], labels.tolist()) == sequential(buf, "jpg")
     assert keys[:3] == ["cat/0655", "truck/3050", "a"] and labels.tolist() == [0, 1, 2, 3, 4]
 
@@ -354,7 +355,7 @@ def test_regular_reads_keys_the_first_of_which_is_the_longest_as_the_sequential_
     for i, key in enumerate(["automobile/4547", "bird/3887", "cat/12", "automobile/1"]):
         members += [(f"{key}.cls", str(i).encode()), (f"{key}.jpg", bytes([i]) * (i + 1))]
     buf = ustar(members)
-    found = read.regular(buf, "jpg", "cls")
+    found = regular.regular(buf, "jpg", "cls")
     assert found is not None
     keys, images, labels = found
     assert (keys, [bytes(x) for x in images], labels.tolist()) == sequential(buf, "jpg")
@@ -374,7 +375,7 @@ def test_regular_reads_keys_and_labels_of_every_form_as_the_sequential_reader():
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
     buf = out.getvalue()
-    keys, images, labels = read.regular(buf, "raw", "cls")
+    keys, images, labels = regular.regular(buf, "raw", "cls")
     assert (keys, [bytes(x) for x in images], labels.tolist()) == sequential(buf, "raw")
     assert labels.tolist() == [int(d) for d in digits] and "\ufffd" in keys[1] and keys[3] == "dir/x"
 
@@ -388,7 +389,7 @@ def test_regular_reads_evenly_spaced_samples_whose_data_holds_tar_magic():
     for i in range(6):
         members += [(f"k{i}.raw", fake + bytes([i]) * 512), (f"k{i}.cls", str(i).encode())]
     buf = ustar(members)
-    found = read.regular(buf, "raw", "cls")
+    found = regular.regular(buf, "raw", "cls")
     assert found is not None
     keys, images, labels = found
     assert (keys, [bytes(x) for x in images], labels.tolist()) == sequential(buf, "raw")
@@ -398,10 +399,10 @@ def test_regular_leaves_a_member_over_the_member_limit_to_the_sequential_reader(
     """iter_samples refuses a wanted member over MAX_MEMBER bytes; the fast path must not read
     it either (the Reader never hands it such a shard, a caller of `regular` might)."""
     buf = ustar([("a.raw", b"x" * 101), ("a.cls", b"1"), ("b.raw", b"y" * 101), ("b.cls", b"2")])
-    monkeypatch.setattr(read, "MAX_MEMBER", 101)
-    assert read.regular(buf, "raw", "cls") is not None
-    monkeypatch.setattr(read, "MAX_MEMBER", 100)
-    assert read.regular(buf, "raw", "cls") is None
+    monkeypatch.setattr(regular, "MAX_MEMBER", 101)  # the limit as the fast path reads it
+    assert regular.regular(buf, "raw", "cls") is not None
+    monkeypatch.setattr(regular, "MAX_MEMBER", 100)
+    assert regular.regular(buf, "raw", "cls") is None
     with pytest.raises(ShardError, match="claims 101 bytes"):
         list(read.iter_samples(io.BytesIO(buf), {"raw", "cls"}, max_member=100))
 
@@ -410,7 +411,7 @@ def test_regular_never_reads_one_extension_as_image_and_label():
     twice = ustar([("a.cls", b"1"), ("a.cls", b"1"), ("b.cls", b"2"), ("b.cls", b"2")])
     with pytest.raises(ShardError, match="twice"):
         list(read.iter_samples(io.BytesIO(twice)))
-    assert read.regular(twice, "cls", "cls") is None
+    assert regular.regular(twice, "cls", "cls") is None
 
 
 def test_damaged_gzip_is_a_shard_error():

@@ -22,10 +22,13 @@ import torch
 from helpers import HANG, build_shards, finish, free_port
 from pipeline.train import checkpoint, options, loop as train
 from pipeline.train.run import Run
-from pipeline.data import manifest, remote
+from pipeline.data.manifests import manifest
+from pipeline.data.manifests import locations
+from pipeline.data.store import remote
 from pipeline.errors import ShardError
 from pipeline.train.metrics import Metrics
-from pipeline.data.stream import make_loader, resolve
+from pipeline.data.streams.stream import resolve
+from pipeline.data.handover.loader import make_loader
 from pipeline.ordering.topology import Topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -339,9 +342,9 @@ def test_a_stream_state_the_stream_refuses_is_one_line_from_the_trainer(data, ru
 
 def signed(state, entries):
     """Rank entries as state_dict writes them over `state`'s root: each with its check."""
-    from pipeline.ordering import place
+    from pipeline.ordering import state_format
 
-    return [dict(e, check=place.check_of(state, e)) for e in entries]
+    return [dict(e, check=state_format.check_of(state, e)) for e in entries]
 
 
 def resigned(change):
@@ -794,9 +797,9 @@ def test_hard_links_under_other_names_are_other_shards(data, tmp_path):
     ("http://[::1]/s/a.tar", "http://[::1]:80/s/a.tar"),
 ])
 def test_urls_are_compared_resolved(a, b):
-    assert manifest.canonical(a) == manifest.canonical(b)
+    assert locations.canonical(a) == locations.canonical(b)
     with pytest.raises(ShardError, match="are the same shard"):
-        manifest._once([a, b], "m.json: field shards")
+        locations._once([a, b], "m.json: field shards")
 
 
 @pytest.mark.parametrize("a, b", [
@@ -806,12 +809,12 @@ def test_urls_are_compared_resolved(a, b):
     ("http://h.example/s/a.tar", "http://h.example/S/a.tar"),
 ])
 def test_other_urls_stay_other_shards(a, b):
-    assert manifest.canonical(a) != manifest.canonical(b)
+    assert locations.canonical(a) != locations.canonical(b)
 
 
 def test_a_url_with_a_bad_port_is_one_line():
     with pytest.raises(ShardError, match="not a valid URL"):
-        manifest.canonical("http://h.example:99999/a.tar")
+        locations.canonical("http://h.example:99999/a.tar")
 
 
 def test_a_pattern_naming_a_shard_twice_is_refused(data):

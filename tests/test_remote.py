@@ -21,8 +21,8 @@ import pytest
 
 from helpers import free_port
 from pipeline.errors import DigestError, FetchError, ShardError
-from pipeline.data.cache import path as cache_path
-from pipeline.data.remote import Policy, fetch, head_check, kind, read_all, read_url
+from pipeline.data.store.cache import path as cache_path
+from pipeline.data.store.remote import Policy, fetch, head_check, kind, read_all, read_url
 
 FAST = Policy(retries=2, delay=0.05, timeout=1.0, min_rate=1e6)
 DATA = bytes(range(256)) * 64  # 16 KiB
@@ -642,7 +642,7 @@ def test_kind_refuses_other_schemes(url):
 
 @pytest.mark.parametrize("url", ["s3://b/x", "gs://x", "hf://datasets/u/d/x.tar", "ftp://127.0.0.1/x.tar"])
 def test_object_stores_and_fsspec_protocols_are_stores(url):
-    assert kind(url) == "store"  # read through pipeline.data.storage
+    assert kind(url) == "store"  # read through pipeline.data.store.storage
 
 
 @pytest.mark.parametrize("url, want", [
@@ -776,7 +776,7 @@ def test_an_honest_content_length_raises_a_deadline_the_manifest_left_open(monke
     the job's --min-rate: its Content-Length raises the deadline (up to max_bytes), so it is
     read whole, where the guess's deadline failed it (a 50 MB shard at 1 MB/s failed after
     195 s). Scaled down: 100 kB at about 100 kB/s against a 10 kB guess."""
-    monkeypatch.setattr("pipeline.data.remote.UNKNOWN_SIZE", 10_000)
+    monkeypatch.setattr("pipeline.data.store.remote.UNKNOWN_SIZE", 10_000)
     body = bytes(range(256)) * 400  # 102,400 bytes
     p = Policy(retries=0, delay=0.05, timeout=0.5, min_rate=50_000, max_bytes=1 << 20)
     assert p.deadline() < 1.0 < 2.5 < p.deadline(len(body))

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from helpers import HANG, finish, key_index, launch_train, mid_epoch_args, put_back
-from pipeline.data.stream import MixedStream, make_loader, resolve
+from pipeline.data.streams.stream import MixedStream, resolve
+from pipeline.data.handover.loader import make_loader
 from pipeline.ordering.topology import Topology
 
 WEIGHTS = {"mnist": 1.0, "cifar10": 1.0}

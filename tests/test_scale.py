@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from helpers import build_shards, completed, free_port, kill_tree, serve, train_in_process
-from pipeline.data import stream
+from pipeline import stream
 from pipeline.train.dist import Topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,15 +6,15 @@ import json
 import pytest
 
 from helpers import tool_module
-from pipeline.ordering import deal, place
+from pipeline.ordering import deal, state_format
 
 ARGS = ["--shards", "300", "--samples-per-shard", "100", "--world", "6", "--workers", "2", "--to-world", "4",
         "--to-world", "9", "--stop", "3"]
 
 
 def run(capsys, args=ARGS):
-    place._made.cache_clear()  # segments made by another test's deal
-    place.redeal.cache_clear()
+    state_format._made.cache_clear()  # segments made by another test's deal
+    state_format.redeal.cache_clear()
     tool_module("scale_sim").main(args)
     return json.loads(capsys.readouterr().out)
 

@@ -1,4 +1,4 @@
-"""The pieces of a schema one at a time: fields' values from members (pipeline.data.values), the
+"""The pieces of a schema one at a time: fields' values from members (pipeline.data.fields.member_values), the
 augment stages, a Column's checks, and the check of what a stage of the user's returns."""
 import io
 import json
@@ -10,9 +10,9 @@ import pytest
 from PIL import Image
 
 from helpers import encode_pil
-from pipeline.data import augment
-from pipeline.data.schema import Column, Oversized, Schema
-from pipeline.data.values import check_value, npy_value, value_of
+from pipeline.data.fields import augment
+from pipeline.data.fields.schema import Column, Oversized, Schema
+from pipeline.data.fields.member_values import check_value, npy_value, value_of
 
 
 def value(col, data, ext=None):

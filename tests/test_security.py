@@ -18,9 +18,10 @@ from helpers import (HANG, Quiet, alive, build_shards, children, completed, drip
                      one_line_error, run_capture, serving, train_in_process)
 from pipeline.train import checkpoint
 from pipeline import files
-from pipeline.data import manifest, remote
+from pipeline.data.manifests import manifest
+from pipeline.data.store import remote
 from pipeline.errors import FetchError, ShardError
-from pipeline.data.stream import MixedStream, resolve
+from pipeline.data.streams.stream import MixedStream, resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -398,7 +399,7 @@ def test_a_batch_larger_than_the_epoch_is_refused(data, tmp_path):
 
 SCRIPT = r"""
 import resource, sys, warnings
-from pipeline.data.stream import MixedStream, resolve
+from pipeline.data.streams.stream import MixedStream, resolve
 src = resolve("big", sys.argv[1], "train")
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 n = sum(len(b["key"]) for b in MixedStream([src], {"big": 1}, 4, epoch_samples=16, shuffle_buffer=16))
@@ -501,7 +502,7 @@ def test_a_negative_tar_size_is_damage_not_a_loop():
     import io
     import tarfile
 
-    from pipeline.data.read import iter_samples
+    from pipeline.data.shards.read import iter_samples
 
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:

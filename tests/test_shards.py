@@ -11,6 +11,7 @@ from PIL import Image
 
 from helpers import CLASSES, array_source, build_source
 from pipeline.writers import shards, sources
+from pipeline.writers import verify
 
 def tar_files(folder):
     return sorted(f for f in os.listdir(folder) if ".tar" in f)
@@ -150,7 +151,7 @@ def test_rebuild_with_fewer_samples_removes_stale_shards(tmp_path):
     listed = {s["name"] for s in m["shards"]} | {s["name"] for s in other["shards"]}
     assert set(tar_files(tmp_path)) == listed  # other splits' shards are kept
     assert len(listed) == 3
-    assert shards.verify(str(tmp_path)) == []
+    assert verify.verify(str(tmp_path)) == []
 
 
 class FailingSource:
@@ -185,11 +186,11 @@ def test_interrupted_build_leaves_the_old_set_whole_and_no_temporary_file(tmp_pa
 
     assert folder_bytes(tmp_path) == old_bytes  # the old manifest still vouches for the same shards
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
-    assert shards.verify(str(tmp_path)) == []
+    assert verify.verify(str(tmp_path)) == []
 
     m = build_source(src, tmp_path, maxcount=10, seed=7)  # a rerun replaces it
     assert tar_files(tmp_path) == [s["name"] for s in m["shards"]]
-    assert shards.verify(str(tmp_path)) == []
+    assert verify.verify(str(tmp_path)) == []
 
 
 def test_parts_rebuilt_over_a_whole_set_in_one_folder_replace_it(tmp_path):
@@ -203,7 +204,7 @@ def test_parts_rebuilt_over_a_whole_set_in_one_folder_replace_it(tmp_path):
         build_source(src, tmp_path, maxcount=5, part=(i, 3))
     merged = shards.merge_parts(str(tmp_path), "toy", "train")
     assert tar_files(tmp_path) == sorted([s["name"] for s in merged["shards"]] + ["toy-train-000077.tar"])
-    assert "replaces" not in merged and shards.verify(str(tmp_path)) == []
+    assert "replaces" not in merged and verify.verify(str(tmp_path)) == []
 
 
 # ---------------------------------------------------------------- parts and merge
@@ -246,14 +247,14 @@ def test_part_build_removes_the_whole_manifest(tmp_path):
 def test_verify(tmp_path):
     m = build_source(array_source(20), tmp_path, maxcount=5)
     build_source(array_source(6, split="test"), tmp_path, maxcount=5)
-    assert shards.verify(str(tmp_path)) == []
+    assert verify.verify(str(tmp_path)) == []
 
     first, second = (tmp_path / s["name"] for s in m["shards"][:2])
     data = bytearray(first.read_bytes())
     data[700] ^= 1  # one bit of pixel data, same size
     first.write_bytes(bytes(data))
     second.unlink()
-    problems = shards.verify(str(tmp_path))
+    problems = verify.verify(str(tmp_path))
     assert len(problems) == 2
     assert f"toy-train.json: {first.name}: sha256 differs from the manifest" in problems
     assert f"toy-train.json: {second.name}: missing" in problems
@@ -263,9 +264,9 @@ def test_verify_reports_size_and_empty_folder(tmp_path):
     m = build_source(array_source(10), tmp_path, maxcount=5)
     path = tmp_path / m["shards"][1]["name"]
     path.write_bytes(path.read_bytes()[:-512])
-    assert shards.verify(str(tmp_path)) == [f"toy-train.json: {path.name}: {m['shards'][1]['bytes'] - 512} bytes, "
+    assert verify.verify(str(tmp_path)) == [f"toy-train.json: {path.name}: {m['shards'][1]['bytes'] - 512} bytes, "
                                             f"the manifest says {m['shards'][1]['bytes']}"]
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert len(shards.verify(str(empty))) == 1
-    assert shards.verify(str(tmp_path / "gone")) == [f"{tmp_path / 'gone'}: no such folder"]
+    assert len(verify.verify(str(empty))) == 1
+    assert verify.verify(str(tmp_path / "gone")) == [f"{tmp_path / 'gone'}: no such folder"]

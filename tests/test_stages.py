@@ -1,12 +1,14 @@
-"""pipeline.data.stages: shard lists split like webdataset splits them, the windows a
+"""pipeline.data.streams.stages: shard lists split like webdataset splits them, the windows a
 pair's run reads from its position, per-window shuffles, a chain rebuilt at its position."""
 import pytest
 import webdataset as wds
 
-from pipeline.data import stages
-from pipeline.data.mix import RandomMix
+from pipeline.data.streams import stages
+from pipeline.data.streams import reading
+from pipeline.data.streams import plans
+from pipeline.data.streams.mix import RandomMix
 from pipeline.ordering.order import SourceOrder
-from pipeline.data.stages import RunPlan, Window
+from pipeline.data.streams.plans import RunPlan, Window
 from pipeline.ordering.topology import Topology, Worker
 
 
@@ -31,7 +33,7 @@ def test_the_split_is_webdatasets_and_a_partition(world, workers, monkeypatch):
     for r in range(world):
         for w in range(workers):
             topo, worker = Topology(r, world), Worker(w, workers)
-            mine = stages.split(urls, topo, worker)
+            mine = plans.split(urls, topo, worker)
             # what webdataset itself gives a process with this rank and worker in its environment
             for k, v in dict(RANK=r, WORLD_SIZE=world, WORKER=w, NUM_WORKERS=workers).items():
                 monkeypatch.setenv(k, str(v))
@@ -85,7 +87,7 @@ def test_the_fast_and_the_sequential_reader_agree_on_bad_labels(tmp_path, encodi
     import warnings
 
     from helpers import build_shards, read_members, write_tar
-    from pipeline.data.manifest import resolve
+    from pipeline.data.manifests.manifest import resolve
 
     build_shards(tmp_path, "toy", "train", 12, encoding=encoding, maxcount=12)
     shard = tmp_path / "toy-train-000000.tar"
@@ -94,7 +96,7 @@ def test_the_fast_and_the_sequential_reader_agree_on_bad_labels(tmp_path, encodi
     src = resolve("toy", str(tmp_path), "train")
     seen = []
     for fast in (True, False):
-        reader = stages.Reader(src)
+        reader = reading.Reader(src)
         if sparse:  # the source's labels are 0, 2, 4, ...: class index = label / 2
             reader.target = dataclasses.replace(reader.target, label_values=tuple(range(0, 20, 2)))
             reader.lookup = reader.target.lookup()
@@ -117,12 +119,11 @@ def _keep_all(sample):
 
 
 def test_a_sources_chain_is_named_stages_and_goes_on_from_its_position_alone(tmp_path):
-    """The chain is named stages (each a Node pulling from the one before); its position is all
+    """The chain is named stages (each pulling from the one before, its `upstream`); its position is all
     it keeps: a chain rebuilt at that position (what a resume builds) goes on identically."""
     from helpers import build_shards
     from pipeline.ordering import deal
-    from pipeline.data.manifest import resolve
-    from pipeline.data.node import Node
+    from pipeline.data.manifests.manifest import resolve
 
     build_shards(tmp_path, "toy", "train", 60, maxcount=10)
     src = resolve("toy", str(tmp_path), "train")
@@ -130,13 +131,15 @@ def test_a_sources_chain_is_named_stages_and_goes_on_from_its_position_alone(tmp
 
     def chain(at=0):
         plan = RunPlan(o, src.urls, [(10, 40)], at)
-        return stages.SourceStream(plan, stages.Reader(src), sample_stages=[_keep_all])
+        return stages.SourceStream(plan, reading.Reader(src), sample_stages=[_keep_all])
 
     first = chain()
     head = first.take(7)[0]
     assert [name for name, _ in first.stages] == ["positions", "read", "shuffle", "decode",
                                                   f"stage:{__name__}:_keep_all"]
-    assert all(isinstance(node, Node) for _, node in first.stages) and isinstance(first, Node)
+    nodes = [node for _, node in first.stages]
+    assert nodes[0].upstream is None and all(b.upstream is a for a, b in zip(nodes, nodes[1:]))
+    assert all(callable(node.next) for node in nodes) and callable(first.next)
     assert first.position() == 7
     rest = first.take(20)[0]
     again = chain(7)

@@ -1,4 +1,4 @@
-"""The stream's state carries its data and ties its numbers (pipeline.ordering.place): a state over
+"""The stream's state carries its data and ties its numbers (pipeline.ordering.state_format): a state over
 other shards is refused, an edited number is refused, a re-dealt segment's spans are made
 from what its predecessors consumed and nothing else, and a state stays a few hundred bytes
 a rank whatever the world and however many times it was re-dealt.
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from helpers import build_shards
-from pipeline.ordering import deal, place
-from pipeline.data.manifest import resolve
-from pipeline.data.stream import MixedStream
+from pipeline.ordering import deal, state_format
+from pipeline.data.manifests.manifest import resolve
+from pipeline.data.streams.stream import MixedStream
 from pipeline.ordering.topology import Topology, Worker
 
 
@@ -104,8 +104,8 @@ def test_a_source_without_a_manifest_digest_is_known_by_its_shards(shards):
     bare = dataclasses.replace(src, listing="")
     moved = dataclasses.replace(bare, urls=[u.replace("/a-", "/b-") for u in bare.urls])
     fewer = dataclasses.replace(bare, urls=bare.urls[:13], counts=bare.counts[:12] + [50], sizes=bare.sizes[:13])
-    assert place.listing(bare) != place.listing(moved) and place.listing(bare) != place.listing(fewer)
-    assert place.listing(bare) == place.listing(dataclasses.replace(bare, urls=[u.replace("/", "//", 1)
+    assert state_format.listing(bare) != state_format.listing(moved) and state_format.listing(bare) != state_format.listing(fewer)
+    assert state_format.listing(bare) == state_format.listing(dataclasses.replace(bare, urls=[u.replace("/", "//", 1)
                                                                              for u in bare.urls]))
 
 

@@ -1,4 +1,4 @@
-"""Object stores through pipeline.data.storage, against a real S3-compatible server on
+"""Object stores through pipeline.data.store.storage, against a real S3-compatible server on
 127.0.0.1 (moto's server mode, tests/conftest.py's s3_server): read a source from s3://,
 the same batches as from local files, one line for a wrong bucket or key, secrets never
 shown; gs:// and hf:// as far as they go offline."""
@@ -12,9 +12,11 @@ import pytest
 
 from conftest import S3_SECRET
 from helpers import HANG, build_shards, no_aws_credentials, run_capture
-from pipeline.data import listings, remote, storage
-from pipeline.data.manifest import resolve
-from pipeline.data.stream import MixedStream
+from pipeline.data.store import listings, remote, storage
+from pipeline.data.store import transports
+from pipeline.data.store import s3
+from pipeline.data.manifests.manifest import resolve
+from pipeline.data.streams.stream import MixedStream
 from pipeline.errors import FetchError, ShardError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,7 +130,7 @@ def test_a_prefix_without_its_slash_is_a_folder_and_a_missing_key_says_so(mnist_
 
 
 def test_signed_urls_are_botocore_s_own_for_any_key_region_and_endpoint(monkeypatch):
-    """storage._Signer writes the key into the form botocore's client gives one URL and signs it
+    """s3._Signer writes the key into the form botocore's client gives one URL and signs it
     with botocore's SigV4 query signer: over random keys (spaces, unicode, reserved characters),
     regions and both addressing styles it must give exactly the client's own presigned URL
     (made in the same second: the signature covers the time)."""
@@ -148,24 +150,24 @@ def test_signed_urls_are_botocore_s_own_for_any_key_region_and_endpoint(monkeypa
         endpoint = rng.choice([None, "http://127.0.0.1:9000", "https://minio.example:9443"])
         client = session.create_client("s3", region_name=region, endpoint_url=endpoint,
                                        config=botocore.config.Config(signature_version="s3v4"))
-        signer = storage._Signer(client, "my-bucket", session.get_credentials())
+        signer = s3._Signer(client, "my-bucket", session.get_credentials())
         key = "".join(rng.choice("ab/ _-.~+=&?%#:@!*'()ü中") for _ in range(rng.randint(1, 40)))
         for _ in range(3):
             ours = signer.url(key)
             theirs = client.generate_presigned_url("get_object", Params={"Bucket": "my-bucket", "Key": key},
-                                                   ExpiresIn=storage.SIGNED_FOR)
+                                                   ExpiresIn=s3.SIGNED_FOR)
             if ours == theirs:
                 break
         assert ours == theirs, (case, key)
         assert S3_SECRET not in ours
-        token = rng.choice([None, key[::-1] + "==", "1/+ =x"])  # a listing (pipeline.data.listings): its query signed too
+        token = rng.choice([None, key[::-1] + "==", "1/+ =x"])  # a listing (pipeline.data.store.listings): its query signed too
         query = {"list-type": "2", "prefix": key, "delimiter": "/", "encoding-type": "url",
                  **({"continuation-token": token} if token else {})}
         params = {"Bucket": "my-bucket", "Prefix": key, "Delimiter": "/", **({"ContinuationToken": token} if token else {})}
         for _ in range(3):
             ours, theirs = (urllib.parse.urlsplit(u) for u in (
                 signer.url("", query), client.generate_presigned_url("list_objects_v2", Params=params,
-                                                                     ExpiresIn=storage.SIGNED_FOR)))
+                                                                     ExpiresIn=s3.SIGNED_FOR)))
             if sorted(urllib.parse.parse_qsl(ours.query)) == sorted(urllib.parse.parse_qsl(theirs.query)):
                 break
         assert ours[:3] == theirs[:3], (case, ours, theirs)
@@ -315,7 +317,7 @@ def fake_s3(monkeypatch):
     bucket in eu-west-1; signers made by earlier tests forgotten."""
     from helpers import serving
 
-    monkeypatch.setattr(storage, "_BUCKETS", {})
+    monkeypatch.setattr(s3, "_BUCKETS", {})
     with serving(_S3Fake, heads=[(200, "eu-west-1", 0)], files={"x.tar": b"shard"}, region="eu-west-1",
                  seen=[]) as server:
         monkeypatch.setenv("AWS_ENDPOINT_URL", server.url.rstrip("/"))
@@ -468,7 +470,7 @@ def test_a_slow_error_body_is_the_refusal_it_is_not_a_deadline(fake_s3):
     t0 = time.monotonic()
     with pytest.raises(FetchError) as e:
         remote.fetch("s3://b/x.tar", policy=remote.Policy(retries=3, delay=0.01, timeout=30))
-    assert time.monotonic() - t0 < remote.ERROR_BODY_SECONDS + 3
+    assert time.monotonic() - t0 < transports.ERROR_BODY_SECONDS + 3
     assert "deadline" not in str(e.value) and "attempts" not in str(e.value), str(e.value)
     assert [s[0] for s in fake_s3.seen].count("GET") == 1
 
@@ -551,7 +553,7 @@ def test_an_https_store_is_trusted_through_aws_ca_bundle(fake_s3, tmp_path, monk
         with pytest.raises(FetchError) as e:
             remote.fetch("s3://b/x.tar", policy=remote.Policy(retries=0, timeout=5))
         assert "CERTIFICATE_VERIFY_FAILED" in str(e.value) or "certificate" in str(e.value).lower(), str(e.value)
-        monkeypatch.setattr(storage, "_BUCKETS", {})
+        monkeypatch.setattr(s3, "_BUCKETS", {})
         monkeypatch.setenv("AWS_CA_BUNDLE", cert)
         assert remote.fetch("s3://b/x.tar", policy=remote.Policy(retries=0, timeout=5)) == b"shard"
         assert [s[0] for s in server.seen] == ["HEAD", "GET"]
@@ -559,9 +561,9 @@ def test_an_https_store_is_trusted_through_aws_ca_bundle(fake_s3, tmp_path, monk
 
 def test_an_error_answer_s_text_is_one_line():
     body = b"<Error><Code>AccessDenied</Code><Message>Access\n  denied\r\nhere</Message></Error>"
-    said = str(storage.s3_error(403, {}, body))
+    said = str(s3.s3_error(403, {}, body))
     assert said == "Access denied here (AccessDenied, HTTP 403)"
-    assert isinstance(storage.s3_error(403, {}, body), storage.Missing)
+    assert isinstance(s3.s3_error(403, {}, body), storage.Missing)
 
 
 def test_a_worker_that_finds_no_credentials_looks_again_next_time(monkeypatch, tmp_path):
@@ -569,7 +571,7 @@ def test_a_worker_that_finds_no_credentials_looks_again_next_time(monkeypatch, t
     next read looks for credentials again (found there, it signs)."""
     import botocore.session
 
-    signer = storage._Signer.__new__(storage._Signer)
+    signer = s3._Signer.__new__(s3._Signer)
     signer._credentials, signer.pid = "parent's", -1
     no_aws_credentials(monkeypatch, tmp_path)
     with pytest.raises(storage.Missing, match="no credentials"):

@@ -9,9 +9,9 @@ import os
 import pytest
 
 from helpers import make_shards_in_process, write_shardwriter
-from pipeline.data import listings, remote, storage
-from pipeline.data.manifest import resolve
-from pipeline.data.stream import MixedStream
+from pipeline.data.store import listings, remote, storage
+from pipeline.data.manifests.manifest import resolve
+from pipeline.data.streams.stream import MixedStream
 from pipeline.writers import storelock
 
 BUILD = ["--synthetic", "--datasets", "mnist", "--splits", "train", "--limit", "300", "--maxcount", "50",
@@ -150,7 +150,7 @@ STOPPED_AT_THIRD_PUT = """
 import os, sys, time
 sys.path.insert(0, {tools!r})
 import make_shards
-from pipeline.data import storage
+from pipeline.data.store import storage
 real, calls = storage.Writer.put, []
 
 def put(self, local, name):

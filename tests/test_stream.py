@@ -25,7 +25,9 @@ from helpers import (HALF, HANG, STREAM_SPECS, build_shards, free_port, key_inde
                      run_epoch, sample_key, serve, train_sources, write_tar)
 from pipeline.errors import ShardError
 
-from pipeline.data.stream import EvalStream, MixedStream, check_weights, make_loader, parse_weights, resolve
+from pipeline.data.streams.stream import MixedStream, check_weights, parse_weights, resolve
+from pipeline.data.streams.evaluation import EvalStream
+from pipeline.data.handover.loader import make_loader
 from pipeline.ordering.topology import Topology
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -528,7 +530,8 @@ SCRIPT = r'''
 import json, os, sys
 import torch
 from pipeline.train.dist import Topology, all_reduce_sum, distributed
-from pipeline.data.stream import MixedStream, make_loader, resolve
+from pipeline.data.streams.stream import MixedStream, resolve
+from pipeline.data.handover.loader import make_loader
 
 
 

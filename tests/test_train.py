@@ -354,7 +354,7 @@ def test_the_trainers_warnings_are_one_line_each(monkeypatch):
 
     monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal, as in a log file
     line = console.one_line_warning(UserWarning("s-000001.tar: not a tar header; skipped 3 sample(s)"), UserWarning,
-                                 "/x/pipeline/data/stages.py", 192, "self._piece(url)")
+                                 "/x/pipeline/data/streams/stages.py", 192, "self._piece(url)")
     assert line == "pipeline-train: warning: s-000001.tar: not a tar header; skipped 3 sample(s)\n"
     assert line.count("\n") == 1 and "stages.py" not in line
     assert warnings.formatwarning is not console.one_line_warning  # only the command (pipeline/train/__main__.py) installs it

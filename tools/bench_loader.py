@@ -12,7 +12,7 @@ Mosaic Streaming), feeding MNIST + CIFAR10 to one model on the same data in one 
      timing, into the same array torchvision would hold.
   B  stock webdataset over the same shards as C: WebDataset per source (tarfile reading,
      .decode("pil"), .to_tuple, .map(transform)), wds.RandomMix, wds.batched, wds.WebLoader.
-  C  this project: pipeline.data.stream.resolve + MixedStream(normalize=True) + make_loader.
+  C  this project: pipeline.data.streams.stream.resolve + MixedStream(normalize=True) + make_loader.
   C8 the same with normalize=False: uint8 batches, as the trainer takes them (it normalises
      on its device). "consumer us/sample": the consuming process's own CPU a sample (all its
      threads, not its workers'): what caps one rank whatever its workers (--handover times the
@@ -119,7 +119,7 @@ def parse_args(argv):
                         "(default: 20000 1000)")
     p.add_argument("--handover", action="store_true",
                    help="only time the hand-over from workers that do no work: the consuming process's own CPU a "
-                        "batch through torch's DataLoader and through pipeline.data.loader; then the stream (C, C8) "
+                        "batch through torch's DataLoader and through pipeline.data.handover.loader; then the stream (C, C8) "
                         "at 0 and N workers through a loop that keeps nothing and one that keeps each batch's labels "
                         "(tools/bench/handover.py; N: --workers' largest count, --batch-size, --repeats)")
     p.add_argument("--torch-threads", type=int, metavar="N",

@@ -109,8 +109,8 @@ def classes_per_batch(manifest_dir, batch_size, seed, world, workers):
     every rank and worker of epoch 0, each read in this process."""
     import numpy as np
 
-    from pipeline.data.manifest import resolve
-    from pipeline.data.stream import MixedStream
+    from pipeline.data.manifests.manifest import resolve
+    from pipeline.data.streams.stream import MixedStream
     from pipeline.ordering.topology import Topology, Worker
 
     src = resolve(NAME, manifest_dir, "train")

@@ -148,7 +148,7 @@ class Collate:
     `Layout.normalize`. A class, so that spawned or forked workers can take it."""
 
     def __init__(self, sources):
-        from pipeline.data.batch import Layout
+        from pipeline.data.fields.batch import Layout
 
         self.layout = Layout(sources)
 
@@ -156,7 +156,7 @@ class Collate:
         import numpy as np
         import torch
 
-        from pipeline.data.batch import NOTHING
+        from pipeline.data.fields.batch import NOTHING
 
         source = np.fromiter((int(r["source"]) for r in rows), np.int64, len(rows))
         parts = []
@@ -174,7 +174,7 @@ class Collate:
 
 
 def make_check(srcs, setup):
-    from pipeline.data.batch import Layout
+    from pipeline.data.fields.batch import Layout
 
     layout = Layout(srcs)
     return Check(setup.batch_size, layout.hw, [len(s.classes) for s in srcs])
@@ -187,7 +187,7 @@ def raw_rows(spec):
     """The rows of one raw shard: (url, shape, source number, position of its first sample)."""
     import numpy as np
 
-    from pipeline.data import read
+    from pipeline.data.shards import read
     from pipeline.files import open_regular
 
     url, shape, number, first = spec
@@ -199,7 +199,7 @@ def raw_rows(spec):
 
 def shard_specs(src, number, folder):
     """One spec per raw shard, with where its samples start in the source (from the manifest)."""
-    from pipeline.data import manifest
+    from pipeline.data.manifests import manifest
 
     m = manifest.load(os.path.join(folder, manifest.manifest_name(src.name, "train")))
     specs, first = [], 0
@@ -212,7 +212,7 @@ def shard_specs(src, number, folder):
 def cached(work, kind, src, folder, write):
     """The folder of `kind` for this source, written once by `write(out)` and reused while the raw
     shards' manifest is the same (its digest is in the folder's name)."""
-    from pipeline.data import manifest
+    from pipeline.data.manifests import manifest
     from pipeline.files import open_regular
 
     with open_regular(os.path.join(folder, manifest.manifest_name(src.name, "train"))) as f:

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 
 from pipeline.writers import shards  # noqa: E402
 from pipeline.cli import Parser  # noqa: E402
-from pipeline.data.manifest import manifest_name  # noqa: E402
+from pipeline.data.manifests.manifest import manifest_name  # noqa: E402
 
 SOURCES = (("big_grey", (1, 28, 28), 0.6), ("big_colour", (3, 32, 32), 0.4))  # name, shape, share of samples
 
@@ -134,7 +134,8 @@ def loader_rate(base, batches=200, workers=2):
     code = f"""
 import time, sys
 sys.path.insert(0, {ROOT!r})
-from pipeline.data.stream import MixedStream, make_loader, resolve
+from pipeline.data.streams.stream import MixedStream, resolve
+from pipeline.data.handover.loader import make_loader
 srcs = [resolve(n, {base!r}, "train") for n in {[s[0] for s in SOURCES]!r}]
 m = MixedStream(srcs, {{s.name: 1 for s in srcs}}, 256, epoch_samples=256 * {batches}, normalize=False)
 t0 = time.perf_counter(); n = sum(len(b["key"]) for b in make_loader(m, {workers}))

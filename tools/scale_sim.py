@@ -4,7 +4,7 @@
     python tools/scale_sim.py --shards 2000 --world 16 --workers 2 --to-world 12 --to-world 20
 
 A source of --shards shards is made in memory (no files) and the trainer's own stream
-(pipeline.data.stream.MixedStream) is built for every rank of --world ranks x --workers
+(pipeline.data.streams.stream.MixedStream) is built for every rank of --world ranks x --workers
 workers. The interruption is run forward with the real plans: each rank's workers take
 `--stop` batches each of their own choices (`deal.Choices`), and their runs' positions
 are walked window by window (`stages.RunPlan`) to the position that many samples
@@ -68,11 +68,11 @@ if __name__ == "__main__":
 
 import numpy as np  # noqa: E402
 
-from pipeline.ordering import deal, place  # noqa: E402
-from pipeline.data.decode import Target  # noqa: E402
-from pipeline.data.manifest import Source  # noqa: E402
-from pipeline.data.stages import RunPlan  # noqa: E402
-from pipeline.data.stream import MixedStream  # noqa: E402
+from pipeline.ordering import deal, state_format  # noqa: E402
+from pipeline.data.decoding.decode import Target  # noqa: E402
+from pipeline.data.manifests.manifest import Source  # noqa: E402
+from pipeline.data.streams.plans import RunPlan  # noqa: E402
+from pipeline.data.streams.stream import MixedStream  # noqa: E402
 from pipeline.ordering.topology import Topology  # noqa: E402
 
 
@@ -131,7 +131,7 @@ def read_by(seg, state):
             passed[r["rank"] + w * seg.world] = v
     starts = np.concatenate([[0], np.cumsum(seg.quotas()[:, 0])])
     read = {rank + w * seg.world: n[0] for rank in range(seg.world)
-            for w, n in place.positions(seg, done, passed, rank).items()}
+            for w, n in state_format.positions(seg, done, passed, rank).items()}
     return deal.cut_all(seg.spans[0], [(int(starts[p]), int(starts[p]) + min(read[p], int(seg.quotas()[p, 0])))
                                        for p in range(seg.pairs)])
 

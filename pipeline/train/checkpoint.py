@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.errors import ShardError, short
-from pipeline.ordering import order, place
+from pipeline.ordering import order, state_format
 from pipeline.files import open_regular
 from pipeline.train.options import DEFAULT_MODEL
 
-VERSION = 2  # of the checkpoint file (its stream state has its own: pipeline.ordering.place.VERSION)
+VERSION = 2  # of the checkpoint file (its stream state has its own: pipeline.ordering.state_format.VERSION)
 
 
 def fingerprint(args, sources, world=1):
@@ -192,7 +192,7 @@ def trainer_state(state, path, limits):
     and when `mid`: "stream" (the stream's state, checked by MixedStream), "facts", "carried",
     "log_sums"}."""
     f = _Fields(path, state)
-    world = f.integer(state.get("world"), "world", 1, place.MAX_WORLD)
+    world = f.integer(state.get("world"), "world", 1, state_format.MAX_WORLD)
     pos = f.mapping(f.json("position"), "position", ("epoch", "mid", "step", "seen"))
     history = f.mapping(f.json("history"), "history", ("epochs",))
     epochs = history["epochs"]

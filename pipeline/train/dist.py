@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.data.budget import local_world_size
+from pipeline.data.handover.budget import local_world_size
 from pipeline.ordering.topology import Topology  # noqa: F401  (re-exported: the trainer's "who am I")
 
 

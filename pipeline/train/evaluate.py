@@ -8,7 +8,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from pipeline.data import stream
+from pipeline import stream
 from pipeline.errors import InputError, redact
 from pipeline import cli
 from pipeline.files import write_json_atomic

@@ -10,8 +10,9 @@ import os
 import re
 import warnings
 
-from pipeline.data import budget, remote
-from pipeline.data.manifest import repeated
+from pipeline.data.handover import budget
+from pipeline.data.store import remote
+from pipeline.data.manifests.locations import repeated
 from pipeline.errors import InputError, redact
 from pipeline.files import Busy, locked
 from pipeline.train.options import DEFAULT_MODEL
@@ -22,7 +23,7 @@ EVAL_SPLITS = ("test", "val", "valid", "validation", "eval", "holdout")
 
 def check_memory(args, stream, eval_sources=0, device=None):
     """ValueError (one line) when the job's batches, and on a CPU `device` the model's step, may
-    take more than --max-batch-memory (pipeline.data.budget; the step of the default --model
+    take more than --max-batch-memory (pipeline.data.handover.budget; the step of the default --model
     only); `stream`: the training MixedStream, built but not yet read. A GPU's step is in its own
     memory, not counted here."""
     cap = getattr(args, "max_batch_memory", None) or budget.default_cap()

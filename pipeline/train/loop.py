@@ -21,11 +21,11 @@ import time
 import torch
 
 from pipeline import stream
-from pipeline.data import remote
+from pipeline.data.store import remote
 from pipeline.writers import autoindex
 from pipeline.train import dist, guard, options, stop
 from pipeline import cli
-from pipeline.data.workers import WorkerDied
+from pipeline.data.handover.workers import WorkerDied
 from pipeline.errors import InputError
 from pipeline.train.console import one_line
 from pipeline.train.epoch import train_epoch

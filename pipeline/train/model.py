@@ -26,7 +26,7 @@ STEP_PIXEL_BYTES, STEP_WIDTH_BYTES = 128, 28
 
 def step_bytes(batch_size, height, width, model_width):
     """About what one training step of Net holds on the CPU for a batch of height x width
-    images: the memory budget (pipeline.data.budget) counts it before the first read, since
+    images: the memory budget (pipeline.data.handover.budget) counts it before the first read, since
     a manifest's shape alone can make a step of a few images need tens of GB."""
     return batch_size * max(height, MIN_SIDE) * max(width, MIN_SIDE) * (STEP_PIXEL_BYTES +
                                                                        STEP_WIDTH_BYTES * model_width)

@@ -18,7 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pipeline.ordering import order
 
-from pipeline.data import cache, stream
+from pipeline.data.store import cache
+from pipeline.data.streams import stream
 from pipeline.errors import InputError, redacted, short
 from pipeline.train import checkpoint, dist, options
 from pipeline.train.model import augment, build_model, input_shape

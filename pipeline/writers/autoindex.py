@@ -29,8 +29,10 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from pipeline.data import cache as caching
-from pipeline.data import manifest, remote
+from pipeline.data.store import cache as caching
+from pipeline.data.manifests import manifest
+from pipeline.data.store import remote
+from pipeline.data.store import transports
 from pipeline.writers import infer
 from pipeline.errors import ShardError, redact
 from pipeline.files import locked, read_json, write_json_atomic
@@ -97,7 +99,7 @@ def ensure(name, split, spec, urls, *, policy=remote.Policy(), cache_dir=None, f
     """The folder holding NAME-SPLIT.json for the shards SPEC names (`urls`, as
     pipeline.writers.index.expand lists them): found by the listing's key, else made now (under
     a lock: one process indexes, the others wait for its result)."""
-    from pipeline.data.schema import parse_fields
+    from pipeline.data.fields.schema import parse_fields
 
     if isinstance(fields, str):
         try:
@@ -170,7 +172,7 @@ def _head(url, policy):
     """(Content-Length, ETag or Last-Modified) of an http(s) shard; ShardError when it is missing."""
     for attempt in range(policy.retries + 1):
         try:
-            head = remote._HTTP(url, policy, 0, method="HEAD")
+            head = transports._HTTP(url, policy, 0, method="HEAD")
             try:
                 h = head.resp.headers
                 return h.get("Content-Length"), h.get("ETag") or h.get("Last-Modified")
@@ -184,7 +186,7 @@ def _head(url, policy):
 
 def first_samples(url, policy=remote.Policy(), n=SAMPLES):
     """Up to n samples of the shard at `url`, read from its start (the rest is not read)."""
-    from pipeline.data.read import is_meta, iter_samples
+    from pipeline.data.shards.read import is_meta, iter_samples
 
     got = []
 

@@ -4,7 +4,7 @@ fields of the sets make_shards writes with captions.
 Each sample of each shard is checked against the schema as training will read it: every
 field's member present (or the field optional), within its cap, its value readable
 (text, numbers, .json paths, .npy headers), every image's size within the bounds of its
-field's size (pipeline.data.bounds) from its header. The first image field's pixels give
+field's size (pipeline.data.decoding.image_caps) from its header. The first image field's pixels give
 the manifest's per-channel mean and std, as for image-and-label sets. The manifest records
 the schema (`fields`); a sample that does not fit ends the index with one line naming the
 shard, the sample and the field, as damage does there.
@@ -15,11 +15,12 @@ import warnings
 
 import numpy as np
 
-from pipeline.data import decode
-from pipeline.data.decode import CONTENT_ERRORS, image_format, open_image, pil_reason, pixels_of
-from pipeline.data.manifest import CLASSES_WHY, FORMAT, MAX_CLASSES
-from pipeline.data.schema import MAX_TEXT, Column, Schema, parse_fields
-from pipeline.data.values import value_of
+from pipeline.data.decoding import decode
+from pipeline.data.decoding.decode import image_format, open_image, pil_reason, pixels_of
+from pipeline.data.decoding.labelling import CONTENT_ERRORS
+from pipeline.data.manifests.manifest import CLASSES_WHY, FORMAT, MAX_CLASSES
+from pipeline.data.fields.schema import MAX_TEXT, Column, Schema, parse_fields
+from pipeline.data.fields.member_values import value_of
 from pipeline.errors import ShardError, cut, redact
 
 STAT_SIDE = 64  # images are decoded at most about this big for the mean and std (JPEG draft mode)

@@ -3,7 +3,7 @@
     python tools/make_shards.py --index pets:train='/data/pets/train-{000000..000099}.tar' --out shards
 
 Each shard is read once (in parallel): its samples counted, its bytes hashed, every
-image's size and mode taken from its header and checked against `pipeline.data.bounds`
+image's size and mode taken from its header and checked against `pipeline.data.decoding.image_caps`
 (pixels at once, the aspect against the manifest's shape at the end), its pixels
 decoded for the per-channel mean and std, every label read. Labels are where users keep them (a
 label rule: .cls/.txt/.index, a .json field, the key's folder), integers or class
@@ -26,16 +26,20 @@ import urllib.parse
 import numpy as np
 
 from pipeline import cli
-from pipeline.data import bounds, listings, remote
-from pipeline.data.decode import (CONTENT_ERRORS, IMAGE_EXTS, LABEL_EXTS, Unlabelled, as_integer, as_name,
-                                  default_label, describe_label, image_format, label_hint, label_member, open_image,
-                                  parse_label_key, pil_reason, pixels_of, raw_label)
+from pipeline.data.decoding import image_caps
+from pipeline.data.store import listings, remote
+from pipeline.data.decoding.decode import IMAGE_EXTS, image_format, open_image, pil_reason, pixels_of
+from pipeline.data.decoding.labelling import (CONTENT_ERRORS, LABEL_EXTS, Unlabelled, as_integer, as_name,
+                                              default_label, describe_label, label_hint, label_member,
+                                              parse_label_key, raw_label)
 from pipeline.errors import ShardError, redact
 from pipeline.files import MAX_JSON, missing_folder, open_regular, write_json_atomic
-from pipeline.data.manifest import (FORMAT, NAME_RE, CLASSES_WHY, MAX_CLASSES, MAX_SIDE, check, expand_shards,
-                                    manifest_name, pipe_shard_name, plain_relative)
-from pipeline.data.read import MAX_MEMBER, is_meta, iter_samples
-from pipeline.data.schema import Oversized
+from pipeline.data.manifests.manifest import (FORMAT, NAME_RE, CLASSES_WHY, MAX_CLASSES, MAX_SIDE, check,
+                                              manifest_name, plain_relative)
+from pipeline.data.manifests.locations import pipe_shard_name
+from pipeline.data.manifests.patterns import expand_shards
+from pipeline.data.shards.read import MAX_MEMBER, is_meta, iter_samples
+from pipeline.data.fields.schema import Oversized
 from pipeline.writers.fields import scan_fields, summarise_fields, totals
 from pipeline.writers.shards import forked_imap, writing
 
@@ -192,7 +196,7 @@ def _scan_sample(sample, scan, url):
     scan["first"].setdefault(value, key)
     scan["rgb"] += [len(rgb), *rgb.sum(0), *(rgb * rgb).sum(0)]
     scan["grey"] += [len(grey), grey.sum(), (grey * grey).sum()]
-    scale = bounds.REDUCED.get(image_format(ext), 1)
+    scale = image_caps.REDUCED.get(image_format(ext), 1)
     decoded = -(-w // scale) * -(-h // scale)
     for side, ratio in (("wide", w / h), ("tall", h / w), ("large", decoded)):  # checked against the shape
         if ratio > scan[side][0]:  # the most elongated images, the one of most pixels as decoded
@@ -213,14 +217,14 @@ def wrong_label_key(url, sample, label, member):
 
 def check_extremes(found, shape):
     """The most elongated images of every shard and its largest as decoded against the manifest's
-    shape (bounds.check): ShardError naming the shard and the sample of the first that the
+    shape (image_caps.check): ShardError naming the shard and the sample of the first that the
     trainer would refuse."""
     for f in found:
         for side in ("wide", "tall", "large"):
             _, key, w, h, ext = f[side]
             if key is not None:
                 try:
-                    bounds.check(w, h, shape, ext)
+                    image_caps.check(w, h, shape, ext)
                 except ValueError as e:
                     raise ShardError(f"{f['url']}: sample {key}: {e}") from None
 
@@ -242,7 +246,7 @@ def index(name, split, spec, out, *, label=None, image_key=None, shape=None, cla
     classes_from: (path, manifest) of another split of the same data set, whose classes this
     one must use (names mapping to the same indices); base_url: the URL the shards' folder
     will be served from, for a manifest naming them there. fields: a Schema
-    (pipeline.data.schema): every sample's fields are checked against it and the manifest
+    (pipeline.data.fields.schema): every sample's fields are checked against it and the manifest
     records it (`fields`), in place of a label rule and classes. Written under the folder's
     writer lock (see shards.writing)."""
     if not NAME_RE.match(name) or not NAME_RE.match(split):

@@ -8,7 +8,7 @@ seen. A member missing from some samples is optional. A class must look like one
 member that looks like free text (most values distinct, or long) is text, never a class,
 so a caption in `.cls` never becomes a 1,000-way head.
 
-The result is a Schema (pipeline.data.schema) plus the label rule of the class, if any
+The result is a Schema (pipeline.data.fields.schema) plus the label rule of the class, if any
 (`cls`, `json:label`), which the image-and-label trainer reads; `override` puts a user's
 `--fields` columns in place of the inferred ones of the same name.
 """
@@ -17,10 +17,10 @@ import io
 import json
 import re
 
-from pipeline.data.decode import image_format
-from pipeline.data.read import MAX_MEMBER
-from pipeline.data.schema import MAX_SIDE, MAX_TEXT, RESERVED, SUFFIXES, Column, Schema
-from pipeline.data.values import NPY_HEADER
+from pipeline.data.decoding.decode import image_format
+from pipeline.data.shards.read import MAX_MEMBER
+from pipeline.data.fields.schema import MAX_SIDE, MAX_TEXT, RESERVED, SUFFIXES, Column, Schema
+from pipeline.data.fields.member_values import NPY_HEADER
 
 SAMPLES = 256  # samples of the first shard read to infer the fields
 MAX_CLASS_TEXT = 32  # a class name longer than this (in characters, on average) is free text

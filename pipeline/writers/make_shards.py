@@ -18,12 +18,16 @@ import threading
 import time
 import warnings
 
-from pipeline.data import decode, manifest, remote, storage
+from pipeline.data.decoding import labelling
+from pipeline.data.manifests import manifest
+from pipeline.data.manifests import locations
+from pipeline.data.store import remote, storage
 from pipeline.writers import fields, index, publish, shards, sources, storelock  # noqa: E402
+from pipeline.writers import verify
 from pipeline.cli import Parser, add_io_options, check_io, io_limits, printable  # noqa: E402
 from pipeline.errors import ShardError  # noqa: E402
 from pipeline.files import new_folders, remove_empty  # noqa: E402
-from pipeline.data.manifest import NAME_RE  # noqa: E402
+from pipeline.data.manifests.manifest import NAME_RE  # noqa: E402
 
 
 def parse_args(argv):
@@ -292,7 +296,7 @@ def run_index(args, stage=None):
         if classes_from and classes_from is given and given[1]["dataset"] != name:
             print(printable(f"  warning: --classes-from {given[0]} is data set {given[1]['dataset']!r}, not {name!r}: "
                             f"its classes were used; check that it is this data set's training manifest"))
-        twice = manifest.repeated((s["name"], s.get("sha256")) for s in m["shards"])
+        twice = locations.repeated((s["name"], s.get("sha256")) for s in m["shards"])
         if twice:
             print(printable(f"  warning: {len(twice)} shard(s) hold the same bytes (sha256) as another, e.g. "
                             f"{twice[0][1]} = {twice[0][0]}: each epoch would read them twice; leave the copies "
@@ -340,7 +344,7 @@ def classes_hint(out, name, m):
 
 def label_words(m):
     """`.json field "label", 10 class names`: what a manifest's labels are, in words."""
-    rule = decode.describe_label(m["label"])
+    rule = labelling.describe_label(m["label"])
     n = len(m["classes"])
     if m.get("label_names"):
         return f"{rule}, {n} class names"
@@ -370,7 +374,7 @@ def run(args):
         return run_preview(args)
     if args.verify:
         checked = collections.Counter()
-        problems = shards.verify(args.out, remote.Policy(**io_limits(args)), checked)
+        problems = verify.verify(args.out, remote.Policy(**io_limits(args)), checked)
         for line in problems:
             print(f"FAIL {line}")
         what = (f"{checked['manifests']} manifest(s), {checked['shards']} shard(s), {checked['samples']} sample(s): "

@@ -11,7 +11,10 @@ import textwrap
 
 import numpy as np
 
-from pipeline.data import manifest, stages
+from pipeline.data.manifests import manifest
+from pipeline.data.streams import stages
+from pipeline.data.streams import reading
+from pipeline.data.streams import plans
 from pipeline.figures import new_figure, plain
 
 
@@ -25,8 +28,8 @@ def samples(manifest_path, n, seed):
     m = manifest.load(manifest_path)
     src = manifest.resolve(m["dataset"], manifest_path, m["split"])
     urls = [src.urls[i] for i in np.random.default_rng(seed).permutation(len(src.urls))]
-    reader = stages.Reader(src)
-    stream = stages.SourceStream(stages.OncePlan(urls), reader, shuffle=False)
+    reader = reading.Reader(src)
+    stream = stages.SourceStream(plans.OncePlan(urls), reader, shuffle=False)
     keys, images, labels = stream.take(n)
     return src, keys, images, labels, reader.errors.skipped
 

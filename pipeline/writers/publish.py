@@ -16,7 +16,7 @@ import re
 from pipeline import cli
 from pipeline.errors import ShardError
 from pipeline.files import MAX_JSON, parse_json, read_json
-from pipeline.data.manifest import manifest_name
+from pipeline.data.manifests.manifest import manifest_name
 
 
 MOVING = ".moving"  # NAME-SPLIT.json.moving: the shards a store build moves into place, written before the first
@@ -29,7 +29,7 @@ def store_owned(out, name, split, present):
     The names also hold those of a build that was stopped (KILL, TERM, a lost node) while it
     moved its shards into place (`MOVING`): the moved ones are this tool's, not "an object
     this tool did not write" (its rerun refused them); they get no entry, so they are written again."""
-    from pipeline.data import remote, storage
+    from pipeline.data.store import remote, storage
 
     shard = re.compile(rf"^{re.escape(name)}-{re.escape(split)}-\d+\.tar$")
     moving = _moving(out, manifest_name(name, split) + MOVING, present, shard)
@@ -49,7 +49,7 @@ def store_owned(out, name, split, present):
 
 def _moving(out, marker, present, shard):
     """The shard names a stopped build's marker lists (those it moved in, and the set it replaced)."""
-    from pipeline.data import remote, storage
+    from pipeline.data.store import remote, storage
 
     if marker not in present:
         return set()
@@ -66,7 +66,7 @@ def publish(stage, out, name, split, *, progress=True, say=None, policy=None):
     that holds an object no make_shards manifest of this split names, FetchError when an
     upload fails (its temporary keys are then removed and nothing else was touched). `policy`:
     the job's remote.Policy, which bounds the listing of `out`."""
-    from pipeline.data import listings, remote, storage
+    from pipeline.data.store import listings, remote, storage
 
     say = say or (lambda line: None)
     mname = manifest_name(name, split)

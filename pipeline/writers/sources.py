@@ -117,9 +117,9 @@ class ImageFolderSource:
         files is refused before it is opened."""
         from PIL import Image
 
-        from pipeline.data import remote
-        from pipeline.data.decode import open_image
-        from pipeline.data.read import MAX_MEMBER
+        from pipeline.data.store import remote
+        from pipeline.data.decoding.decode import open_image
+        from pipeline.data.shards.read import MAX_MEMBER
 
         path = self.samples[i][0]
         ext = os.path.splitext(path)[1][1:].lower()  # one of torchvision's IMG_EXTENSIONS, all in IMAGE_EXTS
@@ -152,8 +152,8 @@ class ImageFolderSource:
     def caption(self, i):
         """The text of IMAGE.txt beside IMAGE.jpg (UTF-8, at most schema.MAX_TEXT bytes); one line
         naming the file when it is missing, too long or not text."""
-        from pipeline.data import remote
-        from pipeline.data.schema import MAX_TEXT
+        from pipeline.data.store import remote
+        from pipeline.data.fields.schema import MAX_TEXT
 
         path = os.path.splitext(self.samples[i][0])[0] + ".txt"
         try:
@@ -163,7 +163,7 @@ class ImageFolderSource:
             raise SourceError(f"{path}: no caption for {self.samples[i][0]} ({e.strerror or e}); --captions takes "
                               f"each image's caption from the .txt file beside it") from None
         if len(data) > MAX_TEXT:
-            raise SourceError(f"{path}: a caption of more than {MAX_TEXT} bytes (pipeline.data.schema.MAX_TEXT)")
+            raise SourceError(f"{path}: a caption of more than {MAX_TEXT} bytes (pipeline.data.fields.schema.MAX_TEXT)")
         try:
             return data.decode("utf-8")
         except UnicodeDecodeError as e:

@@ -35,7 +35,7 @@ def store_writing(out, policy=None, say=None):
     alive. Writing it is also the check that the prefix is writable (a missing bucket or a
     refused key says so in one line). `say(line)` hears of a lock taken over and the
     temporaries removed."""
-    from pipeline.data import listings, remote, storage
+    from pipeline.data.store import listings, remote, storage
 
     say = say or (lambda line: None)
     store = storage.Writer(out, policy)
@@ -77,7 +77,7 @@ def _read(store):
     renewed."""
     if not store.exists(LOCK):
         return None
-    from pipeline.data import remote
+    from pipeline.data.store import remote
 
     try:
         record = json.loads(remote.fetch(store.url(LOCK), policy=store.policy or remote.Policy(), limit=1 << 16))

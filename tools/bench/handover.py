@@ -1,7 +1,7 @@
 """The hand-over alone (`bench_loader.py --handover`): what the consuming process pays, of its
 own CPU, to receive a batch from workers that do no other work. torch's DataLoader, its workers
 yielding the small fields a batch of this project carries (keys, state, labels; the pixels
-already in shared memory), against pipeline.data.loader with the same fields in its ring. This
+already in shared memory), against pipeline.data.handover.loader with the same fields in its ring. This
 is the measured reason the loader runs its own worker processes: the consumer's budget is
 0.3 us a sample, 77 us a batch of 256.
 
@@ -16,9 +16,9 @@ import time
 import numpy as np
 import torch
 
-from pipeline.data.loader import make_loader
-from pipeline.data.ring import Field, Spec
-from pipeline.data.stream import MixedStream, resolve
+from pipeline.data.handover.loader import make_loader
+from pipeline.data.fields.spec import Field, Spec
+from pipeline.data.streams.stream import MixedStream, resolve
 from pipeline.ordering.topology import Topology, Worker
 from pipeline.writers import shards
 from pipeline.writers.sources import SyntheticSource
@@ -47,7 +47,7 @@ class _ForDataLoader(torch.utils.data.IterableDataset):
 
 
 class _ForRing:
-    """A stream for pipeline.data.loader that writes nothing into its slots."""
+    """A stream for pipeline.data.handover.loader that writes nothing into its slots."""
 
     def __init__(self, batches, batch):
         self.batches_total, self.batch = batches, batch
@@ -144,13 +144,13 @@ def run_stream(workers=2, batch=256, repeats=3, samples=20000, epochs=2):
 
 
 def run(workers=2, batches=2000, batch=256, repeats=5):
-    rows = {"DataLoader": [], "pipeline.data.loader": []}
+    rows = {"DataLoader": [], "pipeline.data.handover.loader": []}
     for rep in range(repeats):
         dl = torch.utils.data.DataLoader(_ForDataLoader(batches, batch), batch_size=None, num_workers=workers,
                                          collate_fn=_as_is, prefetch_factor=4, persistent_workers=False)
         rows["DataLoader"].append(consumer_us(dl))
         ours = make_loader(_ForRing(batches, batch), workers)
-        rows["pipeline.data.loader"].append(consumer_us(ours))
+        rows["pipeline.data.handover.loader"].append(consumer_us(ours))
         ours.close()
         log(f"  repeat {rep + 1}/{repeats}: " + ", ".join(f"{k} {v[-1]:.1f} us" for k, v in rows.items()))
     out = []
@@ -161,8 +161,8 @@ def run(workers=2, batches=2000, batch=256, repeats=5):
         out.append({"loader": name, "us_per_batch": s, "us_per_sample": spread([v / batch for v in values])})
         log(f"  {name:<22} {s['median']:7.1f} us a batch [{s['min']:.1f}-{s['max']:.1f}], "
             f"{s['median'] / batch:.3f} us a sample")
-    ratio = statistics.median(a / b for a, b in zip(rows["DataLoader"], rows["pipeline.data.loader"]))
-    log(f"  DataLoader / pipeline.data.loader: {ratio:.2f}x (median of the paired repeats)")
+    ratio = statistics.median(a / b for a, b in zip(rows["DataLoader"], rows["pipeline.data.handover.loader"]))
+    log(f"  DataLoader / pipeline.data.handover.loader: {ratio:.2f}x (median of the paired repeats)")
     log(f"\nthe stream (synthetic MNIST + CIFAR10 shapes, raw shards, batches of {batch}), loader kept across epochs:")
     streams = run_stream(workers, batch, repeats)
     return {"workers": workers, "batches": batches, "batch": batch, "rows": out, "ratio": ratio, "stream": streams}

@@ -7,7 +7,8 @@ import shutil
 
 import numpy as np
 
-from pipeline.data import manifest, stream
+from pipeline.data.manifests import manifest
+from pipeline.data.streams import stream
 from pipeline.errors import ShardError
 from pipeline.files import write_json_atomic
 from pipeline.writers import shards, sources
@@ -104,7 +105,7 @@ def build_caption_webdataset(cifar_folder, out, maxcount):
     import torchvision
     import webdataset as wds
 
-    from pipeline.data.schema import parse_fields
+    from pipeline.data.fields.schema import parse_fields
     from pipeline.writers import index
 
     os.makedirs(out, exist_ok=True)

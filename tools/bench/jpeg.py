@@ -10,7 +10,7 @@ call it bare, one torch thread:
   torchvision  torchvision.io.decode_jpeg on lists of a batch's JPEGs (one call a batch)
   simplejpeg   simplejpeg.decode_jpeg, each at its own size (if installed)
   simplejpeg scaled  the same at the smallest DCT scale that covers the target (large only)
-  PIL          Image.open + convert (large: draft mode at the target, as pipeline.data.decode did)
+  PIL          Image.open + convert (large: draft mode at the target, as pipeline.data.decoding.decode did)
 and, for the large set, decode.fit to 224x224 after each (the resize the stream does).
 The stream runs whole over the same samples, at each --workers count, its CPU the process
 tree's (bench.cpu.measure), and each run gives two rows: "whole run" (its first batch, start-up
@@ -69,7 +69,7 @@ def build(cifar_folder, out, name, shape, size=None, limit=None, maxcount=1000):
 
 def jpegs_of(folder, name):
     """Every .jpg member of the set's shards, in order, as bytes."""
-    from pipeline.data import read
+    from pipeline.data.shards import read
 
     out = []
     for path in sorted(glob.glob(os.path.join(folder, f"{name}-train-*.tar"))):
@@ -83,7 +83,7 @@ def decoders(shape, large):
     from PIL import Image
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    from pipeline.data import decode
+    from pipeline.data.decoding import decode
 
     c, h, w = shape
     fit = (lambda a: decode.fit(a, shape)) if large else (lambda a: a)
@@ -117,7 +117,7 @@ def decoders(shape, large):
 
 def stream_run(folder, name, n, workers):
     """Batch sizes of one pass of this stream over the set's n samples (uint8 batches)."""
-    from pipeline.data import stream
+    from pipeline import stream
     from pipeline.ordering.topology import Topology
 
     src = stream.resolve(name, folder, "train")

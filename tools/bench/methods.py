@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 import bench_peers
-from pipeline.data import stream
+from pipeline import stream
 from pipeline.ordering.topology import Topology
 
 from bench.cpu import measure

@@ -1,6 +1,6 @@
 """What one part costs, beside the timed runs: cProfile of C, the read ceiling of the shards,
 the two tar formats, the stages written here against webdataset's, the thread switch of
-normalize, and the JPEG decoders pipeline.data.decode chooses between."""
+normalize, and the JPEG decoders pipeline.data.decoding.decode chooses between."""
 import cProfile
 import itertools
 import os
@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from pipeline.data import read
+from pipeline.data.shards import read
 from pipeline.writers import shards, sources
 
 from bench import ROOT
@@ -165,7 +165,7 @@ def thread_switch(repeats=5, normalizes=200, steps=5):
     batches: C/raw's figure shows it); and ms of CPU for one CPU training step of the
     trainer's model at batch 64, with and without that switch before it (the switch was
     thought to clear oneDNN's caches)."""
-    from pipeline.data.batch import one_torch_thread, by_numpy, by_torch
+    from pipeline.data.fields.batch import one_torch_thread, by_numpy, by_torch
     from pipeline.train.model import Net
 
     rng = np.random.default_rng(0)

@@ -138,7 +138,7 @@ def build(work):
 def upload(folder, base):
     """The shards and manifest to the bucket, readable without a signature too: the http path
     reads the same objects from the same server as plain URLs."""
-    from pipeline.data import storage
+    from pipeline.data.store import storage
 
     fs = storage.filesystem(storage.parse(base))
     fs.mkdir(BUCKET)
@@ -154,7 +154,7 @@ def epoch(src, workers, batch_size, shuffle_buffer, seed, times):
     """One epoch of `src` as uint8 batches: a generator of batch sizes. `times` gets the clock
     at its start and at its first batch: the wait before training starts is paid once an
     epoch, so it is shown apart from the rate after it."""
-    from pipeline.data import stream
+    from pipeline import stream
 
     times.append(time.perf_counter())
     ms = stream.MixedStream([src], {src.name: 1.0}, batch_size, seed=seed, shuffle_buffer=shuffle_buffer,
@@ -170,18 +170,21 @@ def configured(endpoint=None, threads=None, s3fs_reads=False):
     """AWS_ENDPOINT_URL and stages.PREFETCH_THREADS for one run; with s3fs_reads, s3:// shards
     read through s3fs's file object instead of a signed GET (DataLoader workers are forked,
     so they read the same way)."""
-    from pipeline.data import stages, storage
+    from pipeline.data.streams import stages
+    from pipeline.data.streams import reading
+    from pipeline.data.store import storage
+    from pipeline.data.store import direct_read
 
-    saved = os.environ.get("AWS_ENDPOINT_URL"), stages.PREFETCH_THREADS, storage.direct
+    saved = os.environ.get("AWS_ENDPOINT_URL"), reading.PREFETCH_THREADS, direct_read.direct
     if s3fs_reads:
-        storage.direct = lambda url, timeout=30.0: None
+        direct_read.direct = lambda url, timeout=30.0: None
     if endpoint:
         os.environ["AWS_ENDPOINT_URL"] = endpoint
         import s3fs
 
         s3fs.S3FileSystem.clear_instance_cache()  # a client cached for the other endpoint would go on using it
     if threads is not None:
-        stages.PREFETCH_THREADS = threads
+        reading.PREFETCH_THREADS = threads
     try:
         yield
     finally:
@@ -189,7 +192,7 @@ def configured(endpoint=None, threads=None, s3fs_reads=False):
             os.environ.pop("AWS_ENDPOINT_URL", None)
         else:
             os.environ["AWS_ENDPOINT_URL"] = saved[0]
-        stages.PREFETCH_THREADS, storage.direct = saved[1], saved[2]
+        reading.PREFETCH_THREADS, direct_read.direct = saved[1], saved[2]
 
 
 def measure_run(src, workers, args, seed, expected, server_pid):
@@ -211,7 +214,8 @@ def measure_run(src, workers, args, seed, expected, server_pid):
 
 
 def run(args, work):
-    from pipeline.data import stages, stream
+    from pipeline.data.streams import stages, stream
+    from pipeline.data.streams import reading
     from pipeline.files import write_json_atomic
 
     from bench.host import git_state, host_facts
@@ -235,8 +239,8 @@ def run(args, work):
                  ("s3 proxy+50ms no-prefetch", s3_src, slow, 0)]
         n = local_src.total // args.batch_size * args.batch_size
         log(f"stores: {len(local_src.urls)} shards, {local_src.total} samples (epoch {n}), batch {args.batch_size}, "
-            f"shuffle buffer {args.shuffle_buffer}, prefetch threads {stages.PREFETCH_THREADS}, fetch ahead "
-            f"{stages.FETCH_AHEAD >> 20} MiB, latency "
+            f"shuffle buffer {args.shuffle_buffer}, prefetch threads {reading.PREFETCH_THREADS}, fetch ahead "
+            f"{reading.FETCH_AHEAD >> 20} MiB, latency "
             f"{LATENCY * 1000:.0f} ms, {args.repeats} repeat(s)")
         rows = {}
         for workers in args.workers:
@@ -270,7 +274,7 @@ def run(args, work):
             f"{fmt_spread(e['after_first_per_s'], 0):>26}{fmt_spread(e['first_batch_ms'], 0):>16}"
             f"{fmt_spread(e['us_per_sample'], 1):>20}{rate:>9.2f}{cpu:>12.2f}")
     record = {"command": [os.path.basename(sys.executable), *sys.argv], "git": git_state(), "host": host_facts(),
-              "latency_s": LATENCY, "prefetch_threads": stages.PREFETCH_THREADS, "fetch_ahead": stages.FETCH_AHEAD, "shards": len(local_src.urls),
+              "latency_s": LATENCY, "prefetch_threads": reading.PREFETCH_THREADS, "fetch_ahead": reading.FETCH_AHEAD, "shards": len(local_src.urls),
               "samples": local_src.total, "batch_size": args.batch_size, "shuffle_buffer": args.shuffle_buffer,
               "stores": entries, "loadavg_at_end": os.getloadavg()}
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

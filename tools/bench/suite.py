@@ -38,7 +38,7 @@ def describe(setup, synthetic):
     ]
     if setup.peer_dirs:
         notes.append(f"{', '.join(setup.peer_dirs)}: the raw shards' uint8 pixels, written once in each library's "
-                     "format; batches made by C's own collate and normalisation (pipeline.data.batch.Layout) where "
+                     "format; batches made by C's own collate and normalisation (pipeline.data.fields.batch.Layout) where "
                      "the library collates; every run's batches checked (shape, dtype, labels, share, no repeat).")
     if synthetic:
         notes.append("--synthetic: tiny generated inputs; figures only check that the benchmark runs.")
@@ -47,7 +47,7 @@ def describe(setup, synthetic):
 
 def run_tar_format(args, mnist_root):
     rows = micro.tar_format(mnist_root)
-    log(f"{'tar format':<24}{'samples':>8}{'MB':>7}{'webdataset samples/s':>26}{'pipeline.data.read samples/s':>30}")
+    log(f"{'tar format':<24}{'samples':>8}{'MB':>7}{'webdataset samples/s':>26}{'pipeline.data.shards.read samples/s':>30}")
     for r in rows:
         log(f"{r['format']:<24}{r['samples']:>8}{r['bytes'] / 1e6:>7.1f}"
             f"{fmt_spread(r['webdataset_samples_per_s']):>26}{fmt_spread(r['pipeline_read_samples_per_s']):>30}")

@@ -3,7 +3,7 @@ by the project's own writer (raw), and the same shapes as JPEG files in tar shar
 could have written, indexed in place (the decode-bound case of the scaling table)."""
 import os
 
-from pipeline.data.stream import resolve
+from pipeline.data.streams.stream import resolve
 from pipeline.writers import shards
 from pipeline.writers.sources import SyntheticSource
 

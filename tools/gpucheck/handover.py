@@ -20,7 +20,8 @@ import torch
 
 from gpucheck.data import BATCH, SHAPES, train_sources
 from gpucheck.runner import Failed
-from pipeline.data.stream import MixedStream, make_loader
+from pipeline.data.streams.stream import MixedStream
+from pipeline.data.handover.loader import make_loader
 
 DELAY_CYCLES = 20_000_000  # GPU clock cycles (about 10 ms) queued before each copy a user makes
 EPOCH_BATCHES = 40  # batches an epoch, at the check's batch size
@@ -209,12 +210,12 @@ def workers_restarted(folder, device, workers=2, batch=BATCH, epochs=2):
 
 def refused_page_lock(folder, device, workers=2, batch=BATCH, epochs=1):
     """cudaHostRegister refused (as a container's memlock limit refuses it), simulated by
-    pipeline.data.ring._register answering False: one warning of one line, and the batches
+    pipeline.data.handover.ring._register answering False: one warning of one line, and the batches
     still arrive whole (a pinned fallback)."""
-    from pipeline.data import ring
+    from pipeline.data.handover import ring
 
     if not hasattr(ring, "_register"):
-        raise Failed("pipeline.data.ring has no _register to refuse: point this case at the loader's page-lock call")
+        raise Failed("pipeline.data.handover.ring has no _register to refuse: point this case at the loader's page-lock call")
     real, ring._register = ring._register, lambda memory: False
     try:
         with warnings.catch_warnings(record=True) as caught:

@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpucheck.data import BATCH, SHAPES, train_sources
 from gpucheck.runner import Failed
-from pipeline.data.stream import MixedStream
+from pipeline.data.streams.stream import MixedStream
 from pipeline.train import dist
 from pipeline.train.model import Net
 from pipeline.train.run import autocast

@@ -10,7 +10,7 @@ from bench.cpu import tree_cpu  # the process tree's CPU, as bench_loader counts
 from gpucheck.data import BATCH, SHAPES, train_sources
 from gpucheck.handover import host_loader
 from gpucheck.runner import Failed
-from pipeline.data.stream import MixedStream
+from pipeline.data.streams.stream import MixedStream
 
 TARGETS = {("raw", "C8"): 1_000_000, ("raw", "C"): 600_000, ("jpg", "C8"): 150_000}
 

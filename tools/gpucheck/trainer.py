@@ -17,7 +17,7 @@ import torch
 from gpucheck import ROOT
 from gpucheck.data import BATCH, SHAPES, train_sources
 from gpucheck.runner import Failed
-from pipeline.data.stream import resolve
+from pipeline.data.streams.stream import resolve
 from pipeline.files import read_json
 
 TRAIN_FLAGS = ["--epochs", "1", "--batch-size", str(BATCH), "--workers", "8", "--width", "64", "--log-every", "50"]
@@ -131,8 +131,8 @@ def model_check(folder, work, trained, model="cnn", steps=300):
     """The trainer's own step (Run.step_once: normalise and augment on the GPU, bf16 autocast, the
     fused SGD step that skips on the device) on one batch already there, with the trainer's
     flags: the samples/s the trainer is held against. `trained`: the train step's figures."""
-    from pipeline.data import remote
-    from pipeline.data.stream import make_loader
+    from pipeline.data.store import remote
+    from pipeline.data.handover.loader import make_loader
     from pipeline.ordering.topology import Topology
     from pipeline.train import options
     from pipeline.train.run import Run
@@ -172,7 +172,7 @@ def nosync_check(folder, work, steps=60, log_every=20):
     steps) or the epoch's last step."""
     import warnings as w
 
-    from pipeline.data import stream as stream_module
+    from pipeline import stream as stream_module
     from pipeline.train import loop, run as run_module
 
     at = {"step": 0, "on": False}

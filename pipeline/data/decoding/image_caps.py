@@ -4,7 +4,7 @@ makes a pixel buffer.
 A few kilobytes of PNG, BMP or JPEG can claim millions of pixels, and a thin image
 resized so its shorter side fits its target grows by the target's size. So every
 image is checked with the size its decoder will produce (PIL's for the formats PIL
-decodes itself, libjpeg's frame header for JPEG, see `pipeline.data.jpeg`) against:
+decodes itself, libjpeg's frame header for JPEG, see `pipeline.data.decoding.jpeg`) against:
 - MAX_PIXELS: the most pixels a source image may hold, whatever the target;
 - MAX_ASPECT: how many times as elongated as its target shape an image may be;
 - MAX_DECODE_RATIO: how many times its target's pixels an image may decode to. A 49 KB PNG
@@ -30,16 +30,16 @@ def check(width, height, shape=None, ext=None):
     if width < 1 or height < 1:
         raise ValueError(f"image is {width}x{height}")
     if width * height > MAX_PIXELS:
-        raise ValueError(f"image is {width}x{height}, more than {MAX_PIXELS} pixels (pipeline.data.bounds.MAX_PIXELS)")
+        raise ValueError(f"image is {width}x{height}, more than {MAX_PIXELS} pixels (pipeline.data.decoding.image_caps.MAX_PIXELS)")
     if shape is not None:
         _, h, w = shape
         stretch = max(width * h / (height * w), height * w / (width * h))
         if stretch > MAX_ASPECT:
             raise ValueError(f"image is {width}x{height}, {stretch:.0f} times as elongated as its {w}x{h} target "
-                             f"(at most {MAX_ASPECT}, pipeline.data.bounds.MAX_ASPECT)")
+                             f"(at most {MAX_ASPECT}, pipeline.data.decoding.image_caps.MAX_ASPECT)")
         scale = REDUCED.get(ext, 1)
         decoded = -(-width // scale) * -(-height // scale)
         if decoded > MAX_DECODE_RATIO * h * w:
             at = f" at 1/{scale} scale" if scale > 1 else ""
             raise ValueError(f"image is {width}x{height}, {decoded / (h * w):.0f} times its {w}x{h} target's pixels "
-                             f"as decoded{at} (at most {MAX_DECODE_RATIO}, pipeline.data.bounds.MAX_DECODE_RATIO)")
+                             f"as decoded{at} (at most {MAX_DECODE_RATIO}, pipeline.data.decoding.image_caps.MAX_DECODE_RATIO)")

@@ -62,7 +62,7 @@ def header(data):
 def _check_scans(data, at):
     scans = 1 + data.count(b"\xff\xda", at)  # entropy-coded data stuffs 0xFF with 0x00: these are markers
     if scans > MAX_SCANS:
-        raise ValueError(f"JPEG with {scans} scans (at most {MAX_SCANS}, pipeline.data.jpeg.MAX_SCANS)")
+        raise ValueError(f"JPEG with {scans} scans (at most {MAX_SCANS}, pipeline.data.decoding.jpeg.MAX_SCANS)")
 
 
 def _walk(data):

@@ -9,7 +9,7 @@ undoes it for a whole batch with one numpy add a row across the batch, since per
 overhead cost more than zlib itself for MNIST. Sizes against PIL's adaptive
 filters: MNIST -16%, CIFAR10 +5%. Any other PNG (more chunks, other filters,
 palettes, interlacing, 16-bit, a bad checksum) is decoded by PIL in
-`pipeline.data.decode`, which also gives the error messages.
+`pipeline.data.decoding.decode`, which also gives the error messages.
 """
 import functools
 import struct
@@ -79,7 +79,7 @@ def fast_rows(data, shape):
     """The fast path, for exactly what `encode` writes: this shape's header, one IDAT
     chunk, IEND, and the Up filter on every row. Returns the inflated rows, each behind
     its filter byte (H * (1 + W * C) bytes) for `unfilter`; None for anything else, which
-    `pipeline.data.decode` hands to PIL."""
+    `pipeline.data.decoding.decode` hands to PIL."""
     frame = _frame(*shape)
     if frame is None:
         return None

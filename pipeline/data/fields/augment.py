@@ -1,4 +1,4 @@
-"""Sample stages a schema runs on one field after decoding (pipeline.data.schema.Schema's
+"""Sample stages a schema runs on one field after decoding (pipeline.data.fields.schema.Schema's
 `stages`), in the loader's workers: a random resized or random crop, a flip, colour jitter
 on uint8 images, a tokeniser of the user's on text.
 

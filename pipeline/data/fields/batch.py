@@ -1,8 +1,8 @@
 """The one batch layout of every stream, and the one place images are normalised.
 
-Every source has a schema (pipeline.data.schema): its own, or the default one, an image at
+Every source has a schema (pipeline.data.fields.schema): its own, or the default one, an image at
 its manifest's shape and a class label (columns.default_columns). A batch is a dict of the
-union of the sources' fields (pipeline.data.columns says how each field type is held): with
+union of the sources' fields (pipeline.data.fields.columns says how each field type is held): with
 the default schema, `image` (B, 3, H, W) with H, W the largest over the sources (smaller
 images zero-padded around the centre, grey ones repeated to 3 channels) and `label` int64
 with each source's classes offset (MNIST 0-9, CIFAR10 10-19 when listed in that order, so
@@ -23,9 +23,8 @@ import threading
 import numpy as np
 import torch
 
-from pipeline.data.columns import canvas, default_columns, fields_of, form, put, said
-from pipeline.data.node import Node
-from pipeline.data.ring import Field, Spec
+from pipeline.data.fields.columns import canvas, default_columns, fields_of, form, put, said
+from pipeline.data.fields.spec import Field, Spec
 from pipeline.errors import InputError
 
 
@@ -141,7 +140,7 @@ class Layout:
         return (batch_size, self._need()[0].channels, *self.hw)
 
     def spec(self, batch_size, normalize=False):
-        """The batch's fixed-shape fields as a ring lays them out (pipeline.data.ring); the
+        """The batch's fixed-shape fields as a ring lays them out (pipeline.data.handover.ring); the
         `image` field float32 when the producer normalises it, every other field as it is."""
         fixed = [Field(f.name, np.float32, f.shape) if normalize and f.name == "image" and self._normalizable() else f
                  for f in self.fixed]
@@ -153,7 +152,7 @@ class Layout:
 
     def memory(self, batch_size):
         """(bytes of one batch with every field at its cap, bytes of the largest image field as
-        decoded): what pipeline.data.budget counts for this layout."""
+        decoded): what pipeline.data.handover.budget counts for this layout."""
         listed = sum(c.max_bytes + 64 for c in self.columns if c.listed)
         batch = sum(f.nbytes(batch_size) for f in self.fixed) + batch_size * listed
         image = max([c.channels * c.size[0] * c.size[1] for c in self.columns if c.kind == "image"] or [0])
@@ -165,7 +164,7 @@ class Layout:
         choice: the source index of each position; parts[s]: (keys, values, labels) of source
         s, as many as choice names it: values uint8 images (a default-schema source: its labels
         beside) or an object array of {field: value} (a schema's source); out: the arrays of a
-        ring slot to fill (pipeline.data.ring), else they are made. A float32 `image` gets the
+        ring slot to fill (pipeline.data.handover.ring), else they are made. A float32 `image` gets the
         images normalised (collated into a uint8 canvas first, kept for the next batch): the
         producer normalises, so the consumer only hands the batch on. Every byte of `out` is
         written, padding included, so a reused slot needs no zeroing first.
@@ -266,7 +265,7 @@ def by_numpy(out, image, scale, shift):
 NOTHING = ([], np.zeros((0, 1, 1, 1), np.uint8), np.zeros(0, np.int64))  # what a source not drawn gives
 
 
-class Collate(Node):
+class Collate:
     """The last stage: what `upstream` (a `stages.Mix`) took, as one batch in this layout,
     with the samples skipped since the last batch (`errors.skipped`), written into the arrays
     `borrow(n)` lends when given ((handle, {field: array}): a ring slot); the batch then

@@ -1,7 +1,7 @@
-"""The batch fields of a schema's columns (pipeline.data.schema), and how each column's values
+"""The batch fields of a schema's columns (pipeline.data.fields.schema), and how each column's values
 are put in them: what batch.Layout, the one layout of every stream, is made of.
 
-Fixed-shape fields go in the ring's slot (pipeline.data.ring), stacked, so the hand-over
+Fixed-shape fields go in the ring's slot (pipeline.data.handover.ring), stacked, so the hand-over
 from the workers carries them without a copy, as it carries images: images of a fitted size
 (uint8, B x C x H x W), int64 and float32 scalars and vectors, token ids (padded with 0,
 NAME_len beside), arrays (padded with 0 to the field's shape, NAME_shape beside) and images
@@ -18,8 +18,8 @@ has the default one (`default_columns`): its image and its class label.
 """
 import numpy as np
 
-from pipeline.data.ring import Field
-from pipeline.data.schema import Column
+from pipeline.data.fields.spec import Field
+from pipeline.data.fields.schema import Column
 
 
 def default_columns(source):
@@ -32,7 +32,7 @@ def default_columns(source):
 
 
 def fields_of(col):
-    """The fixed-shape batch fields (ring.Field) that hold a column: none for a listed one."""
+    """The fixed-shape batch fields (spec.Field) that hold a column: none for a listed one."""
     n = col.name
     if col.kind == "image":
         return [Field(n, np.uint8, (col.channels, *col.size))] + ([Field(n + "_size", np.int64, (2,))]

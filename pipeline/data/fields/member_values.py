@@ -1,9 +1,9 @@
-"""A schema field's value from its member's bytes (pipeline.data.schema), and the check of a
+"""A schema field's value from its member's bytes (pipeline.data.fields.schema), and the check of a
 value a stage of the user's returns.
 
 Each reader here checks what a member claims before it makes anything of that size: a
 .npy's header (numeric, no objects, within the field's shape) before a byte is copied, an
-image's size (pipeline.data.bounds, through decode.open_image) before a pixel is decoded, a
+image's size (pipeline.data.decoding.image_caps, through decode.open_image) before a pixel is decoded, a
 .json path step by step (no list or object is walked). Each failure is one ValueError line.
 """
 import io
@@ -12,7 +12,8 @@ import math
 
 import numpy as np
 
-from pipeline.data import decode
+from pipeline.data.decoding import decode
+from pipeline.data.decoding import labelling
 from pipeline.errors import InputError, cut
 
 NPY_HEADER = 1 << 16  # bytes a .npy's header may take
@@ -90,7 +91,7 @@ def _numbers(col, items, where):
     for x in items:
         if isinstance(x, str):
             try:
-                x = int(x) if col.kind != "float" and decode._INTEGER.match(x) else float(x)
+                x = int(x) if col.kind != "float" and labelling._INTEGER.match(x) else float(x)
             except ValueError:
                 raise ValueError(f"{where}: {cut(repr(x), 40)} is not a number") from None
         if isinstance(x, bool) or not isinstance(x, (int, float)):
@@ -137,7 +138,7 @@ def npy_value(data, col):
 
 def image_value(data, ext, col, rng):
     """uint8 (C, h, w): (h, w) the field's size, or for pad and native the image's own size
-    within it. The image's size is checked (pipeline.data.bounds) against the field's size
+    within it. The image's size is checked (pipeline.data.decoding.image_caps) against the field's size
     before a pixel is decoded."""
     from PIL import Image
 

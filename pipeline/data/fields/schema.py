@@ -17,14 +17,14 @@ the sources before it, as an image-and-label source's are), `array` (a .npy of a
 Every cap comes from the schema, never from the data: a member over its field's cap, a
 .npy whose header claims more than the shape or holds objects, a .json over
 MAX_JSON_BYTES, a value of the wrong type, is a ValueError naming the field and why; the
-reader counts the sample as skipped with that line (pipeline.data.stages). The sample
+reader counts the sample as skipped with that line (pipeline.data.streams.stages). The sample
 stages of a schema (`augment` or any function of the sample dict) run after decoding,
 each with a `random.Random` drawn from the sample's seed, a pure function of its
 position, so a resumed stream repeats them.
 
-Image and class is the default schema (pipeline.data.columns.default_columns): a source
+Image and class is the default schema (pipeline.data.fields.columns.default_columns): a source
 without a schema has an image field at its manifest's shape and a class field, decoded by
-the image-and-label reader (pipeline.data.decode.Target), and batched like any other.
+the image-and-label reader (pipeline.data.decoding.decode.Target), and batched like any other.
 """
 import dataclasses
 import math
@@ -33,9 +33,10 @@ import re
 
 import numpy as np
 
-from pipeline.data import decode
-from pipeline.data.read import MAX_MEMBER
-from pipeline.data.values import NPY_HEADER, user_stage, value_of
+from pipeline.data.decoding import decode
+from pipeline.data.decoding import labelling
+from pipeline.data.shards.read import MAX_MEMBER
+from pipeline.data.fields.member_values import NPY_HEADER, user_stage, value_of
 from pipeline.errors import cut
 
 KINDS = ("image", "text", "int", "float", "class", "array", "bytes")
@@ -44,7 +45,7 @@ PADDED = ("pad", "native")  # fits whose images keep their own size: padded in t
 DTYPES = ("uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "float32", "float64", "bool")
 MAX_TEXT = 64 << 10  # bytes of a text field unless its max_bytes says otherwise
 MAX_BYTES = 1 << 20  # bytes of a bytes field unless its max_bytes says otherwise
-MAX_JSON_BYTES = decode.MAX_LABEL_JSON  # a .json member any field reads from
+MAX_JSON_BYTES = labelling.MAX_LABEL_JSON  # a .json member any field reads from
 MAX_LENGTH = 1 << 16  # values of an int/float vector, tokens of a text field
 MAX_ELEMENTS = 1 << 24  # elements of an array field (64 MiB as float32)
 MAX_SIDE = 4096  # pixels a side of an image field (manifest.MAX_SIDE)
@@ -377,7 +378,7 @@ class Schema:
                 values[col.name] = value_of(col, ext, path, data, parsed, lambda k=k: _rng(seed, 128 | k))
             except ValueError as e:
                 raise ValueError(f"field {col.name}: {e}") from None
-            except decode.CONTENT_ERRORS as e:
+            except labelling.CONTENT_ERRORS as e:
                 raise ValueError(f"field {col.name}: unreadable .{ext} ({type(e).__name__}: {cut(e, 80)})") from None
         for k, stage in enumerate(self.stages):
             rng = _rng(seed, k & 127)
@@ -409,5 +410,5 @@ class _Shape:
 
 def _cap_hint(col, ext):
     if ext == "json":
-        return " (pipeline.data.schema.MAX_JSON_BYTES)"
+        return " (pipeline.data.fields.schema.MAX_JSON_BYTES)"
     return " (raise the field's max_bytes)" if col.kind in ("text", "bytes") else ""

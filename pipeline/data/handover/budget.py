@@ -2,7 +2,7 @@
 
 A manifest's `shape` and the command line's --batch-size decide how large a batch is, and
 the loader multiplies it: every loader worker (or, without workers, the loader itself) keeps
-(prefetch_factor + 2) batches in its ring (pipeline.data.ring), the trainer makes a float32
+(prefetch_factor + 2) batches in its ring (pipeline.data.handover.ring), the trainer makes a float32
 copy of each batch it steps on, each process that decodes holds a batch's images as decoded,
 stacked and padded, each (rank, worker) holds a shuffle window per source, and a model
 trained on the CPU keeps its activations for the backward pass. A manifest edited to
@@ -13,14 +13,14 @@ torch: the numbers are the caller's.
 """
 import os
 
-from pipeline.data import bounds
+from pipeline.data.decoding import image_caps
 
 PREFETCH = 4  # batches a loader's worker prepares ahead (make_loader's prefetch_factor): the ring holds 2 more
 
 
 def batch_bytes(batch_size, shapes):
     """Bytes of one uint8 batch: every image is padded to 3 channels and to the largest
-    height and width over the sources (pipeline.data.batch.Layout). `shapes`: (C, H, W) each."""
+    height and width over the sources (pipeline.data.fields.batch.Layout). `shapes`: (C, H, W) each."""
     shapes = list(shapes)
     return batch_size * 3 * max(s[1] for s in shapes) * max(s[2] for s in shapes)
 
@@ -34,7 +34,7 @@ def needed(batch_size, shapes, workers, *, prefetch_factor=PREFETCH, window_byte
     decode: in each process that decodes (every worker, or the trainer itself without workers),
     a batch's images as decoded, stacked into one array and padded to the batch's height and
     width (decode.decode_batch, columns.to_canvas: three arrays of at most a batch's bytes), and
-    one image being resized: the source image as decoded (at most bounds.MAX_DECODE_RATIO
+    one image being resized: the source image as decoded (at most image_caps.MAX_DECODE_RATIO
     times the target's pixels, 4 bytes each), the resized image, its array and its CHW copy
     (3 images of the target's size); trainer: the uint8 batch copied out and its float32 copy
     (5 bytes a pixel); windows: `window_bytes` (what one (rank, worker) holds for one source's
@@ -47,7 +47,7 @@ def needed(batch_size, shapes, workers, *, prefetch_factor=PREFETCH, window_byte
     depth = prefetch_factor + 2
     decoders = max(workers, 1) + eval_sources * min(workers, 2)
     image = batch_bytes(1, shapes) if fields is None else fields[1]
-    source = 4 * min(bounds.MAX_PIXELS, bounds.MAX_DECODE_RATIO * image // 3)
+    source = 4 * min(image_caps.MAX_PIXELS, image_caps.MAX_DECODE_RATIO * image // 3)
     parts = {"batch": batch, "ring": max(workers, 1) * depth * batch,
              "eval_ring": eval_sources * max(min(workers, 2), 1) * depth * batch,
              "decode": decoders * (3 * batch + 3 * image + source),

@@ -7,7 +7,7 @@ tensors that view the slot: the consuming process does O(1) work a batch, whatev
 size, and a batch the user keeps is never overwritten. With workers, `workers.Workers`
 runs the processes; each pass begins with the stream's plan, so every `set_epoch`,
 `load_state_dict` or `set_workers` made before it reaches them. With `device`, the loader
-copies each batch to the device itself (pipeline.data.device) and the slot goes back once
+copies each batch to the device itself (pipeline.data.handover.device) and the slot goes back once
 that copy is done.
 """
 import collections
@@ -18,11 +18,11 @@ import threading
 
 import torch
 
-from pipeline.data.budget import PREFETCH
-from pipeline.data.device import ToDevice, parse_device
-from pipeline.data.ring import Ring
+from pipeline.data.handover.budget import PREFETCH
+from pipeline.data.handover.device import ToDevice, parse_device
+from pipeline.data.handover.ring import Ring
 from pipeline.ordering.topology import Worker
-from pipeline.data.workers import BATCH, END, Workers, raise_error, unpack
+from pipeline.data.handover.workers import BATCH, END, Workers, raise_error, unpack
 
 
 def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=PREFETCH, start_method="fork", record=True,
@@ -235,21 +235,8 @@ def check_memory(depth, slot_bytes, meminfo="/proc/meminfo"):
                          f"lower --batch-size (or the batch's fields' sizes)")
 
 
-def plain(stream):
-    """One pass in this process with no ring: a stream iterated directly (`iter(stream)`), which
-    is also what a DataLoader of the user's own runs in each of its workers."""
-    plan = stream.plan() if hasattr(stream, "plan") else None
-    names = stream.batch_spec().names
-    for batch in stream.batches(None, None, plan):
-        for name in names:
-            batch[name] = torch.from_numpy(batch[name])
-        if "state" in batch:
-            stream.record(batch["state"])
-        yield batch
-
-
 def worker_context(start_method="fork"):
     ctx = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "pipeline.data.stream"])
+        ctx.set_forkserver_preload(["torch", "pipeline.data.streams.stream"])
     return ctx

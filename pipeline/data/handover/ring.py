@@ -24,7 +24,6 @@ import collections
 import ctypes
 import gc
 import itertools
-import math
 import mmap
 import os
 import threading
@@ -34,94 +33,9 @@ import weakref
 import numpy as np
 import torch
 
-ALIGN = 64  # bytes: every field of a slot starts on a cache line (and any dtype's alignment)
+from pipeline.data.fields.spec import SMALL_BYTES, Field, Spec  # noqa: F401  (what a slot holds; they live with the fields)
+
 MAP_FIXED = 0x10  # Linux (every architecture): mmap at exactly the address given
-SMALL_BYTES = 64  # a field of at most this many bytes a sample is copied out of its slot, not viewed
-
-
-class Field:
-    """One fixed-shape field of a batch: `shape` per sample, `dtype` a numpy dtype."""
-
-    def __init__(self, name, dtype, shape=()):
-        self.name, self.dtype, self.shape = name, np.dtype(dtype), tuple(int(x) for x in shape)
-
-    def nbytes(self, n):
-        return n * self.dtype.itemsize * math.prod(self.shape)
-
-    @property
-    def small(self):
-        """Whether a batch hands this field out as a tensor of its own (see SMALL_BYTES)."""
-        return self.nbytes(1) <= SMALL_BYTES
-
-    def __repr__(self):
-        return f"Field({self.name!r}, {self.dtype}, {self.shape})"
-
-
-class Spec:
-    """The fixed-shape fields of a batch of at most `batch` samples, and where each lies in a slot."""
-
-    def __init__(self, fields, batch):
-        self.fields, self.batch = tuple(fields), int(batch)
-        self.offsets, at = [], 0
-        for f in self.fields:
-            self.offsets.append(at)
-            at += -(-f.nbytes(self.batch) // ALIGN) * ALIGN
-        self.slot_bytes = max(at, ALIGN)
-        self._ctype = ctypes.c_uint8 * self.slot_bytes
-
-    def __getstate__(self):  # a ctypes array type does not pickle: made again where it arrives
-        return {k: v for k, v in self.__dict__.items() if k != "_ctype"}
-
-    def __setstate__(self, state):
-        self.__dict__.update(state, _ctype=ctypes.c_uint8 * state["slot_bytes"])
-
-    @property
-    def names(self):
-        return [f.name for f in self.fields]
-
-    def arrays(self, memory, n):
-        """{name: numpy view (n, *shape)} of a slot's bytes (a uint8 numpy array), to write into."""
-        return {f.name: memory[o:o + f.nbytes(n)].view(f.dtype).reshape(n, *f.shape)
-                for f, o in zip(self.fields, self.offsets)}
-
-    def holder(self, memory):
-        """A new object exporting a slot's bytes (a uint8 numpy array): arrays made over it keep
-        it as their base (numpy would collapse a view of a view to the ring's own array), so it
-        lives exactly as long as any tensor of the batch. A ctypes array: it can be weakly
-        referenced, and building three tensors over it cost about half what torch's slicing and
-        reinterpreting of one uint8 tensor did."""
-        return self._ctype.from_buffer(memory)
-
-    @property
-    def large(self):
-        """Whether any field views its slot (else a lent slot goes back at once)."""
-        return not all(f.small for f in self.fields)
-
-    def tensors(self, holder, n):
-        """{name: tensor (n, *shape)} viewing the slot's bytes that `holder` exports; small
-        fields copied out of it (a kept label keeps its own bytes, not the slot)."""
-        out = {}
-        for f, o in zip(self.fields, self.offsets):
-            array = np.ndarray((n, *f.shape), f.dtype, holder, o)
-            out[f.name] = torch.from_numpy(array.copy() if f.small else array)
-        return out
-
-    def views(self, base, n):
-        """{name: tensor (n, *shape)} viewing a uint8 tensor of slot_bytes of its own (a batch copied
-        out, or made while every slot was lent): torch views of `base`, so that torch's pinned-memory
-        allocator knows when an asynchronous copy from them has completed before it reuses `base`.
-        Small fields are copied out of `base`, as in `tensors`."""
-        out = {}
-        for f, o in zip(self.fields, self.offsets):
-            view = base[o:o + f.nbytes(n)].view(torch.from_numpy(np.empty(0, f.dtype)).dtype).view(n, *f.shape)
-            out[f.name] = view.clone() if f.small else view
-        return out
-
-    def own(self, pin):
-        """(a new uint8 tensor of slot_bytes, pinned if asked, and a numpy view of it to write into)."""
-        base = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=pin)
-        return base, base.numpy()
-
 
 
 def shared_bytes(n):

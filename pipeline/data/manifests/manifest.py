@@ -22,42 +22,35 @@ Anything else (`pipe:...`, `file:`, other schemes, `..`) is refused with one
 line naming the manifest and the shard, before anything is opened or run.
 """
 import collections
-import hashlib
-import json
 import math
 import os
-import posixpath
 import re
 import shlex
 import urllib.parse
 import warnings
 from dataclasses import dataclass, field
 
-import braceexpand as brace
 
-from pipeline.data import nearby, remote, storage
-from pipeline.data.decode import IMAGE_EXTS, Target, image_format, parse_label_key
-from pipeline.data.schema import Schema
+from pipeline.data.store import find_manifest, remote, storage
+from pipeline.data.decoding.decode import IMAGE_EXTS, Target, image_format
+from pipeline.data.decoding.labelling import parse_label_key
+from pipeline.data.fields.schema import Schema
 from pipeline.errors import ShardError, redact
 from pipeline.files import MAX_JSON, missing_folder, parse_json, read_json
-from pipeline.data.read import INFLATE_RATIO, INFLATE_SLACK
+from pipeline.data.shards.read import INFLATE_RATIO, INFLATE_SLACK
+from pipeline.data.manifests.patterns import expand_shards
+from pipeline.data.manifests.locations import _beside, _normal, _once, listing_digest
 
 FORMAT = "pipeline-shards/2"
 FORMATS = ("pipeline-shards/1", FORMAT)  # /1: make_shards before origins and label keys; same fields otherwise
 NAME_RE = re.compile(r"[A-Za-z0-9_]+\Z")  # \Z, not $: "$" also matches before a final newline
 _SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*\Z")
 _URL_SAFE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\x00-\x1f\x7f]+\Z")
-# a shard's file name inside a pipe: command; the longest suffix first, or "x.tar.gz" would be read as "x.tar"
-# A shard's file name inside a pipe: command: it ends where a shell word ends (space, quote,
-# ; | & < > ) or the end), and holds no $ ( ) ` that the shell would expand.
-PIPE_SHARD = re.compile(r"[^/\s'\"$()`;|&<>]+\.(?:tar\.gz|tgz|tar)(?=$|[\s'\";|&<>)])")
 MIN_STD = 1e-6  # per channel, on 0..1 pixels: below it normalising multiplies by more than a million
 MAX_STD = 1.0  # pixels in 0..1 have a std of at most 0.5; 1 admits a hand-written "scale only" (mean 0, std 1)
 MAX_SIDE = 4096
 MAX_CLASSES = 1 << 20
 CLASSES_WHY = "the model has an output per class and every worker keeps the class list"  # why MAX_CLASSES
-MAX_PATTERN = 1_000_000  # names a brace pattern may expand to; counted before a single one is made
-MAX_NESTING = 32  # braces inside braces: each level is parsed again, by braceexpand as by the count
 
 
 def manifest_name(dataset, split):
@@ -86,7 +79,7 @@ class Source:
     dataset: str = ""
     split: str = ""
     listing: str = ""  # listing_digest of its shards: what a checkpoint's fingerprint holds
-    schema: object = None  # its fields (pipeline.data.schema.Schema); None: image and label, as always
+    schema: object = None  # its fields (pipeline.data.fields.schema.Schema); None: image and label, as always
 
     @property
     def total(self):
@@ -153,7 +146,7 @@ def check(m, where):
         room = s["bytes"] * INFLATE_RATIO + INFLATE_SLACK if compressed else s["bytes"]  # what the reader inflates at most
         if s["samples"] * 1024 > room:  # a sample is at least two members, each behind a 512-byte header
             bad(f"shards[{i}].samples", f"{s['samples']} samples cannot fit in {s['bytes']} bytes"
-                + (" once inflated (pipeline.data.read.INFLATE_RATIO)" if compressed else ""))
+                + (" once inflated (pipeline.data.shards.read.INFLATE_RATIO)" if compressed else ""))
         if s.get("sha256") is not None and not (isinstance(s["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", s["sha256"])):
             bad(f"shards[{i}].sha256", "64 lowercase hex digits expected")
     shape = m.get("shape")
@@ -163,7 +156,7 @@ def check(m, where):
     classes = m.get("classes")
     if isinstance(classes, list) and len(classes) > MAX_CLASSES:
         bad("classes", f"{len(classes)} classes, more than the {MAX_CLASSES} a manifest may hold "
-                       f"(pipeline.data.manifest.MAX_CLASSES): {CLASSES_WHY}")
+                       f"(pipeline.data.manifests.manifest.MAX_CLASSES): {CLASSES_WHY}")
     if not (isinstance(classes, list) and (classes or "fields" in m) and all(isinstance(c, str) for c in classes)):
         bad("classes", "a non-empty list of class names expected")
     for key in ("mean", "std"):
@@ -278,103 +271,6 @@ def _manifest_file(url):
     return found[-1]
 
 
-# ---------------------------------------------------------------- brace patterns
-
-
-def expand_pattern(spec, limit=MAX_PATTERN):
-    """The names a brace pattern expands to, as braceexpand makes them. ShardError when the
-    pattern is malformed or names more than `limit`, found by counting first: braceexpand
-    builds every range of a pattern in memory before it yields the first name, so
-    '{0..999999999}' alone would cost gigabytes."""
-    depth = deepest = 0
-    for ch in spec:  # escaped braces count too: an over-estimate, never an under-estimate
-        depth += (ch == "{") - (ch == "}")
-        deepest = max(deepest, depth)
-    if deepest > MAX_NESTING:
-        raise ShardError(f"{spec[:200]}: brace pattern nested {deepest} deep, more than {MAX_NESTING}")
-    try:
-        n = _count(spec, limit)
-    except ValueError as e:  # unbalanced braces, 5,000-digit range ends
-        raise ShardError(f"{spec[:200]}: not a brace pattern ({e})") from None
-    if n > limit:
-        raise ShardError(f"{spec[:200]}: the brace pattern names more than {limit:,} shards, the most one may name; "
-                         f"list the shards in a manifest instead")
-    return list(brace.braceexpand(spec))
-
-
-def expand_shards(spec, policy=remote.Policy()):
-    """The shards a SPEC names: its brace pattern expanded (`expand_pattern`), then each local
-    or object-store name holding a wildcard (`train/*.tar`) replaced by the shards it matches,
-    in name order (`nearby.globbed`; a store's listing within `policy`'s limits)."""
-    names = []
-    for name in expand_pattern(spec):
-        names += nearby.globbed(name, policy) if nearby.is_glob(name) else [name]
-    if len(names) > MAX_PATTERN:
-        raise ShardError(f"{spec[:200]}: the pattern names more than {MAX_PATTERN:,} shards, the most one may name; "
-                         f"list the shards in a manifest instead")
-    return names
-
-
-def _count(pattern, limit):
-    """How many names brace.parse_pattern makes (stopping early past `limit`); a part that
-    makes no name counts as one, as braceexpand still builds every other part."""
-    total, pos, start, depth, parts = 1, 0, 0, 0, []
-    while pos < len(pattern):
-        ch = pattern[pos]
-        if ch == "\\":
-            pos += 2
-            continue
-        if ch == "{":
-            if depth == 0:
-                start = pos
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                parts.append(_count_expression(pattern[start + 1:pos], limit))
-                if max(parts[-1], 1) > limit:
-                    return limit + 1
-                total *= max(parts[-1], 1)
-                if total > limit:
-                    return limit + 1
-        pos += 1
-    if depth != 0:
-        raise brace.UnbalancedBracesError(f"Unbalanced braces: '{pattern[:200]}'")
-    return total
-
-
-def _count_expression(expr, limit):
-    m = brace.int_range_re.match(expr)
-    if m:
-        lo, hi, step = int(m[1]), int(m[2]), (int(m[3]) or 1) if m[3] else 1
-        return abs(hi - lo) // step + 1
-    m = brace.char_range_re.match(expr)
-    if m:
-        return len(brace.make_char_range(*m.groups()))
-    items, pos, start, depth = [], 0, 0, 0
-    while pos < len(expr):
-        ch = expr[pos]
-        if ch == "\\":
-            pos += 2
-            continue
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            items.append(expr[start:pos])
-            start = pos + 1
-        pos += 1
-    if depth != 0 or not items:  # not a sequence: braces kept as text around a pattern
-        return _count(expr, limit)
-    total = 0
-    for item in items + [expr[start:]]:
-        total += _count(item, limit)
-        if total > limit:
-            return limit + 1
-    return total
-
-
 # ---------------------------------------------------------------- loading
 
 
@@ -416,7 +312,7 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
     elif spec.endswith("/") or (remote.kind(spec) == "file" and os.path.isdir(spec)):
         url = spec.rstrip("/") + "/" + manifest_name(name, split)
         if remote.kind(spec) == "file" and os.path.isdir(spec) and not os.path.exists(url):
-            tars = sorted(os.path.join(spec, f) for f in os.listdir(spec) if f.endswith(nearby.SHARD_SUFFIXES))
+            tars = sorted(os.path.join(spec, f) for f in os.listdir(spec) if f.endswith(find_manifest.SHARD_SUFFIXES))
             url, within = _lister(name, split, tars, policy) if tars else (url, None)
         if remote.kind(spec) == "file":
             _check_folder(name, split, spec, url)
@@ -477,14 +373,14 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
 
 def _lister(name, split, shards, policy):
     """(url, the shards as listed) of the first local manifest of SPLIT beside `shards` (local
-    paths of one folder) or one folder above that lists every one of them (nearby.candidates,
+    paths of one folder) or one folder above that lists every one of them (find_manifest.candidates,
     NAME-SPLIT.json first), else (the manifest beside them, None). A candidate that is no
     manifest, or names shards it may not, is passed over: it is not the one asked for."""
     wanted = {_normal(u) for u in shards}
     beside = os.path.join(os.path.dirname(shards[0]), manifest_name(name, split))
     if remote.kind(shards[0]) != "file" or len({os.path.dirname(u) for u in wanted}) != 1:
         return beside, None
-    for url in nearby.candidates(os.path.dirname(shards[0]), name, split):
+    for url in find_manifest.candidates(os.path.dirname(shards[0]), name, split):
         try:
             listed = {_normal(locate(url, s["name"])) for s in load(url, policy)["shards"]}
         except ShardError:
@@ -526,92 +422,3 @@ def _check_folder(name, split, folder, url):
                          f"{shlex.quote(f'{name}:{split}={where}')} --out {shlex.quote(where)}")
 
 
-def listing_digest(entries):
-    """sha256 of the shard list as the manifest gives it (names, sha256, bytes, samples, in order):
-    the same data behind a source, wherever its folder or server is now."""
-    listing = [[e["name"], e.get("sha256"), e["bytes"], e["samples"]] for e in entries]
-    return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
-
-
-def canonical(location, folders=None):
-    """One spelling of where a shard is: a local path resolved (`dir//name`, `./name`, links and
-    the absolute form of a relative name all become one path); an http(s) URL with its scheme and
-    host in lower case, no default port, no fragment, its path's escapes decoded and its `//`, `.`
-    and `..` collapsed; a pipe: command as it is (its names are plain, checked by `locate`).
-    `folders`: a dict of resolved folders to reuse, so that a million shards in a few folders cost
-    an lstat each rather than a realpath each."""
-    where = remote.kind(location)
-    if where == "file":
-        if os.path.islink(location):
-            return os.path.realpath(location)
-        folder, name = os.path.split(os.path.abspath(location))
-        folders = {} if folders is None else folders
-        if folder not in folders:
-            folders[folder] = os.path.realpath(folder)
-        return os.path.join(folders[folder], name)
-    if where == "pipe":
-        return location
-    if where == "store":  # scheme://bucket/key: the key's // and . collapsed
-        scheme, _, path = location.partition("://")
-        return f"{scheme.lower()}://{posixpath.normpath(re.sub('/+', '/', path))}"
-    u = urllib.parse.urlsplit(location)
-    try:
-        port = u.port
-    except ValueError:
-        raise ShardError(f"{location}: not a valid URL (its port)") from None
-    host = (u.hostname or "").rstrip(".")  # "h.example." is h.example
-    default = {"http": 80, "https": 443}[u.scheme.lower()]
-    netloc = (f"[{host}]" if ":" in host else host) + (f":{port}" if port not in (None, default) else "")
-    if u.username is not None:
-        netloc = f"{u.username}{':' + u.password if u.password is not None else ''}@{netloc}"
-    path = posixpath.normpath(re.sub("/+", "/", urllib.parse.unquote(u.path)) or "/")
-    path = urllib.parse.quote(path + ("/" if u.path.endswith("/") and path != "/" else ""))
-    return urllib.parse.urlunsplit((u.scheme.lower(), netloc, path, u.query, ""))
-
-
-def repeated(named):
-    """[(first name, later name)] for (name, sha256) pairs whose bytes an earlier name already
-    holds: a copy under a second name is read twice an epoch (the indexer and the trainer
-    both warn of it)."""
-    seen, twice = {}, []
-    for name, digest in named:
-        if digest in seen:
-            twice.append((seen[digest], name))
-        elif digest:
-            seen[digest] = name
-    return twice
-
-
-def _once(locations, where):
-    """Refuse two spellings of one shard: it would be read twice, in training and in evaluation."""
-    seen, folders = {}, {}
-    for loc in locations:
-        key = canonical(loc, folders)
-        if key in seen:
-            raise ShardError(f"{where}: {seen[key]!r} and {loc!r} are the same shard ({key}); list it once")
-        seen[key] = loc
-
-
-def _beside(shard_url, filename):
-    """The URL of `filename` in the same folder as a shard (path, URL or inside a pipe: command)."""
-    if remote.kind(shard_url) == "pipe":
-        head, _, tail = shard_url.rpartition(pipe_shard_name(shard_url))
-        return head + filename + tail
-    return shard_url[:shard_url.rfind("/") + 1] + filename
-
-
-def pipe_shard_name(command):
-    """The shard's file name in a pipe: command (its one *.tar, *.tar.gz or *.tgz): the one
-    rule that both the manifest's reader and the indexer use. Two different names are
-    refused: which one the manifest sits beside would be a guess."""
-    found = set(PIPE_SHARD.findall(command))
-    if not found:
-        raise ShardError(f"{command}: no shard file name (*.tar, *.tar.gz, *.tgz) in the command")
-    if len(found) > 1:
-        raise ShardError(f"{command}: more than one shard file name ({', '.join(sorted(found))}); "
-                         f"write the command with the shard's name once")
-    return found.pop()
-
-
-def _normal(url):
-    return os.path.normpath(url) if remote.kind(url) == "file" else url

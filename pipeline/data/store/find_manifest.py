@@ -4,18 +4,18 @@ A user who indexed `WDS/train/` with `--out WDS` has `WDS/cifar10-train.json` na
 `train/*.tar`; giving the trainer `WDS/train/` (or a brace pattern or a glob of those shards)
 then looked only inside `WDS/train/` and answered with an `--index` command to run again. The
 manifest is looked for beside the shards and one folder above (`candidates`); which one
-lists them is for `pipeline.data.manifest.resolve` to decide, by the shard names it lists.
+lists them is for `pipeline.data.manifests.manifest.resolve` to decide, by the shard names it lists.
 
 Globs (`train/*.tar`, `shard-??.tar`, `part-[0-4].tar`) are what webdataset's own examples
 write; braceexpand takes them as one file name. Here the wildcards of the file name are
 matched against the folder's listing (a local folder's, or an object store's through
-`pipeline.data.storage`), in name order.
+`pipeline.data.store.storage`), in name order.
 """
 import fnmatch
 import os
 import re
 
-from pipeline.data import listings, remote
+from pipeline.data.store import listings, remote
 from pipeline.errors import ShardError, cut, redact
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")

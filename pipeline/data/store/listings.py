@@ -2,7 +2,7 @@
 `--out`) under the job's limits, as a shard is read.
 
 S3's listing (ListObjectsV2) and the Hub's (its tree API) are GETs sent by the project's own
-HTTP client (pipeline.data.remote, signed by botocore for S3 as reads are), page by page:
+HTTP client (pipeline.data.store.remote, signed by botocore for S3 as reads are), page by page:
 each page within a transfer's deadline (--io-timeout plus its bytes at --min-rate) and at
 most PAGE_BYTES, retried as a read is; the whole listing within --io-timeout plus all its
 bytes at --min-rate plus a thousandth of --io-timeout for each entry it lists (a full page of
@@ -30,7 +30,10 @@ import time
 import urllib.parse
 from xml.parsers import expat
 
-from pipeline.data import remote, storage
+from pipeline.data.store import remote, storage
+from pipeline.data.store import hf_hub
+from pipeline.data.store import s3
+from pipeline.data.store import direct_read
 from pipeline.errors import FetchError, ShardError, cut, redact
 
 PAGE_BYTES = 8 << 20  # the most one page may hold: S3's 1,000 keys of 1,024 bytes, URL-encoded, with their fields, stay under 4 MB
@@ -136,8 +139,8 @@ def _s3(loc, policy):
             query["continuation-token"] = token
 
         def request(query=query):
-            signer = storage._signer(loc, bucket, policy.timeout)
-            return storage.Direct(signer.url("", query), None, storage.refusal(signer), signer.context)
+            signer = s3._signer(loc, bucket, policy.timeout)
+            return direct_read.Direct(signer.url("", query), None, s3.refusal(signer), signer.context)
         page = pages.read(request, _parse_s3)
         pages.entries += page.folders
         for key in page.keys:
@@ -237,14 +240,14 @@ def _hub(loc, policy):
         raise storage.Missing("not a folder of a repository: write hf://datasets/USER/REPO/FOLDER/")
     repo, _, revision = rest[1].partition("@")
     folder = "/".join(rest[2:])
-    endpoint = storage.hub_endpoint()
+    endpoint = hf_hub.hub_endpoint()
     origin = urllib.parse.urlsplit(endpoint)[:2]
     url = (f"{endpoint}/api/{kind}/{rest[0]}/{repo}/tree/"
            f"{urllib.parse.quote(urllib.parse.unquote(revision) or 'main', safe='')}"
            + (f"/{urllib.parse.quote(folder)}" if folder else ""))
-    pages, found, token = _Pages(loc, policy), [], storage.hub_token()
+    pages, found, token = _Pages(loc, policy), [], hf_hub.hub_token()
     while url:
-        page, url = pages.read(lambda url=url: storage.Direct(url, token, storage.hub_refusal(token)), _parse_hub)
+        page, url = pages.read(lambda url=url: direct_read.Direct(url, token, hf_hub.hub_refusal(token)), _parse_hub)
         for entry in page:
             path = entry.get("path") if isinstance(entry, dict) else None
             if not isinstance(path, str):
@@ -267,7 +270,7 @@ _NEXT = re.compile(r'<([^>]*)>\s*;[^,]*\brel="?next"?')
 def _parse_hub(stream):
     """(the entries of one page of a tree listing, the URL of the next page or None)."""
     data = remote.read_all(stream)
-    resp = stream.raw.resp  # the page's answer (remote._HTTP's): its Link header and URL
+    resp = stream.raw.resp  # the page's answer (transports._HTTP's): its Link header and URL
     try:
         entries = json.loads(data)
     except (ValueError, RecursionError) as e:

@@ -14,10 +14,9 @@ import torch
 
 from pipeline.ordering import order
 from pipeline.ordering.deal import BLOCK, Choices
-from pipeline.data.node import Node
 
 
-class RandomMix(torch.utils.data.IterableDataset, Node):
+class RandomMix(torch.utils.data.IterableDataset):
     """Samples of several datasets mixed by `probs` (default: equal), as wds.RandomMix mixes them,
     with exact, seeded draws. longest=False ends at the first dataset that runs out (as
     wds.RandomMix does); longest=True goes on with the others, and ends when none left can be

@@ -7,7 +7,8 @@
     in each (rank, worker):         stages.SourceStream per source:
                                     run -> read -> shuffle -> decode -> your stages
     across sources:                 mix.RandomMix takes each batch from the sources its choices name
-    then:                           batch.Collate, loader.make_loader's hand-over
+    then:                           batch.Collate; the hand-over (pipeline.data.handover.loader)
+                                    reads the stream, the stream knows no loader
 
 Every rank yields exactly `batches_per_epoch` batches whatever its shards hold, so no
 rank is ever left waiting in an all-reduce. Within an epoch no position is read by two
@@ -15,7 +16,7 @@ pairs, and a source's sample is read a second time only once all of its samples 
 read (a source smaller than its share of the epoch starts a new pass). `EvalStream`
 reads a source's test shards once, split over ranks and workers.
 
-A stream's state (`state_dict`, pipeline.ordering.place) is the epoch's segment (the world
+A stream's state (`state_dict`, pipeline.ordering.state_format) is the epoch's segment (the world
 that reads it, and the worlds before it with what each consumed), the batches each rank
 made of it, the positions its workers passed over, and each source's shard-list digest:
 everything else is recomputed. `load_state_dict` goes on where that state stopped: on
@@ -27,18 +28,20 @@ import dataclasses
 import numpy as np
 import torch
 
-from pipeline.data import loader, remote, stages
-from pipeline.ordering import deal, order, place
-from pipeline.data.batch import NOTHING, Collate, Layout
-from pipeline.data.schema import Schema
-from pipeline.errors import Errors, ShardError
-from pipeline.data.loader import make_loader  # noqa: F401  (make_loader: this module's API)
-from pipeline.data.manifest import Source, resolve  # noqa: F401  (part of this module's API; pipeline.stream's resolve also indexes)
-from pipeline.data.mix import RandomMix
+from pipeline.data.store import remote
+from pipeline.data.streams import stages
+from pipeline.data.streams import reading
+from pipeline.data.streams import plans
+from pipeline.ordering import deal, order, state_format
+from pipeline.data.fields.batch import Collate
+from pipeline.errors import Errors
+from pipeline.data.manifests.manifest import Source, resolve  # noqa: F401  (part of this module's API)
+from pipeline.data.streams.mix import RandomMix
 from pipeline.ordering.topology import Topology, Worker, own_items
 from pipeline.ordering.weights import check_weights, parse_weights  # noqa: F401  (part of this module's API)
+from pipeline.data.streams.evaluation import EvalStream, _error_mode, in_process, layout_of
 
-__all__ = ["MixedStream", "EvalStream", "Source", "resolve", "make_loader", "parse_weights", "check_weights"]
+__all__ = ["MixedStream", "EvalStream", "Source", "resolve", "parse_weights", "check_weights", "in_process"]
 WINDOW_SAMPLES = 10_000  # a shuffle window: shards adding up to about this many samples...
 WINDOW_BYTES = 256 << 20  # ...and no more bytes than this (plus one shard)
 HEADER_BYTES = 1024  # a sample's tar headers, for sources whose manifest gives no shard sizes
@@ -89,10 +92,10 @@ class MixedStream(torch.utils.data.IterableDataset):
     array, "label": int, "__seed__": int, a pure function of the sample's position}; each
     returns the sample (image of the same shape and dtype) or None to drop it.
     `on_error`: the pipeline.errors.Errors policy ("warn", "skip", "raise"; strict=True is
-    "raise"). `schemas`: {source name: pipeline.data.schema.Schema} (or one Schema for
+    "raise"). `schemas`: {source name: pipeline.data.fields.schema.Schema} (or one Schema for
     every source), the fields read from its samples in place of its manifest's (None: the
     default schema, image and class label); every batch holds the union of the sources'
-    fields (pipeline.data.batch.Layout), and the sample stages of a source with a schema see
+    fields (pipeline.data.fields.batch.Layout), and the sample stages of a source with a schema see
     and return its fields. `normalize`: the `image` field float32, normalised with each
     source's mean and std, whatever the schemas; every other field stays as decoded.
     """
@@ -100,7 +103,7 @@ class MixedStream(torch.utils.data.IterableDataset):
     def __init__(self, sources, weights, batch_size, topo=None, *, seed=0, epoch_samples=None,
                  shuffle_buffer=WINDOW_SAMPLES, window_bytes=WINDOW_BYTES, resample=False, strict=False,
                  cache_dir=None, policy=remote.Policy(), normalize=True, sample_stages=(), on_error=None,
-                 fetch_ahead=stages.FETCH_AHEAD, schemas=None):
+                 fetch_ahead=reading.FETCH_AHEAD, schemas=None):
         if batch_size < 1:
             raise ValueError(f"batch size must be at least 1, got {batch_size}")
         if shuffle_buffer < 1 or window_bytes < 1:
@@ -279,13 +282,13 @@ class MixedStream(torch.utils.data.IterableDataset):
     def window_held(self):
         """The most bytes one (rank, worker) holds for a shuffle window of one source: about
         `shuffle_buffer` samples, at most `window_bytes`, plus the one shard that crosses it;
-        for a remote source, also the later shards fetched ahead (stages.Reader): at most
+        for a remote source, also the later shards fetched ahead (reading.Reader): at most
         `fetch_ahead` bytes, or one shard."""
         most = 0
         for i, s in enumerate(self.sources):
             o = self.source_order(i, self.epoch)  # the window as the order cuts it
             largest = int(max(s.sizes) if s.sizes else max(s.counts) * o.sample_bytes)
-            ahead = max(self.fetch_ahead, min(largest, stages.WHOLE_SHARD)) if _remote(s) else 0
+            ahead = max(self.fetch_ahead, min(largest, reading.WHOLE_SHARD)) if _remote(s) else 0
             most = max(most, int(o.window * o.sample_bytes + largest) + ahead)
         return most
 
@@ -309,10 +312,10 @@ class MixedStream(torch.utils.data.IterableDataset):
     # ------------------------------------------------------------ batches
 
     def __iter__(self):
-        return loader.plain(self)
+        return in_process(self)
 
     def batch_spec(self):
-        """The batch's fixed-shape fields (pipeline.data.ring)."""
+        """The batch's fixed-shape fields (pipeline.data.handover.ring)."""
         return self.layout.spec(self.batch_size, self.normalize)
 
     def batches(self, worker=None, borrow=None, plan=None):
@@ -338,7 +341,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         errors = Errors(self.on_error)
         runs, reserves = seg.runs(pair), seg.reserves(pair, plan.targets)
         at = start.positions.get(logical, [0] * len(self.sources))
-        streams = [stages.SourceStream(stages.RunPlan(self.source_order(i, seg.epoch), s.urls, runs[i], at[i],
+        streams = [stages.SourceStream(plans.RunPlan(self.source_order(i, seg.epoch), s.urls, runs[i], at[i],
                                                       reserves[i]),
                                        self._reader(s, errors), sample_stages=self.sample_stages)
                    for i, s in enumerate(self.sources)]
@@ -356,7 +359,7 @@ class MixedStream(torch.utils.data.IterableDataset):
                 s.reader.close()
 
     def _reader(self, source, errors):
-        return stages.Reader(source, errors, policy=self.policy, cache_dir=self.cache_dir, ahead=self.fetch_ahead)
+        return reading.Reader(source, errors, policy=self.policy, cache_dir=self.cache_dir, ahead=self.fetch_ahead)
 
     # ------------------------------------------------------------ state
 
@@ -374,7 +377,7 @@ class MixedStream(torch.utils.data.IterableDataset):
     def state_dict(self):
         """Where this rank stands in its epoch, JSON-serialisable: the segment (how it was dealt),
         the batches each rank made of it, and the positions this rank's workers passed over
-        without a sample (pipeline.ordering.place). `load_state_dict` takes a list of every rank's
+        without a sample (pipeline.ordering.state_format). `load_state_dict` takes a list of every rank's
         (or one, to go on on the same world)."""
         seg = self.current()
         start = self._start_now()
@@ -390,11 +393,11 @@ class MixedStream(torch.utils.data.IterableDataset):
             if min(passed[w], default=0) < 0:
                 raise ValueError(f"worker {w} read {list(at)} positions, fewer than its {done} batches took "
                                  f"({[int(t) for t in took]}): a batch recorded from another stream?")
-        return place.encode(seg, self._targets, self.layout.names, self._listings(), self.seed, self.topo.rank, done,
+        return state_format.encode(seg, self._targets, self.layout.names, self._listings(), self.seed, self.topo.rank, done,
                             passed, self._order_settings())
 
     def _listings(self):
-        return [place.listing(s) for s in self.sources]
+        return [state_format.listing(s) for s in self.sources]
 
     def _order_settings(self):
         return {"window_samples": self.shuffle_buffer, "window_bytes": self.window_bytes,
@@ -430,8 +433,8 @@ class MixedStream(torch.utils.data.IterableDataset):
 
     def _check(self, state):
         """(segment, done, ranks, passed, ended, targets) of a state, every number checked (a state is input)."""
-        root, ranks = place.merge(state)
-        seg, done, ranks, passed, ended = place.check(
+        root, ranks = state_format.merge(state)
+        seg, done, ranks, passed, ended = state_format.check(
             root, ranks, names=self.layout.names, listings=self._listings(), seed=self.seed, targets=self.targets(),
             passes=self._passes(), order_of=self._order_settings())
         if not ended and len(ranks) != seg.world:
@@ -460,10 +463,10 @@ class MixedStream(torch.utils.data.IterableDataset):
         self._targets = list(targets)
         if was == here and self.topo.rank in ranks:
             return seg, Start({w: seg.worker_done(w, done) for w in range(seg.workers)},
-                              place.positions(seg, done, passed, self.topo.rank), first_logical=done % seg.workers)
+                              state_format.positions(seg, done, passed, self.topo.rank), first_logical=done % seg.workers)
         if len(ranks) != seg.world:
             raise ValueError(_every_rank(seg, ranks, here))
-        return place.redeal(seg, done, tuple(sorted(passed.items())), *here), Start()
+        return state_format.redeal(seg, done, tuple(sorted(passed.items())), *here), Start()
 
     def eval_stream(self, source, batch_size=None):
         """A finite stream over one source's test shards in this stream's batch format."""
@@ -483,11 +486,6 @@ def with_schemas(sources, schemas):
     return [dataclasses.replace(s, schema=given[s.name]) if s.name in given else s for s in sources]
 
 
-def layout_of(sources):
-    """The batch layout of the sources, whatever their schemas (batch.Layout: there is one)."""
-    return Layout(sources)
-
-
 def _every_rank(seg, ranks, here):
     return (f"resuming on {here[0]} ranks x {here[1]} workers (batch {here[2]}) from a run on {seg.world} x "
             f"{seg.workers} (batch {seg.batch_size}) needs every rank's stream state; have ranks "
@@ -500,80 +498,3 @@ def _epoch_clash(saved, ended, epoch, order_):
     return f"{order_}: the stream state was saved {where}; set_epoch({epoch}) disagrees (use {allowed})"
 
 
-def _error_mode(on_error, strict):
-    """The Errors mode from `on_error` ("warn", "skip", "raise") or the older `strict` flag."""
-    if strict and on_error not in (None, "raise"):
-        raise ValueError(f"strict=True asks to raise on damage, on_error={on_error!r} not")
-    return on_error or ("raise" if strict else "warn")
-
-
-class EvalStream(torch.utils.data.IterableDataset):
-    """Every test sample of one source exactly once across all ranks and workers.
-
-    Shards are split by (rank, worker) without shuffling or repeating, so ranks may
-    yield different numbers of batches: evaluate with the plain module (not the DDP
-    wrapper, whose forward can sync) and all-reduce the counts afterwards.
-    """
-
-    def __init__(self, layout, source, batch_size, topo=None, *, strict=False, on_error=None,
-                 cache_dir=None, policy=remote.Policy(), normalize=True):
-        topo = Topology.from_env() if topo is None else topo
-        self.layout, self.batch_size, self.topo = layout, batch_size, topo
-        self.index = layout.index(source.name)
-        train = layout.sources[self.index]
-        if getattr(train, "schema", None) is not None or getattr(source, "schema", None) is not None:
-            if source.schema is None:  # fields: the test manifest's, else the training's without its stages
-                source = dataclasses.replace(source, schema=Schema(train.schema.columns))
-            self.layout = layout_of([source if i == self.index else s for i, s in enumerate(layout.sources)])
-        elif source.shape != train.shape:  # test images are decoded to the shape the model trains on
-            if "raw" in source.target.image_exts:
-                raise ShardError(f"{source.name}: raw test shards are {source.shape}, training shards {train.shape}; "
-                                 f"raw pixels cannot be resized")
-            source = dataclasses.replace(source, target=dataclasses.replace(source.target, shape=train.shape))
-        self.source = source
-        if list(source.classes) != list(train.classes) or source.target.label_values != train.target.label_values \
-                or bool(source.target.names) != bool(train.target.names):  # names, or integers the classes name
-            raise ShardError(f"{source.name}: the test manifest lists {len(source.classes)} classes "
-                             f"({_preview(source.classes)}), the training manifest {len(train.classes)} "
-                             f"({_preview(train.classes)}); their labels would not match the model's head: index "
-                             f"the test shards with the training split's classes (make-shards --index "
-                             f"{source.name}:{source.split}=SHARDS --classes-from {train.manifest} --out DIR)")
-        self.on_error = _error_mode(on_error, strict)
-        self.cache_dir, self.policy, self.normalize = cache_dir, policy, normalize
-
-    def __iter__(self):
-        return loader.plain(self)
-
-    def batch_spec(self):
-        return self.layout.spec(self.batch_size, self.normalize)
-
-    def batches(self, worker=None, borrow=None, plan=None):
-        """This worker's share of the test batches, as a producer makes them (see
-        MixedStream.batches; an evaluation pass has no plan)."""
-        worker = worker or Worker.current()
-        errors = Errors(self.on_error)
-        reader = stages.Reader(self.source, errors, policy=self.policy, cache_dir=self.cache_dir)
-        stream = stages.SourceStream(stages.OncePlan(stages.split(self.source.urls, self.topo, worker)), reader,
-                                     shuffle=False)
-        parts = [NOTHING] * len(self.layout.sources)
-        reported = 0
-        try:
-            while True:
-                keys, pixels, labels = stream.take(self.batch_size)
-                if not keys and errors.skipped == reported:
-                    return
-                parts[self.index] = (keys, pixels, labels)
-                handle, out = borrow(len(keys)) if borrow else (None, None)
-                batch = self.layout.collate(np.full(len(keys), self.index), parts, errors.skipped - reported, out)
-                reported = errors.skipped
-                if handle is not None:
-                    batch["slot"] = handle
-                yield batch
-                if len(keys) < self.batch_size:
-                    return
-        finally:  # its fetch threads go with the pass (stages.Reader.close)
-            reader.close()
-
-
-def _preview(names, n=3):
-    return ", ".join(names[:n]) + (", ..." if len(names) > n else "")

@@ -1,6 +1,6 @@
 """JPEGs decoded on the GPU (issue 55 item 3): the host's half and the device's.
 
-The host reads and checks every header (pipeline.data.jpeg, pipeline.data.bounds) before
+The host reads and checks every header (pipeline.data.decoding.jpeg, pipeline.data.decoding.image_caps) before
 anything is decoded, as the CPU path does. A JPEG of exactly the target's size, upright as
 stored, grey or YCbCr, travels as its bytes; every other image (to be resized or turned,
 CMYK, or refused) goes through decode.decode_batch on the host, so the device decodes only
@@ -11,13 +11,13 @@ libjpeg reads otherwise) is decoded on the host instead and refused there as dec
 refuses it, so the result is decode_batch's: the same images kept, the same reasons.
 
 Not yet wired into the loader: the workers would hand a Parcel over in place of the pixels
-and the consumer call `unpack` on its CUDA stream (the hand-over in pipeline.data.loader).
+and the consumer call `unpack` on its CUDA stream (the hand-over in pipeline.data.handover.loader).
 """
 from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.data import bounds, decode, jpeg, turbo
+from pipeline.data.decoding import image_caps as bounds, decode, jpeg, turbo
 
 
 @dataclass

@@ -3,9 +3,9 @@ the least cost around libjpeg-turbo's own (no tensor per image, no per-call chec
 DCT scaling to any of libjpeg-turbo's eighths (`min_height`/`min_width`) where PIL's draft
 mode has only halves. Measured in README.md "JPEG decoders" (`tools/bench_loader.py --jpeg`).
 
-Without simplejpeg (`available()` False) pipeline.data.decode decodes JPEGs as it did
+Without simplejpeg (`available()` False) pipeline.data.decoding.decode decodes JPEGs as it did
 before: torchvision.io.decode_jpeg, and PIL's draft mode for large ones. Either way the
-header is read and checked first (`pipeline.data.jpeg`, `pipeline.data.bounds`); the
+header is read and checked first (`pipeline.data.decoding.jpeg`, `pipeline.data.decoding.image_caps`); the
 callers here are handed its Header and decode nothing it has not passed. The pixels of an
 image decoded at its own size are libjpeg-turbo's in both (the same library, the same
 IDCT and upsampling); a downscaled one differs by the DCT scale simplejpeg picks.

@@ -12,7 +12,7 @@ Lightning's fit loop makes on a train dataloader that has them (it saves the sta
 checkpoint and loads it on resume); `accelerate`'s `prepare` passes the loader through as it
 is (it is no torch DataLoader: the stream already gives each rank its share) and
 `accelerator.register_for_checkpointing(loader)` saves its state with `save_state`. The state
-is the stream's (pipeline.data.stream.MixedStream.state_dict) and the next epoch this face
+is the stream's (pipeline.data.streams.stream.MixedStream.state_dict) and the next epoch this face
 starts: nothing else, so nothing can disagree with it.
 
 A batch counts as read when the loader hands it out. A loop that fetches batches ahead of
@@ -20,7 +20,7 @@ using them (Lightning prefetches one) passes `record=False` and calls `used(batc
 trains each one, so that a state taken between steps never counts a batch not trained.
 An iterator that is made but never advanced starts nothing (Lightning makes one early).
 """
-from pipeline.data.loader import make_loader
+from pipeline.data.handover.loader import make_loader
 
 
 class StatefulLoader:
