@@ -1051,3 +1051,66 @@ def fields_corpus(out, sizes):
     stages = [augment.RandomResizedCrop("image", 2), augment.Flip("image")]
     return [dataclasses.replace(resolve(name, str(out), "train"), schema=schema.Schema(fields.columns, stages))
             for name, _, _ in sizes]
+
+
+# ---------------------------------------------------------------- images and sets several test modules share
+
+
+def encoded(a, fmt, **kw):
+    """uint8 CHW -> bytes in a PIL format."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(a[0] if a.shape[0] == 1 else a.transpose(1, 2, 0)).save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def smooth(c, h, w, seed=0):
+    """uint8 CHW gradients (lossy formats keep them), shifted by `seed`."""
+    import numpy as np
+
+    yy, xx = np.mgrid[:h, :w]
+    return np.stack([(xx * 200 // w + yy * 40 // h + 30 * k + seed) % 256 for k in range(c)]).astype(np.uint8)
+
+
+def exif_rotated(a, orientation):
+    from PIL import Image
+
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return encoded(a, "JPEG", quality=95, exif=exif.tobytes())
+
+
+def jpeg_cases(shape):
+    """JPEGs of every kind decode_batch meets: the target's size in its own mode and the other,
+    stored sideways, larger (DCT-scaled with simplejpeg), CMYK, a cut scan, not a JPEG, too elongated."""
+    from PIL import Image
+
+    c, h, w = shape
+    cmyk = io.BytesIO()
+    Image.fromarray(smooth(3, h, w, 5).transpose(1, 2, 0)).convert("CMYK").save(cmyk, format="JPEG", quality=95)
+    good = encoded(smooth(c, h, w, 1), "JPEG", quality=95)
+    sos = good.find(b"\xff\xda")
+    return [encoded(smooth(c, h, w, 2), "JPEG", quality=95), encoded(smooth(4 - c, h, w, 3), "JPEG", quality=95),
+            exif_rotated(smooth(c, w, h, 4), 6), encoded(smooth(c, 3 * h + 4, 3 * w + 5, 6), "JPEG", quality=95),
+            cmyk.getvalue(), good[:sos + 4 + int.from_bytes(good[sos + 2:sos + 4], "big") + 10],
+            b"\xff\xd8 not a jpeg", encoded(smooth(c, 4, 400), "JPEG"), good]
+
+
+def write_captioned(folder, n, *, per_shard=20, cls=lambda i: str(i % 4), side=16, start=0):
+    """img2dataset's shape written by wds.ShardWriter: .jpg, .txt caption, .json of numbers (and
+    its own key), .cls from `cls(i)`. Returns the shard paths."""
+    import json
+    import os
+
+    import webdataset as wds
+
+    os.makedirs(folder, exist_ok=True)
+    with wds.ShardWriter(os.path.join(str(folder), "wds-%06d.tar"), maxcount=per_shard, verbose=0,
+                         start_shard=start) as sink:
+        for i in range(n):
+            sink.write({"__key__": f"{i:06d}", "jpg": encode_pil(foreign_image(i % 4, (side, side), i), "JPEG"),
+                        "txt": f"a small photo, number {i}, of class {i % 4}".encode(), "cls": cls(i).encode(),
+                        "json": json.dumps({"key": f"{i:06d}", "width": side, "height": side,
+                                            "similarity": 0.25 + i / 1000}).encode()})
+    return sorted(os.path.join(str(folder), f) for f in os.listdir(folder) if f.endswith(".tar"))

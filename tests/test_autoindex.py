@@ -10,28 +10,12 @@ import sys
 
 import pytest
 
-from helpers import HANG, Quiet, completed, encode_pil, foreign_image, launch_train, serving
+from helpers import HANG, Quiet, completed, encode_pil, foreign_image, launch_train, serving, write_captioned
 from pipeline.writers import autoindex, infer
 from pipeline.errors import ShardError
 from pipeline.stream import MixedStream, resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def write_captioned(folder, n, *, per_shard=20, cls=lambda i: str(i % 4), side=16, start=0):
-    """img2dataset's shape written by wds.ShardWriter: .jpg, .txt caption, .json of numbers (and
-    its own key), .cls from `cls(i)`. Returns the shard paths."""
-    import webdataset as wds
-
-    os.makedirs(folder, exist_ok=True)
-    with wds.ShardWriter(os.path.join(str(folder), "wds-%06d.tar"), maxcount=per_shard, verbose=0,
-                         start_shard=start) as sink:
-        for i in range(n):
-            sink.write({"__key__": f"{i:06d}", "jpg": encode_pil(foreign_image(i % 4, (side, side), i), "JPEG"),
-                        "txt": f"a small photo, number {i}, of class {i % 4}".encode(), "cls": cls(i).encode(),
-                        "json": json.dumps({"key": f"{i:06d}", "width": side, "height": side,
-                                            "similarity": 0.25 + i / 1000}).encode()})
-    return sorted(os.path.join(str(folder), f) for f in os.listdir(folder) if f.endswith(".tar"))
 
 
 def kinds(source):

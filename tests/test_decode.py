@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from helpers import HANG, handmade_png, pil_png, pixels, run_capture
+from helpers import HANG, encoded, exif_rotated, handmade_png, jpeg_cases, pil_png, pixels, run_capture, smooth
 from pipeline.data.decoding import decode, jpeg, png, turbo
 from pipeline.data.decoding import labelling
 from pipeline.data.decoding.decode import Target
@@ -28,13 +28,6 @@ def without_simplejpeg(monkeypatch):
     yield
     monkeypatch.undo()
     turbo._module.cache_clear()
-
-
-def encoded(a, fmt, **kw):
-    """uint8 CHW -> bytes in a PIL format."""
-    buf = io.BytesIO()
-    Image.fromarray(a[0] if a.shape[0] == 1 else a.transpose(1, 2, 0)).save(buf, format=fmt, **kw)
-    return buf.getvalue()
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -364,32 +357,6 @@ def test_npy_goes_through_the_bounds_check_for_its_target():
     np.save(buf, np.zeros((2, 2000), np.uint8))
     with pytest.raises(ValueError, match="elongated"):
         decode.decode_image(buf.getvalue(), "npy", (1, 8, 8))
-
-
-def smooth(c, h, w, seed=0):
-    """uint8 CHW gradients (lossy formats keep them), shifted by `seed`."""
-    yy, xx = np.mgrid[:h, :w]
-    return np.stack([(xx * 200 // w + yy * 40 // h + 30 * k + seed) % 256 for k in range(c)]).astype(np.uint8)
-
-
-def exif_rotated(a, orientation):
-    exif = Image.Exif()
-    exif[0x0112] = orientation
-    return encoded(a, "JPEG", quality=95, exif=exif.tobytes())
-
-
-def jpeg_cases(shape):
-    """JPEGs of every kind decode_batch meets: the target's size in its own mode and the other,
-    stored sideways, larger (DCT-scaled with simplejpeg), CMYK, a cut scan, not a JPEG, too elongated."""
-    c, h, w = shape
-    cmyk = io.BytesIO()
-    Image.fromarray(smooth(3, h, w, 5).transpose(1, 2, 0)).convert("CMYK").save(cmyk, format="JPEG", quality=95)
-    good = encoded(smooth(c, h, w, 1), "JPEG", quality=95)
-    sos = good.find(b"\xff\xda")
-    return [encoded(smooth(c, h, w, 2), "JPEG", quality=95), encoded(smooth(4 - c, h, w, 3), "JPEG", quality=95),
-            exif_rotated(smooth(c, w, h, 4), 6), encoded(smooth(c, 3 * h + 4, 3 * w + 5, 6), "JPEG", quality=95),
-            cmyk.getvalue(), good[:sos + 4 + int.from_bytes(good[sos + 2:sos + 4], "big") + 10],
-            b"\xff\xd8 not a jpeg", encoded(smooth(c, 4, 400), "JPEG"), good]
 
 
 @pytest.mark.parametrize("shape", [(3, 32, 32), (1, 28, 28)])

@@ -7,8 +7,7 @@ import sys
 
 import pytest
 
-from helpers import HANG, run_capture
-from test_autoindex import write_captioned
+from helpers import HANG, run_capture, write_captioned
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

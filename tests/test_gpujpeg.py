@@ -7,7 +7,7 @@ import torch
 
 from pipeline.data.decoding import image_caps as bounds, decode, gpujpeg, turbo
 from pipeline.data.decoding.decode import Target
-from test_decode import encoded, jpeg_cases, smooth
+from helpers import encoded, jpeg_cases, smooth
 
 SHAPES = [(3, 32, 32), (1, 28, 28)]
 
@@ -48,7 +48,7 @@ def test_a_hostile_header_is_refused_on_the_host_before_any_decode(monkeypatch):
     monkeypatch.setattr(turbo, "_module", lambda: recorder)
     parcel = gpujpeg.pack([bytes(big)], ["jpg"], Target((3, 32, 32), ("jpg",)))
     assert parcel.datas == [] and not calls
-    assert "20000x20000" in parcel.errors[0][1] and "bounds.MAX_PIXELS" in parcel.errors[0][1]
+    assert "20000x20000" in parcel.errors[0][1] and "image_caps.MAX_PIXELS" in parcel.errors[0][1]
     assert bounds.MAX_PIXELS < 20000 * 20000
 
 
