@@ -49,6 +49,23 @@ def test_the_helpers_img2dataset_set_takes_its_class_from_the_json(tmp_path):
     assert src.target.label == "json:label" and src.classes == ["0", "1", "2", "3"]
 
 
+def test_a_class_in_the_json_under_another_key_is_the_label_field(tmp_path):
+    """{"class": c} in the .json and no .cls (as the new user's img2dataset-style set had it): the
+    batch field is `label`, as in every other batch, not `class`."""
+    import json
+
+    import webdataset as wds
+
+    os.makedirs(tmp_path / "set")
+    with wds.ShardWriter(str(tmp_path / "set" / "s-%06d.tar"), maxcount=20, verbose=0) as sink:
+        for i in range(40):
+            sink.write({"__key__": f"{i:06d}", "jpg": encode_pil(foreign_image(i % 4, (16, 16), i), "JPEG"),
+                        "txt": f"photo {i}".encode(), "json": json.dumps({"class": i % 4, "w": 16}).encode()})
+    src = resolve("web", str(tmp_path / "set"), "train")
+    assert kinds(src)["label"] == ("int", "json:class") and "class" not in kinds(src)
+    assert src.target.label == "json:class" and src.classes == ["0", "1", "2", "3"]
+
+
 def test_a_thousand_way_free_text_member_is_text_not_a_class(tmp_path):
     """The same set with a free-text .cls (each value its own, 1,000 of them): text, and the set
     has no class (webdataset would have made a 1,000-way head of it)."""

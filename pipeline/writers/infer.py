@@ -113,6 +113,8 @@ def _json_columns(samples, taken, want_label):
         if want_label and label is None and key in CLASS_KEYS and kind in ("int", "text") \
                 and looks_like_class([str(v) for v in values]):
             label = f"json:{key}"
+            if "label" not in taken:  # the class is `label` whichever member holds it, as in every other batch
+                name = "label"
         cap = {"max_bytes": MAX_TEXT} if kind == "text" else {}
         columns.append(Column(name, kind, f"json:{key}", optional=keys[key] < len(samples), **cap))
         taken.add(name)
