@@ -277,3 +277,13 @@ def test_bench_index_prints_its_three_runs_and_the_ratio(tmp_path):
     assert [ln.get("run") for ln in lines[:3]] == ["make_shards_index", "first_use", "cached"]
     assert all(ln["samples"] == 12 and ln["seconds"] >= 0 for ln in lines[:3])
     assert "first_use_over_make_shards" in lines[3]
+
+
+def test_a_folder_with_neither_shards_nor_a_manifest_says_so(tmp_path):
+    """Not 'no manifest ... index existing shards with make-shards --index' (the new user's folder
+    held no .tar at all, and the README says no index step is needed)."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ShardError, match=r"no shards \(\*\.tar, \*\.tar\.gz\) and no manifest \(web-train\.json\)"):
+        resolve("web", str(tmp_path / "empty") + "/", "train")
+    with pytest.raises(ShardError, match="no such folder"):
+        resolve("web", str(tmp_path / "missing") + "/", "train")
