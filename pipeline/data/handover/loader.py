@@ -83,7 +83,7 @@ class Loader:
         self.stream, self.num_workers, self.record = stream, num_workers, record
         self._early = None  # (plan, pass id) of a pass `start` began
         self._passes = 0  # passes begun here: an iterator of an earlier one stops
-        self._pass_lock = threading.Lock()  # at 0 workers: a pass begins only between two batches of another
+        self._pass_lock = threading.RLock()  # a pass begins only between two batches of another, whatever the threads
         self._record = getattr(stream, "record", None) if record else None
         cuda = self.device is not None and self.device.type == "cuda"
         self.pin = (bool(pin_memory) or cuda) and torch.cuda.is_available()
@@ -105,12 +105,13 @@ class Loader:
         at the first pass otherwise): while the caller builds its model and CUDA starts, the
         workers fork, open their shards and fill their slots. Should the stream's plan change
         before the pass (a state loaded, another epoch set), that work is dropped."""
-        if self.workers is not None and not self.workers.started:
-            self.workers.start()
-            self.ring.page_lock()  # where CUDA refuses, one warning: the batches are not pinned
-            if hasattr(self.stream, "plan"):
-                plan = self.stream.plan(begin=False)  # a state just loaded still decides the epoch
-                self._early = (plan, self.workers.begin(plan))
+        with self._pass_lock:  # two threads never start (or talk to) the workers at once
+            if self.workers is not None and not self.workers.started:
+                self.workers.start()
+                self.ring.page_lock()  # where CUDA refuses, one warning: the batches are not pinned
+                if hasattr(self.stream, "plan"):
+                    plan = self.stream.plan(begin=False)  # a state just loaded still decides the epoch
+                    self._early = (plan, self.workers.begin(plan))
         return self
 
     def __iter__(self):
@@ -121,26 +122,34 @@ class Loader:
                 free = self.ring.free_slots(self._fresh)[0]  # first: it puts a new deque in self._free
                 self._free.extend(free)
                 return self._here(plan, self._passes)
-        plan = self.stream.plan() if hasattr(self.stream, "plan") else None
-        self._passes += 1
-        self.start()
-        early, self._early = self._early, None
-        return self._from_workers(early[1] if early is not None and early[0] is plan else self.workers.begin(plan))
+        with self._pass_lock:  # not while another thread's pass reads the workers' pipes and slots
+            plan = self.stream.plan() if hasattr(self.stream, "plan") else None
+            self._passes += 1
+            self.start()
+            early, self._early = self._early, None
+            pass_id = early[1] if early is not None and early[0] is plan else self.workers.begin(plan)
+            return self._from_workers(pass_id, self._passes)
 
-    def _from_workers(self, pass_id):
+    def _from_workers(self, pass_id, here):
         """Round robin over the workers, each dropped when its share ends: the order a
-        DataLoader over an IterableDataset gives."""
+        DataLoader over an IterableDataset gives. Each batch is received under the pass lock,
+        which a new pass takes to begin (`here`: this pass's number among this loader's): so two
+        threads never read the same pipes and slots, and an older pass ends in one line."""
         active = list(range(self.num_workers))
         while active:
             for w in list(active):
-                kind, slot, n, payload = self.workers.receive(w, pass_id)
-                if kind == END:
-                    active.remove(w)
-                    continue
-                if kind != BATCH:
-                    raise_error(payload, w)
-                batch = unpack(payload, n)
-                batch.update(self._hand_over(w, slot, n))
+                with self._pass_lock:
+                    if here != self._passes:
+                        raise RuntimeError("the loader was iterated again while this pass was being read; "
+                                           "a loader runs one pass at a time")
+                    kind, slot, n, payload = self.workers.receive(w, pass_id)
+                    if kind == END:
+                        active.remove(w)
+                        continue
+                    if kind != BATCH:
+                        raise_error(payload, w)
+                    batch = unpack(payload, n)
+                    batch.update(self._hand_over(w, slot, n))
                 yield self._arrived(batch)
 
     def _hand_over(self, producer, k, n):
