@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from helpers import (HANG, build_shards, encode_pil, finish, free_port, launch_train, make_shards_in_process,
-                     run_capture, train_sources)
+                     run_capture, train_sources, write_foreign)
 from pipeline.data.manifests.manifest import resolve
 from pipeline.data.streams.stream import MixedStream
 from pipeline.data.handover.loader import make_loader
@@ -231,3 +231,68 @@ def test_labels_that_look_like_free_text_are_named_with_fields(tmp_path, n, capt
     assert done.returncode == 0, done.stderr
     said = "look like free text, not classes" in done.stdout and "--fields" in done.stdout
     assert said == warned, done.stdout
+
+
+# ---------------------------------------------------------------- a class field's labels are the default schema's
+
+def _labelled_set(folder, labels, extra=lambda i: {}):
+    """A foreign set of 16x16 JPEGs, sample i labelled labels[i] in .cls, with .json extra(i)."""
+    def sample(i):
+        img = Image.fromarray(np.full((16, 16, 3), 9 * i % 256, np.uint8))
+        members = [("jpg", encode_pil(img, "JPEG")), ("cls", str(labels[i]).encode()),
+                   ("json", json.dumps(extra(i)).encode())]
+        return f"{i:06d}", [(f"{i:06d}.{ext}", data) for ext, data in members]
+    write_foreign(folder, len(labels), 6, "s-{:04d}.tar", sample)
+
+
+def _labels(stream, workers):
+    """{key: (source name, batch label)} of an epoch, and the samples the batches say were skipped."""
+    out, skipped = {}, 0
+    for b in make_loader(stream, workers):
+        for key, label, src in zip(b["key"], b["label"].tolist(), b["source"].tolist()):
+            out[key] = (stream.layout.names[src], label)
+        skipped += int(b["skipped"])
+    return out, skipped
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_class_field_maps_labels_as_the_default_schema_does(tmp_path, workers):
+    """Labels 0, 5 and 1000000000 (the manifest's label_values) are classes 0, 1, 2 whether the
+    default schema or `label:class=cls` reads them; the raw values never reach the batch."""
+    from pipeline.data.fields.schema import parse_fields
+
+    raw = [0, 5, 10**9] * 4
+    _labelled_set(tmp_path / "big", raw)
+    done = make_shards_in_process(["--index", f"big:train={tmp_path}/big/s-*.tar", "--out", str(tmp_path / "m"),
+                                   "--quiet"])
+    assert done.returncode == 0, done.stderr
+    src = resolve("big", str(tmp_path / "m"), "train")
+    field = parse_fields("image:image=jpg,size=16x16 label:class=cls")
+    by_default, _ = _labels(MixedStream([src], {"big": 1}, 4, seed=0, schemas={"big": None}), workers)
+    stream = MixedStream([src], {"big": 1}, 4, seed=0, schemas={"big": field})
+    by_field, skipped = _labels(stream, workers)
+    assert stream.layout.num_classes == 3 and skipped == 0
+    assert by_field == by_default == {f"{i:06d}": ("big", [0, 5, 10**9].index(raw[i])) for i in range(12)}
+
+
+def test_a_class_value_past_the_sources_classes_is_refused_not_read_as_the_next_sources(tmp_path):
+    """A 4-class source whose class field reads 16 for some samples, mixed before a 10-class one:
+    those samples are skipped and counted, never labelled as the next source's class 12."""
+    from pipeline.data.fields.schema import parse_fields
+
+    labels = [i % 4 for i in range(24)]
+    height = lambda i: 16 if i % 5 == 0 else labels[i]  # noqa: E731
+    _labelled_set(tmp_path / "web", labels, lambda i: {"height": height(i)})
+    build_shards(tmp_path / "m", "mnist", "train", 20, shape=(1, 12, 12), encoding="png", maxcount=10)
+    done = make_shards_in_process(["--index", f"web:train={tmp_path}/web/s-*.tar", "--out", str(tmp_path / "m"),
+                                   "--quiet"])
+    assert done.returncode == 0, done.stderr
+    srcs = [resolve("web", str(tmp_path / "m"), "train"), resolve("mnist", str(tmp_path / "m"), "train")]
+    schema = parse_fields("image:image=jpg,size=16x16 label:class=json:height")
+    stream = MixedStream(srcs, {"web": .5, "mnist": .5}, 8, seed=0, schemas={"web": schema})
+    with pytest.warns(UserWarning, match="skipped sample 000005: field label: label 16 outside 0..3"):
+        got, skipped = _labels(stream, 0)
+    web = {k: label for k, (name, label) in got.items() if name == "web"}
+    assert stream.layout.num_classes == 14 and skipped == 5
+    assert web == {f"{i:06d}": labels[i] for i in range(24) if i % 5}
+    assert all(4 <= label < 14 for name, label in got.values() if name == "mnist")

@@ -216,16 +216,26 @@ def _label_of(sample, target, lookup):
         if number != UNLABELLED:
             return class_index(number, target, lookup)
     value = raw_label(sample, target.label)
+    if not target.names:
+        number = as_integer(value)
+        if number is None:
+            raise ValueError(f"{describe_label(target.label)} is {cut(repr(as_name(value)), 80)}, not an integer")
+        value = number
+    return class_of(value, target, lookup)
+
+
+def class_of(value, target, lookup=None):
+    """A raw label's class index in its source, as the manifest maps it: by its class names, its
+    label values, or as 0..classes-1. The default schema's labels and a schema's class field
+    (pipeline.data.fields.schema) both come through here, so one raw label means one class
+    wherever it is read. ValueError saying why a label has none."""
     if target.names:
         name = as_name(value)
         index = lookup.get(name) if lookup is not None else None
         if index is None:
             raise ValueError(f"class name {cut(repr(name), 80)} is not one of the source's {len(target.names)} classes")
         return index
-    number = as_integer(value)
-    if number is None:
-        raise ValueError(f"{describe_label(target.label)} is {cut(repr(as_name(value)), 80)}, not an integer")
-    return class_index(number, target, lookup)
+    return class_index(value, target, lookup)
 
 
 def class_index(value, target, lookup=None):

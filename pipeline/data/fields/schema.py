@@ -10,8 +10,10 @@ A member is named by its extension (`txt`, `rgb.png`), by alternatives tried in 
 Types: `image` (decoded, then fitted: `resize` to HxW, `center-crop`/`random-crop` after a
 shorter-side resize, `pad` keeping the aspect, `native` shrunk only to fit its cap), `text`
 (UTF-8, at most `max_bytes`), `int`/`float` (a scalar or a vector of `length`), `class` (a
-class index 0..N-1, N the classes the manifest lists, offset in the batch past the classes of
-the sources before it, as an image-and-label source's are), `array` (a .npy of at most
+class index 0..N-1, N the classes the manifest lists, its raw value mapped as the default
+schema maps a label (the manifest's label_values, labelling.class_of), a value with no class
+a damaged sample; offset in the batch past the classes of the sources before it, as an
+image-and-label source's are), `array` (a .npy of at most
 `shape`, cast to `dtype`), `bytes` (at most `max_bytes`).
 
 Every cap comes from the schema, never from the data: a member over its field's cap, a
@@ -357,11 +359,13 @@ class Schema:
                 out[rows[at]][col.name] = ValueError(message)
         return out
 
-    def sample(self, record, seed, key="?", source="?", decoded=None):
+    def sample(self, record, seed, key="?", source="?", decoded=None, *, classes):
         """The sample's values after decoding and the stages ({field: value}, None for an optional
-        field it lacks), or None where a stage dropped it; `decoded`: its fields decode_images made.
-        ValueError for content that does not fit; InputError for a stage of the user's that fails
-        or returns what the fields can't hold."""
+        field it lacks), or None where a stage dropped it; `decoded`: its fields decode_images made;
+        `classes`: the source's map of a raw label to its class index (labelling.class_of with its
+        Target and lookup), through which a class field's value goes as the default schema's label
+        does. ValueError for content that does not fit, a class value among them; InputError for a
+        stage of the user's that fails or returns what the fields can't hold."""
         values, parsed = {}, {}
         for k, col in enumerate(self.columns):
             got = record.get(col.name)
@@ -376,6 +380,8 @@ class Schema:
                 continue
             try:
                 values[col.name] = value_of(col, ext, path, data, parsed, lambda k=k: _rng(seed, 128 | k))
+                if col.kind == "class":
+                    values[col.name] = classes(int(values[col.name]))
             except ValueError as e:
                 raise ValueError(f"field {col.name}: {e}") from None
             except labelling.CONTENT_ERRORS as e:

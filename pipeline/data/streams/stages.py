@@ -26,6 +26,7 @@ reasons (docs/benchmarks.md, "Why some stages are our own"): tar reading (`pipel
 and the shuffle, a permutation per window instead of `wds.shuffle`'s buffer,
 which costs a `random.randint` per sample and holds state no checkpoint can reach.
 """
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,7 @@ import numpy as np
 from pipeline.ordering import order
 from pipeline.data.fields import member_values
 from pipeline.data.decoding.decode import decode_batch
+from pipeline.data.decoding.labelling import class_of
 from pipeline.errors import InputError, ShardError
 from pipeline.data.shards.readbuffer import Rows
 from pipeline.data.fields.member_values import user_stage
@@ -168,10 +170,11 @@ class Decode:
         seeds = np.arange(len(idx), dtype=np.uint64) + np.uint64(chunk.seed0)
         source, rows, masked = self.reader.source.name, idx.tolist(), [s & SEED_MASK for s in seeds.tolist()]
         decoded = self.schema.decode_images([d.images[i] for i in rows], masked)
+        classes = functools.partial(class_of, target=self.target, lookup=self.reader.lookup)
         values, kept = [], []
         for j, (i, seed) in enumerate(zip(rows, masked)):
             try:
-                v = self.schema.sample(d.images[i], seed, d.keys[i], source, decoded[j])
+                v = self.schema.sample(d.images[i], seed, d.keys[i], source, decoded[j], classes=classes)
             except InputError:  # a stage of the user's that failed: the user's to fix, not the sample's
                 raise
             except ValueError as e:
