@@ -255,6 +255,7 @@ def test_a_stuck_loader_worker_ends_the_run_in_one_line_with_the_resume_command(
     assert rc == 2 and "Traceback" not in err, err[-3000:]
     errors = [ln for ln in err.splitlines() if "error:" in ln]
     assert len(errors) == 1 and "loader worker 0" in errors[0] and "sent nothing for 3 s" in errors[0], err[-3000:]
+    assert "next pass" not in err, errors[0]  # the trainer makes none: the loader's promise is not its
     assert f"resume with: " in err and "--resume" in err.split("resume with: ")[1], err[-3000:]
 
 

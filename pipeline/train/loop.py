@@ -171,6 +171,7 @@ def main(argv=None, args=None):
         # carry its whole traceback in their message: keep the last line
         last = str(e).strip().splitlines()[-1]
         last = re.sub(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): ", "", last)  # a worker's "pkg.Class: "
+        last = last.replace(", and the next pass starts the workers again", "")  # this run makes no next pass
         one_line(f"pipeline-train: error: {last}")
         if isinstance(e, OSError) and not args.eval_only:
             say_resume(args.out, argv, start_again=isinstance(e, TimeoutError))
