@@ -125,6 +125,8 @@ def test_a_batch_dropped_right_after_its_copy_leaves_the_copy_whole(data, worker
 def test_a_device_that_is_not_one_is_refused_in_one_line(data):
     with pytest.raises(ValueError, match=r"device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got 'gpu'"):
         make_loader(_stream(data), 0, device="gpu")
+    with pytest.raises(ValueError, match=r"got 'cpu:1'"):  # the CPU has no second device
+        make_loader(_stream(data), 0, device="cpu:1")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available here"):
             make_loader(_stream(data), 0, device="cuda")
@@ -223,7 +225,7 @@ def test_two_threads_iterating_one_loader_again_and_again_never_get_wrong_data(d
     assert errors == [] and wrong == [] and batches[0] >= 8
 
 
-@pytest.mark.parametrize("timeout", [math.nan, -1, 0, math.inf, "3"])
+@pytest.mark.parametrize("timeout", [math.nan, -1, 0, math.inf, "3", 1e300, True])
 def test_a_timeout_that_is_not_a_finite_positive_number_is_refused_at_once(data, timeout):
     with pytest.raises(ValueError, match=r"timeout must be a finite number of seconds above 0 .*, got"):
         make_loader(_stream(data), 2, timeout=timeout)

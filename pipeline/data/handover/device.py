@@ -23,7 +23,7 @@ def parse_device(device):
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"make_loader's device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}") \
             from e
-    if parsed.type not in ("cpu", "cuda"):
+    if parsed.type not in ("cpu", "cuda") or parsed.type == "cpu" and parsed.index not in (None, 0):
         raise ValueError(f"make_loader's device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}")
     if parsed.type == "cuda":
         if not torch.cuda.is_available():

@@ -11,7 +11,6 @@ copies each batch to the device itself (pipeline.data.handover.device) and the s
 that copy is done.
 """
 import collections
-import math
 import multiprocessing
 import os
 import threading
@@ -68,7 +67,8 @@ class Loader:
         if num_workers < 0 or prefetch_factor < 1:
             raise ValueError(f"num_workers must be at least 0 and prefetch_factor at least 1, got "
                              f"{num_workers}, {prefetch_factor}")
-        if timeout is not None and not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+        if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+                                        and 0 < timeout <= threading.TIMEOUT_MAX):
             raise ValueError(f"make_loader's timeout must be a finite number of seconds above 0 (or None to wait "
                              f"for good), got {timeout!r}")
         self.device = parse_device(device)
