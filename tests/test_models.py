@@ -49,6 +49,20 @@ USER = textwrap.dedent("""
 
     def one_argument(num_classes):
         return nn.Linear(1, num_classes)
+
+    class Unused(nn.Module):
+        def __init__(self, shape, n):
+            super().__init__()
+            self.fc, self.spare = nn.Linear(shape[0] * shape[1] * shape[2], n), nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.fc(x.flatten(1))
+
+    def unused(num_classes, shape):
+        return Unused(shape, num_classes)
+
+    def no_params(num_classes, shape):
+        return nn.Sequential(nn.Flatten(), nn.AdaptiveAvgPool1d(num_classes))
 """)
 
 
@@ -203,7 +217,19 @@ def keys_by_epoch(out, ranks):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["resnet18", "mymodule:make_model"])
+def test_parameters_without_a_gradient_are_found_and_a_model_with_none_is_refused(user_file):
+    """DDP on 2 ranks failed in the first step on a model with a parameter its forward never uses
+    (a traceback from every rank); a model with nothing to train failed in the optimiser."""
+    from pipeline.train.model import unused_parameters
+
+    assert unused_parameters(build_model("mymodule:unused", 10, (1, 8, 8), 64), (1, 8, 8)) == ["spare.weight",
+                                                                                               "spare.bias"]
+    assert unused_parameters(build_model("mymodule:make_model", 10, (1, 8, 8), 64), (1, 8, 8)) == []
+    with pytest.raises(InputError, match="the model has no parameters to train"):
+        unused_parameters(build_model("mymodule:no_params", 10, (1, 8, 8), 64), (1, 8, 8))
+
+
+@pytest.mark.parametrize("model", ["resnet18", "mymodule:make_model", "mymodule:unused"])
 def test_another_model_trains_on_2_ranks_and_resumes_on_1_with_no_sample_twice(one_source, user_file, tmp_path,
                                                                                 model):
     """resnet18 (BatchNorm) and the user's model without any buffer: an epoch and 3 steps of the

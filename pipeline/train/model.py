@@ -101,6 +101,27 @@ def check_fits(model, spec, num_classes, shape):
                          f"tensor of class scores")
 
 
+def unused_parameters(model, shape):
+    """Names of the parameters one training step on two blank images leaves without a gradient:
+    DDP on several ranks fails on them in the first step ("Expected to have finished reduction")
+    unless told to look for them. Leaves no trace (as check_fits). InputError where the model
+    has nothing to train."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not params:
+        raise InputError("--model: the model has no parameters to train")
+    kept = [b.clone() for b in model.buffers()]
+    try:
+        with torch.random.fork_rng(devices=[]):
+            model(torch.zeros(2, *shape)).float().sum().backward()
+        return [n for n, p in params if p.grad is None]
+    finally:
+        with torch.no_grad():
+            for b, k in zip(model.buffers(), kept):
+                b.copy_(k)
+        for _, p in params:
+            p.grad = None
+
+
 def input_shape(stream):
     """(C, H, W) of the batches' image field: what every model is built for."""
     return next(f.shape for f in stream.batch_spec().fields if f.name == "image")

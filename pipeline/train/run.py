@@ -22,7 +22,7 @@ from pipeline.data.store import cache
 from pipeline.data.streams import stream
 from pipeline.errors import InputError, redacted, short
 from pipeline.train import checkpoint, dist, options
-from pipeline.train.model import augment, build_model, input_shape
+from pipeline.train.model import augment, build_model, input_shape, unused_parameters
 from pipeline.train.usercode import user_function
 from pipeline.train.schedule import BASE_BATCH, learning_rate
 
@@ -75,9 +75,15 @@ class Run:
         self.names = self.layout.names
         self.flip_ids = [self.layout.index(n) for n in args.flip]
         torch.manual_seed(args.seed)
-        self.model = build_model(args.model, self.layout.num_classes, input_shape(self.stream), args.width).to(device)
-        self.ddp = (DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
-                    if topo.world > 1 else self.model)
+        model = build_model(args.model, self.layout.num_classes, input_shape(self.stream), args.width)
+        unused = unused_parameters(model, input_shape(self.stream))
+        if unused and topo.world > 1 and topo.rank == 0:
+            warnings.warn(f"--model {args.model}: {len(unused)} parameter(s) get no gradient ({', '.join(unused[:3])}"
+                          f"{', ...' if len(unused) > 3 else ''}): DDP looks for them every step "
+                          f"(find_unused_parameters), which costs a pass over the graph")
+        self.model = model.to(device)
+        self.ddp = (DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None,
+                        find_unused_parameters=bool(unused)) if topo.world > 1 else self.model)
         self.buffers = list(self.model.buffers())  # e.g. BatchNorm's running stats: a skipped step leaves them too
         self.kept_buffers = [b.clone() for b in self.buffers]
         self.opt = sgd(self.model, args)
