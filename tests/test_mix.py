@@ -80,7 +80,9 @@ def test_the_training_stream_mixes_through_it(monkeypatch, tmp_path):
 @pytest.mark.parametrize("probs, match", [([float("nan"), 1], "probability nan is not a finite"),
                                           ([float("inf"), 1], "probability inf is not a finite"),
                                           ([-1, 1], "probability -1.0 is not a finite"),
-                                          ([0, 0], "not all 0")])
+                                          ([0, 0], "not all 0"),
+                                          (["a", 1], "RandomMix: probabilities must be numbers"),
+                                          ([None, 1], "RandomMix: probabilities must be numbers")])
 def test_weights_that_are_no_weights_are_one_line_each(probs, match):
     with pytest.raises(ValueError, match=match):
         RandomMix([[1], [2]], probs)

@@ -70,7 +70,10 @@ def _checked(probs, n):
     """The weights of n datasets as floats, or one ValueError line naming the bad value and the fix."""
     if n == 0:
         raise ValueError("RandomMix: no datasets; give it at least one iterable to mix")
-    probs = [1.0] * n if probs is None else [float(p) for p in probs]
+    try:
+        probs = [1.0] * n if probs is None else [float(p) for p in probs]
+    except (TypeError, ValueError):
+        raise ValueError(f"RandomMix: probabilities must be numbers, got {list(probs)!r:.200}") from None
     if len(probs) != n:
         raise ValueError(f"RandomMix: {n} datasets need as many probabilities, got {len(probs)}: {probs}")
     bad = [p for p in probs if not np.isfinite(p) or p < 0]
