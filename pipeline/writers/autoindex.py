@@ -71,7 +71,7 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None, cache
             if remote.kind(spec) == "file" and os.path.isdir(spec):  # a folder there, holding neither
                 raise ShardError(f"{name}={redact(spec)}: no shards (*.tar, *.tar.gz) and no manifest "
                                  f"({manifest.manifest_name(name, split)}) in this folder") from None
-            raise missing if "no such" not in str(e) else e from None
+            raise e from None  # what is wrong with the shards themselves (none there, some missing)
     folder = ensure(name, split, spec, urls, policy=policy, cache_dir=cache_dir, fields=fields, progress=progress,
                     workers=workers, classes_from=classes_from)
     # every http(s) shard answered a HEAD for the key just now, with the size the index holds
