@@ -367,3 +367,11 @@ def test_the_fields_line_of_a_five_thousand_key_json_names_twenty(tmp_path):
     line = infer.describe(schema, label)
     assert len(schema.columns) == 5000 and line.count("(int json:") == 20
     assert line.endswith(", k0019 (int json:k0019), ... and 4980 more field(s)") and len(line) < 1000
+
+
+def test_class_ids_that_are_not_the_indices_stay_int(tmp_path):
+    """.cls ids 5 and 7: the index's classes are ["5", "7"] (indices 0 and 1), so a class field
+    reading 5 would point past its 2 classes: the field stays int (mixing it is refused loudly)."""
+    write_captioned(tmp_path / "set", 20, cls=lambda i: str(5 + 2 * (i % 2)))
+    src = resolve("web", str(tmp_path / "set"), "train")
+    assert src.classes == ["5", "7"] and kinds(src)["label"] == ("int", "cls")

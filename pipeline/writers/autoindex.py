@@ -254,6 +254,8 @@ def build(name, split, spec, urls, out, *, policy=remote.Policy(), fields=None, 
             schema, label = infer.override(infer.infer(samples, classes=False)[0], fields), None
             m = None
     if m is not None:
+        if m.get("label_values") not in (None, list(range(len(m["classes"])))):  # ids 5, 7: not indices 0..N-1
+            schema = infer.ids_as_int(schema)
         c, h, w = m["shape"]
         image = images[0].to_json()
         image.update(size=[h, w], channels=c)

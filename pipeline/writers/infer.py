@@ -13,6 +13,7 @@ The result is a Schema (pipeline.data.fields.schema) plus the label rule of the 
 `--fields` columns in place of the inferred ones of the same name.
 """
 import collections
+import dataclasses
 import io
 import json
 import re
@@ -99,6 +100,13 @@ def _class_kind(values):
     if all(_integer(v) for v in values):
         return "class" if all(not v.startswith("-") for v in values) else "int"  # a class index is 0 or more
     return "text"
+
+
+def ids_as_int(schema):
+    """The schema with its class field an int: for class ids that are not the indices 0..N-1 the
+    index found (5 and 7), which a class field would read past its N classes."""
+    return Schema([dataclasses.replace(c, kind="int") if c.kind == "class" else c for c in schema.columns],
+                  schema.stages)
 
 
 def override(schema, given):
