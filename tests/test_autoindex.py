@@ -25,7 +25,7 @@ def kinds(source):
 def test_an_img2dataset_set_infers_image_caption_class_and_the_json_numbers(tmp_path, capsys):
     write_captioned(tmp_path / "set", 40)
     src = resolve("web", str(tmp_path / "set"), "train")
-    assert kinds(src) == {"image": ("image", "jpg"), "caption": ("text", "txt"), "label": ("int", "cls"),
+    assert kinds(src) == {"image": ("image", "jpg"), "caption": ("text", "txt"), "label": ("class", "cls"),
                           "json_key": ("text", "json:key"), "width": ("int", "json:width"),
                           "height": ("int", "json:height"), "similarity": ("float", "json:similarity")}
     assert src.classes == ["0", "1", "2", "3"] and src.total == 40 and src.target.label == "cls"
@@ -44,7 +44,7 @@ def test_the_helpers_img2dataset_set_takes_its_class_from_the_json(tmp_path):
 
     write_img2dataset(tmp_path / "i2d", 40, gz=True)
     src = resolve("i2d", str(tmp_path / "i2d"), "train")
-    assert kinds(src) == {"image": ("image", "jpg"), "caption": ("text", "txt"), "label": ("int", "json:label"),
+    assert kinds(src) == {"image": ("image", "jpg"), "caption": ("text", "txt"), "label": ("class", "json:label"),
                           "json_key": ("text", "json:key"), "width": ("int", "json:width")}
     assert src.target.label == "json:label" and src.classes == ["0", "1", "2", "3"]
 
@@ -62,7 +62,7 @@ def test_a_class_in_the_json_under_another_key_is_the_label_field(tmp_path):
             sink.write({"__key__": f"{i:06d}", "jpg": encode_pil(foreign_image(i % 4, (16, 16), i), "JPEG"),
                         "txt": f"photo {i}".encode(), "json": json.dumps({"class": i % 4, "w": 16}).encode()})
     src = resolve("web", str(tmp_path / "set"), "train")
-    assert kinds(src)["label"] == ("int", "json:class") and "class" not in kinds(src)
+    assert kinds(src)["label"] == ("class", "json:class") and "class" not in kinds(src)
     assert src.target.label == "json:class" and src.classes == ["0", "1", "2", "3"]
 
 
@@ -287,3 +287,91 @@ def test_a_folder_with_neither_shards_nor_a_manifest_says_so(tmp_path):
         resolve("web", str(tmp_path / "empty") + "/", "train")
     with pytest.raises(ShardError, match="no such folder"):
         resolve("web", str(tmp_path / "missing") + "/", "train")
+
+
+def test_free_text_after_the_first_samples_is_text_not_three_hundred_classes(tmp_path, capsys):
+    """.cls is 0/1/2 in the first 300 samples (all the inference reads) and 300 distinct texts after:
+    the whole index shows free text, so the member is text and the set has no class (it was a
+    303-class head, silently)."""
+    write_captioned(tmp_path / "set", 600, per_shard=300, side=8,
+                    cls=lambda i: str(i % 3) if i < 300 else f"item {i} of the shop")
+    src = resolve("web", str(tmp_path / "set"), "train")
+    assert kinds(src)["cls"] == ("text", "cls") and "label" not in kinds(src)
+    assert src.classes == [] and src.total == 600
+    err = capsys.readouterr().err
+    assert "web-train: cls looked like a class in the first 256 samples but holds 303 distinct values in 600: " \
+           "free text, indexed as text (no class)" in err
+    assert "web-train: fields: image (image .jpg 8x8), caption (text .txt), cls (text .cls)" in err
+
+
+def test_a_json_nested_past_the_stack_is_not_a_dict_of_fields():
+    deep = ('{"a":' * 100_000 + "1" + "}" * 100_000).encode()
+    samples = [{"__key__": f"{i:03d}", "jpg": encode_pil(foreign_image(0, (8, 8), i), "JPEG"),
+                "json": deep if i == 1 else json.dumps({"score": 0.5}).encode()} for i in range(3)]
+    schema, _ = infer.infer(samples)
+    assert [(c.name, c.member, c.optional) for c in schema.columns] == [
+        ("image", "jpg", False), ("score", "json:score", True)]
+
+
+def test_a_set_indexed_on_first_use_mixes_with_our_own_shards_and_another_such_set(tmp_path):
+    """The class of an inferred set is a `class` field, as our shards' label is: one head, the
+    inferred set's classes offset past mnist's (it was "field 'label' is class ... and int ...")."""
+    from helpers import build_shards
+    from pipeline.topology import Topology
+
+    build_shards(tmp_path / "shards", "mnist", "train", 20)
+    write_captioned(tmp_path / "web", 20)
+    write_captioned(tmp_path / "web2", 20)
+    sources = [resolve("mnist", str(tmp_path / "shards"), "train"), resolve("web", str(tmp_path / "web"), "train"),
+               resolve("web2", str(tmp_path / "web2"), "train")]
+    assert kinds(sources[1])["label"] == ("class", "cls")
+    stream = MixedStream(sources, {"mnist": 1, "web": 1, "web2": 1}, batch_size=12, topo=Topology(0, 1), seed=0)
+    batch = next(iter(stream))
+    names = ["mnist", "web", "web2"]
+    offsets = {"mnist": 0, "web": 10, "web2": 14}
+    for s, label in zip(batch["source"].tolist(), batch["label"].tolist()):
+        assert offsets[names[s]] <= label < offsets[names[s]] + len(sources[s].classes)
+    assert {names[s] for s in batch["source"].tolist()} == set(names)
+
+
+def test_a_truncated_cached_index_is_made_again_with_one_line(tmp_path, capsys):
+    write_captioned(tmp_path / "set", 20)
+    first = resolve("web", str(tmp_path / "set"), "train")
+    text = open(first.manifest).read()
+    with open(first.manifest, "w") as f:
+        f.write(text[: len(text) // 2])  # a write cut short
+    capsys.readouterr()
+    again = resolve("web", str(tmp_path / "set"), "train")
+    assert again.manifest == first.manifest and again.total == 20
+    err = capsys.readouterr().err
+    assert f"web-train: the cached index {first.manifest} was unreadable; indexing again" in err
+    assert "indexed on first use" in err
+
+
+def test_a_cache_folder_given_wins_over_the_shards_folder(tmp_path, monkeypatch):
+    """The user named where indexes go (a shared or read-only folder can pass os.access): there,
+    by --cache-dir or $PIPELINE_CACHE, never beside the shards."""
+    write_captioned(tmp_path / "set", 20)
+    src = resolve("web", str(tmp_path / "set"), "train", cache_dir=str(tmp_path / "cache"))
+    assert src.manifest.startswith(str(tmp_path / "cache" / "index"))
+    monkeypatch.setenv("PIPELINE_CACHE", str(tmp_path / "env"))
+    src = resolve("web", str(tmp_path / "set"), "train")
+    assert src.manifest.startswith(str(tmp_path / "env" / "index"))
+    assert not (tmp_path / "set" / autoindex.INDEX_FOLDER).exists()
+
+
+def test_the_fields_line_of_a_five_thousand_key_json_names_twenty(tmp_path):
+    doc = json.dumps({f"k{i:04d}": i for i in range(5000)}).encode()
+    samples = [{"__key__": f"{i:03d}", "json": doc} for i in range(3)]
+    schema, label = infer.infer(samples)
+    line = infer.describe(schema, label)
+    assert len(schema.columns) == 5000 and line.count("(int json:") == 20
+    assert line.endswith(", k0019 (int json:k0019), ... and 4980 more field(s)") and len(line) < 1000
+
+
+def test_class_ids_that_are_not_the_indices_stay_int(tmp_path):
+    """.cls ids 5 and 7: the index's classes are ["5", "7"] (indices 0 and 1), so a class field
+    reading 5 would point past its 2 classes: the field stays int (mixing it is refused loudly)."""
+    write_captioned(tmp_path / "set", 20, cls=lambda i: str(5 + 2 * (i % 2)))
+    src = resolve("web", str(tmp_path / "set"), "train")
+    assert src.classes == ["5", "7"] and kinds(src)["label"] == ("int", "cls")

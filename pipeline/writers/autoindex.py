@@ -112,7 +112,7 @@ def ensure(name, split, spec, urls, *, policy=remote.Policy(), cache_dir=None, f
     key = listing_key(name, split, urls, policy, fields, classes_from.classes if classes_from else None)
     folder = os.path.join(home(urls, cache_dir), f"{name}-{split}-{key}")
     path = os.path.join(folder, manifest.manifest_name(name, split))
-    if os.path.exists(path):
+    if _readable(path):
         return folder
     with contextlib.ExitStack() as held:
         try:
@@ -121,8 +121,11 @@ def ensure(name, split, spec, urls, *, policy=remote.Policy(), cache_dir=None, f
         except OSError as e:
             raise ShardError(f"{name}={redact(spec)}: cannot keep its index in {os.path.dirname(folder)} "
                              f"({e.strerror or e}); give a writable --cache-dir (or $PIPELINE_CACHE)") from None
-        if os.path.exists(path):  # another rank or job made it while this one waited
+        if _readable(path):  # another rank or job made it while this one waited
             return folder
+        if os.path.exists(path):  # a cache: a truncated or broken index is made again
+            print(f"{name}-{split}: the cached index {path} was unreadable; indexing again", file=sys.stderr,
+                  flush=True)
         t0 = time.monotonic()
         m, line = build(name, split, spec, urls, folder, policy=policy, fields=fields, progress=progress,
                         workers=workers, classes_from=classes_from)
@@ -133,16 +136,30 @@ def ensure(name, split, spec, urls, *, policy=remote.Policy(), cache_dir=None, f
     return folder
 
 
+def _readable(path):
+    """True when the index at `path` is there and reads as a manifest; False when it is missing,
+    truncated or invalid (a write cut short, a disk that filled)."""
+    try:
+        manifest.check(read_json(path), path)
+        return True
+    except (OSError, ValueError, ShardError):
+        return False
+
+
 def home(urls, cache_dir=None):
-    """Where an index of these shards is kept: beside them when they are local files of one
-    writable folder, else the cache folder."""
+    """Where an index of these shards is kept: in the cache folder when one is given (`cache_dir`,
+    else $PIPELINE_CACHE: the user chose it, say because the shards' folder is shared or
+    read-only whatever os.access says); else beside the shards when they are local files of one
+    writable folder; else the default cache folder."""
+    given = caching.of(cache_dir)
+    if given or os.environ.get("PIPELINE_CACHE"):
+        return os.path.join(given.folder if given else default_cache(), "index")
     folders = {os.path.dirname(os.path.abspath(u)) for u in urls if remote.kind(u) == "file"}
     if len(folders) == 1 and len(urls) == sum(remote.kind(u) == "file" for u in urls):
         folder = folders.pop()
         if os.access(folder, os.W_OK):
             return os.path.join(folder, INDEX_FOLDER)
-    given = caching.of(cache_dir)
-    return os.path.join(given.folder if given else default_cache(), "index")
+    return os.path.join(default_cache(), "index")
 
 
 def listing_key(name, split, urls, policy=remote.Policy(), fields=None, classes=None):
@@ -216,17 +233,29 @@ def build(name, split, spec, urls, out, *, policy=remote.Policy(), fields=None, 
     fields in one line)."""
     from pipeline.writers import index as indexer
 
+    samples = first_samples(urls[0], policy)
     try:
-        schema, label = infer.infer(first_samples(urls[0], policy))
+        schema, label = infer.infer(samples)
     except ValueError as e:
         raise ShardError(f"{redact(urls[0])}: {e}") from None
     schema = infer.override(schema, fields)
     images = [c for c in schema.columns if c.kind == "image"]
     workers = workers or min(8, os.cpu_count() or 1, len(urls))
     kw = dict(workers=workers, policy=policy, progress=progress)
+    m = None
     if label and len(images) == 1:
         given = (classes_from.manifest, manifest.load(classes_from.manifest, policy)) if classes_from else None
         m = indexer.index(name, split, spec, out, label=label, image_key=images[0].member, classes_from=given, **kw)
+        if not given and not infer.looks_like_classes(m["classes"], m["total"]):
+            # the first samples looked like classes, the whole set is free text: text, as infer makes it
+            print(f"{name}-{split}: {label} looked like a class in the first {len(samples)} samples but holds "
+                  f"{len(m['classes']):,} distinct values in {m['total']:,}: free text, indexed as text (no class)",
+                  file=sys.stderr, flush=True)
+            schema, label = infer.override(infer.infer(samples, classes=False)[0], fields), None
+            m = None
+    if m is not None:
+        if m.get("label_values") not in (None, list(range(len(m["classes"])))):  # ids 5, 7: not indices 0..N-1
+            schema = infer.ids_as_int(schema)
         c, h, w = m["shape"]
         image = images[0].to_json()
         image.update(size=[h, w], channels=c)

@@ -13,6 +13,7 @@ The result is a Schema (pipeline.data.fields.schema) plus the label rule of the 
 `--fields` columns in place of the inferred ones of the same name.
 """
 import collections
+import dataclasses
 import io
 import json
 import re
@@ -21,6 +22,7 @@ from pipeline.data.decoding.decode import image_format
 from pipeline.data.shards.read import MAX_MEMBER
 from pipeline.data.fields.schema import MAX_SIDE, MAX_TEXT, RESERVED, SUFFIXES, Column, Schema
 from pipeline.data.fields.member_values import NPY_HEADER
+from pipeline.writers.fields import FIELDS_SHOWN
 
 SAMPLES = 256  # samples of the first shard read to infer the fields
 MAX_CLASS_TEXT = 32  # a class name longer than this (in characters, on average) is free text
@@ -30,8 +32,9 @@ CLASS_KEYS = ("label", "class", "cls")  # a .json key that names the class, in t
 _NAME = re.compile(r"[^A-Za-z0-9_]")
 
 
-def infer(samples):
+def infer(samples, classes=True):
     """(Schema, label rule or None) of the sample dicts read from a shard (read.iter_samples).
+    classes=False: no member is taken as the class (the whole set showed it to be free text).
     ValueError (one line) when no sample holds a member a field can read."""
     samples = [s for s in samples if not s["__key__"].startswith("__")]
     if not samples:
@@ -48,14 +51,13 @@ def infer(samples):
         columns.append(Column("caption", "text", "txt", max_bytes=_text_cap(samples, "txt"), optional=seen["txt"] < n))
     if "cls" in seen:
         values = _texts(samples, "cls")
-        if looks_like_class(values):
+        if classes and looks_like_class(values):
             label = "cls"
-            kind = "int" if all(_integer(v) for v in values) else "text"
-            columns.append(Column("label", kind, "cls", optional=seen["cls"] < n))
+            columns.append(Column("label", _class_kind(values), "cls", optional=seen["cls"] < n))
         else:
             columns.append(Column("cls", "text", "cls", max_bytes=_text_cap(samples, "cls"), optional=seen["cls"] < n))
     if "json" in seen:
-        more, json_label = _json_columns(samples, {c.name for c in columns}, label is None)
+        more, json_label = _json_columns(samples, {c.name for c in columns}, classes and label is None)
         columns += more
         label = label or json_label
     for ext in sorted(e for e in seen if e.rpartition(".")[2] == "npy"):
@@ -80,6 +82,33 @@ def looks_like_class(values):
     return len(values) < MIN_FOR_DISTINCT or len(set(values)) <= DISTINCT * len(values)
 
 
+def looks_like_classes(names, total):
+    """looks_like_class over a whole index: its distinct class names and its sample count (the
+    first samples can hold a few classes and the rest of the set free text)."""
+    if all(_integer(v) for v in names):
+        return True
+    if names and sum(len(v) for v in names) / len(names) > MAX_CLASS_TEXT:
+        return False
+    return total < MIN_FOR_DISTINCT or len(names) <= DISTINCT * total
+
+
+def _class_kind(values):
+    """`class` for class ids (0, 1, 2 ...: the kind of our own shards' class field, so a set indexed
+    on first use mixes with them); `text` for class names, which the image-and-label reader maps
+    to indices (autoindex.trainable)."""
+    values = [v for v in values if v is not None]
+    if all(_integer(v) for v in values):
+        return "class" if all(not v.startswith("-") for v in values) else "int"  # a class index is 0 or more
+    return "text"
+
+
+def ids_as_int(schema):
+    """The schema with its class field an int: for class ids that are not the indices 0..N-1 the
+    index found (5 and 7), which a class field would read past its N classes."""
+    return Schema([dataclasses.replace(c, kind="int") if c.kind == "class" else c for c in schema.columns],
+                  schema.stages)
+
+
 def override(schema, given):
     """The inferred schema with the columns of `given` (a Schema, from --fields) in place of
     those of the same name, and the rest of `given` added after."""
@@ -97,7 +126,7 @@ def _json_columns(samples, taken, want_label):
     for s in samples:
         try:
             doc = json.loads(bytes(s["json"])) if s.get("json") is not None else None
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # nested past Python's stack: not a dict
             doc = None
         docs.append(doc if isinstance(doc, dict) else None)
     keys = collections.Counter(k for d in docs if d for k in d)
@@ -115,6 +144,9 @@ def _json_columns(samples, taken, want_label):
             label = f"json:{key}"
             if "label" not in taken:  # the class is `label` whichever member holds it, as in every other batch
                 name = "label"
+        if label == f"json:{key}" and kind == "int" and _class_kind([str(v) for v in values]) == "class" \
+                and not any(isinstance(v, bool) for v in values):
+            kind = "class"  # class ids, as .cls's
         cap = {"max_bytes": MAX_TEXT} if kind == "text" else {}
         columns.append(Column(name, kind, f"json:{key}", optional=keys[key] < len(samples), **cap))
         taken.add(name)
@@ -201,12 +233,14 @@ def _npy_shape(samples, ext):
 
 
 def describe(schema, label):
-    """One line: 'fields: image (image .jpg 32x32), caption (text .txt), label (class .cls), ...'."""
+    """One line: 'fields: image (image .jpg 32x32), caption (text .txt), label (class .cls), ...', the
+    first FIELDS_SHOWN of them (a .json of 5,000 keys made a line of 117,848 characters)."""
     parts = []
-    for c in schema.columns:
+    for c in schema.columns[:FIELDS_SHOWN]:
         what = "class" if label and c.member == label else c.kind
         where = c.member if ":" in c.member else "." + c.member
         size = f" {c.size[0]}x{c.size[1]}" if c.kind == "image" else f" {'x'.join(map(str, c.shape))}" \
             if c.kind == "array" else ""
         parts.append(f"{c.name} ({what} {where}{size}{', optional' if c.optional else ''})")
-    return "fields: " + ", ".join(parts)
+    more = len(schema.columns) - FIELDS_SHOWN
+    return "fields: " + ", ".join(parts) + (f", ... and {more} more field(s)" if more > 0 else "")
