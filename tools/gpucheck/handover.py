@@ -97,6 +97,13 @@ def busy(device):
 def kept_on_device(folder, device, workers, batch=BATCH, epochs=3):
     """make_loader(device=): every batch of `epochs` epochs kept (on the device), the consumer's
     stream kept busy after each."""
+    return verdict(f"device= at {workers} workers", keep_all(folder, device, workers, batch, epochs, busy),
+                   folder, batch, epochs, device)
+
+
+def keep_all(folder, device, workers, batch, epochs, after=None):
+    """[(epoch, keys, [(image, label)])] of every batch of `epochs` epochs through
+    make_loader(device=), all kept; `after(device)` runs after each batch is taken."""
     ms = case_stream(folder, batch)
     loader = make_loader(ms, workers, device=device)
     held = []
@@ -104,9 +111,10 @@ def kept_on_device(folder, device, workers, batch=BATCH, epochs=3):
         ms.set_epoch(e)
         for b in loader:
             held.append((e, list(b["key"]), [(b["image"], b["label"])]))
-            busy(device)
+            if after is not None:
+                after(device)
     loader.close()
-    return verdict(f"device= at {workers} workers", held, folder, batch, epochs, device)
+    return held
 
 
 def kept_views(folder, device, workers, batch=BATCH, epochs=3):
@@ -220,14 +228,7 @@ def refused_page_lock(folder, device, workers=2, batch=BATCH, epochs=1):
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            ms = case_stream(folder, batch)
-            loader = make_loader(ms, workers, device=device)
-            held = []
-            for e in range(epochs):
-                ms.set_epoch(e)
-                for b in loader:
-                    held.append((e, list(b["key"]), [(b["image"], b["label"])]))
-            loader.close()
+            held = keep_all(folder, device, workers, batch, epochs)
     finally:
         ring._register = real
     said = [str(c.message) for c in caught if any(w in str(c.message).lower() for w in ("lock", "pin", "regist"))]
