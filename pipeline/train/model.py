@@ -5,6 +5,8 @@ over the union of all sources' classes (MNIST 0-9, CIFAR10 10-19).
 Every parameter of the CNN takes part in every step, so DDP never meets unused parameters,
 even when a batch happens to hold only one source.
 """
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -82,19 +84,14 @@ def check_fits(model, spec, num_classes, shape):
     inception_v3 return their auxiliary heads too while training) is refused in one line before
     the run starts, rather than in its first step. Leaves no trace: its running statistics are
     put back and the global random state is untouched (every rank starts from the same)."""
-    kept = [b.clone() for b in model.buffers()]
     size = "x".join(map(str, shape))
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
+        with leaving_no_trace(model), torch.no_grad():
             out = model(torch.zeros(2, *shape))
     except Exception as e:  # noqa: BLE001 - whatever the model raises, in one line
         why = (str(e).strip().splitlines() or [""])[0][:200]
         raise InputError(f"--model {spec} cannot take {size} images ({type(e).__name__}: {why}); pick a model "
                          f"for images of this size or resize the data when writing its shards") from None
-    finally:
-        with torch.no_grad():
-            for b, k in zip(model.buffers(), kept):
-                b.copy_(k)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, num_classes):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise InputError(f"--model {spec}: a batch of 2 {size} images gave {got}, not a (2, {num_classes}) "
@@ -109,17 +106,28 @@ def unused_parameters(model, shape):
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not params:
         raise InputError("--model: the model has no parameters to train")
+    try:
+        with leaving_no_trace(model):
+            model(torch.zeros(2, *shape)).float().sum().backward()
+        return [n for n, p in params if p.grad is None]
+    finally:
+        for _, p in params:
+            p.grad = None
+
+
+@contextlib.contextmanager
+def leaving_no_trace(model):
+    """A trial pass of `model` that leaves it and the run as they were: its buffers (BatchNorm's
+    running statistics) put back, the global random state untouched (every rank starts from the
+    same)."""
     kept = [b.clone() for b in model.buffers()]
     try:
         with torch.random.fork_rng(devices=[]):
-            model(torch.zeros(2, *shape)).float().sum().backward()
-        return [n for n, p in params if p.grad is None]
+            yield
     finally:
         with torch.no_grad():
             for b, k in zip(model.buffers(), kept):
                 b.copy_(k)
-        for _, p in params:
-            p.grad = None
 
 
 def input_shape(stream):
