@@ -65,13 +65,7 @@ def test_a_jpeg_batch_decodes_as_each_image_does_alone(shape, cut_scan, monkeypa
         sos = good.find(b"\xff\xda")
         datas.insert(2, good[:sos + 4 + int.from_bytes(good[sos + 2:sos + 4], "big") + 10])
     crops = np.random.default_rng(0).random((len(datas), 2))
-    alone_out, alone_kept, alone_errors = [], [], []
-    for i, d in enumerate(datas):
-        try:
-            alone_out.append(decode.decode_image(d, "jpg", shape, crops[i]))
-            alone_kept.append(i)
-        except ValueError as e:
-            alone_errors.append((i, str(e)))
+    alone_out, alone_kept, alone_errors = decoded_alone(datas, shape, crops)
     calls = []
     real = decode._torchvision_jpegs
     monkeypatch.setattr(decode, "_torchvision_jpegs", lambda ds, c: calls.append(len(ds)) or real(ds, c))
@@ -394,13 +388,7 @@ def test_a_jpeg_batch_with_simplejpeg_decodes_as_each_image_does_alone(shape):
     datas = jpeg_cases(shape)
     crops = np.random.default_rng(1).random((len(datas), 2))
     out, kept, errors = decode.decode_batch(datas, ["jpg"] * len(datas), Target(shape, ("jpg",)), crops)
-    alone_out, alone_kept, alone_errors = [], [], []
-    for i, d in enumerate(datas):
-        try:
-            alone_out.append(decode.decode_image(d, "jpg", shape, crops[i]))
-            alone_kept.append(i)
-        except ValueError as e:
-            alone_errors.append((i, str(e)))
+    alone_out, alone_kept, alone_errors = decoded_alone(datas, shape, crops)
     assert kept == alone_kept and errors == alone_errors and (out == np.stack(alone_out)).all()
 
 
@@ -420,3 +408,16 @@ def test_a_remembered_jpeg_header_is_only_reused_for_the_same_bytes():
     taller[sof + 5:sof + 7] = (4000).to_bytes(2, "big")
     assert jpeg.header(bytes(taller)).upright == (4000, 24)
     assert jpeg.header(data).upright == (16, 24)
+
+
+def decoded_alone(datas, shape, crops):
+    """(images, positions kept, (position, error) refused) of JPEGs decoded one by one with
+    decode_image: what a batch decode must give."""
+    out, kept, errors = [], [], []
+    for i, d in enumerate(datas):
+        try:
+            out.append(decode.decode_image(d, "jpg", shape, crops[i]))
+            kept.append(i)
+        except ValueError as e:
+            errors.append((i, str(e)))
+    return out, kept, errors
