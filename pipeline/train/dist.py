@@ -23,7 +23,7 @@ def set_threads(environ=os.environ):
     """torch's threads for this process's share of the cores it may run on: the cores of its
     affinity mask over the ranks torchrun starts on the machine (LOCAL_WORLD_SIZE). torch's
     default is every core for every process, so N ranks on one machine ran N times as many
-    threads as cores, spinning against each other (docs/training.md, "Threads").
+    threads as cores, spinning against each other (docs/benchmarks.md, "Threads per rank").
     OMP_NUM_THREADS, when set, is kept. Returns the thread count."""
     if not environ.get("OMP_NUM_THREADS"):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -33,9 +33,9 @@ def set_threads(environ=os.environ):
 
 def busy_line(threads, workers, cores=None, load=None):
     """One line when this process's torch threads and its loader workers want more cores than
-    the machine has free (its cores less the 1-minute load average), else None: on a busy
-    machine one process with a thread per core ran 10x slower than with one (85 s against
-    8-10 s, docs/training.md "Threads"), and nothing on screen said why."""
+    the machine has free (its cores less the 1-minute load average), else None: on a loaded
+    machine two ranks with two threads each ran 4x slower than with one (36.1 s against 8.7 s,
+    docs/benchmarks.md "Threads per rank"), and nothing on screen said why."""
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if load is None:

@@ -22,7 +22,7 @@ MIN_SIDE = 4  # two 2x2 max-pools: a smaller input has nothing left to pool
 # pixels (8) and of four times at a sixteenth (4); and a fixed part, measured: the augmented
 # float copies of the batch and their index tensors, the gradients in flight, fitted to the
 # trainer's peak RSS at 512x512 and 1024x1024, widths 4 and 16, batches 1 and 8 (the estimate
-# against measured runs: docs/training.md, "Before the first read").
+# against measured runs: docs/benchmarks.md, "The batch memory estimate against measured RSS").
 STEP_PIXEL_BYTES, STEP_WIDTH_BYTES = 128, 28
 
 

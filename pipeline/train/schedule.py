@@ -14,7 +14,7 @@ def learning_rate(args, global_batch, seen, total):
 
     The floor of 50 steps is what lets a large batch start: 2 ranks x 256 (peak 0.2) over
     a 3.5-step warm-up sent the loss to 7 and ended at chance; with 50 steps it learned,
-    and 2 ranks x 32 learned either way (docs/training.md, "Learning rate"). Counted in samples,
+    and 2 ranks x 32 learned either way (docs/benchmarks.md, "The learning rate's warm-up floor"). Counted in samples,
     not steps, so that a resume on another world size stays on schedule.
     """
     peak = args.lr * global_batch / BASE_BATCH
