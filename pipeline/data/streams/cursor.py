@@ -45,7 +45,7 @@ class Loaded:
     segment: deal.Segment
     done: int
     ranks: tuple
-    passed: dict
+    passed: tuple  # ((pair, positions passed over per source), ...)
     targets: tuple
 
 
@@ -135,19 +135,20 @@ class Cursor:
         if ended:
             return self.restarted(seg.epoch + 1)
         return dataclasses.replace(self.restarted(seg.epoch),
-                                   loaded=Loaded(seg, done, tuple(ranks), dict(passed), tuple(targets)))
+                                   loaded=Loaded(seg, done, tuple(ranks), tuple(sorted(passed.items())),
+                                                 tuple(targets)))
 
 
 def dealt(loaded, rank, here):
     """(segment, start) of a loaded state on `here` (world, workers, batch size) as rank `rank`:
     its own segment where they are the state's, else what every pair left, dealt to them."""
-    seg, done, passed = loaded.segment, loaded.done, loaded.passed
+    seg, done, passed = loaded.segment, loaded.done, dict(loaded.passed)
     if (seg.world, seg.workers, seg.batch_size) == tuple(here) and rank in loaded.ranks:
         return seg, Start({w: seg.worker_done(w, done) for w in range(seg.workers)},
                           state_format.positions(seg, done, passed, rank), first_logical=done % seg.workers)
     if len(loaded.ranks) != seg.world:
         raise ValueError(every_rank(seg, loaded.ranks, here))
-    return state_format.redeal(seg, done, tuple(sorted(passed.items())), *here), Start()
+    return state_format.redeal(seg, done, loaded.passed, *here), Start()
 
 
 def every_rank(seg, ranks, here):
