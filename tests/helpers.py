@@ -104,6 +104,30 @@ def keys_of(batches):
     return [k for b in batches for k in b.key]
 
 
+def read_pass(stream, most=None):
+    """Keys of up to `most` batches of one pass of `stream` (all: None), as the loader reads them:
+    the pass's plan taken once, each worker's batches in turn, each recorded as it arrives.
+    Returns (keys, batches read)."""
+    from pipeline.ordering.topology import Worker
+
+    n = stream.workers
+    made = [stream.batches(Worker(w, n)) for w in range(n)]
+    active, keys, got = list(range(n)), [], 0
+    while active and (most is None or got < most):
+        for w in list(active):
+            if most is not None and got >= most:
+                break
+            batch = next(made[w], None)
+            if batch is None:
+                active.remove(w)
+                continue
+            stream.record(batch["state"])
+            keys += batch["key"]
+            assert batch.get("caption", batch["key"]) == batch["key"]  # fields corpus: each row's caption is its key
+            got += 1
+    return keys, got
+
+
 # ---------------------------------------------------------------- shards of in-memory arrays (test_shards, test_read)
 
 CLASSES = [str(i) for i in range(10)]

@@ -13,11 +13,10 @@ import json
 import numpy as np
 import pytest
 
-from helpers import build_shards, fields_corpus
+from helpers import build_shards, fields_corpus, read_pass as read
 from pipeline.data.manifests.manifest import resolve
 from pipeline.data.streams.stream import MixedStream
 from pipeline.data.handover.loader import make_loader
-from pipeline.ordering.topology import Worker
 
 BATCH = 10
 WEIGHTS = {"a": 2.0, "b": 1.0}
@@ -38,27 +37,6 @@ def sources(tmp_path_factory, request):
 
 def new_stream(sources):
     return MixedStream(sources, WEIGHTS, BATCH, seed=7, shuffle_buffer=50, epoch_samples=300)
-
-
-def read(stream, most=None):
-    """Keys of up to `most` batches of one pass, as the loader reads them: the pass's plan taken
-    once, each worker's batches in turn, each recorded as it arrives."""
-    n = stream.workers
-    made = [stream.batches(Worker(w, n)) for w in range(n)]
-    active, keys, got = list(range(n)), [], 0
-    while active and (most is None or got < most):
-        for w in list(active):
-            if most is not None and got >= most:
-                break
-            batch = next(made[w], None)
-            if batch is None:
-                active.remove(w)
-                continue
-            stream.record(batch["state"])
-            keys += batch["key"]
-            assert batch.get("caption", batch["key"]) == batch["key"]  # fields: each row's caption is its key
-            got += 1
-    return keys, got
 
 
 class Expected:

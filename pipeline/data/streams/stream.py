@@ -16,6 +16,9 @@ pairs, and a source's sample is read a second time only once all of its samples 
 read (a source smaller than its share of the epoch starts a new pass). `EvalStream`
 reads a source's test shards once, split over ranks and workers.
 
+Where the stream stands is one immutable `cursor.Cursor` (epoch, weights, workers, the pass's
+plan, a loaded state) that `set_epoch`, `set_workers` and `load_state_dict` each replace whole;
+the class itself holds the settings and produces batches from the cursor's plan.
 A stream's state (`state_dict`, pipeline.ordering.state_format) is the epoch's segment (the world
 that reads it, and the worlds before it with what each consumed), the batches each rank
 made of it, the positions its workers passed over, and each source's shard-list digest:
@@ -32,6 +35,7 @@ from pipeline.data.store import remote
 from pipeline.data.streams import stages
 from pipeline.data.streams import reading
 from pipeline.data.streams import plans
+from pipeline.data.streams.cursor import Cursor, Start, dealt, epoch_clash, every_rank
 from pipeline.ordering import deal, order, state_format
 from pipeline.data.fields.batch import Collate
 from pipeline.errors import Errors
@@ -45,30 +49,6 @@ __all__ = ["MixedStream", "EvalStream", "Source", "resolve", "parse_weights", "c
 WINDOW_SAMPLES = 10_000  # a shuffle window: shards adding up to about this many samples...
 WINDOW_BYTES = 256 << 20  # ...and no more bytes than this (plus one shard)
 HEADER_BYTES = 1024  # a sample's tar headers, for sources whose manifest gives no shard sizes
-
-
-@dataclasses.dataclass(frozen=True)
-class Start:
-    """Where each of this rank's logical workers starts in the segment: batches made,
-    positions read per source; first_logical: the logical worker the loader's worker 0
-    plays (worker w plays (first_logical + w) % workers), so batches arrive in the order an
-    uninterrupted run has them."""
-
-    done: dict = dataclasses.field(default_factory=dict)
-    positions: dict = dataclasses.field(default_factory=dict)
-    first_logical: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """One pass's plan, fixed when the pass begins and sent to the loader's workers: the segment
-    and where this rank's workers start in it. `id` tags the pass's batches, so that batches
-    of an older plan arriving late are not taken for this one's (`MixedStream.record`)."""
-
-    id: int
-    segment: deal.Segment
-    start: Start
-    targets: tuple  # the epoch's positions of each source (the reserves lie past them)
 
 
 def _remote(source):
@@ -111,7 +91,7 @@ class MixedStream(torch.utils.data.IterableDataset):
                              f"{window_bytes}")
         self.layout = layout_of(with_schemas(sources, schemas))
         self.sources = self.layout.sources
-        self.probs = check_weights(weights, self.layout.names)
+        probs = check_weights(weights, self.layout.names)
         empty = [s.name for s in self.sources if not s.total]
         if empty:
             raise ValueError(f"training source {empty[0]}: its manifest lists no samples")
@@ -129,14 +109,23 @@ class MixedStream(torch.utils.data.IterableDataset):
         if fetch_ahead < 0:
             raise ValueError(f"fetch_ahead must be at least 0 bytes, got {fetch_ahead}")
         self.fetch_ahead = fetch_ahead
-        self.workers, self._workers_given = 1, False  # given: make_loader (or a DataLoader user) said how many
-        self.epoch = 0
-        self._plan, self.arrived = None, {}  # where the stream stands: a Plan, the batches arrived under it
-        self._loaded = None  # a loaded state (segment, done, ranks, passed, targets) the next plan is dealt from
-        self._pinned = None  # (epoch, ended) of a state loaded since the last pass began
-        self._epoch_given = False  # set_epoch was called: a state loaded later must be of that epoch
-        self._plans, self._targets = 0, None
+        self.cursor = Cursor(tuple(probs))  # where the stream stands (cursor.py), replaced whole
+        self.arrived = {}  # the batch states arrived under the cursor's plan, by logical worker
         self._orders = {}
+
+    @property
+    def epoch(self):
+        """The epoch the stream stands in."""
+        return self.cursor.epoch
+
+    @property
+    def workers(self):
+        """Loader workers per rank the stream is dealt to (1 until a loader or `set_workers` says)."""
+        return self.cursor.workers
+
+    @property
+    def probs(self):
+        return list(self.cursor.probs)
 
     @property
     def weights(self):
@@ -146,9 +135,9 @@ class MixedStream(torch.utils.data.IterableDataset):
     def batches_per_epoch(self):
         return self.epoch_samples // (self.topo.world * self.batch_size)
 
-    def targets(self):
+    def targets(self, probs=None):
         """Positions of each source this epoch: the epoch's samples split by the weights."""
-        return order.apportion(self.epoch_samples, self.probs)
+        return order.apportion(self.epoch_samples, self.cursor.probs if probs is None else probs)
 
     def _passes(self):
         """Positions in a pass of each source: its samples (0 when resampled: passes differ)."""
@@ -156,13 +145,37 @@ class MixedStream(torch.utils.data.IterableDataset):
 
     # ------------------------------------------------------------ where the stream stands
     #
-    # The stream's place is one immutable Plan (segment, start) plus the batches that arrived
-    # under it. `set_epoch`, `set_workers` and `load_state_dict` only say what the next plan is
-    # made from; `plan()` makes it as a pass begins, whatever order those calls came in.
+    # The stream's place is one immutable cursor.Cursor plus the batches that arrived under its
+    # plan. `set_epoch`, `set_workers` and `load_state_dict` each make a new cursor from the old
+    # one and put it in place whole (`_move`); the plan is made when first needed (`_placed`),
+    # whatever order those calls came in.
+
+    def _move(self, cursor):
+        """Put `cursor` in place; the batches that arrived belong to the old one's plan."""
+        if cursor.plan is not self.cursor.plan:
+            self.arrived = {}
+        self.cursor = cursor
+
+    def _placed(self, cur):
+        """`cur` with its plan: the epoch's start, or a loaded state dealt to its workers."""
+        if cur.plan is not None:
+            return cur
+        if cur.loaded is not None:
+            segment, start = dealt(cur.loaded, self.topo.rank, (self.topo.world, cur.workers, self.batch_size))
+            return cur.with_plan(segment, start, cur.loaded.targets)
+        targets = self.targets(cur.probs)
+        segment = deal.first(cur.epoch, targets, world=self.topo.world, workers=cur.workers,
+                             batch_size=self.batch_size, batches=self.batches_per_epoch, seed=self.seed,
+                             passes=self._passes())
+        return cur.with_plan(segment, Start(), targets)
+
+    def _place(self):
+        self._move(self._placed(self.cursor))
+        return self.cursor
 
     def current(self):
         """The segment the stream stands in: its epoch's first, or one dealt from a loaded state."""
-        return self._place().segment
+        return self._place().plan.segment
 
     def __len__(self):
         """Batches the next pass yields on this rank (`remaining`): a loop sized by len() and one
@@ -173,31 +186,10 @@ class MixedStream(torch.utils.data.IterableDataset):
     def remaining(self):
         """Batches the next pass yields on this rank: all of its epoch's, or what a resumed or
         partly read epoch has left (after a finished epoch: the next one's, which that pass reads)."""
-        self._place()
-        if self._finished():
+        cur = self._place()
+        if cur.finished(self.arrived):
             return self.batches_per_epoch
-        return self.current().batches - sum(self._done().values())
-
-    def _place(self):
-        if self._plan is None:
-            self._plan = self._first_plan()
-        return self._plan
-
-    def _first_plan(self):
-        """The plan of the epoch's start, or of a loaded state dealt to this stream's workers."""
-        if self._loaded is not None:
-            segment, start = self._deal(*self._loaded)
-        else:
-            segment = deal.first(self.epoch, self.targets(), world=self.topo.world, workers=self.workers,
-                                 batch_size=self.batch_size, batches=self.batches_per_epoch, seed=self.seed,
-                                 passes=self._passes())
-            start = Start()
-            self._targets = [int(t) for t in self.targets()]
-        return self._new_plan(segment, start)
-
-    def _new_plan(self, segment, start):
-        self._plans += 1
-        return Plan(self._plans, segment, start, tuple(self._targets))
+        return cur.plan.segment.batches - cur.made(self.arrived)
 
     def plan(self, begin=True):
         """The plan of the pass about to begin (the loader asks as each pass begins): where the
@@ -205,31 +197,13 @@ class MixedStream(torch.utils.data.IterableDataset):
         after a finished epoch reads the next epoch (torchdata's rule; call `set_epoch` to
         choose). begin=False: a look ahead (a loader starting its workers early), after which
         a state just loaded still decides which epoch may be set."""
-        if begin:
-            self._pinned = None
-        plan = self._place()
-        if self._finished():  # read to its end, or dealt to this world with nothing left
-            self._restart(self.epoch + 1)
-            return self._place()
-        if self.arrived:
-            self._plan = self._new_plan(plan.segment, self._start_now())
-            self.arrived = {}
-        return self._plan
-
-    def _finished(self):
-        return self._plan is not None and sum(self._done().values()) >= self._plan.segment.batches
-
-    def _restart(self, epoch):
-        """Epoch `epoch` from its start (its plan is made when first needed)."""
-        self.epoch, self._plan, self.arrived, self._loaded = epoch, None, {}, None
-
-    def _start_now(self):
-        """Where this rank's workers stand: the plan's start and the batches arrived since."""
-        start = self._place().start
-        positions = dict(start.positions)
-        positions.update({w: list(s["positions"]) for w, s in self.arrived.items()})
-        done = self._done()
-        return Start(done, positions, first_logical=sum(done.values()) % self._plan.segment.workers)
+        cur = self._placed(self.cursor.unpinned() if begin else self.cursor)
+        if cur.finished(self.arrived):  # read to its end, or dealt to this world with nothing left
+            cur = self._placed(cur.restarted(cur.epoch + 1))
+        elif self.arrived:
+            cur = cur.folded(self.arrived)
+        self._move(cur)
+        return cur.plan
 
     def set_epoch(self, epoch, weights=None):
         """Select the epoch (and optionally new weights, e.g. from a schedule): a pass reads
@@ -237,47 +211,28 @@ class MixedStream(torch.utils.data.IterableDataset):
         starts over once finished. Right after `load_state_dict`, only the state's epoch (or,
         for a state saved at its epoch's end, the next) may be set: the state decides. New weights
         for the epoch the stream is inside are refused: its mixture was fixed when it began."""
-        if weights is not None:
-            probs = check_weights(weights, self.layout.names)
-            going = epoch == self.epoch and self._plan is not None and not self._finished() and sum(self._done().values())
-            if going and list(probs) != list(self.probs):
-                raise ValueError(f"set_epoch({epoch}, weights) inside epoch {epoch}, after {sum(self._done().values())} "
-                                 f"batches: an epoch's mixture is fixed when it begins; give the new weights with the "
-                                 f"next epoch's set_epoch")
-            self.probs = probs
-        if self._pinned is not None:
-            saved, ended = self._pinned
-            if epoch not in ((saved, saved + 1) if ended else (saved,)):
-                raise ValueError(_epoch_clash(saved, ended, epoch, "set_epoch after load_state_dict"))
-            self._epoch_given = True
-            return
-        if epoch != self.epoch or self._finished():
-            self._restart(epoch)
-        self._epoch_given = True
+        probs = self.cursor.probs if weights is None else check_weights(weights, self.layout.names)
+        self._move(self.cursor.at_epoch(epoch, probs, self.arrived))
 
     def set_workers(self, workers):
         """How many loader workers read this stream (make_loader says). What was read of the
         epoch so far is dealt to them again: the rest of this rank's share on one rank; on
         several, the workers change only where the epoch has not begun on this rank."""
-        self._workers_given = True
-        if workers == self.workers:
+        cur = self.cursor
+        if workers == cur.workers:
+            self._move(dataclasses.replace(cur, workers_given=True))
             return
-        if self._plan is not None and sum(self._done().values()):
-            if self.topo.world > 1:
-                raise ValueError(f"this rank read {sum(self._done().values())} batches of epoch {self.epoch} with "
-                                 f"{self.workers} worker(s); going on with {workers} re-deals what every rank left: "
-                                 f"load every rank's state_dict() (a list) into streams made for {workers} workers, "
-                                 f"or change workers at an epoch's start")
-            state, was = self.state_dict(), self.workers
-            self.workers = workers
-            try:
-                self._adopt(state)
-            except Exception:
-                self.workers = was  # the stream stays as it was, its plan and workers together
-                raise
+        made = cur.made(self.arrived)
+        if not made:
+            self._move(cur.with_workers(workers))
             return
-        self.workers = workers
-        self._plan = None
+        if self.topo.world > 1:
+            raise ValueError(f"this rank read {made} batches of epoch {cur.epoch} with {cur.workers} worker(s); "
+                             f"going on with {workers} re-deals what every rank left: load every rank's "
+                             f"state_dict() (a list) into streams made for {workers} workers, or change workers at "
+                             f"an epoch's start")
+        new = self._adopt(self.state_dict())  # the rest of the epoch, dealt again when the plan is made
+        self._move(dataclasses.replace(new, workers=workers, workers_given=True))
 
     def window_held(self):
         """The most bytes one (rank, worker) holds for a shuffle window of one source: about
@@ -366,21 +321,17 @@ class MixedStream(torch.utils.data.IterableDataset):
     def record(self, state):
         """The worker state of a batch that arrived (the loader calls this in the consuming
         process, the trainer as it trains the batch); a batch of an older plan is not counted."""
-        if self._plan is not None and state.get("plan") == self._plan.id:
+        plan = self.cursor.plan
+        if plan is not None and state.get("plan") == plan.id:
             self.arrived[state["worker"]] = state
-
-    def _done(self):
-        done = dict(self._place().start.done)
-        done.update({w: s["batches"] for w, s in self.arrived.items()})
-        return done
 
     def state_dict(self):
         """Where this rank stands in its epoch, JSON-serialisable: the segment (how it was dealt),
         the batches each rank made of it, and the positions this rank's workers passed over
         without a sample (pipeline.ordering.state_format). `load_state_dict` takes a list of every rank's
         (or one, to go on on the same world)."""
-        seg = self.current()
-        start = self._start_now()
+        cur = self._place()
+        seg, start = cur.plan.segment, cur.start_now(self.arrived)
         done = sum(start.done.values())
         made = [start.done.get(w, 0) for w in range(seg.workers)]
         if made != [seg.worker_done(w, done) for w in range(seg.workers)]:
@@ -393,8 +344,8 @@ class MixedStream(torch.utils.data.IterableDataset):
             if min(passed[w], default=0) < 0:
                 raise ValueError(f"worker {w} read {list(at)} positions, fewer than its {done} batches took "
                                  f"({[int(t) for t in took]}): a batch recorded from another stream?")
-        return state_format.encode(seg, self._targets, self.layout.names, self._listings(), self.seed, self.topo.rank, done,
-                            passed, self._order_settings())
+        return state_format.encode(seg, list(cur.plan.targets), self.layout.names, self._listings(), self.seed,
+                                   self.topo.rank, done, passed, self._order_settings())
 
     def _listings(self):
         return [state_format.listing(s) for s in self.sources]
@@ -415,15 +366,16 @@ class MixedStream(torch.utils.data.IterableDataset):
         now: {"deal": "same", "re-deal" or "next epoch", "generation": ..., "from": [world,
         workers, batch size], "to": [...], "passed": {rank: positions passed over without a
         sample}}."""
-        epoch_before = self.epoch if self._epoch_given and self._pinned is None else None
+        cur = self.cursor
+        epoch_before = cur.epoch if cur.epoch_given and cur.pinned is None else None
         seg, done, ranks, passed, ended, targets = self._check(state)
         if epoch_before is not None and epoch_before not in ((seg.epoch, seg.epoch + 1) if ended else (seg.epoch,)):
-            raise ValueError(_epoch_clash(seg.epoch, ended, epoch_before, "load_state_dict after set_epoch"))
-        self._adopt_checked(seg, done, ranks, passed, ended, targets)
-        self._pinned = (seg.epoch, ended)
+            raise ValueError(epoch_clash(seg.epoch, ended, epoch_before, "load_state_dict after set_epoch"))
+        self._move(dataclasses.replace(cur.after_load(seg, done, ranks, passed, ended, targets),
+                                       pinned=(seg.epoch, ended)))
         # before make_loader the workers are not known yet (the stream assumes 1): the loader's decide
-        given = self._workers_given
-        here = (self.topo.world, self.workers if given else None, self.batch_size)
+        given = cur.workers_given
+        here = (self.topo.world, cur.workers if given else None, self.batch_size)
         was = (seg.world, seg.workers, seg.batch_size)
         same = was[::2] == here[::2] and self.topo.rank in ranks and (was[1] == here[1] or not given)
         kind = "next epoch" if ended else ("same" if given else "same on as many workers") if same else "re-deal"
@@ -439,34 +391,15 @@ class MixedStream(torch.utils.data.IterableDataset):
             passes=self._passes(), order_of=self._order_settings())
         if not ended and len(ranks) != seg.world:
             if (seg.world, seg.batch_size) != (self.topo.world, self.batch_size):
-                raise ValueError(_every_rank(seg, ranks, (self.topo.world, self.workers, self.batch_size)))
+                raise ValueError(every_rank(seg, ranks, (self.topo.world, self.workers, self.batch_size)))
             if self.topo.rank not in ranks:
                 raise ValueError(f"the stream state holds rank(s) {sorted(ranks)}'s place only; this stream is rank "
                                  f"{self.topo.rank}: load this rank's own state, or a list of every rank's")
         return seg, done, ranks, passed, ended, root["targets"]
 
     def _adopt(self, state):
-        self._adopt_checked(*self._check(state))
-
-    def _adopt_checked(self, seg, done, ranks, passed, ended, targets):
-        if ended:  # torchdata's rule: a state saved at an epoch's end goes on at the next epoch's start
-            self._restart(seg.epoch + 1)
-        else:
-            self._restart(seg.epoch)
-            self._loaded = (seg, done, ranks, passed, targets)
-
-    def _deal(self, seg, done, ranks, passed, targets):
-        """(segment, start) of a loaded state on this stream's world and workers: its own segment
-        where they are the state's, else what every pair left, dealt to them."""
-        here = (self.topo.world, self.workers, self.batch_size)
-        was = (seg.world, seg.workers, seg.batch_size)
-        self._targets = list(targets)
-        if was == here and self.topo.rank in ranks:
-            return seg, Start({w: seg.worker_done(w, done) for w in range(seg.workers)},
-                              state_format.positions(seg, done, passed, self.topo.rank), first_logical=done % seg.workers)
-        if len(ranks) != seg.world:
-            raise ValueError(_every_rank(seg, ranks, here))
-        return state_format.redeal(seg, done, tuple(sorted(passed.items())), *here), Start()
+        """The cursor a state loaded into this one makes (set_workers re-deals the epoch's rest by it)."""
+        return self.cursor.after_load(*self._check(state))
 
     def eval_stream(self, source, batch_size=None):
         """A finite stream over one source's test shards in this stream's batch format."""
@@ -484,17 +417,3 @@ def with_schemas(sources, schemas):
     if unknown:
         raise ValueError(f"schemas for unknown source(s) {', '.join(unknown)}; sources are {', '.join(names)}")
     return [dataclasses.replace(s, schema=given[s.name]) if s.name in given else s for s in sources]
-
-
-def _every_rank(seg, ranks, here):
-    return (f"resuming on {here[0]} ranks x {here[1]} workers (batch {here[2]}) from a run on {seg.world} x "
-            f"{seg.workers} (batch {seg.batch_size}) needs every rank's stream state; have ranks "
-            f"{sorted(ranks)} (load a list of every rank's state_dict())")
-
-
-def _epoch_clash(saved, ended, epoch, order_):
-    where = f"at the end of epoch {saved}, which goes on at epoch {saved + 1}" if ended else f"inside epoch {saved}"
-    allowed = f"{saved} or {saved + 1}" if ended else f"{saved}"
-    return f"{order_}: the stream state was saved {where}; set_epoch({epoch}) disagrees (use {allowed})"
-
-
