@@ -18,6 +18,7 @@ device, libjpeg-turbo on the CPU: the tests' stand-in). What the device will not
 inside the scan) is decoded on the host; what neither decodes is left zero and said in a
 warning, since the batch has already left its worker.
 """
+import math
 import warnings
 
 import numpy as np
@@ -48,7 +49,7 @@ def pack(images, exts, target, crops=None):
     rows = np.zeros((len(at), c, h, w), np.uint8)
     rows[:len(kept)] = pixels
     sizes = np.zeros(len(at), np.int32)
-    flat = rows.reshape(len(at), -1)
+    flat = rows.reshape(len(at), c * h * w)
     for j, i in enumerate(encoded, len(kept)):
         flat[j, :len(images[i])] = np.frombuffer(images[i], np.uint8)
         sizes[j] = len(images[i])
@@ -76,20 +77,23 @@ def unpack(image, sizes, device, move):
     if not len(at):
         return out
     shape = tuple(image.shape[1:])
-    flat = image.numpy().reshape(len(image), -1)
+    flat = image.numpy().reshape(len(image), math.prod(shape))
     datas = [flat[i, :s].tobytes() for i, s in zip(at.tolist(), sizes.numpy()[at].tolist())]
     decoded = decode._torchvision_jpegs(datas, shape[0], device)
-    if decoded is None or any(tuple(t.shape) != shape for t in decoded):
-        decoded = [_on_host(d, shape, device) for d in datas]
+    if decoded is None or any(tuple(t.shape) != shape for t in decoded):  # one refused: each on its own
+        decoded = [_one(d, shape, device) for d in datas]
     out[torch.as_tensor(at, device=device)] = torch.stack(decoded)
     return out
 
 
-def _on_host(data, shape, device):
-    """One JPEG the device refused, decoded on the host as decode_image does; zeros and a
-    warning where that refuses it too."""
+def _one(data, shape, device):
+    """One JPEG on the device, else (refused there) decoded on the host as decode_image does;
+    zeros and a warning where that refuses it too."""
     import torch
 
+    decoded = decode._torchvision_jpegs([data], shape[0], device)
+    if decoded is not None and tuple(decoded[0].shape) == shape:
+        return decoded[0]
     try:
         pixels = decode.decode_image(data, "jpg", shape)
     except ValueError as e:
