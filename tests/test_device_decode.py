@@ -118,3 +118,14 @@ def test_on_cuda_the_batches_are_the_host_paths_within_the_decoders_rounding(web
         assert torch.equal(a["label"], b["label"].cpu())
         assert (a["image"].int() - b["image"].cpu().int()).abs().float().mean() < 3
     loader.close()
+
+
+def test_the_trainer_flag_takes_host_or_device_and_refuses_sample_stages(capsys):
+    """--decode-on: host by default, device accepted, device beside --sample-stage one line, exit 2."""
+    from pipeline.train import options
+
+    assert options.parse(["--train", "a=x/"]).decode_on == "host"
+    assert options.parse(["--train", "a=x/", "--decode-on", "device"]).decode_on == "device"
+    with pytest.raises(SystemExit) as e:
+        options.parse(["--train", "a=x/", "--decode-on", "device", "--sample-stage", "m:f"])
+    assert e.value.code == 2 and "--sample-stage needs their pixels" in capsys.readouterr().err
