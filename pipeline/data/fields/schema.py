@@ -380,8 +380,9 @@ class Schema:
                 continue
             try:
                 values[col.name] = value_of(col, ext, path, data, parsed, lambda k=k: _rng(seed, 128 | k))
-                if col.kind == "class":
-                    values[col.name] = classes(int(values[col.name]))
+                if col.kind == "class":  # an id or a class name (member_values), to its class index
+                    raw = values[col.name]
+                    values[col.name] = classes(raw if isinstance(raw, str) else int(raw))
             except ValueError as e:
                 raise ValueError(f"field {col.name}: {e}") from None
             except labelling.CONTENT_ERRORS as e:
