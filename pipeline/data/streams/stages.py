@@ -300,7 +300,7 @@ class SourceStream:
     def encode_jpegs(self):
         """Leave the exact-size JPEGs encoded (pipeline.data.decoding.gpujpeg): `take` then gives each
         sample's JPEG length too. The layout says which sources (batch.Layout.decoded_on)."""
-        self.stages[3][1].encoded = True
+        dict(self.stages)["decode"].encoded = True
 
     def position(self):
         """Positions of the run read (the positions stage's): what a worker's batch carries, and
@@ -330,7 +330,7 @@ class SourceStream:
             sizes += [chunk.sizes] if chunk.sizes is not None else []
             n -= len(chunk.keys)
         c, h, w = self.target.shape
-        more = (np.concatenate(sizes or [np.zeros(0, np.int32)]),) if self.stages[3][1].encoded else ()
+        more = (np.concatenate(sizes or [np.zeros(0, np.int32)]),) if dict(self.stages)["decode"].encoded else ()
         if not parts:
             return ([], np.zeros((0, c, h, w), np.uint8), np.zeros(0, np.int64)) + more
         return (keys, parts[0] if len(parts) == 1 else np.concatenate(parts), np.concatenate(labels)) + more
