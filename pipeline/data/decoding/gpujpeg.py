@@ -68,15 +68,19 @@ def _exact(data, exact):
 
 
 def unpack(image, sizes, device, move):
-    """The batch's `image` on `device`: `move(image)` (the rows copied there), the JPEG rows
-    (`sizes` > 0) decoded on it in place. image: (n, C, H, W) uint8 CPU tensor, the slot's rows."""
+    """The batch's `image` on `device`: the rows of pixels (`sizes` 0) moved there by `move`,
+    the JPEG rows decoded there; only pixels and compressed bytes cross to the device.
+    image: (n, C, H, W) uint8 CPU tensor, the slot's rows."""
     import torch
 
-    out = move(image)
     at = np.flatnonzero(sizes.numpy())
     if not len(at):
-        return out
+        return move(image)
     shape = tuple(image.shape[1:])
+    out = torch.empty(image.shape, dtype=torch.uint8, device=device)
+    host = np.flatnonzero(sizes.numpy() == 0)
+    if len(host):
+        out[torch.as_tensor(host, device=device)] = move(image[torch.from_numpy(host)])
     flat = image.numpy().reshape(len(image), math.prod(shape))
     datas = [flat[i, :s].tobytes() for i, s in zip(at.tolist(), sizes.numpy()[at].tolist())]
     decoded = decode._torchvision_jpegs(datas, shape[0], device)
