@@ -2,7 +2,7 @@
 # make test       set up and run the whole test suite in TEST_JOBS processes (2); prints the 10 slowest tests
 # make test-fast  all but the tests marked slow (those that start processes, train or wait on deadlines)
 # make bench      the loader benchmark (needs MNIST_ROOT and CIFAR_FOLDER)
-# make gpu-check  every CUDA path on a GPU machine, a line per case (hand-over bytes, no sync, bf16, nccl), then figures
+# make gpu-check  every CUDA path on a GPU machine, a line per case (hand-over bytes, GPU JPEG decode, no sync, bf16, nccl), then figures
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python

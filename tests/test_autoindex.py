@@ -375,3 +375,19 @@ def test_class_ids_that_are_not_the_indices_stay_int(tmp_path):
     write_captioned(tmp_path / "set", 20, cls=lambda i: str(5 + 2 * (i % 2)))
     src = resolve("web", str(tmp_path / "set"), "train")
     assert src.classes == ["5", "7"] and kinds(src)["label"] == ("int", "cls")
+
+
+def test_class_names_indexed_on_first_use_are_a_class_field_that_trains(tmp_path, capsys):
+    """.cls of three short names: a `class` field (not text), the names sorted as the classes; the
+    stream over the inferred schema labels each sample by its name's index, as image and label do."""
+    from pipeline.data.handover.loader import make_loader
+
+    names = ["dog", "cat", "emu"]
+    write_captioned(tmp_path / "set", 30, per_shard=10, side=8, cls=lambda i: names[i % 3])
+    src = resolve("web", str(tmp_path / "set"), "train")
+    assert kinds(src)["label"] == ("class", "cls") and src.classes == ["cat", "dog", "emu"]
+    assert "label (class .cls)" in capsys.readouterr().err
+    for source in (src, autoindex.trainable(src)):
+        stream = MixedStream([source], {"web": 1}, 5, seed=0)
+        got = {k: y for b in make_loader(stream, 0) for k, y in zip(b["key"], b["label"].tolist())}
+        assert got == {f"{i:06d}": sorted(names).index(names[i % 3]) for i in range(30)}

@@ -275,6 +275,56 @@ def test_a_class_field_maps_labels_as_the_default_schema_does(tmp_path, workers)
     assert by_field == by_default == {f"{i:06d}": ("big", [0, 5, 10**9].index(raw[i])) for i in range(12)}
 
 
+NAMES = ["dog", "cat", "emu"]  # written in this order; the manifest sorts them: cat 0, dog 1, emu 2
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_class_names_in_a_class_field_map_through_the_manifests_classes(tmp_path, workers):
+    """Names in .cls: `make-shards --index` lists them sorted, and `label:class=cls` (named in
+    --fields, or not) gives each sample its name's index, as the default schema's label does."""
+    from pipeline.data.fields.schema import parse_fields
+
+    raw = [NAMES[i % 3] for i in range(12)]
+    _labelled_set(tmp_path / "pets", raw)
+    fields = "image:image=jpg,size=16x16 label:class=cls"
+    for out, extra in ((tmp_path / "m", []), (tmp_path / "f", ["--fields", fields])):
+        done = make_shards_in_process(["--index", f"pets:train={tmp_path}/pets/s-*.tar", "--out", str(out), "--quiet",
+                                       *extra])
+        assert done.returncode == 0, done.stderr
+        m = json.loads((out / "pets-train.json").read_text())
+        assert m["classes"] == ["cat", "dog", "emu"] and m["label_names"] is True
+    want = {f"{i:06d}": ("pets", sorted(NAMES).index(raw[i])) for i in range(12)}
+    by_default, _ = _labels(MixedStream([resolve("pets", str(tmp_path / "m"), "train")], {"pets": 1}, 4, seed=0,
+                                        schemas={"pets": None}), workers)
+    for src, schema in ((resolve("pets", str(tmp_path / "m"), "train"), parse_fields(fields)),
+                        (resolve("pets", str(tmp_path / "f"), "train"), None)):
+        stream = MixedStream([src], {"pets": 1}, 4, seed=0, schemas={"pets": schema} if schema else None)
+        assert [c.kind for c in stream.layout.columns if c.name == "label"] == ["class"]
+        by_field, skipped = _labels(stream, workers)
+        assert stream.layout.num_classes == 3 and skipped == 0 and by_field == by_default == want
+
+
+def test_an_unknown_class_name_is_refused_and_counted_like_an_id_past_the_classes(tmp_path):
+    """A class field read from json:kind whose value is a name the manifest does not list (or an
+    id where it lists names): each such sample skipped and counted, the rest labelled by name."""
+    from pipeline.data.fields.schema import parse_fields
+
+    raw = [NAMES[i % 3] for i in range(24)]
+    kind = lambda i: "yak" if i % 5 == 0 else 7 if i % 7 == 0 else raw[i]  # noqa: E731
+    _labelled_set(tmp_path / "web", raw, lambda i: {"kind": kind(i)})
+    done = make_shards_in_process(["--index", f"web:train={tmp_path}/web/s-*.tar", "--out", str(tmp_path / "m"),
+                                   "--quiet"])
+    assert done.returncode == 0, done.stderr
+    stream = MixedStream([resolve("web", str(tmp_path / "m"), "train")], {"web": 1}, 4, seed=0,
+                         schemas={"web": parse_fields("image:image=jpg,size=16x16 label:class=json:kind")})
+    with pytest.warns(UserWarning, match="skipped sample 000005: field label: class name 'yak' is not one of the "
+                                         "source's 3 classes"):
+        got, skipped = _labels(stream, 0)
+    bad = [i for i in range(24) if i % 5 == 0 or i % 7 == 0]
+    assert skipped >= len(bad) == 8  # an epoch of 24 from 16 good samples reads some bad ones twice
+    assert got == {f"{i:06d}": ("web", sorted(NAMES).index(raw[i])) for i in range(24) if i not in bad}
+
+
 def test_a_class_value_past_the_sources_classes_is_refused_not_read_as_the_next_sources(tmp_path):
     """A 4-class source whose class field reads 16 for some samples, mixed before a 10-class one:
     those samples are skipped and counted, never labelled as the next source's class 12."""

@@ -62,7 +62,7 @@ def test_every_case_is_its_own_step_and_every_figure_follows(gpu_check, tmp_path
     for needle in ("device= at 0 workers", "device= at 4 workers", "default stream at 0 workers",
                    "side stream dropped before any wait", "from a thread", "workers started again",
                    "page-lock refused", "no sync in steps", "train --model cnn", "--model cnn alone",
-                   "train --model resnet18", "--model resnet18 alone"):
+                   "train --model resnet18", "--model resnet18 alone", "JPEG decoded on the GPU"):
         assert sum(needle in n for n in names) == 1, needle
 
 
@@ -125,3 +125,20 @@ def test_workers_started_again_after_close_read_the_same_bytes(handover, mid_epo
 def test_a_refused_page_lock_is_one_warning_and_the_batches_are_whole(handover, mid_epoch_shards):
     figures = handover.refused_page_lock(str(mid_epoch_shards), torch.device("cuda", 0), batch=BATCH)
     assert len(figures["warnings"]) == 1
+
+
+def test_the_gpu_jpeg_case_compares_the_device_decode_with_the_hosts(gpu_check, tmp_path):
+    """decode="device" beside "host" at 0 and 2 workers on the CPU: the same batches, every JPEG
+    of the set decoded after the hand-over, a rate for each; a batch that differs fails the case."""
+    from gpucheck import jpegdecode
+
+    jpegdecode.build(str(tmp_path), n=240, per_shard=60)
+    figures = jpegdecode.decode_rate(str(tmp_path), CPU, workers=(0, 2), batches=3, batch=32)
+    assert [r["workers"] for r in figures["runs"]] == [0, 2]
+    assert all(r["host"] > 0 and r["device"] > 0 for r in figures["runs"])
+    assert figures["jpegs_decoded_on_device"] == 2 * 4 * 32  # every image of a batch, both worker counts
+    keys, labels, images = [f"k{i}" for i in range(4)], torch.zeros(4, dtype=torch.int64), torch.zeros(4, 3, 8, 8)
+    assert jpegdecode._compared([(keys, labels, images)], [(keys, labels, images + 4)]) == \
+        ["batch 0: images differ by 4.0 levels"]
+    assert jpegdecode._compared([(keys, labels, images)], [(keys[::-1], labels, images)]) == \
+        ["batch 0: other keys or labels"]

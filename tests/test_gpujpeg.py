@@ -1,7 +1,6 @@
 """pipeline/data/decoding/gpujpeg.py: a batch's JPEGs split on the host (headers checked, the
-exact-size ones left encoded) and decoded on a device to what decode_batch gives."""
-import pickle
-
+exact-size ones left as bytes in their rows) and decoded on a device to what decode_batch gives."""
+import numpy as np
 import pytest
 import torch
 
@@ -12,28 +11,67 @@ from helpers import encoded, jpeg_cases, smooth
 SHAPES = [(3, 32, 32), (1, 28, 28)]
 
 
+def _unpack(rows, sizes, device="cpu"):
+    move = (lambda t: t.to(device)) if device != "cpu" else torch.Tensor.clone
+    return gpujpeg.unpack(torch.from_numpy(rows), torch.from_numpy(sizes), torch.device(device), move)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
-def test_only_exact_upright_jpegs_travel_encoded(shape):
-    """The target's size as stored, grey or colour: bytes; turned, larger, CMYK: decoded on the
-    host; not a JPEG, too elongated: refused from their headers; a cut scan passes its header."""
+def test_only_exact_upright_whole_jpegs_travel_as_bytes_in_their_rows(shape):
+    """The target's size as stored, grey or colour, ending in EOI, no larger than a row: its bytes
+    in its row (zero-padded), its length beside; turned, larger, CMYK, a cut scan: decoded (or
+    refused) on the host as decode_batch does; not a JPEG, too elongated: refused from their headers."""
     datas = jpeg_cases(shape)
-    parcel = gpujpeg.pack(datas, ["jpg"] * len(datas), Target(shape, ("jpg",)))
-    assert parcel.device_at == [0, 1, 5, 8] and parcel.datas == [datas[i] for i in (0, 1, 5, 8)]
-    assert parcel.host_at == [2, 3, 4] and parcel.pixels.shape == (3, *shape)
-    assert [e[0] for e in parcel.errors] == [6, 7]
-    assert pickle.loads(pickle.dumps(parcel)).datas == parcel.datas  # what a worker hands over
+    rows, kept, errors, sizes = gpujpeg.pack(datas, ["jpg"] * len(datas), Target(shape, ("jpg",)))
+    want, want_kept, want_errors = decode.decode_batch(datas, ["jpg"] * len(datas), Target(shape, ("jpg",)))
+    assert kept == want_kept == [0, 1, 2, 3, 4, 8] and errors == want_errors and [e[0] for e in errors] == [5, 6, 7]
+    travelled = [kept[j] for j in np.flatnonzero(sizes)]
+    assert travelled == ([0, 1, 8] if shape[0] == 3 else [0, 8])  # a colour JPEG overfills a grey row
+    for j, i in enumerate(kept):
+        flat = rows[j].reshape(-1)
+        if sizes[j]:
+            assert sizes[j] == len(datas[i]) and flat[:sizes[j]].tobytes() == datas[i] and not flat[sizes[j]:].any()
+        else:
+            assert (rows[j] == want[j]).all()
+
+
+def test_a_jpeg_larger_than_its_row_is_decoded_on_the_host():
+    """The row is the bound of the bytes: a JPEG of the target's size longer than its pixels
+    (quality 100 of noise) is decoded in the worker."""
+    rng = np.random.default_rng(0)
+    noise = encoded(rng.integers(0, 256, (3, 16, 16), dtype=np.uint8), "JPEG", quality=100)
+    assert len(noise) > 3 * 16 * 16
+    rows, kept, errors, sizes = gpujpeg.pack([noise], ["jpg"], Target((3, 16, 16), ("jpg",)))
+    assert kept == [0] and sizes.tolist() == [0]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_unpacked_on_the_cpu_as_decode_batch_decodes(shape):
-    """The device's part decoded by torchvision on the CPU, the cut scan it refuses decoded (and
-    refused) on the host: decode_batch's images, positions and reasons."""
+    """The rows' JPEGs decoded by torchvision on the CPU, the host's rows copied: decode_batch's
+    pixels, byte for byte."""
     datas = jpeg_cases(shape)
     target = Target(shape, ("jpg",))
-    want, want_kept, want_errors = decode.decode_batch(datas, ["jpg"] * len(datas), target)
-    pixels, kept, errors = gpujpeg.unpack(gpujpeg.pack(datas, ["jpg"] * len(datas), target), "cpu")
-    assert kept == want_kept and errors == want_errors and [e[0] for e in errors] == [5, 6, 7]
-    assert pixels.dtype == torch.uint8 and (pixels.numpy() == want).all()
+    want, _, _ = decode.decode_batch(datas, ["jpg"] * len(datas), target)
+    rows, kept, errors, sizes = gpujpeg.pack(datas, ["jpg"] * len(datas), target)
+    pixels = _unpack(rows, sizes)
+    assert sizes.any() and pixels.dtype == torch.uint8 and (pixels.numpy() == want).all()
+
+
+def test_what_the_device_refuses_is_decoded_on_the_host_and_what_both_refuse_is_zeros(monkeypatch):
+    """A JPEG damaged inside its scan after the hand-over: the device's refusal sends it to the
+    host decoder; refused there too, its image is zeros and a warning says so."""
+    shape = (3, 32, 32)
+    datas = jpeg_cases(shape)
+    rows, kept, errors, sizes = gpujpeg.pack(datas, ["jpg"] * len(datas), Target(shape, ("jpg",)))
+    want = decode.decode_batch(datas, ["jpg"] * len(datas), Target(shape, ("jpg",)))[0]
+    monkeypatch.setattr(decode, "_torchvision_jpegs", lambda *a: None)  # the device refuses the batch
+    assert (_unpack(rows, sizes).numpy() == want).all()
+    j = int(np.flatnonzero(sizes)[0])
+    flat = rows[j].reshape(-1)
+    flat[sizes[j] // 2:sizes[j] - 2] = 0xFF  # the scan's second half now markers
+    with pytest.warns(UserWarning, match="refused after the hand-over"):
+        pixels = _unpack(rows, sizes)
+    assert not pixels[j].any() and (pixels.numpy()[np.arange(len(rows)) != j] == want[np.arange(len(rows)) != j]).all()
 
 
 def test_a_hostile_header_is_refused_on_the_host_before_any_decode(monkeypatch):
@@ -46,9 +84,9 @@ def test_a_hostile_header_is_refused_on_the_host_before_any_decode(monkeypatch):
     monkeypatch.setattr(decode, "_pil", lambda *a, **k: calls.append(a))
     recorder = type("simplejpeg", (), {"decode_jpeg": staticmethod(lambda *a, **k: calls.append(a))})
     monkeypatch.setattr(turbo, "_module", lambda: recorder)
-    parcel = gpujpeg.pack([bytes(big)], ["jpg"], Target((3, 32, 32), ("jpg",)))
-    assert parcel.datas == [] and not calls
-    assert "20000x20000" in parcel.errors[0][1] and "image_caps.MAX_PIXELS" in parcel.errors[0][1]
+    rows, kept, errors, sizes = gpujpeg.pack([bytes(big)], ["jpg"], Target((3, 32, 32), ("jpg",)))
+    assert kept == [] and not sizes.any() and not calls
+    assert "20000x20000" in errors[0][1] and "image_caps.MAX_PIXELS" in errors[0][1]
     assert bounds.MAX_PIXELS < 20000 * 20000
 
 
@@ -59,6 +97,7 @@ def test_unpacked_on_the_gpu_as_decode_batch_decodes(shape):
     datas = jpeg_cases(shape)
     target = Target(shape, ("jpg",))
     want, want_kept, want_errors = decode.decode_batch(datas, ["jpg"] * len(datas), target)
-    pixels, kept, errors = gpujpeg.unpack(gpujpeg.pack(datas, ["jpg"] * len(datas), target), "cuda")
+    rows, kept, errors, sizes = gpujpeg.pack(datas, ["jpg"] * len(datas), target)
+    pixels = _unpack(rows, sizes, "cuda")
     assert pixels.device.type == "cuda" and kept == want_kept and errors == want_errors
     assert (pixels.cpu().int() - torch.from_numpy(want).int()).abs().float().mean() < 3

@@ -47,7 +47,9 @@ def test_numbers_from_text_members_and_json_paths():
 
 def test_a_class_field_is_one_class_index_a_sample_and_one_a_schema():
     assert value(Column("y", "class", "cls"), b"7\n") == 7 and value(Column("y", "class", "json:c"), b'{"c": 2}') == 2
-    for data, said in ((b"-1", "not a class index"), (b"2.0", "not a class index"), (b"cat", "not a number")):
+    assert value(Column("y", "class", "cls"), b" cat\n") == "cat"  # a name: the manifest's classes map it
+    assert value(Column("y", "class", "json:c"), b'{"c": "cat"}') == "cat"
+    for data, said in ((b"-1", "not a class index"), (b"2.0", "not a class index"), (b"nan", "not a class index")):
         with pytest.raises(ValueError, match=said):
             value(Column("y", "class", "cls"), data)
     with pytest.raises(ValueError, match="no length"):

@@ -15,6 +15,8 @@ Steps, in order, each within its share of --budget (parts in tools/gpucheck/):
   no sync      one rank of the trainer in this process under torch.cuda.set_sync_debug_mode: every
                call that makes the host wait for the GPU is recorded with its step; passes if they
                come only at metrics lines and the epoch's end
+  JPEG decode  make_loader(decode="device"): 32x32 JPEGs decoded by nvJPEG after the hand-over
+               beside the host decoder, the same batches (within the IDCTs' rounding), samples/s of each
   kernels      bf16 autocast; normalisation on the GPU against the CPU's; nccl on one rank
   train        pipeline.train under torchrun --standalone (nccl when more than one rank), 8 workers,
                batch 256: the default model (width 64) and --model resnet18, each followed by the
@@ -87,7 +89,7 @@ def parse(argv=None):
 if __name__ == "__main__":
     parse()
 
-from gpucheck import handover, kernels, scaling, trainer  # noqa: E402
+from gpucheck import handover, jpegdecode, kernels, scaling, trainer  # noqa: E402
 from gpucheck.data import build_jpeg, build_synthetic, describe_shards  # noqa: E402
 from gpucheck.runner import cuda_device_count, machine, run_step, summary_lines  # noqa: E402
 from pipeline.files import write_json_atomic  # noqa: E402
@@ -111,6 +113,8 @@ def plan(args, nproc, work, report, left):
     steps = [("shards", shards_step, 90, False)]
     steps += [(name, lambda fn=fn: fn(folder), 30, True) for name, fn in handover.cases(dev, WORKERS)]
     steps += [("loader to GPU", lambda: handover.loader_rate(folder, dev), 40, True),
+              ("JPEG decoded on the GPU beside the host", lambda: jpegdecode.check(os.path.join(work, "photos"), dev),
+               60, False),
               ("no sync in steps", lambda: trainer.nosync_check(folder, work), 60, True),
               ("autocast bf16", kernels.autocast_check, 20, False),
               ("normalize on GPU", lambda: kernels.normalize_check(folder), 20, True),

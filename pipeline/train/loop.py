@@ -78,6 +78,7 @@ def train(args, topo, device, stopper=None):
             return None
         return stream.make_loader(train_stream, args.workers, record=False,
                                   device=device if device.type == "cuda" else None,
+                                  decode=args.decode_on if device.type == "cuda" else "host",
                                   timeout=args.loader_timeout or None).start()
 
     try:

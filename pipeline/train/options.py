@@ -58,6 +58,10 @@ def parse(argv=None):
       help="samples per step over all ranks instead of --batch-size: each rank takes N / ranks (refused if that is "
            "not whole), so a resume on another number of ranks keeps the step's samples and the learning rate")
     a("--workers", type=int, default=8, metavar="N", help="loader workers per rank (default: 8)")
+    a("--decode-on", choices=("host", "device"), default="host",
+      help="where the training JPEGs of the batch's image size, upright, are decoded: in the loader's workers "
+           "(host) or on the GPU after the hand-over (device: nvJPEG, one call a batch); others stay on the host. "
+           "A CPU run decodes on the host (default: host)")
     a("--max-batch-memory", type=byte_size, metavar="BYTES",
       help="the most one rank's batches may take (suffixes K, M, G, T): the loader's queue of workers x 6 "
            "batches, the batch and its float copy, decoding, the shuffle windows and on a CPU the model's step, "
@@ -235,6 +239,9 @@ def check(p, args):
         module, sep, function = stage.partition(":")
         if not (sep and module and function):
             p.error(f"--sample-stage {stage!r}: expected MODULE:FUNCTION, e.g. my_augment:jitter")
+    if args.decode_on == "device" and args.sample_stage:
+        p.error("--decode-on device leaves JPEGs encoded until the GPU, and --sample-stage needs their pixels: "
+                "drop one of them")
     if args.resume and args.resume_or_start:
         p.error("--resume and --resume-or-start exclude each other")
     if (args.resume or args.resume_or_start) and args.overwrite:

@@ -44,8 +44,8 @@ def scan_fields(sample, scan, url):
             ext, path, data = got
             if col.kind != "image":
                 value = value_of(col, ext, path, data, parsed, lambda: random.Random(0))
-                if col.kind == "class":  # the classes: 0 to the largest index seen
-                    scan["labels"][int(value)] += 1
+                if col.kind == "class":  # the classes: 0 to the largest index seen, or the names seen
+                    scan["labels"][value if isinstance(value, str) else int(value)] += 1
             elif image_format(ext) == "raw":
                 pixels = decode.decode_image(bytes(data), "raw", (col.channels, *col.size))
                 stats = stats or (ext, pixels.transpose(1, 2, 0), col.size)
@@ -116,7 +116,8 @@ def summarise_fields(name, split, spec, found, names, schema):
     labels = collections.Counter()
     for f in found:
         labels += f["labels"]
-    classes = [str(i) for i in range(max(labels) + 1)] if labels else []
+    named = any(isinstance(v, str) for v in labels)  # class names: sorted, as --index sorts a label's names
+    classes = sorted({str(v) for v in labels}) if named else [str(i) for i in range(max(labels) + 1)] if labels else []
     if len(classes) > MAX_CLASSES:
         raise ShardError(f"{spec}: class index {len(classes) - 1} in field "
                          f"{next(c.name for c in schema.columns if c.kind == 'class')}, more than the {MAX_CLASSES} "
@@ -124,7 +125,7 @@ def summarise_fields(name, split, spec, found, names, schema):
                          f"field")
     if shapes:
         origin.update(image_shapes=len(shapes), most_common_shape=list(shapes.most_common(1)[0][0]))
-    return {
+    return {**({"label_names": True} if named else {}),
         "format": FORMAT, "dataset": name, "split": split, "encoding": image_format(image_exts[0]),
         "image_exts": image_exts, "label": "cls", "origin": origin, "fields": schema.to_json(),
         "shape": [c, *image.size] if image else [1, 1, 1], "classes": classes,

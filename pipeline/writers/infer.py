@@ -94,12 +94,13 @@ def looks_like_classes(names, total):
 
 def _class_kind(values):
     """`class` for class ids (0, 1, 2 ...: the kind of our own shards' class field, so a set indexed
-    on first use mixes with them); `text` for class names, which the image-and-label reader maps
-    to indices (autoindex.trainable)."""
+    on first use mixes with them) and for class names (the index lists them sorted as the
+    manifest's classes, through which the class field maps each to its index, as the default
+    schema's label); `int` for negative ids."""
     values = [v for v in values if v is not None]
     if all(_integer(v) for v in values):
         return "class" if all(not v.startswith("-") for v in values) else "int"  # a class index is 0 or more
-    return "text"
+    return "class"
 
 
 def ids_as_int(schema):
@@ -144,9 +145,9 @@ def _json_columns(samples, taken, want_label):
             label = f"json:{key}"
             if "label" not in taken:  # the class is `label` whichever member holds it, as in every other batch
                 name = "label"
-        if label == f"json:{key}" and kind == "int" and _class_kind([str(v) for v in values]) == "class" \
+        if label == f"json:{key}" and _class_kind([str(v) for v in values]) == "class" \
                 and not any(isinstance(v, bool) for v in values):
-            kind = "class"  # class ids, as .cls's
+            kind = "class"  # class ids or names, as .cls's
         cap = {"max_bytes": MAX_TEXT} if kind == "text" else {}
         columns.append(Column(name, kind, f"json:{key}", optional=keys[key] < len(samples), **cap))
         taken.add(name)

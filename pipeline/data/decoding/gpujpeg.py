@@ -1,85 +1,107 @@
-"""JPEGs decoded on the GPU (issue 55 item 3): the host's half and the device's.
+"""JPEGs decoded after the hand-over (issue 55 item 3, make_loader's decode="device"): the
+workers' half (`pack`) and the consumer's (`unpack`).
 
-The host reads and checks every header (pipeline.data.decoding.jpeg, pipeline.data.decoding.image_caps) before
-anything is decoded, as the CPU path does. A JPEG of exactly the target's size, upright as
-stored, grey or YCbCr, travels as its bytes; every other image (to be resized or turned,
-CMYK, or refused) goes through decode.decode_batch on the host, so the device decodes only
-what needs no step after the decode. `pack` runs in a worker, `unpack` where the batch is
-consumed: one torchvision.io.decode_jpeg call for the batch (nvJPEG on a CUDA device), then
-both parts in batch order. What the device will not decode (damage past the header, a frame
-libjpeg reads otherwise) is decoded on the host instead and refused there as decode_batch
-refuses it, so the result is decode_batch's: the same images kept, the same reasons.
+The host reads and checks every header (pipeline.data.decoding.jpeg, image_caps) before anything
+is decoded, as the host path does. A JPEG of exactly the target's size, upright as stored,
+grey or YCbCr, ending in its EOI marker (a cut scan does not) and no larger than its image's
+pixels travels as its bytes; every other image (to be resized or turned, CMYK, cut, or
+refused) goes through decode.decode_batch in the worker, so a refused sample is reported
+and replaced there as always and the batch stays full.
 
-Not yet wired into the loader: the workers would hand a Parcel over in place of the pixels
-and the consumer call `unpack` on its CUDA stream (the hand-over in pipeline.data.handover.loader).
+Where the bytes live: in the batch's own `image` row. A row holds C*H*W bytes, so a JPEG
+that fits it is written there (zero-padded) and its length goes in the batch field SIZES
+(0: the row holds pixels). The ring's slot grows by 4 bytes a sample, the bound of the
+bytes is the bound of the pixels, and the chain from the decode to the ring (take, mix,
+collate) moves rows without looking into them. `unpack` copies the rows to the device and
+decodes the JPEG rows there in one torchvision.io.decode_jpeg call (nvJPEG on a CUDA
+device, libjpeg-turbo on the CPU: the tests' stand-in). What the device will not decode (damage
+inside the scan) is decoded on the host; what neither decodes is left zero and said in a
+warning, since the batch has already left its worker.
 """
-from dataclasses import dataclass
+import math
+import warnings
 
 import numpy as np
 
-from pipeline.data.decoding import image_caps as bounds, decode, jpeg, turbo
+from pipeline.data.decoding import decode, image_caps, jpeg, turbo
 
-
-@dataclass
-class Parcel:
-    """One batch's images as a worker hands them over. datas: the JPEG bytes the device
-    decodes, at positions `device_at`; pixels: (k, C, H, W) uint8 the host decoded, at
-    positions `host_at`; errors: (position, reason) of the images refused."""
-
-    target: object
-    datas: list
-    device_at: list
-    pixels: np.ndarray
-    host_at: list
-    errors: list
+SIZES = "jpeg_size"  # the batch field of each row's JPEG length (0: pixels), taken out by unpack
+EOI = b"\xff\xd9"
 
 
 def pack(images, exts, target, crops=None):
-    """The Parcel of a batch's images (`exts` each one's extension, `crops` as decode_batch
-    takes them): headers checked here, the exact-size JPEGs left encoded, the rest decoded."""
+    """(rows (k, C, H, W) uint8, kept, errors, sizes (k,) int32): decode_batch's (pixels, kept,
+    errors) but each exact-size upright JPEG left as its bytes in its row, its length in sizes."""
     c, h, w = shape = tuple(target.shape)
     try:
-        bounds.check(w, h, shape, "jpg")  # what bounds says of every image of the target's own size
+        image_caps.check(w, h, shape, "jpg")  # what bounds says of every image of the target's own size
         exact = (h, w, 1)
     except ValueError:
         exact = None  # each goes through decode_batch, which says why
-    device_at, host = [], []
+    encoded, host = [], []
     for i, (data, ext) in enumerate(zip(images, exts)):
-        if exact is not None and ext in ("jpg", "jpeg") and _exact(data, exact):
-            device_at.append(i)
-        else:
-            host.append(i)
+        travels = exact is not None and ext in ("jpg", "jpeg") and len(data) <= c * h * w and _exact(data, exact)
+        (encoded if travels else host).append(i)
     pixels, kept, errors = decode.decode_batch([images[i] for i in host], [exts[i] for i in host], target,
                                                None if crops is None else crops[host])
-    return Parcel(target, [images[i] for i in device_at], device_at, pixels, [host[k] for k in kept],
-                  [(host[k], why) for k, why in errors])
+    at = [host[k] for k in kept] + encoded
+    order = np.argsort(at, kind="stable")
+    rows = np.zeros((len(at), c, h, w), np.uint8)
+    rows[:len(kept)] = pixels
+    sizes = np.zeros(len(at), np.int32)
+    flat = rows.reshape(len(at), c * h * w)
+    for j, i in enumerate(encoded, len(kept)):
+        flat[j, :len(images[i])] = np.frombuffer(images[i], np.uint8)
+        sizes[j] = len(images[i])
+    return rows[order], sorted(at), sorted((host[k], why) for k, why in errors), sizes[order]
 
 
 def _exact(data, exact):
-    """Whether a JPEG's header says (height, width, orientation) `exact` and grey or YCbCr."""
+    """Whether a JPEG's header says (height, width, orientation) `exact`, grey or YCbCr, and its
+    data ends in EOI."""
     try:
         head = jpeg.header(data)
     except ValueError:
         return False  # decode_batch refuses it with the reason
-    return (head.height, head.width, head.orientation) == exact and head.components in turbo.COLOUR
+    return (head.height, head.width, head.orientation) == exact and head.components in turbo.COLOUR and \
+        bytes(data[-2:]) == EOI
 
 
-def unpack(parcel, device):
-    """(pixels (k, C, H, W) uint8 on `device`, kept positions in order, errors) of a Parcel,
-    as decode.decode_batch gives them for the batch's images."""
+def unpack(image, sizes, device, move):
+    """The batch's `image` on `device`: the rows of pixels (`sizes` 0) moved there by `move`,
+    the JPEG rows decoded there; only pixels and compressed bytes cross to the device.
+    image: (n, C, H, W) uint8 CPU tensor, the slot's rows."""
     import torch
 
-    shape = tuple(parcel.target.shape)
-    decoded = decode._torchvision_jpegs(parcel.datas, shape[0], device) if parcel.datas else []
-    if decoded is None or any(tuple(t.shape) != shape for t in decoded):  # the host decodes them, or says why not
-        more, kept, errors = decode.decode_batch(parcel.datas, ["jpg"] * len(parcel.datas), parcel.target)
-        device_part = torch.from_numpy(more).to(device)
-        device_at = [parcel.device_at[k] for k in kept]
-        errors = parcel.errors + [(parcel.device_at[k], why) for k, why in errors]
-    else:
-        device_part = torch.stack(decoded) if decoded else torch.zeros((0, *shape), dtype=torch.uint8, device=device)
-        device_at, errors = parcel.device_at, parcel.errors
-    at = parcel.host_at + device_at
-    order = torch.as_tensor(np.argsort(at, kind="stable"), device=device)
-    pixels = torch.cat([torch.from_numpy(parcel.pixels).to(device), device_part])[order]
-    return pixels, sorted(at), sorted(errors)
+    at = np.flatnonzero(sizes.numpy())
+    if not len(at):
+        return move(image)
+    shape = tuple(image.shape[1:])
+    out = torch.empty(image.shape, dtype=torch.uint8, device=device)
+    host = np.flatnonzero(sizes.numpy() == 0)
+    if len(host):
+        out[torch.as_tensor(host, device=device)] = move(image[torch.from_numpy(host)])
+    flat = image.numpy().reshape(len(image), math.prod(shape))
+    datas = [flat[i, :s].tobytes() for i, s in zip(at.tolist(), sizes.numpy()[at].tolist())]
+    decoded = decode._torchvision_jpegs(datas, shape[0], device)
+    if decoded is None or any(tuple(t.shape) != shape for t in decoded):  # one refused: each on its own
+        decoded = [_one(d, shape, device) for d in datas]
+    out[torch.as_tensor(at, device=device)] = torch.stack(decoded)
+    return out
+
+
+def _one(data, shape, device):
+    """One JPEG on the device, else (refused there) decoded on the host as decode_image does;
+    zeros and a warning where that refuses it too."""
+    import torch
+
+    decoded = decode._torchvision_jpegs([data], shape[0], device)
+    if decoded is not None and tuple(decoded[0].shape) == shape:
+        return decoded[0]
+    try:
+        pixels = decode.decode_image(data, "jpg", shape)
+    except ValueError as e:
+        warnings.warn(f"a JPEG whose header passed was refused after the hand-over ({e}); its image is zeros "
+                      f"(decode on the host, make_loader's decode='host', to skip such samples)", stacklevel=3)
+        pixels = np.zeros(shape, np.uint8)
+    return torch.from_numpy(pixels).to(device)

@@ -235,6 +235,9 @@ def class_of(value, target, lookup=None):
         if index is None:
             raise ValueError(f"class name {cut(repr(name), 80)} is not one of the source's {len(target.names)} classes")
         return index
+    if isinstance(value, str):  # a schema's class field holding a name where the manifest has class ids
+        raise ValueError(f"class name {cut(repr(value), 80)}, and the source's classes are ids "
+                         f"0..{target.classes - 1}: index the set again (make-shards --index) to list its names")
     return class_index(value, target, lookup)
 
 

@@ -17,6 +17,7 @@ manifest); the trainer takes uint8, a quarter of the bytes to the GPU, and norma
 there (`Layout.normalize`).
 """
 import contextlib
+import copy
 import dataclasses
 import threading
 
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from pipeline.data.fields.columns import canvas, default_columns, fields_of, form, put, said
+from pipeline.data.decoding.gpujpeg import SIZES
 from pipeline.data.fields.spec import Field, Spec
 from pipeline.errors import InputError
 
@@ -91,6 +93,27 @@ class Layout:
         self.scale, self.shift = 1.0 / (255.0 * std), mean / std
         self._on_device = {}
         self._u8 = None
+        self.encoded = [False] * len(self.sources)  # sources whose exact JPEGs travel as bytes (`decoded_on`)
+
+    def decoded_on(self, where, sample_stages=()):
+        """This layout (a copy if it changes) with the `image` field's JPEGs decoded on the "host" (in
+        the producer) or the "device" (after the hand-over, pipeline.data.decoding.gpujpeg; make_loader's
+        decode=). On the device: those of the default schema's sources whose image is the canvas's own
+        shape (no padding, no grey to repeat); the rest, and all beside sample stages (they see
+        pixels), on the host. A copy: another stream sharing this layout (an EvalStream) keeps its own."""
+        if where not in ("host", "device"):
+            raise ValueError(f"make_loader's decode must be 'host' or 'device', got {where!r}")
+        if where == "device" and sample_stages:
+            raise ValueError("decode='device' leaves JPEGs encoded until the hand-over, and sample stages need "
+                             "their pixels: drop the sample stages or decode on the host (decode='host')")
+        image = next((f for f in self.fixed if f.name == "image"), None)
+        encoded = [where == "device" and image is not None and not getattr(s, "schema", None)
+                   and tuple(s.shape) == image.shape for s in self.sources]
+        if encoded == self.encoded:
+            return self
+        other = copy.copy(self)
+        other.encoded = encoded
+        return other
 
     def __getstate__(self):  # workers get the CPU stats only, never a GPU copy, nor a canvas
         return dict(self.__dict__, _on_device={}, _u8=None)
@@ -142,9 +165,10 @@ class Layout:
     def spec(self, batch_size, normalize=False):
         """The batch's fixed-shape fields as a ring lays them out (pipeline.data.handover.ring); the
         `image` field float32 when the producer normalises it, every other field as it is."""
+        normalize = normalize and not any(self.encoded)  # JPEG bytes in `image` rows: normalised after the decode
         fixed = [Field(f.name, np.float32, f.shape) if normalize and f.name == "image" and self._normalizable() else f
                  for f in self.fixed]
-        return Spec(fixed, batch_size)
+        return Spec(fixed + [Field(SIZES, np.int32)] * any(self.encoded), batch_size)
 
     def _normalizable(self):
         image = next((c for c in self.columns if c.name == "image"), None)
@@ -182,9 +206,11 @@ class Layout:
             arrays[name][...] = 0
         for name in self.masked:
             arrays[name + "_mask"][...] = False
+        if SIZES in arrays:
+            arrays[SIZES][...] = 0
         lists = {c.name: [None] * b for c in self.columns if c.listed}
         keys = np.empty(b, object)
-        for s, (k, values, labels) in enumerate(parts):
+        for s, (k, values, labels, *sizes) in enumerate(parts):
             idx = np.flatnonzero(choice == s)
             if not len(idx):
                 continue
@@ -197,11 +223,14 @@ class Layout:
             for col in self.finals[s]:
                 vals = by_name[col.name] if by_name else [v[col.name] for v in values]
                 put(col, arrays, lists, idx, vals, col.name in self.masked, self.offsets[s])
+            if sizes:  # a source whose JPEGs travel as bytes (gpujpeg.pack)
+                arrays[SIZES][idx] = sizes[0]
         arrays["source"][:] = choice
         if floats:
             self._normalize_cpu(torch.from_numpy(image), torch.from_numpy(arrays["image"]),
                                 torch.from_numpy(arrays["source"]))
             arrays["image"] = image
+        arrays.pop(SIZES, None)  # in the slot for the hand-over to decode by (gpujpeg.unpack), never in a batch
         return dict(arrays, **lists, key=keys.tolist(), skipped=skipped)
 
     def _canvas(self, b):
@@ -274,6 +303,9 @@ class Collate:
     def __init__(self, upstream, layout, errors, borrow=None):
         self.upstream, self.layout, self.errors, self.borrow = upstream, layout, errors, borrow
         self.reported = 0
+        for source, encoded in zip(getattr(upstream, "datasets", ()), layout.encoded):
+            if encoded:  # the layout decodes this source's JPEGs on the device: its chain leaves them encoded
+                source.encode_jpegs()
 
     def next(self, n=None):
         choice, parts = self.upstream.next(n)

@@ -35,7 +35,21 @@ def value_of(col, ext, path, data, parsed, rng):
     text = _text(data, ext)
     if kind == "text":
         return text
+    if kind == "class" and _named(text.strip()):  # a class name: the manifest's classes map it (schema.sample)
+        return text.strip()
     return _numbers(col, text.replace(",", " ").split(), f".{ext}")
+
+
+def _named(value):
+    """Whether a class field's raw value is a class name: text that is not a number (an id, or a
+    number that is no id, which _numbers refuses saying so)."""
+    if not isinstance(value, str) or not value.strip():
+        return False
+    try:
+        float(value)
+    except ValueError:
+        return True
+    return False
 
 
 def _text(data, ext):
@@ -68,6 +82,8 @@ def _from_json(col, value, path):
             raise ValueError(f"{where} is {_shape_of(value)}, not a string")
         if len(value) > col.max_bytes or len(value.encode("utf-8")) > col.max_bytes:
             raise ValueError(f"{where}: text of more than {col.max_bytes} bytes (the field's max_bytes)")
+        return value
+    if col.kind == "class" and _named(value):
         return value
     items = value if isinstance(value, list) else [value]
     if col.length is None and isinstance(value, list):

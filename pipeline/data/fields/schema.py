@@ -11,7 +11,7 @@ Types: `image` (decoded, then fitted: `resize` to HxW, `center-crop`/`random-cro
 shorter-side resize, `pad` keeping the aspect, `native` shrunk only to fit its cap), `text`
 (UTF-8, at most `max_bytes`), `int`/`float` (a scalar or a vector of `length`), `class` (a
 class index 0..N-1, N the classes the manifest lists, its raw value mapped as the default
-schema maps a label (the manifest's label_values, labelling.class_of), a value with no class
+schema maps a label (the manifest's label_values or class names, labelling.class_of), a value with no class
 a damaged sample; offset in the batch past the classes of the sources before it, as an
 image-and-label source's are), `array` (a .npy of at most
 `shape`, cast to `dtype`), `bytes` (at most `max_bytes`).
@@ -380,8 +380,9 @@ class Schema:
                 continue
             try:
                 values[col.name] = value_of(col, ext, path, data, parsed, lambda k=k: _rng(seed, 128 | k))
-                if col.kind == "class":
-                    values[col.name] = classes(int(values[col.name]))
+                if col.kind == "class":  # an id or a class name (member_values), to its class index
+                    raw = values[col.name]
+                    values[col.name] = classes(raw if isinstance(raw, str) else int(raw))
             except ValueError as e:
                 raise ValueError(f"field {col.name}: {e}") from None
             except labelling.CONTENT_ERRORS as e:

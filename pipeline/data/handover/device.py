@@ -9,8 +9,14 @@ consumer's current stream waits on the copy stream before the batch is handed ou
 user's code never stands between the copy and the slot's reuse. Lists (keys, captions)
 stay on the host. device="cpu" runs the same path without CUDA (the copy made at once, the
 slot back right after it): the tests' stand-in where no GPU is.
+
+With decode="device" the JPEGs of a batch cross the hand-over as bytes in their image rows
+(pipeline.data.decoding.gpujpeg) and are decoded here, on the same copy stream, before the slot
+goes back; the stream's normalisation, if it has one, follows on the device.
 """
 import torch
+
+from pipeline.data.decoding import gpujpeg
 
 
 def parse_device(device):
@@ -34,11 +40,28 @@ def parse_device(device):
     return parsed
 
 
-class ToDevice:
-    """Copies of a ring's slots on `device`, each slot given back once its copy is done."""
+def decoding(stream, where, device):
+    """(the stream's layout, told where its JPEGs are decoded, or None on the host; normalise the
+    images after the decode): make_loader's decode=. ValueError (one line) for a bad value."""
+    layout = getattr(stream, "layout", None)
+    if where == "device" and (device is None or not hasattr(stream, "sample_stages")):
+        raise ValueError(f"make_loader's decode='device' needs a device= ('cuda', 'cuda:N' or 'cpu') and a "
+                         f"MixedStream, got device={device!r} and a {type(stream).__name__}: pass device='cuda'")
+    if hasattr(layout, "decoded_on"):
+        stream.layout = layout.decoded_on(where, getattr(stream, "sample_stages", ()))
+    elif where != "host":
+        raise ValueError(f"make_loader's decode must be 'host' or 'device', got {where!r}")
+    if where != "device" or not any(stream.layout.encoded):
+        return None, False
+    return stream.layout, bool(getattr(stream, "normalize", False))
 
-    def __init__(self, device, ring):
-        self.device, self.ring = device, ring
+
+class ToDevice:
+    """Copies of a ring's slots on `device`, each slot given back once its copy is done; with a
+    `layout` (decode="device"), the JPEG rows decoded, and the images normalised if `normalize`."""
+
+    def __init__(self, device, ring, layout=None, normalize=False):
+        self.device, self.ring, self.layout, self.normalize = device, ring, layout, normalize
         self.cuda = device.type == "cuda"
         self.stream = None  # made at the first batch: CUDA starts after the workers forked
 
@@ -52,15 +75,26 @@ class ToDevice:
     def copy(self, tensors):
         """({name: copy on the device}, the CUDA event recorded after it, or None on the CPU)."""
         if not self.cuda:
-            return {name: t.clone() for name, t in tensors.items()}, None
+            return self._moved(tensors, torch.Tensor.clone), None
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
         consumer = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
-            out = {name: t.to(self.device, non_blocking=True) for name, t in tensors.items()}
+            out = self._moved(tensors, lambda t: t.to(self.device, non_blocking=True))
             event = torch.cuda.Event(blocking=True)  # its wait sleeps, never spins (Ring.wait)
             event.record(self.stream)
         consumer.wait_stream(self.stream)
         for t in out.values():  # made on the copy stream, read on the consumer's: freed only after that
             t.record_stream(consumer)
         return out, event
+
+    def _moved(self, tensors, move):
+        """{name: move(tensor)}; with decode="device" the JPEG rows of `image` decoded (reading the
+        slot's bytes before it goes back) and the images normalised as the stream would have."""
+        if gpujpeg.SIZES not in tensors:
+            return {name: move(t) for name, t in tensors.items()}
+        out = {name: move(t) for name, t in tensors.items() if name not in ("image", gpujpeg.SIZES)}
+        out["image"] = gpujpeg.unpack(tensors["image"], tensors[gpujpeg.SIZES], self.device, move)
+        if self.normalize:
+            out["image"] = self.layout.normalize(out["image"], out["source"])
+        return out

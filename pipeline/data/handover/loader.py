@@ -18,14 +18,14 @@ import threading
 import torch
 
 from pipeline.data.handover.budget import PREFETCH
-from pipeline.data.handover.device import ToDevice, parse_device
+from pipeline.data.handover.device import ToDevice, decoding, parse_device
 from pipeline.data.handover.ring import Ring
 from pipeline.ordering.topology import Worker
 from pipeline.data.handover.workers import BATCH, END, Workers, raise_error, unpack
 
 
 def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=PREFETCH, start_method="fork", record=True,
-                timeout=None, device=None):
+                timeout=None, device=None, decode="host"):
     """A loader over a stream: iterate it once per epoch (after `stream.set_epoch`); its workers
     persist across epochs. One pass at a time: a new iteration (from any thread) ends the one
     before, whose next step raises RuntimeError. With record=False the stream does not take a
@@ -43,7 +43,9 @@ def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=PREFETC
     page-locks it where CUDA is: a user who copies them to the GPU with non_blocking=True, on any
     stream, is safe, because a dropped page-locked batch's slot goes back only after a
     synchronisation of the device that began after the drop (the loader makes one when a worker
-    would otherwise wait); `device=` is the faster way to the GPU.
+    would otherwise wait); `device=` is the faster way to the GPU. decode="device" (with a device):
+    a MixedStream's JPEGs of its batch's image size are decoded there, after the hand-over, in one
+    torchvision.io.decode_jpeg call a batch (pipeline.data.decoding.gpujpeg), not in the workers.
 
     Each worker holds `prefetch_factor` + 2 slots; it works ahead as long as one is free.
     Forking a process while another of its Python threads starts or exits can deadlock the
@@ -56,14 +58,14 @@ def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=PREFETC
     `if __name__ == "__main__":` guard).
     """
     return Loader(stream, num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor,
-                  start_method=start_method, record=record, timeout=timeout, device=device)
+                  start_method=start_method, record=record, timeout=timeout, device=device, decode=decode)
 
 
 class Loader:
     """Batches of a stream, one pass per iteration (see make_loader)."""
 
     def __init__(self, stream, num_workers=0, *, pin_memory=False, prefetch_factor=PREFETCH, start_method="fork",
-                 record=True, timeout=None, device=None):
+                 record=True, timeout=None, device=None, decode="host"):
         if num_workers < 0 or prefetch_factor < 1:
             raise ValueError(f"num_workers must be at least 0 and prefetch_factor at least 1, got "
                              f"{num_workers}, {prefetch_factor}")
@@ -72,6 +74,7 @@ class Loader:
             raise ValueError(f"make_loader's timeout must be a finite number of seconds above 0 (or None to wait "
                              f"for good), got {timeout!r}")
         self.device = parse_device(device)
+        decoder = decoding(stream, decode, self.device)  # before batch_spec: JPEG rows change the slot
         depth = prefetch_factor + 2
         spec = stream.batch_spec()
         if num_workers:
@@ -95,7 +98,7 @@ class Loader:
             self.workers = None
             self._free = collections.deque()  # each pass fills it (`__iter__`)
             self.ring.give_back = lambda producer, k: self._free.append(k)
-        self._to_device = ToDevice(self.device, self.ring) if self.device is not None else None
+        self._to_device = ToDevice(self.device, self.ring, *decoder) if self.device is not None else None
 
     def __len__(self):
         return len(self.stream)

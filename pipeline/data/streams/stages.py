@@ -33,6 +33,7 @@ import numpy as np
 
 from pipeline.ordering import order
 from pipeline.data.fields import member_values
+from pipeline.data.decoding import gpujpeg
 from pipeline.data.decoding.decode import decode_batch
 from pipeline.data.decoding.labelling import class_of
 from pipeline.errors import InputError, ShardError
@@ -59,6 +60,7 @@ class Chunk:
     pixels: np.ndarray = None
     labels: np.ndarray = None
     seeds: np.ndarray = None
+    sizes: np.ndarray = None  # JPEG bytes in each pixel row, 0 for pixels (gpujpeg.pack; only if encoded)
 
 
 class Positions:
@@ -140,6 +142,7 @@ class Decode:
     def __init__(self, reader):
         self.reader, self.target = reader, reader.target
         self.schema = getattr(reader, "schema", None)
+        self.encoded = False  # exact JPEGs left as bytes for the device (SourceStream.encode_jpegs)
 
     def next(self, n):
         chunk = self.upstream.next(n)
@@ -148,10 +151,13 @@ class Decode:
         d, idx = chunk.data, chunk.idx
         if isinstance(d.images, Rows):
             chunk.pixels = d.images.take(idx).reshape(len(idx), *self.target.shape)
+            chunk.sizes = np.zeros(len(idx), np.int32) if self.encoded else None
         else:
             rows = idx.tolist()
-            pixels, kept, errors = decode_batch([d.images[i] for i in rows], [d.exts[i] for i in rows], self.target,
-                                                None if chunk.crops is None else chunk.crops[idx])
+            how = gpujpeg.pack if self.encoded else decode_batch
+            pixels, kept, errors, *sizes = how([d.images[i] for i in rows], [d.exts[i] for i in rows], self.target,
+                                               None if chunk.crops is None else chunk.crops[idx])
+            chunk.sizes = sizes[0] if sizes else None
             for k, message in errors:
                 self.reader.bad(d.urls[rows[k]], d.keys[rows[k]], message)
             if errors:
@@ -291,6 +297,11 @@ class SourceStream:
         self.empty, self.window, self.window_good = 0, None, True  # windows in a row that gave nothing usable
         self.limit = 2 * len(source.urls) + 2
 
+    def encode_jpegs(self):
+        """Leave the exact-size JPEGs encoded (pipeline.data.decoding.gpujpeg): `take` then gives each
+        sample's JPEG length too. The layout says which sources (batch.Layout.decoded_on)."""
+        dict(self.stages)["decode"].encoded = True
+
     def position(self):
         """Positions of the run read (the positions stage's): what a worker's batch carries, and
         where a chain rebuilt for a resume starts (`RunPlan(..., at)`)."""
@@ -300,7 +311,7 @@ class SourceStream:
         return self.take(n)
 
     def take(self, n):
-        keys, parts, labels = [], [], []
+        keys, parts, labels, sizes = [], [], [], []
         while n > 0:
             try:
                 chunk = self.last.next(n)
@@ -316,11 +327,13 @@ class SourceStream:
             keys += chunk.keys
             parts.append(chunk.pixels)
             labels.append(chunk.labels)
+            sizes += [chunk.sizes] if chunk.sizes is not None else []
             n -= len(chunk.keys)
         c, h, w = self.target.shape
+        more = (np.concatenate(sizes or [np.zeros(0, np.int32)]),) if dict(self.stages)["decode"].encoded else ()
         if not parts:
-            return [], np.zeros((0, c, h, w), np.uint8), np.zeros(0, np.int64)
-        return keys, parts[0] if len(parts) == 1 else np.concatenate(parts), np.concatenate(labels)
+            return ([], np.zeros((0, c, h, w), np.uint8), np.zeros(0, np.int64)) + more
+        return (keys, parts[0] if len(parts) == 1 else np.concatenate(parts), np.concatenate(labels)) + more
 
     def _opened(self, window):
         """Raises ShardError when more windows in a row than twice the source's shards gave no usable sample."""
