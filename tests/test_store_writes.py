@@ -87,11 +87,11 @@ def test_a_build_stopped_while_moving_its_shards_in_is_recognised_by_its_rerun(s
         make_shards(*BUILD, "--out", out)
     real_move, moves = storage.Writer.move, []
 
-    def stopped_move(self, src, dst):
+    def stopped_move(self, src, dst, size=None):
         moves.append(dst)
         if len(moves) == 3:
             raise KeyboardInterrupt  # as a TERM arrives
-        return real_move(self, src, dst)
+        return real_move(self, src, dst, size)
 
     monkeypatch.setattr(storage.Writer, "move", stopped_move)
     p = make_shards_in_process([*BUILD, "--seed", "1", "--out", out])

@@ -278,7 +278,7 @@ def run_index(args, stage=None):
                         skip_unlabelled=args.skip_unlabelled, base_url=args.base_url, workers=args.workers,
                         policy=policy, progress=not args.quiet, stage=stage, fields=args.fields)
         if stage is not None:
-            storage.put(os.path.join(stage, manifest.manifest_name(name, split)), path)
+            storage.put(os.path.join(stage, manifest.manifest_name(name, split)), path, policy)
         if args.fields is not None:
             print(f"indexed {name}-{split}: {counted(len(m['shards']), 'shard')}, {m['total']} samples, fields "
                   f"{fields.describe(m['fields'])}, in {time.perf_counter() - t0:.1f} s -> {path}")

@@ -103,8 +103,9 @@ def publish(stage, out, name, split, *, progress=True, say=None, policy=None):
         store.put(marker, mname + MOVING)
         if old and any(s["name"] in owned for s in todo):  # its shards are about to change: it goes first
             store.remove(mname)
+        sizes = {s["name"]: s["bytes"] for s in todo}
         while pending:
-            store.move(pending[0], pending[0][:-len(tag)])
+            store.move(pending[0], pending[0][:-len(tag)], sizes[pending[0][:-len(tag)]])
             pending.pop(0)
         store.put(os.path.join(stage, mname), mname)  # last: an object is written whole or not at all
         store.remove(mname + MOVING)
