@@ -40,6 +40,8 @@ def test_shards_written_to_s3_read_as_the_same_build_written_locally(s3_bucket, 
     assert names == sorted(["mnist-train.json"] + [f"mnist-train-{i:06d}.tar" for i in range(6)])
     assert read_json(f"s3://{s3_bucket}/p/mnist-train.json") == json.loads((tmp_path / "local/mnist-train.json")
                                                                             .read_text())
+    for name in names:  # written by our own signed PUTs and copies (s3_write): the bytes a local build writes
+        assert remote.fetch(f"s3://{s3_bucket}/p/{name}") == (tmp_path / "local" / name).read_bytes(), name
     remote_src = resolve("mnist", f"s3://{s3_bucket}/p/", "train")
     assert all(remote.kind(u) == "store" for u in remote_src.urls)
     local = keys(resolve("mnist", str(tmp_path / "local"), "train"))
