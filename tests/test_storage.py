@@ -12,7 +12,7 @@ import pytest
 
 from conftest import S3_SECRET
 from helpers import HANG, build_shards, no_aws_credentials, run_capture
-from pipeline.data.store import listings, remote, storage
+from pipeline.data.store import listings, remote, storage, writing
 from pipeline.data.store import transports
 from pipeline.data.store import s3
 from pipeline.data.manifests.manifest import resolve
@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def upload(folder, bucket, prefix):
     for name in sorted(os.listdir(folder)):
-        storage.put(os.path.join(folder, name), f"s3://{bucket}/{prefix}/{name}")
+        writing.put(os.path.join(folder, name), f"s3://{bucket}/{prefix}/{name}")
 
 
 @pytest.fixture

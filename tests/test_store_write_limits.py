@@ -15,7 +15,7 @@ import pytest
 
 from conftest import S3_SECRET
 from helpers import HANG, serving
-from pipeline.data.store import remote, s3, s3_write, storage
+from pipeline.data.store import remote, s3, s3_write, storage, writing
 from pipeline.errors import FetchError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -152,7 +152,7 @@ def test_writes_are_signed_as_s3_checks_them_and_carry_their_bytes(s3_writes, tm
     is the one S3 computes from the request that arrived, each body the one signed."""
     shard = tmp_path / "a.tar"
     shard.write_bytes(os.urandom(300_000))
-    store = storage.Writer("s3://bucket/p q", FAST)
+    store = writing.Writer("s3://bucket/p q", FAST)
     store.put(str(shard), "é ü+1.tar.tmp-1")
     store.move("é ü+1.tar.tmp-1", "é ü+1.tar", shard.stat().st_size)
     store.write_bytes(b"lock", ".lock")
@@ -171,7 +171,7 @@ def test_a_500_with_a_huge_body_is_read_to_its_cap_tried_again_and_named(s3_writ
     A copy S3 accepts (200) and then fails says so in its body: the same."""
     shard = tmp_path / "a.tar"
     shard.write_bytes(b"x" * 1000)
-    store = storage.Writer("s3://bucket/p", FAST)
+    store = writing.Writer("s3://bucket/p", FAST)
     s3_writes.put = ("huge", status, 200 << 20)
     act = {"put": lambda: store.put(str(shard), "a.tar"), "copy": lambda: store.move("a.tar.tmp-1", "a.tar", 1000),
            "delete": lambda: s3_write.delete(storage.parse("s3://bucket/p/a.tar"), FAST)}[what]  # remove() is quiet

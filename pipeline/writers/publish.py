@@ -66,12 +66,12 @@ def publish(stage, out, name, split, *, progress=True, say=None, policy=None):
     that holds an object no make_shards manifest of this split names, FetchError when an
     upload fails (its temporary keys are then removed and nothing else was touched). `policy`:
     the job's remote.Policy, which bounds the listing of `out`."""
-    from pipeline.data.store import listings, remote, storage
+    from pipeline.data.store import listings, remote, writing
 
     say = say or (lambda line: None)
     mname = manifest_name(name, split)
     manifest = read_json(os.path.join(stage, mname))
-    store = storage.Writer(out, policy)
+    store = writing.Writer(out, policy)
     present = set(listings.names(out, policy or remote.Policy()))
     owned, old = store_owned(out, name, split, present)
     ours = re.compile(rf"^{re.escape(name)}-{re.escape(split)}-\d+\.tar\.tmp-\d+$")

@@ -22,7 +22,7 @@ import time
 import urllib.parse
 import warnings
 
-from pipeline.data.store import s3, transports
+from pipeline.data.store import remote, s3, transports
 from pipeline.data.store.direct_read import Direct
 from pipeline.data.store.storage import Missing, Unreachable
 
@@ -56,8 +56,6 @@ def put(loc, source, policy):
 def copy(loc, target, policy, size=None):
     """A server-side copy of the object at `loc` to `target` (in the same store); `size`: its
     bytes when known, which set the copy's deadline (else remote.UNKNOWN_SIZE's)."""
-    from pipeline.data.store import remote
-
     bucket, _, key = loc.path.partition("/")
     source = urllib.parse.quote(f"{bucket}/{key}", safe="/~-._")  # as botocore writes x-amz-copy-source
     _send(target, "PUT", policy, remote.UNKNOWN_SIZE if size is None else size, {"x-amz-copy-source": source})
@@ -92,8 +90,6 @@ def _send(loc, method, policy, size, headers=None, body=None, digest=EMPTY):
     apart); its answer's body is read to ANSWER bytes and checked for an S3 error (a copy
     answers 200 and may fail after). body: a function opening the bytes sent (again for each
     attempt), whose sha256 is `digest`. Raises Missing or Unreachable, one line."""
-    from pipeline.data.store import remote
-
     bucket, _, key = loc.path.partition("/")
     if not bucket or not key or key.endswith("/"):
         raise Missing("a prefix, not an object: name one (s3://BUCKET/KEY)")
