@@ -14,7 +14,7 @@ import warnings
 import pytest
 
 from conftest import S3_SECRET
-from helpers import HANG, serving
+from helpers import HANG, drip, serving
 from pipeline.data.store import remote, s3, s3_write, storage, writing
 from pipeline.errors import FetchError
 
@@ -56,7 +56,8 @@ class _S3Writes(http.server.BaseHTTPRequestHandler):
     HEAD is 404 unless it was written; a listing is empty; PUT (an object, or a copy with
     x-amz-copy-source) and DELETE are answered by `server.put`: "ok", or ("huge", status,
     bytes): those of a shard's key with an error answer of that many bytes, sent as fast as
-    it is read (`server.sent` counts them); a GET answers a written object, else an empty
+    it is read (`server.sent` counts them), or ("drip", seconds): a PUT's answer dripped a
+    byte every 0.2 s; a GET answers a written object, else an empty
     listing. `server.seen` keeps (method, key, what was wrong with its signature)."""
 
     protocol_version = "HTTP/1.1"
@@ -88,6 +89,8 @@ class _S3Writes(http.server.BaseHTTPRequestHandler):
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         key = self._key()
         self.server.seen.append(("PUT", key, signature_fault(self, body)))
+        if self._hostile(key) and self.server.put[0] == "drip":
+            return drip(self, b" ", self.server.put[1], b"HTTP/1.1 200 OK\r\nx-pad:")
         if self._hostile(key):
             return self._huge(*self.server.put[1:])
         source = self.headers.get("x-amz-copy-source")
@@ -185,6 +188,31 @@ def test_a_500_with_a_huge_body_is_read_to_its_cap_tried_again_and_named(s3_writ
                                                         f"internal error. (InternalError, HTTP {status})"), said
     assert len([s for s in s3_writes.seen if s[1]]) == 3 and len([w for w in caught if "retrying" in str(w.message)]) == 2
     assert s3_writes.sent < 3 * (8 << 20), s3_writes.sent  # 600 MB were there to read
+
+
+def test_an_upload_whose_answer_drips_ends_at_its_deadline_each_try(s3_writes, tmp_path):
+    """botocore's timeouts hold each socket operation: an answer dripped a byte at a time never
+    trips one. Each try ends at the transfer's deadline (--io-timeout plus its bytes at
+    --min-rate), and the tries are the policy's."""
+    import threading
+
+    shard = tmp_path / "a.tar"
+    shard.write_bytes(b"x" * 1000)
+    s3_writes.put = ("drip", 120)
+    box = {}
+
+    def upload():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            box["error"] = pytest.raises(FetchError, writing.Writer("s3://bucket/p", remote.Policy(
+                retries=1, delay=0.01, timeout=1)).put, str(shard), "a.tar").value
+    thread = threading.Thread(target=upload, daemon=True)
+    thread.start()
+    thread.join(60)  # two tries of about 1 s each; the server drips for 120 s a try
+    assert not thread.is_alive(), "the upload was still waiting after 60 s"
+    assert str(box["error"]) == ("s3://bucket/p/a.tar: cannot write: failed after 2 attempts: transfer not finished "
+                                 "within its 1 s deadline"), str(box["error"])
+    assert len([s for s in s3_writes.seen if s[1]]) == 2
 
 
 PEAK = ("import resource, runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], "
