@@ -190,6 +190,19 @@ def test_a_500_with_a_huge_body_is_read_to_its_cap_tried_again_and_named(s3_writ
     assert s3_writes.sent < 3 * (8 << 20), s3_writes.sent  # 600 MB were there to read
 
 
+def test_a_file_over_s3_s_most_for_one_put_is_refused_before_a_request(s3_writes, tmp_path):
+    """One PUT an object (no multipart upload): a file over 5 GiB is one line naming the
+    limit and the fix, sent nowhere (a sparse file: no disk used)."""
+    big = tmp_path / "big.tar"
+    with open(big, "wb") as f:
+        f.truncate(s3_write.MOST + 1)
+    with pytest.raises(FetchError) as e:
+        writing.Writer("s3://bucket/p", FAST).put(str(big), "big.tar")
+    assert str(e.value) == (f"s3://bucket/p/big.tar: cannot write: {s3_write.MOST + 1} bytes: more than S3's "
+                            f"{s3_write.MOST} for one PUT; write smaller shards (a lower --maxcount)"), str(e.value)
+    assert not [s for s in s3_writes.seen if s[1]]
+
+
 def test_an_upload_whose_answer_drips_ends_at_its_deadline_each_try(s3_writes, tmp_path):
     """botocore's timeouts hold each socket operation: an answer dripped a byte at a time never
     trips one. Each try ends at the transfer's deadline (--io-timeout plus its bytes at

@@ -37,18 +37,19 @@ class _Absent(Missing):
 
 def put(loc, source, policy):
     """Write `source` (a local file's path, or bytes) as the object at `loc`."""
+    size = len(source) if isinstance(source, (bytes, bytearray)) else os.path.getsize(source)
+    if size > MOST:
+        raise Missing(f"{size} bytes: more than S3's {MOST} for one PUT; write smaller shards (a lower --maxcount)")
     if isinstance(source, (bytes, bytearray)):
-        size, digest = len(source), hashlib.sha256(source).hexdigest()
+        digest = hashlib.sha256(source).hexdigest()
 
         def body():
             return contextlib.nullcontext(bytes(source))
     else:
-        size, digest = os.path.getsize(source), _sha256(source)
+        digest = _sha256(source)
 
         def body():
             return open(source, "rb")
-    if size > MOST:
-        raise Missing(f"{size} bytes: more than S3's {MOST} for one PUT; write smaller shards (a lower --maxcount)")
     _send(loc, "PUT", policy, size, {"Content-Type": "application/octet-stream", "Content-Length": str(size)},
           body, digest)
 

@@ -2,9 +2,10 @@
 any fsspec protocol, behind one small table.
 
 A location is parsed once (`Location`); its scheme names the entry that reads, lists and
-writes it. Stores go through fsspec's implementations (s3fs, gcsfs, huggingface_hub's
-HfFileSystem) but S3, which is read, listed and written by requests of the project's own,
-signed by botocore (direct_read, listings, s3_write); they come as the project's extras (`pip install -e '.[s3]'`); credentials come the
+writes it (pipeline.data.store.writing). Stores go through fsspec's implementations (s3fs, gcsfs,
+huggingface_hub's HfFileSystem), installed as the project's extras (`pip install -e '.[s3]'`),
+but S3: requests of the project's own, signed by botocore (direct_read, listings, s3_write), read,
+list and write it. Credentials come the
 way each ecosystem finds them (the AWS chain: environment, config files, instance roles,
 `AWS_ENDPOINT_URL` for S3-compatible servers; `HF_TOKEN` and `HF_ENDPOINT` for the Hub;
 Google's application default credentials), never from the URL. What the project
