@@ -250,13 +250,13 @@ def test_a_shardwriter_set_trains_under_torchrun_with_no_index_step_and_no_field
 def test_a_store_prefix_is_indexed_on_first_use_into_the_cache_folder(s3_server, tmp_path, capsys):
     import boto3
 
-    from pipeline.data.store import storage
+    from pipeline.data.store import writing
 
     shards = write_captioned(tmp_path / "set", 40)
     bucket = f"autoindex-{os.getpid()}"
     boto3.client("s3").create_bucket(Bucket=bucket)
     for path in shards:
-        storage.put(path, f"s3://{bucket}/web/{os.path.basename(path)}")
+        writing.put(path, f"s3://{bucket}/web/{os.path.basename(path)}")
     src = resolve("web", f"s3://{bucket}/web", "train", cache_dir=str(tmp_path / "cache"))
     assert src.total == 40 and src.classes == ["0", "1", "2", "3"] and src.urls[0].startswith(f"s3://{bucket}/web/")
     assert src.manifest.startswith(str(tmp_path / "cache" / "index"))

@@ -265,3 +265,20 @@ def test_a_resume_on_another_batch_size_reads_no_sample_twice(shards, case):
     twice, never = twice_never(read)
     assert twice == 0, hops
     assert never < world * batch, hops
+
+
+@pytest.mark.parametrize("bad", ["1", 1.5, True, -1, 2 ** 60, None])
+def test_a_loader_state_whose_next_epoch_is_no_epoch_is_one_line_naming_the_field(shards, bad):
+    """`next_epoch` "1" ended in int()'s own words ("invalid literal for int() with base 10"),
+    1.5 and True loaded as epoch 1, -1 as an epoch before the first: each is refused in one line
+    that names the field and the value, before the stream takes the state."""
+    from pipeline.data.handover.dataloader import StatefulLoader
+
+    state = json.loads(json.dumps(StatefulLoader(streams(shards["a40"])[0]).state_dict()))
+    state["next_epoch"] = bad
+    loader = StatefulLoader(streams(shards["a40"])[0])
+    with pytest.raises(ValueError) as e:
+        loader.load_state_dict(state)
+    said = str(e.value)
+    assert said.startswith(f"loader state next_epoch: {bad!r}"[:40]) and "an integer in 0.." in said, said
+    assert "\n" not in said and loader.next_epoch == 0 and not loader._resumed

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import S3_SECRET
 from helpers import HANG, build_shards, no_aws_credentials, run_capture
-from pipeline.data.store import listings, remote, storage
+from pipeline.data.store import listings, remote, storage, writing
 from pipeline.data.store import transports
 from pipeline.data.store import s3
 from pipeline.data.manifests.manifest import resolve
@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def upload(folder, bucket, prefix):
     for name in sorted(os.listdir(folder)):
-        storage.put(os.path.join(folder, name), f"s3://{bucket}/{prefix}/{name}")
+        writing.put(os.path.join(folder, name), f"s3://{bucket}/{prefix}/{name}")
 
 
 @pytest.fixture
@@ -127,6 +127,42 @@ def test_a_prefix_without_its_slash_is_a_folder_and_a_missing_key_says_so(mnist_
         resolve("mnist", f"s3://{s3_bucket}/elsewhere/", "train")
     url = f"s3://{s3_bucket}/elsewhere/mnist-train.json"
     assert str(e.value) == f"cannot read manifest {url}: no such object", e.value  # the URL named once
+
+
+class _Refusing(http.server.SimpleHTTPRequestHandler):
+    """A folder served over HTTP whose shard 000001 answers `server.status` (HEAD and GET)."""
+
+    def log_message(self, *args):
+        pass
+
+    def send_head(self):
+        if "-000001.tar" in self.path:
+            self.send_response(self.server.status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return None
+        return super().send_head()
+
+
+@pytest.mark.parametrize("status, said", [(404, "missing (HTTP 404)"), (500, "server error 500 after 1 attempts")])
+def test_a_spec_naming_one_shard_names_its_url_once(tmp_path, status, said):
+    """`--train mnist=URL` of one shard read `mnist=URL: 1 shard(s) unavailable, e.g. URL: missing
+    (HTTP 404)`, and of one the manifest beside it does not list `mnist=URL: 1 shard(s) not in
+    MANIFEST, e.g. URL`: the URL two and three times. A folder's line still names the shard."""
+    import functools
+
+    from helpers import serving
+
+    build_shards(tmp_path, "mnist", "train", 40, maxcount=20)
+    policy = remote.Policy(retries=0)
+    with serving(functools.partial(_Refusing, directory=str(tmp_path)), status=status) as server:
+        for spec, line in [(f"{server.url}mnist-train-000001.tar", said),
+                           (f"{server.url}mnist-train-000009.tar", f"not in {server.url}mnist-train.json"),
+                           (str(tmp_path / "mnist-train-000009.tar"), f"not in {tmp_path / 'mnist-train.json'}"),
+                           (server.url, f"1 shard(s) unavailable, e.g. {server.url}mnist-train-000001.tar: {said}")]:
+            with pytest.raises(ShardError) as e:
+                resolve("mnist", spec, "train", policy=policy)
+            assert str(e.value) == f"mnist={spec}: {line}", str(e.value)
 
 
 def test_signed_urls_are_botocore_s_own_for_any_key_region_and_endpoint(monkeypatch):

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import S3_SECRET
 from helpers import HANG, Quiet, build_shards, completed, free_port, launch_train, run_capture, serving
-from pipeline.data.store import storage
+from pipeline.data.store import writing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = 480  # 24 shards of 20: the outage test stops the store with most of them still unread
@@ -38,7 +38,7 @@ def shards(tmp_path_factory):
 
 def upload(folder, base):
     for name in sorted(os.listdir(folder)):
-        storage.put(os.path.join(folder, name), f"{base}/{name}")
+        writing.put(os.path.join(folder, name), f"{base}/{name}")
 
 
 @pytest.fixture(scope="module")

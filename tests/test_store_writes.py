@@ -9,7 +9,7 @@ import os
 import pytest
 
 from helpers import make_shards_in_process, write_shardwriter
-from pipeline.data.store import listings, remote, storage
+from pipeline.data.store import listings, remote, storage, writing
 from pipeline.data.manifests.manifest import resolve
 from pipeline.data.streams.stream import MixedStream
 from pipeline.writers import storelock
@@ -40,6 +40,8 @@ def test_shards_written_to_s3_read_as_the_same_build_written_locally(s3_bucket, 
     assert names == sorted(["mnist-train.json"] + [f"mnist-train-{i:06d}.tar" for i in range(6)])
     assert read_json(f"s3://{s3_bucket}/p/mnist-train.json") == json.loads((tmp_path / "local/mnist-train.json")
                                                                             .read_text())
+    for name in names:  # written by our own signed PUTs and copies (s3_write): the bytes a local build writes
+        assert remote.fetch(f"s3://{s3_bucket}/p/{name}") == (tmp_path / "local" / name).read_bytes(), name
     remote_src = resolve("mnist", f"s3://{s3_bucket}/p/", "train")
     assert all(remote.kind(u) == "store" for u in remote_src.urls)
     local = keys(resolve("mnist", str(tmp_path / "local"), "train"))
@@ -53,7 +55,7 @@ def test_a_rebuild_whose_upload_fails_leaves_the_old_set_readable(s3_bucket, mon
     make_shards(*BUILD, "--out", out)
     before = {n: remote.fetch(storage.join(out, n)) for n in listings.names(out)}
     old_keys = keys(resolve("mnist", out + "/", "train"))
-    real_put, calls = storage.Writer.put, []
+    real_put, calls = writing.Writer.put, []
 
     def failing_put(self, local, name):
         calls.append(name)
@@ -61,14 +63,14 @@ def test_a_rebuild_whose_upload_fails_leaves_the_old_set_readable(s3_bucket, mon
             raise OSError("the network went away (injected)")
         return real_put(self, local, name)
 
-    monkeypatch.setattr(storage.Writer, "put", failing_put)
+    monkeypatch.setattr(writing.Writer, "put", failing_put)
     p = make_shards_in_process([*BUILD, "--seed", "1", "--out", out])  # other bytes in every shard
     assert p.returncode == 2 and "injected" in p.stderr, p.stdout + p.stderr
     assert len(calls) == 3 and all(".tmp-" in c for c in calls)
     assert {n: remote.fetch(storage.join(out, n)) for n in listings.names(out)} == before  # no *.tmp*, no lock
     assert keys(resolve("mnist", out + "/", "train")) == old_keys
 
-    monkeypatch.setattr(storage.Writer, "put", real_put)  # the same rebuild, uninterrupted, replaces the set
+    monkeypatch.setattr(writing.Writer, "put", real_put)  # the same rebuild, uninterrupted, replaces the set
     p = make_shards(*BUILD, "--seed", "1", "--out", out)
     assert "replaced mnist-train.json" in p.stdout and "6 of its shards rewritten" in p.stdout
     assert not any(".tmp" in n or n.startswith(".") for n in listings.names(out))
@@ -85,20 +87,20 @@ def test_a_build_stopped_while_moving_its_shards_in_is_recognised_by_its_rerun(s
     out = f"s3://{s3_bucket}/p"
     if not first:
         make_shards(*BUILD, "--out", out)
-    real_move, moves = storage.Writer.move, []
+    real_move, moves = writing.Writer.move, []
 
-    def stopped_move(self, src, dst):
+    def stopped_move(self, src, dst, size=None):
         moves.append(dst)
         if len(moves) == 3:
             raise KeyboardInterrupt  # as a TERM arrives
-        return real_move(self, src, dst)
+        return real_move(self, src, dst, size)
 
-    monkeypatch.setattr(storage.Writer, "move", stopped_move)
+    monkeypatch.setattr(writing.Writer, "move", stopped_move)
     p = make_shards_in_process([*BUILD, "--seed", "1", "--out", out])
     assert p.returncode == 130 and len(moves) == 3, p.stdout + p.stderr
     left = listings.names(out)
     assert "mnist-train.json" not in left and {"mnist-train-000000.tar", "mnist-train-000001.tar"} <= set(left), left
-    monkeypatch.setattr(storage.Writer, "move", real_move)
+    monkeypatch.setattr(writing.Writer, "move", real_move)
     p = make_shards(*BUILD, "--seed", "1", "--out", out)  # refused before: "an object this tool did not write"
     names = listings.names(out)
     assert names == sorted(["mnist-train.json"] + [f"mnist-train-{i:06d}.tar" for i in range(6)]), names
@@ -110,7 +112,7 @@ def test_a_build_stopped_while_moving_its_shards_in_is_recognised_by_its_rerun(s
 
 def test_a_store_object_of_a_needed_name_that_no_manifest_names_is_refused(s3_bucket, tmp_path):
     out = f"s3://{s3_bucket}/p"
-    storage.write_bytes(b"somebody else's", storage.join(out, "mnist-train-000002.tar"))
+    writing.write_bytes(b"somebody else's", storage.join(out, "mnist-train-000002.tar"))
     p = make_shards_in_process([*BUILD, "--out", out])
     assert p.returncode == 2 and "refusing to overwrite" in p.stderr and len(p.stderr.splitlines()) == 1
     assert listings.names(out) == ["mnist-train-000002.tar"]  # nothing else written, the marker gone
@@ -123,7 +125,7 @@ def foreign_in_s3(s3_bucket, tmp_path):
     folder = tmp_path / "wds"
     write_shardwriter(folder, 60, per_shard=20)
     for name in sorted(os.listdir(folder)):
-        storage.put(str(folder / name), f"s3://{s3_bucket}/p/{name}")
+        writing.put(str(folder / name), f"s3://{s3_bucket}/p/{name}")
     return folder, f"s3://{s3_bucket}/p"
 
 
@@ -150,8 +152,8 @@ STOPPED_AT_THIRD_PUT = """
 import os, sys, time
 sys.path.insert(0, {tools!r})
 import make_shards
-from pipeline.data.store import storage
-real, calls = storage.Writer.put, []
+from pipeline.data.store import writing
+real, calls = writing.Writer.put, []
 
 def put(self, local, name):
     calls.append(name)
@@ -160,7 +162,7 @@ def put(self, local, name):
         time.sleep(120)
     return real(self, local, name)
 
-storage.Writer.put = put
+writing.Writer.put = put
 sys.exit(make_shards.main(sys.argv[1:]))
 """
 
@@ -232,10 +234,10 @@ def test_a_lock_is_taken_over_when_its_holder_is_gone(s3_bucket, holder, taken):
               "alive-here": {"host": here, "pid": os.getppid(), "since": now, "renewed": now - 5},
               "alive-escapes": {"host": "evil\n\x1b[2J" + "x" * 5000, "pid": "1\r", "since": "?", "renewed": now}
               }.get(holder)
-    storage.write_bytes(json.dumps(record).encode() if record else b"node-7 pid 12 since 1700000000\n",
+    writing.write_bytes(json.dumps(record).encode() if record else b"node-7 pid 12 since 1700000000\n",
                         storage.join(out, storelock.LOCK))
-    storage.write_bytes(b"half", storage.join(out, "mnist-train-000003.tar.tmp-4242"))
-    storage.write_bytes(b"half", storage.join(out, "other-test-000000.tar.tmp-17"))
+    writing.write_bytes(b"half", storage.join(out, "mnist-train-000003.tar.tmp-4242"))
+    writing.write_bytes(b"half", storage.join(out, "other-test-000000.tar.tmp-17"))
     p = make_shards_in_process([*BUILD, "--out", out])
     if taken is None:
         assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "\x1b" not in p.stderr, p.stderr
@@ -265,7 +267,7 @@ def test_a_held_lock_is_renewed_and_left_alone_once_another_run_took_it(s3_bucke
             time.sleep(0.05)
         assert {k: v for k, v in read_json(url).items() if k != "renewed"} == \
             {k: v for k, v in first.items() if k != "renewed"}
-        storage.write_bytes(json.dumps(dict(first, token="another run's")).encode(), url)
+        writing.write_bytes(json.dumps(dict(first, token="another run's")).encode(), url)
         time.sleep(0.5)
         assert read_json(url)["token"] == "another run's"
     assert read_json(url)["token"] == "another run's"  # not removed by the run that lost it

@@ -21,7 +21,7 @@ import warnings
 from pipeline.data.decoding import labelling
 from pipeline.data.manifests import manifest
 from pipeline.data.manifests import locations
-from pipeline.data.store import remote, storage
+from pipeline.data.store import remote, storage, writing
 from pipeline.writers import fields, index, publish, shards, sources, storelock  # noqa: E402
 from pipeline.writers import verify
 from pipeline.cli import Parser, add_io_options, check_io, io_limits, printable  # noqa: E402
@@ -278,7 +278,7 @@ def run_index(args, stage=None):
                         skip_unlabelled=args.skip_unlabelled, base_url=args.base_url, workers=args.workers,
                         policy=policy, progress=not args.quiet, stage=stage, fields=args.fields)
         if stage is not None:
-            storage.put(os.path.join(stage, manifest.manifest_name(name, split)), path)
+            writing.put(os.path.join(stage, manifest.manifest_name(name, split)), path, policy)
         if args.fields is not None:
             print(f"indexed {name}-{split}: {counted(len(m['shards']), 'shard')}, {m['total']} samples, fields "
                   f"{fields.describe(m['fields'])}, in {time.perf_counter() - t0:.1f} s -> {path}")
@@ -331,7 +331,7 @@ def classes_hint(out, name, m):
     beside it (the trainer refuses that pair), with the flag that makes them one."""
     train = place(out, manifest.manifest_name(name, "train"))
     try:
-        if not (storage.exists(train) if remote.kind(out) == "store" else os.path.isfile(train)):
+        if not (writing.exists(train) if remote.kind(out) == "store" else os.path.isfile(train)):
             return None
         classes = manifest.load(train)["classes"]
     except (ShardError, OSError):

@@ -66,12 +66,12 @@ def publish(stage, out, name, split, *, progress=True, say=None, policy=None):
     that holds an object no make_shards manifest of this split names, FetchError when an
     upload fails (its temporary keys are then removed and nothing else was touched). `policy`:
     the job's remote.Policy, which bounds the listing of `out`."""
-    from pipeline.data.store import listings, remote, storage
+    from pipeline.data.store import listings, remote, writing
 
     say = say or (lambda line: None)
     mname = manifest_name(name, split)
     manifest = read_json(os.path.join(stage, mname))
-    store = storage.Writer(out, policy)
+    store = writing.Writer(out, policy)
     present = set(listings.names(out, policy or remote.Policy()))
     owned, old = store_owned(out, name, split, present)
     ours = re.compile(rf"^{re.escape(name)}-{re.escape(split)}-\d+\.tar\.tmp-\d+$")
@@ -103,8 +103,9 @@ def publish(stage, out, name, split, *, progress=True, say=None, policy=None):
         store.put(marker, mname + MOVING)
         if old and any(s["name"] in owned for s in todo):  # its shards are about to change: it goes first
             store.remove(mname)
+        sizes = {s["name"]: s["bytes"] for s in todo}
         while pending:
-            store.move(pending[0], pending[0][:-len(tag)])
+            store.move(pending[0], pending[0][:-len(tag)], sizes[pending[0][:-len(tag)]])
             pending.pop(0)
         store.put(os.path.join(stage, mname), mname)  # last: an object is written whole or not at all
         store.remove(mname + MOVING)

@@ -35,10 +35,10 @@ def store_writing(out, policy=None, say=None):
     alive. Writing it is also the check that the prefix is writable (a missing bucket or a
     refused key says so in one line). `say(line)` hears of a lock taken over and the
     temporaries removed."""
-    from pipeline.data.store import listings, remote, storage
+    from pipeline.data.store import listings, remote, writing
 
     say = say or (lambda line: None)
-    store = storage.Writer(out, policy)
+    store = writing.Writer(out, policy)
     held = _read(store)
     if held is not None:
         gone = _gone(held)

@@ -138,13 +138,13 @@ def build(work):
 def upload(folder, base):
     """The shards and manifest to the bucket, readable without a signature too: the http path
     reads the same objects from the same server as plain URLs."""
-    from pipeline.data.store import storage
+    from pipeline.data.store import storage, writing
 
     fs = storage.filesystem(storage.parse(base))
     fs.mkdir(BUCKET)
     names = [n for n in sorted(os.listdir(folder)) if n.startswith("mnist-train")]
     for name in names:
-        storage.put(os.path.join(folder, name), f"{base}{name}")
+        writing.put(os.path.join(folder, name), f"{base}{name}")
         fs.call_s3("put_object_acl", Bucket=BUCKET, Key=storage.parse(base + name).path.split("/", 1)[1],
                    ACL="public-read")
     return names

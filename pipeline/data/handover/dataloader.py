@@ -21,6 +21,8 @@ trains each one, so that a state taken between steps never counts a batch not tr
 An iterator that is made but never advanced starts nothing (Lightning makes one early).
 """
 from pipeline.data.handover.loader import make_loader
+from pipeline.errors import short
+from pipeline.ordering.order import MAX_COUNT
 
 
 class StatefulLoader:
@@ -68,8 +70,12 @@ class StatefulLoader:
         (or starts the next one, for a state saved at an epoch's end)."""
         if not isinstance(state, dict) or not {"next_epoch", "stream"} <= set(state):
             raise ValueError(f"{str(state)[:80]}: a StatefulLoader.state_dict() expected ({{'next_epoch', 'stream'}})")
+        epoch = state["next_epoch"]
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= MAX_COUNT:
+            raise ValueError(f"loader state next_epoch: {short(epoch, 60)}; an integer in 0..{MAX_COUNT} expected (a "
+                             f"damaged or edited state: load the one state_dict() gave)")
         did = self.stream.load_state_dict(state["stream"])
-        self.next_epoch = int(state["next_epoch"]) + (did["deal"] == "next epoch")
+        self.next_epoch = epoch + (did["deal"] == "next epoch")
         self._resumed = True
 
     def close(self):

@@ -293,6 +293,17 @@ def load(url, policy=remote.Policy()):
     return check(m, url)
 
 
+def _shards(name, spec, chosen, bad, what):
+    """The line for the `bad` shards of those `spec` names (`chosen`; each bad one a URL, or a
+    URL and ": its problem"): their count, what is wrong, and the first; when `spec` names one
+    shard alone, its URL is the spec's and is written once (the line read `mnist=URL: 1 shard(s)
+    not in MANIFEST, e.g. URL`)."""
+    if len(chosen) == 1:
+        said = bad[0].removeprefix(redact(chosen[0]) + ": ") if bad[0] != chosen[0] else what
+        return f"{name}={spec}: {said}"
+    return f"{name}={spec}: {len(bad)} shard(s) {what}, e.g. {bad[0]}"
+
+
 def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
     """Turn a command line's NAME=SPEC into a Source. Raises ShardError naming what is wrong.
 
@@ -342,7 +353,7 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
         by_normal = {_normal(u): u for u in listed}
         unknown = [u for u in chosen if u not in by_normal]
         if unknown:
-            raise ShardError(f"{name}={spec}: {len(unknown)} shard(s) not in {url}, e.g. {unknown[0]}")
+            raise ShardError(_shards(name, spec, chosen, unknown, f"not in {url}"))
         chosen = [by_normal[u] for u in chosen]
         _once(chosen, f"{name}={spec}: the pattern")
     entries = [listed[u] for u in chosen]
@@ -352,7 +363,7 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
                          f"--max-shard-bytes {policy.max_bytes}; raise it if the shards really are that large")
     missing = [u for u in chosen if remote.kind(u) == "file" and not os.path.exists(u)]
     if missing:
-        raise ShardError(f"{name}={spec}: {len(missing)} shard(s) missing, e.g. {missing[0]}")
+        raise ShardError(_shards(name, spec, chosen, missing, "missing"))
     resized = [f"{u}: {os.path.getsize(u)} bytes, the manifest says {e['bytes']}" for u, e in zip(chosen, entries)
                if remote.kind(u) == "file" and os.path.getsize(u) != e["bytes"]]
     http = [u for u in chosen if remote.kind(u) == "http"]
@@ -360,7 +371,7 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
         sizes = {u: e["bytes"] for u, e in zip(chosen, entries)}
         problems, more = (check_http or (lambda us, sz: remote.head_check(us, sz, policy=policy)))(http, sizes)
         if problems:
-            raise ShardError(f"{name}={spec}: {len(problems)} shard(s) unavailable, e.g. {problems[0]}")
+            raise ShardError(_shards(name, spec, chosen, problems, "unavailable"))
         resized += more
     if resized:
         warnings.warn(f"{name}={redact(spec)}: {len(resized)} shard(s) differ in size from the manifest, e.g. {resized[0]}; "

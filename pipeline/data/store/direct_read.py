@@ -18,6 +18,7 @@ class Direct:
     header: object
     refused: object
     context: object = None  # the ssl.SSLContext of an https URL whose store names its own CA bundle
+    headers: tuple = ()  # more (name, value) pairs sent to that host only: a request signed in its headers (s3_write)
 
 
 def direct(url, timeout=30.0):

@@ -49,6 +49,26 @@ class _Signer:
                          expires=SIGNED_FOR).add_auth(request)
         return request.url
 
+    def signed(self, method, key, headers, digest):
+        """(URL, headers) of a `method` request of `key` (a write: pipeline.data.store.s3_write)
+        signed in its headers, as botocore's client signs them: `headers` and Host signed with
+        them, the body's sha256 `digest` among them, so S3 refuses a body that differs."""
+        url = self.base + urllib.parse.quote(key, safe="/~")
+        parts = urllib.parse.urlsplit(url)
+        host = parts.netloc.rpartition("@")[2].removesuffix({"http": ":80", "https": ":443"}.get(parts.scheme, ""))
+        headers = {"Host": host, "X-Amz-Content-SHA256": digest, **headers}
+        if not self.signs:
+            return url, headers
+        from botocore.auth import S3SigV4Auth
+        from botocore.awsrequest import AWSRequest
+
+        class Signed(S3SigV4Auth):
+            def payload(self, request):  # the digest given: botocore's would read a file body through again
+                return digest
+        request = AWSRequest(method=method, url=url, headers=headers)
+        Signed(self.credentials().get_frozen_credentials(), "s3", self.region).add_auth(request)
+        return url, dict(request.headers.items())
+
     def credentials(self):
         """The chain's credentials, found again in a forked loader worker (10 ms, against
         0.1 s for a client and a HEAD): a parent thread may have held a refreshable set's lock

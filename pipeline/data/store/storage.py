@@ -2,8 +2,10 @@
 any fsspec protocol, behind one small table.
 
 A location is parsed once (`Location`); its scheme names the entry that reads, lists and
-writes it. Stores go through fsspec's implementations (s3fs, gcsfs, huggingface_hub's
-HfFileSystem), installed as the project's extras (`pip install -e '.[s3]'`); credentials come the
+writes it (pipeline.data.store.writing). Stores go through fsspec's implementations (s3fs, gcsfs,
+huggingface_hub's HfFileSystem), installed as the project's extras (`pip install -e '.[s3]'`),
+but S3: requests of the project's own, signed by botocore (direct_read, listings, s3_write), read,
+list and write it. Credentials come the
 way each ecosystem finds them (the AWS chain: environment, config files, instance roles,
 `AWS_ENDPOINT_URL` for S3-compatible servers; `HF_TOKEN` and `HF_ENDPOINT` for the Hub;
 Google's application default credentials), never from the URL. What the project
@@ -17,7 +19,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from pipeline.errors import FetchError, ShardError, cut, redact
+from pipeline.errors import ShardError, cut, redact
 
 # scheme -> (the extra that installs its fsspec implementation, the package it imports)
 STORES = {"s3": ("s3", "s3fs"), "s3a": ("s3", "s3fs"), "gs": ("gcs", "gcsfs"), "gcs": ("gcs", "gcsfs"),
@@ -198,79 +200,6 @@ def _reason(error):
     return cut(redact(text), 300)
 
 
-def put(local_path, url):
-    """Upload a local file to a store URL (the file at a temporary key first would not make it
-    safer: a store writes an object whole or not at all)."""
-    loc = parse(url)
-    try:
-        _call(loc, lambda: filesystem(loc).put_file(local_path, loc.path))
-    except (Missing, Unreachable) as e:
-        raise FetchError(f"{loc.shown}: cannot write: {e}") from None
-
-
-def exists(url):
-    loc = parse(url)
-    try:
-        return bool(_call(loc, lambda: filesystem(loc).exists(loc.path)))
-    except Missing:
-        return False
-    except Unreachable as e:
-        raise FetchError(f"{loc.shown}: {e}") from None
-
-
 def join(base, name):
     """`name` (a plain relative name) in the store "folder" `base`."""
     return base.rstrip("/") + "/" + posixpath.normpath(name)
-
-
-# ---------------------------------------------------------------- writing (make_shards.py --out URL)
-
-
-class Writer:
-    """Objects under one store prefix, written, moved and removed through one client (listed by
-    pipeline.data.store.listings):
-    a client per call (as the functions above make) spends most of a small upload starting
-    its session. Names are relative to the prefix; a failure is a FetchError naming the URL."""
-
-    def __init__(self, prefix, policy=None):
-        self.prefix, self.policy = prefix.rstrip("/"), policy
-        self.loc = parse(self.prefix + "/")
-        self.fs = filesystem(self.loc)
-
-    def url(self, name):
-        return join(self.prefix, name)
-
-    def _do(self, name, what, fn):
-        loc = parse(self.url(name))
-        try:
-            return _call(loc, lambda: fn(loc.path))
-        except (Missing, Unreachable) as e:
-            raise FetchError(f"{loc.shown}: cannot {what}: {e}") from None
-
-    def exists(self, name):
-        try:
-            return bool(self._do(name, "tell", self.fs.exists))
-        except FetchError:
-            return False
-
-    def put(self, local_path, name):
-        self._do(name, "write", lambda path: self.fs.put_file(local_path, path))
-
-    def write_bytes(self, data, name):
-        self._do(name, "write", lambda path: self.fs.pipe_file(path, data))
-
-    def move(self, src, dst):
-        """`src` becomes `dst` (a server-side copy, then `src` removed: a store has no rename)."""
-        target = parse(self.url(dst)).path
-        self._do(src, f"copy to {dst}", lambda path: self.fs.copy(path, target))
-        self.remove(src)
-
-    def remove(self, name):
-        with contextlib.suppress(FetchError):
-            self._do(name, "remove", self.fs.rm_file)
-
-
-def write_bytes(data, url):
-    """Write `data` as the object at a store URL."""
-    base, _, name = url.rpartition("/")
-    Writer(base).write_bytes(data, name)

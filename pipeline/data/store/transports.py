@@ -82,7 +82,7 @@ AUTH_VARIABLE = "PIPELINE_HTTP_AUTHORIZATION"  # an Authorization header's value
 AUTH_HOSTS_VARIABLE = "PIPELINE_HTTP_AUTH_HOSTS"  # optional: the hosts (host or host:port, commas) it goes to
 
 
-def _request(url, method, direct=None):
+def _request(url, method, direct=None, data=None):
     """A urllib Request for `url`. The `user:password@` of a URL becomes HTTP basic auth (urllib
     would take it for part of the host name); else $PIPELINE_HTTP_AUTHORIZATION, when set, is sent
     as the Authorization header (`Bearer TOKEN`, `Basic ...`), to the hosts named in
@@ -91,9 +91,11 @@ def _request(url, method, direct=None):
     is ever part of a message: errors name the URL through errors.redact."""
     parts = urllib.parse.urlsplit(url)
     if direct is not None:  # a store's: its own credentials (a signed URL carries them; a second is refused)
-        req = urllib.request.Request(url, method=method)
+        req = urllib.request.Request(url, data=data, method=method)
         if direct.header:
             req.add_unredirected_header("Authorization", direct.header)
+        for name, value in direct.headers:
+            req.add_unredirected_header(name, value)
         return req
     if parts.username is None:
         req = urllib.request.Request(url, method=method)
@@ -129,9 +131,11 @@ class _HTTP:
     """A response whose sockets are shut at the deadline: a server that drips its status
     line, headers or chunk sizes never trips the per-operation socket timeout either."""
 
-    def __init__(self, url, policy, nbytes, method="GET", direct=None):
+    def __init__(self, url, policy, nbytes, method="GET", direct=None, data=None):
         """direct: a store's `direct_read.Direct` read: `url` is its URL, sent with its header,
-        and its error answers say what went wrong (Direct.refused)."""
+        and its error answers say what went wrong (Direct.refused). data: the body a store's
+        write sends (bytes or a file object; its Content-Length among direct.headers), within
+        the deadline of `nbytes`."""
         self.start = time.monotonic()
         self.socks, self.expired, self.resp, self.timer = [], threading.Event(), None, None
         self._arm(policy.deadline(nbytes))
@@ -139,7 +143,7 @@ class _HTTP:
         try:
             opener = urllib.request.build_opener(_Watched(self._watch, direct and direct.context), _HttpOnly())
             try:
-                self.resp = opener.open(_request(url, method, direct), timeout=policy.timeout)
+                self.resp = opener.open(_request(url, method, direct, data), timeout=policy.timeout)
             except _RedirectRefused:
                 raise
             except urllib.error.HTTPError as e:
