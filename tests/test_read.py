@@ -348,6 +348,21 @@ def test_regular_reads_keys_of_different_lengths_as_the_sequential_reader():
     assert keys[:3] == ["cat/0655", "truck/3050", "a"] and labels.tolist() == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("names", [
+    ["a.jpg", "a.cls", "bb.jpg", "bb.clsx"],   # not .cls
+    ["a.jpg", "a.cls", "bb.jpg", "bc.cls"],    # keys differ
+    ["a.jpg", "a.cls", "bb.jpeg", "bb.cls"],   # not .jpg
+    ["a.jpg", "a.cls", "b.b.jpg", "b.b.cls"],  # a dot
+    ["a.jpg", "a.cls", "bb/.jpg", "bb/.cls"],  # no key
+])
+def test_regular_leaves_other_layouts_with_keys_of_different_lengths_to_the_sequential_reader(names):
+    """Keys of differing lengths take their own checks (regular._checked_keys): each name that
+    iter_samples would read another way leaves the shard to it."""
+    data = [b"x", b"1", b"y", b"2"]
+    assert regular.regular(ustar(list(zip(names, data))), "jpg", "cls") is None
+    assert regular.regular(ustar(list(zip(["a.jpg", "a.cls", "bb.jpg", "bb.cls"], data))), "jpg", "cls") is not None
+
+
 def test_regular_reads_keys_the_first_of_which_is_the_longest_as_the_sequential_reader():
     """A wds.ShardWriter set's shard whose first key is its longest (`automobile/4547` before
     `bird/3887`): the numpy path too, not left to the sequential reader."""
