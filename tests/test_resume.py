@@ -473,6 +473,22 @@ def test_the_trainer_resumed_on_another_world_reads_no_sample_twice(one_source, 
     assert 0 <= 1200 - len(keys) < after[0] * 16
 
 
+@pytest.mark.slow
+def test_a_rank_left_out_by_a_smaller_world_keeps_its_key_log_when_the_world_grows_again(one_source, tmp_path):
+    """2 ranks, then 1, then 2 again inside one epoch (the hostile review: the 1-rank checkpoint
+    counted rank 0's key lines only, so rank 1's log was emptied when rank 1 came back, and 40 of
+    its keys were lost): every key of the epoch once, fewer unread than one global batch."""
+    out = tmp_path / "run"
+    args = ["--train", f"mnist={one_source}/", "--batch-size", "16", "--epochs", "1", "--width", "4",
+            "--record-keys", "--out", str(out), "--workers", "1"]
+    run_ok(launch_train([*args, "--stop-after-steps", "5", "--checkpoint-every", "5"], 2))
+    run_ok(launch_train([*args, "--stop-after-steps", "5", "--checkpoint-every", "5", "--resume"], 1))
+    run_ok(launch_train([*args, "--resume"], 2))
+    keys = [ln.split("\t")[1] for ln in key_log(out, 2).get(0, []) + key_log(out, 2).get(1, [])]
+    assert len(keys) == len(set(keys)), "a sample read twice in the epoch"
+    assert 0 <= 1200 - len(keys) < 2 * 16, f"{1200 - len(keys)} keys unread or lost"
+
+
 @pytest.mark.parametrize("change", [dict(shuffle_buffer=60), dict(window_bytes=1 << 12), dict(resample=True)])
 def test_another_shuffle_window_or_resampling_inside_an_epoch_is_refused(data, change):
     """They decide which sample each position holds: a resume that changed them read 122 of 800

@@ -257,8 +257,12 @@ def trainer_state(state, path, limits):
         out["carried"] = carried
     if seen != sum(by_rank.values()):  # a step's samples are its batches': the run's counts must add up to it
         f.bad("position.seen", f"{seen}, but the run's epochs and tallies hold {sum(by_rank.values())} samples")
-    out["key_counts"] = f.items(f.json("key_counts"), "key_counts", world,
-                                lambda v, field: f.integer(v, field, 0, seen))
+    counts = f.json("key_counts")  # a count per rank of this world, then those of ranks a larger one had
+    if isinstance(counts, list) and world <= len(counts) <= state_format.MAX_WORLD:
+        world_counts = len(counts)
+    else:
+        world_counts = world
+    out["key_counts"] = f.items(counts, "key_counts", world_counts, lambda v, field: f.integer(v, field, 0, seen))
     for r, n in enumerate(out["key_counts"]):  # a line per sample the rank consumed, at most
         if n > by_rank.get(f"rank{r}", 0):
             f.bad(f"key_counts[{r}]", f"{n} key lines, but the run's counts say rank {r} consumed "

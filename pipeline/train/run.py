@@ -163,7 +163,8 @@ class Run:
         if self.in_epoch:  # one state: the segment once, every rank's entry (each checked against it on load)
             stream_states = dict(own, ranks=[p["stream"] for p in parts])
         tallies = [p["tally"] for p in parts]
-        counts = [p["keys"] for p in parts]
+        # the key lines of ranks a smaller world left out, carried: their logs stay whole if they come back
+        counts = [p["keys"] for p in parts] + self.key_counts[len(parts):]
         return {"version": checkpoint.VERSION, "fingerprint": json.dumps(self.fingerprint),
                 "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
                 "rng": torch.get_rng_state(), "world": self.topo.world,
