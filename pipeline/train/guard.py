@@ -96,7 +96,7 @@ def warn_data(train_sources, eval_sources):
     names."""
     named = set()  # training sources an eval line named
     for ev in eval_sources:
-        why, fix = [], f"give --eval {ev.name} the source's test manifest"
+        why, fix = [], f"give --eval {ev.name} held-out shards (the source's test manifest, or a folder of other shards)"
         for tr in train_sources:
             shared = _shared(tr, ev)
             split = f", which records split {tr.split!r}" if tr.split in EVAL_SPLITS else ""
