@@ -184,6 +184,24 @@ def test_a_changed_local_shard_is_indexed_again(tmp_path, capsys):
     assert "indexed on first use: 2 shards, 25 samples" in capsys.readouterr().err
 
 
+def test_a_set_indexed_again_leaves_one_index_and_another_set_of_the_same_name_keeps_its_own(tmp_path):
+    """A changed set's old index is stale for good: it goes when the new one is made (a new
+    user's cache grew a folder a change, F11 of the hostile pass); another set under the same
+    name in the same cache folder is not touched."""
+    cache = str(tmp_path / "cache")
+    write_captioned(tmp_path / "set", 20)
+    write_captioned(tmp_path / "other", 10)
+    other = resolve("web", str(tmp_path / "other"), "train", cache_dir=cache)
+    first = resolve("web", str(tmp_path / "set"), "train", cache_dir=cache)
+    for n in (5, 7):  # shard 1 rewritten twice
+        write_captioned(tmp_path / "set", n, start=1)
+        now = resolve("web", str(tmp_path / "set"), "train", cache_dir=cache)
+    index = os.path.join(cache, "index")
+    assert sorted(x for x in os.listdir(index) if not x.endswith(".lock")) == sorted(
+        os.path.basename(os.path.dirname(f)) for f in (other.manifest, now.manifest))
+    assert not os.path.exists(first.manifest) and os.path.exists(other.manifest) and now.total == 27
+
+
 def test_processes_started_together_index_once(tmp_path):
     """Ranks of one job open the set at the same moment: the first to take the lock indexes,
     the others wait and read its index."""

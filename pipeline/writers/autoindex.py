@@ -109,8 +109,10 @@ def ensure(name, split, spec, urls, *, policy=remote.Policy(), cache_dir=None, f
             fields = parse_fields(fields)
         except ValueError as e:
             raise ShardError(str(e)) from None
-    key = listing_key(name, split, urls, policy, fields, classes_from.classes if classes_from else None)
-    folder = os.path.join(home(urls, cache_dir), f"{name}-{split}-{key}")
+    classes = classes_from.classes if classes_from else None
+    key = listing_key(name, split, urls, policy, fields, classes)
+    set_prefix = f"{name}-{split}-{_set_digest(name, split, urls, fields, classes)}-"
+    folder = os.path.join(home(urls, cache_dir), set_prefix + key)
     path = os.path.join(folder, manifest.manifest_name(name, split))
     if _readable(path):
         return folder
@@ -133,7 +135,33 @@ def ensure(name, split, spec, urls, *, policy=remote.Policy(), cache_dir=None, f
               f"{time.monotonic() - t0:.1f} s; cached in {path} (reused until the shards change)",
               file=sys.stderr, flush=True)
         print(f"{name}-{split}: {line}", file=sys.stderr, flush=True)
+        _prune(os.path.dirname(folder), set_prefix, keep=os.path.basename(folder))
     return folder
+
+
+def _set_digest(name, split, urls, fields, classes):
+    """8 hex digits naming the set by where its shards are (their folders), its fields and
+    classes: the part of an index folder's name that stays when the shards change, so a stale
+    index can be found (the spec as typed would not do: `web` and `web/` are one set)."""
+    where = sorted({u.rsplit("/", 1)[0] for u in urls})
+    text = json.dumps([name, split, where, fields.to_json() if fields is not None else None, classes])
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def _prune(where, prefix, keep):
+    """The indexes of this set made before its shards changed: stale for good, so removed once
+    the new one is made (the cache grew a folder a change); another set's, even of the same
+    name, has another prefix. What cannot be removed stays, without a word."""
+    import shutil
+
+    for entry in os.listdir(where):
+        if entry.startswith(prefix) and entry not in (keep, keep + ".lock"):
+            path = os.path.join(where, entry)
+            if entry.endswith(".lock"):
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def _readable(path):
