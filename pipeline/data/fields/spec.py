@@ -64,8 +64,7 @@ class Spec:
 
     def arrays(self, memory, n):
         """{name: numpy view (n, *shape)} of a slot's bytes (a uint8 numpy array), to write into."""
-        return {f.name: memory[o:o + f.nbytes(n)].view(f.dtype).reshape(n, *f.shape)
-                for f, o in zip(self.fields, self.offsets)}
+        return {name: np.ndarray((n, *shape), dtype, memory, o) for name, shape, dtype, o, _ in self._plan}
 
     def holder(self, memory, offset=0):
         """A new object exporting a slot's bytes (those of `memory`, a writable buffer, from
