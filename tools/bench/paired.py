@@ -4,7 +4,7 @@ training does, runs one epoch when told, so load from other jobs falls on both a
 per tree, the median samples per CPU-second of the whole process tree and the consuming
 process's own CPU a sample, and the median of the per-round ratios to the first tree.
 
-    python tools/bench/paired.py --workers 2 --normalize 0 --keep 1 --rounds 16 \\
+    python tools/bench/paired.py --workers 2 --normalize 0 --keep label --rounds 16 \\
         old=/path/to/c64ded4:/path/to/its/raw/shards new=.:/path/to/raw/shards
 
 A tree is read through its public API only (pipeline.stream's MixedStream, make_loader,
@@ -47,7 +47,7 @@ def serve(tree, folder, workers, normalize, keep, sources, batch):
         for b in loader:
             n += len(b["key"])
             if keep:
-                kept.append(b["label"])
+                kept.append(b[keep])
         own, (m1, r1) = time.process_time() - t0, tree_cpu()
         del kept
         print(json.dumps({"per_cpu_s": n / ((m1 - m0) + (r1 - r0)), "consumer_us": own / n * 1e6}), flush=True)
@@ -58,7 +58,7 @@ def run(trees, rounds, args):
     procs = {}
     for name, tree, folder in trees:
         cmd = [sys.executable, os.path.abspath(__file__), "--serve", tree, folder, "--workers", str(args.workers),
-               "--normalize", str(args.normalize), "--keep", str(args.keep), "--batch-size", str(args.batch_size),
+               "--normalize", str(args.normalize), "--keep", args.keep, "--batch-size", str(args.batch_size),
                "--sources", *args.sources]
         procs[name] = subprocess.Popen(cmd, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if procs[name].stdout.readline().strip() != "ready":
@@ -81,14 +81,15 @@ def main(argv=None):
     p.add_argument("trees", nargs="*", help="NAME=TREE:SHARDS, the first is the reference")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--normalize", type=int, choices=(0, 1), default=0, help="1: C (float32), 0: C8 (uint8)")
-    p.add_argument("--keep", type=int, choices=(0, 1), default=0, help="1: the loop keeps each batch's labels")
+    p.add_argument("--keep", default="", metavar="FIELD", help="the loop keeps this field of each batch (label; "
+                   "caption for an image-text set) until the epoch ends; default: nothing")
     p.add_argument("--rounds", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--sources", nargs="+", default=["mnist", "cifar10"])
     p.add_argument("--serve", nargs=2, metavar=("TREE", "SHARDS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:
-        return serve(*args.serve, args.workers, bool(args.normalize), bool(args.keep), args.sources, args.batch_size)
+        return serve(*args.serve, args.workers, bool(args.normalize), args.keep, args.sources, args.batch_size)
     trees = []
     for spec in args.trees:
         name, _, rest = spec.partition("=")
@@ -100,7 +101,7 @@ def main(argv=None):
         p.error("name at least one tree")
     res = run(trees, args.rounds, args)
     first = trees[0][0]
-    what = f"{'C' if args.normalize else 'C8'} {args.workers}w {'keep labels' if args.keep else 'keep nothing'}"
+    what = f"{'C' if args.normalize else 'C8'} {args.workers}w keep {args.keep or 'nothing'}"
     for name, _, _ in trees:
         rate = statistics.median(x["per_cpu_s"] for x in res[name])
         us = statistics.median(x["consumer_us"] for x in res[name])
