@@ -150,6 +150,20 @@ def test_keeping_every_batchs_labels_keeps_only_their_bytes(data, workers):
     loader.close()
 
 
+def test_a_loop_that_drops_each_batch_reuses_two_slots_without_workers(data):
+    """At 0 workers the stream writes each batch into the slot given back last, whose bytes are
+    still in the CPU's cache, not into each of the ring's slots in turn (which cost 8-12% of the
+    samples per CPU-second of C and C8, docs/benchmarks.md): a loop that holds one batch at a
+    time sees two slots, whatever the ring's depth."""
+    loader = make_loader(_stream(data, n=20), 0, prefetch_factor=4)  # 6 slots
+    seen = set()
+    for b in loader:
+        assert _in_ring(loader, b["image"])
+        seen.add(b["image"].data_ptr())
+    assert len(seen) == 2
+    loader.close()
+
+
 # ---------------------------------------------------------------- issue 53's hand-over failures
 
 

@@ -42,13 +42,21 @@ class Spec:
             self.offsets.append(at)
             at += -(-f.nbytes(self.batch) // ALIGN) * ALIGN
         self.slot_bytes = max(at, ALIGN)
+        self.large = not all(f.small for f in self.fields)  # a field views the slot (else it goes back at once)
+        self._made()
+
+    def _made(self):
+        """What `holder` and `tensors` use for each batch, worked out once: a batch costs the consumer
+        these few steps, not the fields' properties again."""
         self._ctype = ctypes.c_uint8 * self.slot_bytes
+        self._plan = tuple((f.name, f.shape, f.dtype, o, f.small) for f, o in zip(self.fields, self.offsets))
 
     def __getstate__(self):  # a ctypes array type does not pickle: made again where it arrives
-        return {k: v for k, v in self.__dict__.items() if k != "_ctype"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_ctype", "_plan")}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, _ctype=ctypes.c_uint8 * state["slot_bytes"])
+        self.__dict__.update(state)
+        self._made()
 
     @property
     def names(self):
@@ -56,29 +64,24 @@ class Spec:
 
     def arrays(self, memory, n):
         """{name: numpy view (n, *shape)} of a slot's bytes (a uint8 numpy array), to write into."""
-        return {f.name: memory[o:o + f.nbytes(n)].view(f.dtype).reshape(n, *f.shape)
-                for f, o in zip(self.fields, self.offsets)}
+        return {name: np.ndarray((n, *shape), dtype, memory, o) for name, shape, dtype, o, _ in self._plan}
 
-    def holder(self, memory):
-        """A new object exporting a slot's bytes (a uint8 numpy array): arrays made over it keep
-        it as their base (numpy would collapse a view of a view to the ring's own array), so it
-        lives exactly as long as any tensor of the batch. A ctypes array: it can be weakly
-        referenced, and building three tensors over it cost about half what torch's slicing and
-        reinterpreting of one uint8 tensor did."""
-        return self._ctype.from_buffer(memory)
-
-    @property
-    def large(self):
-        """Whether any field views its slot (else a lent slot goes back at once)."""
-        return not all(f.small for f in self.fields)
+    def holder(self, memory, offset=0):
+        """A new object exporting a slot's bytes (those of `memory`, a writable buffer, from
+        `offset`): arrays made over it keep it as their base (numpy would collapse a view of a
+        view to the ring's own array), so it lives exactly as long as any tensor of the batch. A
+        ctypes array: it can be weakly referenced, and building three tensors over it cost about
+        half what torch's slicing and reinterpreting of one uint8 tensor did. The ring passes a
+        memoryview made once: a numpy array would describe its format anew for each batch."""
+        return self._ctype.from_buffer(memory, offset)
 
     def tensors(self, holder, n):
         """{name: tensor (n, *shape)} viewing the slot's bytes that `holder` exports; small
         fields copied out of it (a kept label keeps its own bytes, not the slot)."""
         out = {}
-        for f, o in zip(self.fields, self.offsets):
-            array = np.ndarray((n, *f.shape), f.dtype, holder, o)
-            out[f.name] = torch.from_numpy(array.copy() if f.small else array)
+        for name, shape, dtype, o, small in self._plan:
+            array = np.ndarray((n, *shape), dtype, holder, o)
+            out[name] = torch.from_numpy(array.copy() if small else array)
         return out
 
     def views(self, base, n):

@@ -194,7 +194,7 @@ class Loader:
         if not self._free and self.ring.waiting:  # slots wait for GPU copies: wait for one, not for new memory
             self.ring.wait()
         if self._free:
-            k = self._free.popleft()
+            k = self._free.pop()  # the slot given back last: its bytes are still in the CPU's cache
             return ("slot", k, n), self.ring.arrays(0, k, n)
         base, memory = self.ring.spec.own(self.pin)
         return ("own", base, n), self.ring.spec.arrays(memory, n)

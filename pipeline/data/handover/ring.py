@@ -20,8 +20,10 @@ Small fields (at most SMALL_BYTES a sample: labels, sources, sizes, lengths, mas
 the user as tensors of their own, copied out of the slot on arrival: keeping them keeps
 their own bytes, never the slot.
 """
+import atexit
 import collections
 import ctypes
+import functools
 import gc
 import itertools
 import mmap
@@ -62,9 +64,10 @@ class Ring:
         size = producers * depth * spec.slot_bytes
         self.memory = shared_bytes(size) if shared else torch.empty(size, dtype=torch.uint8, pin_memory=pin)
         self.buf = self.memory.numpy()
+        self._view = memoryview(self.buf)  # what each batch's holder exports (Spec.holder)
         self.pin = pin
         self.give_back = None  # set by whoever owns the producers
-        self.lent = [{} for _ in range(producers)]  # per producer, slot -> (token, finalizer or None) lent from it
+        self.lent = [{} for _ in range(producers)]  # per producer, slot -> (token, weakref or None) lent from it
         self._tokens = itertools.count()  # a lend's token: a late return of an earlier lend of the slot is ignored
         self.copied = 0  # batches handed out as copies (the user held every other slot)
         # (ticket, producer, slot, token) of slots a GPU copy may still read: a CUDA event of the
@@ -86,7 +89,8 @@ class Ring:
         return {"producers": self.producers, "depth": self.depth, "spec": self.spec, "memory": self.memory}
 
     def __setstate__(self, state):
-        self.__dict__.update(state, buf=state["memory"].numpy(), pin=False, give_back=None,
+        buf = state["memory"].numpy()
+        self.__dict__.update(state, buf=buf, _view=memoryview(buf), pin=False, give_back=None,
                              lent=[{} for _ in range(state["producers"])], forking=True)
 
     @property
@@ -110,13 +114,11 @@ class Ring:
                 pending = {(producer, k, token) for _, producer, k, token in self._pending}
                 orphans = [(slots, k, done) for producer, slots in enumerate(self.lent)
                            for k, (token, done) in slots.items()
-                           if (done is None or done.peek() is None) and (producer, k, token) not in pending]
+                           if (done is None or done() is None) and (producer, k, token) not in pending]
                 if orphans and self._locked:  # a copy from one may be queued still
                     torch.cuda.synchronize(self.cuda_device)
                 for slots, k, done in orphans:  # its batch is gone, but its return never came
-                    if done is not None:
-                        done.detach()
-                    del slots[k]
+                    del slots[k]  # and with it the weakref: a return still on its way finds another token
                 install()
                 return [[k for k in range(self.depth) if k not in slots] for slots in self.lent]
         finally:
@@ -171,25 +173,28 @@ class Ring:
         slot goes back when the last of them (or anything sharing their storage) is gone. A copy
         instead, and the slot back at once, when the producer would otherwise be left with no
         slot but those the user holds."""
-        self.reap()
-        if len(self.lent[producer]) + 1 >= self.depth and self._pending:
+        if self._pending:
+            self.reap()
+        lent = self.lent[producer]
+        if len(lent) + 1 >= self.depth and self._pending:
             self.wait()  # slots that wait for a GPU copy are not the user's: free them first
-        if len(self.lent[producer]) + 1 >= self.depth:
+        if len(lent) + 1 >= self.depth:
             base, copy = self.spec.own(self.pin)
             copy[:] = self.slot(producer, k)
             self.copied += 1
             self.give_back(producer, k)
             return self.spec.views(base, n)
-        holder = self.spec.holder(self.slot(producer, k))
+        holder = self.spec.holder(self._view, self.offset(producer, k))
         if not self.spec.large:  # every field copied out: nothing views the slot
             out = self.spec.tensors(holder, n)
             self.give_back(producer, k)
             return out
         token = next(self._tokens)
-        done = weakref.finalize(holder, self._dropped, producer, k, token)
-        done.atexit = False
+        # a weakref whose callback returns the slot: cheaper than weakref.finalize, and dropped with
+        # its entry here (`free_slots`), it calls nothing
+        done = weakref.ref(holder, functools.partial(self._dropped, producer, k, token))
         with self._lock:
-            self.lent[producer][k] = token, done
+            lent[k] = token, done
         return self.spec.tensors(holder, n)
 
     def view(self, producer, k, n):
@@ -209,11 +214,13 @@ class Ring:
             self.lent[producer][k] = token, None
             self._pending.append((event, producer, k, token))
 
-    def _dropped(self, producer, k, token):
+    def _dropped(self, producer, k, token, _ref=None):
         """The tensors of a slot are gone. Page-locked, a copy the user queued from it may still
         read it, on any stream: the slot goes back after a device synchronisation begun from now
-        (`wait`). Nothing touches CUDA here: a finalizer runs on whatever thread drops the batch."""
-        if os.getpid() != self._pid:  # a forked child's copy of a batch: the slot is still the parent's
+        (`wait`). Nothing touches CUDA here: a weakref's callback runs on whatever thread drops the batch."""
+        if _process.pid != self._pid:  # a forked child's copy of a batch: the slot is still the parent's
+            return
+        if _process.exiting:  # the interpreter is ending: nobody waits for the slot
             return
         if self._locked:
             with self._lock:
@@ -297,6 +304,15 @@ class Ring:
                 pass
 
 
+class _Process:
+    """This process's id, kept here as forks happen (os.getpid is a system call a batch), and
+    whether the interpreter is ending (a batch dropped then has nobody to give its slot to)."""
+    pid = os.getpid()
+    exiting = False
+
+
+_process = _Process()
+atexit.register(setattr, _process, "exiting", True)
 _shared_rings = weakref.WeakSet()  # this process's shared rings, whose lent slots a forked process keeps
 _at_fork = []  # (address, bytes) of the lent slots' pages, copied just before a fork
 
@@ -316,6 +332,7 @@ def _after_fork_in_parent():
 
 
 def _after_fork_in_child():
+    _process.pid = os.getpid()
     for address, data in _at_fork:
         _map_private(address, data)
     _at_fork.clear()

@@ -58,6 +58,7 @@ class Workers:
         self.source, self.count, self.ring, self.ctx, self.timeout = source, count, ring, ctx, timeout
         self.control = ctx.Array("q", [0] * count, lock=False)  # per worker: the current pass, or STOP
         self.procs, self.commands, self.ready, self.free, self.buffers = [], [], [], [], []
+        self.fds = []  # per worker, the file numbers of (ready, free), read once: a batch uses both
         self.pass_id = 0
         self.given_in = 0  # the pass the slots given back now belong to (see `begin`)
         self.parent = os.getpid()
@@ -99,6 +100,7 @@ class Workers:
             self.ready.append(ready_r)
             self.free.append(free_w)
             self.buffers.append(bytearray())
+            self.fds.append((ready_r.fileno(), free_w.fileno()))
         if relock:
             self.ring.page_lock()
 
@@ -126,9 +128,11 @@ class Workers:
             # the message leaves the buffer whole: a Ctrl-C caught between its header and its payload
             # would otherwise leave the next read parsing a payload as a header
             got, kind, slot, n, size = HEADER.unpack_from(self._fill(w, HEADER.size))
-            buf = self._fill(w, HEADER.size + size)
-            payload = bytes(buf[HEADER.size:HEADER.size + size])
-            del buf[:HEADER.size + size]
+            end = HEADER.size + size
+            buf = self._fill(w, end)
+            with memoryview(buf) as view:
+                payload = bytes(view[HEADER.size:end])
+            del buf[:end]
             if got == pass_id:
                 return kind, slot, n, payload
             # a batch of a pass the consumer left: its slot was free for this pass already (`begin`)
@@ -139,7 +143,9 @@ class Workers:
         While slots wait for GPU copies and the worker has sent nothing, the wait is the GPU's
         (`Ring.wait`: an event's, or a device synchronisation), never a poll; the timeout counts it."""
         buf = self.buffers[w]
-        fd = self.ready[w].fileno()
+        if len(buf) >= size:
+            return buf
+        fd = self.fds[w][0]
         deadline = time.monotonic() + self.timeout if self.timeout else None
         while len(buf) < size:
             self.ring.reap()
@@ -180,10 +186,10 @@ class Workers:
                           f"the workers again")
 
     def _give_back(self, w, slot):
-        free = self.free  # one list: `close` and `start` replace it
-        if w < len(free):
+        fds = self.fds  # one list: `close` and `start` replace it
+        if w < len(fds):
             try:
-                os.write(free[w].fileno(), SLOT.pack(self.given_in, slot))
+                os.write(fds[w][1], SLOT.pack(self.given_in, slot))
             except (OSError, ValueError):  # the worker is gone, or the loader closed
                 pass
 
@@ -203,6 +209,7 @@ class Workers:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        self.fds = []  # before the pipes close: a slot given back from another thread finds no file number
         for conn in self.commands + self.ready + self.free:
             conn.close()
         self.procs, self.commands, self.ready, self.free, self.buffers = [], [], [], [], []
