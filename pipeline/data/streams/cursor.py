@@ -9,8 +9,11 @@ is asked for), from its epoch, weights and workers, or from a loaded state dealt
 workers (`dealt`).
 """
 import dataclasses
+import numbers
 
+from pipeline.errors import short
 from pipeline.ordering import deal, state_format
+from pipeline.ordering.order import MAX_COUNT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,3 +164,19 @@ def epoch_clash(saved, ended, epoch, order_):
     where = f"at the end of epoch {saved}, which goes on at epoch {saved + 1}" if ended else f"inside epoch {saved}"
     allowed = f"{saved} or {saved + 1}" if ended else f"{saved}"
     return f"{order_}: the stream state was saved {where}; set_epoch({epoch}) disagrees (use {allowed})"
+
+
+def epoch_number(epoch):
+    """set_epoch's epoch as an int, or ValueError: an integer (numpy's too) in the range a state holds."""
+    if isinstance(epoch, numbers.Integral) and not isinstance(epoch, bool) and 0 <= epoch <= MAX_COUNT:
+        return int(epoch)
+    raise ValueError(f"set_epoch({short(epoch, 60)}): the epoch is an integer in 0..{MAX_COUNT}")
+
+
+def workers_number(workers):
+    """set_workers' count as an int, or ValueError; 0 (a loader reading in this process) is 1."""
+    most = state_format.MAX_WORKERS
+    if isinstance(workers, numbers.Integral) and not isinstance(workers, bool) and 0 <= workers <= most:
+        return max(1, int(workers))
+    raise ValueError(f"set_workers({short(workers, 60)}): loader workers per rank are an integer in 0..{most} "
+                     f"(0, no worker processes, reads as 1)")
