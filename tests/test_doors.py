@@ -231,3 +231,13 @@ def test_calls_from_another_thread_never_lose_an_epoch_or_a_batch(sources):
         thread.join()
         sys.setswitchinterval(interval)
     assert not wrong and not errors, (wrong[:3], errors[:3])
+
+
+def test_a_loaders_pass_ends_a_pass_over_the_stream_itself(sources):
+    stream = new_stream(sources)
+    it = iter(stream)
+    keys = keys_of(next(it) for _ in range(5))
+    keys += keys_of(make_loader(stream, 0))
+    with pytest.raises(RuntimeError, match="another pass began on this stream"):
+        next(it)
+    assert sorted(keys) == sorted(keys_of(new_stream(sources)))

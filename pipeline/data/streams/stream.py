@@ -419,7 +419,8 @@ class MixedStream(torch.utils.data.IterableDataset):
         With the same world, workers and batch size the segment goes on as it stopped;
         otherwise every rank's state is needed, and what each pair left is dealt to this
         world. A state inside an epoch over other shards than this stream's (its sources'
-        shard-list digests differ) is refused. Returns what it did, as the stream is set
+        shard-list digests differ) is refused, and so is one the stream's workers (where a
+        loader or `set_workers` gave them) cannot be dealt. Returns what it did, as the stream is set
         now: {"deal": "same", "re-deal" or "next epoch", "generation": ..., "from": [world,
         workers, batch size], "to": [...], "passed": {rank: positions passed over without a
         sample}}."""
