@@ -125,6 +125,7 @@ def test_workers_given_after_the_load_that_cannot_take_it_are_refused_and_the_st
     state = two_ranks_state(sources)
     stream = new_stream(sources, Topology(0, 2))
     stream.load_state_dict(state)  # the workers are not known yet: the loader's decide
+    refused(stream, lambda: len(stream), r"or give the workers first \(make_loader\(stream, 3\) or set_workers\)")
     refused(stream, lambda: stream.set_workers(1), "needs every rank's stream state")
     refused(stream, lambda: make_loader(stream, 0), "needs every rank's stream state")
     stream.set_workers(3)  # the state's own workers take it

@@ -6,9 +6,12 @@ stream's consumer has trained since the cursor's plan was made (`arrived`: each 
 batch state) is kept beside it, and a stream's state (`MixedStream.state_dict`) is a function
 of the two. The cursor's plan is made when first needed (a pass begins, or its length or state
 is asked for), from its epoch, weights and workers, or from a loaded state dealt to those
-workers (`dealt`).
+workers (`dealt`). Also here: the checks of those calls' arguments (`epoch_number`,
+`workers_number`) and `locked`, the stream's lock around each call, so that from several
+threads each reads the cursor, makes the new one and puts it in place as one step.
 """
 import dataclasses
+import functools
 import numbers
 
 from pipeline.errors import short
@@ -180,3 +183,14 @@ def workers_number(workers):
         return max(1, int(workers))
     raise ValueError(f"set_workers({short(workers, 60)}): loader workers per rank are an integer in 0..{most} "
                      f"(0, no worker processes, reads as 1)")
+
+
+def locked(method):
+    """Run a call that reads the cursor and puts a new one in place under the stream's lock, so
+    that calls from several threads never put back a cursor made from a stale one, nor read
+    `arrived` while a batch is recorded into it."""
+    @functools.wraps(method)
+    def run(self, *args, **kw):
+        with self._guard():
+            return method(self, *args, **kw)
+    return run

@@ -27,7 +27,6 @@ the same world with the same segment, bit for bit; on another, with what every p
 left, dealt to the new world's pairs (`deal.Segment.after`).
 """
 import dataclasses
-import functools
 import os
 import threading
 
@@ -38,7 +37,8 @@ from pipeline.data.store import remote
 from pipeline.data.streams import stages
 from pipeline.data.streams import reading
 from pipeline.data.streams import plans
-from pipeline.data.streams.cursor import Cursor, Start, dealt, epoch_clash, epoch_number, every_rank, workers_number
+from pipeline.data.streams.cursor import (Cursor, Start, dealt, epoch_clash, epoch_number, every_rank, locked,
+                                          workers_number)
 from pipeline.ordering import deal, order, state_format
 from pipeline.data.fields.batch import Collate
 from pipeline.errors import Errors, short
@@ -56,17 +56,6 @@ HEADER_BYTES = 1024  # a sample's tar headers, for sources whose manifest gives 
 
 def _remote(source):
     return any(remote.kind(u) in ("http", "store") for u in source.urls[:1])
-
-
-def locked(method):
-    """Run a call that reads the cursor and puts a new one in place under the stream's lock, so
-    that calls from several threads never put back a cursor made from a stale one, nor read
-    `arrived` while a batch is recorded into it."""
-    @functools.wraps(method)
-    def run(self, *args, **kw):
-        with self._guard():
-            return method(self, *args, **kw)
-    return run
 
 
 class MixedStream(torch.utils.data.IterableDataset):
@@ -191,7 +180,13 @@ class MixedStream(torch.utils.data.IterableDataset):
         if cur.plan is not None:
             return cur
         if cur.loaded is not None:
-            segment, start = dealt(cur.loaded, self.topo.rank, (self.topo.world, cur.workers, self.batch_size))
+            try:
+                segment, start = dealt(cur.loaded, self.topo.rank, (self.topo.world, cur.workers, self.batch_size))
+            except ValueError as e:  # before a loader: the state's own workers would take it
+                if cur.workers_given:
+                    raise
+                raise ValueError(f"{e}, or give the workers first (make_loader(stream, "
+                                 f"{cur.loaded.segment.workers}) or set_workers)") from None
             return cur.with_plan(segment, start, cur.loaded.targets)
         targets = self.targets(cur.probs)
         segment = deal.first(cur.epoch, targets, world=self.topo.world, workers=cur.workers,
