@@ -4,8 +4,8 @@ partial and full passes, at every step: a new stream given only the cursor (and 
 arrived under its plan) yields exactly what the stream yields, and both yield exactly what a
 fresh stream yields that reached the same place by the shortest calls (its workers, then the
 epoch set or the state loaded, then the batches read since), so nothing outside the cursor
-steers the stream and each call builds the cursor it should. A refused call leaves the cursor
-it found."""
+steers the stream and each call builds the cursor it should. A refused call (bad arguments
+interleaved at random too) leaves the cursor it found and the batches arrived under it."""
 import dataclasses
 import json
 
@@ -53,6 +53,7 @@ class Route:
     finished: bool = False
     pinned: tuple = None
     given: bool = False
+    deep: dict = None
 
     def fresh(self, sources):
         s = new_stream(sources)
@@ -75,14 +76,43 @@ def check_same_place(sources, stream, route, what):
 
 
 def refused(stream, call, match):
-    before = stream.cursor
+    before, arrived = stream.cursor, dict(stream.arrived)
     with pytest.raises(ValueError, match=match):
         call()
-    assert stream.cursor is before, "a refused call changed the cursor"
+    assert stream.cursor is before and stream.arrived == arrived, "a refused call changed the cursor"
+
+
+def nested(depth):
+    out = {}
+    for _ in range(depth):
+        out = {"x": out}
+    return out
+
+
+BAD_CALLS = [  # (what, call(stream, route), the refusal's words)
+    ("set_epoch(-1)", lambda s, r: s.set_epoch(-1), r"set_epoch\(-1\): the epoch is an integer"),
+    ("set_epoch(1.5)", lambda s, r: s.set_epoch(1.5), r"set_epoch\(1.5\): the epoch is an integer"),
+    ("set_epoch(None)", lambda s, r: s.set_epoch(None), r"set_epoch\(None\): the epoch is an integer"),
+    ("set_epoch(True)", lambda s, r: s.set_epoch(True), r"set_epoch\(True\): the epoch is an integer"),
+    ("set_epoch(nan)", lambda s, r: s.set_epoch(float("nan")), r"set_epoch\(nan\): the epoch is an integer"),
+    ("set_epoch(2**53+1)", lambda s, r: s.set_epoch(2 ** 53 + 1), r"the epoch is an integer in 0\.\."),
+    ("set_epoch(e, [1, 1])", lambda s, r: s.set_epoch(r.epoch, [1, 1]), r"weights are a dict"),
+    ("set_workers(-1)", lambda s, r: s.set_workers(-1), r"set_workers\(-1\): loader workers per rank"),
+    ("set_workers(2.0)", lambda s, r: s.set_workers(2.0), r"set_workers\(2.0\): loader workers per rank"),
+    ("set_workers('2')", lambda s, r: s.set_workers("2"), r"set_workers\('2'\): loader workers per rank"),
+    ("set_workers(2000)", lambda s, r: s.set_workers(2000), r"set_workers\(2000\): loader workers per rank"),
+    ("load(deep)", lambda s, r: s.load_state_dict(r.deep), "nested too deep"),
+]
 
 
 def step(sources, stream, route, saved, rng, log):
-    op = rng.choice(["read", "read", "epoch", "workers", "workers", "save", "load", "len", "len"])
+    op = rng.choice(["read", "read", "epoch", "workers", "workers", "save", "load", "len", "len", "bad"])
+    if op == "bad":
+        what, call, match = BAD_CALLS[int(rng.integers(0, len(BAD_CALLS)))]
+        log.append(what)
+        if what == "load(deep)":  # its own state with a key nested deep (the plan made now, as len() makes it)
+            route.deep = dict(stream.state_dict(), extra=nested(5000))
+        return refused(stream, lambda: call(stream, route), match)
     if op == "len":  # as a loop sized by len() asks: the plan is made now, before the next call
         log.append("len")
         assert len(stream) == route.fresh(sources).remaining(), " -> ".join(log)

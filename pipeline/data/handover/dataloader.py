@@ -67,15 +67,22 @@ class StatefulLoader:
 
     def load_state_dict(self, state):
         """Go on from state_dict(): the next pass continues the saved epoch where it stopped
-        (or starts the next one, for a state saved at an epoch's end)."""
+        (or starts the next one, for a state saved at an epoch's end). Everything is checked
+        before the stream takes the state (next_epoch against the stream state's epoch too):
+        a refused state leaves the loader and the stream as they were."""
         if not isinstance(state, dict) or not {"next_epoch", "stream"} <= set(state):
             raise ValueError(f"{str(state)[:80]}: a StatefulLoader.state_dict() expected ({{'next_epoch', 'stream'}})")
         epoch = state["next_epoch"]
         if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= MAX_COUNT:
             raise ValueError(f"loader state next_epoch: {short(epoch, 60)}; an integer in 0..{MAX_COUNT} expected (a "
                              f"damaged or edited state: load the one state_dict() gave)")
-        did = self.stream.load_state_dict(state["stream"])
-        self.next_epoch = epoch + (did["deal"] == "next epoch")
+        at, begun = self.stream.goes_on_at(state["stream"])  # checked in full before the stream takes it
+        if epoch not in ((at + 1,) if begun else (at, at + 1)):  # saved in at's pass, or before it began
+            raise ValueError(f"loader state next_epoch {epoch} disagrees with its stream state, which goes on "
+                             f"{'inside' if begun else 'at the start of'} epoch {at} (next_epoch "
+                             f"{at + 1 if begun else f'{at} or {at + 1}'} expected): load the one state_dict() gave")
+        self.stream.load_state_dict(state["stream"])
+        self.next_epoch = at + 1
         self._resumed = True
 
     def close(self):

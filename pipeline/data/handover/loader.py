@@ -200,6 +200,8 @@ class Loader:
         return ("own", base, n), self.ring.spec.arrays(memory, n)
 
     def _arrived(self, batch):
+        if "state" in batch and hasattr(self.stream, "ongoing"):
+            self.stream.ongoing(batch["state"])  # another loader's pass on the stream ends this one
         if self._record is not None and "state" in batch:
             self._record(batch["state"])
         return batch

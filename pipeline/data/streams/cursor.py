@@ -6,11 +6,17 @@ stream's consumer has trained since the cursor's plan was made (`arrived`: each 
 batch state) is kept beside it, and a stream's state (`MixedStream.state_dict`) is a function
 of the two. The cursor's plan is made when first needed (a pass begins, or its length or state
 is asked for), from its epoch, weights and workers, or from a loaded state dealt to those
-workers (`dealt`).
+workers (`dealt`). Also here: the checks of those calls' arguments (`epoch_number`,
+`workers_number`) and `locked`, the stream's lock around each call, so that from several
+threads each reads the cursor, makes the new one and puts it in place as one step.
 """
 import dataclasses
+import functools
+import numbers
 
+from pipeline.errors import short
 from pipeline.ordering import deal, state_format
+from pipeline.ordering.order import MAX_COUNT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,3 +167,30 @@ def epoch_clash(saved, ended, epoch, order_):
     where = f"at the end of epoch {saved}, which goes on at epoch {saved + 1}" if ended else f"inside epoch {saved}"
     allowed = f"{saved} or {saved + 1}" if ended else f"{saved}"
     return f"{order_}: the stream state was saved {where}; set_epoch({epoch}) disagrees (use {allowed})"
+
+
+def epoch_number(epoch):
+    """set_epoch's epoch as an int, or ValueError: an integer (numpy's too) in the range a state holds."""
+    if isinstance(epoch, numbers.Integral) and not isinstance(epoch, bool) and 0 <= epoch <= MAX_COUNT:
+        return int(epoch)
+    raise ValueError(f"set_epoch({short(epoch, 60)}): the epoch is an integer in 0..{MAX_COUNT}")
+
+
+def workers_number(workers):
+    """set_workers' count as an int, or ValueError; 0 (a loader reading in this process) is 1."""
+    most = state_format.MAX_WORKERS
+    if isinstance(workers, numbers.Integral) and not isinstance(workers, bool) and 0 <= workers <= most:
+        return max(1, int(workers))
+    raise ValueError(f"set_workers({short(workers, 60)}): loader workers per rank are an integer in 0..{most} "
+                     f"(0, no worker processes, reads as 1)")
+
+
+def locked(method):
+    """Run a call that reads the cursor and puts a new one in place under the stream's lock, so
+    that calls from several threads never put back a cursor made from a stale one, nor read
+    `arrived` while a batch is recorded into it."""
+    @functools.wraps(method)
+    def run(self, *args, **kw):
+        with self._guard():
+            return method(self, *args, **kw)
+    return run

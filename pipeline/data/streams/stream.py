@@ -27,6 +27,8 @@ the same world with the same segment, bit for bit; on another, with what every p
 left, dealt to the new world's pairs (`deal.Segment.after`).
 """
 import dataclasses
+import os
+import threading
 
 import numpy as np
 import torch
@@ -35,10 +37,11 @@ from pipeline.data.store import remote
 from pipeline.data.streams import stages
 from pipeline.data.streams import reading
 from pipeline.data.streams import plans
-from pipeline.data.streams.cursor import Cursor, Start, dealt, epoch_clash, every_rank
+from pipeline.data.streams.cursor import (Cursor, Start, dealt, epoch_clash, epoch_number, every_rank, locked,
+                                          workers_number)
 from pipeline.ordering import deal, order, state_format
 from pipeline.data.fields.batch import Collate
-from pipeline.errors import Errors
+from pipeline.errors import Errors, short
 from pipeline.data.manifests.manifest import Source, resolve  # noqa: F401  (part of this module's API)
 from pipeline.data.streams.mix import RandomMix
 from pipeline.ordering.topology import Topology, Worker, own_items
@@ -111,7 +114,23 @@ class MixedStream(torch.utils.data.IterableDataset):
         self.fetch_ahead = fetch_ahead
         self.cursor = Cursor(tuple(probs))  # where the stream stands (cursor.py), replaced whole
         self.arrived = {}  # the batch states arrived under the cursor's plan, by logical worker
+        self.passing = None  # the plan id of the pass begun last: another's batches end their pass (`ongoing`)
         self._orders = {}
+        self._lock, self._lock_pid = threading.RLock(), os.getpid()
+
+    def _guard(self):
+        """The stream's lock; a forked process makes its own (another thread may have held the parent's)."""
+        if self._lock_pid != os.getpid():
+            self._lock, self._lock_pid = threading.RLock(), os.getpid()
+        return self._lock
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        del state["_lock"]  # a lock does not pickle (forkserver or spawn workers): each process its own
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _lock=threading.RLock(), _lock_pid=os.getpid())
 
     @property
     def epoch(self):
@@ -161,7 +180,13 @@ class MixedStream(torch.utils.data.IterableDataset):
         if cur.plan is not None:
             return cur
         if cur.loaded is not None:
-            segment, start = dealt(cur.loaded, self.topo.rank, (self.topo.world, cur.workers, self.batch_size))
+            try:
+                segment, start = dealt(cur.loaded, self.topo.rank, (self.topo.world, cur.workers, self.batch_size))
+            except ValueError as e:  # before a loader: the state's own workers would take it
+                if cur.workers_given:
+                    raise
+                raise ValueError(f"{e}, or give the workers first (make_loader(stream, "
+                                 f"{cur.loaded.segment.workers}) or set_workers)") from None
             return cur.with_plan(segment, start, cur.loaded.targets)
         targets = self.targets(cur.probs)
         segment = deal.first(cur.epoch, targets, world=self.topo.world, workers=cur.workers,
@@ -173,6 +198,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         self._move(self._placed(self.cursor))
         return self.cursor
 
+    @locked
     def current(self):
         """The segment the stream stands in: its epoch's first, or one dealt from a loaded state."""
         return self._place().plan.segment
@@ -183,6 +209,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         plan's batches, 150 on a resume whose pass yielded 110)."""
         return self.remaining()
 
+    @locked
     def remaining(self):
         """Batches the next pass yields on this rank: all of its epoch's, or what a resumed or
         partly read epoch has left (after a finished epoch: the next one's, which that pass reads)."""
@@ -191,40 +218,62 @@ class MixedStream(torch.utils.data.IterableDataset):
             return self.batches_per_epoch
         return cur.plan.segment.batches - cur.made(self.arrived)
 
-    def plan(self, begin=True):
+    @locked
+    def plan(self, begin=True, shared=False):
         """The plan of the pass about to begin (the loader asks as each pass begins): where the
         stream stands, with the batches that arrived since the last plan folded in. A pass
         after a finished epoch reads the next epoch (torchdata's rule; call `set_epoch` to
         choose). begin=False: a look ahead (a loader starting its workers early), after which
-        a state just loaded still decides which epoch may be set."""
+        a state just loaded still decides which epoch may be set. Each pass begun gets a plan
+        of its own (its id the stream's `passing`), so that the batches of a pass begun before
+        it are told apart (`ongoing`); shared=True: one more producer of the same pass (`batches`)."""
         cur = self._placed(self.cursor.unpinned() if begin else self.cursor)
         if cur.finished(self.arrived):  # read to its end, or dealt to this world with nothing left
             cur = self._placed(cur.restarted(cur.epoch + 1))
-        elif self.arrived:
+        elif self.arrived or (begin and not shared and cur.plan.id == self.passing):
             cur = cur.folded(self.arrived)
         self._move(cur)
+        if begin and not shared:
+            self.passing = cur.plan.id
         return cur.plan
 
+    def ongoing(self, state):
+        """RuntimeError when a batch's pass is no longer the stream's: another pass began on it
+        since (another loader's: two passes over one stream would read its samples twice). The
+        loader asks as each batch arrives, as it does for a second pass of its own."""
+        if self.passing is not None and state.get("plan") != self.passing:
+            raise RuntimeError("another pass began on this stream (another loader over it?) while this pass was "
+                               "being read; a stream runs one pass at a time")
+
+    @locked
     def set_epoch(self, epoch, weights=None):
         """Select the epoch (and optionally new weights, e.g. from a schedule): a pass reads
         epoch `epoch` from its start; the epoch the stream stands in goes on where it is, and
         starts over once finished. Right after `load_state_dict`, only the state's epoch (or,
         for a state saved at its epoch's end, the next) may be set: the state decides. New weights
         for the epoch the stream is inside are refused: its mixture was fixed when it began."""
+        epoch = epoch_number(epoch)
+        if weights is not None and not isinstance(weights, dict):
+            raise ValueError(f"set_epoch({epoch}, {short(weights, 60)}): weights are a dict {{source name: weight}} "
+                             f"(parse_weights('a=0.5,b=0.5') makes one from text)")
         probs = self.cursor.probs if weights is None else check_weights(weights, self.layout.names)
         self._move(self.cursor.at_epoch(epoch, probs, self.arrived))
 
+    @locked
     def set_workers(self, workers):
         """How many loader workers read this stream (make_loader says). What was read of the
         epoch so far is dealt to them again: the rest of this rank's share on one rank; on
-        several, the workers change only where the epoch has not begun on this rank."""
+        several, the workers change only where the epoch has not begun on this rank. 0 (a
+        loader with no worker processes) is 1. A loaded state these workers cannot be dealt (this
+        rank's alone, from other workers) is refused now, the stream as it was."""
+        workers = workers_number(workers)
         cur = self.cursor
         if workers == cur.workers:
-            self._move(dataclasses.replace(cur, workers_given=True))
+            self._move(self._dealable(dataclasses.replace(cur, workers_given=True)))
             return
         made = cur.made(self.arrived)
         if not made:
-            self._move(cur.with_workers(workers))
+            self._move(self._dealable(cur.with_workers(workers)))
             return
         if self.topo.world > 1:
             raise ValueError(f"this rank read {made} batches of epoch {cur.epoch} with {cur.workers} worker(s); "
@@ -279,7 +328,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         into the arrays `borrow(n)` lends when given, and the worker's `state` after the batch.
         `plan`: the pass's Plan (the loader sends it to its workers), else `plan()`, taken now:
         the producers of one pass (one call per worker) share it."""
-        return self._batches(worker, borrow, plan or self.plan())
+        return self._batches(worker, borrow, plan or self.plan(shared=True))
 
     def _batches(self, worker, borrow, plan):
         seg, start = plan.segment, plan.start
@@ -318,6 +367,7 @@ class MixedStream(torch.utils.data.IterableDataset):
 
     # ------------------------------------------------------------ state
 
+    @locked
     def record(self, state):
         """The worker state of a batch that arrived (the loader calls this in the consuming
         process, the trainer as it trains the batch); a batch of an older plan is not counted."""
@@ -325,6 +375,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         if plan is not None and state.get("plan") == plan.id:
             self.arrived[state["worker"]] = state
 
+    @locked
     def state_dict(self):
         """Where this rank stands in its epoch, JSON-serialisable: the segment (how it was dealt),
         the batches each rank made of it, and the positions this rank's workers passed over
@@ -354,6 +405,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         return {"window_samples": self.shuffle_buffer, "window_bytes": self.window_bytes,
                 "resample": bool(self.resample)}
 
+    @locked
     def load_state_dict(self, state):
         """Go on from `state_dict()`: one rank's, or a list of every rank's. Before or after
         `set_epoch` (the state's epoch), before or after `make_loader`: the next pass starts
@@ -362,7 +414,8 @@ class MixedStream(torch.utils.data.IterableDataset):
         With the same world, workers and batch size the segment goes on as it stopped;
         otherwise every rank's state is needed, and what each pair left is dealt to this
         world. A state inside an epoch over other shards than this stream's (its sources'
-        shard-list digests differ) is refused. Returns what it did, as the stream is set
+        shard-list digests differ) is refused, and so is one the stream's workers (where a
+        loader or `set_workers` gave them) cannot be dealt. Returns what it did, as the stream is set
         now: {"deal": "same", "re-deal" or "next epoch", "generation": ..., "from": [world,
         workers, batch size], "to": [...], "passed": {rank: positions passed over without a
         sample}}."""
@@ -371,8 +424,8 @@ class MixedStream(torch.utils.data.IterableDataset):
         seg, done, ranks, passed, ended, targets = self._check(state)
         if epoch_before is not None and epoch_before not in ((seg.epoch, seg.epoch + 1) if ended else (seg.epoch,)):
             raise ValueError(epoch_clash(seg.epoch, ended, epoch_before, "load_state_dict after set_epoch"))
-        self._move(dataclasses.replace(cur.after_load(seg, done, ranks, passed, ended, targets),
-                                       pinned=(seg.epoch, ended)))
+        self._move(self._dealable(dataclasses.replace(cur.after_load(seg, done, ranks, passed, ended, targets),
+                                                      pinned=(seg.epoch, ended))))
         # before make_loader the workers are not known yet (the stream assumes 1): the loader's decide
         given = cur.workers_given
         here = (self.topo.world, cur.workers if given else None, self.batch_size)
@@ -383,12 +436,31 @@ class MixedStream(torch.utils.data.IterableDataset):
                 "from": list(was), "to": list(here),
                 "passed": {r: sum(sum(v) for p, v in passed.items() if p % seg.world == r) for r in ranks}}
 
+    def _dealable(self, cur):
+        """`cur`, checked that its loaded state can be dealt to its workers where they are known:
+        refused now (ValueError, nothing changed), not at every len(), state_dict() and pass after."""
+        if cur.loaded is not None and cur.workers_given and cur.plan is None:
+            self._placed(cur)
+        return cur
+
+    @locked
+    def goes_on_at(self, state):
+        """(the epoch the next pass reads once `state` is loaded, whether that epoch was begun: a
+        batch of it made), checked as `load_state_dict` checks it, the stream unchanged
+        (StatefulLoader checks its own state against it)."""
+        seg, done, _, _, ended, _ = self._check(state)
+        return seg.epoch + ended, bool(done) and not ended
+
     def _check(self, state):
         """(segment, done, ranks, passed, ended, targets) of a state, every number checked (a state is input)."""
-        root, ranks = state_format.merge(state)
-        seg, done, ranks, passed, ended = state_format.check(
-            root, ranks, names=self.layout.names, listings=self._listings(), seed=self.seed, targets=self.targets(),
-            passes=self._passes(), order_of=self._order_settings())
+        try:
+            root, ranks = state_format.merge(state)
+            seg, done, ranks, passed, ended = state_format.check(
+                root, ranks, names=self.layout.names, listings=self._listings(), seed=self.seed,
+                targets=self.targets(), passes=self._passes(), order_of=self._order_settings())
+        except RecursionError:
+            raise ValueError("the stream state is nested too deep to be one state_dict() (a damaged or edited "
+                             "state: load the one state_dict() gave)") from None
         if not ended and len(ranks) != seg.world:
             if (seg.world, seg.batch_size) != (self.topo.world, self.batch_size):
                 raise ValueError(every_rank(seg, ranks, (self.topo.world, self.workers, self.batch_size)))
