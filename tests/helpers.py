@@ -32,6 +32,16 @@ def build_shards(out, name, split, n, *, shape=(1, 28, 28), encoding="raw", maxc
     return manifest, source
 
 
+
+def two_small_sources(out):
+    """Sources a (330 samples, 40 a shard) and b (200, 30 a shard) of 1x2x2 raw images in `out`:
+    shards of unequal sizes, so an epoch of batches of 10 crosses shards mid-batch."""
+    from pipeline.data.manifests.manifest import resolve
+
+    for name, n, per in (("a", 330, 40), ("b", 200, 30)):
+        build_shards(out, name, "train", n, shape=(1, 2, 2), maxcount=per)
+    return [resolve(n, str(out), "train") for n in "ab"]
+
 def sample_key(name, split, index):
     """The key make_shards gives sample `index` (see shards.write_shard)."""
     return f"{name}-{split}-{index:07d}"

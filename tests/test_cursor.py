@@ -12,8 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from helpers import build_shards, read_pass
-from pipeline.data.manifests.manifest import resolve
+from helpers import read_pass, two_small_sources
 from pipeline.data.streams.cursor import Cursor
 from pipeline.data.streams.stream import MixedStream
 
@@ -23,10 +22,7 @@ EPOCH = 30  # batches an epoch (300 samples)
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cursor")
-    for name, n, per in (("a", 330, 40), ("b", 200, 30)):
-        build_shards(out, name, "train", n, shape=(1, 2, 2), maxcount=per)
-    return [resolve(n, str(out), "train") for n in "ab"]
+    return two_small_sources(tmp_path_factory.mktemp("cursor"))
 
 
 def new_stream(sources):

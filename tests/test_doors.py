@@ -11,10 +11,9 @@ import threading
 import numpy as np
 import pytest
 
-from helpers import build_shards, read_pass
+from helpers import read_pass, two_small_sources
 from pipeline.data.handover.dataloader import StatefulLoader
 from pipeline.data.handover.loader import make_loader
-from pipeline.data.manifests.manifest import resolve
 from pipeline.data.streams.stream import MixedStream
 from pipeline.ordering.topology import Topology
 
@@ -24,10 +23,7 @@ EPOCH = 30  # batches an epoch (300 samples)
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    out = tmp_path_factory.mktemp("doors")
-    for name, n, per in (("a", 330, 40), ("b", 200, 30)):
-        build_shards(out, name, "train", n, shape=(1, 2, 2), maxcount=per)
-    return [resolve(n, str(out), "train") for n in "ab"]
+    return two_small_sources(tmp_path_factory.mktemp("doors"))
 
 
 def new_stream(sources, topo=None):
