@@ -18,6 +18,8 @@ import torch
 
 from pipeline.data.decoding import gpujpeg
 
+REFUSED = "_refused"  # a batch's count of JPEGs neither decoder took, added to its `skipped` by the loader
+
 
 def parse_device(device):
     """None, or a torch.device of type cuda (with its index) or cpu; ValueError (one line) for
@@ -94,7 +96,9 @@ class ToDevice:
         if gpujpeg.SIZES not in tensors:
             return {name: move(t) for name, t in tensors.items()}
         out = {name: move(t) for name, t in tensors.items() if name not in ("image", gpujpeg.SIZES)}
-        out["image"] = gpujpeg.unpack(tensors["image"], tensors[gpujpeg.SIZES], self.device, move)
+        out["image"], refused = gpujpeg.unpack(tensors["image"], tensors[gpujpeg.SIZES], self.device, move)
+        if refused:  # zeros where neither decoder took a JPEG: the loader counts them in the batch's skipped
+            out[REFUSED] = refused
         if self.normalize:
             out["image"] = self.layout.normalize(out["image"], out["source"])
         return out
