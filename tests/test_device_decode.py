@@ -161,3 +161,29 @@ def test_a_jpeg_neither_decoder_takes_after_the_hand_over_is_counted_in_skipped(
                 assert (key == "000005") == (not image.any()), key
     loader.close()
     assert keys.count("000005") >= 1 and skipped == keys.count("000005")
+
+
+def test_a_stream_whose_jpegs_all_decode_on_the_host_says_so(web, tmp_path):
+    """A --fields source (its own schema) or the raw MNIST one alone: decode="device" moves no
+    JPEG to the device, and one warning says every image decodes on the host."""
+    from pipeline.data.fields.schema import parse_fields
+
+    fields = {"web": parse_fields("image:image=jpg,size=40x56 label:class=cls")}
+    for sources, kw in ((web[:1], {"schemas": fields}), (web[1:], {})):
+        with pytest.warns(UserWarning, match="decode='device': no source's JPEGs .* decoded on the host"):
+            make_loader(_stream(sources, False, **kw), 0, device="cpu", decode="device").close()
+
+
+def test_decode_on_device_in_a_cpu_run_says_it_decodes_on_the_host_and_records_it(tmp_path):
+    """--decode-on device without a GPU: one line says the host decodes, and summary.json's
+    config records decode_on "host", what ran."""
+    import json
+
+    from helpers import build_shards, train_in_process
+
+    build_shards(tmp_path / "d", "mnist", "train", 40, maxcount=20)
+    p = train_in_process(["--train", f"mnist={tmp_path}/d/", "--epochs", "1", "--batch-size", "8", "--workers",
+                          "0", "--width", "4", "--decode-on", "device", "--out", str(tmp_path / "o")])
+    assert p.returncode == 0, p.stderr
+    assert "--decode-on device needs a GPU; this CPU run decodes on the host" in p.stderr
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["config"]["decode_on"] == "host"
