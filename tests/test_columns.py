@@ -346,3 +346,91 @@ def test_a_class_value_past_the_sources_classes_is_refused_not_read_as_the_next_
     assert stream.layout.num_classes == 14 and skipped == 5
     assert web == {f"{i:06d}": labels[i] for i in range(24) if i % 5}
     assert all(4 <= label < 14 for name, label in got.values() if name == "mnist")
+
+
+# ---------------------------------------------------------------- one reading of a class value on every path
+
+def _classes_everywhere(tmp_path, raw, name="x"):
+    """The manifest classes and {key: class name} of a set labelled `raw`, indexed by
+    `make-shards --index`, by `--index --fields` and on first use (the three paths)."""
+    from pipeline.stream import resolve as first_use
+
+    fields = "image:image=jpg,size=16x16 label:class=cls"
+    _labelled_set(tmp_path / "set", raw)
+    got = {}
+    for way, extra in (("index", []), ("fields", ["--fields", fields])):
+        done = make_shards_in_process(["--index", f"{name}:train={tmp_path}/set/s-*.tar", "--out",
+                                       str(tmp_path / way), "--quiet", *extra])
+        assert done.returncode == 0, done.stderr
+        got[way] = resolve(name, str(tmp_path / way), "train")
+    got["first use"] = first_use(name, str(tmp_path / "set"), "train", fields=fields, cache_dir=str(tmp_path / "c"))
+    out = {}
+    for way, src in got.items():
+        labels, skipped = _labels(MixedStream([src], {name: 1}, 4, seed=0, epoch_samples=len(raw)), 0)
+        assert skipped == 0, way
+        out[way] = (src.classes, {k: src.classes[y] for k, (_, y) in labels.items()})
+    return out
+
+
+def test_numeric_looking_names_are_one_class_on_every_path(tmp_path):
+    """'3', '03', '+3' are the class 3 and '\u0663' (Arabic-Indic 3) and '3.0' names of their own,
+    whether indexed with --index, --index --fields or on first use: the same classes, the same
+    label for each sample (once: [3, 03, +3, 3.0, cat] were 4 classes on one path, 2 on another)."""
+    raw = ["3", "03", "+3", "cat", "\u0663", "3.0"] * 2
+    want = ["3", "3.0", "cat", "\u0663"]
+    with pytest.warns(UserWarning, match="the labels mix 1 integer"):  # 3 among names: said
+        seen = _classes_everywhere(tmp_path, raw)
+    for way, (classes, labels) in seen.items():
+        assert classes == want, way
+        assert labels == {f"{i:06d}": "3" if raw[i] in ("03", "+3") else raw[i] for i in range(len(raw))}, way
+
+
+def test_one_command_gives_every_split_the_training_splits_classes_with_fields(tmp_path):
+    """`--index x:train=... --index x:test=... --fields ...`: the test split short of a class takes
+    the training split's classes (dog is 1 in both), as the same command without --fields does."""
+    _labelled_set(tmp_path / "tr", ["cat", "dog", "emu"] * 4)
+    _labelled_set(tmp_path / "te", ["dog", "emu"] * 4)
+    for out, extra in (("m", []), ("f", ["--fields", "image:image=jpg,size=16x16 label:class=cls"])):
+        done = make_shards_in_process(["--index", f"x:test={tmp_path}/te/s-*.tar", "--index",
+                                       f"x:train={tmp_path}/tr/s-*.tar", "--out", str(tmp_path / out), "--quiet",
+                                       *extra])
+        assert done.returncode == 0, done.stderr
+        test = resolve("x", str(tmp_path / out), "test")
+        assert test.classes == ["cat", "dog", "emu"], out
+        labels, skipped = _labels(MixedStream([test], {"x": 1}, 4, seed=0, epoch_samples=8), 0)
+        assert skipped == 0 and sorted({y for _, y in labels.values()}) == [1, 2], out
+
+
+def test_integer_labels_among_names_are_named_in_one_warning(tmp_path):
+    """Ids 0..11 and one 'cat': every value becomes a name sorted as text ('10' before '2'): one
+    warning line says so, with --index and with --fields."""
+    _labelled_set(tmp_path / "set", [str(i) for i in range(12)] + ["cat"] * 6)
+    for out, extra in (("m", []), ("f", ["--fields", "image:image=jpg,size=16x16 label:class=cls"])):
+        with pytest.warns(UserWarning) as caught:
+            done = make_shards_in_process(["--index", f"x:train={tmp_path}/set/s-*.tar", "--out",
+                                           str(tmp_path / out), "--quiet", *extra])
+        assert done.returncode == 0, done.stderr
+        said = [str(w.message) for w in caught if "the labels mix" in str(w.message)]
+        assert len(said) == 1 and "mix 12 integer(s) (e.g. 0) with 1 class name(s) (e.g. 'cat')" in said[0], said
+
+
+@pytest.mark.parametrize("value", ["", "true"])
+def test_a_label_that_is_neither_an_id_nor_a_name_ends_the_index_on_every_path(tmp_path, value):
+    """An empty .cls (or a JSON true): the index ends with one line naming the sample and the value,
+    with --index, --fields and on first use alike (docs/data.md: the documented rule)."""
+    from pipeline.errors import ShardError
+    from pipeline.stream import resolve as first_use
+
+    label = "json:class" if value == "true" else "cls"
+    raw = ["cat", "dog", value, "cat"] * 3
+    _labelled_set(tmp_path / "set", raw, lambda i: {"class": True if raw[i] == "true" else raw[i]})
+    fields = f"image:image=jpg,size=16x16 label:class={label}"
+    for extra in (["--label-key", label], ["--fields", fields]):
+        done = make_shards_in_process(["--index", f"x:train={tmp_path}/set/s-*.tar", "--out", str(tmp_path / "m"),
+                                       "--quiet", *extra])
+        assert done.returncode == 2 and "sample 000002" in done.stderr, done.stderr
+        assert "not an integer or a class name" in done.stderr, done.stderr
+    if label != "cls":
+        return  # on first use the class is the .cls the set is indexed by (pipeline.writers.autoindex.build)
+    with pytest.raises(ShardError, match="sample 000002: .* not an integer or a class name"):
+        first_use("x", str(tmp_path / "set"), "train", fields=fields, cache_dir=str(tmp_path / "c"))

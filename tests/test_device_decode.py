@@ -129,3 +129,61 @@ def test_the_trainer_flag_takes_host_or_device_and_refuses_sample_stages(capsys)
     with pytest.raises(SystemExit) as e:
         options.parse(["--train", "a=x/", "--decode-on", "device", "--sample-stage", "m:f"])
     assert e.value.code == 2 and "--sample-stage needs their pixels" in capsys.readouterr().err
+
+
+def test_a_jpeg_neither_decoder_takes_after_the_hand_over_is_counted_in_skipped(tmp_path):
+    """A JPEG whose header passes but whose scan holds a stray FF C8 marker: torchvision and the
+    host decoder both refuse it after the hand-over, so its image is zeros (the batch has left its
+    worker) and each such sample is counted in the batch's `skipped`, with a warning saying so."""
+    from helpers import encoded, smooth, write_foreign
+
+    good = [encoded(smooth(3, 32, 32, seed=i), "JPEG", quality=90) for i in range(16)]
+    scan = good[5].index(b"\xff\xda")
+    middle = (scan + len(good[5])) // 2
+    bad = good[5][:middle] + b"\xff\xc8" + good[5][middle:]
+
+    def write(broken):
+        write_foreign(tmp_path / "set", 16, 8, "s-{:04d}.tar", lambda i: (f"{i:06d}", [
+            (f"{i:06d}.jpg", bad if broken and i == 5 else good[i]), (f"{i:06d}.cls", str(i % 2).encode())]))
+
+    write(False)  # indexed whole (the index would refuse the broken one), broken after
+    p = make_shards_in_process(["--quiet", "--index", f"x:train={tmp_path}/set", "--out", str(tmp_path / "m")])
+    assert p.returncode == 0, p.stderr
+    write(True)
+    stream = MixedStream([resolve("x", str(tmp_path / "m"), "train")], {"x": 1}, 8, epoch_samples=16, normalize=False)
+    loader = make_loader(stream, 0, device="cpu", decode="device")
+    keys, skipped = [], 0
+    with pytest.warns(UserWarning, match="refused after the hand-over"):
+        for b in loader:
+            keys += b["key"]
+            skipped += int(b["skipped"])
+            for key, image in zip(b["key"], b["image"]):
+                assert (key == "000005") == (not image.any()), key
+    loader.close()
+    assert keys.count("000005") >= 1 and skipped == keys.count("000005")
+
+
+def test_a_stream_whose_jpegs_all_decode_on_the_host_says_so(web, tmp_path):
+    """A --fields source (its own schema) or the raw MNIST one alone: decode="device" moves no
+    JPEG to the device, and one warning says every image decodes on the host."""
+    from pipeline.data.fields.schema import parse_fields
+
+    fields = {"web": parse_fields("image:image=jpg,size=40x56 label:class=cls")}
+    for sources, kw in ((web[:1], {"schemas": fields}), (web[1:], {})):
+        with pytest.warns(UserWarning, match="decode='device': no source's JPEGs .* decoded on the host"):
+            make_loader(_stream(sources, False, **kw), 0, device="cpu", decode="device").close()
+
+
+def test_decode_on_device_in_a_cpu_run_says_it_decodes_on_the_host_and_records_it(tmp_path):
+    """--decode-on device without a GPU: one line says the host decodes, and summary.json's
+    config records decode_on "host", what ran."""
+    import json
+
+    from helpers import build_shards, train_in_process
+
+    build_shards(tmp_path / "d", "mnist", "train", 40, maxcount=20)
+    p = train_in_process(["--train", f"mnist={tmp_path}/d/", "--epochs", "1", "--batch-size", "8", "--workers",
+                          "0", "--width", "4", "--decode-on", "device", "--out", str(tmp_path / "o")])
+    assert p.returncode == 0, p.stderr
+    assert "--decode-on device needs a GPU; this CPU run decodes on the host" in p.stderr
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["config"]["decode_on"] == "host"

@@ -11,9 +11,11 @@ from helpers import encoded, jpeg_cases, smooth
 SHAPES = [(3, 32, 32), (1, 28, 28)]
 
 
-def _unpack(rows, sizes, device="cpu"):
+def _unpack(rows, sizes, device="cpu", refused=0):
     move = (lambda t: t.to(device)) if device != "cpu" else torch.Tensor.clone
-    return gpujpeg.unpack(torch.from_numpy(rows), torch.from_numpy(sizes), torch.device(device), move)
+    pixels, count = gpujpeg.unpack(torch.from_numpy(rows), torch.from_numpy(sizes), torch.device(device), move)
+    assert count == refused  # JPEGs neither decoder took: the batch's skipped counts them
+    return pixels
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -59,7 +61,7 @@ def test_unpacked_on_the_cpu_as_decode_batch_decodes(shape):
 
 def test_what_the_device_refuses_is_decoded_on_the_host_and_what_both_refuse_is_zeros(monkeypatch):
     """A JPEG damaged inside its scan after the hand-over: the device's refusal sends it to the
-    host decoder; refused there too, its image is zeros and a warning says so."""
+    host decoder; refused there too, its image is zeros, counted and a warning says so."""
     shape = (3, 32, 32)
     datas = jpeg_cases(shape)
     rows, kept, errors, sizes = gpujpeg.pack(datas, ["jpg"] * len(datas), Target(shape, ("jpg",)))
@@ -69,9 +71,36 @@ def test_what_the_device_refuses_is_decoded_on_the_host_and_what_both_refuse_is_
     j = int(np.flatnonzero(sizes)[0])
     flat = rows[j].reshape(-1)
     flat[sizes[j] // 2:sizes[j] - 2] = 0xFF  # the scan's second half now markers
-    with pytest.warns(UserWarning, match="refused after the hand-over"):
-        pixels = _unpack(rows, sizes)
+    with pytest.warns(UserWarning, match="refused after the hand-over.*counted in the batch's skipped"):
+        pixels = _unpack(rows, sizes, refused=1)
     assert not pixels[j].any() and (pixels.numpy()[np.arange(len(rows)) != j] == want[np.arange(len(rows)) != j]).all()
+
+
+def _frame(data, marker=None, precision=None):
+    """`data` with its SOF0 frame marker or sample precision rewritten."""
+    b = bytearray(data)
+    at = b.find(b"\xff\xc0")
+    if marker is not None:
+        b[at + 1] = marker
+    if precision is not None:
+        b[at + 4] = precision
+    return bytes(b)
+
+
+def test_a_frame_the_device_cannot_decode_never_travels():
+    """12-bit, lossless (SOF3), arithmetic (SOF9), progressive (SOF2, here claimed over a
+    baseline scan) headers pass the header check but the GPU path would leave zeros: each is
+    decoded or refused in the worker, as decode_batch does; baseline and SOF1 travel."""
+    shape = (3, 32, 32)
+    base = encoded(smooth(*shape), "JPEG", quality=90)
+    datas = [base, _frame(base, 0xC1), _frame(base, precision=12), _frame(base, 0xC3), _frame(base, 0xC9),
+             _frame(base, 0xC2)]
+    target = Target(shape, ("jpg",))
+    rows, kept, errors, sizes = gpujpeg.pack(datas, ["jpg"] * len(datas), target)
+    want, want_kept, want_errors = decode.decode_batch(datas, ["jpg"] * len(datas), target)
+    assert [kept[j] for j in np.flatnonzero(sizes)] == [0, 1]
+    assert kept == want_kept and errors == want_errors
+    assert (_unpack(rows, sizes).numpy() == want).all()
 
 
 def test_a_hostile_header_is_refused_on_the_host_before_any_decode(monkeypatch):

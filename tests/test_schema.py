@@ -49,9 +49,16 @@ def test_a_class_field_is_one_class_index_a_sample_and_one_a_schema():
     assert value(Column("y", "class", "cls"), b"7\n") == 7 and value(Column("y", "class", "json:c"), b'{"c": 2}') == 2
     assert value(Column("y", "class", "cls"), b" cat\n") == "cat"  # a name: the manifest's classes map it
     assert value(Column("y", "class", "json:c"), b'{"c": "cat"}') == "cat"
-    for data, said in ((b"-1", "not a class index"), (b"2.0", "not a class index"), (b"nan", "not a class index")):
+    # one reading of a class value (labelling.class_value), as --index reads a label: ASCII digits are
+    # an id ('03' and '+3' are 3), any other text a name as written, a JSON float or true no class
+    assert value(Column("y", "class", "cls"), b"+03") == 3
+    assert value(Column("y", "class", "cls"), b"2.0") == "2.0" and value(Column("y", "class", "cls"), "\u0663".encode()) == "\u0663"
+    for data, said in ((b"-1", "not a class index"), (b"", "empty, not an integer or a class name")):
         with pytest.raises(ValueError, match=said):
             value(Column("y", "class", "cls"), data)
+    for data, said in ((b'{"c": 2.0}', "2.0 is not an integer"), (b'{"c": true}', "true is not an integer")):
+        with pytest.raises(ValueError, match=said):
+            value(Column("y", "class", "json:c"), data)
     with pytest.raises(ValueError, match="no length"):
         Column("y", "class", "cls", length=2)
     with pytest.raises(ValueError, match="one class field"):

@@ -69,6 +69,11 @@ def train(args, topo, device, stopper=None):
         print(f"pipeline-train: note: {busy}", file=sys.stderr, flush=True)
     if topo.is_main:
         guard.warn_data(train_sources, eval_sources)
+    if args.decode_on == "device" and device.type != "cuda":  # what ran, in summary.json's config too
+        if topo.is_main:
+            print("pipeline-train: note: --decode-on device needs a GPU; this CPU run decodes on the host",
+                  file=sys.stderr, flush=True)
+        args.decode_on = "host"
     def start_loader(train_stream):
         """The memory check, then the loader's workers, started while the model is built: they fork
         before CUDA starts here and read the first batches meanwhile. On a GPU each batch arrives
@@ -78,7 +83,7 @@ def train(args, topo, device, stopper=None):
             return None
         return stream.make_loader(train_stream, args.workers, record=False,
                                   device=device if device.type == "cuda" else None,
-                                  decode=args.decode_on if device.type == "cuda" else "host",
+                                  decode=args.decode_on,
                                   timeout=args.loader_timeout or None).start()
 
     try:

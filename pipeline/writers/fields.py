@@ -17,7 +17,7 @@ import numpy as np
 
 from pipeline.data.decoding import decode
 from pipeline.data.decoding.decode import image_format, open_image, pil_reason, pixels_of
-from pipeline.data.decoding.labelling import CONTENT_ERRORS
+from pipeline.data.decoding.labelling import CONTENT_ERRORS, mixed_classes
 from pipeline.data.manifests.manifest import CLASSES_WHY, FORMAT, MAX_CLASSES
 from pipeline.data.fields.schema import MAX_TEXT, Column, Schema, parse_fields
 from pipeline.data.fields.member_values import value_of
@@ -45,7 +45,8 @@ def scan_fields(sample, scan, url):
             if col.kind != "image":
                 value = value_of(col, ext, path, data, parsed, lambda: random.Random(0))
                 if col.kind == "class":  # the classes: 0 to the largest index seen, or the names seen
-                    scan["labels"][value if isinstance(value, str) else int(value)] += 1
+                    scan["labels"][value] += 1
+                    scan["first"].setdefault(value, key)
             elif image_format(ext) == "raw":
                 pixels = decode.decode_image(bytes(data), "raw", (col.channels, *col.size))
                 stats = stats or (ext, pixels.transpose(1, 2, 0), col.size)
@@ -96,8 +97,10 @@ def totals(found):
     return shapes, exts, rgb, grey
 
 
-def summarise_fields(name, split, spec, found, names, schema):
-    """The manifest of an indexed set of fields, from every shard's scan."""
+def summarise_fields(name, split, spec, found, names, schema, classes_from=None):
+    """The manifest of an indexed set of fields, from every shard's scan. classes_from: (path,
+    manifest) of the training split of the same set, whose classes this split takes (as --index
+    without --fields does), so that a test split short of a class keeps the training indices."""
     shapes, exts, rgb, grey = totals(found)
     held = sum((f.get("held", collections.Counter()) for f in found), collections.Counter())
     never = [c for c in schema.columns if c.optional and not held[c.name]]
@@ -118,6 +121,13 @@ def summarise_fields(name, split, spec, found, names, schema):
         labels += f["labels"]
     named = any(isinstance(v, str) for v in labels)  # class names: sorted, as --index sorts a label's names
     classes = sorted({str(v) for v in labels}) if named else [str(i) for i in range(max(labels) + 1)] if labels else []
+    if classes_from is not None and classes_from[1].get("classes"):
+        from pipeline.writers.index import resolve_classes  # the one rule for a split taking another's classes
+
+        named = bool(classes_from[1].get("label_names"))
+        classes = resolve_classes(found, None, classes_from)[0]
+    elif named and mixed_classes(labels):
+        warnings.warn(f"{name}-{split}: {mixed_classes(labels)}", stacklevel=2)
     if len(classes) > MAX_CLASSES:
         raise ShardError(f"{spec}: class index {len(classes) - 1} in field "
                          f"{next(c.name for c in schema.columns if c.kind == 'class')}, more than the {MAX_CLASSES} "

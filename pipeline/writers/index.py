@@ -22,6 +22,7 @@ import hashlib
 import os
 import re
 import urllib.parse
+import warnings
 
 import numpy as np
 
@@ -30,6 +31,7 @@ from pipeline.data.decoding import image_caps
 from pipeline.data.store import listings, remote
 from pipeline.data.decoding.decode import IMAGE_EXTS, image_format, open_image, pil_reason, pixels_of
 from pipeline.data.decoding.labelling import (CONTENT_ERRORS, LABEL_EXTS, Unlabelled, as_integer, as_name,
+                                              class_value, mixed_classes,
                                               default_label, describe_label, label_hint, label_member,
                                               parse_label_key, raw_label)
 from pipeline.errors import ShardError, redact
@@ -169,6 +171,10 @@ def _scan_sample(sample, scan, url):
                          f"out (they are counted), or choose the label with --label-key") from None
     except ValueError as e:
         raise ShardError(f"{url}: sample {key}: {e}") from None
+    try:
+        value = class_value(value)  # '03' and '+3' are the class 3, as the stream and --fields read them
+    except ValueError as e:
+        raise ShardError(f"{url}: sample {key}: {describe_label(scan['label'])}: {e}") from None
     if not images:
         have = sorted(k for k in sample if not k.startswith("__"))
         wanted = f".{scan['image_key']}" if scan["image_key"] else f"image member (.{', .'.join(FOREIGN_EXTS)})"
@@ -291,7 +297,7 @@ def _index(name, split, spec, out, urls, names, label, image_key, shape, classes
     finally:
         bar.close()
     if fields is not None:
-        manifest = summarise_fields(name, split, spec, found, names, fields)
+        manifest = summarise_fields(name, split, spec, found, names, fields, classes_from)
         os.makedirs(out, exist_ok=True)
         path = os.path.join(out, manifest_name(name, split))
         write_json_atomic(path, check(manifest, path))
@@ -407,6 +413,9 @@ def resolve_classes(found, classes_file, classes_from):
         distinct = sorted(set(integers.values()))
         return [str(v) for v in distinct], None if distinct == list(range(len(distinct))) else distinct, False
     if names_given is None:
+        mixed = mixed_classes(values)
+        if mixed:
+            warnings.warn(mixed, stacklevel=2)
         return sorted({as_name(v) for v in values}), None, True
     known = set(names_given)
     for v in values:

@@ -279,12 +279,12 @@ def run_index(args, stage=None):
                         policy=policy, progress=not args.quiet, stage=stage, fields=args.fields)
         if stage is not None:
             writing.put(os.path.join(stage, manifest.manifest_name(name, split)), path, policy)
+        if split == "train":
+            trained[name] = (path, m)
         if args.fields is not None:
             print(f"indexed {name}-{split}: {counted(len(m['shards']), 'shard')}, {m['total']} samples, fields "
                   f"{fields.describe(m['fields'])}, in {time.perf_counter() - t0:.1f} s -> {path}")
             continue
-        if split == "train":
-            trained[name] = (path, m)
         unlabelled = sum(s.get("unlabelled", 0) for s in m["shards"])
         print(f"indexed {name}-{split}: {counted(len(m['shards']), 'shard')}, {m['total']} samples"
               f"{f' ({unlabelled} unlabelled left out)' if unlabelled else ''}, images "

@@ -86,7 +86,7 @@ def raw_label(sample, rule):
         except UnicodeDecodeError:
             raise ValueError(f".{ext} holds {bytes(data[:20])!r}, not text") from None
         if not value:
-            raise ValueError(f".{ext} is empty")
+            raise ValueError(f".{ext} is empty, not an integer or a class name")
     else:
         value = top = label_json(data)
         for part in path:
@@ -195,6 +195,35 @@ def as_name(value):
     return value if isinstance(value, str) else str(value)
 
 
+def class_value(value):
+    """A class label in the one form that indexing (with or without --fields, ahead or on first
+    use) and the stream share: an int for an integer (a JSON integer, or text of ASCII digits with
+    an optional sign, so '03' and '+3' are 3), else the name as written, stripped ('3.0', '\u0663'
+    and 'cat' are names). ValueError (the value as written) for none: empty text, a JSON
+    true/false, float, list, object."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"{cut(json.dumps(value, ensure_ascii=False), 60)} is not an integer or a class name")
+    text = value.strip()
+    if not text:
+        raise ValueError(f"{value!r} is empty, not an integer or a class name")
+    return int(text) if _INTEGER.match(text) else text
+
+
+def mixed_classes(labels):
+    """A warning line when a label's values mix class names with integers (0..11 and 'cat'): every
+    value is then a name, sorted as text ('10' before '2'), so the integers no longer index their
+    classes; None when they do not mix."""
+    numbers = sorted(v for v in labels if isinstance(v, int))
+    if not numbers or len(numbers) == len(labels):
+        return None
+    name = next(v for v in labels if isinstance(v, str))
+    return (f"the labels mix {len(numbers)} integer(s) (e.g. {numbers[0]}) with {len(labels) - len(numbers)} "
+            f"class name(s) (e.g. {cut(repr(name), 40)}): all are taken as names, sorted as text ('10' before "
+            f"'2'), so an integer is not its class index; give every class its name, or --classes FILE")
+
+
 def label_of(sample, target, lookup=None):
     """The class index of a sample; Unlabelled or ValueError saying what is missing or wrong,
     whatever its label member holds."""
@@ -230,7 +259,7 @@ def class_of(value, target, lookup=None):
     (pipeline.data.fields.schema) both come through here, so one raw label means one class
     wherever it is read. ValueError saying why a label has none."""
     if target.names:
-        name = as_name(value)
+        name = as_name(class_value(value))
         index = lookup.get(name) if lookup is not None else None
         if index is None:
             raise ValueError(f"class name {cut(repr(name), 80)} is not one of the source's {len(target.names)} classes")

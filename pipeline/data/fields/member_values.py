@@ -35,21 +35,20 @@ def value_of(col, ext, path, data, parsed, rng):
     text = _text(data, ext)
     if kind == "text":
         return text
-    if kind == "class" and _named(text.strip()):  # a class name: the manifest's classes map it (schema.sample)
-        return text.strip()
+    if kind == "class":  # an id or a class name: the manifest's classes map it (schema.sample)
+        return _class(text, f".{ext}")
     return _numbers(col, text.replace(",", " ").split(), f".{ext}")
 
 
-def _named(value):
-    """Whether a class field's raw value is a class name: text that is not a number (an id, or a
-    number that is no id, which _numbers refuses saying so)."""
-    if not isinstance(value, str) or not value.strip():
-        return False
+def _class(value, where):
+    """A class field's value as labelling.class_value reads every label: an id or a name."""
     try:
-        float(value)
-    except ValueError:
-        return True
-    return False
+        value = labelling.class_value(value)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if isinstance(value, int) and not 0 <= value < (1 << 31):
+        raise ValueError(f"{where}: {value} is not a class index (0, 1, 2 ...)")
+    return value
 
 
 def _text(data, ext):
@@ -83,8 +82,8 @@ def _from_json(col, value, path):
         if len(value) > col.max_bytes or len(value.encode("utf-8")) > col.max_bytes:
             raise ValueError(f"{where}: text of more than {col.max_bytes} bytes (the field's max_bytes)")
         return value
-    if col.kind == "class" and _named(value):
-        return value
+    if col.kind == "class":
+        return _class(value, where)
     items = value if isinstance(value, list) else [value]
     if col.length is None and isinstance(value, list):
         raise ValueError(f"{where} is {_shape_of(value)}, not a scalar (give the field a length)")

@@ -14,9 +14,13 @@ With decode="device" the JPEGs of a batch cross the hand-over as bytes in their 
 (pipeline.data.decoding.gpujpeg) and are decoded here, on the same copy stream, before the slot
 goes back; the stream's normalisation, if it has one, follows on the device.
 """
+import warnings
+
 import torch
 
 from pipeline.data.decoding import gpujpeg
+
+REFUSED = "_refused"  # a batch's count of JPEGs neither decoder took, added to its `skipped` by the loader
 
 
 def parse_device(device):
@@ -51,6 +55,11 @@ def decoding(stream, where, device):
         stream.layout = layout.decoded_on(where, getattr(stream, "sample_stages", ()))
     elif where != "host":
         raise ValueError(f"make_loader's decode must be 'host' or 'device', got {where!r}")
+    if where == "device" and not any(stream.layout.encoded):
+        warnings.warn("decode='device': no source's JPEGs can be decoded after the hand-over (it takes the "
+                      "default schema's sources whose images are the canvas's size; a source with its own "
+                      "fields, or of another size, decodes in the workers): every image is decoded on the host",
+                      stacklevel=3)
     if where != "device" or not any(stream.layout.encoded):
         return None, False
     return stream.layout, bool(getattr(stream, "normalize", False))
@@ -94,7 +103,9 @@ class ToDevice:
         if gpujpeg.SIZES not in tensors:
             return {name: move(t) for name, t in tensors.items()}
         out = {name: move(t) for name, t in tensors.items() if name not in ("image", gpujpeg.SIZES)}
-        out["image"] = gpujpeg.unpack(tensors["image"], tensors[gpujpeg.SIZES], self.device, move)
+        out["image"], refused = gpujpeg.unpack(tensors["image"], tensors[gpujpeg.SIZES], self.device, move)
+        if refused:  # zeros where neither decoder took a JPEG: the loader counts them in the batch's skipped
+            out[REFUSED] = refused
         if self.normalize:
             out["image"] = self.layout.normalize(out["image"], out["source"])
         return out

@@ -18,7 +18,7 @@ import threading
 import torch
 
 from pipeline.data.handover.budget import PREFETCH
-from pipeline.data.handover.device import ToDevice, decoding, parse_device
+from pipeline.data.handover.device import REFUSED, ToDevice, decoding, parse_device
 from pipeline.data.handover.ring import Ring
 from pipeline.ordering.topology import Worker
 from pipeline.data.handover.workers import BATCH, END, Workers, raise_error, unpack
@@ -202,6 +202,8 @@ class Loader:
     def _arrived(self, batch):
         if "state" in batch and hasattr(self.stream, "ongoing"):
             self.stream.ongoing(batch["state"])  # another loader's pass on the stream ends this one
+        if REFUSED in batch:  # JPEGs neither decoder took after the hand-over (decode="device"): skipped
+            batch["skipped"] += batch.pop(REFUSED)
         if self._record is not None and "state" in batch:
             self._record(batch["state"])
         return batch
