@@ -22,6 +22,7 @@ from pipeline.data.manifests.manifest import CLASSES_WHY, FORMAT, MAX_CLASSES
 from pipeline.data.fields.schema import MAX_TEXT, Column, Schema, parse_fields
 from pipeline.data.fields.member_values import value_of
 from pipeline.errors import ShardError, cut, redact
+from pipeline.writers.classes import resolve_classes  # the one rule for a split taking another's classes
 
 STAT_SIDE = 64  # images are decoded at most about this big for the mean and std (JPEG draft mode)
 GREY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"}
@@ -122,8 +123,6 @@ def summarise_fields(name, split, spec, found, names, schema, classes_from=None)
     named = any(isinstance(v, str) for v in labels)  # class names: sorted, as --index sorts a label's names
     classes = sorted({str(v) for v in labels}) if named else [str(i) for i in range(max(labels) + 1)] if labels else []
     if classes_from is not None and classes_from[1].get("classes"):
-        from pipeline.writers.index import resolve_classes  # the one rule for a split taking another's classes
-
         named = bool(classes_from[1].get("label_names"))
         classes = resolve_classes(found, None, classes_from)[0]
     elif named and mixed_classes(labels):

@@ -8,7 +8,7 @@ image's size and mode taken from its header and checked against `pipeline.data.d
 decoded for the per-channel mean and std, every label read. Labels are where users keep them (a
 label rule: .cls/.txt/.index, a .json field, the key's folder), integers or class
 names; names map to indices by their sorted order, a --classes file or another
-split's manifest (`resolve_classes`). The manifest then says where the shards are
+split's manifest (`pipeline.writers.classes`). The manifest then says where the shards are
 (names relative to the manifest when they lie in its folder or below, else
 absolute paths or URLs, or under --base-url), the most common image shape (or
 --shape), the classes, how samples decode (image members, label rule) and that the
@@ -22,7 +22,6 @@ import hashlib
 import os
 import re
 import urllib.parse
-import warnings
 
 import numpy as np
 
@@ -30,12 +29,10 @@ from pipeline import cli
 from pipeline.data.decoding import image_caps
 from pipeline.data.store import listings, remote
 from pipeline.data.decoding.decode import IMAGE_EXTS, image_format, open_image, pil_reason, pixels_of
-from pipeline.data.decoding.labelling import (CONTENT_ERRORS, LABEL_EXTS, Unlabelled, as_integer, as_name,
-                                              class_value, mixed_classes,
-                                              default_label, describe_label, label_hint, label_member,
-                                              parse_label_key, raw_label)
+from pipeline.data.decoding.labelling import (CONTENT_ERRORS, LABEL_EXTS, Unlabelled, class_value, default_label,
+                                              describe_label, label_hint, label_member, parse_label_key, raw_label)
 from pipeline.errors import ShardError, redact
-from pipeline.files import MAX_JSON, missing_folder, open_regular, write_json_atomic
+from pipeline.files import missing_folder, write_json_atomic
 from pipeline.data.manifests.manifest import (FORMAT, NAME_RE, CLASSES_WHY, MAX_CLASSES, MAX_SIDE, check,
                                               manifest_name, plain_relative)
 from pipeline.data.manifests.locations import pipe_shard_name
@@ -43,6 +40,7 @@ from pipeline.data.manifests.patterns import expand_shards
 from pipeline.data.shards.read import MAX_MEMBER, is_meta, iter_samples
 from pipeline.data.fields.schema import Oversized
 from pipeline.writers.fields import scan_fields, summarise_fields, totals
+from pipeline.writers.classes import resolve_classes
 from pipeline.writers.shards import forked_imap, writing
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
@@ -355,75 +353,6 @@ def shard_location(url, out):
     return path
 
 
-def read_text(path, what):
-    """A small UTF-8 text file named by a flag: one line, never a hang, for a FIFO, a
-    device, something huge or not text."""
-    try:
-        with open_regular(path) as f:
-            data = f.read(MAX_JSON + 1)
-    except (OSError, ShardError) as e:
-        raise ShardError(f"{what}: {getattr(e, 'strerror', None) or e}") from None
-    if len(data) > MAX_JSON:
-        raise ShardError(f"{what}: more than {MAX_JSON} bytes; a list of class names is far smaller")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ShardError(f"{what}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-
-
-def resolve_classes(found, classes_file, classes_from):
-    """(classes, label_values, label_names) from every shard's raw labels: integers as today
-    (the sorted distinct values, or names from --classes for 0..N-1), class names mapped to
-    indices by their sorted order, by --classes FILE, or by another split's manifest."""
-    first = {}
-    values = collections.Counter()
-    for f in found:
-        values += f["labels"]
-        for v, k in f["first"].items():
-            first.setdefault(v, (f["url"], k))
-    integers = {v: as_integer(v) for v in values}
-    names_given = None
-    if classes_from is not None:
-        where, m = classes_from
-        if not m.get("label_names"):
-            named = [v for v, i in integers.items() if i is None]
-            if named:
-                raise ShardError(_at(first, named[0], f"label {as_name(named[0])[:60]!r} is a class name, but the "
-                                                      f"labels of {where} are integers"))
-            known = m.get("label_values") or range(len(m["classes"]))
-            outside = sorted({i for i in integers.values()} - set(known))
-            if outside:
-                v = next(v for v, i in integers.items() if i == outside[0])
-                raise ShardError(_at(first, v, f"label {outside[0]} is not one of the {len(known)} labels of {where}"))
-            return list(m["classes"]), m.get("label_values"), False
-        names_given, source = list(m["classes"]), where
-    elif classes_file:
-        source = f"--classes {classes_file}"
-        names_given = [ln.strip() for ln in read_text(classes_file, source).splitlines() if ln.strip()]
-        if len(set(names_given)) != len(names_given):
-            twice = next(n for n in names_given if names_given.count(n) > 1)
-            raise ShardError(f"{source}: class name {twice!r} is listed twice")
-        if all(i is not None for i in integers.values()):
-            outside = sorted({i for i in integers.values() if not 0 <= i < len(names_given)})
-            if outside:
-                raise ShardError(f"{source}: {len(names_given)} names, but labels {outside[:5]} fall outside "
-                                 f"0..{len(names_given) - 1}")
-            return names_given, None, False
-    elif all(i is not None for i in integers.values()):
-        distinct = sorted(set(integers.values()))
-        return [str(v) for v in distinct], None if distinct == list(range(len(distinct))) else distinct, False
-    if names_given is None:
-        mixed = mixed_classes(values)
-        if mixed:
-            warnings.warn(mixed, stacklevel=2)
-        return sorted({as_name(v) for v in values}), None, True
-    known = set(names_given)
-    for v in values:
-        if as_name(v) not in known:
-            raise ShardError(_at(first, v, f"class name {as_name(v)[:60]!r} is not in {source}"))
-    return names_given, None, True
-
-
 FREE_TEXT_WORDS, FREE_TEXT_CHARS = 5, 40  # a median class name this long reads as a sentence, not a class
 
 
@@ -448,11 +377,6 @@ def free_text(m):
             f"text, index with --fields (e.g. --fields 'image:image={m['image_exts'][0]},size="
             f"{m['shape'][1]}x{m['shape'][2]} caption:text={member}' and a class field, "
             f"label:class=MEMBER, to train on); to take another label, --label-key")
-
-
-def _at(first, value, problem):
-    url, key = first[value]
-    return f"{url}: sample {key}: {problem}"
 
 
 def summarise(name, split, spec, found, names, label, shape, classes_file, classes_from=None):
