@@ -125,8 +125,8 @@ def _once(loc, bucket, key, method, policy, size, headers, body, digest):
             http.close()
     if re.search(rb"<Error>", answer):  # a copy S3 took (200) and then failed: the answer's body says why
         raise s3.s3_error(200, {}, answer)
-    if "x-amz-copy-source" in headers and not re.search(rb"<CopyObjectResult>", answer):
-        # S3 may pad a long copy's answer with spaces before its result or its error: no result, no copy
+    if "x-amz-copy-source" in headers and not re.search(rb"<CopyObjectResult[\s>]", answer):
+        # S3 may pad a long copy's answer with spaces before its result (xmlns=...) or its error: no result, no copy
         raise Unreachable(f"a copy answered 200 without <CopyObjectResult> in the first {ANSWER} bytes of its answer: "
                           f"not known to be done")
 
