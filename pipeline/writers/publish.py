@@ -6,10 +6,11 @@ written, last. A failed or interrupted upload removes its temporary keys; before
 move it has touched nothing else, after it the shards moved so far and the marker (below) are
 left, which the error line says: the rerun takes them as its own and finishes the set, and
 until then indexing the prefix is refused (refuse_cut_short). The same ownership rule holds
-(a key of a needed name that no make_shards manifest of this split there names is refused), shards whose bytes a store already holds
-under their name are not uploaded again, a build stopped while it moved its shards in
-leaves a marker (`MOVING`) by which its rerun knows them, and a lock key
-(pipeline.writers.storelock) keeps a second make_shards from writing the prefix meanwhile.
+(a key of a needed name that no make_shards manifest of this split there names is refused),
+shards whose bytes a store already holds under their name are not uploaded again, a build
+stopped while it moved its shards in leaves a marker (`MOVING`) by which its rerun knows them,
+and a lock key (pipeline.writers.storelock) keeps a second make_shards from writing the prefix
+meanwhile.
 """
 import json
 import os
