@@ -163,14 +163,27 @@ def put(self, local, name):
     return real(self, local, name)
 
 writing.Writer.put = put
+if {cleaning!r}:  # the clean-up after the stop starts (its handler has run), says so and is slow
+    real_remove = writing.Writer.remove
+
+    def remove(self, name):
+        open({cleaning!r}, "w").close()
+        time.sleep(0.5)
+        return real_remove(self, name)
+    writing.Writer.remove = remove
+    make_shards.TWICE = 600.0  # however slow a loaded machine, the second signal counts as the same stop
 sys.exit(make_shards.main(sys.argv[1:]))
 """
 
 
-def test_a_rebuild_stopped_by_sigterm_leaves_no_lock_and_no_temporaries(s3_bucket, tmp_path):
+@pytest.mark.parametrize("twice", [False, True])
+def test_a_rebuild_stopped_by_sigterm_leaves_no_lock_and_no_temporaries(s3_bucket, tmp_path, twice):
     """SIGTERM mid-upload (a scheduler's stop) left `.make_shards.lock` and the `.tar.tmp-*`
     keys, and the requeued command refused until the lock was deleted by hand. Now the stop
-    removes both, says so, exits 143, and the same command then runs."""
+    removes both, says so, exits 143, and the same command then runs. `timeout` sends SIGTERM
+    twice (to the process, then its group): a second that came once the first's handler had run
+    ended the process mid-clean-up (the hostile pass: the lock left, 2 runs in 10); it is the
+    same stop now (twice: the second sent once the clean-up began)."""
     import signal
     import subprocess
     import sys
@@ -181,7 +194,8 @@ def test_a_rebuild_stopped_by_sigterm_leaves_no_lock_and_no_temporaries(s3_bucke
     before = {n: remote.fetch(storage.join(out, n)) for n in listings.names(out)}
     ready = tmp_path / "ready"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = STOPPED_AT_THIRD_PUT.format(tools=os.path.join(root, "tools"), ready=str(ready))
+    cleaning = str(tmp_path / "cleaning") if twice else ""
+    code = STOPPED_AT_THIRD_PUT.format(tools=os.path.join(root, "tools"), ready=str(ready), cleaning=cleaning)
     p = subprocess.Popen([sys.executable, "-c", code, *BUILD, "--seed", "1", "--out", out], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=root))
     try:
@@ -191,6 +205,11 @@ def test_a_rebuild_stopped_by_sigterm_leaves_no_lock_and_no_temporaries(s3_bucke
             time.sleep(0.05)
         assert any(".tmp-" in n for n in listings.names(out)) and storelock.LOCK in listings.names(out)
         p.send_signal(signal.SIGTERM)
+        while twice and not os.path.exists(cleaning):
+            assert p.poll() is None and time.time() - t0 < 240, p.communicate()
+            time.sleep(0.05)
+        if twice:
+            p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=120)
     finally:
         if p.poll() is None:
