@@ -139,7 +139,7 @@ def _refused(refused, method, status, headers, body):
     if status == 404 and method == "HEAD":
         return _Absent("no such object")
     where = headers.get("Location") if headers and 300 <= status < 400 else None
-    if where and not (headers.get("x-amz-bucket-region")):
+    if where and not headers.get("x-amz-bucket-region"):
         return Missing(f"HTTP {status}: a redirect to {cut(redact(where), 100)!r}, not followed (a write goes to the "
                        f"bucket's own endpoint only); check $AWS_ENDPOINT_URL and the bucket's region")
     return refused(status, headers, body)
