@@ -57,7 +57,9 @@ class _S3Writes(http.server.BaseHTTPRequestHandler):
     x-amz-copy-source) and DELETE are answered by `server.put`: "ok", or ("huge", status,
     bytes): those of a shard's key with an error answer of that many bytes, sent as fast as
     it is read (`server.sent` counts them), or ("drip", seconds): a PUT's answer dripped a
-    byte every 0.2 s; a GET answers a written object, else an empty
+    byte every 0.2 s, or ("early", status): S3's AccessDenied sent before the body is read, then
+    the connection closed, or ("redirect", status, location), sent as early, or ("answer",
+    bytes): a PUT answered 200 with them; a GET answers a written object, else an empty
     listing. `server.seen` keeps (method, key, what was wrong with its signature)."""
 
     protocol_version = "HTTP/1.1"
@@ -86,11 +88,23 @@ class _S3Writes(http.server.BaseHTTPRequestHandler):
         return self.server.put != "ok" and ".tar" in key
 
     def do_PUT(self):
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         key = self._key()
+        if self._hostile(key) and self.server.put[0] in ("early", "redirect"):  # before a byte of the body is read
+            self.server.seen.append(("PUT", key, ""))
+            self.close_connection = True
+            if self.server.put[0] == "redirect":
+                self.send_response(self.server.put[1])
+                self.send_header("Location", self.server.put[2])
+                self.send_header("Content-Length", "0")
+                return self.end_headers()
+            return self._answer(self.server.put[1], b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message>"
+                                                    b"</Error>")
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         self.server.seen.append(("PUT", key, signature_fault(self, body)))
         if self._hostile(key) and self.server.put[0] == "drip":
             return drip(self, b" ", self.server.put[1], b"HTTP/1.1 200 OK\r\nx-pad:")
+        if self._hostile(key) and self.server.put[0] == "answer":
+            return self._answer(200, self.server.put[1])
         if self._hostile(key):
             return self._huge(*self.server.put[1:])
         source = self.headers.get("x-amz-copy-source")
@@ -271,3 +285,50 @@ def test_make_shards_to_a_store_that_answers_500_with_200_mb_ends_in_one_line_at
     tries = len([s for s in s3_writes.seen if ".tar" in s[1]])  # the PUT's 3, the DELETE's of its temporary key 3
     assert tries == 6 and s3_writes.sent < tries * (8 << 20), (tries, s3_writes.sent)
     assert peak - ok_peak < 64 << 20, (peak, ok_peak)
+
+
+@pytest.mark.parametrize("answer", [b" " * 70_000 + ERROR + b"</Error>", b"", b"<Result>done</Result>"],
+                         ids=["spaces-then-error", "empty", "other"])
+def test_a_copy_is_done_only_when_its_answer_holds_its_result(s3_writes, answer):
+    """A copy S3 takes answers 200 at once and may pad its answer with spaces until the copy
+    ends in its result or an error: 70,000 spaces then an error, an empty answer or another
+    document are no copy, retried as a 500 is, and said in one line (the move stops there:
+    its source is not removed)."""
+    s3_writes.objects["p/a.tar.tmp-1"] = b"x" * 1000
+    s3_writes.put = ("answer", answer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(FetchError) as e:
+            writing.Writer("s3://bucket/p", FAST).move("a.tar.tmp-1", "a.tar", 1000)
+    assert str(e.value) == ("s3://bucket/p/a.tar.tmp-1: cannot copy to a.tar: failed after 3 attempts: Unreachable: a "
+                            "copy answered 200 without <CopyObjectResult> in the first 65536 bytes of its answer: not "
+                            "known to be done"), str(e.value)
+    assert [s[:2] for s in s3_writes.seen if s[1]] == [("PUT", "p/a.tar")] * 3
+    assert "p/a.tar.tmp-1" in s3_writes.objects
+
+
+def test_an_upload_refused_before_its_body_is_read_is_said_as_refused_and_not_tried_again(s3_writes):
+    """S3 answers a refused upload (403) before it reads the body and closes the connection:
+    the sender's next write is a broken pipe (or a reset). The answer waiting is read and said,
+    once: a 403 is no reason to try again."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s3_writes.put = ("early", 403)
+        with pytest.raises(FetchError) as e:
+            writing.Writer("s3://bucket/p", FAST).write_bytes(b"x" * (32 << 20), "a.tar")
+    assert str(e.value) == "s3://bucket/p/a.tar: cannot write: Access Denied (AccessDenied, HTTP 403)", str(e.value)
+    assert [s[:2] for s in s3_writes.seen if s[1]] == [("PUT", "p/a.tar")]
+    assert not caught, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("status", [301, 307])
+def test_a_redirect_of_a_write_is_not_followed_and_names_where_it_pointed(s3_writes, status):
+    """A write goes to its bucket's endpoint only (its signature is that host's): a redirect
+    with a Location is refused at once, naming the place (its credentials redacted)."""
+    s3_writes.put = ("redirect", status, "http://elsewhere.example/b/a.tar?X-Amz-Signature=abc123")
+    with pytest.raises(FetchError) as e:
+        writing.Writer("s3://bucket/p", FAST).write_bytes(b"x" * 1000, "a.tar")
+    assert str(e.value) == (f"s3://bucket/p/a.tar: cannot write: HTTP {status}: a redirect to "
+                            "'http://elsewhere.example/b/a.tar?X-Amz-Signature=***', not followed (a write goes to the "
+                            "bucket's own endpoint only); check $AWS_ENDPOINT_URL and the bucket's region"), str(e.value)
+    assert len([s for s in s3_writes.seen if s[1]]) == 1

@@ -163,14 +163,27 @@ def put(self, local, name):
     return real(self, local, name)
 
 writing.Writer.put = put
+if {cleaning!r}:  # the clean-up after the stop starts (its handler has run), says so and is slow
+    real_remove = writing.Writer.remove
+
+    def remove(self, name):
+        open({cleaning!r}, "w").close()
+        time.sleep(0.5)
+        return real_remove(self, name)
+    writing.Writer.remove = remove
+    make_shards.TWICE = 600.0  # however slow a loaded machine, the second signal counts as the same stop
 sys.exit(make_shards.main(sys.argv[1:]))
 """
 
 
-def test_a_rebuild_stopped_by_sigterm_leaves_no_lock_and_no_temporaries(s3_bucket, tmp_path):
+@pytest.mark.parametrize("twice", [False, True])
+def test_a_rebuild_stopped_by_sigterm_leaves_no_lock_and_no_temporaries(s3_bucket, tmp_path, twice):
     """SIGTERM mid-upload (a scheduler's stop) left `.make_shards.lock` and the `.tar.tmp-*`
     keys, and the requeued command refused until the lock was deleted by hand. Now the stop
-    removes both, says so, exits 143, and the same command then runs."""
+    removes both, says so, exits 143, and the same command then runs. `timeout` sends SIGTERM
+    twice (to the process, then its group): a second that came once the first's handler had run
+    ended the process mid-clean-up (the hostile pass: the lock left, 2 runs in 10); it is the
+    same stop now (twice: the second sent once the clean-up began)."""
     import signal
     import subprocess
     import sys
@@ -181,7 +194,8 @@ def test_a_rebuild_stopped_by_sigterm_leaves_no_lock_and_no_temporaries(s3_bucke
     before = {n: remote.fetch(storage.join(out, n)) for n in listings.names(out)}
     ready = tmp_path / "ready"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = STOPPED_AT_THIRD_PUT.format(tools=os.path.join(root, "tools"), ready=str(ready))
+    cleaning = str(tmp_path / "cleaning") if twice else ""
+    code = STOPPED_AT_THIRD_PUT.format(tools=os.path.join(root, "tools"), ready=str(ready), cleaning=cleaning)
     p = subprocess.Popen([sys.executable, "-c", code, *BUILD, "--seed", "1", "--out", out], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=root))
     try:
@@ -191,6 +205,11 @@ def test_a_rebuild_stopped_by_sigterm_leaves_no_lock_and_no_temporaries(s3_bucke
             time.sleep(0.05)
         assert any(".tmp-" in n for n in listings.names(out)) and storelock.LOCK in listings.names(out)
         p.send_signal(signal.SIGTERM)
+        while twice and not os.path.exists(cleaning):
+            assert p.poll() is None and time.time() - t0 < 240, p.communicate()
+            time.sleep(0.05)
+        if twice:
+            p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=120)
     finally:
         if p.poll() is None:
@@ -271,3 +290,53 @@ def test_a_held_lock_is_renewed_and_left_alone_once_another_run_took_it(s3_bucke
         time.sleep(0.5)
         assert read_json(url)["token"] == "another run's"
     assert read_json(url)["token"] == "another run's"  # not removed by the run that lost it
+
+
+def test_a_build_cut_short_while_moving_in_says_what_it_left_and_its_prefix_is_not_indexed(s3_bucket, monkeypatch,
+                                                                                          tmp_path):
+    """A build whose 2nd move fails (a copy refused, 403) leaves the shard moved before it and
+    the marker, no manifest: its error line says so and that a rerun finishes it. Indexing on
+    first use read that prefix as a set of 50 of its 300 samples without a word; now it, and
+    make-shards --index, and a local folder it was copied to, are refused in one line; the
+    rerun finishes the set."""
+    from pipeline.errors import FetchError, ShardError
+    from pipeline.stream import resolve as resolve_or_index
+
+    out = f"s3://{s3_bucket}/p"
+    real_move, moves = writing.Writer.move, []
+
+    def refused_move(self, src, dst, size=None):
+        moves.append(dst)
+        if len(moves) == 2:
+            raise FetchError(f"{self.url(src)}: cannot copy to {dst}: denied copy (AccessDenied, HTTP 403)")
+        return real_move(self, src, dst, size)
+
+    monkeypatch.setattr(writing.Writer, "move", refused_move)
+    p = make_shards_in_process([*BUILD, "--out", out])
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.strip().splitlines()[-1].endswith(
+        f"cannot copy to mnist-train-000001.tar: denied copy (AccessDenied, HTTP 403); left in {out}/: 1 of 6 shard(s) "
+        "moved into place and mnist-train.json.moving, no manifest yet (indexing them is refused): run the same "
+        "make-shards again to finish it"), p.stderr
+    monkeypatch.setattr(writing.Writer, "move", real_move)
+    left = listings.names(out)
+    assert left == ["mnist-train-000000.tar", "mnist-train.json.moving"], left
+    said = (": holds mnist-train.json.moving: a make-shards build was cut short there while it moved its shards into "
+            "place (some may be missing, no manifest yet); run that make-shards again to finish it, then read the set")
+    with pytest.raises(ShardError) as e:
+        resolve_or_index("mnist", out + "/", "train", cache_dir=str(tmp_path / "cache"), progress=False)
+    assert str(e.value) == out + "/" + said, str(e.value)
+    index = make_shards_in_process(["--index", f"mnist:train={out}/", "--out", out, "--quiet"])
+    assert index.returncode == 2 and index.stderr.strip().endswith(out + "/" + said), index.stderr
+    copied = tmp_path / "copied"  # the prefix synced down to a folder
+    copied.mkdir()
+    for n in left:
+        (copied / n).write_bytes(remote.fetch(storage.join(out, n)))
+    with pytest.raises(ShardError) as e:
+        resolve_or_index("mnist", str(copied), "train", progress=False)
+    assert str(e.value) == str(copied) + said, str(e.value)
+    assert listings.names(out) == left  # nothing indexed, nothing written
+
+    make_shards(*BUILD, "--out", out)
+    assert listings.names(out) == sorted(["mnist-train.json"] + [f"mnist-train-{i:06d}.tar" for i in range(6)])
+    assert len(keys(resolve_or_index("mnist", out + "/", "train"))) == 300

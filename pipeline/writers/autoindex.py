@@ -33,7 +33,7 @@ from pipeline.data.store import cache as caching
 from pipeline.data.manifests import manifest
 from pipeline.data.store import remote
 from pipeline.data.store import transports
-from pipeline.writers import infer
+from pipeline.writers import infer, publish
 from pipeline.errors import ShardError, redact
 from pipeline.files import locked, read_json, write_json_atomic
 
@@ -68,7 +68,7 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None, cache
         try:
             urls = indexer.expand(spec, policy)
         except ShardError as e:  # no shards either
-            if remote.kind(spec) == "file" and os.path.isdir(spec):  # a folder there, holding neither
+            if remote.kind(spec) == "file" and os.path.isdir(spec) and not isinstance(e, publish.CutShort):
                 raise ShardError(f"{name}={redact(spec)}: no shards (*.tar, *.tar.gz) and no manifest "
                                  f"({manifest.manifest_name(name, split)}) in this folder") from None
             raise e from None  # what is wrong with the shards themselves (none there, some missing)

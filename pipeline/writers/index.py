@@ -27,7 +27,7 @@ import numpy as np
 
 from pipeline import cli
 from pipeline.data.decoding import image_caps
-from pipeline.data.store import listings, remote
+from pipeline.data.store import listings, remote, storage
 from pipeline.data.decoding.decode import IMAGE_EXTS, image_format, open_image, pil_reason, pixels_of
 from pipeline.data.decoding.labelling import (CONTENT_ERRORS, LABEL_EXTS, Unlabelled, class_value, default_label,
                                               describe_label, label_hint, label_member, parse_label_key, raw_label)
@@ -41,6 +41,7 @@ from pipeline.data.shards.read import MAX_MEMBER, is_meta, iter_samples
 from pipeline.data.fields.schema import Oversized
 from pipeline.writers.fields import scan_fields, summarise_fields, totals
 from pipeline.writers.classes import resolve_classes
+from pipeline.writers import publish
 from pipeline.writers.shards import forked_imap, writing
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
@@ -55,11 +56,15 @@ def expand(spec, policy=remote.Policy()):
     *.tar.gz and *.tgz files, sorted; a store's listed within `policy`'s limits). Raises
     ShardError when nothing matches."""
     if remote.kind(spec) == "file" and os.path.isdir(spec):
-        urls = sorted(os.path.join(spec, f) for f in os.listdir(spec) if f.endswith(SHARD_SUFFIXES))
+        found = os.listdir(spec)
+        publish.refuse_cut_short(spec, found)  # a store build stopped while moving in, copied down
+        urls = sorted(os.path.join(spec, f) for f in found if f.endswith(SHARD_SUFFIXES))
     elif remote.kind(spec) == "file" and missing_folder(spec):  # was "1 of 1 shard(s) do not exist, e.g. DIR/"
         raise ShardError(f"{spec}: no such folder")
     elif remote.kind(spec) == "store" and "{" not in spec and not spec.endswith(SHARD_SUFFIXES):
-        urls = listings.urls(spec, SHARD_SUFFIXES, policy)  # a prefix: the shards under it, read where they are
+        found = listings.names(spec, policy)  # a prefix: the shards under it, read where they are
+        publish.refuse_cut_short(spec, found)
+        urls = [storage.join(spec, n) for n in found if n.endswith(SHARD_SUFFIXES)]
     else:
         urls = expand_shards(spec, policy)
         missing = [u for u in urls if remote.kind(u) == "file" and not os.path.exists(u)]

@@ -454,19 +454,21 @@ class Terminated(KeyboardInterrupt):
 
 
 def _terminate(signum, frame):
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the process at once
-    if os.getpid() != _MAIN[0]:  # a forked worker of the build: it ends, its parent cleans up
+    if os.getpid() == _MAIN[0] and _MAIN[1] is None:  # the first: the build lets go of what it holds
+        _MAIN[1] = time.monotonic()
+        raise Terminated()
+    if os.getpid() != _MAIN[0] or time.monotonic() - _MAIN[1] > TWICE:  # a forked worker (its parent cleans up)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # or a later stop: the process ends at once
         os.kill(os.getpid(), signal.SIGTERM)
-        return
-    raise Terminated()
 
 
-_MAIN = [None]
+_MAIN = [None, None]  # the build's process, when its first SIGTERM came
+TWICE = 2.0  # s: timeout(1) signals the process, then its group: a second this soon (killed 2 in 10) is the same stop
 
 
 def main(argv=None):
     args = parse_args(argv)
-    _MAIN[0] = os.getpid()
+    _MAIN[:] = [os.getpid(), None]
     here = threading.current_thread() is threading.main_thread()  # else main() runs in a test's thread
     previous = signal.signal(signal.SIGTERM, _terminate) if here else None
     formatwarning, warnings.formatwarning = warnings.formatwarning, _one_line_warning

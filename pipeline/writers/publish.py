@@ -2,24 +2,43 @@
 with the promise a local --out has (pipeline.writers.shards): the split is built in a local
 temporary folder as for a local --out, then every shard is uploaded under a temporary key
 (`NAME.tmp-<pid>`), and only when all are there are they moved into place and the manifest
-written, last. A failed or interrupted upload removes its temporary keys and has touched
-nothing else. The same ownership rule holds (a key of a needed name that no make_shards
-manifest of this split there names is refused), shards whose bytes a store already holds
-under their name are not uploaded again, a build stopped while it moved its shards in
-leaves a marker (`MOVING`) by which its rerun knows them, and a lock key
-(pipeline.writers.storelock) keeps a second make_shards from writing the prefix meanwhile.
+written, last. A failed or interrupted upload removes its temporary keys; before the first
+move it has touched nothing else, after it the shards moved so far and the marker (below) are
+left, which the error line says: the rerun takes them as its own and finishes the set, and
+until then indexing the prefix is refused (refuse_cut_short). The same ownership rule holds
+(a key of a needed name that no make_shards manifest of this split there names is refused),
+shards whose bytes a store already holds under their name are not uploaded again, a build
+stopped while it moved its shards in leaves a marker (`MOVING`) by which its rerun knows them,
+and a lock key (pipeline.writers.storelock) keeps a second make_shards from writing the prefix
+meanwhile.
 """
 import json
 import os
 import re
 
 from pipeline import cli
-from pipeline.errors import ShardError
+from pipeline.errors import FetchError, ShardError
 from pipeline.files import MAX_JSON, parse_json, read_json
 from pipeline.data.manifests.manifest import manifest_name
 
 
 MOVING = ".moving"  # NAME-SPLIT.json.moving: the shards a store build moves into place, written before the first
+
+
+class CutShort(ShardError):
+    """A folder or prefix a store build was stopped in while it moved its shards into place."""
+
+
+def refuse_cut_short(where, names):
+    """Raise CutShort when the folder or store prefix `where`, whose entries are `names`, holds
+    a build's MOVING marker: its shards are part moved into place and its manifest not yet
+    written, so an index made of what is there (indexing on first use, --index) would be a
+    smaller set read without a word. Its rerun finishes it."""
+    marker = next((n for n in sorted(names) if n.endswith(".json" + MOVING)), None)
+    if marker is not None:
+        raise CutShort(f"{where}: holds {marker}: a make-shards build was cut short there while it moved its shards "
+                       f"into place (some may be missing, no manifest yet); run that make-shards again to finish it, "
+                       f"then read the set")
 
 
 def store_owned(out, name, split, present):
@@ -64,7 +83,8 @@ def publish(stage, out, name, split, *, progress=True, say=None, policy=None):
     """Upload the split `build` wrote into the local folder `stage` to the store prefix `out`
     (see the module's docstring); returns the manifest. Raises ShardError for a needed key
     that holds an object no make_shards manifest of this split names, FetchError when an
-    upload fails (its temporary keys are then removed and nothing else was touched). `policy`:
+    upload fails (its temporary keys are then removed; a failure once moving began says what
+    it left and that a rerun finishes it). `policy`:
     the job's remote.Policy, which bounds the listing of `out`."""
     from pipeline.data.store import listings, remote, writing
 
@@ -88,6 +108,7 @@ def publish(stage, out, name, split, *, progress=True, say=None, policy=None):
             if not (s["name"] in present and old.get(s["name"]) == (s["bytes"], s["sha256"]))]
     tag = f".tmp-{os.getpid()}"
     pending = []  # temporary keys written and not yet moved into place
+    moved = None  # the shards moved into place, once the marker is written
     bar = cli.progress(total=sum(s["bytes"] for s in todo), unit="B", unit_scale=True, desc=f"upload {name}-{split}",
                        disable=not progress)
     try:
@@ -101,18 +122,23 @@ def publish(stage, out, name, split, *, progress=True, say=None, policy=None):
         with open(marker, "w") as f:
             json.dump({"shards": new, "replacing": sorted(owned)}, f)
         store.put(marker, mname + MOVING)
+        moved = []
         if old and any(s["name"] in owned for s in todo):  # its shards are about to change: it goes first
             store.remove(mname)
         sizes = {s["name"]: s["bytes"] for s in todo}
         while pending:
             store.move(pending[0], pending[0][:-len(tag)], sizes[pending[0][:-len(tag)]])
-            pending.pop(0)
+            moved.append(pending.pop(0)[:-len(tag)])
         store.put(os.path.join(stage, mname), mname)  # last: an object is written whole or not at all
         store.remove(mname + MOVING)
-    except BaseException:
+    except BaseException as e:
         bar.close()
         for t in pending:
             store.remove(t)
+        if moved is not None and isinstance(e, FetchError):
+            raise FetchError(f"{e}; left in {out}/: {len(moved)} of {len(todo)} shard(s) moved into place and "
+                             f"{mname + MOVING}, no manifest yet (indexing them is refused): run the same make-shards "
+                             f"again to finish it") from None
         raise
     gone = [f for f in sorted(owned - set(new)) if f in present]
     for f in gone:

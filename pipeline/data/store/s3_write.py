@@ -15,6 +15,7 @@ far under S3's 5 GiB for one PUT (and one copy); a larger file is refused in one
 """
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import os
 import re
@@ -25,6 +26,7 @@ import warnings
 from pipeline.data.store import remote, s3, transports
 from pipeline.data.store.direct_read import Direct
 from pipeline.data.store.storage import Missing, Unreachable
+from pipeline.errors import cut, redact
 
 MOST = 5 << 30  # bytes: S3's most for one PUT and for one CopyObject
 ANSWER = 1 << 16  # bytes of a successful answer read (a copy's result, which may hold an error)
@@ -111,9 +113,8 @@ def _send(loc, method, policy, size, headers=None, body=None, digest=EMPTY):
 def _once(loc, bucket, key, method, policy, size, headers, body, digest):
     signer = s3._signer(loc, bucket, policy.timeout)
     url, signed = signer.signed(method, key, headers, digest)
-    refused = s3.refusal(signer)
-    direct = Direct(url, None, lambda status, *rest: _Absent("no such object") if status == 404 and method == "HEAD"
-                    else refused(status, *rest), signer.context, tuple(signed.items()))
+    direct = Direct(url, None, functools.partial(_refused, s3.refusal(signer), method), signer.context,
+                    tuple(signed.items()))
     with (body() if body is not None else contextlib.nullcontext()) as data:
         http = transports._HTTP(url, policy, size, method=method, direct=direct, data=data)
         try:
@@ -124,3 +125,21 @@ def _once(loc, bucket, key, method, policy, size, headers, body, digest):
             http.close()
     if re.search(rb"<Error>", answer):  # a copy S3 took (200) and then failed: the answer's body says why
         raise s3.s3_error(200, {}, answer)
+    if "x-amz-copy-source" in headers and not re.search(rb"<CopyObjectResult[\s>]", answer):
+        # S3 may pad a long copy's answer with spaces before its result (xmlns=...) or its error: no result, no copy
+        raise Unreachable(f"a copy answered 200 without <CopyObjectResult> in the first {ANSWER} bytes of its answer: "
+                          f"not known to be done")
+
+
+def _refused(refused, method, status, headers, body):
+    """The exception for an error answer: a HEAD's 404 is no object; a redirect (3xx) is not
+    followed, since a write goes to its bucket's own endpoint only (a region's is found by
+    s3.refusal from x-amz-bucket-region), and the line names where it pointed; else
+    s3.refusal's."""
+    if status == 404 and method == "HEAD":
+        return _Absent("no such object")
+    where = headers.get("Location") if headers and 300 <= status < 400 else None
+    if where and not headers.get("x-amz-bucket-region"):
+        return Missing(f"HTTP {status}: a redirect to {cut(redact(where), 100)!r}, not followed (a write goes to the "
+                       f"bucket's own endpoint only); check $AWS_ENDPOINT_URL and the bucket's region")
+    return refused(status, headers, body)

@@ -41,9 +41,30 @@ class _Watched(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
         watch = self.watch
 
         class Conn(base):
+            cut = None
+
             def connect(self):
                 super().connect()
                 watch(self.sock)
+
+            def request(self, *args, **kwargs):
+                """A body cut short by the server (S3 refuses an upload before reading it): the
+                answer it sent first is read by getresponse and said, not the broken pipe."""
+                try:
+                    super().request(*args, **kwargs)
+                except (BrokenPipeError, ConnectionResetError) as e:
+                    self.cut = e
+
+            def getresponse(self):
+                if self.cut is None:
+                    return super().getresponse()
+                try:
+                    answer = super().getresponse()
+                except Exception:  # noqa: BLE001 - no answer came: the send's error is the one
+                    answer = None
+                if answer is None or answer.status < 300:  # a success for bytes it did not get is none
+                    raise urllib.error.URLError(self.cut)
+                return answer
         return Conn
 
 
