@@ -224,6 +224,14 @@ def s3_server():
 S3_SECRET = "s3cret-never-printed-0123456789"  # tests grep every output for it
 
 
+def as_aws_endpoint(monkeypatch, url):
+    """A fake S3 server at `url` made the AWS endpoint, with the tests' key pair and region."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", url.rstrip("/"))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing-key-id")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+
+
 @pytest.fixture
 def s3_bucket(s3_server, request):
     """A new, empty bucket on the test server: its name."""

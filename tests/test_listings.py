@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from conftest import S3_SECRET
+from conftest import S3_SECRET, as_aws_endpoint
 from helpers import drip, make_shards_in_process, no_aws_credentials, serving
 from pipeline.data.store import listings, remote, storage
 from pipeline.data.store import s3
@@ -70,10 +70,7 @@ class _Lister(http.server.BaseHTTPRequestHandler):
 def lister(monkeypatch):
     monkeypatch.setattr(s3, "_BUCKETS", {})
     with serving(_Lister, answer=None, gets=[], sent=0) as server:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", server.url.rstrip("/"))
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing-key-id")
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
-        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        as_aws_endpoint(monkeypatch, server.url)
         yield server
 
 

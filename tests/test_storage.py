@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from conftest import S3_SECRET
+from conftest import S3_SECRET, as_aws_endpoint
 from helpers import HANG, build_shards, no_aws_credentials, run_capture
 from pipeline.data.store import listings, remote, storage, writing
 from pipeline.data.store import transports
@@ -356,10 +356,7 @@ def fake_s3(monkeypatch):
     monkeypatch.setattr(s3, "_BUCKETS", {})
     with serving(_S3Fake, heads=[(200, "eu-west-1", 0)], files={"x.tar": b"shard"}, region="eu-west-1",
                  seen=[]) as server:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", server.url.rstrip("/"))
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing-key-id")
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
-        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        as_aws_endpoint(monkeypatch, server.url)
         yield server
 
 

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 
-from conftest import S3_SECRET
+from conftest import S3_SECRET, as_aws_endpoint
 from helpers import HANG, drip, serving
 from pipeline.data.store import remote, s3, s3_write, storage, writing
 from pipeline.errors import FetchError
@@ -154,10 +154,7 @@ def s3_writes(monkeypatch):
     tests forgotten."""
     monkeypatch.setattr(s3, "_BUCKETS", {})
     with serving(_S3Writes, put="ok", objects={}, seen=[], sent=0) as server:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", server.url.rstrip("/"))
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing-key-id")
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
-        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        as_aws_endpoint(monkeypatch, server.url)
         yield server
 
 
