@@ -131,7 +131,7 @@ TAMPERED = {  # name: (which checkpoint, change to its state, the field the line
     "world as text": ("end", lambda s: s.update(world="1"), "world"),
     "key count negative": ("end", edit_json("key_counts", lambda k: [-1]), "key_counts[0]"),
     "key count huge": ("end", edit_json("key_counts", lambda k: [10 ** 12]), "key_counts[0]"),
-    "key counts for two ranks": ("end", edit_json("key_counts", lambda k: [0, 0]), "key_counts"),
+    "key counts for two ranks": ("end", edit_json("key_counts", lambda k: [0, 0]), "key_counts[1]"),
     # within the samples consumed, yet not the lines the run logged: it silently cut keys-rank0.txt
     "key count edited at an epoch's end": ("end", edit_json("key_counts", lambda k: [k[0] + 7]), "key_counts[0]"),
     "key count edited inside an epoch": ("mid", edit_json("key_counts", lambda k: [k[0] + 7]), "key_counts[0]"),

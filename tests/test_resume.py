@@ -17,6 +17,7 @@ from helpers import HANG, finish, key_index, launch_train, mid_epoch_args, put_b
 from pipeline.data.streams.stream import MixedStream, resolve
 from pipeline.data.handover.loader import make_loader
 from pipeline.ordering.topology import Topology
+from pipeline.train import checkpoint
 
 WEIGHTS = {"mnist": 1.0, "cifar10": 1.0}
 
@@ -483,6 +484,16 @@ def test_a_rank_left_out_by_a_smaller_world_keeps_its_key_log_when_the_world_gro
             "--record-keys", "--out", str(out), "--workers", "1"]
     run_ok(launch_train([*args, "--stop-after-steps", "5", "--checkpoint-every", "5"], 2))
     run_ok(launch_train([*args, "--stop-after-steps", "5", "--checkpoint-every", "5", "--resume"], 1))
+    state = torch.load(out / "checkpoint.pt", weights_only=True)
+    limits = checkpoint.Limits(epochs=1, epoch_samples=1200, batch_size=16, sources=1)
+    counts = checkpoint.trainer_state(state, "ckpt.pt", limits)["key_counts"]
+    assert counts == [80 + 80, 80], counts  # rank 0: 5 steps on 2 ranks, then 5 alone; rank 1 carried
+    for edited in ([counts[0], counts[1] - 30], [counts[0] - 50, counts[1]]):  # the hostile re-attack's
+        with pytest.raises(ValueError, match="key_counts"):
+            checkpoint.trainer_state(dict(state, key_counts=json.dumps(edited)), "ckpt.pt", limits)
+    # a checkpoint written before the left-out ranks' counts were kept: taken from the run's tallies
+    assert checkpoint.trainer_state(dict(state, key_counts=json.dumps(counts[:1])), "ckpt.pt", limits)[
+        "key_counts"] == counts
     run_ok(launch_train([*args, "--resume"], 2))
     keys = [ln.split("\t")[1] for ln in key_log(out, 2).get(0, []) + key_log(out, 2).get(1, [])]
     assert len(keys) == len(set(keys)), "a sample read twice in the epoch"

@@ -211,10 +211,9 @@ def trainer_state(state, path, limits):
     seen = f.integer(pos["seen"], "position.seen", 0, (epoch + mid) * samples)  # an epoch is at most its samples
     step = f.integer(pos["step"], "position.step", epoch, seen)  # each step at least one sample; each epoch a step
     by_rank = {}  # samples each rank consumed, by the run's own counts: what its key log may hold
-    # key lines each rank wrote, by the run's tallies; None where they can't say: a tally that did not count
-    # them (an older checkpoint's), or another world before (a rank's key log then starts again at 0 lines)
+    # key lines each rank wrote, by the run's tallies (those of earlier worlds too: a rank's key log keeps its
+    # lines whatever the world); None where they can't say: a tally that did not count them (an older checkpoint's)
     logged = {}
-    world_ranks = {f"rank{r}" for r in range(world)}
     for i, e in enumerate(epochs):
         field = f"history.epochs[{i}]"
         f.mapping(e, field, ("epoch", "batches", "skipped", "samples"))
@@ -225,9 +224,8 @@ def trainer_state(state, path, limits):
         for name, ranks in f.mapping(e["samples"], f"{field}.samples").items():
             for r, n in f.mapping(ranks, f"{field}.samples.{name}").items():
                 by_rank[r] = by_rank.get(r, 0) + f.integer(n, f"{field}.samples.{name}.{r}", 0, samples)
-        if logged is not None and "keys" in e and set(f.mapping(e["keys"], f"{field}.keys")) == world_ranks \
-                and not e.get("before_resume"):
-            for r, n in e["keys"].items():
+        if logged is not None and "keys" in e:  # each rank's key log holds its lines of every world it ran in
+            for r, n in f.mapping(e["keys"], f"{field}.keys").items():
                 logged[r] = logged.get(r, 0) + f.integer(n, f"{field}.keys.{r}", 0, samples)
         else:
             logged = None
@@ -251,7 +249,6 @@ def trainer_state(state, path, limits):
             logged = _add(by_rank, f"rank{r}", v, logged)
         carried = f.json("carried")
         if carried is not None:
-            logged = None if carried else logged
             for k, v in f.mapping(carried, "carried").items():
                 logged = _add(by_rank, k, facts(f, v, f"carried.{k}", samples, None, limits.sources), logged)
         out["carried"] = carried
@@ -263,6 +260,9 @@ def trainer_state(state, path, limits):
     else:
         world_counts = world
     out["key_counts"] = f.items(counts, "key_counts", world_counts, lambda v, field: f.integer(v, field, 0, seen))
+    for r in range(world, world_counts):  # a rank a smaller world left out must have been in the run
+        if f"rank{r}" not in by_rank:
+            f.bad(f"key_counts[{r}]", f"a count for rank {r}, but no rank {r} consumed a sample in this run")
     for r, n in enumerate(out["key_counts"]):  # a line per sample the rank consumed, at most
         if n > by_rank.get(f"rank{r}", 0):
             f.bad(f"key_counts[{r}]", f"{n} key lines, but the run's counts say rank {r} consumed "
@@ -270,6 +270,9 @@ def trainer_state(state, path, limits):
         if logged is not None and n != logged.get(f"rank{r}", 0):  # an edited count cut keys-rank*.txt silently
             f.bad(f"key_counts[{r}]", f"{n} key lines, but the run's tallies say rank {r} logged "
                                       f"{logged.get(f'rank{r}', 0)}")
+    if logged is not None:  # ranks a smaller world left out, in a checkpoint written before it kept their counts
+        ranks = [int(k[4:]) for k in logged if k[4:].isdigit() and int(k[4:]) < state_format.MAX_WORLD]
+        out["key_counts"] += [logged.get(f"rank{r}", 0) for r in range(len(out["key_counts"]), max(ranks, default=-1) + 1)]
     if not mid:
         return out
     sums = f.json("log_sums")
