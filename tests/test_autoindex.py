@@ -202,6 +202,25 @@ def test_a_set_indexed_again_leaves_one_index_and_another_set_of_the_same_name_k
     assert not os.path.exists(first.manifest) and os.path.exists(other.manifest) and now.total == 27
 
 
+def test_an_index_of_a_listing_that_changed_while_it_was_made_removes_no_other(tmp_path, monkeypatch):
+    """P indexes the set, the shards change while it works, Q indexes the new listing and
+    returns; P's index is the stale one, so P must not remove Q's (the re-attack: it did)."""
+    write_captioned(tmp_path / "set", 20)
+    built, made = autoindex.build, {}
+
+    def slow_p(*args, **kwargs):
+        got = built(*args, **kwargs)
+        if not made:  # P's index is made: now the set changes and Q indexes it
+            made["q"] = True
+            write_captioned(tmp_path / "set", 5, start=1)
+            made["q"] = resolve("web", str(tmp_path / "set"), "train")
+        return got
+
+    monkeypatch.setattr(autoindex, "build", slow_p)
+    resolve("web", str(tmp_path / "set"), "train")
+    assert os.path.exists(made["q"].manifest) and made["q"].total == 25
+
+
 def test_processes_started_together_index_once(tmp_path):
     """Ranks of one job open the set at the same moment: the first to take the lock indexes,
     the others wait and read its index."""

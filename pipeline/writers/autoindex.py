@@ -135,7 +135,8 @@ def ensure(name, split, spec, urls, *, policy=remote.Policy(), cache_dir=None, f
               f"{time.monotonic() - t0:.1f} s; cached in {path} (reused until the shards change)",
               file=sys.stderr, flush=True)
         print(f"{name}-{split}: {line}", file=sys.stderr, flush=True)
-        _prune(os.path.dirname(folder), set_prefix, keep=os.path.basename(folder))
+        _prune(os.path.dirname(folder), set_prefix, os.path.basename(folder),
+               current=lambda: listing_key(name, split, _listed(spec, policy), policy, fields, classes) == key)
     return folder
 
 
@@ -148,19 +149,32 @@ def _set_digest(name, split, urls, fields, classes):
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
-def _prune(where, prefix, keep):
+def _listed(spec, policy):
+    """The shards SPEC names now (a shard added since the index began makes it stale too)."""
+    from pipeline.writers import index as indexer
+
+    try:
+        return indexer.expand(spec, policy)
+    except ShardError:
+        return []
+
+
+def _prune(where, prefix, keep, current):
     """The indexes of this set made before its shards changed: stale for good, so removed once
     the new one is made (the cache grew a folder a change); another set's, even of the same
-    name, has another prefix. What cannot be removed stays, without a word."""
+    name, has another prefix. Only while this one's listing is still the set's (`current()`: a
+    process that indexed a listing which changed meanwhile holds the stale one), and never one
+    whose lock another process holds (it is being made or read). What cannot be removed stays,
+    without a word."""
     import shutil
 
-    for entry in os.listdir(where):
-        if entry.startswith(prefix) and entry not in (keep, keep + ".lock"):
-            path = os.path.join(where, entry)
-            if entry.endswith(".lock"):
-                with contextlib.suppress(OSError):
-                    os.remove(path)
-            else:
+    stale = [e for e in os.listdir(where) if e.startswith(prefix) and e != keep and not e.endswith(".lock")]
+    if not stale or not current():
+        return
+    for entry in stale:
+        path = os.path.join(where, entry)
+        with contextlib.suppress(OSError):  # Busy (held elsewhere) is an OSError
+            with locked(path + ".lock", wait=False):
                 shutil.rmtree(path, ignore_errors=True)
 
 
