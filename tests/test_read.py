@@ -320,6 +320,8 @@ def two_samples():
     lambda: ustar([("a.raw", b"x" * 9), ("a.cls", b"1"), ("b.raw", b"y" * 9), ("bb.cls", b"2")]),  # keys differ
     lambda: ustar([("a.raw", b"x" * 9), ("a.cls", b"1"), ("b.c.raw", b"y" * 9), ("b.c.cls", b"2")]),  # a dot
     lambda: ustar([("a.raw", b"x" * 9), ("b.cls", b"1"), ("bb.raw", b"y" * 9), ("bb.cls", b"2")]),  # keys differ
+    lambda: ustar([("ab.raw", b"x"), ("ab.cls", b"1"), ("cd.raw", b"y"), ("ce.cls", b"2")]),  # keys of one length differ
+    lambda: ustar([("abc.raw", b"x"), ("abc.cls", b"1"), ("d.e.raw", b"y"), ("d.e.cls", b"2")]),  # a dot, one length
     lambda: ustar([("a.raw", b"x" * 9), ("a.clsx", b"1"), ("b.raw", b"y" * 9), ("b.clsx", b"2")]),  # not .cls
     lambda: ustar([("a.RAW", b"x" * 9), ("a.cls", b"1"), ("b.RAW", b"y" * 9), ("b.cls", b"2")]),   # other case
     lambda: ustar([("a.raw", b"x" * 9), ("a.cls", b"1"), ("a.raw", b"y" * 9), ("a.cls", b"2")]),   # a key twice

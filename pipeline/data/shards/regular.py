@@ -172,48 +172,77 @@ def _checked_keys(head, tail, image_ext, label_ext):
     headers are `head` and label headers `tail`, if every name reads as iter_samples would group
     it: KEY.image_ext then KEY.label_ext, no dot, NUL or leading "__" in a key, a new key each
     sample; else None. Keys may differ in length (`cat/0655`, `truck/3050`, as
-    tools/write_wds.py writes them); where they all have the first's (make_shards' keys) the
-    checks take slices of that length rather than masks: a third of the time. (The finders
-    refuse POSIX name prefixes.)"""
+    tools/write_wds.py writes them: `_keys_of_lengths`); where they all have the first's
+    (make_shards' keys: `_keys_of_one_length`) the checks take slices of that length rather
+    than masks: a third of the time. (The finders refuse POSIX name prefixes.)"""
     if head[:, 99].any() or tail[:, 99].any():  # a name of 100 bytes: iter_samples reads it another way
         return None
-    image, label = np.frombuffer(b"." + image_ext.encode(), np.uint8), np.frombuffer(b"." + label_ext.encode(), np.uint8)
+    image, label = b"." + image_ext.encode() + b"\0", b"." + label_ext.encode() + b"\0"
     first = int((head[0, :100] == 0).argmax())  # the first name's length
-    same = not head[:, first].any() and head[:, :first].all()  # every name of the first's length
-    if not same:
-        ends = (head[:, :100] == 0).argmax(axis=1)  # each name's length: its first NUL
-        width = int(ends.max()) + 1  # the columns any name reaches: the checks below look at no others
-    else:
-        ends, width = np.full(len(head), first), first + 1
-    more = max(len(label) - len(image), 0)  # a label's name reaches further when its extension is longer
-    names, tails = np.ascontiguousarray(head[:, :width]), np.ascontiguousarray(tail[:, :width + more])
-    key_len = ends - len(image)
-    k = first - len(image)
-    if key_len.min() < 1:
+    k = first - len(image) + 1  # the first key's length
+    if k < 1:
         return None
-    if same:  # not width == first + 1: where the first name is the longest, the others are shorter
-        keys = np.ascontiguousarray(names[:, :k])
-        if not ((names[:, k:first] == image).all() and (tails[:, k:k + len(label)] == label).all()
-                and not tails[:, k + len(label)].any() and (keys == tails[:, :k]).all()
-                and not (keys == 46).any()):  # the label's name ends there; no dot in a key
-            return None
-    else:  # each name's extension and the label name's NUL gathered at its key's end; masks, not np.where
-        at = key_len[:, None]  # (two np.where over the names cost more than all the other checks)
-        rows = np.arange(len(names))[:, None]
-        inside = np.arange(width, dtype=np.int16) < at.astype(np.int16)  # int16: half the work of int64
-        if not ((names[rows, at + np.arange(len(image))] == image).all()
-                and (tails[rows, at + np.arange(len(label) + 1)] == np.append(label, 0)).all()
-                and not ((names != tails[:, :width]) & inside).any()):
-            return None
-        keys = names * inside  # each key, NULs after it
-        if (keys == 46).any():
-            return None
-    texts = keys.view(f"S{keys.shape[1]}").ravel()  # a key holds no NUL, so the S type drops only the padding
-    if not ((names[np.arange(len(names)), key_len - 1] != 47).all()  # a key ends before its dot, not in a slash
-            and not ((head[:, 0] == 95) & (head[:, 1] == 95)).any()  # webdataset skips top-level __*__ names
-            and (texts[1:] != texts[:-1]).all()):
+    if (head[:, :2].view("<u2") == _UNDERSCORES).any():  # webdataset skips top-level __*__ names
+        return None
+    keys = _keys_of_one_length(head, tail, k, image, label)
+    return _keys_of_lengths(head, tail, image, label) if keys is None else keys
+
+
+def _keys_of_one_length(head, tail, k, image, label):
+    """`_checked_keys` where every key has the first's length `k`; None where one has not
+    (or a check fails: `_keys_of_lengths` then decides). Each extension and its NUL is read
+    as one integer a header (one compare where a (n, 5) slice against its bytes cost 8 us),
+    and the keys are compared in 8-byte words (a third of the time of the S-type compare)."""
+    if not (_ends_with(head, k, image) and _ends_with(tail, k, label)):
+        return None
+    width = -(-k // 8) * 8  # whole words: NULs pad each key
+    keys = np.zeros((len(head), width), np.uint8)
+    keys[:, :k] = head[:, :k]
+    words = keys.view("<u8")
+    if not (keys[:, :k].all() and not (keys == 46).any() and (keys[:, k - 1] != 47).all()  # no NUL, no dot
+            and (keys[:, :k] == tail[:, :k]).all()  # a key ends before its dot, not in a slash
+            and (words[1:] != words[:-1]).any(axis=1).all()):  # a new key each sample
         return None
     return keys
+
+
+def _ends_with(headers, k, tail):
+    """Whether every header's name has the bytes `tail` (its extension and the NUL) from
+    column `k`: read as one little-endian integer a header where they fit in 8 bytes."""
+    if len(tail) > 8:
+        return bool((headers[:, k:k + len(tail)] == np.frombuffer(tail, np.uint8)).all())
+    mask = (1 << 8 * len(tail)) - 1
+    return bool(((headers[:, k:k + 8].view("<u8") & mask) == int.from_bytes(tail, "little")).all())
+
+
+def _keys_of_lengths(head, tail, image, label):
+    """`_checked_keys` for keys of any lengths: each name's extension and the label name's
+    NUL gathered at its key's end; masks, not np.where (two np.where over the names cost
+    more than all the other checks)."""
+    image, label = np.frombuffer(image[:-1], np.uint8), np.frombuffer(label, np.uint8)
+    ends = (head[:, :100] == 0).argmax(axis=1)  # each name's length: its first NUL
+    width = int(ends.max()) + 1  # the columns any name reaches: the checks below look at no others
+    more = max(len(label) - 1 - len(image), 0)  # a label's name reaches further when its extension is longer
+    names, tails = np.ascontiguousarray(head[:, :width]), np.ascontiguousarray(tail[:, :width + more])
+    key_len = ends - len(image)
+    if key_len.min() < 1:
+        return None
+    at = key_len[:, None]
+    rows = np.arange(len(names))[:, None]
+    inside = np.arange(width, dtype=np.int16) < at.astype(np.int16)  # int16: half the work of int64
+    if not ((names[rows, at + np.arange(len(image))] == image).all()
+            and (tails[rows, at + np.arange(len(label))] == label).all()
+            and not ((names != tails[:, :width]) & inside).any()):
+        return None
+    keys = names * inside  # each key, NULs after it
+    texts = keys.view(f"S{keys.shape[1]}").ravel()  # a key holds no NUL, so the S type drops only the padding
+    if ((keys == 46).any() or not (names[np.arange(len(names)), key_len - 1] != 47).all()
+            or not (texts[1:] != texts[:-1]).all()):  # a dot in a key, a key ending in a slash, a key twice
+        return None
+    return keys
+
+
+_UNDERSCORES = int.from_bytes(b"__", "little")
 
 
 def _labels(flat, starts, sizes):
