@@ -311,6 +311,13 @@ def two_samples():
     return ustar([("a.raw", b"x" * 9), ("a.cls", b"1"), ("b.raw", b"y" * 9), ("b.cls", b"2")])
 
 
+def not_octal_first_size():
+    """The first header's size digits hold an 8 (read from the first header alone: _blocks)."""
+    b = bytearray(two_samples())
+    b[134] = ord("8")
+    return bytes(b)
+
+
 @pytest.mark.parametrize("make", [
     forged_headers_inside_data,
     lambda: ustar([("a.raw", b"x" * 9), ("a.cls", b"1"), ("a.json", b"{}"), ("b.raw", b"y" * 9), ("b.cls", b"2"),
@@ -330,6 +337,7 @@ def two_samples():
     lambda: ustar([("ab/.raw", b"x"), ("ab/.cls", b"1"), ("cd/.raw", b"y"), ("cd/.cls", b"2")]),  # no key
     lambda: ustar([("aaaaa.raw", b"x"), ("aaaaa.cls", b"1"), ("__x__.raw", b"y"), ("__x__.cls", b"2")]),
     lambda: nul_in_second_key(),
+    not_octal_first_size,
     lambda: gzip_magic_names(),
 ])
 def test_regular_leaves_every_other_layout_to_the_sequential_reader(make):

@@ -59,8 +59,7 @@ def regular_members(buf, image_ext="raw", label_ext="cls"):
     labels = _labels(flat, label_starts, label_sizes)
     if labels is None:
         return None
-    keys = b"\0".join(keys.view(f"S{keys.shape[1]}").ravel().tolist())
-    return keys.decode("utf-8", "replace").split("\0"), labels, starts, image_sizes  # a key holds no NUL
+    return keys, labels, starts, image_sizes
 
 
 def _periodic(buf, flat, n):
@@ -117,10 +116,10 @@ def _blocks(buf, block):
     header = buf[at:at + 512]
     if len(header) < 512 or header[257:262] != b"ustar" or header[156] not in _REGULAR:
         return None
-    digits = header[124:135]
-    if not all(48 <= d <= 55 for d in digits):
+    digits = bytes(header[124:135])
+    if digits.translate(None, b"01234567"):  # a byte that is not an octal digit (one C call, not a loop)
         return None
-    return 1 + (int(bytes(digits), 8) + 511) // 512
+    return 1 + (int(digits, 8) + 511) // 512
 
 
 def _chain(buf, flat, n):
@@ -168,10 +167,10 @@ def _regular_kinds(headers):
 
 
 def _checked_keys(head, tail, image_ext, label_ext):
-    """The key bytes (n, key length or longest name; NUL after each key) of samples whose image
-    headers are `head` and label headers `tail`, if every name reads as iter_samples would group
-    it: KEY.image_ext then KEY.label_ext, no dot, NUL or leading "__" in a key, a new key each
-    sample; else None. Keys may differ in length (`cat/0655`, `truck/3050`, as
+    """The keys (str, UTF-8 decoded with replacement, as iter_samples decodes them) of samples
+    whose image headers are `head` and label headers `tail`, if every name reads as iter_samples
+    would group it: KEY.image_ext then KEY.label_ext, no dot, NUL or leading "__" in a key, a
+    new key each sample; else None. Keys may differ in length (`cat/0655`, `truck/3050`, as
     tools/write_wds.py writes them: `_keys_of_lengths`); where they all have the first's
     (make_shards' keys: `_keys_of_one_length`) the checks take slices of that length rather
     than masks: a third of the time. (The finders refuse POSIX name prefixes.)"""
@@ -192,18 +191,17 @@ def _keys_of_one_length(head, tail, k, image, label):
     """`_checked_keys` where every key has the first's length `k`; None where one has not
     (or a check fails: `_keys_of_lengths` then decides). Each extension and its NUL is read
     as one integer a header (one compare where a (n, 5) slice against its bytes cost 8 us),
-    and the keys are compared in 8-byte words (a third of the time of the S-type compare)."""
+    and the keys, a NUL after each, are decoded in one piece (half the time of joining them)."""
     if not (_ends_with(head, k, image) and _ends_with(tail, k, label)):
         return None
-    width = -(-k // 8) * 8  # whole words: NULs pad each key
-    keys = np.zeros((len(head), width), np.uint8)
+    keys = np.zeros((len(head), k + 1), np.uint8)  # each key, then a NUL
     keys[:, :k] = head[:, :k]
-    words = keys.view("<u8")
+    texts = keys.view(f"S{k + 1}").ravel()
     if not (keys[:, :k].all() and not (keys == 46).any() and (keys[:, k - 1] != 47).all()  # no NUL, no dot
             and (keys[:, :k] == tail[:, :k]).all()  # a key ends before its dot, not in a slash
-            and (words[1:] != words[:-1]).any(axis=1).all()):  # a new key each sample
+            and (texts[1:] != texts[:-1]).all()):  # a new key each sample
         return None
-    return keys
+    return keys.tobytes().decode("utf-8", "replace").split("\0")[:-1]
 
 
 def _ends_with(headers, k, tail):
@@ -239,7 +237,7 @@ def _keys_of_lengths(head, tail, image, label):
     if ((keys == 46).any() or not (names[np.arange(len(names)), key_len - 1] != 47).all()
             or not (texts[1:] != texts[:-1]).all()):  # a dot in a key, a key ending in a slash, a key twice
         return None
-    return keys
+    return b"\0".join(texts.tolist()).decode("utf-8", "replace").split("\0")
 
 
 _UNDERSCORES = int.from_bytes(b"__", "little")
