@@ -311,6 +311,20 @@ def two_samples():
     return ustar([("a.raw", b"x" * 9), ("a.cls", b"1"), ("b.raw", b"y" * 9), ("b.cls", b"2")])
 
 
+def third_image_header(at, value, fmt=tarfile.USTAR_FORMAT):
+    """Three samples of one layout, the third image header's bytes from `at` set to `value`:
+    what the periodic finder must see in every header, not only the first two."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=fmt) as tar:
+        for name in (f"{k}.{e}" for k in "abc" for e in ("raw", "cls")):
+            info = tarfile.TarInfo(name)
+            info.size = 9 if name.endswith("raw") else 1
+            tar.addfile(info, io.BytesIO(b"x" * 9 if name.endswith("raw") else b"1"))
+    b = bytearray(out.getvalue())
+    b[4096 + at:4096 + at + len(value)] = value  # 4 blocks a sample: its image header at block 8
+    return bytes(b)
+
+
 def not_octal_first_size():
     """The first header's size digits hold an 8 (read from the first header alone: _blocks)."""
     b = bytearray(two_samples())
@@ -338,6 +352,9 @@ def not_octal_first_size():
     lambda: ustar([("aaaaa.raw", b"x"), ("aaaaa.cls", b"1"), ("__x__.raw", b"y"), ("__x__.cls", b"2")]),
     lambda: nul_in_second_key(),
     not_octal_first_size,
+    lambda: third_image_header(156, b"2"),        # a symbolic link, same size
+    lambda: third_image_header(262, b"\x0000" + bytes(80) + b"p", tarfile.GNU_FORMAT),  # POSIX with a name prefix
+    lambda: third_image_header(124, b"1"),        # another size, in its first digit
     lambda: gzip_magic_names(),
 ])
 def test_regular_leaves_every_other_layout_to_the_sequential_reader(make):

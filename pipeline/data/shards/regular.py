@@ -90,23 +90,29 @@ def _periodic(buf, flat, n):
     for first, blocks, head in zip((0, a), (a, b), heads):
         head = head[:count]
         # the first header is checked (_blocks); the others are asked to agree with it where
-        # they may differ without changing what is read: size, type and format, gathered in
-        # one take (for one member's 500 headers, three compares cost 13 us, the take 9)
-        cols = head[:, _SIZE_TYPE_FORMAT]
-        differ = (cols != cols[0]).any(axis=0).tolist()
-        if any(differ[11:]) or bytes(head[0, 262:265]) == b"\x0000" and head[:, 345].any():
+        # they may differ without changing what is read: type and format (bytes 156 and
+        # 262-264, 261 being the magic's "r" in all), and size (124-134), each run of bytes
+        # read as one integer a header (a take of those 15 columns and its compare cost 2x)
+        if not (_agree(head, 156, 1) and _agree(head, 261, 4)) or bytes(head[0, 262:265]) == b"\x0000" \
+                and head[:, 345].any():
             return None  # another type of member, another tar format, or a POSIX name prefix
-        if not any(differ[:11]):  # one size throughout, as raw images have
+        if _agree(head, 124, 8) and _agree(head, 127, 8):  # one size throughout, as raw images have
             sizes = np.full(count, int(bytes(head[0, 124:135]), 8), np.int64)
         else:
             sizes = _sizes(head)
             if sizes is None or ((sizes + 511) // 512 != blocks - 1).any():
                 return None
-        out.append((head, (np.arange(count) * period + first + 1) * 512, sizes))
+        out.append((head, np.arange((first + 1) * 512, (count * period + first + 1) * 512, period * 512), sizes))
     return out
 
 
-_SIZE_TYPE_FORMAT = np.r_[124:135, 156, 262:265]  # a header's size digits, type flag, and magic's version
+def _agree(headers, at, width):
+    """Whether every header has the first's `width` (1, 4 or 8) bytes from byte `at`."""
+    words = headers[:, at:at + width].view(_WORDS[width])
+    return not (words != words[0]).any()
+
+
+_WORDS = {1: np.uint8, 4: "<u4", 8: "<u8"}
 
 
 def _blocks(buf, block):
