@@ -390,6 +390,21 @@ def test_regular_leaves_other_layouts_with_keys_of_different_lengths_to_the_sequ
     assert regular.regular(ustar(list(zip(["a.jpg", "a.cls", "bb.jpg", "bb.cls"], data))), "jpg", "cls") is not None
 
 
+@pytest.mark.parametrize("last", ["embedding", "embeddinx"])
+def test_regular_reads_long_extensions_as_the_sequential_reader(last):
+    """An extension and its NUL longer than the 8 bytes the one-length check reads as one
+    integer: compared byte by byte, a difference in its last letter seen."""
+    members = []
+    for i, key in enumerate(["k0", "k1", "k2"]):
+        members += [(f"{key}.{last if i == 2 else 'embedding'}", bytes([i]) * 3), (f"{key}.cls", str(i).encode())]
+    found = regular.regular(ustar(members), "embedding", "cls")
+    if last == "embedding":
+        keys, images, labels = found
+        assert (keys, [bytes(x) for x in images], labels.tolist()) == sequential(ustar(members), "embedding")
+    else:
+        assert found is None
+
+
 def test_regular_reads_keys_the_first_of_which_is_the_longest_as_the_sequential_reader():
     """A wds.ShardWriter set's shard whose first key is its longest (`automobile/4547` before
     `bird/3887`): the numpy path too, not left to the sequential reader."""

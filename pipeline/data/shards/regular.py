@@ -203,20 +203,21 @@ def _keys_of_one_length(head, tail, k, image, label):
     keys = np.zeros((len(head), k + 1), np.uint8)  # each key, then a NUL
     keys[:, :k] = head[:, :k]
     texts = keys.view(f"S{k + 1}").ravel()
-    if not (keys[:, :k].all() and not (keys == 46).any() and (keys[:, k - 1] != 47).all()  # no NUL, no dot
-            and (keys[:, :k] == tail[:, :k]).all()  # a key ends before its dot, not in a slash
+    if not (keys[:, :k].all() and not (keys == 46).any()  # no NUL, no dot in a key
+            and (keys[:, k - 1] != 47).all()  # a key ends before its dot, not in a slash
+            and (keys[:, :k] == tail[:, :k]).all()  # the label's key is the image's
             and (texts[1:] != texts[:-1]).all()):  # a new key each sample
         return None
     return keys.tobytes().decode("utf-8", "replace").split("\0")[:-1]
 
 
-def _ends_with(headers, k, tail):
-    """Whether every header's name has the bytes `tail` (its extension and the NUL) from
+def _ends_with(headers, k, suffix):
+    """Whether every header's name has the bytes `suffix` (its extension and the NUL) from
     column `k`: read as one little-endian integer a header where they fit in 8 bytes."""
-    if len(tail) > 8:
-        return bool((headers[:, k:k + len(tail)] == np.frombuffer(tail, np.uint8)).all())
-    mask = (1 << 8 * len(tail)) - 1
-    return bool(((headers[:, k:k + 8].view("<u8") & mask) == int.from_bytes(tail, "little")).all())
+    if len(suffix) > 8:
+        return bool((headers[:, k:k + len(suffix)] == np.frombuffer(suffix, np.uint8)).all())
+    mask = (1 << 8 * len(suffix)) - 1
+    return bool(((headers[:, k:k + 8].view("<u8") & mask) == int.from_bytes(suffix, "little")).all())
 
 
 def _keys_of_lengths(head, tail, image, label):
