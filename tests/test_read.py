@@ -355,6 +355,9 @@ def not_octal_first_size():
     lambda: third_image_header(156, b"2"),        # a symbolic link, same size
     lambda: third_image_header(262, b"\x0000" + bytes(80) + b"p", tarfile.GNU_FORMAT),  # POSIX with a name prefix
     lambda: third_image_header(124, b"1"),        # another size, in its first digit
+    lambda: third_image_header(257, b"x"),        # no USTAR magic in an image header
+    lambda: third_image_header(1024 + 257, b"x"),  # nor in the label header after it
+    lambda: ustar([("a.raw", b"x" * 9), ("a.cls", b"x"), ("b.raw", b"y" * 9), ("b.cls", b"2")]),  # one letter
     lambda: gzip_magic_names(),
 ])
 def test_regular_leaves_every_other_layout_to_the_sequential_reader(make):

@@ -80,9 +80,8 @@ def _periodic(buf, flat, n):
     if m < 1:
         return None
     heads = [np.ndarray((m, 512), np.uint8, buf, first * 512, (period * 512, 1)) for first in (0, a)]
-    there = [(np.ndarray((m,), "<u8", buf, first * 512 + 257, (period * 512,)) & 0xFF_FFFF_FFFF) == _USTAR
-             for first in (0, a)]
-    complete = there[0] & there[1]
+    magic = np.ndarray((m, 2), "<u8", buf, 257, (period * 512, a * 512))  # each sample's two headers' bytes 257-264
+    complete = ((magic & 0xFF_FFFF_FFFF) == _USTAR).all(axis=1)
     count = m if complete.all() else int(complete.argmin())  # samples before the first that is not one
     if count < 1 or flat[count * period * 512:(count * period + 1) * 512].any():
         return None
@@ -253,6 +252,9 @@ _UNDERSCORES = int.from_bytes(b"__", "little")
 def _labels(flat, starts, sizes):
     """The integer labels of decimal members of 1-18 digits at `starts` (None if any is not digits)."""
     width = int(sizes.max())
+    if width == 1:  # one digit each (ten classes or fewer): no mask, no Horner steps
+        digits = flat[starts] - np.uint8(48)  # uint8: a byte below "0" wraps past 9
+        return None if (digits > 9).any() else digits.astype(np.int64)
     rows = np.ndarray((len(flat) - width + 1, width), np.uint8, flat, 0, (1, 1))  # row o: the bytes from offset o
     digits = rows[starts] - np.uint8(48)  # uint8: a byte below "0" wraps past 9
     inside = np.arange(width) < sizes[:, None]
