@@ -311,6 +311,27 @@ def two_samples():
     return ustar([("a.raw", b"x" * 9), ("a.cls", b"1"), ("b.raw", b"y" * 9), ("b.cls", b"2")])
 
 
+def third_image_header(at, value, fmt=tarfile.USTAR_FORMAT):
+    """Three samples of one layout, the third image header's bytes from `at` set to `value`:
+    what the periodic finder must see in every header, not only the first two."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=fmt) as tar:
+        for name in (f"{k}.{e}" for k in "abc" for e in ("raw", "cls")):
+            info = tarfile.TarInfo(name)
+            info.size = 9 if name.endswith("raw") else 1
+            tar.addfile(info, io.BytesIO(b"x" * 9 if name.endswith("raw") else b"1"))
+    b = bytearray(out.getvalue())
+    b[4096 + at:4096 + at + len(value)] = value  # 4 blocks a sample: its image header at block 8
+    return bytes(b)
+
+
+def not_octal_first_size():
+    """The first header's size digits hold an 8 (read from the first header alone: _blocks)."""
+    b = bytearray(two_samples())
+    b[134] = ord("8")
+    return bytes(b)
+
+
 @pytest.mark.parametrize("make", [
     forged_headers_inside_data,
     lambda: ustar([("a.raw", b"x" * 9), ("a.cls", b"1"), ("a.json", b"{}"), ("b.raw", b"y" * 9), ("b.cls", b"2"),
@@ -320,6 +341,8 @@ def two_samples():
     lambda: ustar([("a.raw", b"x" * 9), ("a.cls", b"1"), ("b.raw", b"y" * 9), ("bb.cls", b"2")]),  # keys differ
     lambda: ustar([("a.raw", b"x" * 9), ("a.cls", b"1"), ("b.c.raw", b"y" * 9), ("b.c.cls", b"2")]),  # a dot
     lambda: ustar([("a.raw", b"x" * 9), ("b.cls", b"1"), ("bb.raw", b"y" * 9), ("bb.cls", b"2")]),  # keys differ
+    lambda: ustar([("ab.raw", b"x"), ("ab.cls", b"1"), ("cd.raw", b"y"), ("ce.cls", b"2")]),  # keys of one length differ
+    lambda: ustar([("abc.raw", b"x"), ("abc.cls", b"1"), ("d.e.raw", b"y"), ("d.e.cls", b"2")]),  # a dot, one length
     lambda: ustar([("a.raw", b"x" * 9), ("a.clsx", b"1"), ("b.raw", b"y" * 9), ("b.clsx", b"2")]),  # not .cls
     lambda: ustar([("a.RAW", b"x" * 9), ("a.cls", b"1"), ("b.RAW", b"y" * 9), ("b.cls", b"2")]),   # other case
     lambda: ustar([("a.raw", b"x" * 9), ("a.cls", b"1"), ("a.raw", b"y" * 9), ("a.cls", b"2")]),   # a key twice
@@ -328,6 +351,13 @@ def two_samples():
     lambda: ustar([("ab/.raw", b"x"), ("ab/.cls", b"1"), ("cd/.raw", b"y"), ("cd/.cls", b"2")]),  # no key
     lambda: ustar([("aaaaa.raw", b"x"), ("aaaaa.cls", b"1"), ("__x__.raw", b"y"), ("__x__.cls", b"2")]),
     lambda: nul_in_second_key(),
+    not_octal_first_size,
+    lambda: third_image_header(156, b"2"),        # a symbolic link, same size
+    lambda: third_image_header(262, b"\x0000" + bytes(80) + b"p", tarfile.GNU_FORMAT),  # POSIX with a name prefix
+    lambda: third_image_header(124, b"1"),        # another size, in its first digit
+    lambda: third_image_header(257, b"x"),        # no USTAR magic in an image header
+    lambda: third_image_header(1024 + 257, b"x"),  # nor in the label header after it
+    lambda: ustar([("a.raw", b"x" * 9), ("a.cls", b"x"), ("b.raw", b"y" * 9), ("b.cls", b"2")]),  # one letter
     lambda: gzip_magic_names(),
 ])
 def test_regular_leaves_every_other_layout_to_the_sequential_reader(make):
@@ -361,6 +391,21 @@ def test_regular_leaves_other_layouts_with_keys_of_different_lengths_to_the_sequ
     data = [b"x", b"1", b"y", b"2"]
     assert regular.regular(ustar(list(zip(names, data))), "jpg", "cls") is None
     assert regular.regular(ustar(list(zip(["a.jpg", "a.cls", "bb.jpg", "bb.cls"], data))), "jpg", "cls") is not None
+
+
+@pytest.mark.parametrize("last", ["embedding", "embeddinx"])
+def test_regular_reads_long_extensions_as_the_sequential_reader(last):
+    """An extension and its NUL longer than the 8 bytes the one-length check reads as one
+    integer: compared byte by byte, a difference in its last letter seen."""
+    members = []
+    for i, key in enumerate(["k0", "k1", "k2"]):
+        members += [(f"{key}.{last if i == 2 else 'embedding'}", bytes([i]) * 3), (f"{key}.cls", str(i).encode())]
+    found = regular.regular(ustar(members), "embedding", "cls")
+    if last == "embedding":
+        keys, images, labels = found
+        assert (keys, [bytes(x) for x in images], labels.tolist()) == sequential(ustar(members), "embedding")
+    else:
+        assert found is None
 
 
 def test_regular_reads_keys_the_first_of_which_is_the_longest_as_the_sequential_reader():

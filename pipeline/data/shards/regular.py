@@ -59,8 +59,7 @@ def regular_members(buf, image_ext="raw", label_ext="cls"):
     labels = _labels(flat, label_starts, label_sizes)
     if labels is None:
         return None
-    keys = b"\0".join(keys.view(f"S{keys.shape[1]}").ravel().tolist())
-    return keys.decode("utf-8", "replace").split("\0"), labels, starts, image_sizes  # a key holds no NUL
+    return keys, labels, starts, image_sizes
 
 
 def _periodic(buf, flat, n):
@@ -81,9 +80,8 @@ def _periodic(buf, flat, n):
     if m < 1:
         return None
     heads = [np.ndarray((m, 512), np.uint8, buf, first * 512, (period * 512, 1)) for first in (0, a)]
-    there = [(np.ndarray((m,), "<u8", buf, first * 512 + 257, (period * 512,)) & 0xFF_FFFF_FFFF) == _USTAR
-             for first in (0, a)]
-    complete = there[0] & there[1]
+    magic = np.ndarray((m, 2), "<u8", buf, 257, (period * 512, a * 512))  # each sample's two headers' bytes 257-264
+    complete = ((magic & 0xFF_FFFF_FFFF) == _USTAR).all(axis=1)
     count = m if complete.all() else int(complete.argmin())  # samples before the first that is not one
     if count < 1 or flat[count * period * 512:(count * period + 1) * 512].any():
         return None
@@ -91,23 +89,29 @@ def _periodic(buf, flat, n):
     for first, blocks, head in zip((0, a), (a, b), heads):
         head = head[:count]
         # the first header is checked (_blocks); the others are asked to agree with it where
-        # they may differ without changing what is read: size, type and format, gathered in
-        # one take (for one member's 500 headers, three compares cost 13 us, the take 9)
-        cols = head[:, _SIZE_TYPE_FORMAT]
-        differ = (cols != cols[0]).any(axis=0).tolist()
-        if any(differ[11:]) or bytes(head[0, 262:265]) == b"\x0000" and head[:, 345].any():
+        # they may differ without changing what is read: type and format (bytes 156 and
+        # 262-264, 261 being the magic's "r" in all), and size (124-134), each run of bytes
+        # read as one integer a header (a take of those 15 columns and its compare cost 2x)
+        if not (_agree(head, 156, 1) and _agree(head, 261, 4)) or bytes(head[0, 262:265]) == b"\x0000" \
+                and head[:, 345].any():
             return None  # another type of member, another tar format, or a POSIX name prefix
-        if not any(differ[:11]):  # one size throughout, as raw images have
+        if _agree(head, 124, 8) and _agree(head, 127, 8):  # one size throughout, as raw images have
             sizes = np.full(count, int(bytes(head[0, 124:135]), 8), np.int64)
         else:
             sizes = _sizes(head)
             if sizes is None or ((sizes + 511) // 512 != blocks - 1).any():
                 return None
-        out.append((head, (np.arange(count) * period + first + 1) * 512, sizes))
+        out.append((head, np.arange((first + 1) * 512, (count * period + first + 1) * 512, period * 512), sizes))
     return out
 
 
-_SIZE_TYPE_FORMAT = np.r_[124:135, 156, 262:265]  # a header's size digits, type flag, and magic's version
+def _agree(headers, at, width):
+    """Whether every header has the first's `width` (1, 4 or 8) bytes from byte `at`."""
+    words = headers[:, at:at + width].view(_WORDS[width])
+    return not (words != words[0]).any()
+
+
+_WORDS = {1: np.uint8, 4: "<u4", 8: "<u8"}
 
 
 def _blocks(buf, block):
@@ -117,10 +121,10 @@ def _blocks(buf, block):
     header = buf[at:at + 512]
     if len(header) < 512 or header[257:262] != b"ustar" or header[156] not in _REGULAR:
         return None
-    digits = header[124:135]
-    if not all(48 <= d <= 55 for d in digits):
+    digits = bytes(header[124:135])
+    if digits.translate(None, b"01234567"):  # a byte that is not an octal digit (one C call, not a loop)
         return None
-    return 1 + (int(bytes(digits), 8) + 511) // 512
+    return 1 + (int(digits, 8) + 511) // 512
 
 
 def _chain(buf, flat, n):
@@ -168,57 +172,89 @@ def _regular_kinds(headers):
 
 
 def _checked_keys(head, tail, image_ext, label_ext):
-    """The key bytes (n, key length or longest name; NUL after each key) of samples whose image
-    headers are `head` and label headers `tail`, if every name reads as iter_samples would group
-    it: KEY.image_ext then KEY.label_ext, no dot, NUL or leading "__" in a key, a new key each
-    sample; else None. Keys may differ in length (`cat/0655`, `truck/3050`, as
-    tools/write_wds.py writes them); where they all have the first's (make_shards' keys) the
-    checks take slices of that length rather than masks: a third of the time. (The finders
-    refuse POSIX name prefixes.)"""
+    """The keys (str, UTF-8 decoded with replacement, as iter_samples decodes them) of samples
+    whose image headers are `head` and label headers `tail`, if every name reads as iter_samples
+    would group it: KEY.image_ext then KEY.label_ext, no dot, NUL or leading "__" in a key, a
+    new key each sample; else None. Keys may differ in length (`cat/0655`, `truck/3050`, as
+    tools/write_wds.py writes them: `_keys_of_lengths`); where they all have the first's
+    (make_shards' keys: `_keys_of_one_length`) the checks take slices of that length rather
+    than masks: a third of the time. (The finders refuse POSIX name prefixes.)"""
     if head[:, 99].any() or tail[:, 99].any():  # a name of 100 bytes: iter_samples reads it another way
         return None
-    image, label = np.frombuffer(b"." + image_ext.encode(), np.uint8), np.frombuffer(b"." + label_ext.encode(), np.uint8)
+    image, label = b"." + image_ext.encode() + b"\0", b"." + label_ext.encode() + b"\0"
     first = int((head[0, :100] == 0).argmax())  # the first name's length
-    same = not head[:, first].any() and head[:, :first].all()  # every name of the first's length
-    if not same:
-        ends = (head[:, :100] == 0).argmax(axis=1)  # each name's length: its first NUL
-        width = int(ends.max()) + 1  # the columns any name reaches: the checks below look at no others
-    else:
-        ends, width = np.full(len(head), first), first + 1
-    more = max(len(label) - len(image), 0)  # a label's name reaches further when its extension is longer
+    k = first - len(image) + 1  # the first key's length
+    if k < 1:
+        return None
+    if (head[:, :2].view("<u2") == _UNDERSCORES).any():  # webdataset skips top-level __*__ names
+        return None
+    keys = _keys_of_one_length(head, tail, k, image, label)
+    return _keys_of_lengths(head, tail, image, label) if keys is None else keys
+
+
+def _keys_of_one_length(head, tail, k, image, label):
+    """`_checked_keys` where every key has the first's length `k`; None where one has not
+    (or a check fails: `_keys_of_lengths` then decides). Each extension and its NUL is read
+    as one integer a header (one compare where a (n, 5) slice against its bytes cost 8 us),
+    and the keys, a NUL after each, are decoded in one piece (half the time of joining them)."""
+    if not (_ends_with(head, k, image) and _ends_with(tail, k, label)):
+        return None
+    keys = np.zeros((len(head), k + 1), np.uint8)  # each key, then a NUL
+    keys[:, :k] = head[:, :k]
+    texts = keys.view(f"S{k + 1}").ravel()
+    if not (keys[:, :k].all() and not (keys == 46).any()  # no NUL, no dot in a key
+            and (keys[:, k - 1] != 47).all()  # a key ends before its dot, not in a slash
+            and (keys[:, :k] == tail[:, :k]).all()  # the label's key is the image's
+            and (texts[1:] != texts[:-1]).all()):  # a new key each sample
+        return None
+    return keys.tobytes().decode("utf-8", "replace").split("\0")[:-1]
+
+
+def _ends_with(headers, k, suffix):
+    """Whether every header's name has the bytes `suffix` (its extension and the NUL) from
+    column `k`: read as one little-endian integer a header where they fit in 8 bytes."""
+    if len(suffix) > 8:
+        return bool((headers[:, k:k + len(suffix)] == np.frombuffer(suffix, np.uint8)).all())
+    mask = (1 << 8 * len(suffix)) - 1
+    return bool(((headers[:, k:k + 8].view("<u8") & mask) == int.from_bytes(suffix, "little")).all())
+
+
+def _keys_of_lengths(head, tail, image, label):
+    """`_checked_keys` for keys of any lengths: each name's extension and the label name's
+    NUL gathered at its key's end; masks, not np.where (two np.where over the names cost
+    more than all the other checks)."""
+    image, label = np.frombuffer(image[:-1], np.uint8), np.frombuffer(label, np.uint8)
+    ends = (head[:, :100] == 0).argmax(axis=1)  # each name's length: its first NUL
+    width = int(ends.max()) + 1  # the columns any name reaches: the checks below look at no others
+    more = max(len(label) - 1 - len(image), 0)  # a label's name reaches further when its extension is longer
     names, tails = np.ascontiguousarray(head[:, :width]), np.ascontiguousarray(tail[:, :width + more])
     key_len = ends - len(image)
-    k = first - len(image)
     if key_len.min() < 1:
         return None
-    if same:  # not width == first + 1: where the first name is the longest, the others are shorter
-        keys = np.ascontiguousarray(names[:, :k])
-        if not ((names[:, k:first] == image).all() and (tails[:, k:k + len(label)] == label).all()
-                and not tails[:, k + len(label)].any() and (keys == tails[:, :k]).all()
-                and not (keys == 46).any()):  # the label's name ends there; no dot in a key
-            return None
-    else:  # each name's extension and the label name's NUL gathered at its key's end; masks, not np.where
-        at = key_len[:, None]  # (two np.where over the names cost more than all the other checks)
-        rows = np.arange(len(names))[:, None]
-        inside = np.arange(width, dtype=np.int16) < at.astype(np.int16)  # int16: half the work of int64
-        if not ((names[rows, at + np.arange(len(image))] == image).all()
-                and (tails[rows, at + np.arange(len(label) + 1)] == np.append(label, 0)).all()
-                and not ((names != tails[:, :width]) & inside).any()):
-            return None
-        keys = names * inside  # each key, NULs after it
-        if (keys == 46).any():
-            return None
-    texts = keys.view(f"S{keys.shape[1]}").ravel()  # a key holds no NUL, so the S type drops only the padding
-    if not ((names[np.arange(len(names)), key_len - 1] != 47).all()  # a key ends before its dot, not in a slash
-            and not ((head[:, 0] == 95) & (head[:, 1] == 95)).any()  # webdataset skips top-level __*__ names
-            and (texts[1:] != texts[:-1]).all()):
+    at = key_len[:, None]
+    rows = np.arange(len(names))[:, None]
+    inside = np.arange(width, dtype=np.int16) < at.astype(np.int16)  # int16: half the work of int64
+    if not ((names[rows, at + np.arange(len(image))] == image).all()
+            and (tails[rows, at + np.arange(len(label))] == label).all()
+            and not ((names != tails[:, :width]) & inside).any()):
         return None
-    return keys
+    keys = names * inside  # each key, NULs after it
+    texts = keys.view(f"S{keys.shape[1]}").ravel()  # a key holds no NUL, so the S type drops only the padding
+    if ((keys == 46).any() or not (names[np.arange(len(names)), key_len - 1] != 47).all()
+            or not (texts[1:] != texts[:-1]).all()):  # a dot in a key, a key ending in a slash, a key twice
+        return None
+    return b"\0".join(texts.tolist()).decode("utf-8", "replace").split("\0")
+
+
+_UNDERSCORES = int.from_bytes(b"__", "little")
 
 
 def _labels(flat, starts, sizes):
     """The integer labels of decimal members of 1-18 digits at `starts` (None if any is not digits)."""
     width = int(sizes.max())
+    if width == 1:  # one digit each (ten classes or fewer): no mask, no Horner steps
+        digits = flat[starts] - np.uint8(48)  # uint8: a byte below "0" wraps past 9
+        return None if (digits > 9).any() else digits.astype(np.int64)
     rows = np.ndarray((len(flat) - width + 1, width), np.uint8, flat, 0, (1, 1))  # row o: the bytes from offset o
     digits = rows[starts] - np.uint8(48)  # uint8: a byte below "0" wraps past 9
     inside = np.arange(width) < sizes[:, None]
