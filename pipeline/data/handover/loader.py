@@ -87,7 +87,6 @@ class Loader:
         self._early = None  # (plan, pass id) of a pass `start` began
         self._passes = 0  # passes begun here: an iterator of an earlier one stops
         self._pass_lock = threading.RLock()  # a pass begins only between two batches of another, whatever the threads
-        self._record = getattr(stream, "record", None) if record else None
         cuda = self.device is not None and self.device.type == "cuda"
         self.pin = (bool(pin_memory) or cuda) and torch.cuda.is_available()
         if num_workers:
@@ -205,8 +204,6 @@ class Loader:
     def _arrived(self, batch):
         if "state" in batch and hasattr(self.stream, "arrive"):  # checked and recorded as one step
             self.stream.arrive(batch["state"], record=self.record)  # another pass on the stream ends this one
-        elif self._record is not None and "state" in batch:
-            self._record(batch["state"])
         if REFUSED in batch:  # JPEGs neither decoder took after the hand-over (decode="device"): skipped
             batch["skipped"] += batch.pop(REFUSED)
         return batch

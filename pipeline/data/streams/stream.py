@@ -239,14 +239,12 @@ class MixedStream(torch.utils.data.IterableDataset):
 
     @locked
     def arrive(self, state, record=True):
-        """A batch arrived in the consuming process (the loader, or `iter(stream)`, calls this as
-        each one arrives): RuntimeError when its pass is no longer the stream's, else (record=True)
-        its state recorded, both one step under the lock, so that no other pass begins between
-        the check and the record (a batch handed out uncounted, read again by that pass). A pass
-        ends when another begins on the stream (another loader's: two passes over one stream would
-        read its samples twice), and when anything makes a new plan while it runs (another
-        loader's start(), set_workers, set_epoch or load_state_dict): its later batches would
-        otherwise be handed out against no plan, uncounted."""
+        """A batch arrived (the loader and `iter(stream)` call this): RuntimeError when its pass is
+        no longer the stream's, else (record=True) its state recorded, one step under the lock (a
+        pass begun between the two read a batch handed out uncounted again). A pass ends when
+        another begins (another loader's: it would read the same samples) or anything makes a new
+        plan (a loader's start(), set_workers, set_epoch, load_state_dict): its later batches
+        would count against no plan."""
         plan = self.cursor.plan
         if self.passing is not None and (state.get("plan") != self.passing or plan is None
                                          or plan.id != self.passing):
