@@ -20,6 +20,8 @@ using them (Lightning prefetches one) passes `record=False` and calls `used(batc
 trains each one, so that a state taken between steps never counts a batch not trained.
 An iterator that is made but never advanced starts nothing (Lightning makes one early).
 """
+import numbers
+
 from pipeline.data.handover.loader import make_loader
 from pipeline.errors import short
 from pipeline.ordering.order import MAX_COUNT
@@ -73,7 +75,7 @@ class StatefulLoader:
         if not isinstance(state, dict) or not {"next_epoch", "stream"} <= set(state):
             raise ValueError(f"{str(state)[:80]}: a StatefulLoader.state_dict() expected ({{'next_epoch', 'stream'}})")
         epoch = state["next_epoch"]
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= MAX_COUNT:
+        if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or not 0 <= epoch <= MAX_COUNT:
             raise ValueError(f"loader state next_epoch: {short(epoch, 60)}; an integer in 0..{MAX_COUNT} expected (a "
                              f"damaged or edited state: load the one state_dict() gave)")
         at, begun = self.stream.goes_on_at(state["stream"])  # checked in full before the stream takes it

@@ -87,7 +87,6 @@ class Loader:
         self._early = None  # (plan, pass id) of a pass `start` began
         self._passes = 0  # passes begun here: an iterator of an earlier one stops
         self._pass_lock = threading.RLock()  # a pass begins only between two batches of another, whatever the threads
-        self._record = getattr(stream, "record", None) if record else None
         cuda = self.device is not None and self.device.type == "cuda"
         self.pin = (bool(pin_memory) or cuda) and torch.cuda.is_available()
         if num_workers:
@@ -97,6 +96,7 @@ class Loader:
             self.ring = Ring(1, depth, spec, shared=False, pin=self.pin)
             self.workers = None
             self._free = collections.deque()  # each pass fills it (`__iter__`)
+            self._closed = False  # close() from another thread: the pass under way ends at its next batch
             self.ring.give_back = lambda producer, k: self._free.append(k)
         self._to_device = ToDevice(self.device, self.ring, *decoder) if self.device is not None else None
 
@@ -121,7 +121,7 @@ class Loader:
         if self.workers is None:
             with self._pass_lock:  # not while another thread's pass writes into a slot it took from `_free`
                 plan = self.stream.plan() if hasattr(self.stream, "plan") else None
-                self._passes += 1
+                self._passes, self._closed = self._passes + 1, False
                 free = self.ring.free_slots(self._fresh)[0]  # first: it puts a new deque in self._free
                 self._free.extend(free)
                 return self._here(plan, self._passes)
@@ -172,6 +172,8 @@ class Loader:
                     if pass_id != self._passes:
                         raise RuntimeError("the loader was iterated again while this pass was being read; "
                                            "a loader runs one pass at a time")
+                    if self._closed:  # as the workers' pass ends (workers.Workers.receive)
+                        raise RuntimeError("the loader was closed while this pass was being read")
                     batch = next(batches, None)
                     if batch is None:
                         return
@@ -200,18 +202,20 @@ class Loader:
         return ("own", base, n), self.ring.spec.arrays(memory, n)
 
     def _arrived(self, batch):
-        if "state" in batch and hasattr(self.stream, "ongoing"):
-            self.stream.ongoing(batch["state"])  # another loader's pass on the stream ends this one
+        if "state" in batch and hasattr(self.stream, "arrive"):  # checked and recorded as one step
+            self.stream.arrive(batch["state"], record=self.record)  # another pass on the stream ends this one
         if REFUSED in batch:  # JPEGs neither decoder took after the hand-over (decode="device"): skipped
             batch["skipped"] += batch.pop(REFUSED)
-        if self._record is not None and "state" in batch:
-            self._record(batch["state"])
         return batch
 
     def close(self):
-        """Stop the workers now (they also stop when the loader is collected or the process ends)."""
+        """Stop the workers now (they also stop when the loader is collected or the process ends),
+        and with them the pass under way: its next batch raises RuntimeError. A later pass starts
+        again (the workers too)."""
         if self.workers is not None:
             self.workers.close()
+        else:
+            self._closed = True
         self.ring.close()
 
     def __del__(self):

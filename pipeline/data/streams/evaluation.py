@@ -110,6 +110,5 @@ def in_process(stream):
         for name in names:
             batch[name] = torch.from_numpy(batch[name])
         if "state" in batch:
-            stream.ongoing(batch["state"])  # a loader's pass begun on the stream since ends this one
-            stream.record(batch["state"])
+            stream.arrive(batch["state"])  # a loader's pass begun on the stream since ends this one
         yield batch

@@ -114,7 +114,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         self.fetch_ahead = fetch_ahead
         self.cursor = Cursor(tuple(probs))  # where the stream stands (cursor.py), replaced whole
         self.arrived = {}  # the batch states arrived under the cursor's plan, by logical worker
-        self.passing = None  # the plan id of the pass begun last: another's batches end their pass (`ongoing`)
+        self.passing = None  # the plan id of the pass begun last: another's batches end their pass (`arrive`)
         self._orders = {}
         self._lock, self._lock_pid = threading.RLock(), os.getpid()
 
@@ -226,7 +226,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         choose). begin=False: a look ahead (a loader starting its workers early), after which
         a state just loaded still decides which epoch may be set. Each pass begun gets a plan
         of its own (its id the stream's `passing`), so that the batches of a pass begun before
-        it are told apart (`ongoing`); shared=True: one more producer of the same pass (`batches`)."""
+        it are told apart (`arrive`); shared=True: one more producer of the same pass (`batches`)."""
         cur = self._placed(self.cursor.unpinned() if begin else self.cursor)
         if cur.finished(self.arrived):  # read to its end, or dealt to this world with nothing left
             cur = self._placed(cur.restarted(cur.epoch + 1))
@@ -237,13 +237,22 @@ class MixedStream(torch.utils.data.IterableDataset):
             self.passing = cur.plan.id
         return cur.plan
 
-    def ongoing(self, state):
-        """RuntimeError when a batch's pass is no longer the stream's: another pass began on it
-        since (another loader's: two passes over one stream would read its samples twice). The
-        loader asks as each batch arrives, as it does for a second pass of its own."""
-        if self.passing is not None and state.get("plan") != self.passing:
-            raise RuntimeError("another pass began on this stream (another loader over it?) while this pass was "
-                               "being read; a stream runs one pass at a time")
+    @locked
+    def arrive(self, state, record=True):
+        """A batch arrived (the loader and `iter(stream)` call this): RuntimeError when its pass is
+        no longer the stream's, else (record=True) its state recorded, one step under the lock (a
+        pass begun between the two read a batch handed out uncounted again). A pass ends when
+        another begins (another loader's: it would read the same samples) or anything makes a new
+        plan (a loader's start(), set_workers, set_epoch, load_state_dict): its later batches
+        would count against no plan."""
+        plan = self.cursor.plan
+        if self.passing is not None and (state.get("plan") != self.passing or plan is None
+                                         or plan.id != self.passing):
+            raise RuntimeError("another pass began on this stream, or its plan changed (another loader over it? "
+                               "set_workers, set_epoch or load_state_dict?) while this pass was being read; a "
+                               "stream runs one pass at a time")
+        if record:
+            self.record(state)
 
     @locked
     def set_epoch(self, epoch, weights=None):
