@@ -60,6 +60,7 @@ class Workers:
         self.procs, self.commands, self.ready, self.free, self.buffers = [], [], [], [], []
         self.fds = []  # per worker, the file numbers of (ready, free), read once: a batch uses both
         self.pass_id = 0
+        self.closing = False  # close() began (from any thread): a pass reading now ends in one line
         self.given_in = 0  # the pass the slots given back now belong to (see `begin`)
         self.parent = os.getpid()
         ring.give_back = self._give_back
@@ -76,6 +77,7 @@ class Workers:
             return
         if self.procs:
             self.close()
+        self.closing = False
         relock = self.ring.unlock()  # page-locked memory is not inherited by a fork (MADV_DONTFORK)
         for w in range(self.count):
             cmd_r, cmd_w = self.ctx.Pipe(duplex=False)
@@ -127,9 +129,14 @@ class Workers:
                 raise RuntimeError("the loader was closed while this pass was being read")
             # the message leaves the buffer whole: a Ctrl-C caught between its header and its payload
             # would otherwise leave the next read parsing a payload as a header
-            got, kind, slot, n, size = HEADER.unpack_from(self._fill(w, HEADER.size))
-            end = HEADER.size + size
-            buf = self._fill(w, end)
+            try:
+                got, kind, slot, n, size = HEADER.unpack_from(self._fill(w, HEADER.size))
+                end = HEADER.size + size
+                buf = self._fill(w, end)
+            except (IndexError, WorkerDied):  # close() from another thread emptied the lists, or ended the worker
+                if self.closing:
+                    raise RuntimeError("the loader was closed while this pass was being read") from None
+                raise
             with memoryview(buf) as view:
                 payload = bytes(view[HEADER.size:end])
             del buf[:end]
@@ -161,7 +168,7 @@ class Workers:
             except OSError:
                 chunk = b""
             if not chunk:
-                if not self.procs or self.control[w] == STOP:  # close() from another thread
+                if self.closing or not self.procs or self.control[w] == STOP:  # close() from another thread
                     raise RuntimeError("the loader was closed while this pass was being read")
                 raise self._died(w)
             buf += chunk
@@ -197,6 +204,7 @@ class Workers:
         """Stop the workers (they finish what they write, then exit) and close the pipes."""
         if not self.procs:
             return
+        self.closing = True
         for w in range(self.count):
             self.control[w] = STOP
             try:
