@@ -125,8 +125,8 @@ def decode_batch(images, exts, target, crops=None, hwc=False):
 def _turbo_batch(images, exts, target, crops, hwc=False):
     """JPEGs as `decode_image` decodes them, with simplejpeg (`pipeline.data.decoding.turbo`): each
     of exactly the target's size and upright straight into the batch's buffer (HWC, made
-    CHW at once, or with `hwc` handed on as its CHW view), the others through decode_image. Its headers are read first, each checked
-    before its pixels."""
+    CHW at once, or with `hwc` handed on as its CHW view), the others through decode_image.
+    Its headers are read first, each checked before its pixels."""
     c, h, w = shape = tuple(target.shape)
     out = np.empty((len(images), h, w, c), np.uint8)
     kept, errors, other = [], [], {}  # other: position in kept -> CHW pixels of decode_image
