@@ -136,16 +136,23 @@ def _turbo_batch(images, exts, target, crops, hwc=False):
     except ValueError:
         exact = None  # each goes through decode_image, which says why
     rows = list(out)  # each row's view, made in one call rather than one indexing an image
-    into, header, direct = turbo.into_of(c), jpeg.header, None  # direct: the last header of the target's size seen
+    into, space, header = turbo.decode_into(), turbo.colour_space(c), jpeg.header
+    direct = None  # the last header of the target's size seen
     for i, data in enumerate(images):
         try:
             head = header(data)
-            if head is direct or (head.height, head.width, head.orientation) == exact and \
-                    head.components in turbo.COLOUR:
-                direct = head
-                if into(rows[len(kept)], data):
-                    kept.append(i)
-                    continue
+        except ValueError as e:
+            errors.append((i, str(e)))
+            continue
+        if head is direct or (head.height, head.width, head.orientation) == exact and head.components in turbo.COLOUR:
+            direct = head
+            try:
+                into(data, colorspace=space, buffer=rows[len(kept)], strict=True)
+                kept.append(i)
+                continue
+            except turbo.REFUSED:
+                pass  # damaged, or libjpeg-turbo warned: decode_image says why
+        try:
             other[len(kept)] = decode_image(data, exts[i], shape, None if crops is None else crops[i])
             kept.append(i)
         except ValueError as e:
