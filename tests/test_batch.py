@@ -67,6 +67,25 @@ def test_collate_places_every_source_as_the_windowed_assignment_did(canvas, weig
         assert not batch["image"][grey][:, :, :2].any() and not batch["image"][grey][:, :, :, 30:].any()
 
 
+@pytest.mark.parametrize("weights", [(1, 1, 1), (0, 1, 0)])
+def test_collate_places_chw_views_of_hwc_images_as_their_copies(weights):
+    """The stream's decoded JPEGs come as CHW views of an HWC buffer (decode_batch hwc=True):
+    collate's copy into the batch, a slice for one source's run of rows, a gather else,
+    gives exactly what contiguous images give, in a C-contiguous batch."""
+    layout, rng = Layout(sources()), np.random.default_rng(4)
+    choice = rng.choice(3, size=29, p=np.array(weights, float) / sum(weights))
+    parts = parts_for(choice, layout, rng)
+    views = [(k, np.ascontiguousarray(p.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2), labels)
+             for k, p, labels in parts]
+    assert all(v.shape == p.shape and (not len(v) or not v.flags.c_contiguous) for (_, v, _), (_, p, _)
+               in zip(views, parts) if v.shape[1] > 1)
+    given = np.full(layout.batch_shape(29), 77, np.uint8)
+    batch = layout.collate(choice, views, out={"image": given})
+    assert batch["image"] is given and given.flags.c_contiguous
+    assert np.array_equal(given, layout.collate(choice, parts)["image"])
+    assert np.array_equal(given, old_collate(layout, choice, parts)[0])
+
+
 def test_collate_zeroes_the_places_of_a_source_that_gave_nothing():
     layout, rng = Layout(sources()), np.random.default_rng(3)
     choice = np.array([0, 1, 1, 2, 0])

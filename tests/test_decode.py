@@ -392,6 +392,27 @@ def test_a_jpeg_batch_with_simplejpeg_decodes_as_each_image_does_alone(shape):
     assert kept == alone_kept and errors == alone_errors and (out == np.stack(alone_out)).all()
 
 
+@pytest.mark.parametrize("shape", [(3, 32, 32), (1, 28, 28), (3, 5, 7)])
+@pytest.mark.parametrize("which", ["exact", "every kind"])
+def test_a_jpeg_batch_left_hwc_holds_the_same_pixels_and_is_contiguous_unless_asked(shape, which):
+    """hwc=True (the stream's Decode stage) may hand the pixels as the CHW view of libjpeg-turbo's
+    HWC buffer, for collate's one copy to make CHW; the pixels are the same, and every other
+    caller (gpujpeg.pack, a schema's fields) still gets a C-contiguous array."""
+    pytest.importorskip("simplejpeg")
+    datas = jpeg_cases(shape)
+    if which == "exact":  # all of the target's size and upright: the path that leaves the buffer HWC
+        datas = [datas[0], datas[-1], datas[0]]
+    target, crops = Target(shape, ("jpg",)), np.random.default_rng(2).random((len(datas), 2))
+    out, kept, errors = decode.decode_batch(datas, ["jpg"] * len(datas), target, crops)
+    view, view_kept, view_errors = decode.decode_batch(datas, ["jpg"] * len(datas), target, crops, hwc=True)
+    assert out.flags.c_contiguous and out.shape == (len(kept), *shape)
+    assert view_kept == kept and view_errors == errors and view.shape == out.shape and (view == out).all()
+    alone, alone_kept, _ = decoded_alone(datas, shape, crops)
+    assert alone_kept == kept and (out == np.stack(alone)).all()
+    if which == "exact" and shape[0] == 3:
+        assert not view.flags.c_contiguous  # the copy left to collate (else this path was not taken)
+
+
 def test_a_remembered_jpeg_header_is_only_reused_for_the_same_bytes():
     """jpeg.header remembers a header by the bytes up to the first scan: a JPEG that starts
     with them still has its scans counted (a scan bomb is refused), one that differs in a

@@ -100,29 +100,33 @@ def image_of(sample, target):
     raise ValueError(f"no {'/'.join('.' + e for e in target.image_exts)} member (has {have or 'nothing'})")
 
 
-def decode_batch(images, exts, target, crops=None):
+def decode_batch(images, exts, target, crops=None, hwc=False):
     """Decode k images to one uint8 array (k', C, H, W) of the target's shape.
 
     `exts` gives each image's extension; `crops` an (k, 2) array of uniform numbers
     placing a random crop, None for centred crops. Returns (pixels, kept, errors):
     kept lists the positions decoded, in order; errors pairs each other position
-    with the reason.
+    with the reason. `hwc`: JPEGs decoded by libjpeg-turbo may come as the CHW view of
+    their HWC buffer, not contiguous, so that the one copy made of them, into the batch
+    (columns.put), turns them CHW too (the stream's Decode stage; one copy a batch fewer).
     """
-    shape = tuple(target.shape)
-    if exts and all(e == "raw" for e in exts):
+    shape, kinds = tuple(target.shape), set(exts)
+    if kinds == {"raw"}:
         return _raw(images, shape)
-    if exts and all(e == "png" for e in exts):
+    if kinds == {"png"}:
         return _png_fast(images, exts, target, crops)
-    if exts and all(e in ("jpg", "jpeg") for e in exts):
-        return (_turbo_batch if turbo.available() else _jpeg_batch)(images, exts, target, crops)
+    if kinds and kinds <= {"jpg", "jpeg"}:
+        if turbo.available():
+            return _turbo_batch(images, exts, target, crops, hwc)
+        return _jpeg_batch(images, exts, target, crops)
     return _each(images, exts, target, crops, range(len(images)))
 
 
-def _turbo_batch(images, exts, target, crops):
+def _turbo_batch(images, exts, target, crops, hwc=False):
     """JPEGs as `decode_image` decodes them, with simplejpeg (`pipeline.data.decoding.turbo`): each
     of exactly the target's size and upright straight into the batch's buffer (HWC, made
-    CHW at once), the others through decode_image. Its headers are read first, each checked
-    before its pixels."""
+    CHW at once, or with `hwc` handed on as its CHW view), the others through decode_image.
+    Its headers are read first, each checked before its pixels."""
     c, h, w = shape = tuple(target.shape)
     out = np.empty((len(images), h, w, c), np.uint8)
     kept, errors, other = [], [], {}  # other: position in kept -> CHW pixels of decode_image
@@ -132,22 +136,30 @@ def _turbo_batch(images, exts, target, crops):
     except ValueError:
         exact = None  # each goes through decode_image, which says why
     rows = list(out)  # each row's view, made in one call rather than one indexing an image
-    into, header, direct = turbo.into_of(c), jpeg.header, None  # direct: the last header of the target's size seen
+    into, space, header = turbo.decode_into(), turbo.colour_space(c), jpeg.header
+    direct = None  # the last header of the target's size seen
     for i, data in enumerate(images):
         try:
             head = header(data)
-            if head is direct or (head.height, head.width, head.orientation) == exact and \
-                    head.components in turbo.COLOUR:
-                direct = head
-                if into(rows[len(kept)], data):
-                    kept.append(i)
-                    continue
+        except ValueError as e:
+            errors.append((i, str(e)))
+            continue
+        if head is direct or (head.height, head.width, head.orientation) == exact and head.components in turbo.COLOUR:
+            direct = head
+            try:
+                into(data, colorspace=space, buffer=rows[len(kept)], strict=True)
+                kept.append(i)
+                continue
+            except turbo.REFUSED:
+                pass  # damaged, or libjpeg-turbo warned: decode_image says why
+        try:
             other[len(kept)] = decode_image(data, exts[i], shape, None if crops is None else crops[i])
             kept.append(i)
         except ValueError as e:
             errors.append((i, str(e)))
     if not other:
-        return np.ascontiguousarray(out[:len(kept)].transpose(0, 3, 1, 2)), kept, errors
+        chw = out[:len(kept)].transpose(0, 3, 1, 2)
+        return (chw if hwc else np.ascontiguousarray(chw)), kept, errors
     pixels = np.empty((len(kept), c, h, w), np.uint8)
     done = [k for k in range(len(kept)) if k not in other]
     pixels[done] = out[done].transpose(0, 3, 1, 2)

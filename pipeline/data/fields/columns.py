@@ -82,7 +82,11 @@ def put(col, arrays, lists, rows, vals, masked, offset=0):
         return
     a = arrays[name]
     if col.kind == "image" and not col.padded:
-        a[rows] = to_canvas(vals if isinstance(vals, np.ndarray) else np.stack(vals), *a.shape[2:])
+        vals = to_canvas(vals if isinstance(vals, np.ndarray) else np.stack(vals), *a.shape[2:])
+        if rows[-1] - rows[0] == len(rows) - 1:  # a run of rows (one source's batch): a slice, not a gather
+            a[rows[0]:rows[0] + len(rows)] = vals
+        else:
+            a[rows] = vals
         return
     if col.kind == "class":
         a[rows] = np.asarray(vals, np.int64) + offset

@@ -154,7 +154,7 @@ class Decode:
             chunk.sizes = np.zeros(len(idx), np.int32) if self.encoded else None
         else:
             rows = idx.tolist()
-            how = gpujpeg.pack if self.encoded else decode_batch
+            how = gpujpeg.pack if self.encoded else _decode_hwc
             pixels, kept, errors, *sizes = how([d.images[i] for i in rows], [d.exts[i] for i in rows], self.target,
                                                None if chunk.crops is None else chunk.crops[idx])
             chunk.sizes = sizes[0] if sizes else None
@@ -344,6 +344,12 @@ class SourceStream:
             raise ShardError(f"{self.reader.source.name}: no readable samples in this worker's shards "
                              f"(e.g. {self.reader.source.urls[0]}){why}")
         self.window, self.window_good = window, False
+
+
+def _decode_hwc(images, exts, target, crops):
+    """decode_batch whose JPEGs may stay a CHW view of their HWC buffer: collate's copy into the
+    batch then turns them CHW, where a transposed copy before it cost a copy a batch more."""
+    return decode_batch(images, exts, target, crops, hwc=True)
 
 
 SEED_MASK = (1 << 63) - 1  # a sample's seed fits an int64 and any numpy or torch generator
