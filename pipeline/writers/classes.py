@@ -24,6 +24,7 @@ def read_text(path, what):
     except UnicodeDecodeError as e:
         raise ShardError(f"{what}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
+
 def resolve_classes(found, classes_file, classes_from):
     """(classes, label_values, label_names) from every shard's raw labels: integers as today
     (the sorted distinct values, or names from --classes for 0..N-1), class names mapped to
@@ -75,6 +76,7 @@ def resolve_classes(found, classes_file, classes_from):
         if as_name(v) not in known:
             raise ShardError(_at(first, v, f"class name {as_name(v)[:60]!r} is not in {source}"))
     return names_given, None, True
+
 
 def _at(first, value, problem):
     url, key = first[value]
