@@ -126,6 +126,29 @@ def test_a_second_signal_stops_at_once():
     assert p.stdout == "first signal noted\n" and p.returncode == -signal.SIGTERM, (p.returncode, p.stdout, p.stderr)
 
 
+GROUP = r"""
+import os, signal, sys, time
+from pipeline.train import stop
+stop.TWICE = 0.5
+with stop.StopRequest(stop.parse_signals("TERM"), []) as s:
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)  # the group's copy (scancel: the rank itself, then torchrun's)
+    time.sleep(0.1)
+    print("one stop", s.got.name, flush=True)
+    time.sleep(0.6)
+    os.kill(os.getpid(), signal.SIGTERM)  # later: a second request, at once
+    time.sleep(5)
+print("still running")
+"""
+
+
+def test_the_same_signal_twice_at_once_is_one_stop_and_later_ends_the_process():
+    """A group signal reaches a rank twice (itself, and torchrun's copy): ended by the copy, a
+    rank left its peers with a traceback and the last epoch unsaved (the final hostile pass)."""
+    p = python(GROUP)
+    assert p.stdout == "one stop SIGTERM\n" and p.returncode == -signal.SIGTERM, (p.returncode, p.stdout, p.stderr)
+
+
 def test_an_internal_bug_keeps_its_traceback(tmp_path, monkeypatch, capsys):
     """Expected errors are one line; a ValueError from a bug is not taken for one."""
     from pipeline.train import loop

@@ -5,9 +5,11 @@ Schedulers stop jobs with a signal and a grace period (SLURM: SIGTERM, or SIGUSR
 30 s later, `--shutdown-timeout`). A signal only raises a flag here; the ranks add their
 flags up in the all-reduce every step already does, so all of them stop after the same
 step, even when a single rank got the signal, and write one mid-epoch checkpoint
-together. The first signal sets the stop signals back to their default action, so a
-second one ends the process at once, even inside a collective that waits for a rank that
-is gone.
+together. A second signal ends the process at once, even inside a collective that waits for
+a rank that is gone; but the same signal again within TWICE seconds is the same stop: a
+scheduler that signals the whole group (scancel, timeout) reaches each rank twice, once
+itself and once through torchrun, and a rank ended by the second left its peers in a
+collective with a traceback and the epoch unsaved (the final hostile pass).
 
 Exit code: torchrun has no convention for a clean, resumable stop: it counts any non-zero
 exit of a worker as a failure (and restarts the group if `--max-restarts` allows) and ends
@@ -23,11 +25,13 @@ import os
 import shlex
 import signal
 import sys
+import time
 
 DEFAULT = "TERM,INT,USR1"
 # What schedulers and people send to ask for a stop. Others arrive on their own (CHLD when a
 # pipe: command ends, WINCH, PIPE, CONT, the fault signals) or cannot be caught (KILL, STOP).
 ALLOWED = ("TERM", "INT", "USR1", "USR2", "HUP", "QUIT", "XCPU")
+TWICE = 2.0  # s: the same signal again this soon is the group's copy of the first, not a second request
 
 
 def parse_signals(text):
@@ -72,11 +76,16 @@ class StopRequest:
         return False
 
     def _handle(self, signum, frame):
-        if os.getpid() != self.pid or self.got is not None:  # a forked child, or a race: not ours
+        if os.getpid() != self.pid:  # a forked child: not ours
             return
-        self.got = signal.Signals(signum)
+        if self.got is None:
+            self.got, self.at = signal.Signals(signum), time.monotonic()
+            return
+        if signum == self.got and time.monotonic() - self.at <= TWICE:  # the group's copy of the first
+            return
         for sig in self.signals:  # a second signal ends the process at once
             signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
     def vector(self):
         return [1.0 if self.got == sig else 0.0 for sig in self.signals]
