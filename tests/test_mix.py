@@ -3,6 +3,7 @@ with exact, seeded draws; and the training stream mixes through it."""
 import collections
 import itertools
 
+import numpy as np
 import pytest
 import webdataset as wds
 
@@ -130,3 +131,11 @@ def test_longest_yields_what_can_be_drawn_and_ends_over_random_weights():
             assert [x for x in got if x[0] == i] == (data[i] if drawn[i] else []), (lengths, probs)
         short = list(RandomMix(data, probs, seed=trial))
         assert len(short) <= len(got)
+
+
+@pytest.mark.parametrize("seed", ["x", -1, 1.5, True, 2 ** 63])
+def test_a_seed_that_is_no_generator_key_is_refused_when_the_mix_is_made(seed):
+    """It failed only when iterated, in numpy's words (the final hostile pass)."""
+    with pytest.raises(ValueError, match="RandomMix seed"):
+        RandomMix([[1], [2]], [1, 1], seed=seed)
+    assert list(RandomMix([[1], [2]], [1, 1], seed=np.int64(3))) != []

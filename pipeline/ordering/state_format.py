@@ -239,7 +239,8 @@ def _check_same_epoch(root, got, targets, order_of, names, listings):
     if got != [int(t) for t in targets]:
         raise ValueError(f"the stream state's epoch splits its samples {got} between the sources, this "
                          f"stream {[int(t) for t in targets]}: the weights or the epoch's samples changed inside "
-                         f"an epoch; change them at an epoch boundary")
+                         f"an epoch; change them at an epoch boundary (a stream made with other weights than the saved epoch "
+                         f"ran: set_epoch(E, that epoch's weights) before load_state_dict)")
     if root["order"] != dict(order_of):
         said = ", ".join(f"{k} {short(root['order'].get(k))}" for k in order_of)
         raise ValueError(f"the interrupted epoch ran with {said}; this stream has "

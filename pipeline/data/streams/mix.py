@@ -9,6 +9,7 @@ state but the position. In a webdataset pipeline it mixes iterables sample by sa
 training stream it is given each (rank, worker)'s exact `deal.Choices` and takes whole
 batches from the sources' chains (`next`).
 """
+import numbers
 import numpy as np
 import torch
 
@@ -29,6 +30,9 @@ class RandomMix(torch.utils.data.IterableDataset):
     def __init__(self, datasets, probs=None, longest=False, *, seed=0, choices=None, batch_size=None, at=0):
         self.datasets, self.longest, self.batch_size, self.at = list(datasets), longest, batch_size, at
         if choices is None:
+            if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2 ** 63:
+                raise ValueError(f"RandomMix seed {seed!r}: an int from 0 to 2**63 - 1 expected")  # numpy's key
+            seed = int(seed)
             choices = Choices.unending(_checked(probs, len(self.datasets)), (order.MIX, seed))
         self.choices = choices
 
