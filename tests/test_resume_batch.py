@@ -137,6 +137,25 @@ def test_more_epochs_keep_the_interrupted_epochs_mixture_and_apply_from_the_next
     assert len(read) == len(set(read)) == 160
 
 
+def test_a_weights_change_inside_an_epoch_records_the_next_epochs_weights(data, tmp_path, capsys):
+    """--change-weights --final-weights on a checkpoint inside epoch 2 of 3: epoch 2 keeps its
+    mixture, so the weights_changed record names epoch 3 and the weights its train lines carry."""
+    out = tmp_path / "run"
+    first = small(data, out, "--batch-size", "16", "--stop-after-steps", "13")
+    first[first.index("--epochs") + 1] = "3"
+    assert run_main(first, capsys)[0] == 0
+    again = small(data, out, "--batch-size", "16", "--resume", "--change-weights", "--final-weights",
+                  "mnist=3,cifar10=1")
+    again[again.index("--epochs") + 1] = "3"
+    code, said, err = run_main(again, capsys)
+    assert code == 0, err[-2000:]
+    changed = lines(out, "weights_changed")
+    assert len(changed) == 1 and changed[0]["from_epoch"] == 3 and changed[0]["epoch"] == 2, changed
+    assert changed[0]["from"] == [0.5, 0.5] and changed[0]["to"] == [0.75, 0.25]
+    mix = {ln["epoch"]: list(ln["weights"].values()) for ln in lines(out)}
+    assert mix[2] == [0.5, 0.5] and mix[3] == changed[0]["to"]
+
+
 # ---------------------------------------------------------------- under torchrun
 
 
