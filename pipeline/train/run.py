@@ -237,11 +237,14 @@ class Run:
             if earlier != carried:  # what earlier worlds read of this epoch, by the stream and by the run
                 raise InputError(f"{path}: the stream state says earlier worlds read {earlier} samples of this epoch, "
                                  f"the run carried tallies of {carried}; the checkpoint is damaged")
-            if not args.sample_stage:  # without stages that drop samples, only damage passes positions over
-                over = {r: n for r, n in dealt["passed"].items() if n > tallies[r]["skipped"]}
-                if over:
-                    r = next(iter(over))
-                    raise InputError(f"{path}: the stream state says rank {r} passed over {over[r]} positions "
+            if not args.sample_stage:  # without stages that drop samples, only damage passes positions over:
+                # each damaged position of a rank's runs is counted skipped by that rank, and only after
+                # one does a pair read replacements (their damage passed over, not counted again)
+                odd = {r: n for r, n in dealt["passed"].items() if (n > 0) != (tallies[r]["skipped"] > 0)
+                       or tallies[r]["skipped"] > n}
+                if odd:
+                    r = next(iter(odd))
+                    raise InputError(f"{path}: the stream state says rank {r} passed over {odd[r]} positions "
                                      f"without a sample, the run counted {tallies[r]['skipped']} skipped; the "
                                      f"checkpoint is damaged")
             if dealt["deal"] == "same":  # same world and workers
