@@ -109,6 +109,35 @@ def test_fields_override_the_inferred_ones_of_the_same_name(tmp_path):
     assert by_name["caption"].max_bytes == 100 and by_name["score"].kind == "float" and "width" in by_name
 
 
+def _scalar_npy(x):
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, np.float32(x))
+    return buf.getvalue()
+
+
+def test_scalar_npy_members_open_by_url_and_a_shape_asked_for_is_the_one_a_refusal_names(tmp_path):
+    """Each sample's .npy a 0-d array: inferred as an array of shape (1,), which reads them (it
+    refused its own inference before); a --fields array of 2x2 over them is refused naming that
+    field and its shape, not the inferred field's (1,)."""
+    from helpers import write_tar
+
+    os.makedirs(tmp_path / "set")
+    write_tar(tmp_path / "set" / "s-000.tar", [(f"{i:03d}.{ext}", data) for i in range(8)
+                                               for ext, data in (("npy", _scalar_npy(i)), ("cls", b"%d" % (i % 2)))])
+    src = resolve("web", str(tmp_path / "set"), "train")
+    assert kinds(src)["npy"] == ("array", "npy")
+    stream = MixedStream([src], {"web": 1}, 4, seed=0, normalize=False)
+    got = sorted(float(v) for b in stream for v in b["npy"][:, 0])
+    assert got == list(range(8))
+    with pytest.raises(ShardError, match=r"field emb: \.npy of shape \(\) \(a scalar\), the field takes at most "
+                                         r"\(2, 2\)"):
+        resolve("web", str(tmp_path / "set"), "train", fields="emb:array=npy,shape=2x2")
+
+
 def test_an_empty_folder_still_says_no_manifest(tmp_path):
     with pytest.raises(ShardError, match="no manifest"):
         resolve("web", str(tmp_path), "train")

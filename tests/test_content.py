@@ -124,12 +124,14 @@ def test_json_hints_are_cut_to_a_line_and_suggest_only_keys_the_rule_can_read():
         assert len(text) < 800, len(text)
 
 
-def png_tar(path, n, without=()):
-    """Samples s0..s{n-1}, a 16x16 PNG and a .cls each; those in `without` lack their .png."""
+def png_tar(path, n, without=(), junk=()):
+    """Samples s0..s{n-1}, a 16x16 PNG and a .cls each; those in `without` lack their .png, those
+    in `junk` have a .png that does not decode (refused when decoded, not when read)."""
     members = []
     for i in range(n):
         if i not in without:
-            members.append((f"s{i}.png", encode_pil(foreign_image(i % 2, (16, 16), seed=i), "PNG")))
+            png = encode_pil(foreign_image(i % 2, (16, 16), seed=i), "PNG")
+            members.append((f"s{i}.png", png[:20] + bytes(40) if i in junk else png))
         members.append((f"s{i}.cls", str(i % 2).encode()))
     write_tar(path, members)
 
@@ -158,3 +160,36 @@ def test_a_sample_refused_while_read_is_counted_once_whatever_the_workers(tmp_pa
     assert got == {0: (2, 20), 2: (2, 20)}, got
     named = [str(w.message) for w in said if "skipped sample" in str(w.message)]
     assert len(named) == 2, named  # at 0 workers (a worker's warnings stay in its process)
+
+
+@pytest.mark.slow  # starts loader workers
+@pytest.mark.parametrize("damage", ["without", "junk"])
+def test_skipped_counts_the_damaged_samples_of_the_epoch_once_whatever_the_workers(tmp_path, damage):
+    """10 of 40 samples damaged (no .png: refused when read; junk .png: refused when decoded):
+    `skipped` is the epoch's positions that held one, each once, named once, at 0 and 2 workers.
+    Before, it counted every refused read: a pair that passed over damage reads replacements
+    (its reserve, the next pass), damaged ones among them counted again: 13-15 at 40, and the
+    samples refused when read 10 or 20 at 80 depending on the workers."""
+    import warnings
+
+    from pipeline.data.handover.loader import make_loader
+
+    bad = set(range(0, 40, 4))
+    png_tar(tmp_path / "web-000000.tar", 40)
+    p = index("--index", f"web:train={tmp_path}/web-000000.tar", "--out", tmp_path)
+    assert p.returncode == 0, p.stderr
+    png_tar(tmp_path / "web-000000.tar", 40, **{damage: bad})
+    src = resolve("web", str(tmp_path / "web-train.json"), "train")
+    got = {}
+    for samples in (40, 80):  # the pass once; twice, each damaged sample at two positions
+        for workers in (0, 2):
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                stream = MixedStream([src], {"web": 1}, 4, epoch_samples=samples, shuffle_buffer=20)
+                batches = list(make_loader(stream, num_workers=workers))
+            keys = [k for b in batches for k in b["key"]]
+            assert len(keys) == samples and not {f"s{i}" for i in bad} & set(keys)
+            got[samples, workers] = sum(b["skipped"] for b in batches)
+            if not workers:  # (a worker's warnings stay in its process)
+                assert len([w for w in said if "skipped sample" in str(w.message)]) == got[samples, workers]
+    assert got == {(40, 0): 10, (40, 2): 10, (80, 0): 20, (80, 2): 20}, got

@@ -3,6 +3,7 @@ views of them, slots back only when nothing refers to a batch; workers that pers
 passes and follow set_epoch; errors and deaths of workers."""
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -507,3 +508,66 @@ class _Sleep:
 def test_a_worker_that_sends_nothing_fails_the_pass_after_the_timeout(data):
     with pytest.raises(TimeoutError, match=r"loader worker \d \(pid \d+\) sent nothing for 2 s"):
         list(make_loader(_stream(data, sample_stages=[_Sleep()]), 2, timeout=2))
+
+
+@pytest.mark.slow
+def test_close_from_another_thread_while_the_workers_start_never_hangs_or_leaks(data):
+    """close() from another thread at a random moment of start() or of a first pass (forking, the
+    pass begun, the first batch read): both threads end (a hang fails), start/next either finish
+    or raise the one 'the loader was closed' line, no worker process is left, no thread raises
+    anything else, and the loader's next pass reads the rest of the epoch."""
+    import multiprocessing
+    import random
+    import threading
+
+    rng = random.Random(5)
+    before = set(multiprocessing.active_children())
+    for i in range(24):
+        loader = make_loader(_stream(data, n=4), 2, prefetch_factor=1)
+        errors, first, delay = [], rng.random() < 0.5, rng.random() * 0.04  # start() alone, or a first batch
+        free_slots, pause = loader.ring.free_slots, rng.random() * 0.05  # a pass begun: forked, not yet told
+        loader.ring.free_slots = lambda install, f=free_slots, s=pause: time.sleep(s) or f(install)
+
+        def run(fn):
+            try:
+                fn()
+            except RuntimeError as e:
+                if "the loader was closed" not in str(e):
+                    errors.append(e)
+            except BaseException as e:  # noqa: BLE001 - anything else is what this test looks for
+                errors.append(e)
+
+        got = []  # the first batch's keys, where the starter read one
+        starter = threading.Thread(target=run, args=((lambda: got.extend(next(iter(loader))["key"])) if first
+                                                     else loader.start,))
+        closer = threading.Thread(target=run, args=(lambda: time.sleep(delay) or loader.close(),))
+        starter.start(), closer.start()
+        for t in (starter, closer):
+            t.join(60)  # a hang guard, not a speed test
+            assert not t.is_alive(), f"round {i}: a thread still runs after close()"
+        assert not errors, f"round {i}: {errors[0]!r}"
+        if i % 6 == 5:  # and the loader is whole: its next pass starts the workers again, reads the rest
+            rest = [k for b in loader for k in b["key"]]
+            assert len(got + rest) == len(set(got + rest)) == 16, (got, rest)
+        loader.close()
+        left = [p for p in multiprocessing.active_children() if p not in before]
+        assert not left, f"round {i}: {len(left)} worker process(es) left: {left}"
+
+
+@pytest.mark.slow
+def test_a_process_forked_from_the_consumer_does_not_stop_its_workers(data):
+    """close() in a child forked from the consumer (a loader collected there, a user's fork) is not
+    the consumer's: its pipes are inherited copies, and it told the workers to stop."""
+    loader = make_loader(_stream(data, n=4), 2).start()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            loader.workers.close()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    for p in loader.workers.procs:
+        p.join(1)  # a worker told to stop ends within it (it did, before)
+    assert all(p.is_alive() for p in loader.workers.procs)
+    assert len([k for b in loader for k in b["key"]]) == 16
+    loader.close()

@@ -137,6 +137,50 @@ def test_more_epochs_keep_the_interrupted_epochs_mixture_and_apply_from_the_next
     assert len(read) == len(set(read)) == 160
 
 
+def test_a_weights_change_inside_an_epoch_records_the_next_epochs_weights(data, tmp_path, capsys):
+    """--change-weights --final-weights on a checkpoint inside epoch 2 of 3: epoch 2 keeps its
+    mixture, so the weights_changed record names epoch 3 and the weights its train lines carry."""
+    out = tmp_path / "run"
+    first = small(data, out, "--batch-size", "16", "--stop-after-steps", "13")
+    first[first.index("--epochs") + 1] = "3"
+    assert run_main(first, capsys)[0] == 0
+    again = small(data, out, "--batch-size", "16", "--resume", "--change-weights", "--final-weights",
+                  "mnist=3,cifar10=1")
+    again[again.index("--epochs") + 1] = "3"
+    code, said, err = run_main(again, capsys)
+    assert code == 0, err[-2000:]
+    changed = lines(out, "weights_changed")
+    assert len(changed) == 1 and changed[0]["from_epoch"] == 3 and changed[0]["epoch"] == 2, changed
+    assert changed[0]["from"] == [0.5, 0.5] and changed[0]["to"] == [0.75, 0.25]
+    mix = {ln["epoch"]: list(ln["weights"].values()) for ln in lines(out)}
+    assert mix[2] == [0.5, 0.5] and mix[3] == changed[0]["to"]
+
+
+@pytest.mark.slow  # starts loader workers
+def test_a_checkpoint_of_a_set_with_damaged_samples_resumes_on_3_workers(tmp_path, capsys):
+    """10 of 40 samples without their image, 3 workers, stopped at step 8: the replacements a worker
+    read for them passed over more positions than the run counted skipped (30 to 10), which the
+    resume's check took for a damaged checkpoint. The epoch counts each damaged position once."""
+    from helpers import encode_pil, foreign_image, make_shards_in_process, write_tar
+
+    def shard(damaged):
+        write_tar(tmp_path / "web-000000.tar", [m for i in range(40) for m in (
+            [] if damaged and i % 4 == 0 else [(f"s{i:02d}.png", encode_pil(foreign_image(i % 2, (16, 16), i), "PNG"))])
+            + [(f"s{i:02d}.cls", str(i % 2).encode())]])
+
+    shard(False)
+    done = make_shards_in_process(["--quiet", "--index", f"web:train={tmp_path}/web-000000.tar", "--out", tmp_path])
+    assert done.returncode == 0, done.stderr
+    shard(True)
+    out = tmp_path / "run"
+    argv = ["--train", f"web={tmp_path}/web-train.json", "--epochs", "1", "--batch-size", "4", "--epoch-samples",
+            "40", "--workers", "3", "--width", "4", "--on-error", "skip", "--out", out]
+    assert run_main(argv + ["--stop-after-steps", "8"], capsys)[0] == 0
+    code, said, err = run_main(argv + ["--resume"], capsys)
+    assert code == 0, err[-2000:]
+    assert json.loads((out / "summary.json").read_text())["skipped_samples"] == 10
+
+
 # ---------------------------------------------------------------- under torchrun
 
 

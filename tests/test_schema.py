@@ -82,6 +82,16 @@ def test_arrays_are_checked_from_their_header_and_cast_within_their_kind():
         npy_value(npy(np.ones(4, np.float32))[:-8], Column("a", "array", "npy", shape=4))
 
 
+def test_a_0d_npy_is_one_value_and_a_refusal_names_its_shape_and_the_fields():
+    """np.save of a scalar: one value of shape (1,) (the shape inference gives its field), within any
+    one-dimensional field; a field of other dimensions refuses it naming both shapes."""
+    for shape in (1, 3):
+        got = npy_value(npy(np.float64(2.5)), Column("a", "array", "npy", shape=shape))
+        assert got.shape == (1,) and got.dtype == np.float32 and got[0] == 2.5
+    with pytest.raises(ValueError, match=re.escape(".npy of shape () (a scalar), the field takes at most (2, 2)")):
+        npy_value(npy(np.float32(1)), Column("a", "array", "npy", shape="2x2"))
+
+
 def test_images_fit_by_policy():
     img = np.random.default_rng(0).integers(0, 256, (40, 60, 3), dtype=np.uint8)
     png = encode_pil(Image.fromarray(img), "PNG")

@@ -325,6 +325,23 @@ def test_weights_may_change_on_purpose_and_are_recorded(data, finished, tmp_path
     assert len(changed) == 1 and changed[0]["to"] == [0.75, 0.25] and changed[0]["from"] == [0.5, 0.5]
 
 
+@pytest.mark.slow
+def test_a_weights_change_records_the_weights_the_resumed_epoch_uses(data, finished, tmp_path):
+    """--final-weights on resume: epoch 2 of 2 trains on the final weights, so the record names
+    those (not the schedule's first), the same weights the epoch's train lines carry."""
+    out = tmp_path / "run"
+    subprocess.run(["cp", "-r", str(finished), str(out)], check=True)
+    p = train(*small(data, out, "--epochs", "2", "--resume", "--change-weights", "--final-weights",
+                     "mnist=3,cifar10=1", "--log-every", "1"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    changed = [ln for ln in lines if ln["kind"] == "weights_changed"]
+    assert len(changed) == 1 and changed[0]["to"] == [0.75, 0.25] and changed[0]["from"] == [0.5, 0.5]
+    assert changed[0]["from_epoch"] == 2
+    used = [list(ln["weights"].values()) for ln in lines if ln["kind"] == "train" and ln["epoch"] == 2]
+    assert used and all(w == changed[0]["to"] for w in used)
+
+
 # ---------------------------------------------------------------- 7. full disks and torn lines
 
 

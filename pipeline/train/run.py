@@ -237,11 +237,14 @@ class Run:
             if earlier != carried:  # what earlier worlds read of this epoch, by the stream and by the run
                 raise InputError(f"{path}: the stream state says earlier worlds read {earlier} samples of this epoch, "
                                  f"the run carried tallies of {carried}; the checkpoint is damaged")
-            if not args.sample_stage:  # without stages that drop samples, only damage passes positions over
-                over = {r: n for r, n in dealt["passed"].items() if n > tallies[r]["skipped"]}
-                if over:
-                    r = next(iter(over))
-                    raise InputError(f"{path}: the stream state says rank {r} passed over {over[r]} positions "
+            if not args.sample_stage:  # without stages that drop samples, only damage passes positions over:
+                # each damaged position of a rank's runs is counted skipped by that rank, and only after
+                # one does a pair read replacements (their damage passed over, not counted again)
+                odd = {r: n for r, n in dealt["passed"].items() if (n > 0) != (tallies[r]["skipped"] > 0)
+                       or tallies[r]["skipped"] > n}
+                if odd:
+                    r = next(iter(odd))
+                    raise InputError(f"{path}: the stream state says rank {r} passed over {odd[r]} positions "
                                      f"without a sample, the run counted {tallies[r]['skipped']} skipped; the "
                                      f"checkpoint is damaged")
             if dealt["deal"] == "same":  # same world and workers
@@ -256,7 +259,7 @@ class Run:
         changed = {}
         if saved.get("weights") != self.fingerprint["weights"] or \
                 saved.get("final_weights") != self.fingerprint["final_weights"]:
-            changed["weights"] = {"from": saved.get("weights"), "to": self.fingerprint["weights"]}
+            changed["weights"] = _weights_change(args, saved, self.epoch + 1 if self.in_epoch else self.epoch)
         if data:
             changed["data"] = {name: {"from": was, "to": now} for name, (was, now) in data.items()}
         return changed
@@ -306,6 +309,33 @@ class Run:
         if samples != self.stream.epoch_samples:
             why.append(f"an epoch is {self.stream.epoch_samples} samples, was {samples}")
         return [f"the learning rate at step {self.step} moves from {old:.6g} to {new:.6g}: {'; '.join(why)}"]
+
+
+def _weights_change(args, saved, first):
+    """The weights_changed record: the mixture the checkpoint's settings give epoch `first` (the
+    first the new settings govern: an interrupted epoch keeps the mixture it started with) and the
+    one this run gives it, as that epoch's train lines carry it; with no epoch left, the last
+    epoch's, and "from_epoch" null. Weights of a damaged checkpoint that make no schedule are
+    named as saved."""
+    epoch = min(first, args.epochs - 1)
+    was = saved.get("weights")
+    final, epochs = saved.get("final_weights"), (saved.get("schedule") or {}).get("epochs")
+    if _weight_list(was, len(args.train)) and (final is None or _weight_list(final, len(args.train))) \
+            and type(epochs) is int and epochs >= 1:
+        was = _schedule_at(was, final, epochs, args.train, epoch)
+    return {"from": was, "to": _schedule_at(args.weights, args.final_weights, args.epochs, args.train, epoch),
+            "from_epoch": epoch + 1 if first < args.epochs else None}
+
+
+def _schedule_at(weights, final, epochs, names, epoch):
+    """The weights a --weights/--final-weights/--epochs schedule gives `epoch` (options.weights_at,
+    without a resumed epoch's kept mixture), rounded as the fingerprint rounds them."""
+    plan = argparse.Namespace(weights=weights, final_weights=final, epochs=epochs, train=names)
+    return [round(w, 12) for w in options.weights_at(plan, epoch).values()]
+
+
+def _weight_list(w, n):
+    return isinstance(w, list) and len(w) == n and all(type(x) in (int, float) for x in w)
 
 
 def _mix(weights):

@@ -44,7 +44,10 @@ def scan_fields(sample, scan, url):
             scan["held"][col.name] += 1
             ext, path, data = got
             if col.kind != "image":
-                value = value_of(col, ext, path, data, parsed, lambda: random.Random(0))
+                try:
+                    value = value_of(col, ext, path, data, parsed, lambda: random.Random(0))
+                except ValueError as e:  # which field: two may read one member (an inferred one and --fields')
+                    raise ValueError(f"field {col.name}: {e}") from None
                 if col.kind == "class":  # the classes: 0 to the largest index seen, or the names seen
                     scan["labels"][value] += 1
                     scan["first"].setdefault(value, key)

@@ -124,7 +124,8 @@ def _numbers(col, items, where):
 
 def npy_value(data, col):
     """A .npy member as an array of the field's dtype, its header checked before a byte is
-    copied: numeric, no objects, the field's number of dimensions, none larger than the field's."""
+    copied: numeric, no objects, the field's number of dimensions, none larger than the field's
+    (a 0-d .npy is one value of shape (1,), the shape pipeline.writers.infer gives its field)."""
     import tokenize
 
     from numpy.lib import format as npformat
@@ -138,8 +139,10 @@ def npy_value(data, col):
         raise ValueError(f"undecodable .npy: {cut(e, 80)}") from None
     if dtype.hasobject or dtype.fields is not None or dtype.kind not in "biuf":
         raise ValueError(f".npy holds {cut(str(dtype), 40)}, not numbers")
-    if len(shape) != len(col.shape) or any(s > m for s, m in zip(shape, col.shape)):
-        raise ValueError(f".npy of shape {cut(str(shape), 60)}, the field takes at most {col.shape}")
+    scalar = not shape  # a 0-d .npy (np.save of a scalar): one value, shape (1,), as inference reads it
+    if len(shape or (1,)) != len(col.shape) or any(s > m for s, m in zip(shape or (1,), col.shape)):
+        raise ValueError(f".npy of shape {cut(str(shape), 60)}{' (a scalar)' if scalar else ''}, the field takes at "
+                         f"most {col.shape}")
     want = np.dtype(col.dtype)
     if not np.can_cast(dtype, want, "same_kind"):
         raise ValueError(f".npy of {dtype} cannot be {want} without losing its kind (give the field dtype {dtype})")
@@ -147,7 +150,7 @@ def npy_value(data, col):
     if len(data) - f.tell() < count * dtype.itemsize:
         raise ValueError(f".npy header claims {count} values, the member holds {len(data) - f.tell()} bytes")
     a = np.frombuffer(data, dtype, count, f.tell())
-    a = a.reshape(shape[::-1]).T if fortran else a.reshape(shape)
+    a = a.reshape(shape[::-1]).T if fortran else a.reshape(shape or (1,))
     return np.ascontiguousarray(a, dtype=want)
 
 

@@ -61,6 +61,10 @@ class Workers:
         self.fds = []  # per worker, the file numbers of (ready, free), read once: a batch uses both
         self.pass_id = 0
         self.closing = False  # close() began (from any thread): a pass reading now ends in one line
+        # start (with a pass's begin) and close, one at a time whatever the threads: a close() from another
+        # thread while the workers forked found half-made lists (an IndexError; a worker forked after its
+        # join loop was left running, its pipes unclosed); it now waits for the start, then stops them all
+        self.life = threading.RLock()
         self.given_in = 0  # the pass the slots given back now belong to (see `begin`)
         self.parent = os.getpid()
         ring.give_back = self._give_back
@@ -73,10 +77,14 @@ class Workers:
         """Start the processes (once; again after one died, e.g. killed between passes). Each
         pipe's far end is closed here as soon as its worker has it, so a later worker does not
         inherit it and a dead worker's pipe reads as ended."""
+        with self.life:
+            self._start()
+
+    def _start(self):
         if self.procs and all(p.is_alive() for p in self.procs):
             return
         if self.procs:
-            self.close()
+            self._close()
         self.closing = False
         relock = self.ring.unlock()  # page-locked memory is not inherited by a fork (MADV_DONTFORK)
         for w in range(self.count):
@@ -111,13 +119,14 @@ class Workers:
         the slots the user holds nothing of (a worker started again too: its predecessor's
         batches stay as they were) and, from its pipe, those given back in this pass; batches of
         earlier passes still in the pipes are dropped as they come (`receive`)."""
-        self.start()
-        self.pass_id += 1
-        free = self.ring.free_slots(lambda: setattr(self, "given_in", self.pass_id))
-        for w in range(self.count):
-            self.control[w] = self.pass_id
-            self.commands[w].send(("pass", self.pass_id, plan, free[w]))
-        return self.pass_id
+        with self.life:  # not half sent when close() comes from another thread
+            self._start()
+            self.pass_id += 1
+            free = self.ring.free_slots(lambda: setattr(self, "given_in", self.pass_id))
+            for w in range(self.count):
+                self.control[w] = self.pass_id
+                self.commands[w].send(("pass", self.pass_id, plan, free[w]))
+            return self.pass_id
 
     def receive(self, w, pass_id):
         """(kind, slot, samples, payload) of worker w's next message of pass `pass_id`."""
@@ -201,7 +210,15 @@ class Workers:
                 pass
 
     def close(self):
-        """Stop the workers (they finish what they write, then exit) and close the pipes."""
+        """Stop the workers (they finish what they write, then exit) and close the pipes; from
+        another thread while they start, once they have started (`life`). Not in a process forked
+        from this one: the workers are not its own (and `life` may have been held at the fork)."""
+        if os.getpid() != self.parent:
+            return
+        with self.life:
+            self._close()
+
+    def _close(self):
         if not self.procs:
             return
         self.closing = True

@@ -24,13 +24,17 @@ class Window:
     key: the shuffle's generator key (None: read in order); places skip..size of the
     window's shuffled order are taken, the first of them being the run's position
     `start`. Two windows with the same rows and key hold the same samples in the same
-    order (`same`), so a chain reads and shuffles them once."""
+    order (`same`), so a chain reads and shuffles them once. `spare`: its places lie past the
+    pair's run (its reserve, its run again), read only to replace samples passed over there;
+    a damaged sample met here is not counted again (`skipped` counts the damaged samples at
+    the epoch's own positions, whatever the workers)."""
 
     rows: tuple
     key: tuple = None
     start: int = 0
     size: int = None
     skip: int = 0
+    spare: bool = False
 
     def same(self, other):
         return other is not None and (other is self or (other.rows == self.rows and other.key == self.key))
@@ -75,7 +79,7 @@ class RunPlan:
         shards, size, key = self.order.window_of(q, j)
         take = min(size - offset, int(self.ends[k]) - place)
         rows = tuple((self.urls[i], 0, None) for i in shards.tolist())
-        return Window(rows, key, start=at, size=offset + take, skip=offset)
+        return Window(rows, key, start=at, size=offset + take, skip=offset, spare=at >= self.own)
 
     def upcoming(self):
         """The windows after the current one, to the run's end: what a reader fetches ahead.

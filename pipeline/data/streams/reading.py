@@ -30,6 +30,7 @@ class WindowData:
 
     def __init__(self):
         self.keys, self.labels, self.urls, self.chunks = [], [], [], []
+        self.refused = []  # (url, key, error) of a training window's samples refused while read, in row order
 
     def add(self, keys, images, exts, labels, url):
         """One shard's samples: images `Rows` (exts "raw") or a list (exts a list)."""
@@ -248,7 +249,6 @@ class Reader:
         self.miscount_said = set()  # urls whose count differing from the manifest was reported
         self.damage_said = set()  # urls whose damage was reported: a later read of them counts it without a line
         self.suspect = {}  # url -> DigestError: the whole shard cannot be trusted, so it is not read again
-        self.refused = set()  # (url, position) of the samples refused while read that this reader counted
         # remote shards read whole: fetched ahead of the reading (`_ahead`); never local files or pipe: commands
         self.fetchable = {u for u, (_, b, _) in self.expected.items() if b is not None and b <= WHOLE_SHARD
                           and _remote(u)}
@@ -263,11 +263,10 @@ class Reader:
         if self.arena is not None:  # the last window's rows were all taken before this one is read
             claimed = sum(self.expected.get(url, (0, 0, 0))[1] or 0 for url in {url for url, _, _ in window.rows})
             self.arena.clear(min(claimed, WHOLE_SHARD))  # a claim sizes the first room, never more than a shard
-        place = 0  # the window's place of each row's first sample
         for url, lo, hi in window.rows:
             if url not in shards:  # a window may list a shard twice (drawn with replacement)
                 shards[url] = self._read_shard(url, self.fetched.pop(url, None))
-            place = self._piece(url, shards[url], lo, hi, out, window, place)
+            self._piece(url, shards[url], lo, hi, out, window)
         return out.seal()
 
     def close(self):
@@ -389,41 +388,34 @@ class Reader:
                                  (f"; the {lost} missing counted as skipped" if lost else ""))
         return cols, bad, got, error, count
 
-    def _piece(self, url, shard, lo, hi, out, window=None, place=0):
-        """The samples at positions [lo, hi) of a read shard into `out`; what is missing
-        there, or bad, counted as skipped. `place`: the window's place of position lo; returns
-        the place after hi."""
+    def _piece(self, url, shard, lo, hi, out, window=None):
+        """The samples at positions [lo, hi) of a read shard into `out`; what is missing there,
+        or bad, counted as skipped: here for evaluation, for a training window by the chain that
+        passes the places it leaves empty (`out.refused`, stages.SourceStream.take)."""
         cols, bad, got, error, count = shard
         end = (count or got) if hi is None else hi
         lost = max(end - max(lo, got), 0)
         if error is not None and end >= (count or got):
             lost = max(lost, 1)  # the shard's end was damaged
+        # a training window's places left empty are counted by the chain that passes them
+        # (stages.SourceStream.take), once each whatever the workers; evaluation counts them here
+        training = window is not None and window.size is not None
+        counted = 0 if training else lost
         if error is not None and lost and url in self.damage_said:
-            self.errors.skipped += lost
+            self.errors.skipped += counted
         elif error is not None and lost:
             self.damage_said.add(url)
-            self.errors(f"{url}: {error}", lost, said=f"{url}: {error}; skipped {lost} sample(s)")
+            self.errors(f"{url}: {error}", counted, said=f"{url}: {error}; skipped {lost} sample(s)")
         elif lost:  # a tar that ends early: named once when read (see _read_shard)
-            self.errors.skipped += lost
+            self.errors.skipped += counted
         for at, key, e in bad:
-            if lo <= at < end and self._counts(window, place + at - lo, url, at):
+            if not lo <= at < end:
+                continue
+            if not training or self.errors.strict:  # evaluation (each shard read once), or --strict: now
                 self.bad(url, key, e)
+            else:  # training: named and counted by the chain that passes the place it leaves empty
+                out.refused.append((url, key, str(e)))  # a string: an exception would keep its frames
         self._add(url, cols, lo, end, got, out)
-        return place + max(end - lo, 0)
-
-    def _counts(self, window, place, url, at):
-        """Whether this reader counts (and names) a sample refused while its shard was read. Every
-        (rank, worker) whose share of the epoch lies in a window reads all of it, and a chain may
-        read a window again (its reserve, its run once more): each counted the refusal, so one
-        sample missing its image was skipped 2 or 3 times, a figure that changed with the workers.
-        It counts in the one chain whose places skip..size of the window hold the refused
-        sample's place, once."""
-        if window is not None and window.size is not None and not window.skip <= place < window.size:
-            return False
-        if (url, at) in self.refused:
-            return False
-        self.refused.add((url, at))
-        return True
 
     @staticmethod
     def _add(url, cols, lo, end, got, out):
@@ -479,6 +471,7 @@ class Reader:
         return keys, images, "raw" if dense else [image_format(self.target.image_exts[0])] * len(keys), labels, where
 
     def bad(self, url, key, error):
+        """A sample that cannot be used: named and counted (or raised, under --strict)."""
         self.errors(f"{url}: sample {key}: {error}", said=f"{url}: skipped sample {key}: {error}")
 
 

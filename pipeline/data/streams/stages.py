@@ -158,7 +158,7 @@ class Decode:
             pixels, kept, errors, *sizes = how([d.images[i] for i in rows], [d.exts[i] for i in rows], self.target,
                                                None if chunk.crops is None else chunk.crops[idx])
             chunk.sizes = sizes[0] if sizes else None
-            for k, message in errors:
+            for k, message in errors if not chunk.window.spare else ():  # a replacement's damage: not again
                 self.reader.bad(d.urls[rows[k]], d.keys[rows[k]], message)
             if errors:
                 chunk.kept = np.asarray(kept, np.int64)
@@ -184,7 +184,8 @@ class Decode:
             except InputError:  # a stage of the user's that failed: the user's to fix, not the sample's
                 raise
             except ValueError as e:
-                self.reader.bad(d.urls[i], d.keys[i], e)
+                if not chunk.window.spare:  # a replacement's damage is not counted again
+                    self.reader.bad(d.urls[i], d.keys[i], e)
                 continue
             if v is not None:
                 values.append(v)
@@ -320,8 +321,10 @@ class SourceStream:
             if chunk.window is not self.window:
                 self._opened(chunk.window)
             if not len(chunk.idx) and chunk.lo >= len(chunk.data):  # the shard held fewer samples than its manifest
+                self._passed(chunk, chunk.window.size)
                 self.stages[0][1].exhausted()
                 continue
+            self._passed(chunk, chunk.hi)
             if chunk.keys:
                 self.window_good = True
             keys += chunk.keys
@@ -334,6 +337,20 @@ class SourceStream:
         if not parts:
             return ([], np.zeros((0, c, h, w), np.uint8), np.zeros(0, np.int64)) + more
         return (keys, parts[0] if len(parts) == 1 else np.concatenate(parts), np.concatenate(labels)) + more
+
+    def _passed(self, chunk, hi):
+        """Name and count the places lo..hi of a training window that hold no sample: a window's
+        samples refused while its shards were read (WindowData.refused, the k-th named at its k-th
+        empty place), then those lost with a damaged or short shard (named when read). Each place
+        is passed by one chain, once, so the count is the same on any number of workers; a spare
+        window's are replacements, not counted again."""
+        w, d = chunk.window, chunk.data
+        if w.size is None or w.spare or hi is None:
+            return
+        first = max(chunk.lo, len(d))
+        for k in range(first - len(d), min(hi - len(d), len(d.refused))):
+            self.reader.bad(*d.refused[k])
+        self.reader.errors.skipped += max(hi - len(d) - max(first - len(d), len(d.refused)), 0)
 
     def _opened(self, window):
         """Raises ShardError when more windows in a row than twice the source's shards gave no usable sample."""
