@@ -125,11 +125,11 @@ def decode_batch(images, exts, target, crops=None, hwc=False):
 def _turbo_batch(images, exts, target, crops, hwc=False):
     """JPEGs as `decode_image` decodes them, with simplejpeg (`pipeline.data.decoding.turbo`): each
     of exactly the target's size and upright by one bare simplejpeg call, the others through
-    decode_image, then all stacked into one HWC array in one call (made CHW at once, or with
-    `hwc` handed on as its CHW view). Not `buffer=` a row of the batch: simplejpeg then wraps
-    the buffer in a new array by two Python calls, which cost more than the stack's copy
-    (docs/benchmarks.md, "JPEG decoders"). Its headers are read first, each checked before its
-    pixels."""
+    decode_image, then all joined into one HWC array by one bytes.join (made CHW at once, or
+    with `hwc` handed on as its CHW view). Not `buffer=` a row of the batch: simplejpeg then
+    wraps the buffer in a new array by two Python calls, which cost more than the join's copy
+    (np.stack costs more again: docs/benchmarks.md, "JPEG decoders"). Its headers are read
+    first, each checked before its pixels."""
     c, h, w = shape = tuple(target.shape)
     try:
         image_caps.check(w, h, shape, "jpg")  # what bounds says of every image of the target's own size
@@ -156,15 +156,12 @@ def _turbo_batch(images, exts, target, crops, hwc=False):
             except turbo.REFUSED:
                 pass  # damaged, or libjpeg-turbo warned: decode_image says why
         try:
-            decoded.append(decode_image(data, exts[i], shape, None if crops is None else crops[i],
-                                        hwc=True).transpose(1, 2, 0))
+            chw = decode_image(data, exts[i], shape, None if crops is None else crops[i], hwc=True)
+            decoded.append(np.ascontiguousarray(chw.transpose(1, 2, 0)))  # mostly HWC already: no copy
             kept.append(i)
         except ValueError as e:
             errors.append((i, str(e)))
-    out = np.empty((len(kept), h, w, c), np.uint8)
-    if decoded:
-        np.stack(decoded, out=out)
-    chw = out.transpose(0, 3, 1, 2)
+    chw = np.frombuffer(b"".join(decoded), np.uint8).reshape(len(kept), h, w, c).transpose(0, 3, 1, 2)
     return (chw if hwc else np.ascontiguousarray(chw)), kept, errors
 
 
