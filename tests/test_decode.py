@@ -431,6 +431,21 @@ def test_a_remembered_jpeg_header_is_only_reused_for_the_same_bytes():
     assert jpeg.header(data).upright == (16, 24)
 
 
+def test_a_remembered_header_counts_the_scans_of_the_fewest_bytes_that_hold_too_many():
+    """jpeg.header skips the scan count of a JPEG too short to hold MAX_SCANS more scans
+    (SCAN_BYTES each, the least a scan header takes): one of exactly that many minimal scan
+    headers after a remembered prefix is still counted, and refused."""
+    data = encoded(smooth(3, 16, 24), "JPEG", progressive=True)
+    assert jpeg.header(data).upright == (16, 24)  # remembered
+    sos = data.find(b"\xff\xda")
+    first = sos + 2 + int.from_bytes(data[sos + 2:sos + 4], "big")
+    minimal = b"\xff\xda\x00\x08\x01\x01\x00\x00\x3f\x00"  # one component, nothing coded
+    assert len(minimal) == jpeg.SCAN_BYTES
+    with pytest.raises(ValueError, match="scans"):
+        jpeg.header(data[:first] + minimal * jpeg.MAX_SCANS + b"\xff\xd9")
+    assert jpeg.header(data[:first] + minimal * (jpeg.MAX_SCANS - 1) + b"\xff\xd9").upright == (16, 24)
+
+
 def decoded_alone(datas, shape, crops):
     """(images, positions kept, (position, error) refused) of JPEGs decoded one by one with
     decode_image: what a batch decode must give."""
