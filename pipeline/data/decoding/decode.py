@@ -138,15 +138,20 @@ def _turbo_batch(images, exts, target, crops, hwc=False):
         exact = None  # each goes through decode_image, which says why
     kept, errors, decoded = [], [], []  # decoded: HWC pixels of each kept image
     dec, space, header, size = turbo.decode_into(), turbo.colour_space(c), jpeg.header, (h, w, c)
-    direct = None  # the last header of the target's size seen
+    direct, prefix, short = None, None, 0  # the last header of the target's size seen, as jpeg.known_again says
     for i, data in enumerate(images):
-        try:
-            head = header(data)
-        except ValueError as e:
-            errors.append((i, str(e)))
-            continue
+        if len(data) < short and type(data) is bytes and data.startswith(prefix):
+            head = direct  # what jpeg.header gives, without its call
+        else:
+            try:
+                head = header(data)
+            except ValueError as e:
+                errors.append((i, str(e)))
+                continue
         if head is direct or (head.height, head.width, head.orientation) == exact and head.components in turbo.COLOUR:
-            direct = head
+            if head is not direct:
+                direct = head
+                prefix, short = jpeg.known_again(head) or (None, 0)
             try:
                 pixels = dec(data, colorspace=space, strict=True)
                 if pixels.shape == size:

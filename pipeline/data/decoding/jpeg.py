@@ -62,6 +62,16 @@ def header(data):
     return head
 
 
+def known_again(head):
+    """(the bytes a remembered Header was read from, the length below which bytes that start
+    with them need no scan count), or None if `head` is not remembered: what a batch's loop
+    checks inline, without a call a JPEG (decode._turbo_batch), to reuse the header `header` gives."""
+    for prefix, at, h in _known:
+        if h is head:
+            return prefix, at + SCAN_BYTES * MAX_SCANS
+    return None
+
+
 def _check_scans(data, at):
     scans = 1 + data.count(b"\xff\xda", at)  # entropy-coded data stuffs 0xFF with 0x00: these are markers
     if scans > MAX_SCANS:
