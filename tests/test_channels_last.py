@@ -64,6 +64,15 @@ def test_channels_last_reaches_the_device_copy_with_its_strides(web):
         assert torch.equal(a["image"], b["image"]) and b["image"].is_contiguous(memory_format=torch.channels_last)
 
 
+def test_channels_last_with_the_decode_after_the_hand_over(web):
+    """decode="device" (device="cpu": torchvision's CPU decoder stands in for nvJPEG): the JPEG
+    bytes cross in channels-last rows and come out decoded, the host path's values, strides kept."""
+    plain = _batches(web, 0, True, device="cpu")
+    last = _batches(web, 0, True, device="cpu", decode="device", memory_format="channels_last")
+    for a, b in zip(plain, last):
+        assert torch.equal(a["image"], b["image"]) and b["image"].is_contiguous(memory_format=torch.channels_last)
+
+
 def test_memory_format_is_one_of_two():
     stream = type("S", (), {})()
     with pytest.raises(ValueError, match="needs a stream with a batch layout"):

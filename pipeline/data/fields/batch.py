@@ -289,7 +289,11 @@ class Layout:
         source = source.long()  # a uint8 tensor would index as a mask
         if image.device.type == "cpu":
             pin = image.is_pinned() if pin_memory is None else pin_memory
-            return self._normalize_cpu(torch.empty(image.shape, dtype=torch.float32, pin_memory=pin), image, source)
+            last = image.dim() == 4 and not image.is_contiguous() and image.is_contiguous(
+                memory_format=torch.channels_last)  # kept so, as on a GPU below
+            out = torch.empty(image.shape, dtype=torch.float32, pin_memory=pin,
+                              memory_format=torch.channels_last if last else torch.contiguous_format)
+            return self._normalize_cpu(out, image, source)
         if image.device not in self._on_device:  # copy the stats to a GPU once, not every step
             self._on_device[image.device] = (self.scale.to(image.device), self.shift.to(image.device))
         scale, shift = self._on_device[image.device]
