@@ -1,5 +1,5 @@
 """make_loader(..., memory_format="channels_last"): the image field's bytes hold (H, W, C) a sample
-(fields.spec.Field.channels_last), so libjpeg-turbo decodes each JPEG straight into the batch.
+(fields.spec.Field.channels_last), as libjpeg-turbo writes them: no transpose into the batch.
 The batches must hold the same values as the default (N, C, H, W) ones, only with channels-last
 strides: JPEGs of the batch's size, JPEGs resized, grey ones, and a raw source's pixels copied in
 transposed, at 0 and 2 workers, uint8 and normalised."""

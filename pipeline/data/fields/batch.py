@@ -127,8 +127,8 @@ class Layout:
         """This layout (a copy if it changes) with its image fields in `memory_format`: "contiguous"
         (N, C, H, W bytes, as always) or "channels_last" (N, H, W, C bytes: the same (N, C, H, W)
         tensors with torch.channels_last strides; make_loader's memory_format=). Channels last,
-        libjpeg-turbo decodes each JPEG straight into its row of the batch, with no transpose to
-        planes after; raw and PNG pixels, and the device's decode, are copied in transposed."""
+        the HWC pixels libjpeg-turbo writes reach the batch by a straight copy, not a transpose
+        to planes; raw and PNG pixels, and the device's decode, are copied in transposed."""
         try:
             last = self.MEMORY_FORMATS[memory_format]
         except (KeyError, TypeError):

@@ -18,7 +18,7 @@ class Field:
     """One fixed-shape field of a batch: `shape` per sample, `dtype` a numpy dtype. An image field
     (shape C, H, W) may be `channels_last`: its bytes hold H, W, C per sample (what a JPEG
     decoder writes), and its arrays and tensors are the same (n, C, H, W) shape with those
-    strides (torch.channels_last), so a decoder writes a sample's row in place, no transpose."""
+    strides (torch.channels_last), so a decoder's HWC pixels go in by a straight copy, no transpose."""
 
     def __init__(self, name, dtype, shape=(), channels_last=False):
         self.name, self.dtype, self.shape = name, np.dtype(dtype), tuple(int(x) for x in shape)

@@ -47,8 +47,8 @@ def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=PREFETC
     a MixedStream's JPEGs of its batch's image size are decoded there, after the hand-over, in one
     torchvision.io.decode_jpeg call a batch (pipeline.data.decoding.gpujpeg), not in the workers.
     memory_format="channels_last": image fields come as (B, C, H, W) tensors with channels-last
-    strides (`t.is_contiguous(memory_format=torch.channels_last)`), the same values; JPEGs are then
-    decoded straight into the batch (fields.batch.Layout.laid_out). Default "contiguous".
+    strides (`t.is_contiguous(memory_format=torch.channels_last)`), the same values; decoded JPEGs
+    then reach the batch without a transpose (fields.batch.Layout.laid_out). Default "contiguous".
 
     Each worker holds `prefetch_factor` + 2 slots; it works ahead as long as one is free.
     Forking a process while another of its Python threads starts or exits can deadlock the
