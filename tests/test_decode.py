@@ -431,6 +431,43 @@ def test_a_remembered_jpeg_header_is_only_reused_for_the_same_bytes():
     assert jpeg.header(data).upright == (16, 24)
 
 
+def test_a_remembered_header_counts_the_scans_of_the_fewest_bytes_that_hold_too_many():
+    """jpeg.header skips the scan count of a JPEG too short to hold MAX_SCANS more scans
+    (SCAN_BYTES each, the least a scan header takes): one of exactly that many minimal scan
+    headers after a remembered prefix is still counted, and refused."""
+    data = encoded(smooth(3, 16, 24), "JPEG", progressive=True)
+    assert jpeg.header(data).upright == (16, 24)  # remembered
+    sos = data.find(b"\xff\xda")
+    first = sos + 2 + int.from_bytes(data[sos + 2:sos + 4], "big")
+    minimal = b"\xff\xda\x00\x08\x01\x01\x00\x00\x3f\x00"  # one component, nothing coded
+    assert len(minimal) == jpeg.SCAN_BYTES
+    with pytest.raises(ValueError, match="scans"):
+        jpeg.header(data[:first] + minimal * jpeg.MAX_SCANS + b"\xff\xd9")
+    assert jpeg.header(data[:first] + minimal * (jpeg.MAX_SCANS - 1) + b"\xff\xd9").upright == (16, 24)
+
+
+@pytest.mark.parametrize("bomb", ["repeated scans", "minimal scans"])
+def test_a_batch_reusing_a_header_still_refuses_a_scan_bomb_with_its_bytes(bomb, monkeypatch):
+    """decode_batch's loop reuses the header of the last JPEG of the target's size for bytes
+    that start the same (jpeg.known_again): a scan bomb after such a JPEG, sharing every byte
+    up to its first scan, is still refused for its scans before libjpeg-turbo sees it."""
+    seen = []
+    real = turbo.decode_into()
+    monkeypatch.setattr(turbo, "decode_into", lambda: lambda d, **kw: seen.append(d) or real(d, **kw))
+    data = encoded(smooth(3, 16, 24), "JPEG", progressive=True)
+    if bomb == "repeated scans":
+        last, end = data.rfind(b"\xff\xda"), data.rfind(b"\xff\xd9")
+        bad = data[:end] + data[last:end] * (jpeg.MAX_SCANS + 1) + data[end:]
+    else:
+        sos = data.find(b"\xff\xda")
+        first = sos + 2 + int.from_bytes(data[sos + 2:sos + 4], "big")
+        bad = data[:first] + b"\xff\xda\x00\x08\x01\x01\x00\x00\x3f\x00" * jpeg.MAX_SCANS + b"\xff\xd9"
+    jpeg._known.clear()
+    pixels, kept, errors = decode.decode_batch([data, bad, data], ["jpg"] * 3, Target((3, 16, 24), ("jpg",)))
+    assert kept == [0, 2] and [i for i, _ in errors] == [1] and "scans" in errors[0][1]
+    assert (pixels[0] == pixels[1]).all() and seen == [data, data]
+
+
 def decoded_alone(datas, shape, crops):
     """(images, positions kept, (position, error) refused) of JPEGs decoded one by one with
     decode_image: what a batch decode must give."""

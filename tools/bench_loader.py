@@ -111,7 +111,8 @@ def parse_args(argv):
                    help="only read the same mnist shards from local files, HTTP, a local S3-compatible server and "
                         "that server behind 50 ms of latency (tools/bench/stores.py; --synthetic or --shards DIR)")
     p.add_argument("--jpeg", action="store_true",
-                   help="only the JPEG path: the stream at each --workers count beside each bare decoder, on the "
+                   help="only the JPEG path: the stream at each --workers count, NCHW and channels-last batches, beside "
+                        "each bare decoder, on the "
                         "--cifar-folder JPEGs (32x32) and on them made 500x375 for a 224x224 target "
                         "(tools/bench/jpeg.py; also run by the full benchmark when jpg is among --encoding)")
     p.add_argument("--jpeg-samples", type=int, nargs=2, default=[20000, 1000], metavar=("SMALL", "LARGE"),

@@ -12,7 +12,9 @@ call it bare, one torch thread:
   simplejpeg scaled  the same at the smallest DCT scale that covers the target (large only)
   PIL          Image.open + convert (large: draft mode at the target, as pipeline.data.decoding.decode did)
 and, for the large set, decode.fit to 224x224 after each (the resize the stream does).
-The stream runs whole over the same samples, at each --workers count, its CPU the process
+The stream runs whole over the same samples, at each --workers count and in both of make_loader's
+memory formats (rows marked NHWC: memory_format="channels_last", the JPEGs decoded straight into
+the batch; unmarked: the default NCHW batches), its CPU the process
 tree's (bench.cpu.measure), and each run gives two rows: "whole run" (its first batch, start-up
 and the workers' start included) and "after 1st batch" (the samples after the first batch over
 the tree's CPU after it: the issue's measure, the rate an epoch settles at). Repeats are
@@ -33,6 +35,7 @@ from bench.report import fmt_spread, log, spread
 
 SETS = (("small", (3, 32, 32), None), ("large", (3, 224, 224), (500, 375)))
 BATCH = 128
+FORMATS = {"contiguous": "", "channels_last": " NHWC"}  # make_loader's memory_format -> the row's mark
 
 
 def build(cifar_folder, out, name, shape, size=None, limit=None, maxcount=1000):
@@ -115,8 +118,9 @@ def decoders(shape, large):
     return out
 
 
-def stream_run(folder, name, n, workers):
-    """Batch sizes of one pass of this stream over the set's n samples (uint8 batches)."""
+def stream_run(folder, name, n, workers, memory_format="contiguous"):
+    """Batch sizes of one pass of this stream over the set's n samples (uint8 batches, their images
+    in `memory_format`: make_loader's)."""
     from pipeline import stream
     from pipeline.ordering.topology import Topology
 
@@ -124,7 +128,7 @@ def stream_run(folder, name, n, workers):
     ms = stream.MixedStream([src], {name: 1.0}, BATCH, Topology(0, 1), seed=0, epoch_samples=n // BATCH * BATCH,
                             normalize=False)
     ms.set_epoch(0)
-    return (len(b["image"]) for b in stream.make_loader(ms, num_workers=workers))
+    return (len(b["image"]) for b in stream.make_loader(ms, num_workers=workers, memory_format=memory_format))
 
 
 def after_first(batches, marks):
@@ -160,7 +164,8 @@ def _run(cifar_folder, work, workers, repeats, limits):
         for fn in bare.values():  # one-off costs (imports, plugins) before timing
             fn(datas[:BATCH])
         for w in workers:
-            sum(stream_run(folder, f"jpeg{name}", 2 * BATCH, w))
+            for fmt in FORMATS:
+                sum(stream_run(folder, f"jpeg{name}", 2 * BATCH, w, fmt))
         rates = {}
         for _ in range(repeats):
             for dec, fn in bare.items():
@@ -168,11 +173,13 @@ def _run(cifar_folder, work, workers, repeats, limits):
                 fn(datas[:n])
                 rates.setdefault(dec, []).append(n / (time.process_time() - t0))
             for w in workers:
-                marks = []
-                r = measure(after_first(stream_run(folder, f"jpeg{name}", n, w), marks), n)
-                (n0, c0), (n1, c1) = marks
-                rates.setdefault(f"stream, {w} workers, whole run", []).append(r["samples_per_cpu_s"])
-                rates.setdefault(f"stream, {w} workers, after 1st batch", []).append((n1 - n0) / (c1 - c0))
+                for fmt in FORMATS:
+                    marks = []
+                    r = measure(after_first(stream_run(folder, f"jpeg{name}", n, w, fmt), marks), n)
+                    (n0, c0), (n1, c1) = marks
+                    what = f"stream{FORMATS[fmt]}, {w} workers"
+                    rates.setdefault(f"{what}, whole run", []).append(r["samples_per_cpu_s"])
+                    rates.setdefault(f"{what}, after 1st batch", []).append((n1 - n0) / (c1 - c0))
         best = [max(rates[d][k] for d in bare) for k in range(repeats)]
         for what, rs in rates.items():
             rows.append({"set": name, "images": f"{len(datas)} x {'32x32' if size is None else '%dx%d' % size}",
@@ -185,5 +192,5 @@ def report(rows):
     log("\nJPEG path: samples per CPU-second, median [min-max]; 'of best': over the fastest bare decoder, "
         "same repeat (torch threads 1)")
     for r in rows:
-        log(f"  {r['set']:<6}{r['images']:<18}-> {r['target']:<10}{r['what']:<36}"
+        log(f"  {r['set']:<6}{r['images']:<18}-> {r['target']:<10}{r['what']:<42}"
             f"{fmt_spread(r['samples_per_cpu_s']):>28}{r['of_best']:>8.2f}")

@@ -124,48 +124,50 @@ def decode_batch(images, exts, target, crops=None, hwc=False):
 
 def _turbo_batch(images, exts, target, crops, hwc=False):
     """JPEGs as `decode_image` decodes them, with simplejpeg (`pipeline.data.decoding.turbo`): each
-    of exactly the target's size and upright straight into the batch's buffer (HWC, made
-    CHW at once, or with `hwc` handed on as its CHW view), the others through decode_image.
-    Its headers are read first, each checked before its pixels."""
+    of exactly the target's size and upright by one bare simplejpeg call, the others through
+    decode_image, then all joined into one HWC array by one bytes.join (made CHW at once, or
+    with `hwc` handed on as its CHW view). Not `buffer=` a row of the batch: simplejpeg then
+    wraps the buffer in a new array by two Python calls, which cost more than the join's copy
+    (np.stack costs more again: docs/benchmarks.md, "JPEG decoders"). Its headers are read
+    first, each checked before its pixels."""
     c, h, w = shape = tuple(target.shape)
-    out = np.empty((len(images), h, w, c), np.uint8)
-    kept, errors, other = [], [], {}  # other: position in kept -> CHW pixels of decode_image
     try:
         image_caps.check(w, h, shape, "jpg")  # what bounds says of every image of the target's own size
         exact = (h, w, 1)
     except ValueError:
         exact = None  # each goes through decode_image, which says why
-    rows = list(out)  # each row's view, made in one call rather than one indexing an image
-    into, space, header = turbo.decode_into(), turbo.colour_space(c), jpeg.header
-    direct = None  # the last header of the target's size seen
+    kept, errors, decoded = [], [], []  # decoded: HWC pixels of each kept image
+    dec, space, header, size = turbo.decode_into(), turbo.colour_space(c), jpeg.header, (h, w, c)
+    direct, prefix, short = None, None, 0  # the last header of the target's size seen, as jpeg.known_again says
     for i, data in enumerate(images):
-        try:
-            head = header(data)
-        except ValueError as e:
-            errors.append((i, str(e)))
-            continue
-        if head is direct or (head.height, head.width, head.orientation) == exact and head.components in turbo.COLOUR:
-            direct = head
+        if len(data) < short and type(data) is bytes and data.startswith(prefix):
+            head = direct  # what jpeg.header gives, without its call
+        else:
             try:
-                into(data, colorspace=space, buffer=rows[len(kept)], strict=True)
-                kept.append(i)
+                head = header(data)
+            except ValueError as e:
+                errors.append((i, str(e)))
                 continue
+        if head is direct or (head.height, head.width, head.orientation) == exact and head.components in turbo.COLOUR:
+            if head is not direct:
+                direct = head
+                prefix, short = jpeg.known_again(head) or (None, 0)
+            try:
+                pixels = dec(data, colorspace=space, strict=True)
+                if pixels.shape == size:
+                    decoded.append(pixels)
+                    kept.append(i)
+                    continue
             except turbo.REFUSED:
                 pass  # damaged, or libjpeg-turbo warned: decode_image says why
         try:
-            other[len(kept)] = decode_image(data, exts[i], shape, None if crops is None else crops[i])
+            chw = decode_image(data, exts[i], shape, None if crops is None else crops[i], hwc=True)
+            decoded.append(np.ascontiguousarray(chw.transpose(1, 2, 0)))  # mostly HWC already: no copy
             kept.append(i)
         except ValueError as e:
             errors.append((i, str(e)))
-    if not other:
-        chw = out[:len(kept)].transpose(0, 3, 1, 2)
-        return (chw if hwc else np.ascontiguousarray(chw)), kept, errors
-    pixels = np.empty((len(kept), c, h, w), np.uint8)
-    done = [k for k in range(len(kept)) if k not in other]
-    pixels[done] = out[done].transpose(0, 3, 1, 2)
-    for k, chw in other.items():
-        pixels[k] = chw
-    return pixels, kept, errors
+    chw = np.frombuffer(b"".join(decoded), np.uint8).reshape(len(kept), h, w, c).transpose(0, 3, 1, 2)
+    return (chw if hwc else np.ascontiguousarray(chw)), kept, errors
 
 
 def _jpeg_batch(images, exts, target, crops):
@@ -286,18 +288,20 @@ def _each(images, exts, target, crops, positions):
     return (np.stack(out) if out else np.zeros((0, c, h, w), np.uint8)), kept, errors
 
 
-def decode_image(data, ext, shape, crop=None):
+def decode_image(data, ext, shape, crop=None, hwc=False):
     """One image member -> uint8 array of exactly `shape` (C, H, W); ValueError otherwise,
-    whatever the member holds (a decoder's other errors become ValueErrors naming them)."""
+    whatever the member holds (a decoder's other errors become ValueErrors naming them).
+    `hwc`: the array may be a CHW view of HWC pixels, not contiguous (for a caller that
+    stores HWC: one transpose fewer)."""
     try:
-        return _decode_image(data, ext, shape, crop)
+        return _decode_image(data, ext, shape, crop, hwc)
     except ValueError:
         raise
     except CONTENT_ERRORS as e:
         raise ValueError(f"undecodable .{ext} image ({type(e).__name__}: {cut(pil_reason(e), 80)})") from None
 
 
-def _decode_image(data, ext, shape, crop):
+def _decode_image(data, ext, shape, crop, hwc=False):
     c, h, w = shape
     if ext == "raw":
         if len(data) != c * h * w:
@@ -314,13 +318,13 @@ def _decode_image(data, ext, shape, crop):
         if turbo.available() and head.components in turbo.COLOUR:
             pixels = turbo.decode(data, head, shape)
             if pixels is not None:
-                return fit(pixels, shape, crop)
+                return fit(pixels, shape, crop, hwc)
         if _direct(ih, iw, shape):  # without simplejpeg, or what it refused: as before it came
             pixels = _torchvision_jpeg(data, c, (ih, iw))
             if pixels is not None:
-                return fit(pixels, shape, crop)
-        return fit(_pil(data, ext, shape, head), shape, crop)
-    return fit(_pil(data, ext, shape), shape, crop)
+                return fit(pixels, shape, crop, hwc)
+        return fit(_pil(data, ext, shape, head), shape, crop, hwc)
+    return fit(_pil(data, ext, shape), shape, crop, hwc)
 
 
 def _torchvision_jpeg(data, c, size):
@@ -359,8 +363,9 @@ def _upright_as(t, size):
     return t.permute(1, 2, 0).numpy()
 
 
-def fit(pixels, shape, crop=None):
-    """HWC uint8, or a PIL image in the target's mode, of any size -> CHW of exactly `shape`:
+def fit(pixels, shape, crop=None, hwc=False):
+    """HWC uint8, or a PIL image in the target's mode, of any size -> CHW of exactly `shape`
+    (with `hwc` maybe a view of HWC pixels, as decode_image says):
     the shorter side resized to fit, then a crop placed by `crop` (two numbers in [0, 1)) or
     centred. Only the box the crop keeps is resized, straight from a PIL image without a copy
     into numpy first, so however large or elongated the image, no new buffer exceeds the target."""
@@ -383,7 +388,8 @@ def fit(pixels, shape, crop=None):
             sy, sx = ih / nh, iw / nw  # the crop's box in the image's own pixels
             box = (left * sx, top * sy, (left + w) * sx, (top + h) * sy)
             pixels = img.resize((w, h), Image.BILINEAR, box=box, reducing_gap=3.0)
-    return np.ascontiguousarray(_hwc(pixels, c).transpose(2, 0, 1))
+    chw = _hwc(pixels, c).transpose(2, 0, 1)
+    return chw if hwc else np.ascontiguousarray(chw)
 
 
 def jpeg_size(data):

@@ -111,7 +111,7 @@ def unpack(image, sizes, device, move):
     if not len(at):
         return move(image), 0
     shape = tuple(image.shape[1:])
-    out = torch.empty(image.shape, dtype=torch.uint8, device=device)
+    out = torch.empty_like(image, device=device)  # the same strides: channels last stays so
     host = np.flatnonzero(sizes.numpy() == 0)
     if len(host):
         out[torch.as_tensor(host, device=device)] = move(image[torch.from_numpy(host)])

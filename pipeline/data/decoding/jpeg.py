@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 MAX_COMPONENTS = 4  # grey, YCbCr, CMYK/YCCK; libjpeg takes up to 10, each a full-size plane
 MAX_SCANS = 100  # progressive files have about 10; libjpeg passes over every block once a scan
+SCAN_BYTES = 10  # the fewest bytes a scan takes: marker, length, one component (2), Ss, Se, Ah/Al
 _FRAMES = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # SOF0-15 but DHT, JPG, DAC
 _STANDALONE = frozenset([0x01, *range(0xD0, 0xD8)])  # TEM, RST0-7: no length field
 _SOI, _EOI, _SOS, _APP1 = 0xD8, 0xD9, 0xDA, 0xE1
@@ -46,17 +47,29 @@ def header(data):
     JPEGs written by one encoder at one size share every byte up to their first scan (tables,
     frame header, EXIF), so a header is remembered by those bytes: bytes that start with them
     read the same Header by the same steps, and only their scans are counted. The walk costs
-    more than a small JPEG's decode takes beside it."""
+    more than a small JPEG's decode takes beside it. Scans are counted only where the bytes
+    after the first could hold MAX_SCANS more (SCAN_BYTES each): a small JPEG cannot, and
+    the count was over half the cost of its header."""
     if type(data) is bytes:
         for prefix, at, head in _known:
             if data.startswith(prefix):
-                if data.count(b"\xff\xda", at) >= MAX_SCANS:  # scans past the first
-                    _check_scans(data, at)
+                if len(data) - at >= SCAN_BYTES * MAX_SCANS and data.count(b"\xff\xda", at) >= MAX_SCANS:
+                    _check_scans(data, at)  # scans past the first
                 return head
     head, prefix, at = _walk(data)
     if type(data) is bytes:
         _known[:] = [(prefix, at, head)] + _known[:KNOWN - 1]
     return head
+
+
+def known_again(head):
+    """(the bytes a remembered Header was read from, the length below which bytes that start
+    with them need no scan count), or None if `head` is not remembered: what a batch's loop
+    checks inline, without a call a JPEG (decode._turbo_batch), to reuse the header `header` gives."""
+    for prefix, at, h in _known:
+        if h is head:
+            return prefix, at + SCAN_BYTES * MAX_SCANS
+    return None
 
 
 def _check_scans(data, at):

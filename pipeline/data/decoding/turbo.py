@@ -41,8 +41,8 @@ def colour_space(c):
 
 def decode_into():
     """simplejpeg.decode_jpeg itself, for a batch's loop (decode._turbo_batch) to call with
-    `buffer=` a row of exactly the JPEG's (H, W) and `strict=True`, catching REFUSED: no Python
-    frame around each call (a wrapper's cost 0.3-0.8 us of a 32x32 image's ~13)."""
+    `strict=True`, catching REFUSED: no Python frame around each call (a wrapper's cost
+    0.3-0.8 us of a 32x32 image's ~13)."""
     return _module().decode_jpeg
 
 

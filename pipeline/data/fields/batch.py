@@ -115,6 +115,34 @@ class Layout:
         other.encoded = encoded
         return other
 
+    MEMORY_FORMATS = {"contiguous": False, torch.contiguous_format: False, "channels_last": True,
+                      torch.channels_last: True}
+
+    @property
+    def channels_last(self):
+        """Whether the image fields' bytes hold (H, W, C) a sample (`laid_out`)."""
+        return any(f.channels_last for f in self.fixed)
+
+    def laid_out(self, memory_format):
+        """This layout (a copy if it changes) with its image fields in `memory_format`: "contiguous"
+        (N, C, H, W bytes, as always) or "channels_last" (N, H, W, C bytes: the same (N, C, H, W)
+        tensors with torch.channels_last strides; make_loader's memory_format=). Channels last,
+        the HWC pixels libjpeg-turbo writes reach the batch by a straight copy, not a transpose
+        to planes; raw and PNG pixels, and the device's decode, are copied in transposed."""
+        try:
+            last = self.MEMORY_FORMATS[memory_format]
+        except (KeyError, TypeError):
+            raise ValueError(f"memory_format must be 'contiguous' or 'channels_last' (or torch's), got "
+                             f"{memory_format!r}") from None
+        if last == self.channels_last:
+            return self
+        images = {c.name for c in self.columns if c.kind == "image"}
+        other = copy.copy(self)
+        other.fixed = [Field(f.name, f.dtype, f.shape, channels_last=last) if f.name in images else f
+                       for f in self.fixed]
+        other._u8 = None
+        return other
+
     def __getstate__(self):  # workers get the CPU stats only, never a GPU copy, nor a canvas
         return dict(self.__dict__, _on_device={}, _u8=None)
 
@@ -166,7 +194,8 @@ class Layout:
         """The batch's fixed-shape fields as a ring lays them out (pipeline.data.handover.ring); the
         `image` field float32 when the producer normalises it, every other field as it is."""
         normalize = normalize and not any(self.encoded)  # JPEG bytes in `image` rows: normalised after the decode
-        fixed = [Field(f.name, np.float32, f.shape) if normalize and f.name == "image" and self._normalizable() else f
+        fixed = [Field(f.name, np.float32, f.shape, f.channels_last)
+                 if normalize and f.name == "image" and self._normalizable() else f
                  for f in self.fixed]
         return Spec(fixed + [Field(SIZES, np.int32)] * any(self.encoded), batch_size)
 
@@ -197,7 +226,7 @@ class Layout:
         arrays = dict(out or {})
         for f in self.fixed:
             if f.name not in arrays:
-                arrays[f.name] = np.empty((b, *f.shape), f.dtype)
+                arrays[f.name] = f.array(b)
         image = arrays.get("image")
         floats = image is not None and image.dtype == np.float32
         if floats:
@@ -234,10 +263,9 @@ class Layout:
         return dict(arrays, **lists, key=keys.tolist(), skipped=skipped)
 
     def _canvas(self, b):
-        """A uint8 `image` canvas of b images, made once per process and reused."""
-        shape = next(f.shape for f in self.fixed if f.name == "image")
+        """A uint8 `image` canvas of b images, in the field's memory format, made once per process and reused."""
         if self._u8 is None or len(self._u8) < b:
-            self._u8 = np.empty((b, *shape), np.uint8)
+            self._u8 = next(f for f in self.fixed if f.name == "image").array(b)
         return self._u8[:b]
 
     def normalize(self, image, source, pin_memory=None):
@@ -261,7 +289,11 @@ class Layout:
         source = source.long()  # a uint8 tensor would index as a mask
         if image.device.type == "cpu":
             pin = image.is_pinned() if pin_memory is None else pin_memory
-            return self._normalize_cpu(torch.empty(image.shape, dtype=torch.float32, pin_memory=pin), image, source)
+            last = image.dim() == 4 and not image.is_contiguous() and image.is_contiguous(
+                memory_format=torch.channels_last)  # kept so, as on a GPU below
+            out = torch.empty(image.shape, dtype=torch.float32, pin_memory=pin,
+                              memory_format=torch.channels_last if last else torch.contiguous_format)
+            return self._normalize_cpu(out, image, source)
         if image.device not in self._on_device:  # copy the stats to a GPU once, not every step
             self._on_device[image.device] = (self.scale.to(image.device), self.shift.to(image.device))
         scale, shift = self._on_device[image.device]

@@ -15,10 +15,16 @@ SMALL_BYTES = 64  # a field of at most this many bytes a sample is copied out of
 
 
 class Field:
-    """One fixed-shape field of a batch: `shape` per sample, `dtype` a numpy dtype."""
+    """One fixed-shape field of a batch: `shape` per sample, `dtype` a numpy dtype. An image field
+    (shape C, H, W) may be `channels_last`: its bytes hold H, W, C per sample (what a JPEG
+    decoder writes), and its arrays and tensors are the same (n, C, H, W) shape with those
+    strides (torch.channels_last), so a decoder's HWC pixels go in by a straight copy, no transpose."""
 
-    def __init__(self, name, dtype, shape=()):
+    def __init__(self, name, dtype, shape=(), channels_last=False):
         self.name, self.dtype, self.shape = name, np.dtype(dtype), tuple(int(x) for x in shape)
+        if channels_last and len(self.shape) != 3:
+            raise ValueError(f"field {name!r} of shape {self.shape} cannot be channels_last: that takes (C, H, W)")
+        self.channels_last = bool(channels_last)
 
     def nbytes(self, n):
         return n * self.dtype.itemsize * math.prod(self.shape)
@@ -28,8 +34,18 @@ class Field:
         """Whether a batch hands this field out as a tensor of its own (see SMALL_BYTES)."""
         return self.nbytes(1) <= SMALL_BYTES
 
+    def stored(self, n):
+        """The shape of n samples as their bytes lie: (n, H, W, C) if channels_last, else (n, *shape)."""
+        return (n, *self.shape[1:], self.shape[0]) if self.channels_last else (n, *self.shape)
+
+    def array(self, n, buffer=None, offset=0):
+        """A numpy (n, *shape) array of this field over `buffer` from `offset` (a new one if None),
+        with channels_last strides if the field has them."""
+        a = np.ndarray(self.stored(n), self.dtype, buffer, offset)
+        return a.transpose(0, 3, 1, 2) if self.channels_last else a
+
     def __repr__(self):
-        return f"Field({self.name!r}, {self.dtype}, {self.shape})"
+        return f"Field({self.name!r}, {self.dtype}, {self.shape}{', channels_last' * self.channels_last})"
 
 
 class Spec:
@@ -49,7 +65,7 @@ class Spec:
         """What `holder` and `tensors` use for each batch, worked out once: a batch costs the consumer
         these few steps, not the fields' properties again."""
         self._ctype = ctypes.c_uint8 * self.slot_bytes
-        self._plan = tuple((f.name, f.shape, f.dtype, o, f.small) for f, o in zip(self.fields, self.offsets))
+        self._plan = tuple((f.name, f, o, f.small) for f, o in zip(self.fields, self.offsets))
 
     def __getstate__(self):  # a ctypes array type does not pickle: made again where it arrives
         return {k: v for k, v in self.__dict__.items() if k not in ("_ctype", "_plan")}
@@ -64,7 +80,7 @@ class Spec:
 
     def arrays(self, memory, n):
         """{name: numpy view (n, *shape)} of a slot's bytes (a uint8 numpy array), to write into."""
-        return {name: np.ndarray((n, *shape), dtype, memory, o) for name, shape, dtype, o, _ in self._plan}
+        return {name: f.array(n, memory, o) for name, f, o, _ in self._plan}
 
     def holder(self, memory, offset=0):
         """A new object exporting a slot's bytes (those of `memory`, a writable buffer, from
@@ -79,9 +95,9 @@ class Spec:
         """{name: tensor (n, *shape)} viewing the slot's bytes that `holder` exports; small
         fields copied out of it (a kept label keeps its own bytes, not the slot)."""
         out = {}
-        for name, shape, dtype, o, small in self._plan:
-            array = np.ndarray((n, *shape), dtype, holder, o)
-            out[name] = torch.from_numpy(array.copy() if small else array)
+        for name, f, o, small in self._plan:
+            array = f.array(n, holder, o)
+            out[name] = torch.from_numpy(array.copy(order="K") if small else array)
         return out
 
     def views(self, base, n):
@@ -91,8 +107,10 @@ class Spec:
         Small fields are copied out of `base`, as in `tensors`."""
         out = {}
         for f, o in zip(self.fields, self.offsets):
-            view = base[o:o + f.nbytes(n)].view(torch.from_numpy(np.empty(0, f.dtype)).dtype).view(n, *f.shape)
-            out[f.name] = view.clone() if f.small else view
+            view = base[o:o + f.nbytes(n)].view(torch.from_numpy(np.empty(0, f.dtype)).dtype).view(f.stored(n))
+            if f.channels_last:
+                view = view.permute(0, 3, 1, 2)
+            out[f.name] = view.clone() if f.small else view  # clone keeps the strides (preserve_format)
         return out
 
     def own(self, pin):

@@ -25,7 +25,7 @@ from pipeline.data.handover.workers import BATCH, END, Workers, raise_error, unp
 
 
 def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=PREFETCH, start_method="fork", record=True,
-                timeout=None, device=None, decode="host"):
+                timeout=None, device=None, decode="host", memory_format="contiguous"):
     """A loader over a stream: iterate it once per epoch (after `stream.set_epoch`); its workers
     persist across epochs. One pass at a time: a new iteration (from any thread) ends the one
     before, whose next step raises RuntimeError. With record=False the stream does not take a
@@ -46,6 +46,9 @@ def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=PREFETC
     would otherwise wait); `device=` is the faster way to the GPU. decode="device" (with a device):
     a MixedStream's JPEGs of its batch's image size are decoded there, after the hand-over, in one
     torchvision.io.decode_jpeg call a batch (pipeline.data.decoding.gpujpeg), not in the workers.
+    memory_format="channels_last": image fields come as (B, C, H, W) tensors with channels-last
+    strides (`t.is_contiguous(memory_format=torch.channels_last)`), the same values; decoded JPEGs
+    then reach the batch without a transpose (fields.batch.Layout.laid_out). Default "contiguous".
 
     Each worker holds `prefetch_factor` + 2 slots; it works ahead as long as one is free.
     Forking a process while another of its Python threads starts or exits can deadlock the
@@ -58,14 +61,15 @@ def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=PREFETC
     `if __name__ == "__main__":` guard).
     """
     return Loader(stream, num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor,
-                  start_method=start_method, record=record, timeout=timeout, device=device, decode=decode)
+                  start_method=start_method, record=record, timeout=timeout, device=device, decode=decode,
+                  memory_format=memory_format)
 
 
 class Loader:
     """Batches of a stream, one pass per iteration (see make_loader)."""
 
     def __init__(self, stream, num_workers=0, *, pin_memory=False, prefetch_factor=PREFETCH, start_method="fork",
-                 record=True, timeout=None, device=None, decode="host"):
+                 record=True, timeout=None, device=None, decode="host", memory_format="contiguous"):
         if num_workers < 0 or prefetch_factor < 1:
             raise ValueError(f"num_workers must be at least 0 and prefetch_factor at least 1, got "
                              f"{num_workers}, {prefetch_factor}")
@@ -74,6 +78,11 @@ class Loader:
             raise ValueError(f"make_loader's timeout must be a finite number of seconds above 0 (or None to wait "
                              f"for good), got {timeout!r}")
         self.device = parse_device(device)
+        if hasattr(getattr(stream, "layout", None), "laid_out"):  # before batch_spec, as the decode's below
+            stream.layout = stream.layout.laid_out(memory_format)
+        elif memory_format not in ("contiguous", torch.contiguous_format):
+            raise ValueError(f"memory_format={memory_format!r} needs a stream with a batch layout (a MixedStream "
+                             f"or EvalStream), got a {type(stream).__name__}")
         decoder = decoding(stream, decode, self.device)  # before batch_spec: JPEG rows change the slot
         depth = prefetch_factor + 2
         spec = stream.batch_spec()

@@ -1,0 +1,103 @@
+"""make_loader(..., memory_format="channels_last"): the image field's bytes hold (H, W, C) a sample
+(fields.spec.Field.channels_last), as libjpeg-turbo writes them: no transpose into the batch.
+The batches must hold the same values as the default (N, C, H, W) ones, only with channels-last
+strides: JPEGs of the batch's size, JPEGs resized, grey ones, and a raw source's pixels copied in
+transposed, at 0 and 2 workers, uint8 and normalised."""
+import numpy as np
+import pytest
+import torch
+
+from helpers import make_shards_in_process, write_shardwriter
+from pipeline.data.fields.spec import Field, Spec
+from pipeline.data.handover.loader import make_loader
+from pipeline.data.streams.stream import MixedStream, resolve
+
+BATCH, BATCHES = 8, 6
+
+
+@pytest.fixture(scope="module")
+def web(tmp_path_factory):
+    """A wds.ShardWriter set of JPEGs of three sizes (one of them the index's 40x56), some grey, and
+    beside it a raw grey MNIST-shaped source (padded and repeated onto the 40x56 canvas)."""
+    from helpers import build_shards
+
+    top = tmp_path_factory.mktemp("web")
+    write_shardwriter(top / "web" / "train", 72, per_shard=12)
+    p = make_shards_in_process(["--quiet", "--index", f"web:train={top}/web/train", "--out", str(top / "m")])
+    assert p.returncode == 0, p.stderr
+    build_shards(top / "m", "mnist", "train", 60, maxcount=12)
+    return [resolve("web", str(top / "m"), "train"), resolve("mnist", str(top / "m"), "train")]
+
+
+def _batches(sources, workers, normalize, **kw):
+    stream = MixedStream(sources, {s.name: 1 for s in sources}, BATCH, epoch_samples=BATCH * BATCHES,
+                         normalize=normalize)
+    loader = make_loader(stream, workers, **kw)
+    try:
+        return [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in loader]
+    finally:
+        loader.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_channels_last_batches_hold_the_nchw_batches_values(web, workers):
+    for sources in (web[:1], web):  # JPEGs alone, and mixed with a raw source
+        for normalize in (False, True):
+            plain = _batches(sources, workers, normalize)
+            last = _batches(sources, workers, normalize, memory_format="channels_last")
+            assert len(plain) == len(last) == BATCHES
+            for a, b in zip(plain, last):
+                assert a["key"] == b["key"] and sorted(a) == sorted(b)
+                assert a["image"].is_contiguous() and not b["image"].is_contiguous()
+                assert b["image"].is_contiguous(memory_format=torch.channels_last)
+                assert b["image"].shape == a["image"].shape
+                for name in ("image", "label", "source"):
+                    assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+            assert {s for b in last for s in b["source"].tolist()} == set(range(len(sources)))
+
+
+def test_channels_last_reaches_the_device_copy_with_its_strides(web):
+    """device="cpu" copies each batch out of the ring (handover.device): values and strides kept."""
+    plain = _batches(web, 0, False, device="cpu")
+    last = _batches(web, 0, False, device="cpu", memory_format=torch.channels_last)
+    for a, b in zip(plain, last):
+        assert torch.equal(a["image"], b["image"]) and b["image"].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_channels_last_with_the_decode_after_the_hand_over(web):
+    """decode="device" (device="cpu": torchvision's CPU decoder stands in for nvJPEG): the JPEG
+    bytes cross in channels-last rows and come out decoded, the host path's values, strides kept."""
+    plain = _batches(web, 0, True, device="cpu")
+    last = _batches(web, 0, True, device="cpu", decode="device", memory_format="channels_last")
+    for a, b in zip(plain, last):
+        assert torch.equal(a["image"], b["image"]) and b["image"].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_memory_format_is_one_of_two():
+    stream = type("S", (), {})()
+    with pytest.raises(ValueError, match="needs a stream with a batch layout"):
+        make_loader(stream, 0, memory_format="channels_last")
+
+
+def test_a_bad_memory_format_is_refused_in_one_line(web):
+    stream = MixedStream(web, {"web": 1, "mnist": 1}, BATCH, epoch_samples=BATCH * BATCHES)
+    with pytest.raises(ValueError, match="memory_format must be 'contiguous' or 'channels_last'.*'nhwc'"):
+        make_loader(stream, 0, memory_format="nhwc")
+
+
+def test_a_channels_last_field_lies_hwc_in_the_slot():
+    """Spec's arrays and tensors over one slot's bytes: the image row of sample i is its (H, W, C)
+    pixels, contiguous, and every view of it (numpy, torch, torch over a tensor) reads the same."""
+    spec = Spec([Field("image", np.uint8, (3, 2, 4), channels_last=True), Field("label", np.int64)], 5)
+    memory = np.zeros(spec.slot_bytes, np.uint8)
+    arrays = spec.arrays(memory, 5)
+    hwc = np.arange(5 * 2 * 4 * 3, dtype=np.uint8).reshape(5, 2, 4, 3)
+    arrays["image"][...] = hwc.transpose(0, 3, 1, 2)
+    assert (memory[:hwc.size] == hwc.ravel()).all()  # the bytes lie H, W, C a sample
+    t = spec.tensors(spec.holder(memory), 5)["image"]
+    v = spec.views(torch.from_numpy(memory), 5)["image"]
+    for x in (t, v):
+        assert x.shape == (5, 3, 2, 4) and x.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(x, torch.from_numpy(hwc).permute(0, 3, 1, 2))
+    with pytest.raises(ValueError, match="cannot be channels_last"):
+        Field("label", np.int64, (), channels_last=True)
