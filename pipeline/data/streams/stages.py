@@ -308,6 +308,7 @@ class SourceStream:
         self.plan, self.last = plan, self.stages[-1][1]
         self.empty, self.window, self.window_good = 0, None, True  # windows in a row that gave nothing usable
         self.limit = 2 * len(source.urls) + 2
+        self.readable = False  # a window read held a sample: later passes will give one, so wait longer
 
     def encode_jpegs(self):
         """Leave the exact-size JPEGs encoded (pipeline.data.decoding.gpujpeg): `take` then gives each
@@ -332,6 +333,7 @@ class SourceStream:
             if chunk.window is not self.window:
                 self._opened(chunk.window)
             d = chunk.data
+            self.readable = self.readable or len(d) > 0
             if not chunk.places and chunk.lo >= (len(d) if chunk.window.size is None else d.places):
                 self._passed(chunk, chunk.window.size and chunk.window.size - chunk.lo)  # fewer than its manifest
                 self.stages[0][1].exhausted()
@@ -369,13 +371,17 @@ class SourceStream:
         self.reader.errors.skipped += lost
 
     def _opened(self, window):
-        """Raises ShardError when more windows in a row than twice the source's shards gave no usable sample."""
+        """Raises ShardError when more windows in a row than twice the source's shards gave no usable
+        sample and none held a sample that read; else (samples read, but none decoded or passed the
+        user's stages) after MORE_WINDOWS more: a pair whose places held only damaged samples goes on
+        into later passes, each a fresh draw, so one that finds none there finds no good sample."""
         self.empty = 0 if self.window_good else self.empty + 1
-        if self.empty > self.limit:
+        if self.empty > self.limit + (MORE_WINDOWS if self.readable else 0):
             stages = [name for name, _ in self.stages if name.startswith("stage:")]
             why = f", or the sample stages ({', '.join(s[6:] for s in stages)}) dropped every one" if stages else ""
             raise ShardError(f"{self.reader.source.name}: no readable samples in this worker's shards "
-                             f"(e.g. {self.reader.source.urls[0]}){why}")
+                             f"(e.g. {self.reader.source.urls[0]}): {self.empty} windows in a row, every "
+                             f"sample in them refused or damaged{why}; check them with make-shards --verify")
         self.window, self.window_good = window, False
 
 
@@ -385,6 +391,7 @@ def _decode_hwc(images, exts, target, crops):
     return decode_batch(images, exts, target, crops, hwc=True)
 
 
+MORE_WINDOWS = 64  # windows in a row without a usable sample, past SourceStream.limit, once samples were read
 SEED_MASK = (1 << 63) - 1  # a sample's seed fits an int64 and any numpy or torch generator
 
 
