@@ -1,5 +1,5 @@
 """A pair's run of a source's positions as the windows that hold them: `RunPlan` for training
-(its reserve and, past that, its run again), `OncePlan` for evaluation (each shard once), and
+(its reserve and, past that, later passes), `OncePlan` for evaluation (each shard once), and
 `split`, a rank's and worker's share of a list."""
 from dataclasses import dataclass
 
@@ -25,7 +25,7 @@ class Window:
     window's shuffled order are taken, the first of them being the run's position
     `start`. Two windows with the same rows and key hold the same samples in the same
     order (`same`), so a chain reads and shuffles them once. `spare`: its places lie past the
-    pair's run (its reserve, its run again), read only to replace samples passed over there;
+    pair's run (its reserve, later passes), read only to replace samples passed over there;
     a damaged sample met here is not counted again (`skipped` counts the damaged samples at
     the epoch's own positions, whatever the workers)."""
 
@@ -50,7 +50,8 @@ class RunPlan:
     places of its run and reserve `beyond` positions further on, then twice that, ... (later
     passes, shuffled anew: samples that repeat, where a pair whose places all held damaged
     samples finds good ones, while any is readable). `beyond` is past every position a pair
-    of the epoch reads, the same for all, so no two pairs read one position (None: the run again).
+    of the epoch reads, the same for all, so no two pairs read one position: twice the epoch's
+    target and a pass (MixedStream) (None: the run again).
     """
 
     def __init__(self, order, urls, run, at=0, reserve=(), beyond=None):
