@@ -343,3 +343,44 @@ def test_skipped_across_a_resume_on_another_world_counts_each_damaged_position_o
         said = (case, before, after, batch_size, n, sorted(bad), how, passes, stop)
         assert len(keys) == n * passes and not {f"s{i}" for i in bad} & set(keys), said
         assert skipped == len(bad) * passes, (skipped, said)
+
+
+def test_a_resume_on_the_same_world_past_the_reserve_reads_what_the_uninterrupted_run_reads(tmp_path):
+    """Most samples damaged, so pairs read past their reserves into later passes: stopped after
+    some batches and resumed on the same world, each rank's keys and `skipped` are those of the
+    run that was not stopped."""
+    import random
+    import warnings
+
+    warnings.simplefilter("ignore")
+    rng = random.Random(8)
+    for case in range(6):
+        world, workers, batch_size = rng.choice((1, 2)), rng.randrange(1, 4), 2
+        n = world * batch_size * rng.randrange(3, 6)
+        folder = tmp_path / f"c{case}"
+        folder.mkdir()
+        png_tar(folder / "web-000000.tar", n)
+        assert index("--index", f"web:train={folder}", "--out", folder).returncode == 0
+        png_tar(folder / "web-000000.tar", n, **{rng.choice(("without", "junk")): set(rng.sample(range(n), n - 2))})
+        src = resolve("web", str(folder / "web-train.json"), "train")
+
+        def streams():
+            out = []
+            for rank in range(world):
+                s = MixedStream([src], {"web": 1}, batch_size, Topology(rank, world), seed=5, epoch_samples=n,
+                                shuffle_buffer=8, on_error="skip")
+                s.set_workers(workers)
+                out.append(s)
+            return out
+
+        whole = [read_some(s) for s in streams()]
+        stop = rng.randrange(1, n // (world * batch_size))
+        first = streams()
+        head = [read_some(s, stop) for s in first]
+        states = json.loads(json.dumps([s.state_dict() for s in first]))
+        second = streams()
+        for s, state in zip(second, states):
+            s.load_state_dict(state)
+        tail = [read_some(s) for s in second]
+        got = [(sorted(h + t), a + b) for (h, a), (t, b) in zip(head, tail)]
+        assert got == [(sorted(k), m) for k, m in whole], (case, world, workers, n, stop)
