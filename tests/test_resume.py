@@ -511,3 +511,32 @@ def test_another_shuffle_window_or_resampling_inside_an_epoch_is_refused(data, c
         stream_for(data, **change).load_state_dict(state)
     assert "\n" not in str(e.value)
     stream_for(data).load_state_dict(state)  # the same settings go on
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before, after, stop", [(2, 1, 2), (1, 2, 4)])
+def test_skipped_over_a_resume_on_another_world_counts_each_damaged_position_once(tmp_path, before, after, stop):
+    """torchrun, 40 samples of which 10 lack their image, batches of 4, 2 workers: stopped after
+    `stop` steps on `before` ranks (16 samples read), resumed on `after`: the epoch's
+    skipped_samples is 10, each damaged position once over both worlds, and its 40 keys hold
+    no damaged one."""
+    from helpers import encode_pil, foreign_image, make_shards_in_process, write_tar
+
+    def shard(damaged):
+        write_tar(tmp_path / "web-000000.tar", [m for i in range(40) for m in (
+            [] if damaged and i % 4 == 0 else [(f"s{i:02d}.png", encode_pil(foreign_image(i % 2, (16, 16), i), "PNG"))])
+            + [(f"s{i:02d}.cls", str(i % 2).encode())]])
+
+    shard(False)
+    done = make_shards_in_process(["--quiet", "--index", f"web:train={tmp_path}/web-000000.tar", "--out", tmp_path])
+    assert done.returncode == 0, done.stderr
+    shard(True)
+    out = tmp_path / "run"
+    args = ["--train", f"web={tmp_path}/web-train.json", "--epochs", "1", "--batch-size", "4", "--epoch-samples",
+            "40", "--workers", "2", "--width", "4", "--on-error", "skip", "--record-keys", "--out", str(out)]
+    run_ok(launch_train([*args, "--checkpoint-every", str(stop), "--stop-after-steps", str(stop)], before))
+    assert position(out)["step"] == stop
+    run_ok(launch_train([*args, "--resume"], after))
+    keys = [ln.split("\t")[1] for r in range(2) for ln in key_log(out, 2).get(r, [])]
+    assert len(keys) == 40 and not {f"s{i:02d}" for i in range(0, 40, 4)} & set(keys), sorted(keys)
+    assert json.loads((out / "summary.json").read_text())["skipped_samples"] == 10

@@ -14,7 +14,7 @@ are the complement of what the earlier segments read, whatever is edited. A pair
 positions are the samples its batches took (recomputed from `done`) plus the positions it
 passed over without a sample (damage, a stage's drops), listed only where there were any.
 Those have no bound but the range: a pair that passes over more than its run reads its
-reserve, and past that its run again (stages.RunPlan), so a stage dropping most samples
+reserve, and past that later passes (plans.RunPlan), so a stage dropping most samples
 makes any count. What ties them, and every other number, is `check` in each rank's entry,
 a digest of its numbers and the rest of the state: an edited number, consistent with the
 others or not, is refused (a digest, not a signature: whoever recomputes it is not stopped).

@@ -1,5 +1,5 @@
 """A pair's run of a source's positions as the windows that hold them: `RunPlan` for training
-(its reserve and, past that, its run again), `OncePlan` for evaluation (each shard once), and
+(its reserve and, past that, later passes), `OncePlan` for evaluation (each shard once), and
 `split`, a rank's and worker's share of a list."""
 from dataclasses import dataclass
 
@@ -25,7 +25,7 @@ class Window:
     window's shuffled order are taken, the first of them being the run's position
     `start`. Two windows with the same rows and key hold the same samples in the same
     order (`same`), so a chain reads and shuffles them once. `spare`: its places lie past the
-    pair's run (its reserve, its run again), read only to replace samples passed over there;
+    pair's run (its reserve, later passes), read only to replace samples passed over there;
     a damaged sample met here is not counted again (`skipped` counts the damaged samples at
     the epoch's own positions, whatever the workers)."""
 
@@ -46,12 +46,17 @@ class RunPlan:
 
     Each window is read whole and its positions taken where the run holds them. A pair that
     passed over damaged samples and still owes samples goes on into its `reserve`
-    (deal.Segment.reserves: positions no other pair reads); past that too, it reads its run
-    again from the start (those samples then repeat: the damage is counted).
+    (deal.Segment.reserves: positions no other pair reads); past that too, it reads the same
+    places of its run and reserve `beyond` positions further on, then twice that, ... (later
+    passes, shuffled anew: samples that repeat, where a pair whose places all held damaged
+    samples finds good ones, while any is readable). `beyond` is past every position a pair
+    of the epoch reads, the same for all, so no two pairs read one position: twice the epoch's
+    target and a pass (MixedStream) (None: the run again).
     """
 
-    def __init__(self, order, urls, run, at=0, reserve=()):
+    def __init__(self, order, urls, run, at=0, reserve=(), beyond=None):
         self.order, self.urls, self.run = order, list(urls), list(run) + list(reserve)
+        self.beyond = beyond or 0
         self.own = sum(n for _, n in run)  # the run proper: what is fetched ahead
         self.ends = np.cumsum([n for _, n in self.run]) if self.run else np.zeros(0, np.int64)
         self.length = int(self.ends[-1]) if self.run else 0
@@ -71,10 +76,10 @@ class RunPlan:
         return self.current
 
     def _window_at(self, at):
-        place = at % self.length  # past the run's end only after damage
+        rounds, place = divmod(at, self.length)  # past the run's end only after damage
         k = int(np.searchsorted(self.ends, place, side="right"))
         start, n = self.run[k]
-        position = start + place - (int(self.ends[k]) - n)
+        position = start + place - (int(self.ends[k]) - n) + rounds * self.beyond
         q, j, offset = self.order.locate(position)
         shards, size, key = self.order.window_of(q, j)
         take = min(size - offset, int(self.ends[k]) - place)

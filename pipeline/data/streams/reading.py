@@ -31,6 +31,7 @@ class WindowData:
     def __init__(self):
         self.keys, self.labels, self.urls, self.chunks = [], [], [], []
         self.refused = []  # (url, key, error) of a training window's samples refused while read, in row order
+        self.places = 0  # the window's samples as its manifest counts them: its rows, refused and lost ones too
 
     def add(self, keys, images, exts, labels, url):
         """One shard's samples: images `Rows` (exts "raw") or a list (exts a list)."""
@@ -415,6 +416,7 @@ class Reader:
                 self.bad(url, key, e)
             else:  # training: named and counted by the chain that passes the place it leaves empty
                 out.refused.append((url, key, str(e)))  # a string: an exception would keep its frames
+        out.places += max(end - lo, 0)
         self._add(url, cols, lo, end, got, out)
 
     @staticmethod

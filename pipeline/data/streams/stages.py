@@ -55,7 +55,9 @@ class Chunk:
     idx: np.ndarray = None
     crops: np.ndarray = None  # the window's crop table, taken by idx where images are decoded
     seed0: int = 0  # the seed of position lo; the user's stages number on from it
-    kept: np.ndarray = None  # which of idx decoded (None: all)
+    kept: np.ndarray = None  # which of the chunk's places hold a sample that decoded (None: all)
+    places: int = 0  # the chunk's places (hi - lo, or fewer at an evaluation window's end)
+    empty: np.ndarray = None  # rows past the window's samples at its places: samples it lacks (WindowData.places)
     keys: list = None
     pixels: np.ndarray = None
     labels: np.ndarray = None
@@ -121,7 +123,11 @@ class Shuffle:
         chunk = self.upstream.next(n)
         w = chunk.window
         if not w.same(self.window):
-            k = len(chunk.data)
+            # a training window is shuffled over all its places, those of the samples it lacks
+            # (refused or lost while read: rows past its samples) among them, so that they fall at
+            # random places, as an undecodable image does, not all at the window's end (where one
+            # pair's whole run, and its reserve in every pass, could hold nothing but them)
+            k = len(chunk.data) if w.size is None else chunk.data.places
             if self.shuffle and w.key is not None:
                 rng = order.generator(*w.key)
                 self.order = rng.permutation(k)
@@ -131,7 +137,11 @@ class Shuffle:
                 self.order, self.crops = np.arange(k), None
             self.seed0 = order.seed_of(w.key) if w.key is not None else 0
         self.window = w
-        chunk.idx, chunk.crops, chunk.seed0 = self.order[chunk.lo:chunk.hi], self.crops, self.seed0 + chunk.lo
+        idx, chunk.crops, chunk.seed0 = self.order[chunk.lo:chunk.hi], self.crops, self.seed0 + chunk.lo
+        chunk.places, held = len(idx), idx < len(chunk.data)
+        chunk.idx, chunk.empty = idx[held], idx[~held]
+        if len(chunk.empty):
+            chunk.kept = np.flatnonzero(held)
         return chunk
 
 
@@ -161,8 +171,8 @@ class Decode:
             for k, message in errors if not chunk.window.spare else ():  # a replacement's damage: not again
                 self.reader.bad(d.urls[rows[k]], d.keys[rows[k]], message)
             if errors:
-                chunk.kept = np.asarray(kept, np.int64)
-                idx = idx[chunk.kept]
+                kept = np.asarray(kept, np.int64)
+                chunk.kept, idx = kept if chunk.kept is None else chunk.kept[kept], idx[kept]
             chunk.pixels = pixels
         chunk.keys, chunk.labels = d.key_column[idx].tolist(), d.labels[idx]
         return chunk
@@ -173,7 +183,8 @@ class Decode:
         {field: value}. What does not fit its field is reported and left out, like an undecodable
         image; a sample a stage of the schema drops is left out unreported, as UserStage does."""
         d, idx = chunk.data, chunk.idx
-        seeds = np.arange(len(idx), dtype=np.uint64) + np.uint64(chunk.seed0)
+        seeds = np.arange(chunk.places, dtype=np.uint64) + np.uint64(chunk.seed0)
+        seeds = seeds if chunk.kept is None else seeds[chunk.kept]
         source, rows, masked = self.reader.source.name, idx.tolist(), [s & SEED_MASK for s in seeds.tolist()]
         decoded = self.schema.decode_images([d.images[i] for i in rows], masked)
         classes = functools.partial(class_of, target=self.target, lookup=self.reader.lookup)
@@ -191,12 +202,12 @@ class Decode:
                 values.append(v)
                 kept.append(j)
         if len(kept) < len(idx):
-            chunk.kept = np.asarray(kept, np.int64)
-            idx = idx[chunk.kept]
+            kept = np.asarray(kept, np.int64)
+            chunk.kept, idx, seeds = kept if chunk.kept is None else chunk.kept[kept], idx[kept], seeds[kept]
         chunk.pixels = np.empty(len(values), object)
         for j, v in enumerate(values):
             chunk.pixels[j] = v
-        chunk.seeds = seeds if chunk.kept is None else seeds[chunk.kept]
+        chunk.seeds = seeds
         chunk.keys, chunk.labels = d.key_column[idx].tolist(), np.zeros(len(idx), np.int64)
         return chunk
 
@@ -213,7 +224,7 @@ class UserStage:
     def next(self, n):
         chunk = self.upstream.next(n)
         if chunk.seeds is None:  # the first of the user's stages: each position's seed
-            seeds = np.arange(len(chunk.idx), dtype=np.uint64) + np.uint64(chunk.seed0)
+            seeds = np.arange(chunk.places, dtype=np.uint64) + np.uint64(chunk.seed0)
             chunk.seeds = seeds if chunk.kept is None else seeds[chunk.kept]
         if chunk.pixels.dtype == object:  # a schema's source: the stage sees and returns its fields
             return self._fields(chunk)
@@ -297,6 +308,7 @@ class SourceStream:
         self.plan, self.last = plan, self.stages[-1][1]
         self.empty, self.window, self.window_good = 0, None, True  # windows in a row that gave nothing usable
         self.limit = 2 * len(source.urls) + 2
+        self.readable = False  # a window read held a sample: later passes will give one, so wait longer
 
     def encode_jpegs(self):
         """Leave the exact-size JPEGs encoded (pipeline.data.decoding.gpujpeg): `take` then gives each
@@ -320,11 +332,13 @@ class SourceStream:
                 break
             if chunk.window is not self.window:
                 self._opened(chunk.window)
-            if not len(chunk.idx) and chunk.lo >= len(chunk.data):  # the shard held fewer samples than its manifest
-                self._passed(chunk, chunk.window.size)
+            d = chunk.data
+            self.readable = self.readable or len(d) > 0
+            if not chunk.places and chunk.lo >= (len(d) if chunk.window.size is None else d.places):
+                self._passed(chunk, chunk.window.size and chunk.window.size - chunk.lo)  # fewer than its manifest
                 self.stages[0][1].exhausted()
                 continue
-            self._passed(chunk, chunk.hi)
+            self._passed(chunk)
             if chunk.keys:
                 self.window_good = True
             keys += chunk.keys
@@ -338,28 +352,36 @@ class SourceStream:
             return ([], np.zeros((0, c, h, w), np.uint8), np.zeros(0, np.int64)) + more
         return (keys, parts[0] if len(parts) == 1 else np.concatenate(parts), np.concatenate(labels)) + more
 
-    def _passed(self, chunk, hi):
-        """Name and count the places lo..hi of a training window that hold no sample: a window's
-        samples refused while its shards were read (WindowData.refused, the k-th named at its k-th
-        empty place), then those lost with a damaged or short shard (named when read). Each place
-        is passed by one chain, once, so the count is the same on any number of workers; a spare
-        window's are replacements, not counted again."""
+    def _passed(self, chunk, beyond=0):
+        """Name and count the places of a training window's chunk that hold no sample (`chunk.empty`,
+        rows past the window's samples): a sample refused while its shards were read (row len + k:
+        WindowData.refused[k]), else one lost with a damaged or short shard (named when read);
+        `beyond`: places past all the window's rows. Each place is passed by one chain, once, so
+        the count is the same on any number of workers; a spare window's are replacements, not
+        counted again."""
         w, d = chunk.window, chunk.data
-        if w.size is None or w.spare or hi is None:
+        if w.size is None or w.spare:
             return
-        first = max(chunk.lo, len(d))
-        for k in range(first - len(d), min(hi - len(d), len(d.refused))):
-            self.reader.bad(*d.refused[k])
-        self.reader.errors.skipped += max(hi - len(d) - max(first - len(d), len(d.refused)), 0)
+        lost = beyond
+        for k in (chunk.empty - len(d)).tolist() if chunk.empty is not None else ():
+            if k < len(d.refused):
+                self.reader.bad(*d.refused[k])
+            else:
+                lost += 1
+        self.reader.errors.skipped += lost
 
     def _opened(self, window):
-        """Raises ShardError when more windows in a row than twice the source's shards gave no usable sample."""
+        """Raises ShardError when more windows in a row than twice the source's shards gave no usable
+        sample and none held a sample that read; else (samples read, but none decoded or passed the
+        user's stages) after MORE_WINDOWS more: a pair whose places held only damaged samples goes on
+        into later passes, each a fresh draw, so one that finds none there finds no good sample."""
         self.empty = 0 if self.window_good else self.empty + 1
-        if self.empty > self.limit:
+        if self.empty > self.limit + (MORE_WINDOWS if self.readable else 0):
             stages = [name for name, _ in self.stages if name.startswith("stage:")]
             why = f", or the sample stages ({', '.join(s[6:] for s in stages)}) dropped every one" if stages else ""
             raise ShardError(f"{self.reader.source.name}: no readable samples in this worker's shards "
-                             f"(e.g. {self.reader.source.urls[0]}){why}")
+                             f"(e.g. {self.reader.source.urls[0]}): {self.empty} windows in a row, every "
+                             f"sample in them refused or damaged{why}; check them with make-shards --verify")
         self.window, self.window_good = window, False
 
 
@@ -369,6 +391,7 @@ def _decode_hwc(images, exts, target, crops):
     return decode_batch(images, exts, target, crops, hwc=True)
 
 
+MORE_WINDOWS = 64  # windows in a row without a usable sample, past SourceStream.limit, once samples were read
 SEED_MASK = (1 << 63) - 1  # a sample's seed fits an int64 and any numpy or torch generator
 
 

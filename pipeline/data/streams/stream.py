@@ -355,7 +355,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         runs, reserves = seg.runs(pair), seg.reserves(pair, plan.targets)
         at = start.positions.get(logical, [0] * len(self.sources))
         streams = [stages.SourceStream(plans.RunPlan(self.source_order(i, seg.epoch), s.urls, runs[i], at[i],
-                                                      reserves[i]),
+                                                      reserves[i], 2 * (int(plan.targets[i]) + s.total)),
                                        self._reader(s, errors), sample_stages=self.sample_stages)
                    for i, s in enumerate(self.sources)]
         mix = RandomMix(streams, choices=seg.choices(pair), batch_size=self.batch_size, at=start.done.get(logical, 0))
