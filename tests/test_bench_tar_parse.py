@@ -1,14 +1,14 @@
 """tools/bench/tar_parse.py: another tree's tar parse timed against this tree's, shard by shard,
-only where both read every shard alike."""
+only where both read every shard alike; tools/bench/jpeg_members.py: JPEG members as copies or views."""
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import array_source, build_source
+from helpers import array_source, build_source, write_shardwriter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from bench import tar_parse  # noqa: E402
+from bench import jpeg_members, tar_parse  # noqa: E402
 
 REGULAR = Path(__file__).resolve().parents[1] / "pipeline" / "data" / "shards" / "regular.py"
 
@@ -27,3 +27,18 @@ def test_tar_parse_refuses_a_tree_that_reads_the_shards_otherwise(tmp_path):
                      "    keys, labels, starts, sizes = _read(buf, *a)\n    return keys, labels + 1, starts, sizes\n")
     with pytest.raises(SystemExit, match="read .* differently"):
         tar_parse.main([str(other), str(tmp_path / "raw"), "--rounds", "1", "--every", "1"])
+
+
+def test_tar_parse_times_jpeg_shards_by_their_extensions(tmp_path, capsys):
+    write_shardwriter(tmp_path / "wds", 12, per_shard=6)  # wds.ShardWriter's PAX-laden jpg + cls shards
+    tar_parse.main([str(REGULAR), str(tmp_path / "wds"), "--rounds", "1", "--every", "1", "--exts", "jpg", "cls"])
+    assert "2 shards x 1 rounds" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="read .* differently"):  # raw members: no shard of them here
+        tar_parse.main([str(REGULAR), str(tmp_path / "wds"), "--rounds", "1", "--every", "1"])
+
+
+def test_jpeg_members_times_copies_and_views_that_find_the_same_headers(tmp_path, capsys):
+    write_shardwriter(tmp_path / "wds", 12, per_shard=6)
+    jpeg_members.main([str(tmp_path / "wds"), "--rounds", "2"])
+    out = capsys.readouterr().out
+    assert "12 members of 2 shards, 2 rounds" in out and "view + offset" in out and "bytes(slice)" in out
