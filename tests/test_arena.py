@@ -181,3 +181,17 @@ def test_a_local_shard_is_read_at_most_chunk_bytes_at_a_time(tmp_path):
         arena.clear(path.stat().st_size)
         assert arena.read(f, 4 * CHUNK) == (0, 3 * CHUNK + 5)
     assert max(asked) <= CHUNK and len(asked) >= 4
+
+
+def test_images_of_differing_sizes_are_copied_out_of_the_arena_before_it_is_read_over(raw_source, tmp_path):
+    """Raw images of several sizes in one shard leave the arena as bytes of their own: the next
+    window reads over the buffer, and images still to be decoded must not change with it."""
+    uneven = tmp_path / "uneven.tar"
+    bodies = [bytes([i]) * (30 + i) for i in range(6)]
+    write_tar(uneven, [m for i, body in enumerate(bodies) for m in [(f"k{i}.raw", body), (f"k{i}.cls", b"1")]])
+    reader = reading.Reader(raw_source)
+    reader.expected[str(uneven)] = (6, uneven.stat().st_size, None)
+    data = reader(plans.Window(((str(uneven), 0, None),)))
+    assert data.images == bodies and all(type(image) is bytes for image in data.images)
+    reader(window_of(raw_source))  # the next window, read over the same buffer
+    assert data.images == bodies

@@ -32,6 +32,8 @@ def main(argv=None):
     p.add_argument("shards", help="a folder of raw shards (make_shards.py --encoding raw)")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--every", type=int, default=8, help="every Nth shard of the folder")
+    p.add_argument("--exts", nargs=2, default=("raw", "cls"), metavar=("IMAGE", "LABEL"),
+                   help="the members' extensions (jpg cls: the JPEG sets of tools/bench_loader.py --jpeg)")
     args = p.parse_args(argv)
     other = load(os.path.abspath(args.old))
     paths = sorted(glob.glob(os.path.join(args.shards, "*.tar")))[::args.every]
@@ -39,17 +41,17 @@ def main(argv=None):
         p.error(f"no .tar files in {args.shards}")
     bufs = [memoryview(bytearray(open(path, "rb").read())) for path in paths]  # as in a window's arena
     for path, buf in zip(paths, bufs):
-        a, b = other.regular_members(buf), regular.regular_members(buf)
+        a, b = other.regular_members(buf, *args.exts), regular.regular_members(buf, *args.exts)
         if a is None or b is None or a[0] != b[0] or any((x != y).any() for x, y in zip(a[1:], b[1:])):
             raise SystemExit(f"tar_parse: the two trees read {path} differently")
     times_old, times_new, ratios = [], [], []
     for _ in range(args.rounds):
         for buf in bufs:
             t = time.perf_counter()
-            other.regular_members(buf)
+            other.regular_members(buf, *args.exts)
             t_old = time.perf_counter() - t
             t = time.perf_counter()
-            regular.regular_members(buf)
+            regular.regular_members(buf, *args.exts)
             t_new = time.perf_counter() - t
             times_old.append(t_old)
             times_new.append(t_new)

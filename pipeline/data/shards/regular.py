@@ -98,7 +98,7 @@ def _periodic(buf, flat, n):
         if _agree(head, 124, 8) and _agree(head, 127, 8):  # one size throughout, as raw images have
             sizes = np.full(count, int(bytes(head[0, 124:135]), 8), np.int64)
         else:
-            sizes = _sizes(head)
+            sizes = _sizes(head[:, 124:135])
             if sizes is None or ((sizes + 511) // 512 != blocks - 1).any():
                 return None
         out.append((head, np.arange((first + 1) * 512, (count * period + first + 1) * 512, period * 512), sizes))
@@ -139,28 +139,31 @@ def _chain(buf, flat, n):
     at = np.flatnonzero((magic & 0xFF_FFFF_FFFF) == _USTAR)
     if len(at) < 2:
         return None
-    headers = np.take(blocks, at, axis=0)
-    sizes = _sizes(headers)
+    # only the size fields and types of all, whole headers of the members only (PAX headers,
+    # half of wds.TarWriter's, are not copied: their gather cost a third of this path)
+    sizes = _sizes(np.ndarray((n, 11), np.uint8, buf, 124, (512, 1))[at])
     if sizes is None:
         return None
     after = at + 1 + (sizes + 511) // 512
     if at[0] or (after[:-1] != at[1:]).any() or after[-1] >= n or blocks[after[-1]].any():
         return None
-    if headers[0, 156] == _PAX:  # wds.TarWriter's layout: a PAX header before every member
-        found = _past_pax(buf, at, headers, sizes)
+    kinds = blocks[at, 156]
+    if kinds[0] == _PAX:  # wds.TarWriter's layout: a PAX header before every member
+        found = _past_pax(buf, at, kinds, sizes)
         if found is None:
             return None
-        at, headers, sizes = found
+        at, sizes = found
+    headers = np.take(blocks, at, axis=0)
     if len(at) % 2 or not _regular_kinds(headers) or _posix_prefix(headers):
         return None
     starts = (at + 1) * 512
     return (headers[0::2], starts[0::2], sizes[0::2]), (headers[1::2], starts[1::2], sizes[1::2])
 
 
-def _sizes(headers):
-    """The size fields of (n, 512) headers, when each is 11 octal digits (what tarfile and GNU
-    tar write); None otherwise."""
-    digits = headers[:, 124:135] - np.uint8(48)  # uint8: a byte below "0" wraps past 7
+def _sizes(fields):
+    """The sizes of (n, 11) size fields (bytes 124-134 of headers), when each is 11 octal digits
+    (what tarfile and GNU tar write); None otherwise."""
+    digits = fields - np.uint8(48)  # uint8: a byte below "0" wraps past 7
     if not (digits <= 7).all():
         return None
     return digits.astype(np.int64) @ _OCTAL
@@ -266,12 +269,11 @@ def _labels(flat, starts, sizes):
     return labels
 
 
-def _past_pax(buf, at, headers, sizes):
-    """(at, headers, sizes) of the members of a tar with a PAX header before each, as
+def _past_pax(buf, at, kinds, sizes):
+    """(at, sizes) of the members of a tar with a PAX header before each, as
     wds.TarWriter writes them (for its float mtimes), if those headers change nothing that
     `iter_samples` takes from them (path, size, sparse); else None. Each is parsed as
     iter_samples parses it, so one it would refuse leaves the shard to it."""
-    kinds = headers[:, 156]
     if len(at) % 2 or not (kinds[0::2] == _PAX).all() or (kinds[1::2] == _PAX).any():
         return None
     starts, lengths = (at[0::2] + 1) * 512, sizes[0::2]
@@ -284,7 +286,7 @@ def _past_pax(buf, at, headers, sizes):
                 return None
         except ShardError:
             return None
-    return at[1::2], headers[1::2], sizes[1::2]
+    return at[1::2], sizes[1::2]
 
 
 def _mtime_only(flat, starts, sizes):
