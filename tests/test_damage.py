@@ -141,7 +141,7 @@ def test_a_pair_with_a_whole_damaged_shard_goes_on_into_the_others_reserves(whol
     """A damaged shard lands in one pair's run: it needs its replacements where its own reserve holds
     a fraction of what is unread; it goes on into the other pairs' reserves from their ends (before:
     its run again, 76 and 67 reads of good samples before others' first, an epoch of 240 of 300 good).
-    At 288 of 300, where the damaged shard also fills much of the reserves, 2 x 2 still reads 28 such
+    At 288 of 300, where the damaged shard also fills much of the reserves, 2 x 2 still reads 31 such
     (42 before)."""
     src, bad = whole_shard
     good = [f"d-train-{i:07d}" for i in range(400) if f"d-train-{i:07d}" not in bad]

@@ -101,8 +101,11 @@ class Segment:
         this epoch: its share of what the segment's runs leave of its spans, then of the positions
         after the epoch's target to the end of that pass; each part is cut between the pairs in
         proportion to their quotas. A pair that needs more (a damaged shard in its run) goes on
-        into the next SPILL pairs' shares of those, each read from its end while its owner reads
-        it from its start, so the two meet only once the share is used up (to a piece of it);
+        into the next SPILL pairs' shares of those: into the k-th of a share's len(others) pieces
+        counted from its end when it is the owner's k-th pair before, each piece read from its
+        end while the owner reads the share from its start, so the two meet only once the share
+        is used up (to a piece of it), and no third pair reads a position of it (when every pair
+        passed over most of its run, all of them spilling, a position is read twice at most);
         then into its share of the next pass (a repeat, once the pass was read). `targets`: the
         epoch's positions of each source."""
         q = self.quotas()
@@ -110,7 +113,8 @@ class Segment:
         out = []
         for s, (spans, t) in enumerate(zip(self.spans, targets)):
             unread, this_pass, next_pass = self._pools(s, int(t), q[:, s], [pair, *others])
-            spill = [span for o in others for part in (unread, this_pass) for span in _from_the_back(part[o])]
+            spill = [span for k, o in enumerate(others, 1) for part in (unread, this_pass)
+                     for span in _from_the_back(_piece(part[o], k, len(others)))]
             out.append(unread[pair] + this_pass[pair] + spill + next_pass[pair])
         return out
 
@@ -184,6 +188,12 @@ class Segment:
 
 SPILL = 16  # other pairs' reserves a pair may go on into: its reserve's spans stay few at any world size
 PIECES = 16  # a reserve read from its end, in at most this many pieces, each read forward (of 1 where it is short)
+
+
+def _piece(spans, k, m):
+    """The k-th of m near-equal pieces of a share's places, counted from its end (k from 1)."""
+    n = sum(size for _, size in spans)
+    return cut(spans, n * (m - k) // m, n * (m - k + 1) // m)
 
 
 def _from_the_back(spans):
