@@ -389,7 +389,7 @@ def test_cuda_batches_arrive_on_the_device_and_held_ones_keep_their_bytes(data, 
     for epoch in range(3):
         s.set_epoch(epoch)
         for b in loader:
-            assert b["image"].is_cuda and b["label"].is_cuda and isinstance(b["key"], list)
+            assert b["image"].is_cuda and b["label"].is_cuda and all(isinstance(k, str) for k in b["key"])
             held.append((b, b["image"].clone()))
     torch.cuda.synchronize()
     for b, image in held:
