@@ -251,8 +251,8 @@ class MixedStream(torch.utils.data.IterableDataset):
             raise RuntimeError("another pass began on this stream, or its plan changed (another loader over it? "
                                "set_workers, set_epoch or load_state_dict?) while this pass was being read; a "
                                "stream runs one pass at a time")
-        if record and plan is not None and state.get("plan") == plan.id:  # `record`, in the lock held here
-            self.arrived[state["worker"]] = state
+        if record:
+            self.record(state)
 
     @locked
     def set_epoch(self, epoch, weights=None):
