@@ -389,7 +389,7 @@ def test_cuda_batches_arrive_on_the_device_and_held_ones_keep_their_bytes(data, 
     for epoch in range(3):
         s.set_epoch(epoch)
         for b in loader:
-            assert b["image"].is_cuda and b["label"].is_cuda and isinstance(b["key"], list)
+            assert b["image"].is_cuda and b["label"].is_cuda and all(isinstance(k, str) for k in b["key"])
             held.append((b, b["image"].clone()))
     torch.cuda.synchronize()
     for b, image in held:
@@ -450,3 +450,76 @@ def test_cuda_workers_started_again_after_the_ring_was_page_locked_work(data, ho
         _check(data, b)
     gc.collect()
     loader.close()
+
+
+# ---------------------------------------------------------------- batches sent in groups
+
+
+def _sent(fd):
+    """(pass, kind, slot) of each message waiting in a pipe (non-blocking), in order."""
+    from pipeline.data.handover.workers import HEADER
+    data = b""
+    while True:
+        try:
+            data += os.read(fd, 1 << 16)
+        except BlockingIOError:
+            break
+    out = []
+    while data:
+        got, kind, slot, _, size = HEADER.unpack_from(data)
+        out.append((got, kind, slot))
+        data = data[HEADER.size + size:]
+    return out
+
+
+def test_a_worker_sends_a_passs_first_batch_at_once_then_its_batches_in_groups():
+    """Past a pass's first batch, a worker's batches go GROUP to a write (a waiting consumer is
+    woken once for them); the END and an ERROR go after those held back; a pass left drops them."""
+    from pipeline.data.handover.workers import BATCH, END, ERROR, GROUP, _Outbox
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    out = _Outbox(w)
+    out.begin(7)
+    out.batch(0, 4, b"first")
+    assert _sent(r) == [(7, BATCH, 0)]
+    for k in range(1, GROUP):
+        out.batch(k, 4, b"x" * 5000)
+        assert _sent(r) == []
+    out.batch(GROUP, 4, b"x")
+    assert _sent(r) == [(7, BATCH, k) for k in range(1, GROUP + 1)]
+    out.batch(5, 3, b"x")
+    out.send(END, b"")
+    assert _sent(r) == [(7, BATCH, 5), (7, END, -1)]
+    out.begin(8)
+    out.batch(1, 4, b"x")
+    out.batch(2, 4, b"x")
+    assert _sent(r) == [(8, BATCH, 1)]
+    out.send(ERROR, b"boom")
+    assert _sent(r) == [(8, BATCH, 2), (8, ERROR, -1)]
+    out.batch(3, 4, b"x")  # held (the pass's first went), then the consumer left the pass
+    out.begin(9)
+    out.batch(4, 4, b"x")
+    assert _sent(r) == [(9, BATCH, 4)]
+    os.close(r)
+    os.close(w)
+
+
+def test_a_worker_out_of_slots_sends_what_it_held_back_before_it_waits():
+    """The consumer may be waiting for the batches a worker holds back, and the worker for a slot
+    the consumer gives back only after them: they go first."""
+    from pipeline.data.handover.workers import BATCH, SLOT, _Outbox, _Slots
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    free_r, free_w = os.pipe()
+    out = _Outbox(w)
+    slots = _Slots(free_r, [3], 0, out)
+    slots.begin(3, [0, 1])
+    out.begin(3)
+    out.batch(slots.take(), 4, b"x")
+    out.batch(slots.take(), 4, b"x")  # held back, and no slot left: the next take sends it, then waits
+    assert _sent(r) == [(3, BATCH, 0)]
+    os.write(free_w, SLOT.pack(3, 0))  # the consumer gives slot 0 back once it has batch 1
+    assert slots.take() == 0
+    assert _sent(r) == [(3, BATCH, 1)]
+    for fd in (r, w, free_r, free_w):
+        os.close(fd)

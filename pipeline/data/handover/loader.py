@@ -31,9 +31,9 @@ def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=PREFETC
     before, whose next step raises RuntimeError. With record=False the stream does not take a
     batch's place as it arrives: a consumer that pulls batches ahead of using them records each
     one as it uses it (`stream.record(batch["state"])`), so a checkpoint never counts a batch
-    not trained. timeout: seconds a worker may send nothing before the pass fails (TimeoutError
-    naming the worker, which is killed; the next pass starts the workers again; default: wait,
-    as torch's DataLoader does).
+    not trained. timeout: seconds a worker may send nothing (it sends up to 4 batches at once,
+    workers.GROUP) before the pass fails (TimeoutError naming the worker, which is killed; the
+    next pass starts the workers again; default: wait, as torch's DataLoader does).
 
     device: None, "cuda", "cuda:N", a torch.device, or "cpu". With a CUDA device each batch's
     tensors arrive on it, copied by the loader on a stream of its own, which the current stream
@@ -93,6 +93,7 @@ class Loader:
         if hasattr(stream, "set_workers"):
             stream.set_workers(max(1, num_workers))
         self.stream, self.num_workers, self.record = stream, num_workers, record
+        self._arrive = getattr(stream, "arrive", None)  # looked up once: a batch's check and record
         self._early = None  # (plan, pass id) of a pass `start` began
         self._passes = 0  # passes begun here: an iterator of an earlier one stops
         self._pass_lock = threading.RLock()  # a pass begins only between two batches of another, whatever the threads
@@ -211,10 +212,10 @@ class Loader:
         return ("own", base, n), self.ring.spec.arrays(memory, n)
 
     def _arrived(self, batch):
-        if "state" in batch and hasattr(self.stream, "arrive"):  # checked and recorded as one step
-            self.stream.arrive(batch["state"], record=self.record)  # another pass on the stream ends this one
-        if REFUSED in batch:  # JPEGs neither decoder took after the hand-over (decode="device"): skipped
-            batch["skipped"] += batch.pop(REFUSED)
+        if self._arrive is not None and "state" in batch:  # checked and recorded as one step
+            self._arrive(batch["state"], self.record)  # another pass on the stream ends this one
+        if self._to_device is not None and REFUSED in batch:  # JPEGs neither decoder took after the hand-over
+            batch["skipped"] += batch.pop(REFUSED)  # (decode="device"): skipped
         return batch
 
     def close(self):

@@ -7,7 +7,9 @@ a feeder thread, the pickled batch), with nothing in the batch at all: 0.45-0.59
 sample at 256, more than the consumer may spend (docs/benchmarks.md, "The hand-over from
 workers", and `python tools/bench_loader.py --handover`). Here a batch costs one message of
 a few hundred bytes on a pipe (which slot, how many samples, the batch's small fields
-pickled) and the slot's return is 4 bytes on another.
+pickled) and the slot's return is 4 bytes on another; past a pass's first batch a worker writes
+its messages GROUP at a time, so a consumer that waits for its workers is woken once for
+several batches (`_Outbox`).
 
 Each worker persists across passes: a pass begins with a message carrying its plan (the
 stream's immutable plan of the epoch), so whatever the consumer set since the worker
@@ -26,12 +28,14 @@ import traceback
 import numpy as np
 import torch
 
+from pipeline.data.handover.keys import SEP, Keys
 from pipeline.ordering.topology import Worker
 from pipeline.errors import cut
 
 HEADER = struct.Struct("<qiiii")  # pass, kind, slot, samples, payload bytes
 BATCH, END, ERROR = 0, 1, 2
 SLOT = struct.Struct("<qi")  # a slot given back: the pass it was given back in, the slot
+GROUP = 4  # batches a worker sends in one write once its pass is under way (_Outbox)
 READ = 1 << 16  # bytes asked of a worker's pipe at a time (a pipe holds 64 KiB)
 POLL_S = 0.2  # how often a worker waiting for a slot looks whether its pass was left or it should stop
 STOP = -1
@@ -246,8 +250,8 @@ class Workers:
 def _serve(source, w, count, ring, commands, ready, free, control, parent):
     """A worker's life: passes as the consumer asks, until it says stop or is gone."""
     _set_up(w, count, parent)
-    fd = ready.fileno()
-    slots = _Slots(free.fileno(), control, w)
+    out = _Outbox(ready.fileno())
+    slots = _Slots(free.fileno(), control, w, out)
     worker = Worker(w, count)
     while True:
         try:
@@ -258,21 +262,22 @@ def _serve(source, w, count, ring, commands, ready, free, control, parent):
             return
         _, pass_id, plan, free_slots = msg
         slots.begin(pass_id, free_slots)
+        out.begin(pass_id)
         try:
             for batch in source.batches(worker, slots.borrower(ring, w), plan):
                 k, n = batch.pop("slot")
-                _send(fd, pass_id, BATCH, k, n, pack(batch, ring.spec.names))
+                out.batch(k, n, pack(batch, ring.spec.names))
                 if control[w] != pass_id:
                     break
             else:
-                _send(fd, pass_id, END, -1, 0, b"")
+                out.send(END, b"")
         except _Left:
             pass
         except BrokenPipeError:
             return  # the consumer is gone
         except BaseException as e:  # noqa: BLE001 - every error goes to the consumer, which raises it
             try:
-                _send(fd, pass_id, ERROR, -1, 0, _pickled_error(e))
+                out.send(ERROR, _pickled_error(e))
             except BrokenPipeError:
                 return
 
@@ -297,8 +302,37 @@ def _set_up(w, count, parent):
     threading.Thread(target=watch, daemon=True, name="exit-with-consumer").start()
 
 
-def _send(fd, pass_id, kind, slot, n, payload):
-    data = HEADER.pack(pass_id, kind, slot, n, len(payload)) + payload
+class _Outbox:
+    """A worker's messages to the consumer. Past a pass's first batch, batches go GROUP to a
+    write: a consumer waiting for its workers is woken once for them, not once a batch, and a
+    wake-up (and the cold caches after it) cost it more than the rest of a batch's hand-over
+    (docs/benchmarks.md, "The hand-over from workers"). A batch held back goes at once when the
+    worker would otherwise wait for a slot (`_Slots.take`), when the pass ends and before an
+    error; one of a pass the consumer left is dropped with it (the consumer frees its slot)."""
+
+    def __init__(self, fd):
+        self.fd, self.pass_id, self.held, self.first = fd, 0, [], True
+
+    def begin(self, pass_id):
+        self.pass_id, self.held, self.first = pass_id, [], True
+
+    def batch(self, slot, n, payload):
+        self.held.append(HEADER.pack(self.pass_id, BATCH, slot, n, len(payload)) + payload)
+        if self.first or len(self.held) >= GROUP:
+            self.flush()
+
+    def send(self, kind, payload):
+        """An END or ERROR message, after the batches held back."""
+        self.held.append(HEADER.pack(self.pass_id, kind, -1, 0, len(payload)) + payload)
+        self.flush()
+
+    def flush(self):
+        if self.held:
+            data, self.held, self.first = b"".join(self.held), [], False
+            _write(self.fd, data)
+
+
+def _write(fd, data):
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
@@ -306,18 +340,19 @@ def _send(fd, pass_id, kind, slot, n, payload):
 
 def pack(batch, fixed):
     """A batch's small fields (all but the `fixed` ones, which are in its slot), pickled. The keys
-    go as one string: unpickling 256 strings cost the consumer about twice what splitting one does."""
+    go as one string, which the consumer splits only when they are read (keys.Keys): unpickling
+    256 strings cost it about twice what splitting one does, and most loops never read them."""
     small = {k: v for k, v in batch.items() if k not in fixed}
     keys = small.get("key")
-    if isinstance(keys, list) and not any("\0" in k for k in keys):
-        small["key"] = "\0".join(keys)
+    if isinstance(keys, list) and not any(SEP in k for k in keys):
+        small["key"] = SEP.join(keys)
     return pickle.dumps(small, protocol=5)
 
 
 def unpack(payload, n):
     small = pickle.loads(payload)
     if isinstance(small.get("key"), str):
-        small["key"] = small["key"].split("\0") if n else []
+        small["key"] = Keys(small["key"], n)
     return small
 
 
@@ -357,8 +392,9 @@ class _Slots:
     """A worker's free slots: at each pass, those the consumer says the user holds nothing of,
     then each it gives back in that pass (one given back earlier is in that list already)."""
 
-    def __init__(self, fd, control, w):
+    def __init__(self, fd, control, w, out):
         self.free, self.fd, self.control, self.w, self.pass_id = [], fd, control, w, 0
+        self.out = out  # its batches held back go before it waits: the consumer may be waiting for them
         self.later = []  # (pass, slot) given back in a pass this worker has not begun yet
 
     def begin(self, pass_id, free):
@@ -367,6 +403,8 @@ class _Slots:
         self.later = [(given_in, k) for given_in, k in self.later if given_in > pass_id]
 
     def take(self):
+        if not self.free:
+            self.out.flush()
         while not self.free:
             ready = select.select([self.fd], [], [], POLL_S)[0]
             if self.control[self.w] != self.pass_id:

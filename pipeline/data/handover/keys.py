@@ -1,0 +1,57 @@
+"""A batch's keys as they cross from a worker: one string, split only when read.
+
+A worker sends its batch's keys joined by NUL (workers.pack); splitting them into 256
+strings cost the consuming process about 10 us a batch, an eighth of its whole budget
+(docs/benchmarks.md, "The hand-over from workers"), and most loops never read a key.
+`Keys` holds the joined string and the count, and makes the list the first time anything
+but its length is asked: it reads as the list did (len, index, slices, iteration, `in`,
+equality with a list, +, pickling). `list(keys)` gives a real list (for json, say).
+"""
+from collections.abc import Sequence
+
+SEP = "\0"  # no key holds it (workers.pack sends a list as it is when one does)
+
+
+class Keys(Sequence):
+    """n keys joined by SEP in `text`, as a read-only sequence of str."""
+
+    __slots__ = ("_text", "_n", "_list")
+
+    def __init__(self, text, n):
+        self._text, self._n, self._list = text, n, None
+
+    def _keys(self):
+        if self._list is None:
+            self._list = self._text.split(SEP) if self._n else []
+        return self._list
+
+    def __len__(self):
+        return self._n
+
+    def __getitem__(self, i):
+        return self._keys()[i]
+
+    def __iter__(self):
+        return iter(self._keys())
+
+    def __contains__(self, key):
+        return key in self._keys()
+
+    def __eq__(self, other):
+        if isinstance(other, Keys):
+            return self._n == other._n and self._text == other._text
+        return self._keys() == other if isinstance(other, list) else NotImplemented
+
+    __hash__ = None  # as a list's
+
+    def __add__(self, other):
+        return self._keys() + list(other) if isinstance(other, (list, Keys)) else NotImplemented
+
+    def __radd__(self, other):
+        return other + self._keys() if isinstance(other, list) else NotImplemented
+
+    def __repr__(self):
+        return repr(self._keys())
+
+    def __reduce__(self):
+        return Keys, (self._text, self._n)
