@@ -4,9 +4,10 @@ A set opened by its URL with no manifest and no `--fields` (pipeline.writers.aut
 its schema from the first samples of its first shard: an image extension (`jpg`, `png`,
 `rgb.png`, ...) is an image field, `txt` the caption, `cls` the class, each key of a
 `.json` a field of its value's type (`json:KEY`), a `.npy` an array of the largest shape
-seen (int64 where every one holds integers, else float32). A member missing from some samples is optional. A class must look like one: a
-member that looks like free text (most values distinct, or long) is text, never a class,
-so a caption in `.cls` never becomes a 1,000-way head.
+seen (int64 where every one holds integers, else float32). A member missing from some
+samples is optional. A class must look like one: a member that looks like free text (most
+values distinct, or long) is text, never a class, so a caption in `.cls` never becomes a
+1,000-way head.
 
 The result is a Schema (pipeline.data.fields.schema) plus the label rule of the class, if any
 (`cls`, `json:label`), which the image-and-label trainer reads; `override` puts a user's
