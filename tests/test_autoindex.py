@@ -109,13 +109,13 @@ def test_fields_override_the_inferred_ones_of_the_same_name(tmp_path):
     assert by_name["caption"].max_bytes == 100 and by_name["score"].kind == "float" and "width" in by_name
 
 
-def _scalar_npy(x):
+def _scalar_npy(x, dtype="float32"):
     import io
 
     import numpy as np
 
     buf = io.BytesIO()
-    np.save(buf, np.float32(x))
+    np.save(buf, np.array(x, dtype))
     return buf.getvalue()
 
 
@@ -457,3 +457,21 @@ def test_class_names_indexed_on_first_use_are_a_class_field_that_trains(tmp_path
         stream = MixedStream([source], {"web": 1}, 5, seed=0)
         got = {k: y for b in make_loader(stream, 0) for k, y in zip(b["key"], b["label"].tolist())}
         assert got == {f"{i:06d}": sorted(names).index(names[i % 3]) for i in range(30)}
+
+
+def test_integer_npy_members_infer_an_int64_field_and_other_than_numbers_are_refused_when_indexed(tmp_path):
+    """0-d int64 .npy members past 2**24 read exactly (the inferred field was float32: 2**53+1 read
+    as 2**53); complex ones are refused when indexed in one line naming the sample (the inferred
+    field refused every sample, and the line said to run --verify, which checks sizes only)."""
+    from helpers import write_tar
+
+    for name, dtype in (("int", "int64"), ("complex", "complex64")):
+        os.makedirs(tmp_path / name)
+        write_tar(tmp_path / name / "s-000.tar", [(f"{i:03d}.{ext}", data) for i in range(8) for ext, data in
+                                                  (("npy", _scalar_npy(2 ** 53 + i, dtype)), ("cls", b"%d" % (i % 2)))])
+    src = resolve("web", str(tmp_path / "int"), "train")
+    assert {c.name: c.dtype for c in src.schema.columns}["npy"] == "int64"
+    got = sorted(int(v) for b in MixedStream([src], {"web": 1}, 4, seed=0, normalize=False) for v in b["npy"][:, 0])
+    assert got == [2 ** 53 + i for i in range(8)]
+    with pytest.raises(ShardError, match=r"sample 000: \.npy holds complex64, not numbers, which no field reads"):
+        resolve("web", str(tmp_path / "complex"), "train")

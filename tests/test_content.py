@@ -199,6 +199,44 @@ def test_skipped_counts_the_damaged_samples_of_the_epoch_once_whatever_the_worke
     assert got == {(40, 0): 10, (40, 2): 10, (80, 0): 20, (80, 2): 20}, got
 
 
+@pytest.mark.parametrize("damage", ["garbage_header", "cut_in_data", "cut_in_label"])
+def test_the_whole_sample_before_damage_is_read_and_skipped_is_the_damaged_positions(tmp_path, damage):
+    """6 samples, damage at s3.png (a garbage header, a cut inside its data) or inside s2.cls: s0-s2
+    are read and 3 skipped, as webdataset's warn_and_continue reads them (s2, whole, was lost and
+    counted: 4); s2 cut inside its label is refused and counted (4). The index of the shard cut
+    inside s2.cls names the damage, not s2's missing label."""
+    import tarfile
+
+    png_tar(tmp_path / "web-000000.tar", 6)
+    assert index("--index", f"web:train={tmp_path}", "--out", tmp_path).returncode == 0
+    raw = (tmp_path / "web-000000.tar").read_bytes()
+    with tarfile.open(tmp_path / "web-000000.tar") as tar:
+        at = {m.name: m for m in tar.getmembers()}
+    o = at["s3.png"].offset
+    damaged = {"garbage_header": raw[:o] + bytes([7]) * 512 + raw[o + 512:],
+               "cut_in_data": raw[:at["s3.png"].offset_data + 10], "cut_in_label": raw[:at["s2.cls"].offset_data]}
+    (tmp_path / "web-000000.tar").write_bytes(damaged[damage])
+    stream = MixedStream([resolve("web", str(tmp_path / "web-train.json"), "train")], {"web": 1}, 1, seed=1,
+                         epoch_samples=6, shuffle_buffer=1, on_error="skip")
+    keys, skipped = damaged_epoch_of(stream)
+    read = 2 if damage == "cut_in_label" else 3
+    assert sorted(set(keys)) == [f"s{i}" for i in range(read)] and skipped == 6 - read, (keys, skipped)
+    if damage == "cut_in_label":
+        (tmp_path / "again").mkdir()
+        (tmp_path / "again" / "web-000000.tar").write_bytes(damaged[damage])
+        one_line(index("--index", f"web:train={tmp_path / 'again'}", "--out", tmp_path / "again"),
+                 "web-000000.tar: truncated tar member")
+
+
+def damaged_epoch_of(stream):
+    stream.set_workers(1)
+    keys, skipped = [], 0
+    for batch in stream.batches(Worker(0, 1)):
+        keys += batch["key"]
+        skipped += batch["skipped"]
+    return keys, skipped
+
+
 def damaged_epoch(folder, world, workers, batch_size, samples):
     """Every (rank, worker)'s batches of one epoch, read in this process: (keys, skipped)."""
     src = resolve("web", str(folder / "web-train.json"), "train")
@@ -248,7 +286,8 @@ def test_an_epoch_completes_while_any_sample_is_readable_whatever_the_ranks_and_
         passes = rng.choice((1, 2))
         if len(bad) == n:
             with pytest.raises(ShardError, match="no readable samples in this worker's shards .* every sample in "
-                                                 "them refused or damaged; check them with make-shards --verify"):
+                                                 "them refused or damaged; the first refused: sample s[0-9]+: "
+                                                 + ("no .png member" if how == "without" else "undecodable")):
                 damaged_epoch(folder, world, workers, batch_size, n * passes)
             continue
         keys, skipped = damaged_epoch(folder, world, workers, batch_size, n * passes)

@@ -571,3 +571,34 @@ def test_a_process_forked_from_the_consumer_does_not_stop_its_workers(data):
     assert all(p.is_alive() for p in loader.workers.procs)
     assert len([k for b in loader for k in b["key"]]) == 16
     loader.close()
+
+
+def test_a_loader_used_in_a_process_forked_from_its_consumer_is_one_line(data):
+    """Its workers are the consumer's: a new pass or the consumer's pass continued in a forked
+    child is a RuntimeError saying so (it was multiprocessing's bare AssertionError, or batches
+    taken from the consumer's pipes); close() there does nothing; the consumer reads on."""
+    loader = make_loader(_stream(data, n=8), 2)
+    it = iter(loader)
+    got = list(next(it)["key"])
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        said = []
+        for use in (lambda: next(it), lambda: next(iter(loader))):
+            try:
+                use()
+                said.append("no error")
+            except BaseException as e:  # noqa: BLE001 - reported to the parent
+                said.append(f"{type(e).__name__}: {e}")
+        loader.close()
+        os.write(w, "\n".join(said).encode())
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    with os.fdopen(r) as f:
+        said = f.read().splitlines()
+    assert len(said) == 2 and all(x.startswith("RuntimeError: a loader cannot be used in a process forked")
+                                  for x in said), said
+    got += [k for b in it for k in b["key"]]
+    assert len(got) == len(set(got)) == 32
+    loader.close()

@@ -653,3 +653,41 @@ def build_tar(n):
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
+
+
+@pytest.mark.parametrize("damage", ["garbage_header", "cut_in_header", "cut_in_data", "cut_in_label"])
+def test_reader_yields_the_whole_sample_before_damage_and_the_numpy_path_agrees(tmp_path, damage):
+    """Six [raw][cls] samples, damaged at s3.raw (or inside s2.cls): s0-s2 come before the
+    ShardError, as webdataset's warn_and_continue reads them; a sample cut inside a member
+    comes with its whole members only (a schema then refuses it). The numpy path leaves every
+    such shard to this reader, so both paths read the same samples."""
+    from helpers import write_tar
+    write_tar(tmp_path / "s.tar", [(f"s{i}.{ext}", bytes([i]) * 20 if ext == "raw" else b"%d" % i)
+                                   for i in range(6) for ext in ("raw", "cls")])
+    raw = (tmp_path / "s.tar").read_bytes()
+    with tarfile.open(tmp_path / "s.tar") as tar:
+        at = {m.name: m for m in tar.getmembers()}
+    o = at["s3.raw"].offset
+    damaged = {"garbage_header": raw[:o] + bytes([7]) * 512 + raw[o + 512:], "cut_in_header": raw[:o + 100],
+               "cut_in_data": raw[:at["s3.raw"].offset_data + 10],
+               "cut_in_label": raw[:at["s2.cls"].offset_data]}[damage]
+    got = []
+    with pytest.raises(ShardError):
+        for sample in read.iter_samples(io.BytesIO(damaged)):
+            got.append(sorted(k for k in sample if not k.startswith("__")))
+    whole = [["cls", "raw"]] * (2 if damage == "cut_in_label" else 3)
+    assert got == whole + ([["raw"]] if damage == "cut_in_label" else [])
+    assert regular.regular(damaged, "raw", "cls") is None
+
+
+def test_reader_does_not_yield_a_sample_with_a_member_twice():
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for name in ("a.raw", "a.cls", "b.raw", "b.raw", "c.raw"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"1"))
+    got = []
+    with pytest.raises(ShardError, match="twice"):
+        got.extend(s["__key__"] for s in read.iter_samples(io.BytesIO(buf.getvalue())))
+    assert got == ["a"]

@@ -167,3 +167,16 @@ def test_a_column_says_what_it_lacks():
             Column("x", **kw)
     with pytest.raises(ValueError, match="clashes"):
         Schema([Column("a", "image", "png", size=4, fit="pad"), Column("a_size", "int", "cls")])
+
+
+def test_an_integer_the_fields_dtype_cannot_hold_exactly_is_refused_naming_it():
+    """int64 2**53+1 as float32 was 9007199254740992.0 and uint64's largest as int64 was -1, without a
+    word; an int64 field keeps 2**53+1, and small integers still read into float32."""
+    big = np.array([1, 2 ** 53 + 1], np.int64)
+    for a, dtype, said in ((big, "float32", "value 9007199254740993 (int64) is not exactly a float32"),
+                           (np.array([2 ** 64 - 1], np.uint64), "int64",
+                            "value 18446744073709551615 (uint64) is not exactly a int64")):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            npy_value(npy(a), Column("a", "array", "npy", shape=2, dtype=dtype))
+    assert npy_value(npy(big), Column("a", "array", "npy", shape=2, dtype="int64")).tolist() == big.tolist()
+    assert npy_value(npy(np.int64(2 ** 24)), Column("a", "array", "npy", shape=1)).tolist() == [2 ** 24]

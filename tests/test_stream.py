@@ -498,7 +498,7 @@ def test_unreadable_source_raises_instead_of_hanging(tmp_path):
     src = resolve("mnist", str(tmp_path), "train")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(ShardError, match="no readable samples"):
+        with pytest.raises(ShardError, match="no readable samples.*; check them with make-shards --verify$"):
             run_epoch(MixedStream([src], {"mnist": 1}, 4, epoch_samples=40))
 
 

@@ -122,13 +122,18 @@ def scan_shard(url, label, policy=remote.Policy(), image_key=None, skip_unlabell
                      image_key=image_key, skip_unlabelled=skip_unlabelled, wide=(0, None, 0, 0, None),
                      tall=(0, None, 0, 0, None), large=(0, None, 0, 0, None), fields=fields, held=collections.Counter())
         h = _Hashing(stream)
-        for sample in iter_samples(h, wanted, url, **read_kw):
+        samples = iter_samples(h, wanted, url, **read_kw)
+        for sample in samples:
             if is_meta(sample["__key__"]):  # a __meta__ sample describes the shard: not a sample to index
                 continue
-            if fields is not None:
-                scan_fields(sample, scan, url)
-            else:
-                _scan_sample(sample, scan, url)
+            try:
+                if fields is not None:
+                    scan_fields(sample, scan, url)
+                else:
+                    _scan_sample(sample, scan, url)
+            except ShardError:  # a sample cut short by damage comes before the damage's error, the cause
+                next(samples, None)
+                raise
         h.rest()
         scan["bytes"], scan["sha256"] = h.bytes, h.hash.hexdigest()
 

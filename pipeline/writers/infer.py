@@ -4,9 +4,10 @@ A set opened by its URL with no manifest and no `--fields` (pipeline.writers.aut
 its schema from the first samples of its first shard: an image extension (`jpg`, `png`,
 `rgb.png`, ...) is an image field, `txt` the caption, `cls` the class, each key of a
 `.json` a field of its value's type (`json:KEY`), a `.npy` an array of the largest shape
-seen. A member missing from some samples is optional. A class must look like one: a
-member that looks like free text (most values distinct, or long) is text, never a class,
-so a caption in `.cls` never becomes a 1,000-way head.
+seen (int64 where every one holds integers, else float32). A member missing from some
+samples is optional. A class must look like one: a member that looks like free text (most
+values distinct, or long) is text, never a class, so a caption in `.cls` never becomes a
+1,000-way head.
 
 The result is a Schema (pipeline.data.fields.schema) plus the label rule of the class, if any
 (`cls`, `json:label`), which the image-and-label trainer reads; `override` puts a user's
@@ -61,8 +62,8 @@ def infer(samples, classes=True):
         columns += more
         label = label or json_label
     for ext in sorted(e for e in seen if e.rpartition(".")[2] == "npy"):
-        columns.append(Column(_name(ext), "array", ext, shape=_npy_shape(samples, ext), dtype="float32",
-                              optional=seen[ext] < n))
+        shape, dtype = _npy_layout(samples, ext)
+        columns.append(Column(_name(ext), "array", ext, shape=shape, dtype=dtype, optional=seen[ext] < n))
     if not columns:
         raise ValueError(f"no member a field can read (members: {', '.join(sorted(seen)) or 'none'}); "
                          f"name the fields with --fields")
@@ -210,11 +211,14 @@ def _common_size(samples, ext):
     return min(h, MAX_SIDE), min(w, MAX_SIDE)  # larger images are the index's to refuse, naming one
 
 
-def _npy_shape(samples, ext):
-    """The largest size of each dimension among the .npy headers read."""
+def _npy_layout(samples, ext):
+    """(the largest size of each dimension among the .npy headers read, the field's dtype): int64
+    where every one holds integers (float32 would change those past 2**24), else float32. A .npy
+    of anything but numbers is refused here, naming it, rather than inferring a field that would
+    refuse every sample."""
     from numpy.lib import format as npformat
 
-    shape = None
+    shape, kinds = None, set()
     for s in samples:
         data = s.get(ext)
         if data is None:
@@ -223,14 +227,18 @@ def _npy_shape(samples, ext):
             stream = io.BytesIO(bytes(data)[:NPY_HEADER])
             version = npformat.read_magic(stream)
             read = npformat.read_array_header_1_0 if version == (1, 0) else npformat.read_array_header_2_0
-            got = read(stream, max_header_size=NPY_HEADER)[0]
+            got, _, dtype = read(stream, max_header_size=NPY_HEADER)
         except Exception:  # noqa: BLE001 - the index or the reader names a bad .npy
             continue
+        if dtype.hasobject or dtype.fields is not None or dtype.kind not in "biuf":
+            raise ValueError(f"sample {s['__key__']}: .{ext} holds {str(dtype)[:40]}, not numbers, which no field "
+                             f"reads; name the fields to read with --fields")
+        kinds.add(dtype.kind)
         got = tuple(got) or (1,)
         shape = got if shape is None or len(shape) != len(got) else tuple(max(a, b) for a, b in zip(shape, got))
     if shape is None:
         raise ValueError(f"no readable .{ext} array among the first {len(samples)} samples")
-    return shape
+    return shape, "int64" if kinds <= set("iu") else "float32"
 
 
 def describe(schema, label):

@@ -125,7 +125,8 @@ def _numbers(col, items, where):
 def npy_value(data, col):
     """A .npy member as an array of the field's dtype, its header checked before a byte is
     copied: numeric, no objects, the field's number of dimensions, none larger than the field's
-    (a 0-d .npy is one value of shape (1,), the shape pipeline.writers.infer gives its field)."""
+    (a 0-d .npy is one value of shape (1,), the shape pipeline.writers.infer gives its field); an
+    integer the field's dtype cannot hold exactly (2**53+1 as float32) is refused, not changed."""
     import tokenize
 
     from numpy.lib import format as npformat
@@ -151,7 +152,17 @@ def npy_value(data, col):
         raise ValueError(f".npy header claims {count} values, the member holds {len(data) - f.tell()} bytes")
     a = np.frombuffer(data, dtype, count, f.tell())
     a = a.reshape(shape[::-1]).T if fortran else a.reshape(shape or (1,))
-    return np.ascontiguousarray(a, dtype=want)
+    out = np.ascontiguousarray(a, dtype=want)
+    if dtype.kind in "iu" and not np.can_cast(dtype, want, "safe"):  # int64 2**53+1 as float32 is another number
+        if want.kind in "iu":
+            lost = np.flatnonzero((a.ravel() < np.iinfo(want).min) | (a.ravel() > np.iinfo(want).max))
+        else:
+            with np.errstate(invalid="ignore"):  # a float past the integers' range: no number, not equal
+                lost = np.flatnonzero(out.ravel().astype(dtype) != a.ravel())
+        if len(lost):
+            raise ValueError(f".npy value {a.ravel()[lost[0]]} ({dtype}) is not exactly a {want}, the field's dtype: "
+                             f"give the field a dtype that holds it (--fields NAME:array=npy,dtype=...)")
+    return out
 
 
 def image_value(data, ext, col, rng):

@@ -49,6 +49,8 @@ def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=PREFETC
     memory_format="channels_last": image fields come as (B, C, H, W) tensors with channels-last
     strides (`t.is_contiguous(memory_format=torch.channels_last)`), the same values; decoded JPEGs
     then reach the batch without a transpose (fields.batch.Layout.laid_out). Default "contiguous".
+    Such a batch's `.view(n, -1)` raises and its `.numpy()` has (H, W, C) strides: `.reshape` or
+    `.contiguous()` it (docs/training.md).
 
     Each worker holds `prefetch_factor` + 2 slots; it works ahead as long as one is free.
     Forking a process while another of its Python threads starts or exits can deadlock the

@@ -81,6 +81,7 @@ class Workers:
         """Start the processes (once; again after one died, e.g. killed between passes). Each
         pipe's far end is closed here as soon as its worker has it, so a later worker does not
         inherit it and a dead worker's pipe reads as ended."""
+        self._own()
         with self.life:
             self._start()
 
@@ -123,6 +124,7 @@ class Workers:
         the slots the user holds nothing of (a worker started again too: its predecessor's
         batches stay as they were) and, from its pipe, those given back in this pass; batches of
         earlier passes still in the pipes are dropped as they come (`receive`)."""
+        self._own()
         with self.life:  # not half sent when close() comes from another thread
             self._start()
             self.pass_id += 1
@@ -134,6 +136,7 @@ class Workers:
 
     def receive(self, w, pass_id):
         """(kind, slot, samples, payload) of worker w's next message of pass `pass_id`."""
+        self._own()
         while True:
             if pass_id != self.pass_id:
                 raise RuntimeError("the loader was iterated again while this pass was being read; "
@@ -156,6 +159,14 @@ class Workers:
             if got == pass_id:
                 return kind, slot, n, payload
             # a batch of a pass the consumer left: its slot was free for this pass already (`begin`)
+
+    def _own(self):
+        """RuntimeError in a process forked from the one that made these workers: they, their pipes
+        and their slots are that process's (a read here would take its batches; multiprocessing
+        refuses to watch another's children with a bare AssertionError)."""
+        if os.getpid() != self.parent:
+            raise RuntimeError(f"a loader cannot be used in a process forked from the one that made it "
+                               f"(pid {self.parent}), whose workers it holds; make a new loader there")
 
     def _fill(self, w, size):
         """Worker w's buffer, holding at least `size` bytes, read as much as is there at a time: a

@@ -65,19 +65,26 @@ def iter_samples(stream, want=None, url=None, *, max_member=MAX_MEMBER, chunk=CH
     oversized(size) in its place (a schema then skips that one sample), instead of the
     ShardError that ends the shard. Raises
     ShardError at the first damage (a bad header, a member or header cut short, an empty
-    stream, a repeated member within a sample, a GNU sparse member). A stream that ends
+    stream, a repeated member within a sample, a GNU sparse member), after yielding the
+    sample it was assembling when all its members read so far are whole. A stream that ends
     after a whole member without the end-of-archive blocks ends the samples, as in tarfile.
     """
     sample, current = None, None
-    for key, ext, data in _members(stream, want, max_member, chunk, oversized):
-        if key != current:
-            if sample is not None:
-                yield sample
-            current = key
-            sample = {"__key__": key.decode("utf-8", "replace"), "__url__": url}
-        elif ext in sample:
-            raise ShardError(f"member {sample['__key__']}.{ext} appears twice in one sample")
-        sample[ext] = data
+    try:
+        for key, ext, data in _members(stream, want, max_member, chunk, oversized):
+            if key != current:
+                if sample is not None:
+                    yield sample
+                current = key
+                sample = {"__key__": key.decode("utf-8", "replace"), "__url__": url}
+            elif ext in sample:
+                name, sample = f"{sample['__key__']}.{ext}", None  # the damaged sample is not yielded
+                raise ShardError(f"member {name} appears twice in one sample")
+            sample[ext] = data
+    except ShardError:
+        if sample is not None:  # its members are whole (the damage comes after them): the schema decides
+            yield sample  # whether they are enough, as webdataset's warn_and_continue reads it
+        raise
     if sample is not None:
         yield sample
 

@@ -15,7 +15,7 @@ from pipeline.ordering import order
 from pipeline.data.store import remote
 from pipeline.data.decoding.decode import image_format, image_of
 from pipeline.data.decoding.labelling import Unlabelled, class_index, label_of, parse_label_key
-from pipeline.errors import DigestError, Errors, ShardError
+from pipeline.errors import DigestError, Errors, ShardError, cut
 from pipeline.data.shards.readbuffer import Arena, Rows
 from pipeline.data.shards.read import MAX_MEMBER, is_meta, iter_samples
 from pipeline.data.shards.regular import regular_members
@@ -250,6 +250,7 @@ class Reader:
         self.miscount_said = set()  # urls whose count differing from the manifest was reported
         self.damage_said = set()  # urls whose damage was reported: a later read of them counts it without a line
         self.suspect = {}  # url -> DigestError: the whole shard cannot be trusted, so it is not read again
+        self.first_refused = None  # "sample KEY: why" of the first sample refused: the line of a source with none
         # remote shards read whole: fetched ahead of the reading (`_ahead`); never local files or pipe: commands
         self.fetchable = {u for u, (_, b, _) in self.expected.items() if b is not None and b <= WHOLE_SHARD
                           and _remote(u)}
@@ -475,8 +476,17 @@ class Reader:
             images = images[keep] if dense else [images[i] for i in keep]
         return keys, images, "raw" if dense else [image_format(self.target.image_exts[0])] * len(keys), labels, where
 
+    def none_readable(self):
+        """How a source none of whose samples read ends its line (stages.SourceStream): the first
+        refusal's reason, which --verify (sizes, digests, counts) would not find; else the damage."""
+        if self.first_refused is not None:
+            return f"; the first refused: {self.first_refused}"
+        return "; check them with make-shards --verify"
+
     def bad(self, url, key, error):
         """A sample that cannot be used: named and counted (or raised, under --strict)."""
+        if self.first_refused is None:
+            self.first_refused = f"sample {key}: {cut(error, 200)}"
         self.errors(f"{url}: sample {key}: {error}", said=f"{url}: skipped sample {key}: {error}")
 
 

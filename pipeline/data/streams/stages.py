@@ -381,7 +381,7 @@ class SourceStream:
             why = f", or the sample stages ({', '.join(s[6:] for s in stages)}) dropped every one" if stages else ""
             raise ShardError(f"{self.reader.source.name}: no readable samples in this worker's shards "
                              f"(e.g. {self.reader.source.urls[0]}): {self.empty} windows in a row, every "
-                             f"sample in them refused or damaged{why}; check them with make-shards --verify")
+                             f"sample in them refused or damaged{why}{self.reader.none_readable()}")
         self.window, self.window_good = window, False
 
 
