@@ -117,12 +117,12 @@ def keys_of(batches):
 def read_pass(stream, most=None):
     """Keys of up to `most` batches of one pass of `stream` (all: None), as the loader reads them:
     the pass's plan taken once, each worker's batches in turn, each recorded as it arrives.
-    Returns (keys, batches read)."""
+    Returns (keys, batches read, samples skipped)."""
     from pipeline.ordering.topology import Worker
 
     n = stream.workers
     made = [stream.batches(Worker(w, n)) for w in range(n)]
-    active, keys, got = list(range(n)), [], 0
+    active, keys, got, skipped = list(range(n)), [], 0, 0
     while active and (most is None or got < most):
         for w in list(active):
             if most is not None and got >= most:
@@ -134,8 +134,9 @@ def read_pass(stream, most=None):
             stream.record(batch["state"])
             keys += batch["key"]
             assert batch.get("caption", batch["key"]) == batch["key"]  # fields corpus: each row's caption is its key
+            skipped += batch["skipped"]
             got += 1
-    return keys, got
+    return keys, got, skipped
 
 
 # ---------------------------------------------------------------- shards of in-memory arrays (test_shards, test_read)
@@ -1148,3 +1149,31 @@ def write_captioned(folder, n, *, per_shard=20, cls=lambda i: str(i % 4), side=1
                         "json": json.dumps({"key": f"{i:06d}", "width": side, "height": side,
                                             "similarity": 0.25 + i / 1000}).encode()})
     return sorted(os.path.join(str(folder), f) for f in os.listdir(folder) if f.endswith(".tar"))
+
+
+def png_set_then_damage(folder):
+    """40 png samples of 2 classes indexed in `folder` as web-train.json, then every fourth one's
+    image taken out of the shard (the index still counts it): (manifest path, damaged indices)."""
+    def shard(damaged):
+        write_tar(folder / "web-000000.tar", [m for i in range(40) for m in (
+            [] if damaged and i % 4 == 0 else [(f"s{i:02d}.png", encode_pil(foreign_image(i % 2, (16, 16), i), "PNG"))])
+            + [(f"s{i:02d}.cls", str(i % 2).encode())]])
+
+    shard(False)
+    done = make_shards_in_process(["--quiet", "--index", f"web:train={folder}/web-000000.tar", "--out", folder])
+    assert done.returncode == 0, done.stderr
+    shard(True)
+    return f"{folder}/web-train.json", set(range(0, 40, 4))
+
+
+def jpegs_beside_mnist(top):
+    """A wds.ShardWriter set of JPEGs of three sizes (one of them the index's 40x56), some grey, and
+    beside it the raw grey MNIST-shaped source of build_shards (padded and repeated onto the 40x56
+    canvas): their resolved sources."""
+    from pipeline.data.streams.stream import resolve
+
+    write_shardwriter(top / "web" / "train", 72, per_shard=12)
+    p = make_shards_in_process(["--quiet", "--index", f"web:train={top}/web/train", "--out", str(top / "m")])
+    assert p.returncode == 0, p.stderr
+    build_shards(top / "m", "mnist", "train", 60, maxcount=12)
+    return [resolve("web", str(top / "m"), "train"), resolve("mnist", str(top / "m"), "train")]

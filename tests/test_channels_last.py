@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import make_shards_in_process, write_shardwriter
+from helpers import jpegs_beside_mnist
 from pipeline.data.fields.spec import Field, Spec
 from pipeline.data.handover.loader import make_loader
-from pipeline.data.streams.stream import MixedStream, resolve
+from pipeline.data.streams.stream import MixedStream
 
 BATCH, BATCHES = 8, 6
 
@@ -19,14 +19,7 @@ BATCH, BATCHES = 8, 6
 def web(tmp_path_factory):
     """A wds.ShardWriter set of JPEGs of three sizes (one of them the index's 40x56), some grey, and
     beside it a raw grey MNIST-shaped source (padded and repeated onto the 40x56 canvas)."""
-    from helpers import build_shards
-
-    top = tmp_path_factory.mktemp("web")
-    write_shardwriter(top / "web" / "train", 72, per_shard=12)
-    p = make_shards_in_process(["--quiet", "--index", f"web:train={top}/web/train", "--out", str(top / "m")])
-    assert p.returncode == 0, p.stderr
-    build_shards(top / "m", "mnist", "train", 60, maxcount=12)
-    return [resolve("web", str(top / "m"), "train"), resolve("mnist", str(top / "m"), "train")]
+    return jpegs_beside_mnist(tmp_path_factory.mktemp("web"))
 
 
 def _batches(sources, workers, normalize, **kw):

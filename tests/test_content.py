@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from helpers import encode_pil, foreign_image, make_shards_in_process, write_tar
+from helpers import encode_pil, foreign_image, make_shards_in_process, read_pass, write_tar
 from pipeline.data.decoding import decode
 from pipeline.data.decoding import labelling
 from pipeline.data.decoding.decode import Target
@@ -318,19 +318,7 @@ def test_2_ranks_x_3_workers_complete_an_epoch_of_40_with_10_damaged(tmp_path, h
 
 def read_some(stream, most=None):
     """A rank's batches, its workers in turn as a loader takes them, each recorded: (keys, skipped)."""
-    n = stream.workers
-    made = [stream.batches(Worker(w, n)) for w in range(n)]
-    keys, skipped, got, active = [], 0, 0, list(range(n))
-    while active and (most is None or got < most):
-        for w in list(active):
-            b = next(made[w], None) if most is None or got < most else None
-            if b is None:
-                active.remove(w)
-                continue
-            stream.record(b["state"])
-            keys += b["key"]
-            skipped += b["skipped"]
-            got += 1
+    keys, _, skipped = read_pass(stream, most)
     return keys, skipped
 
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from helpers import build_shards, read_members, write_tar
+from helpers import build_shards, read_members, read_pass, write_tar
 from pipeline.data.manifests.manifest import resolve
 from pipeline.data.streams.stream import MixedStream
 from pipeline.ordering.topology import Topology, Worker
@@ -98,27 +98,12 @@ def test_a_re_deal_after_damage_still_reads_the_whole_epoch(damaged, stop):
             out.append(s)
         return out
 
-    def read(s, most=None):
-        n = s.workers
-        made = [s.batches(Worker(w, n)) for w in range(n)]
-        keys, got, active = [], 0, list(range(n))
-        while active and (most is None or got < most):
-            for w in list(active):
-                b = next(made[w], None) if most is None or got < most else None
-                if b is None:
-                    active.remove(w)
-                    continue
-                s.record(b["state"])
-                keys += b["key"]
-                got += 1
-        return keys
-
     first = streams(2, 2)
-    head = [k for s in first for k in read(s, stop)]
+    head = [k for s in first for k in read_pass(s, stop)[0]]
     states = json.loads(json.dumps([s.state_dict() for s in first]))
     (second,) = streams(1, 2)
     second.load_state_dict(states)
-    keys = head + read(second)
+    keys = head + read_pass(second)[0]
     assert samples - len(keys) < 8 and not set(keys) & bad
     good = [f"d-train-{i:07d}" for i in range(400) if f"d-train-{i:07d}" not in bad]
     assert repeats_while_unread(keys, good)[0] == 0

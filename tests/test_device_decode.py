@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import make_shards_in_process, write_shardwriter
+from helpers import jpegs_beside_mnist, make_shards_in_process
 from pipeline.data.decoding import gpujpeg
 from pipeline.data.handover.loader import make_loader
 from pipeline.data.streams.stream import MixedStream, resolve
@@ -18,14 +18,7 @@ BATCH, BATCHES = 8, 6
 def web(tmp_path_factory):
     """A wds.ShardWriter set of JPEGs of three sizes (one of them the index's 40x56), some grey, and
     its manifest; beside it the raw MNIST-shaped source of helpers.build_shards."""
-    from helpers import build_shards
-
-    top = tmp_path_factory.mktemp("web")
-    write_shardwriter(top / "web" / "train", 72, per_shard=12)
-    p = make_shards_in_process(["--quiet", "--index", f"web:train={top}/web/train", "--out", str(top / "m")])
-    assert p.returncode == 0, p.stderr
-    build_shards(top / "m", "mnist", "train", 60, maxcount=12)
-    return [resolve("web", str(top / "m"), "train"), resolve("mnist", str(top / "m"), "train")]
+    return jpegs_beside_mnist(tmp_path_factory.mktemp("web"))
 
 
 def _stream(sources, normalize, **kw):

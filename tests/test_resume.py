@@ -520,19 +520,11 @@ def test_skipped_over_a_resume_on_another_world_counts_each_damaged_position_onc
     `stop` steps on `before` ranks (16 samples read), resumed on `after`: the epoch's
     skipped_samples is 10, each damaged position once over both worlds, and its 40 keys hold
     no damaged one."""
-    from helpers import encode_pil, foreign_image, make_shards_in_process, write_tar
+    from helpers import png_set_then_damage
 
-    def shard(damaged):
-        write_tar(tmp_path / "web-000000.tar", [m for i in range(40) for m in (
-            [] if damaged and i % 4 == 0 else [(f"s{i:02d}.png", encode_pil(foreign_image(i % 2, (16, 16), i), "PNG"))])
-            + [(f"s{i:02d}.cls", str(i % 2).encode())]])
-
-    shard(False)
-    done = make_shards_in_process(["--quiet", "--index", f"web:train={tmp_path}/web-000000.tar", "--out", tmp_path])
-    assert done.returncode == 0, done.stderr
-    shard(True)
+    manifest, _ = png_set_then_damage(tmp_path)
     out = tmp_path / "run"
-    args = ["--train", f"web={tmp_path}/web-train.json", "--epochs", "1", "--batch-size", "4", "--epoch-samples",
+    args = ["--train", f"web={manifest}", "--epochs", "1", "--batch-size", "4", "--epoch-samples",
             "40", "--workers", "2", "--width", "4", "--on-error", "skip", "--record-keys", "--out", str(out)]
     run_ok(launch_train([*args, "--checkpoint-every", str(stop), "--stop-after-steps", str(stop)], before))
     assert position(out)["step"] == stop

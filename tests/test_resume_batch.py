@@ -161,19 +161,11 @@ def test_a_checkpoint_of_a_set_with_damaged_samples_resumes_on_3_workers(tmp_pat
     """10 of 40 samples without their image, 3 workers, stopped at step 8: the replacements a worker
     read for them passed over more positions than the run counted skipped (30 to 10), which the
     resume's check took for a damaged checkpoint. The epoch counts each damaged position once."""
-    from helpers import encode_pil, foreign_image, make_shards_in_process, write_tar
+    from helpers import png_set_then_damage
 
-    def shard(damaged):
-        write_tar(tmp_path / "web-000000.tar", [m for i in range(40) for m in (
-            [] if damaged and i % 4 == 0 else [(f"s{i:02d}.png", encode_pil(foreign_image(i % 2, (16, 16), i), "PNG"))])
-            + [(f"s{i:02d}.cls", str(i % 2).encode())]])
-
-    shard(False)
-    done = make_shards_in_process(["--quiet", "--index", f"web:train={tmp_path}/web-000000.tar", "--out", tmp_path])
-    assert done.returncode == 0, done.stderr
-    shard(True)
+    manifest, _ = png_set_then_damage(tmp_path)
     out = tmp_path / "run"
-    argv = ["--train", f"web={tmp_path}/web-train.json", "--epochs", "1", "--batch-size", "4", "--epoch-samples",
+    argv = ["--train", f"web={manifest}", "--epochs", "1", "--batch-size", "4", "--epoch-samples",
             "40", "--workers", "3", "--width", "4", "--on-error", "skip", "--out", out]
     assert run_main(argv + ["--stop-after-steps", "8"], capsys)[0] == 0
     code, said, err = run_main(argv + ["--resume"], capsys)
