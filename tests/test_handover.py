@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -479,6 +480,7 @@ def test_a_worker_sends_a_passs_first_batch_at_once_then_its_batches_in_groups()
     r, w = os.pipe()
     os.set_blocking(r, False)
     out = _Outbox(w)
+    out.hold = math.inf  # a loaded machine's pause between two calls here is no slow worker
     out.begin(7)
     out.batch(0, 4, b"first")
     assert _sent(r) == [(7, BATCH, 0)]
@@ -512,6 +514,7 @@ def test_a_worker_out_of_slots_sends_what_it_held_back_before_it_waits():
     os.set_blocking(r, False)
     free_r, free_w = os.pipe()
     out = _Outbox(w)
+    out.hold = math.inf
     slots = _Slots(free_r, [3], 0, out)
     slots.begin(3, [0, 1])
     out.begin(3)
@@ -523,3 +526,55 @@ def test_a_worker_out_of_slots_sends_what_it_held_back_before_it_waits():
     assert _sent(r) == [(3, BATCH, 1)]
     for fd in (r, w, free_r, free_w):
         os.close(fd)
+
+
+def _slow(sample):
+    time.sleep(0.15)
+    return sample
+
+
+@pytest.mark.slow
+def test_a_slow_worker_sends_each_batch_at_once_and_meets_a_timeout_a_few_batches_long(data):
+    """A worker making a batch in 0.3 s sends it at once: held back GROUP to a write, the consumer
+    waited 1.2 s for them and the worker was killed for make_loader's timeout of 1 s."""
+    s = _stream(data, n=6, batch=2, sample_stages=(_slow,))
+    first = [k for b in make_loader(s, 0) for k in b["key"]]
+    s.set_epoch(0)
+    loader = make_loader(s, 1, timeout=1)
+    try:
+        assert [k for b in loader for k in b["key"]] == first
+    finally:
+        loader.close()
+
+
+FORKED = """
+import os, sys
+sys.path.insert(0, {tests!r})
+from helpers import HALF, train_sources
+from pipeline.data.streams.stream import MixedStream
+from pipeline.data.handover.loader import make_loader
+
+s = MixedStream(train_sources({folder!r}), HALF, 4, epoch_samples=4 * 60, normalize=False)
+loader = make_loader(s, 2, prefetch_factor=1, timeout=20)  # most of the pass still to be made at the fork
+first = [k for b in loader for k in b["key"]]
+s.set_epoch(0)
+it = iter(loader)
+got = [k for _ in range(3) for k in next(it)["key"]]
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # the interpreter's exit, with multiprocessing's exit handler
+os.waitpid(pid, 0)
+got += [k for b in it for k in b["key"]]
+print("WHOLE", got == first, flush=True)
+"""
+
+
+def test_a_child_forked_in_the_loop_leaves_the_passs_workers_alone_when_it_exits(data):
+    """A process forked with os.fork from the loop, which never touches the loader and ends with
+    sys.exit(0): multiprocessing's exit handler there terminated the workers it inherited in its
+    list of children (they are the parent's), and the parent's pass ended with a dead worker."""
+    script = FORKED.format(tests=os.path.join(ROOT, "tests"), folder=data.dir)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.splitlines() == ["WHOLE True"], p.stdout

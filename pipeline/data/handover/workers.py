@@ -8,14 +8,15 @@ sample at 256, more than the consumer may spend (docs/benchmarks.md, "The hand-o
 workers", and `python tools/bench_loader.py --handover`). Here a batch costs one message of
 a few hundred bytes on a pipe (which slot, how many samples, the batch's small fields
 pickled) and the slot's return is 4 bytes on another; past a pass's first batch a worker writes
-its messages GROUP at a time, so a consumer that waits for its workers is woken once for
-several batches (`_Outbox`).
+its messages GROUP at a time while they come fast, so a consumer that waits for its workers is
+woken once for several batches (`_Outbox`).
 
 Each worker persists across passes: a pass begins with a message carrying its plan (the
 stream's immutable plan of the epoch), so whatever the consumer set since the worker
 started (epoch, weights, a loaded state, another worker count) reaches it; messages of
 a pass the consumer left are dropped, their slots freed.
 """
+import multiprocessing.process
 import os
 import pickle
 import select
@@ -24,6 +25,7 @@ import struct
 import threading
 import time
 import traceback
+import weakref
 
 import numpy as np
 import torch
@@ -36,6 +38,7 @@ HEADER = struct.Struct("<qiiii")  # pass, kind, slot, samples, payload bytes
 BATCH, END, ERROR = 0, 1, 2
 SLOT = struct.Struct("<qi")  # a slot given back: the pass it was given back in, the slot
 GROUP = 4  # batches a worker sends in one write once its pass is under way (_Outbox)
+HOLD_S = 0.03  # a batch made in more than this goes at once (_Outbox): the consumer is not kept waiting for it
 READ = 1 << 16  # bytes asked of a worker's pipe at a time (a pipe holds 64 KiB)
 POLL_S = 0.2  # how often a worker waiting for a slot looks whether its pass was left or it should stop
 STOP = -1
@@ -72,6 +75,7 @@ class Workers:
         self.given_in = 0  # the pass the slots given back now belong to (see `begin`)
         self.parent = os.getpid()
         ring.give_back = self._give_back
+        _made.add(self)
 
     @property
     def started(self):
@@ -98,7 +102,7 @@ class Workers:
             free_r, free_w = self.ctx.Pipe(duplex=False)
             p = self.ctx.Process(target=_serve, name=f"pipeline-loader-{w}", daemon=True,
                                  args=(self.source, w, self.count, self.ring, cmd_r, ready_w, free_r, self.control,
-                                       self.parent))
+                                       self.parent, self.timeout))
             # Ctrl-C held back in the forked worker until it ignores it (_set_up): one that came while
             # the worker was still starting ended it (seen at a load of 4)
             held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -258,10 +262,27 @@ class Workers:
 # ---------------------------------------------------------------- in the worker
 
 
-def _serve(source, w, count, ring, commands, ready, free, control, parent):
+_made = weakref.WeakSet()  # this process's Workers, whose processes a process forked from it must leave alone
+
+
+def _disown_in_child():
+    """In a process forked from the consumer (os.fork in the user's loop), forget the loaders'
+    worker processes: they are not its children, and multiprocessing's exit handler would
+    otherwise terminate them (daemons it believes its own) when it exits, ending the
+    consumer's pass (a forked child's sys.exit(0) did)."""
+    for workers in list(_made):
+        for p in list(workers.procs):
+            multiprocessing.process._children.discard(p)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_disown_in_child)
+
+
+def _serve(source, w, count, ring, commands, ready, free, control, parent, timeout=None):
     """A worker's life: passes as the consumer asks, until it says stop or is gone."""
     _set_up(w, count, parent)
-    out = _Outbox(ready.fileno())
+    out = _Outbox(ready.fileno(), timeout)
     slots = _Slots(free.fileno(), control, w, out)
     worker = Worker(w, count)
     while True:
@@ -314,22 +335,30 @@ def _set_up(w, count, parent):
 
 
 class _Outbox:
-    """A worker's messages to the consumer. Past a pass's first batch, batches go GROUP to a
-    write: a consumer waiting for its workers is woken once for them, not once a batch, and a
-    wake-up (and the cold caches after it) cost it more than the rest of a batch's hand-over
-    (docs/benchmarks.md, "The hand-over from workers"). A batch held back goes at once when the
+    """A worker's messages to the consumer. Past a pass's first batch, batches made fast go
+    GROUP to a write: a consumer waiting for its workers is woken once for them, not once a batch,
+    and a wake-up (and the cold caches after it) cost it more than the rest of a batch's hand-over
+    (docs/benchmarks.md, "The hand-over from workers"). A batch made in more than `hold` seconds
+    goes at once with those held back: a slow worker held its batches GROUP times its batch's
+    time, past make_loader's timeout (a worker at 0.36 s a batch was killed under timeout=1), so
+    `hold` is also at most a sixteenth of the timeout. A batch held back goes at once when the
     worker would otherwise wait for a slot (`_Slots.take`), when the pass ends and before an
     error; one of a pass the consumer left is dropped with it (the consumer frees its slot)."""
 
-    def __init__(self, fd):
+    def __init__(self, fd, timeout=None):
         self.fd, self.pass_id, self.held, self.first = fd, 0, [], True
+        self.hold = min(HOLD_S, timeout / (4 * GROUP)) if timeout else HOLD_S
+        self.last = time.monotonic()  # when the last batch (or the pass) began to be made
 
     def begin(self, pass_id):
         self.pass_id, self.held, self.first = pass_id, [], True
+        self.last = time.monotonic()
 
     def batch(self, slot, n, payload):
+        now = time.monotonic()
+        slow, self.last = now - self.last > self.hold, now
         self.held.append(HEADER.pack(self.pass_id, BATCH, slot, n, len(payload)) + payload)
-        if self.first or len(self.held) >= GROUP:
+        if self.first or slow or len(self.held) >= GROUP:
             self.flush()
 
     def send(self, kind, payload):
