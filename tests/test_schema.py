@@ -180,3 +180,49 @@ def test_an_integer_the_fields_dtype_cannot_hold_exactly_is_refused_naming_it():
             npy_value(npy(a), Column("a", "array", "npy", shape=2, dtype=dtype))
     assert npy_value(npy(big), Column("a", "array", "npy", shape=2, dtype="int64")).tolist() == big.tolist()
     assert npy_value(npy(np.int64(2 ** 24)), Column("a", "array", "npy", shape=1)).tolist() == [2 ** 24]
+
+
+@pytest.mark.parametrize("a, dtype, said", [
+    (np.array([1, 2 ** 53 + 1], np.int64), "float64", "value 9007199254740993 (int64) is not exactly a float64"),
+    (np.array([2 ** 63 - 1], np.int64), "float64", "value 9223372036854775807 (int64) is not exactly a float64"),
+    (np.array([2 ** 64 - 1], np.uint64), "float64", "value 18446744073709551615 (uint64) is not exactly a float64"),
+    (np.array([2 ** 31 - 1], np.int32), "float32", "value 2147483647 (int32) is not exactly a float32"),
+    (np.array([65535], np.uint16), "float16", "value 65535 (uint16) is not exactly a float16"),
+    (np.array([1.0, 1e40]), "float32", "value 1e+40 (float64) is past the range of float32"),
+    (np.array([70000.0]), "float16", "value 70000.0 (float64) is past the range of float16")])
+def test_a_number_a_float_field_would_change_or_make_inf_is_refused(a, dtype, said):
+    """int64 2**53+1 as float64 was 2**53 (numpy calls that cast safe, so no check ran), uint64's largest
+    as float64 was 2**64, 1e40 as float32 was inf with only numpy's warning."""
+    with pytest.raises(ValueError, match=re.escape(said)):
+        npy_value(npy(a), Column("a", "array", "npy", shape=len(a), dtype=dtype))
+
+
+def test_what_a_float_field_holds_as_it_was_still_reads():
+    """NaN and inf stay themselves, -2**63 and 2**53 are floats exactly, 1.1 rounds as a float does."""
+    kept = npy_value(npy(np.array([np.nan, np.inf, -np.inf, 1.1])), Column("a", "array", "npy", shape=4))
+    assert np.isnan(kept[0]) and kept[1:3].tolist() == [np.inf, -np.inf] and kept[3] == np.float32(1.1)
+    ints = np.array([-2 ** 63, 2 ** 53], np.int64)
+    assert npy_value(npy(ints), Column("a", "array", "npy", shape=2, dtype="float64")).tolist() == ints.tolist()
+    assert value(Column("y", "float", "txt", length=2), b"16777216 1.1").tolist() == [2 ** 24, np.float32(1.1)]
+
+
+@pytest.mark.parametrize("col, data, said", [
+    (Column("y", "float", "json:a"), b'{"a": 16777217}', "json:a: 16777217 is not exactly a float32"),
+    (Column("y", "float", "json:a"), b'{"a": 1e40}', "json:a: 1e+40 is past the range of float32"),
+    (Column("y", "float", "txt"), b"16777217", ".txt: 16777217 is not exactly a float32"),
+    (Column("y", "float", "cls", length=2), b"1, -1e300", ".cls: -1e+300 is past the range of float32")])
+def test_a_number_of_a_text_or_json_member_a_float_field_would_change_is_refused(col, data, said):
+    with pytest.raises(ValueError, match=re.escape(said)):
+        value(col, data)
+
+
+def test_a_stages_number_the_batch_would_change_is_refused():
+    """What a user's stage returns is cast into its field's dtype in the batch: checked as a member's is."""
+    f = Column("y", "float", "txt")
+    assert check_value(f, 2 ** 53 + 1) == "value 9007199254740993 (int64) is not exactly a float32, the field's dtype"
+    assert check_value(f, 1e40) == "value 1e+40 (float64) is past the range of float32, the field's dtype"
+    assert check_value(f, float("inf")) is None and check_value(f, 3) is None and check_value(f, 1.1) is None
+    assert "not exactly a int64" in check_value(Column("y", "int", "txt"), np.uint64(2 ** 64 - 1))
+    arr = Column("a", "array", "npy", shape=2, dtype="int64")
+    assert check_value(arr, np.array([1.5, 1])) == "an array of int64 expected, got float64 (2,)"
+    assert "past the range of float32" in check_value(Column("a", "array", "npy", shape=2), np.array([1e40]))

@@ -106,7 +106,7 @@ def _numbers(col, items, where):
     for x in items:
         if isinstance(x, str):
             try:
-                x = int(x) if col.kind != "float" and labelling._INTEGER.match(x) else float(x)
+                x = int(x) if labelling._INTEGER.match(x) else float(x)  # an integer is checked as one
             except ValueError:
                 raise ValueError(f"{where}: {cut(repr(x), 40)} is not a number") from None
         if isinstance(x, bool) or not isinstance(x, (int, float)):
@@ -118,15 +118,26 @@ def _numbers(col, items, where):
         if col.kind == "float" and not math.isfinite(x):
             raise ValueError(f"{where}: {x} is not finite")
         out.append(x)
-    a = np.array(out, np.float32 if col.kind == "float" else np.int64)
+    if col.kind != "float":
+        a = np.array(out, np.int64)
+        return a if col.length is not None else a[0]
+    with np.errstate(over="ignore"):  # 1e40 is inf in float32: refused below, not warned of
+        a = np.array(out, np.float32)
+    # Python compares an int and a float exactly: 2**24+1 is not float32's 2**24 (1.1 rounded is a float's precision)
+    lost = [x for x, y in zip(out, a.tolist()) if x != y and (isinstance(x, int) or math.isinf(y))]
+    if lost:
+        x = lost[0]
+        why = "not exactly a float32" if isinstance(x, int) else "past the range of float32"
+        raise ValueError(f"{where}: {cut(repr(x), 40)} is {why}, a float field's dtype"
+                         f"{' (give the field kind int)' if isinstance(x, int) else ''}")
     return a if col.length is not None else a[0]
 
 
 def npy_value(data, col):
     """A .npy member as an array of the field's dtype, its header checked before a byte is
     copied: numeric, no objects, the field's number of dimensions, none larger than the field's
-    (a 0-d .npy is one value of shape (1,), the shape pipeline.writers.infer gives its field); an
-    integer the field's dtype cannot hold exactly (2**53+1 as float32) is refused, not changed."""
+    (a 0-d .npy is one value of shape (1,), the shape pipeline.writers.infer gives its field); a
+    value the field's dtype would change (inexact: 2**53+1 as float64, 1e40 as float32) is refused."""
     import tokenize
 
     from numpy.lib import format as npformat
@@ -152,17 +163,47 @@ def npy_value(data, col):
         raise ValueError(f".npy header claims {count} values, the member holds {len(data) - f.tell()} bytes")
     a = np.frombuffer(data, dtype, count, f.tell())
     a = a.reshape(shape[::-1]).T if fortran else a.reshape(shape or (1,))
-    out = np.ascontiguousarray(a, dtype=want)
-    if dtype.kind in "iu" and not np.can_cast(dtype, want, "safe"):  # int64 2**53+1 as float32 is another number
-        if want.kind in "iu":
-            lost = np.flatnonzero((a.ravel() < np.iinfo(want).min) | (a.ravel() > np.iinfo(want).max))
-        else:
-            with np.errstate(invalid="ignore"):  # a float past the integers' range: no number, not equal
-                lost = np.flatnonzero(out.ravel().astype(dtype) != a.ravel())
-        if len(lost):
-            raise ValueError(f".npy value {a.ravel()[lost[0]]} ({dtype}) is not exactly a {want}, the field's dtype: "
-                             f"give the field a dtype that holds it (--fields NAME:array=npy,dtype=...)")
+    with np.errstate(over="ignore"):  # a value past the dtype's range: refused below, not warned of
+        out = np.ascontiguousarray(a, dtype=want)
+    problem = inexact(a, out)
+    if problem:
+        raise ValueError(f".npy {problem}: give the field a dtype that holds it (--fields NAME:array=npy,dtype=...)")
     return out
+
+
+def inexact(a, out):
+    """None if `out` (`a` cast to a field's dtype) holds every value of `a`, else one line naming the
+    first it changed: an integer not kept exactly (int64 2**53+1 as float64 is 2**53: can_cast calls
+    that cast safe, so each value is cast back and compared), an integer past an integer dtype's
+    range, a finite float made inf (1e40 as float32). NaN and inf stay what they were; a float
+    merely rounded (1.1 as float32) is a float's precision, not a change. Vectorised: none where the
+    dtypes alone make the cast exact, a reduction or two where every value is within (the common case),
+    else a cast and a compare per array."""
+    src, want = a.dtype, out.dtype
+    if src == want or src.kind == "b" or (np.can_cast(src, want, "safe") and want.itemsize > src.itemsize):
+        return None  # int32 as float64, float32 as float64, int8 as int16: exact by their dtypes
+    a, out = a.ravel(), out.ravel()
+    if not a.size:
+        return None
+    if want.kind == "f" and src.kind in "iu":
+        limit = 2 ** (np.finfo(want).nmant + 1)  # every integer within is a float exactly
+        if -limit <= a.min() and a.max() <= limit:
+            return None
+    elif want.kind == "f" and np.isfinite(out.sum()):  # no inf made (nor NaN there; a sum past the range: below)
+        return None
+    with np.errstate(invalid="ignore", over="ignore"):  # a float past the integers' range: not equal
+        if src.kind in "iu" and want.kind in "iu":
+            lost = (a < np.iinfo(want).min) | (a > np.iinfo(want).max)
+        elif src.kind in "iu":  # past 2**63 (int64's) a float cast back is no number: compared in floats
+            lost = (out >= 2.0 ** (8 * src.itemsize - (src.kind == "i"))) | (out.astype(src) != a)
+        else:
+            lost = np.isinf(out) & np.isfinite(a)
+    i = np.flatnonzero(lost)
+    if not len(i):
+        return None
+    past = src.kind == "f"
+    return f"value {a[i[0]]} ({src}) is {f'past the range of {want}' if past else f'not exactly a {want}'}, " \
+           f"the field's dtype"
 
 
 def image_value(data, ext, col, rng):
@@ -216,11 +257,22 @@ def check_value(col, value):
         want = () if col.length is None else (col.length,)
         if a is None or a.shape != want or a.dtype.kind not in ("iuf" if col.kind == "float" else "iu"):
             return f"{col.kind} of shape {want} expected, got {_described(value)}"
+        return _held(a, np.float32 if col.kind == "float" else np.int64)
     elif col.kind == "array":
         a = value if isinstance(value, np.ndarray) else None
         if a is None or a.ndim != len(col.shape) or any(s > m for s, m in zip(a.shape, col.shape)):
             return f"an array of at most {col.shape} expected, got {_described(value)}"
+        if not np.can_cast(a.dtype, col.dtype, "same_kind"):
+            return f"an array of {col.dtype} expected, got {_described(value)}"
+        return _held(a, col.dtype)
     return None
+
+
+def _held(a, dtype):
+    """inexact for a value the batch will cast to `dtype` (its field's): a stage's int64 2**53+1 in a
+    float field, or 1e40 as float32, is refused as a member's is."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return inexact(a, a.astype(dtype))
 
 
 def _described(value):
