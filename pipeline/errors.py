@@ -1,9 +1,16 @@
 """The errors the data side raises; each message names what is wrong and where, and the
 filters every printed line goes through (`printable`, which applies `redact` and `cut`).
 It imports nothing from the project: every layer uses it."""
+import os
 import re
+import sys
+import sysconfig
 import warnings
 
+# where the frames a damage warning skips live: this package, and the loader plumbing that runs
+# it (Python's own modules: threading, multiprocessing; torch's DataLoader)
+_PLUMBING = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+             os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep, f"{os.sep}torch{os.sep}")
 LINE_LIMIT = 600  # characters of one console line (`cut`): a name from a file may be a megabyte
 NAME_LIMIT = 200  # characters of one name (a key, a class, a URL) quoted inside a message
 
@@ -82,7 +89,18 @@ class Errors:
 
 
 def _warn(message):
-    warnings.warn(printable(message), stacklevel=4)  # keys and URLs come from files anyone can write
+    """A damage line, shown (by Python's default display) at the user's line that read the
+    batch: not at the stage that noticed it, a line of code that means nothing to a user."""
+    warnings.warn(printable(message), stacklevel=_outside())  # keys and URLs come from files anyone can write
+
+
+def _outside():
+    """The stacklevel of _warn's first caller outside this package and the loader plumbing
+    (_PLUMBING); the outermost frame where every one is inside (a worker's own loop)."""
+    frame, level = sys._getframe(2), 2  # _warn's caller
+    while frame.f_back is not None and any(p in os.path.realpath(frame.f_code.co_filename) for p in _PLUMBING):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def printable(text, limit=LINE_LIMIT):

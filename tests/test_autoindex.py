@@ -475,3 +475,36 @@ def test_integer_npy_members_infer_an_int64_field_and_other_than_numbers_are_ref
     assert got == [2 ** 53 + i for i in range(8)]
     with pytest.raises(ShardError, match=r"sample 000: \.npy holds complex64, not numbers, which no field reads"):
         resolve("web", str(tmp_path / "complex"), "train")
+
+
+def test_make_shards_index_and_indexing_on_first_use_take_the_same_json_class_over_the_caption(tmp_path):
+    """.jpg + .txt caption + .json {"class": ...}: both doors take json:class as the label (one
+    rule, pipeline.data.decoding.labelling.default_label), not the captions as classes."""
+    import webdataset as wds
+
+    from helpers import make_shards_in_process
+
+    folder = tmp_path / "set"
+    folder.mkdir()
+    with wds.ShardWriter(str(folder / "wds-%06d.tar"), maxcount=20, verbose=0) as sink:
+        for i in range(40):
+            sink.write({"__key__": f"{i:06d}", "jpg": encode_pil(foreign_image(i % 4, (16, 16), i), "JPEG"),
+                        "txt": f"a small photo of thing number {i % 4}".encode(),
+                        "json": json.dumps({"class": i % 4, "width": 16}).encode()})
+    first = resolve("web", str(folder), "train")
+    done = make_shards_in_process(["--index", f"web:train={folder}", "--out", str(tmp_path / "out"), "--quiet"])
+    assert done.returncode == 0, done.stderr
+    assert "free text" not in done.stdout + done.stderr
+    m = json.loads((tmp_path / "out" / "web-train.json").read_text())
+    assert first.target.label == m["label"] == "json:class"
+    assert first.classes == m["classes"] == ["0", "1", "2", "3"]
+    assert autoindex.trainable(first).schema is None and "fields" not in m  # both read as image and label
+
+
+def test_a_json_with_label_and_class_keys_gives_its_label_key_in_both_rules():
+    """CLASS_KEYS' order (label, class, cls), not the keys' alphabetical order, in infer and default_label."""
+    from pipeline.data.decoding.labelling import default_label
+
+    samples = [{"__key__": f"{i:03d}", "json": json.dumps({"class": i % 3, "label": i % 2}).encode()}
+               for i in range(20)]
+    assert infer.infer(samples)[1] == default_label(samples[0]) == "json:label"

@@ -133,3 +133,34 @@ def test_a_pair_with_a_whole_damaged_shard_goes_on_into_the_others_reserves(whol
     keys = read_epoch(src, world, workers, 240)
     assert len(keys) == 240 and not set(keys) & bad
     assert repeats_while_unread(keys, good)[0] == 0
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_skipped_sample_is_one_line_at_the_users_code_not_a_line_of_the_pipeline(tmp_path, workers):
+    """A library user's loop over a damaged set, as Python shows its warnings (no formatwarning of
+    ours): each skipped-sample warning names the user's line, never a pipeline source line."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import png_set_then_damage
+
+    manifest, _ = png_set_then_damage(tmp_path)
+    script = tmp_path / "user.py"
+    script.write_text(
+        "from pipeline.data.handover.loader import make_loader\n"
+        "from pipeline.data.manifests.manifest import resolve\n"
+        "from pipeline.data.streams.stream import MixedStream\n"
+        "from pipeline.ordering.topology import Topology\n"
+        f"s = MixedStream([resolve('web', {manifest!r}, 'train')], {{'web': 1.0}}, 4, Topology(0, 1), seed=0, "
+        "epoch_samples=40)\n"
+        f"for b in make_loader(s, num_workers={workers}):\n"
+        "    pass\n")
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    lines = p.stderr.splitlines()
+    assert sum("skipped sample" in ln for ln in lines) == 10, p.stderr
+    package = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pipeline") + os.sep
+    assert not [ln for ln in lines if package in ln or "self.reader.bad" in ln], p.stderr
+    users = {"  " + ln.strip() for ln in script.read_text().splitlines()}  # a warning's source line: the user's
+    assert all(ln.startswith(f"{script}:") or ln in users for ln in lines), p.stderr

@@ -156,7 +156,7 @@ def _scan_sample(sample, scan, url):
     if scan["label"] is None:  # the first sample decides
         scan["label"] = default_label(sample)
         if scan["label"] is None:
-            none = ("no .cls, .txt or .index member, no \"label\" field in its .json" if "json" in sample else
+            none = ("no .cls, .txt or .index member, no \"label\", \"class\" or \"cls\" field in its .json" if "json" in sample else
                     "no .cls, .txt, .index or .json label member")
             raise ShardError(f"{url}: {none} and no folder in its key: {label_hint(sample)}; name the label with "
                              f"--label-key")

@@ -20,6 +20,7 @@ import json
 import re
 
 from pipeline.data.decoding.decode import image_format
+from pipeline.data.decoding.labelling import CLASS_KEYS
 from pipeline.data.shards.read import MAX_MEMBER
 from pipeline.data.fields.schema import MAX_SIDE, MAX_TEXT, RESERVED, SUFFIXES, Column, Schema
 from pipeline.data.fields.member_values import NPY_HEADER
@@ -29,7 +30,6 @@ SAMPLES = 256  # samples of the first shard read to infer the fields
 MAX_CLASS_TEXT = 32  # a class name longer than this (in characters, on average) is free text
 DISTINCT = 0.5  # more than this share of distinct values among the samples read: free text, not a class
 MIN_FOR_DISTINCT = 16  # fewer samples than this say nothing about how many values are distinct
-CLASS_KEYS = ("label", "class", "cls")  # a .json key that names the class, in this order
 _NAME = re.compile(r"[^A-Za-z0-9_]")
 
 
@@ -133,7 +133,7 @@ def _json_columns(samples, taken, want_label):
         docs.append(doc if isinstance(doc, dict) else None)
     keys = collections.Counter(k for d in docs if d for k in d)
     columns, label = [], None
-    for key in sorted(keys, key=lambda k: (k not in CLASS_KEYS, k)):
+    for key in sorted(keys, key=lambda k: (CLASS_KEYS.index(k) if k in CLASS_KEYS else len(CLASS_KEYS), k)):
         values = [d.get(key) for d in docs if d and key in d]
         kind = _json_kind(values)
         if kind is None or not re.fullmatch(r"[^.\s]+", key):

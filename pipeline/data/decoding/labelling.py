@@ -10,6 +10,7 @@ from pipeline.errors import cut
 
 
 LABEL_EXTS = ("cls", "txt", "index")
+CLASS_KEYS = ("label", "class", "cls")  # a .json key that names the class, in this order, for both doors
 _INTEGER = re.compile(r"[+-]?[0-9]+\Z")
 UNLABELLED = -1  # what a label member holding -1 means: the sample has no label
 MAX_LABEL_JSON = 1 << 20  # bytes of a .json member parsed for its label: real ones hold a few kB
@@ -167,8 +168,10 @@ def label_hint(sample):
 
 
 def default_label(sample):
-    """The label rule a sample's members suggest: .cls, .index, a "label" field of .json,
-    .txt, then the key's folder; None if none fits."""
+    """The label rule a sample's members suggest: .cls, .index, a .json class key (CLASS_KEYS),
+    .txt, then the key's folder; None if none fits. The .json key comes before .txt as in
+    indexing on first use (pipeline.writers.infer), so `make-shards --index` of a set with a
+    caption and a {"class": ...} takes the same label."""
     for ext in ("cls", "index"):
         if ext in sample:
             return ext
@@ -177,11 +180,20 @@ def default_label(sample):
             value = label_json(sample["json"])
         except ValueError:
             value = None
-        if isinstance(value, dict) and "label" in value:
-            return "json:label"
+        key = json_class_key(value)
+        if key:
+            return f"json:{key}"
     if "txt" in sample:
         return "txt"
     return "dir" if "/" in sample["__key__"] else None
+
+
+def json_class_key(doc):
+    """The first of CLASS_KEYS a parsed .json holds as a label (an integer or a name, not a
+    true/false, number, list or object), or None."""
+    if not isinstance(doc, dict):
+        return None
+    return next((k for k in CLASS_KEYS if isinstance(doc.get(k), (int, str)) and not isinstance(doc[k], bool)), None)
 
 
 def as_integer(value):
