@@ -15,7 +15,9 @@ absolute paths or URLs, or under --base-url), the most common image shape (or
 set was indexed, not built. Nothing is rewritten. Damage is an error here, not a
 skip: a sample with no image member (or several, without --image-key), a malformed
 or missing label (unless --skip-unlabelled), or an unreadable shard ends the index
-with one line naming the shard and the sample.
+with one line naming the shard and the sample. An image that cannot be decoded is the
+exception (real sets hold a few): a damaged sample, kept as a position the stream skips
+and counts, named in one warning line, up to MAX_DAMAGED of the set.
 """
 import collections
 import hashlib
