@@ -15,12 +15,15 @@ absolute paths or URLs, or under --base-url), the most common image shape (or
 set was indexed, not built. Nothing is rewritten. Damage is an error here, not a
 skip: a sample with no image member (or several, without --image-key), a malformed
 or missing label (unless --skip-unlabelled), or an unreadable shard ends the index
-with one line naming the shard and the sample.
+with one line naming the shard and the sample. An image that cannot be decoded is the
+exception (real sets hold a few): a damaged sample, kept as a position the stream skips
+and counts, named in one warning line, up to MAX_DAMAGED of the set.
 """
 import collections
 import hashlib
 import os
 import re
+import sys
 import urllib.parse
 
 import numpy as np
@@ -48,6 +51,8 @@ SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 FOREIGN_EXTS = tuple(e for e in IMAGE_EXTS if e != "raw")  # raw pixels need a shape nobody but make_shards records
 GREY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"}
 STAT_SIDE = 64  # images are decoded at most about this big for the mean and std (JPEG draft mode)
+MAX_DAMAGED = 0.05  # the share of samples that may fail to decode before an index refuses the set
+DAMAGE_SHOWN = 3  # damaged samples named in the warning or refusal
 
 
 def expand(spec, policy=remote.Policy()):
@@ -120,7 +125,8 @@ def scan_shard(url, label, policy=remote.Policy(), image_key=None, skip_unlabell
         scan.update(url=url, samples=0, unlabelled=0, exts=collections.Counter(), shapes=collections.Counter(),
                      labels=collections.Counter(), first={}, rgb=np.zeros(7), grey=np.zeros(3), label=label,
                      image_key=image_key, skip_unlabelled=skip_unlabelled, wide=(0, None, 0, 0, None),
-                     tall=(0, None, 0, 0, None), large=(0, None, 0, 0, None), fields=fields, held=collections.Counter())
+                     tall=(0, None, 0, 0, None), large=(0, None, 0, 0, None), fields=fields, held=collections.Counter(),
+                    damaged=0, damage=[])
         h = _Hashing(stream)
         samples = iter_samples(h, wanted, url, **read_kw)
         for sample in samples:
@@ -200,9 +206,9 @@ def _scan_sample(sample, scan, url):
         rgb = pixels_of(img, 3).reshape(-1, 3) / 255.0
         grey = pixels_of(img, 1).ravel() / 255.0
     except ValueError as e:
-        raise ShardError(f"{url}: sample {key}: {e}") from None
+        return _damaged(scan, key, str(e))
     except (Image.DecompressionBombError, *CONTENT_ERRORS) as e:
-        raise ShardError(f"{url}: sample {key}: undecodable .{ext} image ({pil_reason(e)})") from None
+        return _damaged(scan, key, f"undecodable .{ext} image ({pil_reason(e)})")
     scan["samples"] += 1
     scan["exts"][ext] += 1
     scan["shapes"][(1 if mode in GREY_MODES else 3, h, w)] += 1
@@ -215,6 +221,35 @@ def _scan_sample(sample, scan, url):
     for side, ratio in (("wide", w / h), ("tall", h / w), ("large", decoded)):  # checked against the shape
         if ratio > scan[side][0]:  # the most elongated images, the one of most pixels as decoded
             scan[side] = (ratio, key, w, h, image_format(ext))
+
+
+def _damaged(scan, key, reason):
+    """A sample whose image cannot be decoded (cut short, corrupt, over MAX_PIXELS): still a
+    position of the set, as damage found after indexing is (the stream skips it and counts it
+    in `skipped`), counted here and left out of the shapes, labels and pixel sums."""
+    scan["samples"] += 1
+    scan["damaged"] += 1
+    if len(scan["damage"]) < DAMAGE_SHOWN:
+        scan["damage"].append((key, reason))
+
+
+def damage_check(found, spec, name):
+    """One warning line for a set with damaged samples (how many, the first few and why), None
+    for one without; ShardError (one line) when none of its samples can be decoded, or more than
+    MAX_DAMAGED of them cannot: a set that broken is a wrong --image-key or a bad copy, not a few
+    broken downloads."""
+    damaged, total = sum(f["damaged"] for f in found), sum(f["samples"] for f in found)
+    if not damaged:
+        return None
+    first = [(f["url"], k, why) for f in found for k, why in f["damage"]][:DAMAGE_SHOWN]
+    named = "; ".join(f"{redact(u)}: sample {k}: {why}" for u, k, why in first)
+    if damaged == total:
+        raise ShardError(f"{redact(spec)}: none of its {total} samples can be decoded, e.g. {named}")
+    if damaged > MAX_DAMAGED * total:
+        raise ShardError(f"{redact(spec)}: {damaged} of {total} samples cannot be decoded, more than "
+                         f"{MAX_DAMAGED:.0%} (pipeline.writers.index.MAX_DAMAGED), e.g. {named}")
+    return (f"{name}: warning: {damaged} of {total} samples cannot be decoded (e.g. {named}); they will be skipped and "
+            f"counted while training")
 
 
 def wrong_label_key(url, sample, label, member):
@@ -302,8 +337,11 @@ def _index(name, split, spec, out, urls, names, label, image_key, shape, classes
             for task in tasks:
                 found.append(_scan_task(task))
                 bar.update(1)
+    except ShardError as e:  # from a worker it chains the worker's traceback: the line alone is the error
+        raise ShardError(str(e)) from None
     finally:
         bar.close()
+    warning = damage_check(found, spec, f"{name}-{split}") if fields is None else None
     if fields is not None:
         manifest = summarise_fields(name, split, spec, found, names, fields, classes_from)
         os.makedirs(out, exist_ok=True)
@@ -318,6 +356,8 @@ def _index(name, split, spec, out, urls, names, label, image_key, shape, classes
     check_extremes(found, manifest["shape"])
     if skip_unlabelled:
         manifest["skip_unlabelled"] = True
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, manifest_name(name, split))
     write_json_atomic(path, check(manifest, path))

@@ -1,0 +1,90 @@
+"""A foreign WebDataset with a few broken JPEGs (as real img2dataset sets have) is indexed, both
+on first use and by make_shards --index: each broken image stays a position of the set, is
+named in one warning line, and the stream skips and counts it. A set of nothing but broken
+images, or one past MAX_DAMAGED, is one line."""
+import json
+
+import pytest
+
+from helpers import (encode_pil, foreign_image, make_shards_in_process, one_line_error, train_in_process,
+                     write_foreign)
+from pipeline.errors import ShardError
+from pipeline.stream import MixedStream, resolve
+from pipeline.writers import autoindex
+
+BROKEN = {7: "cut", 33: "stray"}  # a JPEG cut short in its scan; one with stray bytes after SOI
+
+
+def write_damaged(folder, n=60, broken=BROKEN, label=lambda i: str(i % 4).encode()):
+    """n JPEG + .cls samples, 20 a shard; the samples in `broken` damaged as it says ("all": every one)."""
+    def sample(i):
+        key = f"{i:06d}"
+        jpg = encode_pil(foreign_image(i % 4, (32, 32), i), "JPEG", quality=90)
+        how = broken.get(i, broken.get("all"))
+        if how == "cut":
+            jpg = jpg[:jpg.index(b"\xff\xda") + 40]  # its header whole
+        elif how == "stray":
+            jpg = jpg[:2] + b"junk" + jpg[2:]
+        return key, [(key + ".jpg", jpg), (key + ".cls", label(i))]
+    return write_foreign(folder, n, 20, "d-{:04d}.tar", sample)
+
+
+def kept_and_skipped(src):
+    batches = list(MixedStream([src], {src.name: 1}, 4).eval_stream(src))
+    return sum(len(b["key"]) for b in batches), sum(b["skipped"] for b in batches)
+
+
+def warning_of(err):
+    lines = [ln for ln in err.splitlines() if "cannot be decoded" in ln]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_two_broken_jpegs_of_sixty_index_on_first_use_and_train_with_two_skips(tmp_path, capsys):
+    write_damaged(tmp_path / "set")
+    src = autoindex.trainable(resolve("d", str(tmp_path / "set") + "/", "train"))
+    line = warning_of(capsys.readouterr().err)
+    assert "2 of 60 samples" in line and "000007" in line and "000033" in line, line
+    assert "truncated" in line and "stray bytes" in line and "skipped and counted while training" in line, line
+    assert src.total == 60 and src.shape == (3, 32, 32)
+    with pytest.warns(UserWarning):  # each skip is named
+        assert kept_and_skipped(src) == (58, 2)
+    p = train_in_process(["--train", f"d={tmp_path / 'set'}/", "--epochs", "1", "--batch-size", "8",
+                          "--out", str(tmp_path / "run"), "--on-error", "warn"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.load(open(tmp_path / "run" / "summary.json"))["skipped_samples"] == 2
+
+
+def test_two_broken_jpegs_of_sixty_index_with_make_shards_and_stream_as_two_skips(tmp_path):
+    write_damaged(tmp_path / "set")
+    p = make_shards_in_process(["--quiet", "--index", f"d:train={tmp_path / 'set'}", "--out", tmp_path / "out"])
+    assert p.returncode == 0, p.stderr
+    assert "2 of 60 samples" in warning_of(p.stderr)
+    src = resolve("d", str(tmp_path / "out"), "train")
+    assert src.total == 60
+    with pytest.warns(UserWarning):
+        assert kept_and_skipped(src) == (58, 2)
+
+
+def test_a_set_of_only_broken_jpegs_is_one_line_both_ways(tmp_path):
+    write_damaged(tmp_path / "set", broken={"all": "cut"})
+    p = make_shards_in_process(["--quiet", "--index", f"d:train={tmp_path / 'set'}", "--out", tmp_path / "out"])
+    one_line_error(p, "none of its 60 samples can be decoded", "sample 000000", "truncated")
+    with pytest.raises(ShardError) as e:
+        resolve("d", str(tmp_path / "set") + "/", "train")
+    assert "\n" not in str(e.value) and "none of its 60 samples can be decoded" in str(e.value)
+
+
+def test_more_than_max_damaged_is_refused_naming_the_first(tmp_path):
+    write_damaged(tmp_path / "set", broken={i: "cut" for i in range(0, 60, 10)})  # 6 of 60: 10 %
+    p = make_shards_in_process(["--quiet", "--index", f"d:train={tmp_path / 'set'}", "--out", tmp_path / "out"])
+    one_line_error(p, "6 of 60 samples cannot be decoded, more than 5%", "MAX_DAMAGED", "sample 000000")
+
+
+def test_a_refusal_from_an_indexing_worker_is_one_line_with_no_remote_traceback(tmp_path):
+    """A label no class reads, in the second shard: found by a forked worker, raised here alone."""
+    write_damaged(tmp_path / "set", broken={}, label=lambda i: b"\xff" if i == 25 else str(i % 4).encode())
+    with pytest.raises(ShardError) as e:
+        resolve("d", str(tmp_path / "set") + "/", "train", workers=2)
+    assert "sample 000025" in str(e.value) and "\n" not in str(e.value)
+    assert e.value.__cause__ is None and e.value.__suppress_context__, repr(e.value.__cause__)
