@@ -79,7 +79,7 @@ def run_case(sources, rng, steps=14):
                 want.restart(want.epoch + 1)
             left = stream.remaining()
             most = None if op == "pass" else int(rng.integers(1, max(2, left)))
-            keys, got = read(stream, most)
+            keys, got, _ = read(stream, most)
             assert got == (left if op == "pass" else min(most, left)), f"{what}: remaining() said {left}"
             want.keys.update(keys)
             want.workers.add(stream.workers)
