@@ -140,3 +140,14 @@ def test_odd_keys_survive_a_stop_and_resume_exactly(tmp_path):
     log.flush()
     assert (broken / "keys-rank0.txt").read_bytes() == (whole / "keys-rank0.txt").read_bytes()
     assert read_keys(log.path) == [(1, k) for k in keys]
+
+
+def test_a_log_with_raw_breaks_in_its_keys_is_cut_and_read_by_its_newlines(tmp_path):
+    r"""A log written before keys were quoted holds "\r", "\x85", "\u2028" inside lines: resuming
+    keeps the checkpoint's count of its lines (no key split in two, none lost) and reads them whole."""
+    path = tmp_path / "keys-rank0.txt"
+    raw = ["cr\rx", "nel\x85x", "ls\u2028x", "vt\x0bx", "plain"]
+    path.write_bytes("".join(f"1\t{k}\n" for k in raw).encode())
+    assert read_keys(path) == [(1, k) for k in raw]
+    KeyLog(str(tmp_path), 0, keep=4)
+    assert read_keys(path) == [(1, k) for k in raw[:4]]

@@ -73,7 +73,7 @@ class KeyLog:
 
     def flush(self):
         if self.pending:
-            with open(self.path, "a", encoding="utf-8", newline="") as f:
+            with open(self.path, "a", encoding="utf-8") as f:
                 f.writelines(self.pending)
             self.pending = []
 
