@@ -5,10 +5,11 @@ strings cost the consuming process about 10 us a batch, an eighth of its whole b
 (docs/benchmarks.md, "The hand-over from workers"), and most loops never read a key.
 `Keys` holds the joined string and the count, and makes the list the first time anything
 but its length is asked: it reads as the list did (len, index, slices, iteration, `in`,
-equality with a list, +, *, copy). It pickles as the plain list (a pickle or torch.save
-file reads back as a list without this package; torch.load's weights_only needs
-`torch.serialization.safe_globals([list])`, or `list(keys)` saved), and `copy()`, `+` and `*` give lists; only mutation (append, sort, k[0] = ...)
-is refused, as of a tuple. `list(keys)` gives a real list (for json, say).
+equality with a list, +, *, copy()), and `copy()`, `+` and `*` give lists. It pickles as the
+plain list (a pickle or torch.save file reads back as a list without this package;
+torch.load's weights_only needs `torch.serialization.safe_globals([list])`, or `list(keys)`
+saved). Mutation (append, sort, k[0] = ...) is refused, as of a tuple. `list(keys)` gives
+a real list (for json, say).
 """
 from collections.abc import Sequence
 
