@@ -469,7 +469,8 @@ def test_the_trainer_resumed_on_another_world_reads_no_sample_twice(one_source, 
                          "--stop-after-steps", str(stop)], before[0]))
     assert position(out)["step"] == stop
     run_ok(launch_train([*args, "--workers", str(after[1]), "--resume"], after[0]))
-    keys = [k for r in range(max(before[0], after[0])) for _, k in key_log(out, max(before[0], after[0])).get(r, [])]
+    world = max(before[0], after[0])
+    keys = [k for r in range(world) for _, k in key_log(out, world).get(r, [])]
     assert len(keys) == len(set(keys)), "a sample read twice in the epoch"
     assert 0 <= 1200 - len(keys) < after[0] * 16
 
