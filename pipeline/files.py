@@ -96,7 +96,10 @@ def append_line(path, text):
 
 
 def cut_to_complete_lines(path):
-    """Drop a torn last line (a write cut short by a crash); returns the complete lines."""
+    """Drop a torn last line (a write cut short by a crash); returns the complete lines.
+
+    Lines end at "\n" only: str.splitlines would also split at "\r", "\x85", "\u2028" and
+    the like, which a line may hold (a key log's key), and so miscount and rewrite them."""
     if not os.path.exists(path):
         return []
     with open_regular(path) as f:
@@ -105,7 +108,7 @@ def cut_to_complete_lines(path):
     if end != len(data):
         with open(path, "r+b") as f:
             f.truncate(end)
-    return data[:end].decode("utf-8", "replace").splitlines()
+    return data[:end].decode("utf-8", "replace").split("\n")[:-1]
 
 
 def keep_lines(path, lines):

@@ -19,6 +19,7 @@ from pipeline.data.manifests.manifest import resolve
 from pipeline.data.streams.stream import MixedStream
 from pipeline.data.handover.loader import make_loader
 from pipeline.errors import InputError
+from pipeline.train.metrics import read_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = {"mnist": (1, 12, 12), "cifar10": (3, 16, 16)}
@@ -185,7 +186,7 @@ def test_the_trainer_names_what_a_schema_lacks(i2d):
 
 
 def keys_and_losses(out):
-    keys = {r: open(os.path.join(out, f"keys-rank{r}.txt")).read().splitlines() for r in range(2)}
+    keys = {r: read_keys(os.path.join(out, f"keys-rank{r}.txt")) for r in range(2)}
     lines = [json.loads(ln) for ln in open(os.path.join(out, "metrics.jsonl"))]
     losses = [ln["loss"] for ln in lines if ln["kind"] == "train"]
     return keys, losses

@@ -21,6 +21,7 @@ from pipeline.writers.index import expand
 from pipeline.data.manifests import manifest
 from pipeline.data.streams.stream import MixedStream, resolve
 from pipeline.data.handover.loader import make_loader
+from pipeline.train.metrics import read_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "make_shards.py")
@@ -372,7 +373,7 @@ def test_foreign_webdatasets_train_next_to_our_shards_under_torchrun(foreign, tm
     assert s["global_batch"] == 32 and s["peak_lr"] == pytest.approx(0.1 * 32 / 256)
     assert [e["batches"] for e in s["epochs"]] == [{"rank0": per_epoch, "rank1": per_epoch}] * 4
     assert {k: v["count"] for k, v in s["eval"].items()} == dict.fromkeys(names[:-1], SIZES["test"]) | {"mnist": 100}
-    lines = [ln.split("\t") for r in (0, 1) for ln in (out / f"keys-rank{r}.txt").read_text().splitlines()]
+    lines = [ln for r in (0, 1) for ln in read_keys(out / f"keys-rank{r}.txt")]
     for epoch in range(1, 5):
         keys = [k for e, k in lines if int(e) == epoch]
         assert len(keys) == per_epoch * 32 and len(set(keys)) == len(keys), f"a key twice in epoch {epoch}"

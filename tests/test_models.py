@@ -14,6 +14,7 @@ from helpers import _launch_env, finish, free_port, launchers
 from pipeline.errors import InputError
 from pipeline.train import checkpoint, options
 from pipeline.train.model import build_model, check_name
+from pipeline.train.metrics import read_keys
 
 # the user's file of the tests: a model without BatchNorm (no buffers at all), one with
 # BatchNorm and dropout, one fixed to 64x64 inputs, one that returns two outputs, one no model
@@ -211,8 +212,8 @@ def launch_in(folder, args, nproc):
 
 
 def keys_by_epoch(out, ranks):
-    lines = [ln.split("\t") for r in range(ranks) if os.path.exists(out / f"keys-rank{r}.txt")
-             for ln in open(out / f"keys-rank{r}.txt").read().splitlines()]
+    lines = [ln for r in range(ranks) if os.path.exists(out / f"keys-rank{r}.txt")
+             for ln in read_keys(out / f"keys-rank{r}.txt")]
     return {e: [k for ep, k in lines if ep == e] for e in sorted({ep for ep, _ in lines})}
 
 
@@ -245,7 +246,7 @@ def test_another_model_trains_on_2_ranks_and_resumes_on_1_with_no_sample_twice(o
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 1 and summary["epochs_done"] == 2
     epochs = keys_by_epoch(out, 2)
-    assert list(epochs) == ["1", "2"]
+    assert list(epochs) == [1, 2]
     for keys in epochs.values():
         assert len(keys) == len(set(keys)), "a sample read twice in an epoch"
         assert 0 <= 160 - len(keys) < 8

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from helpers import HANG, completed, free_port, mid_epoch_args, put_back, run_capture, steps_logged, train_in_process
+from pipeline.train.metrics import read_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -184,7 +185,7 @@ def metrics(out):
 
 
 def key_log(out):
-    return {r: open(os.path.join(out, f"keys-rank{r}.txt")).read().splitlines() for r in range(2)}
+    return {r: read_keys(os.path.join(out, f"keys-rank{r}.txt")) for r in range(2)}
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from pipeline.data.streams.stream import MixedStream, resolve
 from pipeline.data.handover.loader import make_loader
 from pipeline.ordering.topology import Topology
 from pipeline.train import checkpoint
+from pipeline.train.metrics import read_keys
 
 WEIGHTS = {"mnist": 1.0, "cifar10": 1.0}
 
@@ -399,7 +400,7 @@ def metrics(out):
 
 
 def key_log(out, world):
-    return {r: open(os.path.join(out, f"keys-rank{r}.txt")).read().splitlines() for r in range(world)}
+    return {r: read_keys(os.path.join(out, f"keys-rank{r}.txt")) for r in range(world)}
 
 
 def position(out):
@@ -446,8 +447,8 @@ def test_resumed_on_another_world_size_no_sample_twice_in_the_epoch(data, sigter
     run_ok(launch_train([*mid_epoch_args(data, out, "--checkpoint-every", "3"), "--resume"], world))
     s = json.loads((out / "summary.json").read_text())
     assert s["world_size"] == world and s["epochs_done"] == 2
-    lines = [ln.split("\t") for r in range(max(2, world)) for ln in key_log(out, max(2, world)).get(r, [])]
-    first = [k for e, k in lines if e == "1"]
+    lines = [ln for r in range(max(2, world)) for ln in key_log(out, max(2, world)).get(r, [])]
+    first = [k for e, k in lines if e == 1]
     assert len(first) == len(set(first)), "a sample read twice in the interrupted epoch"
     left = 640 - done * 16
     assert len(first) == done * 16 + left // (world * 8) * world * 8
@@ -468,8 +469,8 @@ def test_the_trainer_resumed_on_another_world_reads_no_sample_twice(one_source, 
                          "--stop-after-steps", str(stop)], before[0]))
     assert position(out)["step"] == stop
     run_ok(launch_train([*args, "--workers", str(after[1]), "--resume"], after[0]))
-    keys = [ln.split("\t")[1] for r in range(max(before[0], after[0]))
-            for ln in key_log(out, max(before[0], after[0])).get(r, [])]
+    world = max(before[0], after[0])
+    keys = [k for r in range(world) for _, k in key_log(out, world).get(r, [])]
     assert len(keys) == len(set(keys)), "a sample read twice in the epoch"
     assert 0 <= 1200 - len(keys) < after[0] * 16
 
@@ -495,7 +496,7 @@ def test_a_rank_left_out_by_a_smaller_world_keeps_its_key_log_when_the_world_gro
     assert checkpoint.trainer_state(dict(state, key_counts=json.dumps(counts[:1])), "ckpt.pt", limits)[
         "key_counts"] == counts
     run_ok(launch_train([*args, "--resume"], 2))
-    keys = [ln.split("\t")[1] for ln in key_log(out, 2).get(0, []) + key_log(out, 2).get(1, [])]
+    keys = [k for _, k in key_log(out, 2).get(0, []) + key_log(out, 2).get(1, [])]
     assert len(keys) == len(set(keys)), "a sample read twice in the epoch"
     assert 0 <= 1200 - len(keys) < 2 * 16, f"{1200 - len(keys)} keys unread or lost"
 
@@ -529,6 +530,6 @@ def test_skipped_over_a_resume_on_another_world_counts_each_damaged_position_onc
     run_ok(launch_train([*args, "--checkpoint-every", str(stop), "--stop-after-steps", str(stop)], before))
     assert position(out)["step"] == stop
     run_ok(launch_train([*args, "--resume"], after))
-    keys = [ln.split("\t")[1] for r in range(2) for ln in key_log(out, 2).get(r, [])]
+    keys = [k for r in range(2) for _, k in key_log(out, 2).get(r, [])]
     assert len(keys) == 40 and not {f"s{i:02d}" for i in range(0, 40, 4)} & set(keys), sorted(keys)
     assert json.loads((out / "summary.json").read_text())["skipped_samples"] == 10

@@ -14,6 +14,7 @@ import torch
 from helpers import finish, launch_train
 from pipeline.train import loop as train, options
 from pipeline.train.schedule import learning_rate
+from pipeline.train.metrics import read_keys
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +41,7 @@ def lines(out, kind="train"):
 
 
 def keys(out, epoch, ranks=1):
-    return [k for r in range(ranks) for e, k in (ln.rstrip("\n").split("\t") for ln in
-                                                 open(os.path.join(out, f"keys-rank{r}.txt"))) if e == str(epoch)]
+    return [k for r in range(ranks) for e, k in read_keys(os.path.join(out, f"keys-rank{r}.txt")) if e == epoch]
 
 
 def edit(path, change):

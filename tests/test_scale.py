@@ -10,6 +10,7 @@ import pytest
 from helpers import build_shards, completed, free_port, kill_tree, serve, train_in_process
 from pipeline import stream
 from pipeline.train.dist import Topology
+from pipeline.train.metrics import read_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,7 +54,7 @@ def test_two_nodes_over_http_train_on_disjoint_samples(data, tmp_path):
     assert s["world_size"] == 2
     assert [e["batches"] for e in s["epochs"]] == [{"rank0": 28, "rank1": 28}] * 2  # 900 // (2 x 16)
     assert s["eval"]["mnist"]["count"] == 100
-    keys = [[ln.split("\t")[1] for ln in (out / f"keys-rank{r}.txt").read_text().splitlines()] for r in (0, 1)]
+    keys = [[k for _, k in read_keys(out / f"keys-rank{r}.txt")] for r in (0, 1)]
     per_epoch = 28 * 16
     for e in range(2):  # 896 of 900 samples at equal weights: mnist's 600 once, cifar10's 300 read 1 or 2 times
         a, b = (k[e * per_epoch:(e + 1) * per_epoch] for k in keys)

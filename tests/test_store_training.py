@@ -22,6 +22,7 @@ import pytest
 from conftest import S3_SECRET
 from helpers import HANG, Quiet, build_shards, completed, free_port, launch_train, run_capture, serving
 from pipeline.data.store import writing
+from pipeline.train.metrics import read_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = 480  # 24 shards of 20: the outage test stops the store with most of them still unread
@@ -71,7 +72,7 @@ def args_for(src, out, *extra):
 
 
 def key_logs(out):
-    return {r: (out / f"keys-rank{r}.txt").read_text().splitlines() for r in range(WORLD)}
+    return {r: read_keys(out / f"keys-rank{r}.txt") for r in range(WORLD)}
 
 
 def losses(out):

@@ -11,6 +11,7 @@ import pytest
 
 from helpers import (HANG, Quiet, build_shards, completed, launch_train, run_capture, serving, shared_shards,
                      train_in_process)
+from pipeline.train.metrics import read_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = HANG  # a hang fails the test, not the CI run
@@ -61,8 +62,7 @@ def read(out, name):
 
 def keys(out, rank):
     """The keys rank `rank` trained on, in order (keys-rank<R>.txt holds "<epoch>\t<key>" lines)."""
-    with open(os.path.join(out, f"keys-rank{rank}.txt")) as f:
-        return [ln.rstrip("\n").split("\t")[1] for ln in f]
+    return [k for _, k in read_keys(os.path.join(out, f"keys-rank{rank}.txt"))]
 
 
 def metrics(out):

@@ -7,6 +7,7 @@ run's files read as if it had never stopped.
 """
 import json
 import os
+import re
 import time
 import warnings
 
@@ -56,7 +57,8 @@ def _step_of(line):
 
 
 class KeyLog:
-    """keys-rank<R>.txt: "<epoch>\\t<key>" for every training sample this rank consumed, in order."""
+    """keys-rank<R>.txt: "<epoch>\\t<key>" for every training sample this rank consumed, in order
+    (a key that could read as more than one line, or starts with '"', as a JSON string: `key_line`)."""
 
     def __init__(self, folder, rank, keep=None):
         self.path = os.path.join(folder, f"keys-rank{rank}.txt")
@@ -66,14 +68,35 @@ class KeyLog:
             self.count = keep
 
     def add(self, epoch, keys):
-        self.pending += [f"{epoch}\t{k}\n" for k in keys]
+        self.pending += [key_line(epoch, k) for k in keys]
         self.count += len(keys)
 
     def flush(self):
         if self.pending:
-            with open(self.path, "a") as f:
+            with open(self.path, "a", encoding="utf-8") as f:
                 f.writelines(self.pending)
             self.pending = []
+
+
+# every character str.splitlines (and so many a reader) ends a line at; '"' first marks a JSON key
+_NOT_PLAIN = re.compile('^"|[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]')
+
+
+def key_line(epoch, key):
+    """A key log's line: the key as it is, or as a JSON string (ASCII) where it holds a line
+    break of any kind or starts with '"', so that every line is one sample, however read."""
+    return f"{epoch}\t{json.dumps(key) if _NOT_PLAIN.search(key) else key}\n"
+
+
+def read_keys(path):
+    """[(epoch, key)] of a key log, in order: lines end at "\\n" only, a key starting with '"' is JSON."""
+    with open(path, encoding="utf-8", newline="") as f:
+        lines = f.read().split("\n")[:-1]
+    out = []
+    for ln in lines:
+        epoch, key = ln.split("\t", 1)
+        out.append((int(epoch), json.loads(key) if key.startswith('"') else key))
+    return out
 
 
 def truncate_keys(path, n):

@@ -5,7 +5,11 @@ strings cost the consuming process about 10 us a batch, an eighth of its whole b
 (docs/benchmarks.md, "The hand-over from workers"), and most loops never read a key.
 `Keys` holds the joined string and the count, and makes the list the first time anything
 but its length is asked: it reads as the list did (len, index, slices, iteration, `in`,
-equality with a list, +, pickling). `list(keys)` gives a real list (for json, say).
+equality with a list, +, *, copy()), and `copy()`, `+` and `*` give lists. It pickles as the
+plain list (a pickle or torch.save file reads back as a list without this package;
+torch.load's weights_only needs `torch.serialization.safe_globals([list])`, or `list(keys)`
+saved). Mutation (append, sort, k[0] = ...) is refused, as of a tuple. `list(keys)` gives
+a real list (for json, say).
 """
 from collections.abc import Sequence
 
@@ -50,8 +54,18 @@ class Keys(Sequence):
     def __radd__(self, other):
         return other + self._keys() if isinstance(other, list) else NotImplemented
 
+    def __mul__(self, n):
+        return self._keys() * n if hasattr(n, "__index__") else NotImplemented
+
+    __rmul__ = __mul__
+
+    def copy(self):
+        """A real list of the keys, as list.copy gives."""
+        return list(self._keys())
+
     def __repr__(self):
         return repr(self._keys())
 
     def __reduce__(self):
-        return Keys, (self._text, self._n)
+        # as the plain list, read back without this package (and by torch.load with list allowed)
+        return list, (list(self._keys()),)
