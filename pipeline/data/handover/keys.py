@@ -24,6 +24,13 @@ class Keys(Sequence):
     def __init__(self, text, n):
         self._text, self._n, self._list = text, n, None
 
+    @classmethod
+    def of(cls, keys):
+        """A list's keys as Keys, so that a batch's keys are one type whatever the workers."""
+        made = cls(None, len(keys))
+        made._list = keys
+        return made
+
     def _keys(self):
         if self._list is None:
             self._list = self._text.split(SEP) if self._n else []
@@ -43,7 +50,9 @@ class Keys(Sequence):
 
     def __eq__(self, other):
         if isinstance(other, Keys):
-            return self._n == other._n and self._text == other._text
+            if self._text is not None and other._text is not None:
+                return self._n == other._n and self._text == other._text
+            return self._keys() == other._keys()
         return self._keys() == other if isinstance(other, list) else NotImplemented
 
     __hash__ = None  # as a list's
