@@ -6,6 +6,7 @@ first use; make-shards --max-damaged allows a larger share."""
 import json
 
 import pytest
+from PIL import Image
 
 from helpers import (encode_pil, foreign_image, make_shards_in_process, one_line_error, train_in_process,
                      write_foreign)
@@ -26,6 +27,8 @@ def write_damaged(folder, n=60, broken=BROKEN, label=lambda i: str(i % 4).encode
             jpg = jpg[:jpg.index(b"\xff\xda") + 40]  # its header whole
         elif how == "stray":
             jpg = jpg[:2] + b"junk" + jpg[2:]
+        elif how == "wide":  # decodable, but 40 times as elongated as a square target: no damage, a refusal
+            jpg = encode_pil(Image.new("RGB", (1600, 40)), "JPEG")
         return key, [(key + ".jpg", jpg), (f"{key}.{member}", label(i))]
     return write_foreign(folder, n, 20, "d-{:04d}.tar", sample)
 
@@ -142,3 +145,10 @@ def test_max_damaged_allows_a_larger_share_and_refuses_above_it(tmp_path, fields
 def test_a_bad_max_damaged_is_one_argparse_line(tmp_path, bad):
     p = make_shards_in_process(["--index", f"d:train={tmp_path}", "--out", tmp_path / "out", "--max-damaged", bad])
     one_line_error(p, "--max-damaged", repr(bad), "[0, 1]")
+
+
+@pytest.mark.parametrize("fields", [[], ["--fields", FIELDS]])
+def test_a_decodable_image_the_shape_refuses_stays_a_refusal_not_damage(tmp_path, fields):
+    write_damaged(tmp_path / "set", broken={12: "wide"})
+    p = make_shards_in_process(["--quiet", "--index", f"d:train={tmp_path / 'set'}", *fields, "--out", tmp_path / "out"])
+    one_line_error(p, "sample 000012", "elongated")
