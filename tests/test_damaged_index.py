@@ -1,8 +1,8 @@
 """A foreign WebDataset with a few broken JPEGs (as real img2dataset sets have) is indexed, both
 on first use and by make_shards --index: each broken image stays a position of the set, is
 named in one warning line, and the stream skips and counts it. A set of nothing but broken
-images, or one past MAX_DAMAGED, is one line. The same rule (pipeline.writers.damage) holds for --fields and for fields inferred on
-first use; make-shards --max-damaged allows a larger share."""
+images, or one past MAX_DAMAGED, is one line. The same rule (pipeline.writers.damage) holds for
+--fields and for fields inferred on first use; make-shards --max-damaged allows a larger share."""
 import json
 
 import pytest
@@ -18,7 +18,8 @@ BROKEN = {7: "cut", 33: "stray"}  # a JPEG cut short in its scan; one with stray
 
 
 def write_damaged(folder, n=60, broken=BROKEN, label=lambda i: str(i % 4).encode(), member="cls"):
-    """n JPEG + .cls (or `member`) samples, 20 a shard; the samples in `broken` damaged as it says ("all": every one)."""
+    """n JPEG + .cls (or `member`) samples, 20 a shard; the samples in `broken` damaged as it
+    says ("all": every one)."""
     def sample(i):
         key = f"{i:06d}"
         jpg = encode_pil(foreign_image(i % 4, (32, 32), i), "JPEG", quality=90)
@@ -150,5 +151,6 @@ def test_a_bad_max_damaged_is_one_argparse_line(tmp_path, bad):
 @pytest.mark.parametrize("fields", [[], ["--fields", FIELDS]])
 def test_a_decodable_image_the_shape_refuses_stays_a_refusal_not_damage(tmp_path, fields):
     write_damaged(tmp_path / "set", broken={12: "wide"})
-    p = make_shards_in_process(["--quiet", "--index", f"d:train={tmp_path / 'set'}", *fields, "--out", tmp_path / "out"])
+    p = make_shards_in_process(["--quiet", "--index", f"d:train={tmp_path / 'set'}", *fields,
+                                "--out", tmp_path / "out"])
     one_line_error(p, "sample 000012", "elongated")
