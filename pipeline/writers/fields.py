@@ -7,7 +7,8 @@ field's member present (or the field optional), within its cap, its value readab
 field's size (pipeline.data.decoding.image_caps) from its header. The first image field's pixels give
 the manifest's per-channel mean and std, as for image-and-label sets. The manifest records
 the schema (`fields`); a sample that does not fit ends the index with one line naming the
-shard, the sample and the field, as damage does there.
+shard, the sample and the field, as damage does there. A first image that cannot be decoded
+is the exception, as there: a damaged sample (pipeline.writers.damage).
 """
 import collections
 import random
@@ -15,13 +16,14 @@ import warnings
 
 import numpy as np
 
-from pipeline.data.decoding import decode
+from pipeline.data.decoding import decode, image_caps
 from pipeline.data.decoding.decode import image_format, open_image, pil_reason, pixels_of
 from pipeline.data.decoding.labelling import CONTENT_ERRORS, mixed_classes
 from pipeline.data.manifests.manifest import CLASSES_WHY, FORMAT, MAX_CLASSES
 from pipeline.data.fields.schema import MAX_TEXT, Column, Schema, parse_fields
 from pipeline.data.fields.member_values import value_of
 from pipeline.errors import ShardError, cut, redact
+from pipeline.writers.damage import decoded  # the one rule for an image that cannot be decoded
 from pipeline.writers.classes import resolve_classes  # the one rule for a split taking another's classes
 
 STAT_SIDE = 64  # images are decoded at most about this big for the mean and std (JPEG draft mode)
@@ -29,11 +31,13 @@ GREY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"}
 
 
 def scan_fields(sample, scan, url):
-    """Check one sample against the scan's schema; count it, with its first image's statistics."""
+    """Check one sample against the scan's schema; count it, with its first image's statistics.
+    A first image that cannot be decoded makes the sample damaged (pipeline.writers.damage),
+    left out of the counts, as --index without --fields takes it."""
     from PIL import Image
 
     schema, key = scan["fields"], sample["__key__"]
-    stats = None
+    stats, held, labels = None, [], []
     try:
         record = schema.pick(sample)
         parsed = {}
@@ -41,7 +45,7 @@ def scan_fields(sample, scan, url):
             got = record.get(col.name)
             if got is None:
                 continue
-            scan["held"][col.name] += 1
+            held.append(col.name)
             ext, path, data = got
             if col.kind != "image":
                 try:
@@ -49,29 +53,47 @@ def scan_fields(sample, scan, url):
                 except ValueError as e:  # which field: two may read one member (an inferred one and --fields')
                     raise ValueError(f"field {col.name}: {e}") from None
                 if col.kind == "class":  # the classes: 0 to the largest index seen, or the names seen
-                    scan["labels"][value] += 1
-                    scan["first"].setdefault(value, key)
-            elif image_format(ext) == "raw":
-                pixels = decode.decode_image(bytes(data), "raw", (col.channels, *col.size))
-                stats = stats or (ext, pixels.transpose(1, 2, 0), col.size)
-            else:
-                img, orientation = open_image(bytes(data), image_format(ext), (col.channels, *col.size))
-                size = img.size[::-1] if orientation < 5 else img.size
-                stats = stats or (ext, _thumbnail(img, image_format(ext)), size)
+                    labels.append(value)
+            elif stats is None:  # its pixels decoded: the damage rule's image, and the mean and std
+                stats = decoded(scan, key, ext, lambda: _stat_pixels(col, ext, data))
+                if stats is None:
+                    return
+                (h, w), fmt = stats[1], image_format(ext)  # decodable, but is it within the field's size?
+                image_caps.check(w, h, (col.channels, *col.size), fmt)
+            else:  # a further image: its header, within its field's size
+                open_image(bytes(data), image_format(ext), (col.channels, *col.size))
     except ValueError as e:
         raise ShardError(f"{url}: sample {key}: {e}") from None
     except (Image.DecompressionBombError, *CONTENT_ERRORS) as e:
         raise ShardError(f"{url}: sample {key}: unreadable member ({pil_reason(e)})") from None
     scan["samples"] += 1
+    for name in held:
+        scan["held"][name] += 1
+    for value in labels:
+        scan["labels"][value] += 1
+        scan["first"].setdefault(value, key)
     if stats is not None:
-        ext, img, (h, w) = stats
-        grey = isinstance(img, np.ndarray) and img.shape[2] == 1 or getattr(img, "mode", "RGB") in GREY_MODES
-        rgb = _pixels(img, 3).reshape(-1, 3) / 255.0
-        g = _pixels(img, 1).ravel() / 255.0
+        ext, size, grey, rgb, g = stats
         scan["exts"][ext] += 1
-        scan["shapes"][(1 if grey else 3, h, w)] += 1
+        scan["shapes"][(1 if grey else 3, *size)] += 1
         scan["rgb"] += [len(rgb), *rgb.sum(0), *(rgb * rgb).sum(0)]
         scan["grey"] += [len(g), g.sum(), (g * g).sum()]
+
+
+def _stat_pixels(col, ext, data):
+    """(ext, (H, W), grey?, RGB and grey pixels at about STAT_SIDE) of an image field's member,
+    its pixel count capped; its size against the field's is checked apart (an image that decodes
+    but the field's size refuses is a refusal naming the sample, not damage)."""
+    fmt = image_format(ext)
+    if fmt == "raw":
+        img = decode.decode_image(bytes(data), "raw", (col.channels, *col.size)).transpose(1, 2, 0)
+        size = tuple(col.size)
+    else:
+        img, orientation = open_image(bytes(data), fmt)
+        size = img.size[::-1] if orientation < 5 else img.size
+        img = _thumbnail(img, fmt)
+    grey = isinstance(img, np.ndarray) and img.shape[2] == 1 or getattr(img, "mode", "RGB") in GREY_MODES
+    return ext, size, grey, _pixels(img, 3).reshape(-1, 3) / 255.0, _pixels(img, 1).ravel() / 255.0
 
 
 def _thumbnail(img, fmt):

@@ -17,7 +17,7 @@ skip: a sample with no image member (or several, without --image-key), a malform
 or missing label (unless --skip-unlabelled), or an unreadable shard ends the index
 with one line naming the shard and the sample. An image that cannot be decoded is the
 exception (real sets hold a few): a damaged sample, kept as a position the stream skips
-and counts, named in one warning line, up to MAX_DAMAGED of the set.
+and counts, named in one warning line, up to a share of the set (pipeline.writers.damage).
 """
 import collections
 import hashlib
@@ -31,8 +31,8 @@ import numpy as np
 from pipeline import cli
 from pipeline.data.decoding import image_caps
 from pipeline.data.store import listings, remote, storage
-from pipeline.data.decoding.decode import IMAGE_EXTS, image_format, open_image, pil_reason, pixels_of
-from pipeline.data.decoding.labelling import (CONTENT_ERRORS, LABEL_EXTS, Unlabelled, class_value, default_label,
+from pipeline.data.decoding.decode import IMAGE_EXTS, image_format, open_image, pixels_of
+from pipeline.data.decoding.labelling import (LABEL_EXTS, Unlabelled, class_value, default_label,
                                               describe_label, label_hint, label_member, parse_label_key, raw_label)
 from pipeline.errors import ShardError, redact
 from pipeline.files import missing_folder, write_json_atomic
@@ -42,6 +42,7 @@ from pipeline.data.manifests.locations import pipe_shard_name
 from pipeline.data.manifests.patterns import expand_shards
 from pipeline.data.shards.read import MAX_MEMBER, is_meta, iter_samples
 from pipeline.data.fields.schema import Oversized
+from pipeline.writers import damage
 from pipeline.writers.fields import scan_fields, summarise_fields, totals
 from pipeline.writers.classes import resolve_classes
 from pipeline.writers import publish
@@ -51,8 +52,6 @@ SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 FOREIGN_EXTS = tuple(e for e in IMAGE_EXTS if e != "raw")  # raw pixels need a shape nobody but make_shards records
 GREY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"}
 STAT_SIDE = 64  # images are decoded at most about this big for the mean and std (JPEG draft mode)
-MAX_DAMAGED = 0.05  # the share of samples that may fail to decode before an index refuses the set
-DAMAGE_SHOWN = 3  # damaged samples named in the warning or refusal
 
 
 def expand(spec, policy=remote.Policy()):
@@ -156,8 +155,6 @@ def scan_shard(url, label, policy=remote.Policy(), image_key=None, skip_unlabell
 
 
 def _scan_sample(sample, scan, url):
-    from PIL import Image
-
     key = sample["__key__"]
     if scan["label"] is None:  # the first sample decides
         scan["label"] = default_label(sample)
@@ -194,21 +191,10 @@ def _scan_sample(sample, scan, url):
         wanted = f".{scan['image_key']}" if scan["image_key"] else f"image member (.{', .'.join(FOREIGN_EXTS)})"
         raise ShardError(f"{url}: sample {key}: no {wanted} (has {have or 'nothing'})")
     ext = images[0]
-    data = sample[ext]
-    try:
-        img, orientation = open_image(data, image_format(ext))  # the pixel cap now; the aspect once the shape is known
-        mode = img.mode
-        w, h = img.size if orientation < 5 else img.size[::-1]
-        if image_format(ext) in ("jpg", "jpeg"):
-            img.draft("RGB", (STAT_SIDE, STAT_SIDE))
-        elif max(w, h) > 2 * STAT_SIDE:
-            img.thumbnail((STAT_SIDE, STAT_SIDE))
-        rgb = pixels_of(img, 3).reshape(-1, 3) / 255.0
-        grey = pixels_of(img, 1).ravel() / 255.0
-    except ValueError as e:
-        return _damaged(scan, key, str(e))
-    except (Image.DecompressionBombError, *CONTENT_ERRORS) as e:
-        return _damaged(scan, key, f"undecodable .{ext} image ({pil_reason(e)})")
+    got = damage.decoded(scan, key, ext, lambda: _stat_pixels(sample[ext], ext))  # None: a damaged sample, counted
+    if got is None:
+        return
+    mode, w, h, rgb, grey = got
     scan["samples"] += 1
     scan["exts"][ext] += 1
     scan["shapes"][(1 if mode in GREY_MODES else 3, h, w)] += 1
@@ -223,33 +209,17 @@ def _scan_sample(sample, scan, url):
             scan[side] = (ratio, key, w, h, image_format(ext))
 
 
-def _damaged(scan, key, reason):
-    """A sample whose image cannot be decoded (cut short, corrupt, over MAX_PIXELS): still a
-    position of the set, as damage found after indexing is (the stream skips it and counts it
-    in `skipped`), counted here and left out of the shapes, labels and pixel sums."""
-    scan["samples"] += 1
-    scan["damaged"] += 1
-    if len(scan["damage"]) < DAMAGE_SHOWN:
-        scan["damage"].append((key, reason))
-
-
-def damage_check(found, spec, name):
-    """One warning line for a set with damaged samples (how many, the first few and why), None
-    for one without; ShardError (one line) when none of its samples can be decoded, or more than
-    MAX_DAMAGED of them cannot: a set that broken is a wrong --image-key or a bad copy, not a few
-    broken downloads."""
-    damaged, total = sum(f["damaged"] for f in found), sum(f["samples"] for f in found)
-    if not damaged:
-        return None
-    first = [(f["url"], k, why) for f in found for k, why in f["damage"]][:DAMAGE_SHOWN]
-    named = "; ".join(f"{redact(u)}: sample {k}: {why}" for u, k, why in first)
-    if damaged == total:
-        raise ShardError(f"{redact(spec)}: none of its {total} samples can be decoded, e.g. {named}")
-    if damaged > MAX_DAMAGED * total:
-        raise ShardError(f"{redact(spec)}: {damaged} of {total} samples cannot be decoded, more than "
-                         f"{MAX_DAMAGED:.0%} (pipeline.writers.index.MAX_DAMAGED), e.g. {named}")
-    return (f"{name}: warning: {damaged} of {total} samples cannot be decoded (e.g. {named}); they will be skipped and "
-            f"counted while training")
+def _stat_pixels(data, ext):
+    """(mode, width, height, RGB and grey pixels at about STAT_SIDE) of an image member: the
+    pixel cap now, the aspect once the shape is known."""
+    img, orientation = open_image(data, image_format(ext))
+    mode = img.mode  # before draft mode may change it
+    w, h = img.size if orientation < 5 else img.size[::-1]
+    if image_format(ext) in ("jpg", "jpeg"):
+        img.draft("RGB", (STAT_SIDE, STAT_SIDE))
+    elif max(w, h) > 2 * STAT_SIDE:
+        img.thumbnail((STAT_SIDE, STAT_SIDE))
+    return mode, w, h, pixels_of(img, 3).reshape(-1, 3) / 255.0, pixels_of(img, 1).ravel() / 255.0
 
 
 def wrong_label_key(url, sample, label, member):
@@ -285,7 +255,7 @@ def _scan_task(task):
 
 def index(name, split, spec, out, *, label=None, image_key=None, shape=None, classes_file=None, classes_from=None,
           skip_unlabelled=False, base_url=None, workers=1, policy=remote.Policy(), progress=True, stage=None,
-          fields=None):
+          fields=None, max_damaged=None):
     """Index the shards SPEC names as data set NAME, split SPLIT; writes and returns OUT/NAME-SPLIT.json.
 
     stage: a local folder the manifest is written to instead, for an OUT that is a store
@@ -296,8 +266,9 @@ def index(name, split, spec, out, *, label=None, image_key=None, shape=None, cla
     one must use (names mapping to the same indices); base_url: the URL the shards' folder
     will be served from, for a manifest naming them there. fields: a Schema
     (pipeline.data.fields.schema): every sample's fields are checked against it and the manifest
-    records it (`fields`), in place of a label rule and classes. Written under the folder's
-    writer lock (see shards.writing)."""
+    records it (`fields`), in place of a label rule and classes. max_damaged: the share of
+    samples whose image cannot be decoded the index takes as damaged (pipeline.writers.damage;
+    default MAX_DAMAGED). Written under the folder's writer lock (see shards.writing)."""
     if not NAME_RE.match(name) or not NAME_RE.match(split):
         raise ShardError(f"--index {name}:{split}: NAME and SPLIT may hold letters, digits and _ only")
     if label is not None:
@@ -320,11 +291,11 @@ def index(name, split, spec, out, *, label=None, image_key=None, shape=None, cla
             raise ShardError(f"--out {out}: a store prefix; the manifest is written to a local stage and uploaded")
     with writing(stage or out):
         return _index(name, split, spec, stage or out, urls, names, label, image_key, shape, classes_file, classes_from,
-                      skip_unlabelled, workers, policy, progress, fields)
+                      skip_unlabelled, workers, policy, progress, fields, max_damaged)
 
 
 def _index(name, split, spec, out, urls, names, label, image_key, shape, classes_file, classes_from, skip_unlabelled,
-           workers, policy, progress, fields=None):
+           workers, policy, progress, fields=None, max_damaged=None):
     tasks = [(u, label, policy, image_key, skip_unlabelled, fields) for u in urls]
     found = []
     bar = cli.progress(total=len(urls), unit="shard", desc=f"index {name}-{split}", disable=not progress)
@@ -341,9 +312,11 @@ def _index(name, split, spec, out, urls, names, label, image_key, shape, classes
         raise ShardError(str(e)) from None
     finally:
         bar.close()
-    warning = damage_check(found, spec, f"{name}-{split}") if fields is None else None
+    warning = damage.damage_check(found, spec, f"{name}-{split}", max_damaged)
     if fields is not None:
         manifest = summarise_fields(name, split, spec, found, names, fields, classes_from)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
         os.makedirs(out, exist_ok=True)
         path = os.path.join(out, manifest_name(name, split))
         write_json_atomic(path, check(manifest, path))

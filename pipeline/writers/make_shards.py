@@ -22,7 +22,7 @@ from pipeline.data.decoding import labelling
 from pipeline.data.manifests import manifest
 from pipeline.data.manifests import locations
 from pipeline.data.store import remote, storage, writing
-from pipeline.writers import fields, index, publish, shards, sources, storelock  # noqa: E402
+from pipeline.writers import damage, fields, index, publish, shards, sources, storelock  # noqa: E402
 from pipeline.writers import verify
 from pipeline.cli import Parser, add_io_options, check_io, io_limits, printable  # noqa: E402
 from pipeline.errors import ShardError  # noqa: E402
@@ -70,6 +70,7 @@ def parse_args(argv):
     a("--base-url", metavar="URL", help="with --index: the URL the shards' folder will be served from; the "
                                         "manifest then names the shards there")
     fields.add_options(a)
+    damage.add_options(a)
     a("--limit", type=int, metavar="N", help="at most N samples per split (a seeded random subset)")
     a("--encoding", choices=shards.ENCODINGS, default="png",
       help="png: lossless, small (default); raw: uint8 pixels, the fastest to stream")
@@ -122,7 +123,7 @@ def check(p, args):
     if args.holdout is not None and not args.imagefolder:
         p.error("--holdout applies to --imagefolder sources only")
     index_only = ("label_key", "image_key", "shape", "classes", "classes_from", "skip_unlabelled", "base_url",
-                  "fields")
+                  "fields", "max_damaged")
     if any(getattr(args, k) for k in index_only) and not args.index:
         p.error(f"{', '.join('--' + k.replace('_', '-') for k in index_only)} apply to --index only")
     fields.check_options(p, args, index_only[:6])
@@ -276,7 +277,8 @@ def run_index(args, stage=None):
         m = index.index(name, split, spec, args.out, label=label, image_key=args.image_key,
                         shape=args.shape, classes_file=args.classes, classes_from=classes_from,
                         skip_unlabelled=args.skip_unlabelled, base_url=args.base_url, workers=args.workers,
-                        policy=policy, progress=not args.quiet, stage=stage, fields=args.fields)
+                        policy=policy, progress=not args.quiet, stage=stage, fields=args.fields,
+                        max_damaged=args.max_damaged)
         if stage is not None:
             writing.put(os.path.join(stage, manifest.manifest_name(name, split)), path, policy)
         if split == "train":
