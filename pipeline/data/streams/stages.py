@@ -138,10 +138,12 @@ class Shuffle:
             self.seed0 = order.seed_of(w.key) if w.key is not None else 0
         self.window = w
         idx, chunk.crops, chunk.seed0 = self.order[chunk.lo:chunk.hi], self.crops, self.seed0 + chunk.lo
-        chunk.places, held = len(idx), idx < len(chunk.data)
-        chunk.idx, chunk.empty = idx[held], idx[~held]
-        if len(chunk.empty):
-            chunk.kept = np.flatnonzero(held)
+        chunk.places, chunk.idx = len(idx), idx
+        if len(self.order) > len(chunk.data):  # the window lacks samples (the masks cost 2% of a raw batch)
+            held = idx < len(chunk.data)
+            chunk.idx, chunk.empty = idx[held], idx[~held]
+            if len(chunk.empty):
+                chunk.kept = np.flatnonzero(held)
         return chunk
 
 
