@@ -578,3 +578,39 @@ def test_a_child_forked_in_the_loop_leaves_the_passs_workers_alone_when_it_exits
                        env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.splitlines() == ["WHOLE True"], p.stdout
+
+
+class _Gate:
+    """A sample stage that makes the worker's first 16 samples (4 batches of 4) at once, then
+    waits, up to 20 s, for a file the consumer writes once it holds batch 3 (its 4th)."""
+
+    def __init__(self, path):
+        self.path, self.made = path, 0
+
+    def __call__(self, sample):
+        self.made += 1
+        if self.made > 16:
+            end = time.monotonic() + 20
+            while not os.path.exists(self.path):
+                if time.monotonic() > end:
+                    raise RuntimeError("batches 1-3 never reached the consumer while the next was made")
+                time.sleep(0.01)
+        return sample
+
+
+def test_batches_held_back_reach_the_consumer_while_the_next_is_still_made(data, tmp_path):
+    """Batches made fast and held back to go together go within `hold` seconds, not when the next
+    batch is made, which may take any time: a batch held until a slow one was ready reached the
+    consumer seconds late (or past make_loader's timeout, the worker killed for sending nothing)."""
+    gate = tmp_path / "got-batch-3"
+    s = _stream(data, n=8, batch=4, sample_stages=(_Gate(str(gate)),))
+    loader = make_loader(s, 1, prefetch_factor=8)
+    try:
+        keys = []
+        for i, b in enumerate(loader):
+            keys += b["key"]
+            if i == 3:
+                gate.touch()
+        assert len(keys) == 32
+    finally:
+        loader.close()

@@ -338,38 +338,68 @@ class _Outbox:
     """A worker's messages to the consumer. Past a pass's first batch, batches made fast go
     GROUP to a write: a consumer waiting for its workers is woken once for them, not once a batch,
     and a wake-up (and the cold caches after it) cost it more than the rest of a batch's hand-over
-    (docs/benchmarks.md, "The hand-over from workers"). A batch made in more than `hold` seconds
-    goes at once with those held back: a slow worker held its batches GROUP times its batch's
-    time, past make_loader's timeout (a worker at 0.36 s a batch was killed under timeout=1), so
-    `hold` is also at most a sixteenth of the timeout. A batch held back goes at once when the
-    worker would otherwise wait for a slot (`_Slots.take`), when the pass ends and before an
-    error; one of a pass the consumer left is dropped with it (the consumer frees its slot)."""
+    (docs/benchmarks.md, "The hand-over from workers"). No batch is held longer than `hold`
+    seconds (HOLD_S, or a sixteenth of make_loader's timeout): a thread of the worker's sends what
+    is held once the oldest has waited that long, since the next batch may take any time (a batch
+    held until a slow one was made reached the consumer seconds late, or past its timeout). A
+    batch made in more than `hold` goes at once with those held back; and what is held goes at
+    once when the worker would otherwise wait for a slot (`_Slots.take`), when the pass ends and
+    before an error; one of a pass the consumer left is dropped with it (the consumer frees its
+    slot). Every write is made under one lock, whichever thread makes it."""
 
     def __init__(self, fd, timeout=None):
         self.fd, self.pass_id, self.held, self.first = fd, 0, [], True
         self.hold = min(HOLD_S, timeout / (4 * GROUP)) if timeout else HOLD_S
         self.last = time.monotonic()  # when the last batch (or the pass) began to be made
+        self.since = None  # when the oldest batch held back was made
+        self.lock, self.late = threading.Condition(), None
 
     def begin(self, pass_id):
-        self.pass_id, self.held, self.first = pass_id, [], True
-        self.last = time.monotonic()
+        with self.lock:
+            self.pass_id, self.held, self.first, self.since = pass_id, [], True, None
+            self.last = time.monotonic()
 
     def batch(self, slot, n, payload):
-        now = time.monotonic()
-        slow, self.last = now - self.last > self.hold, now
-        self.held.append(HEADER.pack(self.pass_id, BATCH, slot, n, len(payload)) + payload)
-        if self.first or slow or len(self.held) >= GROUP:
-            self.flush()
+        message = HEADER.pack(self.pass_id, BATCH, slot, n, len(payload)) + payload
+        with self.lock:
+            now = time.monotonic()
+            slow, self.last = now - self.last > self.hold, now
+            self.held.append(message)
+            if self.first or slow or len(self.held) >= GROUP:
+                self._flush()
+            elif self.since is None:
+                self.since = now
+                if self.late is None:  # started in the worker, on its first held batch
+                    self.late = threading.Thread(target=self._send_late, name="loader-outbox", daemon=True)
+                    self.late.start()
+                self.lock.notify()
 
     def send(self, kind, payload):
         """An END or ERROR message, after the batches held back."""
-        self.held.append(HEADER.pack(self.pass_id, kind, -1, 0, len(payload)) + payload)
-        self.flush()
+        with self.lock:
+            self.held.append(HEADER.pack(self.pass_id, kind, -1, 0, len(payload)) + payload)
+            self._flush()
 
     def flush(self):
+        with self.lock:
+            self._flush()
+
+    def _flush(self):
         if self.held:
-            data, self.held, self.first = b"".join(self.held), [], False
+            data, self.held, self.first, self.since = b"".join(self.held), [], False, None
             _write(self.fd, data)
+
+    def _send_late(self):
+        with self.lock:
+            while True:
+                if self.since is None:
+                    self.lock.wait()
+                    continue
+                left = self.since + self.hold - time.monotonic()
+                if left > 0:
+                    self.lock.wait(left if left < threading.TIMEOUT_MAX else None)
+                else:
+                    self._flush()
 
 
 def _write(fd, data):
