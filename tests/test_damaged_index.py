@@ -154,3 +154,19 @@ def test_a_decodable_image_the_shape_refuses_stays_a_refusal_not_damage(tmp_path
     p = make_shards_in_process(["--quiet", "--index", f"d:train={tmp_path / 'set'}", *fields,
                                 "--out", tmp_path / "out"])
     one_line_error(p, "sample 000012", "elongated")
+
+
+@pytest.mark.parametrize("share", ["0.29", "0.57", "0.58", "0.05"])
+def test_the_damaged_share_is_compared_as_written_not_in_floats(share):
+    """29 of 100 with --max-damaged 0.29 is within the share (0.29 * 100 is 28.999999999999996 in
+    floats, which refused it: the last hostile pass); one more is over it."""
+    from pipeline.writers.damage import damage_check, share_arg
+
+    at = round(float(share) * 100)
+
+    def found(damaged):
+        return [{"damaged": damaged, "samples": 100, "url": "a.tar", "damage": [("s0", "cut short")]}]
+
+    assert "warning" in damage_check(found(at), "x", "x", share_arg(share))
+    with pytest.raises(ShardError, match=f"{at + 1} of 100 samples cannot be decoded"):
+        damage_check(found(at + 1), "x", "x", share_arg(share))

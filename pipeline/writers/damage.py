@@ -6,6 +6,7 @@ counts it in `skipped`); one warning line names the first few; a set none of who
 decodes, or more than a share of them (MAX_DAMAGED, or make-shards --max-damaged), is refused
 in one line: that many is a wrong member or a bad copy, not a few broken downloads."""
 import argparse
+from fractions import Fraction
 
 from pipeline.data.decoding.decode import pil_reason
 from pipeline.data.decoding.labelling import CONTENT_ERRORS
@@ -46,7 +47,7 @@ def damage_check(found, spec, name, share=None):
     named = "; ".join(f"{redact(u)}: sample {k}: {why}" for u, k, why in first)
     if damaged == total:
         raise ShardError(f"{redact(spec)}: none of its {total} samples can be decoded, e.g. {named}")
-    if damaged > share * total:
+    if Fraction(damaged, total) > Fraction(str(share)):  # as written: 0.29 * 100 is 28.999999999999996 in floats
         raise ShardError(f"{redact(spec)}: {damaged} of {total} samples cannot be decoded, more than {percent(share)} "
                          f"(make-shards --max-damaged, default {percent(MAX_DAMAGED)}: "
                          f"pipeline.writers.damage.MAX_DAMAGED), e.g. {named}")
