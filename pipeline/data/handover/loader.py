@@ -32,8 +32,9 @@ def make_loader(stream, num_workers=0, pin_memory=False, prefetch_factor=PREFETC
     before, whose next step raises RuntimeError. With record=False the stream does not take a
     batch's place as it arrives: a consumer that pulls batches ahead of using them records each
     one as it uses it (`stream.record(batch["state"])`), so a checkpoint never counts a batch
-    not trained. timeout: seconds a worker may send nothing (it sends up to 4 batches at once,
-    workers.GROUP) before the pass fails (TimeoutError naming the worker, which is killed; the
+    not trained. timeout: seconds a worker may send nothing, its start and its first batch
+    included (it sends up to 4 batches at once, workers.GROUP, none held longer than a sixteenth
+    of the timeout) before the pass fails (TimeoutError naming the worker, which is killed; the
     next pass starts the workers again; default: wait, as torch's DataLoader does).
 
     device: None, "cuda", "cuda:N", a torch.device, or "cpu". With a CUDA device each batch's
