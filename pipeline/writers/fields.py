@@ -91,12 +91,14 @@ def _stat_pixels(col, ext, data):
     else:
         img, orientation = open_image(bytes(data), fmt)
         size = img.size[::-1] if orientation < 5 else img.size
-        img = _thumbnail(img, fmt)
+        img = stat_thumbnail(img, fmt)
     grey = isinstance(img, np.ndarray) and img.shape[2] == 1 or getattr(img, "mode", "RGB") in GREY_MODES
     return ext, size, grey, _pixels(img, 3).reshape(-1, 3) / 255.0, _pixels(img, 1).ravel() / 255.0
 
 
-def _thumbnail(img, fmt):
+def stat_thumbnail(img, fmt):
+    """The image at about STAT_SIDE for the mean and std (both index paths): a JPEG in draft mode,
+    decoded at a DCT scale, else shrunk only when over twice that."""
     if fmt in ("jpg", "jpeg"):
         img.draft("RGB", (STAT_SIDE, STAT_SIDE))
     elif max(img.size) > 2 * STAT_SIDE:

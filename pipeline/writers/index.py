@@ -43,15 +43,13 @@ from pipeline.data.manifests.patterns import expand_shards
 from pipeline.data.shards.read import MAX_MEMBER, is_meta, iter_samples
 from pipeline.data.fields.schema import Oversized
 from pipeline.writers import damage
-from pipeline.writers.fields import scan_fields, summarise_fields, totals
+from pipeline.writers.fields import GREY_MODES, scan_fields, stat_thumbnail, summarise_fields, totals
 from pipeline.writers.classes import resolve_classes
 from pipeline.writers import publish
 from pipeline.writers.shards import forked_imap, writing
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 FOREIGN_EXTS = tuple(e for e in IMAGE_EXTS if e != "raw")  # raw pixels need a shape nobody but make_shards records
-GREY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"}
-STAT_SIDE = 64  # images are decoded at most about this big for the mean and std (JPEG draft mode)
 
 
 def expand(spec, policy=remote.Policy()):
@@ -210,15 +208,12 @@ def _scan_sample(sample, scan, url):
 
 
 def _stat_pixels(data, ext):
-    """(mode, width, height, RGB and grey pixels at about STAT_SIDE) of an image member: the
+    """(mode, width, height, RGB and grey pixels at about fields.STAT_SIDE) of an image member: the
     pixel cap now, the aspect once the shape is known."""
     img, orientation = open_image(data, image_format(ext))
     mode = img.mode  # before draft mode may change it
     w, h = img.size if orientation < 5 else img.size[::-1]
-    if image_format(ext) in ("jpg", "jpeg"):
-        img.draft("RGB", (STAT_SIDE, STAT_SIDE))
-    elif max(w, h) > 2 * STAT_SIDE:
-        img.thumbnail((STAT_SIDE, STAT_SIDE))
+    img = stat_thumbnail(img, image_format(ext))
     return mode, w, h, pixels_of(img, 3).reshape(-1, 3) / 255.0, pixels_of(img, 1).ravel() / 255.0
 
 
