@@ -3,9 +3,11 @@ an earlier run's files never replaced by --resume-or-start, train/eval overlap a
 mix-ups warned, torch's threads set for the process's share of the cores."""
 import json
 import os
+import re
 import shutil
 import signal
 import time
+import warnings
 
 import pytest
 import torch
@@ -218,6 +220,27 @@ def test_equal_sha256_under_two_names_in_one_training_source_is_warned_once(shar
     with pytest.warns(UserWarning, match="1 shard.* same bytes as another.*read twice an epoch") as record:
         guard.warn_data([resolve("mnist", f"{folder}/", "train")], [])
     assert len(record) == 1 and "mnist-train-000099.tar" in str(record[0].message)
+
+
+def test_two_training_sources_sharing_shards_are_warned_once(shards, tmp_path):
+    """Two --train sources over the same shards trained with no word (hostileH): each sample twice an
+    epoch under two names. Shared by file or by sha256 (a copy elsewhere); sources apart: no line."""
+    folder = tmp_path / "copy"
+    shutil.copytree(shards, folder)
+    build_shards(tmp_path / "apart", "mnist", "train", 40, maxcount=20, seed=5)
+
+    def shared_lines(other):
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            guard.warn_data([resolve("mnist", str(shards / "mnist-train.json"), "train"),
+                             resolve("mnist", other, "train")], [])
+        return [m for m in messages(record) if "shares" in m]
+
+    for other in (str(shards / "mnist-train.json"), f"{folder}/"):
+        said = shared_lines(other)
+        assert len(said) == 1 and re.match(r"--train mnist shares 3 shard\(s\) with --train mnist \(the same file or "
+                                           r"sha256\), e\.g\. .*: their samples are read twice an epoch", said[0]), said
+    assert shared_lines(f"{tmp_path / 'apart'}/") == []
 
 
 def test_a_test_manifest_given_to_train_is_warned(shards):

@@ -204,6 +204,27 @@ def test_a_state_loaded_before_its_loader_says_so_and_its_lengths_are_the_next_p
     assert u.load_state_dict(json.loads(json.dumps(s.state_dict())))["deal"] == "same"
 
 
+@pytest.mark.parametrize("counts", [(0, 2), (2, 0), (1, 2)])
+def test_two_loaders_of_other_worker_counts_over_one_stream_each_read_for_their_own(sources, counts):
+    """A loader made before another of another worker count over the same stream: its pass was
+    refused ("1 loader workers, the stream was set for 2") in every epoch, while the docs say a
+    loader of another worker count re-deals the rest. Each pass now deals the stream to its own
+    loader's workers: whole epochs read as an uninterrupted one reads them; an epoch changed
+    midway reads no sample twice and leaves less than a batch."""
+    s = new_stream(sources)
+    first, second = make_loader(s, counts[0]), make_loader(s, counts[1])
+    s.set_epoch(0)
+    assert collections.Counter(keys(first)) == reference(sources, 0)
+    s.set_epoch(1)
+    assert collections.Counter(keys(second)) == reference(sources, 1)
+    s.set_epoch(2)
+    head = keys(first, 7)
+    rest = keys(second)
+    got, ref = collections.Counter(head + rest), reference(sources, 2)
+    assert not got - ref and sum((ref - got).values()) < BATCH
+    first.close(), second.close()
+
+
 def _at(sources, epoch):
     s = new_stream(sources)
     s.set_epoch(epoch)

@@ -285,6 +285,34 @@ def test_redirects_are_followed_and_loops_fail():
     assert srv.hits["/new.tar"] == 1 and took < SLACK
 
 
+def test_a_redirect_loop_at_the_head_check_is_one_line_naming_the_shard():
+    """urllib's redirect-loop error has a three-line reason; the trainer printed only its last line,
+    "Found" (hostileH). The head check's line is one line with what and where."""
+    def respond(h, n):
+        h.send_response(302)
+        h.send_header("Location", h.path)
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+
+    p = Policy(retries=0, delay=0.05, timeout=1.0, min_rate=1e6)
+    with http_server(respond) as srv:
+        problems, resized = head_check([srv.base + "/loop.tar"], policy=p)
+    assert len(problems) == 1 and not resized, (problems, resized)
+    assert "\n" not in problems[0] and "/loop.tar" in problems[0] and "redirect" in problems[0], problems
+
+
+def test_the_trainers_error_line_keeps_a_whole_message_and_a_tracebacks_last_line():
+    from pipeline.train.loop import error_line
+
+    three = OSError("web=http://h/x.json: HTTP 302 The HTTP server returned a redirect error\nThe last 30x error "
+                    "message was:\nFound")
+    assert error_line(three) == ("web=http://h/x.json: HTTP 302 The HTTP server returned a redirect error The last "
+                                 "30x error message was: Found")
+    worker = ShardError("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
+                        "pipeline.errors.ShardError: shard s.tar: damaged, and the next pass starts the workers again")
+    assert error_line(worker) == "shard s.tar: damaged"
+
+
 # ---------------------------------------------------------------- 2. short bodies
 
 

@@ -85,7 +85,9 @@ def table_rows(stdout):
     """{column: [cells]} of the printed table, read by its header row."""
     lines = [ln.split() for ln in stdout.splitlines() if ln.strip()]
     start = next(i for i, cells in enumerate(lines) if cells[0] == "epoch")
-    head = ["epoch"] + [" ".join(lines[start][i:i + 2]) for i in range(1, len(lines[start]) - 1, 2)] + ["samples/s"]
+    singles = [c for c in lines[start][1:] if c in ("samples/s", "skipped")]  # one-word columns, last
+    pairs = lines[start][1:len(lines[start]) - len(singles)]
+    head = ["epoch"] + [" ".join(pairs[i:i + 2]) for i in range(0, len(pairs), 2)] + singles
     rows = [cells for cells in lines[start + 1:] if cells[0].isdigit()]
     return [dict(zip(head, cells)) for cells in rows]
 
@@ -105,6 +107,21 @@ def test_cli_writes_a_png_and_a_table_per_epoch(run_dir):
     assert rows[0]["loss mnist"] == "1.6667" and rows[1]["loss cifar10"] == f"{(1.5 * .5 + 1.25 * .875) / 1.375:.4f}"
     assert float(rows[0]["samples/s"]) == 200.0 and float(rows[1]["samples/s"]) == 450.0  # medians
     assert str(png) in r.stdout
+
+
+def test_the_table_says_each_epochs_skipped_samples(tmp_path):
+    """pipeline-report printed loss and samples/s but no `skipped`: a run with a quarter of its samples
+    damaged looked clean (hostileH). Each epoch's count is the sum of its lines'; a hostile count
+    is no count; a run written before the count has no column."""
+    lines = metrics_lines()
+    for r, k in zip([r for r in lines if r["kind"] == "train"], (1, 3, "x", 0, 7)):
+        r["skipped"] = k
+    rows = table_rows(cli(write_run(tmp_path / "r", lines)).stdout)
+    assert [row["skipped"] for row in rows] == ["4", "7"], rows
+    for r in lines:
+        r.pop("skipped", None)
+    r = cli(write_run(tmp_path / "old", lines))
+    assert r.returncode == 0 and "skipped" not in r.stdout and [row["epoch"] for row in table_rows(r.stdout)] == ["1", "2"]
 
 
 def test_out_puts_the_picture_elsewhere(run_dir, tmp_path):

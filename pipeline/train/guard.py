@@ -93,7 +93,7 @@ def warn_data(train_sources, eval_sources):
     sha256; the same listing of names, sizes and sha256 in another place; or a manifest of the
     training split), naming the training source and the split it records; a --train manifest of
     a held-out split that no eval line named; a training source holding the same bytes under two
-    names."""
+    names, or shards of another training source."""
     named = set()  # training sources an eval line named
     for ev in eval_sources:
         why, fix = [], f"give --eval {ev.name} held-out shards (the source's test manifest, or a folder of other shards)"
@@ -116,7 +116,13 @@ def warn_data(train_sources, eval_sources):
         if why:
             warnings.warn(f"--eval {ev.name} ({redact(ev.manifest)}) {'; '.join(why)}: its \"test accuracy\" is "
                           f"measured on data the model trains on ({fix})", stacklevel=2)
-    for tr in train_sources:
+    for i, tr in enumerate(train_sources):
+        for other in train_sources[:i]:
+            shared = _shared(other, tr)
+            if shared:
+                warnings.warn(f"--train {tr.name} shares {len(shared)} shard(s) with --train {other.name} (the same "
+                              f"file or sha256), e.g. {redact(shared[0])}: their samples are read twice an epoch, "
+                              f"once under each name", stacklevel=2)
         twins = repeated(zip(tr.urls, tr.digests or []))
         if twins:
             warnings.warn(f"--train {tr.name}: {len(twins)} shard(s) hold the same bytes as another of its shards "

@@ -159,6 +159,16 @@ def train(args, topo, device, stopper=None):
     return write_summary(run, evals, t_start, resumed_from, finished, train_sources)
 
 
+def error_line(e):
+    """The one line a failed run prints: the last line of a message that carries a traceback
+    (an error re-raised from a loader worker), without its "pkg.Class: "; any other message
+    whole, its lines joined (urllib's redirect loop says what and where in three)."""
+    lines = str(e).strip().splitlines() or [""]
+    line = lines[-1] if "Traceback (most recent call last)" in str(e) else " ".join(x.strip() for x in lines)
+    line = re.sub(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): ", "", line)
+    return line.replace(", and the next pass starts the workers again", "")  # this run makes no next pass
+
+
 def main(argv=None, args=None):
     """The trainer's entry point; returns the exit code: 0 done (or stopped by
     --stop-after/--stop-after-steps), 2 bad input (one line), 3 a non-finite loss, 128 + N
@@ -173,12 +183,7 @@ def main(argv=None, args=None):
         with stopper, dist.distributed(timeout_s=args.timeout) as (topo, device), guard.out_lock(args.out, topo):
             summary = train(args, topo, device, stopper)
     except (InputError, OSError) as e:
-        # bad input or the environment (disk, network); errors re-raised from a loader worker
-        # carry its whole traceback in their message: keep the last line
-        last = str(e).strip().splitlines()[-1]
-        last = re.sub(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): ", "", last)  # a worker's "pkg.Class: "
-        last = last.replace(", and the next pass starts the workers again", "")  # this run makes no next pass
-        one_line(f"pipeline-train: error: {last}")
+        one_line(f"pipeline-train: error: {error_line(e)}")  # bad input or the environment (disk, network)
         if isinstance(e, OSError) and not args.eval_only:
             say_resume(args.out, argv, start_again=isinstance(e, TimeoutError))
         return 2

@@ -20,7 +20,7 @@ source evaluated per class (MNIST and CIFAR10: six panels in all); its title nam
 sizes the run ran on (2 then 3 ranks after a resume on 3). Values no axis can hold (an Infinity
 or NaN loss, a negative one, an accuracy above 1) are left out and counted under the picture.
 The table: per epoch, each source's mean training loss over the epoch's samples, its test
-accuracy, the median samples/s.
+accuracy, the median samples/s and the samples skipped as damaged (all ranks').
 
     python tools/report.py runs/demo
     python tools/report.py runs/demo --out /tmp/demo.png
@@ -39,11 +39,14 @@ def _cell(x, fmt):
 def table(run):
     """The per-epoch table as text, columns aligned, for a terminal or a log, then where each
     source's data came from."""
+    rows = epoch_rows(run)
+    skips = any(r["skipped"] is not None for r in rows)  # a run from before the count: no column
     head = (["epoch"] + [f"loss {n}" for n in train_names(run)] + [f"acc {n}" for n in eval_names(run)]
-            + ["samples/s"])
+            + ["samples/s"] + ["skipped"] * skips)
     body = [[str(r["epoch"])] + [_cell(v, ".4f") for v in r["loss"].values()]
             + [_cell(v, ".4f") for v in r["accuracy"].values()] + [_cell(r["samples_per_s"], ".1f")]
-            for r in epoch_rows(run)]
+            + ["-" if r["skipped"] is None else str(r["skipped"])] * skips
+            for r in rows]
     head = [printable(c) for c in head]
     widths = [max(len(row[i]) for row in [head] + body) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [head] + body]

@@ -203,7 +203,8 @@ def last_evals(run):
 
 def epoch_rows(run):
     """One row per epoch: each source's mean training loss over the epoch's samples, test
-    accuracy per source, median samples/s."""
+    accuracy per source, median samples/s, and the samples skipped as damaged (the sum of
+    its lines' `skipped`, which count every rank's; None where no line says)."""
     evals, rows, names, evaluated = last_evals(run), [], train_names(run), eval_names(run)
     by_epoch = {}
     for r, n in zip(run["train"], line_samples(run)):  # one pass: a scan per epoch made 20,000 epochs take minutes
@@ -214,8 +215,10 @@ def epoch_rows(run):
         ev = evals.get(epoch)
         acc = {name: accuracy_of(ev, name) if ev else math.nan for name in evaluated}
         rates = [x for x in (value(r.get("samples_per_s"), "samples/s") for r, _ in lines) if not math.isnan(x)]
+        counts = [r["skipped"] for r, _ in lines if _count(r.get("skipped"))]
         rows.append({"epoch": epoch, "loss": loss, "accuracy": acc,
-                     "samples_per_s": statistics.median(rates) if rates else math.nan})
+                     "samples_per_s": statistics.median(rates) if rates else math.nan,
+                     "skipped": int(sum(counts)) if counts else None})
     return rows
 
 

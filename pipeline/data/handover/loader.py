@@ -127,6 +127,7 @@ class Loader:
                 self.workers.start()
                 self.ring.page_lock()  # where CUDA refuses, one warning: the batches are not pinned
                 if hasattr(self.stream, "plan"):
+                    self._own_workers()
                     plan = self.stream.plan(begin=False)  # a state just loaded still decides the epoch
                     self._early = (plan, self.workers.begin(plan))
         return self
@@ -134,18 +135,27 @@ class Loader:
     def __iter__(self):
         if self.workers is None:
             with self._pass_lock:  # not while another thread's pass writes into a slot it took from `_free`
+                self._own_workers()
                 plan = self.stream.plan() if hasattr(self.stream, "plan") else None
                 self._passes, self._closed = self._passes + 1, False
                 free = self.ring.free_slots(self._fresh)[0]  # first: it puts a new deque in self._free
                 self._free.extend(free)
                 return self._here(plan, self._passes)
         with self._pass_lock:  # not while another thread's pass reads the workers' pipes and slots
+            self._own_workers()
             plan = self.stream.plan() if hasattr(self.stream, "plan") else None
             self._passes += 1
             self.start()
             early, self._early = self._early, None
             pass_id = early[1] if early is not None and early[0] is plan else self.workers.begin(plan)
             return self._from_workers(pass_id, self._passes)
+
+    def _own_workers(self):
+        """The stream dealt to this loader's workers as its pass begins: another loader over the
+        same stream (one of another worker count, made later) set it for its own."""
+        workers = max(1, self.num_workers)
+        if hasattr(self.stream, "set_workers") and getattr(self.stream, "workers", workers) != workers:
+            self.stream.set_workers(workers)
 
     def _from_workers(self, pass_id, here):
         """Round robin over the workers, each dropped when its share ends: the order a

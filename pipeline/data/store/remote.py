@@ -322,7 +322,7 @@ def head_check(urls, sizes=None, *, policy=Policy(), threads=16):
                     return "problem", f"{shown}: {e}"
                 if permanent(e):
                     return "problem", (f"{shown}: missing (HTTP 404)" if e.code == 404 else
-                                       f"{shown}: HTTP {e.code} {e.reason}")
+                                       f"{shown}: HTTP {e.code} {' '.join(str(e.reason).split())}")  # urllib's redirect loop: 3 lines
                 if not transient(e):
                     raise
                 if attempt == policy.retries:
