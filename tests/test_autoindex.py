@@ -477,6 +477,28 @@ def test_integer_npy_members_infer_an_int64_field_and_other_than_numbers_are_ref
         resolve("web", str(tmp_path / "complex"), "train")
 
 
+def test_an_index_cached_by_older_rules_is_made_again_and_reads_integer_npy_exactly(tmp_path, capsys):
+    """A first-use index cached before the int64 rule (its .npy field float32, no `inference` in its
+    origin) refused the values past 2**24 until the user deleted it; now it is made again on use."""
+    from helpers import write_tar
+
+    os.makedirs(tmp_path / "int")
+    write_tar(tmp_path / "int" / "s-000.tar", [(f"{i:03d}.{ext}", data) for i in range(8) for ext, data in
+                                               (("npy", _scalar_npy(2 ** 53 + i, "int64")), ("cls", b"%d" % (i % 2)))])
+    path = resolve("web", str(tmp_path / "int"), "train").manifest
+    old = json.load(open(path))  # as the last stop's code wrote it
+    del old["origin"]["inference"]
+    old["fields"] = [dict(f, dtype="float32") if f["name"] == "npy" else f for f in old["fields"]]
+    with open(path, "w") as f:
+        json.dump(old, f)
+    capsys.readouterr()
+    src = resolve("web", str(tmp_path / "int"), "train")
+    said = capsys.readouterr().err
+    got = sorted(int(v) for b in MixedStream([src], {"web": 1}, 4, seed=0, normalize=False) for v in b["npy"][:, 0])
+    assert got == [2 ** 53 + i for i in range(8)] and {c.name: c.dtype for c in src.schema.columns}["npy"] == "int64"
+    assert src.manifest == path and "was made by older rules; indexing again" in said, said
+
+
 def test_make_shards_index_and_indexing_on_first_use_take_the_same_json_class_over_the_caption(tmp_path):
     """.jpg + .txt caption + .json {"class": ...}: both doors take json:class as the label (one
     rule, pipeline.data.decoding.labelling.default_label), not the captions as classes."""

@@ -170,3 +170,29 @@ def test_the_damaged_share_is_compared_as_written_not_in_floats(share):
     assert "warning" in damage_check(found(at), "x", "x", share_arg(share))
     with pytest.raises(ShardError, match=f"{at + 1} of 100 samples cannot be decoded"):
         damage_check(found(at + 1), "x", "x", share_arg(share))
+
+
+def test_a_broken_second_image_field_is_damage_to_the_index_as_to_the_stream(tmp_path):
+    """Two image fields: a .png cut short in 1 of 40 samples (its .jpg whole) is a damaged sample to
+    --index --fields, named and counted under --max-damaged as a broken first field is, and the
+    stream skips it once."""
+    def sample(i):
+        key = f"{i:06d}"
+        png = encode_pil(foreign_image(i % 4, (32, 32), 1000 + i), "PNG")
+        if i == 13:
+            png = png[:len(png) // 2]
+        return key, [(key + ".jpg", encode_pil(foreign_image(i % 4, (32, 32), i), "JPEG", quality=90)),
+                     (key + ".png", png), (key + ".cls", str(i % 4).encode())]
+    write_foreign(tmp_path / "set", 40, 20, "two-{:04d}.tar", sample)
+    fields = "image:image=jpg,size=32x32 depth:image=png,size=32x32 label:class=cls"
+    index = ["--quiet", "--index", f"d:train={tmp_path / 'set'}", "--fields", fields, "--out", tmp_path / "out"]
+    p = make_shards_in_process(index + ["--max-damaged", "0.01"])
+    one_line_error(p, "1 of 40 samples cannot be decoded, more than 1%", "sample 000013", ".png")
+    p = make_shards_in_process(index)
+    assert p.returncode == 0, p.stderr
+    line = warning_of(p.stderr)
+    assert "1 of 40 samples" in line and "000013" in line, line
+    src = resolve("d", str(tmp_path / "out"), "train")
+    assert src.total == 40
+    with pytest.warns(UserWarning, match="000013"):
+        assert kept_and_skipped(src) == (39, 1)

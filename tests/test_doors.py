@@ -13,6 +13,7 @@ import pytest
 
 from helpers import read_pass, two_small_sources
 from pipeline.data.handover.dataloader import StatefulLoader
+from pipeline.data.handover.keys import Keys
 from pipeline.data.handover.loader import make_loader
 from pipeline.data.streams.stream import MixedStream
 from pipeline.ordering.topology import Topology
@@ -336,3 +337,12 @@ def test_a_loader_state_with_a_numpy_next_epoch_is_taken_as_set_epoch_takes_one(
     loader.load_state_dict(state)
     assert loader.next_epoch == 1 and isinstance(loader.next_epoch, int)
     assert len(keys_of(loader)) == (EPOCH - 5) * BATCH and loader.epoch == 0
+
+
+def test_keys_are_one_type_and_the_same_keys_through_every_door(sources):
+    """A stream and its eval stream iterated directly give the loader's Keys, not a plain list
+    (code written against one door runs at the other), holding the same keys."""
+    for make in (lambda s: s, lambda s: s.eval_stream(sources[1])):
+        direct, loaded = list(make(new_stream(sources))), list(make_loader(make(new_stream(sources)), 0))
+        assert {type(b["key"]) for b in direct} == {type(b["key"]) for b in loaded} == {Keys}
+        assert keys_of(direct) == keys_of(loaded) and len(keys_of(direct)) in (EPOCH * BATCH, 200)

@@ -17,7 +17,8 @@ $PIPELINE_CACHE, else $XDG_CACHE_HOME/pipeline or ~/.cache/pipeline). Keyed by t
 each shard's name with its size and mtime (local), its Content-Length and ETag or
 Last-Modified (http, one HEAD each), or its name alone (stores: a rewritten object under
 the same name is not noticed; index it with --index). A changed set gets a new key, so it
-is indexed again; an unchanged one is reused and no shard is read. Several processes (the
+is indexed again; an unchanged one is reused and no shard is read, unless its index was
+inferred by other rules than this version's (INFERENCE): it is made again. Several processes (the
 ranks of a torchrun job) take a file lock on the key (pipeline.files.locked): the first
 indexes, the others wait for it and read its result.
 """
@@ -39,6 +40,10 @@ from pipeline.files import locked, read_json, write_json_atomic
 
 INDEX_FOLDER = ".pipeline-index"
 SAMPLES = infer.SAMPLES
+# the rules an index made here was inferred by, kept in its origin: a cached index made by other rules
+# is made again, as one whose shards changed (2: an integer .npy field is int64; 1, unstamped, made it
+# float32, which refuses values past 2**24 until the cache is rebuilt). Bump it when infer's fields change.
+INFERENCE = 2
 
 
 class _Enough(Exception):
@@ -114,7 +119,7 @@ def ensure(name, split, spec, urls, *, policy=remote.Policy(), cache_dir=None, f
     set_prefix = f"{name}-{split}-{_set_digest(name, split, urls, fields, classes)}-"
     folder = os.path.join(home(urls, cache_dir), set_prefix + key)
     path = os.path.join(folder, manifest.manifest_name(name, split))
-    if _readable(path):
+    if _current(path):
         return folder
     with contextlib.ExitStack() as held:
         try:
@@ -123,11 +128,11 @@ def ensure(name, split, spec, urls, *, policy=remote.Policy(), cache_dir=None, f
         except OSError as e:
             raise ShardError(f"{name}={redact(spec)}: cannot keep its index in {os.path.dirname(folder)} "
                              f"({e.strerror or e}); give a writable --cache-dir (or $PIPELINE_CACHE)") from None
-        if _readable(path):  # another rank or job made it while this one waited
+        if _current(path):  # another rank or job made it while this one waited
             return folder
-        if os.path.exists(path):  # a cache: a truncated or broken index is made again
-            print(f"{name}-{split}: the cached index {path} was unreadable; indexing again", file=sys.stderr,
-                  flush=True)
+        if os.path.exists(path):  # a cache: a truncated or broken index, or one by older rules, is made again
+            why = "was made by older rules" if _readable(path) else "was unreadable"
+            print(f"{name}-{split}: the cached index {path} {why}; indexing again", file=sys.stderr, flush=True)
         t0 = time.monotonic()
         m, line = build(name, split, spec, urls, folder, policy=policy, fields=fields, progress=progress,
                         workers=workers, classes_from=classes_from)
@@ -179,13 +184,18 @@ def _prune(where, prefix, keep, current):
 
 
 def _readable(path):
-    """True when the index at `path` is there and reads as a manifest; False when it is missing,
+    """The index at `path` when it is there and reads as a manifest; None when it is missing,
     truncated or invalid (a write cut short, a disk that filled)."""
     try:
-        manifest.check(read_json(path), path)
-        return True
+        return manifest.check(read_json(path), path)
     except (OSError, ValueError, ShardError):
-        return False
+        return None
+
+
+def _current(path):
+    """True when the index at `path` is readable and was inferred by this version's rules (INFERENCE)."""
+    m = _readable(path)
+    return m is not None and (m.get("origin") or {}).get("inference") == INFERENCE
 
 
 def home(urls, cache_dir=None):
@@ -304,7 +314,7 @@ def build(name, split, spec, urls, out, *, policy=remote.Policy(), fields=None, 
         m["fields"] = [image if f["name"] == image["name"] else f for f in schema.to_json()]
     else:
         m = indexer.index(name, split, spec, out, fields=schema, **kw)
-    m["origin"]["inferred"] = True
+    m["origin"].update(inferred=True, inference=INFERENCE)
     path = os.path.join(out, manifest.manifest_name(name, split))
     write_json_atomic(path, manifest.check(m, path))
     return read_json(path), infer.describe(manifest.schema_of(m), label)

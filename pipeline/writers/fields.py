@@ -3,12 +3,13 @@ fields of the sets make_shards writes with captions.
 
 Each sample of each shard is checked against the schema as training will read it: every
 field's member present (or the field optional), within its cap, its value readable
-(text, numbers, .json paths, .npy headers), every image's size within the bounds of its
-field's size (pipeline.data.decoding.image_caps) from its header. The first image field's pixels give
+(text, numbers, .json paths, .npy headers), every image decoded (at about STAT_SIDE) and
+its size within the bounds of its field's size (pipeline.data.decoding.image_caps). The
+first image field's pixels give
 the manifest's per-channel mean and std, as for image-and-label sets. The manifest records
 the schema (`fields`); a sample that does not fit ends the index with one line naming the
-shard, the sample and the field, as damage does there. A first image that cannot be decoded
-is the exception, as there: a damaged sample (pipeline.writers.damage).
+shard, the sample and the field, as damage does there. An image that cannot be decoded (in any
+image field) is the exception, as there: a damaged sample (pipeline.writers.damage).
 """
 import collections
 import random
@@ -32,8 +33,9 @@ GREY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"}
 
 def scan_fields(sample, scan, url):
     """Check one sample against the scan's schema; count it, with its first image's statistics.
-    A first image that cannot be decoded makes the sample damaged (pipeline.writers.damage),
-    left out of the counts, as --index without --fields takes it."""
+    An image that cannot be decoded, in any image field, makes the sample damaged
+    (pipeline.writers.damage), left out of the counts, as --index without --fields takes it
+    and as training skips it."""
     from PIL import Image
 
     schema, key = scan["fields"], sample["__key__"]
@@ -54,14 +56,13 @@ def scan_fields(sample, scan, url):
                     raise ValueError(f"field {col.name}: {e}") from None
                 if col.kind == "class":  # the classes: 0 to the largest index seen, or the names seen
                     labels.append(value)
-            elif stats is None:  # its pixels decoded: the damage rule's image, and the mean and std
-                stats = decoded(scan, key, ext, lambda: _stat_pixels(col, ext, data))
-                if stats is None:
+            else:  # every image field's pixels decoded (the damage rule); the first's give the mean and std
+                got = decoded(scan, key, ext, lambda: _stat_pixels(col, ext, data))
+                if got is None:
                     return
-                (h, w), fmt = stats[1], image_format(ext)  # decodable, but is it within the field's size?
+                (h, w), fmt = got[1], image_format(ext)  # decodable, but is it within the field's size?
                 image_caps.check(w, h, (col.channels, *col.size), fmt)
-            else:  # a further image: its header, within its field's size
-                open_image(bytes(data), image_format(ext), (col.channels, *col.size))
+                stats = stats or got
     except ValueError as e:
         raise ShardError(f"{url}: sample {key}: {e}") from None
     except (Image.DecompressionBombError, *CONTENT_ERRORS) as e:

@@ -8,7 +8,7 @@ headers with `path` and `size` overrides (a header per member, as
 Members group into samples by webdataset's rule: the key is the member path up
 to the first dot of its base name, directories included (`train/cat/0001.jpg`
 -> key `train/cat/0001`, extension `jpg`), and consecutive members with the same
-key form one sample. Extensions are lowercased, as webdataset does; members
+key form one sample (names that are not UTF-8 get keys by `key_text`). Extensions are lowercased, as webdataset does; members
 with no extension are skipped, and so are `__*__` names at the top level and
 everything in a top-level `__*__/` folder (webdataset 1.0.2's skip_meta), while
 `__meta__.json` is a member of the sample `__meta__` there and here (see
@@ -41,6 +41,32 @@ GZIP_MAGIC = b"\x1f\x8b"
 _REGULAR = (48, 0, 55)  # b"0", NUL (old tars), b"7" (contiguous file)
 _LONGNAME, _PAX, _GLOBAL_PAX, _SPARSE = 76, 120, 103, 83  # b"L", b"x", b"g", b"S"
 _BASE_PLUS_EXT = re.compile(rb"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext, for the odd names
+
+
+def key_text(name):
+    """A sample's key (str) from its name's bytes (the member path up to the extension's dot).
+    A name in UTF-8 without a backslash is its key as webdataset reads it; in any other name
+    a byte that is not UTF-8 is written `\\xNN` and a backslash `\\\\`. Distinct names so get
+    distinct keys (U+FFFD for every such byte made two names one key), and every key stays
+    printable text for the key logs and JSON. The one rule of every reader (`key_texts`,
+    regular.py) and so of the index."""
+    try:
+        text = name.decode("utf-8")
+    except UnicodeDecodeError:
+        return name.replace(b"\\", b"\\\\").decode("utf-8", "backslashreplace")
+    return text if "\\" not in text else text.replace("\\", "\\\\")
+
+
+def key_texts(joined):
+    """`key_text` of every name in `joined`, names separated by NUL (one decode for all where
+    they are all UTF-8 without a backslash, as nearly always)."""
+    try:
+        text = joined.decode("utf-8")
+        if "\\" not in text:
+            return text.split("\0")
+    except UnicodeDecodeError:
+        pass
+    return [key_text(n) for n in joined.split(b"\0")]
 
 
 def is_meta(key):
@@ -76,7 +102,7 @@ def iter_samples(stream, want=None, url=None, *, max_member=MAX_MEMBER, chunk=CH
                 if sample is not None:
                     yield sample
                 current = key
-                sample = {"__key__": key.decode("utf-8", "replace"), "__url__": url}
+                sample = {"__key__": key_text(key), "__url__": url}
             elif ext in sample:
                 name, sample = f"{sample['__key__']}.{ext}", None  # the damaged sample is not yielded
                 raise ShardError(f"member {name} appears twice in one sample")

@@ -3,7 +3,7 @@ as arrays: every header found and checked at once with numpy, no member parsed o
 import numpy as np
 
 from pipeline.errors import ShardError
-from pipeline.data.shards.read import GZIP_MAGIC, MAX_MEMBER, _PAX, _REGULAR, _pax_records
+from pipeline.data.shards.read import GZIP_MAGIC, MAX_MEMBER, _PAX, _REGULAR, _pax_records, key_texts
 
 
 def regular(buf, image_ext="raw", label_ext="cls"):
@@ -175,7 +175,7 @@ def _regular_kinds(headers):
 
 
 def _checked_keys(head, tail, image_ext, label_ext):
-    """The keys (str, UTF-8 decoded with replacement, as iter_samples decodes them) of samples
+    """The keys (str, `read.key_text` of each name, as iter_samples makes them) of samples
     whose image headers are `head` and label headers `tail`, if every name reads as iter_samples
     would group it: KEY.image_ext then KEY.label_ext, no dot, NUL or leading "__" in a key, a
     new key each sample; else None. Keys may differ in length (`cat/0655`, `truck/3050`, as
@@ -210,7 +210,7 @@ def _keys_of_one_length(head, tail, k, image, label):
             and (keys[:, :k] == tail[:, :k]).all()  # the label's key is the image's
             and (texts[1:] != texts[:-1]).all()):  # a new key each sample
         return None
-    return keys.tobytes().decode("utf-8", "replace").split("\0")[:-1]
+    return key_texts(keys.tobytes())[:-1]
 
 
 def _ends_with(headers, k, suffix):
@@ -246,7 +246,7 @@ def _keys_of_lengths(head, tail, image, label):
     if ((keys == 46).any() or not (names[np.arange(len(names)), key_len - 1] != 47).all()
             or not (texts[1:] != texts[:-1]).all()):  # a dot in a key, a key ending in a slash, a key twice
         return None
-    return b"\0".join(texts.tolist()).decode("utf-8", "replace").split("\0")
+    return key_texts(b"\0".join(texts.tolist()))
 
 
 _UNDERSCORES = int.from_bytes(b"__", "little")
