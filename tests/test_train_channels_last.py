@@ -129,8 +129,8 @@ def test_a_users_model_gets_channels_last_batches_with_the_flag_and_the_same_wei
 @pytest.mark.parametrize("model, steps", [("cnn", 6), ("resnet18", 1)])
 def test_every_model_kind_trains_channels_last_to_the_same_weights(colour, user_file, monkeypatch, model, steps):
     """The default CNN and a torchvision model (BatchNorm, strided convolutions): the model's
-    input channels-last with the flag (seen by a hook on the model the trainer builds), the
-    weights after `steps` as without the flag. resnet18 for one step only: on 16x16 images its
+    input and its convolutions' weights channels-last with the flag (seen by a hook on the model
+    the trainer builds), the weights after `steps` as without the flag. resnet18 for one step only: on 16x16 images its
     last stages are 1x1, where BatchNorm normalises 8 values a channel, and there a change of
     1e-6 in the weights (without the flag) moves the next step's gradients by 10% or more: the
     two layouts' rounding grows alike, and only the first step compares to a tolerance."""
@@ -140,7 +140,10 @@ def test_every_model_kind_trains_channels_last_to_the_same_weights(colour, user_
 
     def record(module, args):
         if len(args[0]) == BATCH:  # the batches, not the blank pair the trainer checks the model on
-            seen.append((args[0].is_contiguous(), args[0].is_contiguous(memory_format=torch.channels_last)))
+            kernels = [p for p in module.parameters() if p.dim() == 4]  # 1x1 ones have both layouts' strides
+            seen.append((args[0].is_contiguous(), args[0].is_contiguous(memory_format=torch.channels_last),
+                         all(p.is_contiguous(memory_format=torch.channels_last) for p in kernels)
+                         and not all(p.is_contiguous() for p in kernels)))
 
     def built(*a, **kw):
         model = real(*a, **kw)
@@ -154,7 +157,7 @@ def test_every_model_kind_trains_channels_last_to_the_same_weights(colour, user_
         p = train_in_process([*common(colour, out, model), *["--channels-last"] * flag, "--stop-after-steps", steps])
         assert p.returncode == 0, p.stderr[-2000:]
         evals = 4 if steps == 6 else 0  # 32 test samples / 8, after the epoch's 48 / 8 steps
-        assert len(seen) == steps + evals and set(seen) == {(not flag, flag)}, seen
+        assert len(seen) == steps + evals and set(seen) == {(not flag, flag, flag)}, seen
         seen.clear()
         runs[flag] = weights(out)
     assert_close_weights(runs[False], runs[True])
