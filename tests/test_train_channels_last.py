@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from helpers import _launch_env, build_shards, finish, free_port, launchers, train_in_process
+from helpers import _launch_env, build_shards, finish, free_port, launchers, tool_module, train_in_process
 from pipeline.errors import InputError
 from pipeline.train import options
 from pipeline.train.model import build_model
@@ -213,3 +213,12 @@ def test_two_ranks_train_and_evaluate_on_channels_last_batches(colour, user_file
         seen = layouts(user_file, rank)
         assert sum(s["training"] for s in seen) == 3 and sum(not s["training"] for s in seen) == 2  # 48 / 2 / 8
         assert all(s["last"] and not s["contiguous"] and s["weight_last"] for s in seen), seen
+
+
+def test_the_step_benchmark_prints_both_layouts_medians(capsys):
+    """tools/bench_channels_last.py (the figures of docs/training.md's --channels-last), tiny."""
+    assert tool_module("bench_channels_last").main(["--width", "2", "--batch-size", "4", "--side", "8",
+                                                    "--rounds", "3"]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line["steps"] == 1 and line["contiguous_s"] > 0 and line["channels_last_s"] > 0
+    assert line["ratio"] == pytest.approx(line["channels_last_s"] / line["contiguous_s"], rel=0.05)  # of the rounded medians

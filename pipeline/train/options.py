@@ -66,7 +66,8 @@ def parse(argv=None):
       help="image batches and the model in channels-last memory (torch.channels_last: the same (B, C, H, W) "
            "tensors, their bytes in height, width, channel order): decoded JPEGs reach the batch without a "
            "transpose to planes, and convolutions run in NHWC, the layout PyTorch recommends for CNNs on GPUs "
-           "with mixed precision (which this trainer uses on a GPU). Off by default: a "
+           "with mixed precision (which this trainer uses on a GPU); on a CPU it depends on the model "
+           "(tools/bench_channels_last.py times yours). Off by default: a "
            "--model of your own that calls .view() on its input fails on such a batch (.reshape does not). A "
            "resumed run may add or drop it")
     a("--max-batch-memory", type=byte_size, metavar="BYTES",
