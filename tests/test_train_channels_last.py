@@ -104,6 +104,8 @@ def assert_close_weights(a, b):
 def test_the_flag_is_off_by_default_and_recorded():
     assert options.parse(["--train", "a=x/"]).channels_last is False
     assert options.parse(["--train", "a=x/", "--channels-last"]).channels_last is True
+    both = options.parse(["--train", "a=x/", "--channels-last", "--decode-on", "device"])  # the loader keeps the
+    assert both.channels_last and both.decode_on == "device"  # layout through the decode (test_channels_last.py)
 
 
 def test_a_users_model_gets_channels_last_batches_with_the_flag_and_the_same_weights(colour, user_file):
@@ -221,4 +223,5 @@ def test_the_step_benchmark_prints_both_layouts_medians(capsys):
                                                     "--rounds", "3"]) == 0
     line = json.loads(capsys.readouterr().out)
     assert line["steps"] == 1 and line["contiguous_s"] > 0 and line["channels_last_s"] > 0
-    assert line["ratio"] == pytest.approx(line["channels_last_s"] / line["contiguous_s"], rel=0.05)  # of the rounded medians
+    ratio = line["channels_last_s"] / line["contiguous_s"]  # of the medians as rounded
+    assert line["ratio"] == pytest.approx(ratio, rel=0.05)
