@@ -374,6 +374,9 @@ def load_optimizer(opt, state, path):
             f.bad(f"optimizer.state.{i}.momentum_buffer", f"{short(buf, show=json.dumps)}; a tensor of shape {list(p.shape)} expected")
         if not bool(torch.isfinite(buf).all()):
             f.bad(f"optimizer.state.{i}.momentum_buffer", "values that are not finite")
+        if buf.stride() != p.stride():  # saved in the other memory format (--channels-last added or dropped):
+            # the fused step walks a parameter and its buffer as one flat range, so they must be laid out alike
+            opt.state[p]["momentum_buffer"] = torch.empty_like(p).copy_(buf)
 
 
 def _first_line(e):

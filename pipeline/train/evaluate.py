@@ -104,8 +104,13 @@ def eval_loaders(run):
     """One loader per test source, made once: their workers persist between evaluations
     (at most 2 each, idle while training runs)."""
     device = run.device if run.device.type == "cuda" else None  # on the CPU the views themselves
-    return [stream.make_loader(ev, min(run.args.workers, 2), device=device,
+    return [stream.make_loader(ev, min(run.args.workers, 2), device=device, memory_format=memory_format(run.args),
                                timeout=getattr(run.args, "loader_timeout", 0) or None) for ev in run.evals]
+
+
+def memory_format(args):
+    """The image batches' layout for make_loader: channels-last with --channels-last, as the model is."""
+    return "channels_last" if getattr(args, "channels_last", False) else "contiguous"
 
 
 def evaluate_only(run):

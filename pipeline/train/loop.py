@@ -29,7 +29,7 @@ from pipeline.data.handover.workers import WorkerDied
 from pipeline.errors import InputError
 from pipeline.train.console import one_line
 from pipeline.train.epoch import train_epoch
-from pipeline.train.evaluate import epoch_line, eval_loaders, evaluate, evaluate_only
+from pipeline.train.evaluate import epoch_line, eval_loaders, evaluate, evaluate_only, memory_format
 from pipeline.train.metrics import KeyLog, Metrics
 from pipeline.train.model import check_name
 from pipeline.train.outdir import prepare_out
@@ -83,7 +83,7 @@ def train(args, topo, device, stopper=None):
             return None
         return stream.make_loader(train_stream, args.workers, record=False,
                                   device=device if device.type == "cuda" else None,
-                                  decode=args.decode_on,
+                                  decode=args.decode_on, memory_format=memory_format(args),
                                   timeout=args.loader_timeout or None).start()
 
     try:
@@ -103,7 +103,8 @@ def train(args, topo, device, stopper=None):
         print(f"resumed from {where(run)} (saved at {saved})", flush=True)
     metrics = Metrics(os.path.join(args.out, "metrics.jsonl"), topo.is_main, resume_step=run.step if ckpt else None)
     if ckpt:  # where a resume began, on which world (the report marks it)
-        metrics.log(kind="resumed", epoch=run.epoch + 1, step=run.step, world=topo.world, workers=args.workers)
+        metrics.log(kind="resumed", epoch=run.epoch + 1, step=run.step, world=topo.world, workers=args.workers,
+                    channels_last=args.channels_last)  # free to change on resume, as the workers are
     if "weights" in changed:
         metrics.log(kind="weights_changed", epoch=run.epoch + 1, step=run.step, **changed["weights"])
     if "data" in changed:

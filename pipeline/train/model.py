@@ -50,14 +50,18 @@ def check_name(spec):
                          f"{DEFAULT} (the default) or MODULE:FUNCTION of your own")
 
 
-def build_model(spec, num_classes, shape, width):
+def build_model(spec, num_classes, shape, width, channels_last=False):
     """The model --model names, on the CPU, for images of `shape` (C, H, W) and `num_classes`
     classes: the default CNN at --width; a torchvision model by name, untrained
     (`torchvision.models.get_model(name, weights=None, num_classes=num_classes)`); or
     MODULE:FUNCTION called as `FUNCTION(num_classes, shape)`, which returns an nn.Module.
-    InputError (one line) where the model cannot be had or cannot take the input (`check_fits`)."""
+    channels_last (--channels-last): its 4-d weights in torch.channels_last, so that its
+    convolutions take the loader's channels-last batches as they are (NHWC), and checked on
+    such a batch. InputError (one line) where the model cannot be had or cannot take the
+    input (`check_fits`)."""
     if spec == DEFAULT:
-        return Net(num_classes, width, in_channels=shape[0])
+        made = Net(num_classes, width, in_channels=shape[0])
+        return made.to(memory_format=torch.channels_last) if channels_last else made
     if ":" in spec:
         make = user_function("--model", spec)
         try:
@@ -73,29 +77,49 @@ def build_model(spec, num_classes, shape, width):
         import torchvision
 
         made = torchvision.models.get_model(spec, weights=None, num_classes=num_classes)
-    check_fits(made, spec, num_classes, shape)
+    if channels_last:
+        made = made.to(memory_format=torch.channels_last)
+    check_fits(made, spec, num_classes, shape, channels_last)
     return made
 
 
-def check_fits(model, spec, num_classes, shape):
+def check_fits(model, spec, num_classes, shape, channels_last=False):
     """One forward pass of two blank images in training mode, as the trainer runs it: a model
     that cannot take the input size (too small for its poolings, or fixed to another size) or
     whose output is not a (batch, classes) tensor of scores (torchvision's googlenet and
     inception_v3 return their auxiliary heads too while training) is refused in one line before
-    the run starts, rather than in its first step. Leaves no trace: its running statistics are
-    put back and the global random state is untouched (every rank starts from the same)."""
+    the run starts, rather than in its first step. With channels_last the blank images have the
+    batches' channels-last strides, so a model that `.view()`s its input is refused here too,
+    named as such. Leaves no trace: its running statistics are put back and the global random
+    state is untouched (every rank starts from the same)."""
     size = "x".join(map(str, shape))
+    blank = torch.zeros(2, *shape)
     try:
         with leaving_no_trace(model), torch.no_grad():
-            out = model(torch.zeros(2, *shape))
+            out = model(blank.contiguous(memory_format=torch.channels_last) if channels_last else blank)
     except Exception as e:  # noqa: BLE001 - whatever the model raises, in one line
         why = (str(e).strip().splitlines() or [""])[0][:200]
+        if channels_last and _takes(model, blank):
+            raise InputError(f"--model {spec} cannot take channels-last {size} images (--channels-last; "
+                             f"{type(e).__name__}: {why}): .reshape its input rather than .view, or drop "
+                             f"--channels-last") from None
         raise InputError(f"--model {spec} cannot take {size} images ({type(e).__name__}: {why}); pick a model "
                          f"for images of this size or resize the data when writing its shards") from None
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, num_classes):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise InputError(f"--model {spec}: a batch of 2 {size} images gave {got}, not a (2, {num_classes}) "
                          f"tensor of class scores")
+
+
+def _takes(model, blank):
+    """Whether `model` takes the contiguous blank batch (leaving no trace): the layout, not the
+    size, is what it refused."""
+    try:
+        with leaving_no_trace(model), torch.no_grad():
+            model(blank)
+        return True
+    except Exception:  # noqa: BLE001 - refused either way; check_fits says why
+        return False
 
 
 def unused_parameters(model, shape):
@@ -181,12 +205,22 @@ def augment(x, source, flip_sources, generator, pad=2):
     dy, dx = draws[0], draws[1]
     rows = (dy[:, None] + torch.arange(h, device=dev))[:, None, :, None]
     cols = (dx[:, None] + torch.arange(w, device=dev))[:, None, None, :]
-    out = padded[torch.arange(b, device=dev)[:, None, None, None], torch.arange(c, device=dev)[None, :, None, None],
-                 rows, cols]
+    batch, channels = torch.arange(b, device=dev)[:, None, None, None], torch.arange(c, device=dev)
+    if channels_last(x):  # gathered as (B, H, W, C), so the batch keeps its layout (--channels-last)
+        hwc = (0, 2, 3, 1)
+        out = padded.permute(hwc)[batch, rows.permute(hwc), cols.permute(hwc), channels].permute(0, 3, 1, 2)
+    else:
+        out = padded[batch, channels[None, :, None, None], rows, cols]
     if len(flip_sources):
         flip = draws[2].bool() & torch.isin(source, flip_sources)
         out = torch.where(flip[:, None, None, None], out.flip(3), out)
     return out
+
+
+def channels_last(x):
+    """Whether a (B, C, H, W) batch has channels-last strides and not also the contiguous ones
+    (one channel, or 1x1 images, have both)."""
+    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
 
 
 def _to_device(t, device):

@@ -62,6 +62,14 @@ def parse(argv=None):
       help="where the training JPEGs of the batch's image size, upright, are decoded: in the loader's workers "
            "(host) or on the GPU after the hand-over (device: nvJPEG, one call a batch); others stay on the host. "
            "A CPU run decodes on the host (default: host)")
+    a("--channels-last", action="store_true",
+      help="image batches and the model in channels-last memory (torch.channels_last: the same (B, C, H, W) "
+           "tensors, their bytes in height, width, channel order): decoded JPEGs reach the batch without a "
+           "transpose to planes, and convolutions run in NHWC, the layout PyTorch recommends for CNNs on GPUs "
+           "with mixed precision (which this trainer uses on a GPU); on a CPU it depends on the model "
+           "(tools/bench_channels_last.py times yours). Off by default: a "
+           "--model of your own that calls .view() on its input fails on such a batch (.reshape does not). A "
+           "resumed run may add or drop it")
     a("--max-batch-memory", type=byte_size, metavar="BYTES",
       help="the most one rank's batches may take (suffixes K, M, G, T): the loader's queue of workers x 6 "
            "batches, the batch and its float copy, decoding, the shuffle windows and on a CPU the model's step, "

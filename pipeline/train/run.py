@@ -75,7 +75,8 @@ class Run:
         self.names = self.layout.names
         self.flip_ids = [self.layout.index(n) for n in args.flip]
         torch.manual_seed(args.seed)
-        model = build_model(args.model, self.layout.num_classes, input_shape(self.stream), args.width)
+        model = build_model(args.model, self.layout.num_classes, input_shape(self.stream), args.width,
+                            channels_last=getattr(args, "channels_last", False))  # before DDP wraps it
         unused = unused_parameters(model, input_shape(self.stream))
         if unused and topo.world > 1 and topo.rank == 0:
             warnings.warn(f"--model {args.model}: {len(unused)} parameter(s) get no gradient ({', '.join(unused[:3])}"
