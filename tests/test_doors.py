@@ -13,7 +13,7 @@ import pytest
 
 from helpers import read_pass, two_small_sources
 from pipeline.data.handover.dataloader import StatefulLoader
-from pipeline.data.handover.keys import Keys
+from pipeline.data.fields.keys import Keys
 from pipeline.data.handover.loader import make_loader
 from pipeline.data.streams.stream import MixedStream
 from pipeline.ordering.topology import Topology

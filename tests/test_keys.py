@@ -1,4 +1,4 @@
-"""A batch's keys from the workers (pipeline.data.handover.keys): one string split only when read,
+"""A batch's keys from the workers (pipeline.data.fields.keys): one string split only when read,
 read as the list of keys was (len, index, iteration, equality, +, pickling, the trainer's key log)."""
 import copy
 import io
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import HALF, train_sources
-from pipeline.data.handover.keys import Keys
+from pipeline.data.fields.keys import Keys
 from pipeline.data.handover.loader import make_loader
 from pipeline.data.handover.workers import pack, unpack
 from pipeline.data.streams.stream import MixedStream

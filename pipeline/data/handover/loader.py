@@ -19,7 +19,7 @@ import torch
 
 from pipeline.data.handover.budget import PREFETCH
 from pipeline.data.handover.device import REFUSED, ToDevice, decoding, parse_device
-from pipeline.data.handover.keys import Keys
+from pipeline.data.fields.keys import Keys
 from pipeline.data.handover.ring import Ring
 from pipeline.ordering.topology import Worker
 from pipeline.data.handover.workers import BATCH, END, Workers, raise_error, unpack

@@ -30,7 +30,7 @@ import weakref
 import numpy as np
 import torch
 
-from pipeline.data.handover.keys import SEP, Keys
+from pipeline.data.fields.keys import SEP, Keys
 from pipeline.ordering.topology import Worker
 from pipeline.errors import cut
 

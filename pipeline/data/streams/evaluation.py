@@ -11,7 +11,7 @@ from pipeline.data.streams import stages
 from pipeline.data.streams import reading
 from pipeline.data.streams import plans
 from pipeline.data.fields.batch import NOTHING, Layout
-from pipeline.data.handover.keys import Keys
+from pipeline.data.fields.keys import Keys
 from pipeline.data.fields.schema import Schema
 from pipeline.errors import Errors, ShardError
 from pipeline.ordering.topology import Topology, Worker
