@@ -7,8 +7,8 @@ PIL's rules, each one a case in tests/test_jpeg_orientation.py: the Exif APP1 se
 starting `Exif\\0\\0`) are joined, the first whole and each later one past its six bytes, and
 up to two leading `Exif\\0\\0` are dropped; the rest is a TIFF block (`II*\\0`, `MM\\0*`, or
 either with the magic bytes swapped). In its first directory the first Orientation entry PIL
-keeps counts: an entry of a type PIL has no reader for, of count 0, or whose value lies past
-the block is passed by. Its first value turns the image when it equals 2-8, whatever the
+keeps counts: an entry of a type PIL has no reader for or of count 0 is passed by, and one
+whose value lies past the block ends the directory. Its first value turns the image when it equals 2-8, whatever the
 number's type (SHORT, LONG, signed, RATIONAL 12/2, FLOAT 6.0); bytes, text or anything else
 leave it as stored. Without an Orientation entry, `tiff:Orientation` in the last XMP packet
 counts. A block PIL cannot open (no TIFF header) leaves the image as stored.
@@ -66,9 +66,11 @@ def _ifd0_orientation(exif):
                 continue
             start = int.from_bytes(entry[8:12], _big(order))
             data = tiff[start:start + size]
+            if len(data) != size:
+                break  # PIL's read fails there, and it keeps only the entries before
         else:
             data = entry[8:8 + size]
-        if len(data) != size or not data:
+        if not data:
             continue
         stored.add(tag)
         if tag == _ORIENTATION:
