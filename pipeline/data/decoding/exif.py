@@ -28,15 +28,17 @@ _XMP_ORIENTATION = re.compile(rb'tiff:Orientation(="|>)([0-9])')
 def orientation(exif, xmp):
     """EXIF orientation 1-8 of a JPEG, as PIL turns it. exif: its Exif APP1 segments joined as
     PIL joins them (b"" for none); xmp: the packet of its last XMP APP1 segment, or None."""
+    if not exif and not xmp:
+        return 1  # most JPEGs: nothing to read
     found, value = _ifd0_orientation(exif) if exif else (False, None)
     if not found and xmp:
         match = _XMP_ORIENTATION.search(xmp)
         value = int(match[2]) if match else None
-    return next((k for k in range(2, 9) if _equals(value, k)), 1)
-
-
-def _equals(value, k):
-    return isinstance(value, (int, float, Fraction)) and value == k
+    if isinstance(value, (int, float, Fraction)):  # exif_transpose looks it up among 2-8: 6.0 is 6
+        for k in range(2, 9):
+            if value == k:
+                return k
+    return 1
 
 
 def _ifd0_orientation(exif):

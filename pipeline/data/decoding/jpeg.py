@@ -118,7 +118,7 @@ def _walk(data):
             if frame is None:
                 raise ValueError("JPEG scan before its frame header")
             _check_scans(data, i)
-            return Header(*frame, exif.orientation(bytes(joined), xmp)), bytes(data[:i + length]), i
+            return Header(*frame, exif.orientation(bytes(joined), xmp) if joined or xmp else 1), bytes(data[:i + length]), i
         i += length
 
 
