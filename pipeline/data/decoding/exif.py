@@ -3,15 +3,16 @@
 image alike: `pipeline.data.decoding.jpeg.header` reads it once, and simplejpeg, torchvision
 (told not to read the EXIF itself) and PIL all turn by that reading.
 
-PIL's rules, each one a case in tests/test_jpeg_orientation.py: the Exif APP1 segments (those
-starting `Exif\\0\\0`) are joined, the first whole and each later one past its six bytes, and
-up to two leading `Exif\\0\\0` are dropped; the rest is a TIFF block (`II*\\0`, `MM\\0*`, or
-either with the magic bytes swapped). In its first directory the first Orientation entry PIL
-keeps counts: an entry of a type PIL has no reader for or of count 0 is passed by, and one
-whose value lies past the block ends the directory. Its first value turns the image when it equals 2-8, whatever the
-number's type (SHORT, LONG, signed, RATIONAL 12/2, FLOAT 6.0); bytes, text or anything else
-leave it as stored. Without an Orientation entry, `tiff:Orientation` in the last XMP packet
-counts. A block PIL cannot open (no TIFF header) leaves the image as stored.
+PIL's rules (Pillow 13.0), each one a case in tests/test_jpeg_orientation.py: the Exif APP1
+segments (those starting `Exif\\0\\0`) are joined, the first whole and each later one past its
+six bytes, and up to two leading `Exif\\0\\0` are dropped; the rest is a TIFF block (`II*\\0`,
+`MM\\0*`, or either with the magic bytes swapped). In its first directory the first Orientation
+entry PIL keeps counts: an entry of a type PIL has no reader for or of count 0 is passed by, and
+one whose value lies past the block ends the directory. Its first value turns the image when it
+equals 2-8, whatever the number's type (SHORT, LONG, signed, RATIONAL 12/2, FLOAT 6.0); bytes,
+text or anything else leave it as stored. Without an Orientation entry, `tiff:Orientation` in the
+last XMP packet counts. A block PIL cannot open (no TIFF header) leaves the image as stored and
+the XMP unread (where the JPEG's JFIF segment gives a resolution, PIL's exif_transpose raises on it).
 """
 import re
 import struct
