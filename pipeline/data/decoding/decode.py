@@ -159,7 +159,8 @@ def _turbo_batch(images, exts, target, crops, hwc=False):
                     kept.append(i)
                     continue
             except turbo.REFUSED:
-                pass  # damaged, or libjpeg-turbo warned: decode_image says why
+                pass  # libjpeg-turbo refused or only warned (strict): decode_image decodes what it warned
+                # of leniently, as PIL does (docs/data.md), and says why it refuses the rest
         try:
             chw = decode_image(data, exts[i], shape, None if crops is None else crops[i], hwc=True)
             decoded.append(np.ascontiguousarray(chw.transpose(1, 2, 0)))  # mostly HWC already: no copy
@@ -181,11 +182,11 @@ def _jpeg_batch(images, exts, target, crops):
     128 wide JPEGs of 100 KB each that a 224x224 target lets through at 447x14000 would
     otherwise hold 2.2 GiB at once, where image by image holds one (18 MiB)."""
     shape = tuple(target.shape)
-    sizes = [_direct_size(d, shape) for d in images]
+    heads = [_direct_head(d, shape) for d in images]
     out, kept, errors = [], [], []
-    for group in _calls(sizes):
+    for group in _calls(heads):
         crop = None if crops is None else crops[group[0]]
-        if sizes[group[0]] is None:  # refused, or PIL's draft path: as decode_image says
+        if heads[group[0]] is None:  # refused, or PIL's draft path: as decode_image says
             _decode_one(lambda: decode_image(images[group[0]], exts[group[0]], shape, crop), group[0], out, kept, errors)
             continue
         decoded = _torchvision_jpegs([images[i] for i in group], shape[0])
@@ -194,7 +195,7 @@ def _jpeg_batch(images, exts, target, crops):
             if decoded is None:  # one of them failed: each on its own, as decode_image does
                 _decode_one(lambda: decode_image(images[i], exts[i], shape, crop), i, out, kept, errors)
             else:
-                _decode_one(lambda image=decoded[n]: fit(_upright_as(image, sizes[i]), shape, crop), i, out, kept,
+                _decode_one(lambda image=decoded[n]: fit(_upright_as(image, heads[i]), shape, crop), i, out, kept,
                             errors)
         del decoded
     c, h, w = shape
@@ -204,19 +205,19 @@ def _jpeg_batch(images, exts, target, crops):
 JPEG_CALL_PIXELS = MAX_PIXELS  # what one torchvision call may decode at once, all its images together
 
 
-def _calls(sizes):
+def _calls(heads):
     """Positions in order, as runs for one torchvision call each: consecutive images it takes
-    at their size (`sizes` not None) up to JPEG_CALL_PIXELS together, every other image alone."""
+    at their size (`heads` not None) up to JPEG_CALL_PIXELS together, every other image alone."""
     run, pixels = [], 0
-    for i, size in enumerate(sizes):
-        if run and (size is None or pixels + size[0] * size[1] > JPEG_CALL_PIXELS):
+    for i, head in enumerate(heads):
+        if run and (head is None or pixels + head.height * head.width > JPEG_CALL_PIXELS):
             yield run
             run, pixels = [], 0
-        if size is None:
+        if head is None:
             yield [i]
         else:
             run.append(i)
-            pixels += size[0] * size[1]
+            pixels += head.height * head.width
     if run:
         yield run
 
@@ -229,15 +230,16 @@ def _decode_one(make, i, out, kept, errors):
         errors.append((i, str(e)))
 
 
-def _direct_size(data, shape):
-    """(height, width) of a JPEG that decode_image hands to libjpeg-turbo at its own size,
+def _direct_head(data, shape):
+    """The jpeg.Header of a JPEG that decode_image hands to libjpeg-turbo at its own size,
     else None (an image it refuses, or decodes through PIL's draft mode)."""
     try:
-        ih, iw = jpeg.header(data).upright
+        head = jpeg.header(data)
+        ih, iw = head.upright
         image_caps.check(iw, ih, shape, "jpg")
     except ValueError:
         return None
-    return (ih, iw) if _direct(ih, iw, shape) else None
+    return head if _direct(ih, iw, shape) else None
 
 
 def _direct(ih, iw, shape):
@@ -319,28 +321,29 @@ def _decode_image(data, ext, shape, crop, hwc=False):
             pixels = turbo.decode(data, head, shape)
             if pixels is not None:
                 return fit(pixels, shape, crop, hwc)
-        if _direct(ih, iw, shape):  # without simplejpeg, or what it refused: as before it came
-            pixels = _torchvision_jpeg(data, c, (ih, iw))
+        if _direct(ih, iw, shape):  # without simplejpeg, CMYK, or what its strict mode refused (below)
+            pixels = _torchvision_jpeg(data, c, head)
             if pixels is not None:
                 return fit(pixels, shape, crop, hwc)
         return fit(_pil(data, ext, shape, head), shape, crop, hwc)
     return fit(_pil(data, ext, shape), shape, crop, hwc)
 
 
-def _torchvision_jpeg(data, c, size):
-    """HWC uint8 from libjpeg-turbo, upright, of `size` (height, width, as jpeg.header says
-    once its orientation is applied), or None where it can't (CMYK, damage: PIL then says why)."""
-    if size is None or size[0] * size[1] > MAX_PIXELS:
+def _torchvision_jpeg(data, c, head):
+    """HWC uint8 from libjpeg-turbo, turned upright by `head` (its jpeg.Header), or None where
+    it can't (CMYK it refuses, damage: PIL then says why)."""
+    if head.height * head.width > MAX_PIXELS:
         return None
     decoded = _torchvision_jpegs([data], c)
-    return None if decoded is None else _upright_as(decoded[0], size)
+    return None if decoded is None else _upright_as(decoded[0], head)
 
 
 def _torchvision_jpegs(datas, c, device="cpu"):
-    """CHW uint8 tensors of JPEGs from libjpeg-turbo, turned upright by their EXIF, in one
-    torchvision call; None if it refuses any of them (CMYK, damage). On a CUDA `device`
-    nvJPEG decodes them there and the EXIF is not applied (pipeline.data.decoding.gpujpeg sends only
-    upright ones)."""
+    """CHW uint8 tensors of JPEGs from libjpeg-turbo, as stored (not turned), in one torchvision
+    call; None if it refuses any of them (CMYK, damage). Its own EXIF reading is left off: it differs
+    from PIL's (an XMP segment before the Exif one hides it; an `Exif\0\xff` segment counts), so
+    the callers turn each by jpeg.header's (`_upright_as`). On a CUDA `device` nvJPEG decodes
+    them there (pipeline.data.decoding.gpujpeg sends only JPEGs upright as stored)."""
     import torch
     from torchvision.io import ImageReadMode, decode_jpeg
 
@@ -351,16 +354,18 @@ def _torchvision_jpegs(datas, c, device="cpu"):
     try:
         return decode_jpeg([torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in datas],
                            mode=ImageReadMode.GRAY if c == 1 else ImageReadMode.RGB, device=device,
-                           apply_exif_orientation=True)
+                           apply_exif_orientation=False)
     except RuntimeError:
         return None
 
 
-def _upright_as(t, size):
-    """A decoded CHW tensor as HWC numpy, checked against the (height, width) its header gave."""
-    if sorted(t.shape[1:]) != sorted(size):  # a quarter turn more or less is only another reading of the EXIF
-        raise ValueError(f"libjpeg decoded {t.shape[2]}x{t.shape[1]}, its frame header says {size[1]}x{size[0]}")
-    return t.permute(1, 2, 0).numpy()
+def _upright_as(t, head):
+    """A CHW tensor decoded as stored, as HWC numpy turned by its header's EXIF orientation
+    (`turbo.upright`), once its size is checked to be exactly the header's frame."""
+    if tuple(t.shape[1:]) != (head.height, head.width):
+        raise ValueError(f"libjpeg decoded {t.shape[2]}x{t.shape[1]}, its frame header says {head.width}x{head.height}")
+    hwc = t.permute(1, 2, 0).numpy()
+    return hwc if head.orientation == 1 else turbo.upright(hwc, head.orientation)
 
 
 def fit(pixels, shape, crop=None, hwc=False):

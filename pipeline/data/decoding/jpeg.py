@@ -13,18 +13,20 @@ every block once a scan.
 """
 from dataclasses import dataclass
 
+from pipeline.data.decoding import exif
+
 MAX_COMPONENTS = 4  # grey, YCbCr, CMYK/YCCK; libjpeg takes up to 10, each a full-size plane
 MAX_SCANS = 100  # progressive files have about 10; libjpeg passes over every block once a scan
 SCAN_BYTES = 10  # the fewest bytes a scan takes: marker, length, one component (2), Ss, Se, Ah/Al
 _FRAMES = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # SOF0-15 but DHT, JPG, DAC
 _STANDALONE = frozenset([0x01, *range(0xD0, 0xD8)])  # TEM, RST0-7: no length field
 _SOI, _EOI, _SOS, _APP1 = 0xD8, 0xD9, 0xDA, 0xE1
-_ORIENTATION = 0x0112
 
 
 @dataclass(frozen=True)
 class Header:
-    """height, width: the frame as stored; orientation: EXIF 1-8 (1 when absent)."""
+    """height, width: the frame as stored; orientation: EXIF 1-8 (1 when absent), as PIL reads it
+    (`pipeline.data.decoding.exif`): every decoder turns the image by this one reading."""
 
     height: int
     width: int
@@ -83,7 +85,7 @@ def _walk(data):
     segments walked one by one."""
     if data[:2] != b"\xff\xd8":
         raise ValueError("not a JPEG (no SOI marker)")
-    i, n, frame, orientation = 2, len(data), None, None
+    i, n, frame, joined, xmp = 2, len(data), None, b"", None
     while True:
         if i >= n:
             raise ValueError("JPEG ends before its first scan")
@@ -108,13 +110,15 @@ def _walk(data):
             if frame is not None:
                 raise ValueError("JPEG with two frame headers")
             frame = _frame(segment)
-        elif marker == _APP1 and orientation is None and segment[:6] == b"Exif\0\0":
-            orientation = _orientation(segment[6:])  # the first Exif segment, as PIL and torchvision read it
+        elif marker == _APP1 and segment[:6] == b"Exif\0\0":
+            joined += segment[6:] if joined else segment  # as PIL joins them (pipeline.data.decoding.exif)
+        elif marker == _APP1 and segment[:len(exif.XMP)] == exif.XMP:
+            xmp = bytes(segment[len(exif.XMP):])  # PIL reads the last one
         elif marker == _SOS:
             if frame is None:
                 raise ValueError("JPEG scan before its frame header")
             _check_scans(data, i)
-            return Header(*frame, orientation or 1), bytes(data[:i + length]), i
+            return Header(*frame, exif.orientation(bytes(joined), xmp) if joined or xmp else 1), bytes(data[:i + length]), i
         i += length
 
 
@@ -130,19 +134,3 @@ def _frame(segment):
         raise ValueError(f"JPEG frame of {width}x{height}")
     return height, width, components
 
-
-def _orientation(tiff):
-    """Tag 0x0112 of IFD0 in an Exif block (a TIFF header and its first directory); 1 if none."""
-    order = {b"II*\0": "little", b"MM\0*": "big"}.get(bytes(tiff[:4]))
-    if order is None:
-        return 1
-    at = int.from_bytes(tiff[4:8], order)
-    count = int.from_bytes(tiff[at:at + 2], order) if at + 2 <= len(tiff) else 0
-    for k in range(min(count, 512)):
-        entry = tiff[at + 2 + 12 * k:at + 14 + 12 * k]
-        if len(entry) < 12:
-            break
-        if int.from_bytes(entry[:2], order) == _ORIENTATION:
-            value = int.from_bytes(entry[8:10], order)  # a SHORT: the first two bytes of the value field
-            return value if 1 <= value <= 8 else 1
-    return 1
