@@ -62,8 +62,20 @@ def test_every_case_is_its_own_step_and_every_figure_follows(gpu_check, tmp_path
     for needle in ("device= at 0 workers", "device= at 4 workers", "default stream at 0 workers",
                    "side stream dropped before any wait", "from a thread", "workers started again",
                    "page-lock refused", "no sync in steps", "train --model cnn", "--model cnn alone",
-                   "train --model resnet18", "--model resnet18 alone", "JPEG decoded on the GPU"):
+                   "train --model resnet18", "--model resnet18 alone", "JPEG decoded on the GPU",
+                   "--channels-last step"):
         assert sum(needle in n for n in names) == 1, needle
+
+
+def test_the_channels_last_case_times_both_layouts_on_a_device(gpu_check):
+    """The gpu-check case for the trainer's --channels-last, on "cpu" as the CUDA stand-in, tiny."""
+    from gpucheck import trainer
+
+    got = trainer.channels_last_check("cpu", cases=(("cnn", 4, 8),), rounds=4, side=8)
+    cnn = got["cnn"]
+    assert cnn["contiguous_s"] > 0 and cnn["channels_last_s"] > 0, got
+    assert cnn["ratio"] == round(cnn["channels_last_s"] / cnn["contiguous_s"], 3), got
+    assert got["summary"].startswith("--channels-last step time over the contiguous step's (cpu") and "cnn " in got["summary"]
 
 
 def test_a_tools_module_stays_under_500_lines():
