@@ -125,7 +125,7 @@ def plan(args, nproc, work, report, left):
                    most, True),
                   (f"--model {model} alone", lambda m=model, name=name: trainer.model_check(
                       folder, work, report["steps"][name], m), 30, True)]
-    steps.append(("--channels-last step", lambda: trainer.channels_last_check(dev), 60, False))
+    steps.append(("--channels-last step", lambda: trainer.channels_last_check(dev), 40, False))
     steps.append(("scaling", lambda: scaling.scaling_check({"raw": folder, "jpg": jpeg}, min(90, left() - 10)),
                   110, True))
     return steps
