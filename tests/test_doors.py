@@ -10,6 +10,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from helpers import read_pass, two_small_sources
 from pipeline.data.handover.dataloader import StatefulLoader
@@ -337,6 +338,31 @@ def test_a_loader_state_with_a_numpy_next_epoch_is_taken_as_set_epoch_takes_one(
     loader.load_state_dict(state)
     assert loader.next_epoch == 1 and isinstance(loader.next_epoch, int)
     assert len(keys_of(loader)) == (EPOCH - 5) * BATCH and loader.epoch == 0
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("memory_format", ["contiguous", "channels_last"])
+def test_a_stream_iterated_directly_gives_the_loaders_batches_field_by_field(sources, normalize, memory_format):
+    """`for batch in stream` gave uint8 pixels where make_loader gave the normalised float32 ones
+    (the stream's normalize=True, the default): a loop without a loader trained on raw pixels (a
+    new user's find). Every field, its dtype, values and layout, agrees between the two doors."""
+    def stream():
+        s = MixedStream(sources, {"a": 2.0, "b": 1.0}, BATCH, Topology(0, 1), seed=7, shuffle_buffer=50,
+                        epoch_samples=EPOCH * BATCH, normalize=normalize)
+        s.layout = s.layout.laid_out(memory_format)
+        return s
+
+    direct, loaded = list(stream()), list(make_loader(stream(), 0, memory_format=memory_format))
+    assert len(direct) == len(loaded) == EPOCH
+    for d, b in zip(direct, loaded):
+        assert set(d) == set(b), (sorted(d), sorted(b))
+        for name, v in b.items():
+            if isinstance(v, torch.Tensor):
+                assert d[name].dtype == v.dtype and d[name].stride() == v.stride(), name
+                assert torch.equal(d[name], v), name
+            elif name != "state":
+                assert d[name] == v, name
+    assert direct[0]["image"].dtype == (torch.float32 if normalize else torch.uint8)
 
 
 def test_keys_are_one_type_and_the_same_keys_through_every_door(sources):

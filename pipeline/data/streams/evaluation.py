@@ -106,8 +106,16 @@ def in_process(stream):
     is also what a DataLoader of the user's own runs in each of its workers. It lives with the
     stream, not the loader, so the stream needs no loader to be iterated."""
     plan = stream.plan() if hasattr(stream, "plan") else None
-    names = stream.batch_spec().names
-    for batch in stream.batches(None, None, plan):
+    spec = stream.batch_spec()
+    names = spec.names
+
+    def borrow(n):
+        """Each batch's fields in new memory laid out as a loader's slot is: the spec's `image` is
+        float32 where the stream normalises (arrays of the layout's own fields were uint8: a stream
+        iterated directly gave its pixels unnormalised, the loader normalised ones)."""
+        return None, spec.arrays(spec.own(False)[1], n)
+
+    for batch in stream.batches(None, borrow, plan):
         for name in names:
             batch[name] = torch.from_numpy(batch[name])
         if type(batch.get("key")) is list:  # the type the loader's batches have (loader._here, workers.unpack)
