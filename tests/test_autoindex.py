@@ -192,6 +192,17 @@ def test_an_http_folder_with_no_manifest_asks_for_a_brace_pattern(tmp_path):
             resolve("web", f"{server.url}set/", "train")
 
 
+def test_a_brace_pattern_naming_a_missing_http_shard_says_missing_404_in_one_line(tmp_path):
+    """It said "cannot stamp it for the index (HTTP Error 404: File not found)": "stamp" is this
+    code's word, not the user's (newuser3); the manifest's head check says "missing (HTTP 404)"."""
+    write_captioned(tmp_path / "set", 20)
+    with serving(functools.partial(Logged, directory=str(tmp_path / "set")), log=[]) as server:
+        with pytest.raises(ShardError) as e:
+            resolve("web", f"{server.url}wds-{{000000..000001}}.tar", "train", cache_dir=str(tmp_path / "cache"))
+    said = str(e.value)
+    assert "\n" not in said and "wds-000001.tar: missing (HTTP 404)" in said and "stamp" not in said, said
+
+
 SCRIPT = """
 import sys, time
 from pipeline.writers import autoindex

@@ -252,7 +252,9 @@ def _head(url, policy):
                 head.close()
         except Exception as e:  # noqa: BLE001 - sorted as remote.head_check sorts them
             if remote.permanent(e) or not remote.transient(e) or attempt == policy.retries:
-                raise ShardError(f"{redact(url)}: cannot stamp it for the index ({remote.describe(e)})") from None
+                why = "missing (HTTP 404)" if getattr(e, "code", None) == 404 else remote.describe(e)
+                raise ShardError(f"{redact(url)}: {why}; its size and version, which the index records, cannot be "
+                                 f"read") from None
             time.sleep(policy.wait(attempt))
 
 
