@@ -1,6 +1,6 @@
 # make demo       set up, build shards (real data where found, else synthetic, saying so), train, draw the report
 # make test       set up and run the whole test suite in TEST_JOBS processes (2); prints the 10 slowest tests
-# make test-fast  all but the tests marked slow (those that start processes, train or wait on deadlines)
+# make test-fast  all but the tests marked slow (most of those that launch torchrun or a trainer, or wait on deadlines)
 # make bench      the loader benchmark (needs MNIST_ROOT and CIFAR_FOLDER)
 # make gpu-check  every CUDA path on a GPU machine, a line per case (hand-over bytes, GPU JPEG decode, no sync, bf16, nccl), then figures
 PYTHON ?= python3

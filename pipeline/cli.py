@@ -3,6 +3,7 @@ and the remote-read flags the trainer and `make_shards --index` share. It import
 from `data`, `writers` or `train`: the flags fill the data path's limits
 (`pipeline.data.store.remote.Policy(**io_limits(args))`), the caller builds them."""
 import argparse
+import difflib
 import math
 import re
 import sys
@@ -27,10 +28,21 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, prog=CONSOLE.get(prog, prog), **kwargs)
 
     def error(self, message):
-        message = printable(message)  # it may echo the command line: a newline or an escape there stays one line
+        message = printable(message + self._did_you_mean(message))  # it may echo the command line: one line
         sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")  # one write: ranks' lines don't interleave
         sys.stderr.flush()
         sys.exit(2)
+
+    def _did_you_mean(self, message):
+        """For an unrecognised flag, the option it most likely meant (`--trian`: `--train`)."""
+        if not message.startswith("unrecognized arguments: "):
+            return ""
+        options = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        for word in message.split(": ", 1)[1].split():
+            close = difflib.get_close_matches(word.split("=", 1)[0], options, n=1, cutoff=0.75)
+            if word.startswith("--") and close:
+                return f"; did you mean {close[0]}?"
+        return ""
 
     def at_least(self, args, lows):
         """One line for the first option below its minimum (None means not given)."""

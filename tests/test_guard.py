@@ -241,6 +241,14 @@ def test_two_training_sources_sharing_shards_are_warned_once(shards, tmp_path):
         assert len(said) == 1 and re.match(r"--train mnist shares 3 shard\(s\) with --train mnist \(the same file or "
                                            r"sha256\), e\.g\. .*: their samples are read twice an epoch", said[0]), said
     assert shared_lines(f"{tmp_path / 'apart'}/") == []
+    linked = tmp_path / "linked"  # hard links, and a manifest without sha256: the same files all the same
+    linked.mkdir()
+    m = json.loads((shards / "mnist-train.json").read_text())
+    for shard in m["shards"]:
+        os.link(shards / shard["name"], linked / shard["name"])
+        shard.pop("sha256", None)
+    (linked / "mnist-train.json").write_text(json.dumps(m))
+    assert len(shared_lines(str(linked / "mnist-train.json"))) == 1
 
 
 def test_a_test_manifest_given_to_train_is_warned(shards):

@@ -236,7 +236,9 @@ def _rules():
             (with_app1(b"", EXIF + block([entry(0x112, 3, 1, b"\x03\0\0\0")])[:22]), 3)],
         "swapped magic": [(with_app1(b"", EXIF + block([entry(0x112, 3, 1, b"\0\x07\0\0", ">")], ">",
                                                         b"MM*\0")), 7),
-                          (with_app1(b"", EXIF + block([entry(0x112, 3, 1, b"\x07\0\0\0")], "<", b"II\0*")), 7)],
+                          (with_app1(b"", EXIF + block([entry(0x112, 3, 1, b"\x07\0\0\0")], "<", b"II\0*")), 7),
+                          (with_app1(b"", EXIF + block([entry(0x112, 3, 1, b"\0\x06\0\0", ">")], ">",
+                                                        b"MM\0+")), 6)],  # BigTIFF's magic to PIL only as II+\0
         "two Exif prefixes, not three": [(with_app1(b"", EXIF + EXIF + tiff(6)), 6),
                                          (with_app1(b"", EXIF + EXIF + EXIF + tiff(6)), 1)],
         "segments joined": [(with_app1(b"", EXIF + tiff(6)[:10], EXIF + tiff(6)[10:]), 6),
@@ -287,7 +289,7 @@ def _random_exif(rng):
         else:
             field = (packed * 4)[:4]
         entries.append(entry(tag, typ, count, field, order))
-    prefix = rng.choice([None, None, None, b"MM*\0", b"II\0*", b"II+\0", b"XX*\0"])
+    prefix = rng.choice([None, None, None, b"MM*\0", b"II\0*", b"II+\0", b"MM\0+", b"XX*\0"])
     tiff_block = block(entries, order, prefix, data)
     if rng.random() < 0.2:
         tiff_block = tiff_block[:int(rng.integers(0, len(tiff_block) + 1))]

@@ -60,3 +60,25 @@ def test_names_not_utf8_index_and_stream_as_distinct_keys(tmp_path, gz):
     log.add(0, keys)
     log.flush()
     assert read_keys(log.path) == [(0, k) for k in keys]
+
+
+def test_extensions_not_utf8_are_two_members_not_one(tmp_path):
+    """Two members k.x\\xff and k.x\\xfe beside a sample's image and class: their extensions decoded
+    with U+FFFD were one, and the index refused the whole shard ("member k.x\ufffd appears twice in one
+    sample"; hostileI). With the keys' rule they are two extras, which no field wants."""
+    (tmp_path / "set").mkdir()
+    with tarfile.open(tmp_path / "set" / "e.tar", "w", format=tarfile.USTAR_FORMAT, encoding="utf-8",
+                      errors="surrogateescape") as tar:
+        for i in range(6):
+            jpg = encode_pil(foreign_image(i % 4, (16, 16), i), "JPEG", quality=90)
+            members = [(b".jpg", jpg), (b".cls", str(i % 2).encode())]
+            members += [(b".x\xff", b"a"), (b".x\xfe", b"b")] if i == 2 else []
+            for ext, data in members:
+                info = tarfile.TarInfo((b"k%d" % i + ext).decode("utf-8", "surrogateescape"))
+                info.size, info.mtime, info.mode = len(data), 0, 0o644
+                tar.addfile(info, io.BytesIO(data))
+    p = make_shards_in_process(["--quiet", "--index", f"e:train={tmp_path / 'set'}", "--out", tmp_path / "out"])
+    assert p.returncode == 0, p.stderr
+    src = resolve("e", str(tmp_path / "out"), "train")
+    keys = [k for b in MixedStream([src], {"e": 1}, 3).eval_stream(src) for k in b["key"]]
+    assert src.total == 6 and sorted(keys) == [f"k{i}" for i in range(6)], keys

@@ -116,7 +116,8 @@ def test_the_table_says_each_epochs_skipped_samples(tmp_path):
     lines = metrics_lines()
     for r, k in zip([r for r in lines if r["kind"] == "train"], (1, 3, "x", 0, 7)):
         r["skipped"] = k
-    rows = table_rows(cli(write_run(tmp_path / "r", lines)).stdout)
+    huge = dict(lines[-2], skipped=10 ** 400)  # a 401-digit count: math.isfinite overflowed (hostileI)
+    rows = table_rows(cli(write_run(tmp_path / "r", lines + [huge, dict(huge, epoch=10 ** 400)])).stdout)
     assert [row["skipped"] for row in rows] == ["4", "7"], rows
     for r in lines:
         r.pop("skipped", None)

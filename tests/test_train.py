@@ -179,7 +179,7 @@ def test_a_misspelt_flag_is_named_before_a_missing_train(tmp_path):
     """`--trian ...` said only "the following arguments are required: --train"."""
     p = run(["--trian", "mnist=shards/", "--out", str(tmp_path / "o")], nproc=0, check=False)
     assert p.returncode == 2 and "unrecognized arguments: --trian mnist=shards/" in p.stderr, p.stderr
-    assert p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.count("\n") == 1 and "did you mean --train?" in p.stderr, p.stderr  # a new user asked
     p = run(["--out", str(tmp_path / "o")], nproc=0, check=False)
     assert p.returncode == 2 and "required: --train" in p.stderr and p.stderr.count("\n") == 1, p.stderr
 

@@ -56,6 +56,28 @@ USER = textwrap.dedent("""
 
     def viewer(num_classes, shape):
         return Viewer(shape[0] * shape[1] * shape[2], num_classes)
+
+    class ConvThenView(nn.Module):
+        def __init__(self, c, h, w, n):
+            super().__init__()
+            self.conv, self.fc = nn.Conv2d(c, 2, 3, padding=1), nn.Linear(2 * h * w, n)
+
+        def forward(self, x):
+            return self.fc(self.conv(x).view(len(x), -1))
+
+    def conv_then_view(num_classes, shape):
+        return ConvThenView(*shape, num_classes)
+
+    class WithConv3d(nn.Module):
+        def __init__(self, c, n):
+            super().__init__()
+            self.conv, self.video, self.fc = nn.Conv2d(c, 4, 3, padding=1), nn.Conv3d(1, 1, 1), nn.Linear(4, n)
+
+        def forward(self, x):
+            return self.fc(self.conv(x).amax((2, 3)))
+
+    def with_conv3d(num_classes, shape):
+        return WithConv3d(shape[0], num_classes)
 """)
 
 
@@ -194,6 +216,25 @@ def test_a_model_that_views_its_input_is_refused_in_one_line_with_the_flag(user_
     message = str(e.value)
     assert "\n" not in message and "--channels-last" in message and ".reshape its input rather than .view" in message
     assert "resize the data" not in message  # the layout, not the size
+
+
+def test_a_view_after_a_convolution_is_named_as_the_layout_not_the_size(user_file):
+    """A model that .view()s a convolution's output trains without the flag; with it, the retry on
+    contiguous images kept the channels-last weights, so the conv's output was channels-last again
+    and the refusal blamed the image size (hostileI)."""
+    build_model("mymodule:conv_then_view", 10, (3, 8, 8), 64)
+    with pytest.raises(InputError) as e:
+        build_model("mymodule:conv_then_view", 10, (3, 8, 8), 64, channels_last=True)
+    message = str(e.value)
+    assert ".reshape its input rather than .view" in message and "resize the data" not in message, message
+
+
+def test_weights_of_other_than_4_dimensions_stay_as_they_are(user_file):
+    """Module.to(memory_format=channels_last) raised on a Conv3d's 5-d weight, a traceback (hostileI):
+    the 4-d weights go channels-last, the others stay."""
+    made = build_model("mymodule:with_conv3d", 10, (3, 8, 8), 64, channels_last=True)
+    assert made.conv.weight.is_contiguous(memory_format=torch.channels_last) and not made.conv.weight.is_contiguous()
+    assert made.video.weight.dim() == 5 and made.video.weight.is_contiguous()
 
 
 def launch_in(folder, args, nproc):

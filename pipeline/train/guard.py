@@ -134,8 +134,15 @@ def warn_data(train_sources, eval_sources):
 
 
 def _where(url):
-    """A shard's location compared as the file it names (links and '..' resolved) or the URL."""
-    return os.path.realpath(url) if remote.kind(url) == "file" else url
+    """A shard's location compared as the file it names (its device and inode: hard links, symbolic
+    links and '..' are one file) or the URL."""
+    if remote.kind(url) != "file":
+        return url
+    try:
+        st = os.stat(url)
+    except OSError:
+        return os.path.realpath(url)
+    return st.st_dev, st.st_ino
 
 
 def _shared(a, b):

@@ -6,6 +6,8 @@ Every parameter of the CNN takes part in every step, so DDP never meets unused p
 even when a batch happens to hold only one source.
 """
 import contextlib
+import copy
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +63,7 @@ def build_model(spec, num_classes, shape, width, channels_last=False):
     input (`check_fits`)."""
     if spec == DEFAULT:
         made = Net(num_classes, width, in_channels=shape[0])
-        return made.to(memory_format=torch.channels_last) if channels_last else made
+        return to_channels_last(made) if channels_last else made
     if ":" in spec:
         make = user_function("--model", spec)
         try:
@@ -78,9 +80,19 @@ def build_model(spec, num_classes, shape, width, channels_last=False):
 
         made = torchvision.models.get_model(spec, weights=None, num_classes=num_classes)
     if channels_last:
-        made = made.to(memory_format=torch.channels_last)
+        made = to_channels_last(made)
     check_fits(made, spec, num_classes, shape, channels_last)
     return made
+
+
+def to_channels_last(model):
+    """The model's 4-d weights and buffers (2-d convolutions') in torch.channels_last, the others as
+    they are: `Module.to(memory_format=...)` raises on any other (a Conv3d's 5-d weight)."""
+    with torch.no_grad():
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            if t.dim() == 4:
+                t.data = t.data.contiguous(memory_format=torch.channels_last)
+    return model
 
 
 def check_fits(model, spec, num_classes, shape, channels_last=False):
@@ -112,11 +124,16 @@ def check_fits(model, spec, num_classes, shape, channels_last=False):
 
 
 def _takes(model, blank):
-    """Whether `model` takes the contiguous blank batch (leaving no trace): the layout, not the
-    size, is what it refused."""
+    """Whether `model`, its weights contiguous as without the flag, takes the contiguous blank batch:
+    the layout, not the size, is what it refused. A copy: with its channels-last weights the
+    convolutions' outputs came channels-last again, and a .view after one was blamed on the size."""
+    plain = copy.deepcopy(model)
+    with torch.no_grad():
+        for t in itertools.chain(plain.parameters(), plain.buffers()):
+            t.data = t.data.contiguous()
     try:
-        with leaving_no_trace(model), torch.no_grad():
-            model(blank)
+        with leaving_no_trace(plain), torch.no_grad():  # the global random state untouched
+            plain(blank)
         return True
     except Exception:  # noqa: BLE001 - refused either way; check_fits says why
         return False

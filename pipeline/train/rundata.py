@@ -46,7 +46,9 @@ def read_records(path):
 
 def _number(x):
     """A finite number: a hostile line's Infinity or NaN epoch is no epoch."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    return isinstance(x, int) or math.isfinite(x)  # an int is finite (isfinite overflows past 1e308)
 
 
 def _count(x):

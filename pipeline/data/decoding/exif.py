@@ -19,7 +19,8 @@ import struct
 from fractions import Fraction
 
 _ORIENTATION = 0x0112
-_ORDER = {b"II*\0": "<", b"MM\0*": ">", b"MM*\0": ">", b"II\0*": "<"}  # PIL's PREFIXES but BigTIFF
+# PIL's PREFIXES but II+\0, the one PIL takes for BigTIFF (it asks byte 2 for 43: MM\0+ reads as MM\0*)
+_ORDER = {b"II*\0": "<", b"MM\0*": ">", b"MM*\0": ">", b"II\0*": "<", b"MM\0+": ">"}
 _UNIT = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 1, 7: 1, 8: 2, 9: 4, 10: 8, 11: 4, 12: 8, 13: 4, 16: 8}  # PIL's readers
 _NUMBER = {3: "H", 4: "L", 6: "b", 8: "h", 9: "l", 11: "f", 12: "d", 13: "L", 16: "Q", 5: "LL", 10: "ll"}
 XMP = b"http://ns.adobe.com/xap/1.0/\0"  # the XMP APP1 segment's name

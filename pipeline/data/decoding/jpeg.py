@@ -85,7 +85,7 @@ def _walk(data):
     segments walked one by one."""
     if data[:2] != b"\xff\xd8":
         raise ValueError("not a JPEG (no SOI marker)")
-    i, n, frame, joined, xmp = 2, len(data), None, b"", None
+    i, n, frame, joined, xmp = 2, len(data), None, [], None  # joined: the Exif segments, joined once at the end
     while True:
         if i >= n:
             raise ValueError("JPEG ends before its first scan")
@@ -111,14 +111,15 @@ def _walk(data):
                 raise ValueError("JPEG with two frame headers")
             frame = _frame(segment)
         elif marker == _APP1 and segment[:6] == b"Exif\0\0":
-            joined += segment[6:] if joined else segment  # as PIL joins them (pipeline.data.decoding.exif)
+            joined.append(segment[6:] if joined else segment)  # as PIL joins them (pipeline.data.decoding.exif)
         elif marker == _APP1 and segment[:len(exif.XMP)] == exif.XMP:
             xmp = bytes(segment[len(exif.XMP):])  # PIL reads the last one
         elif marker == _SOS:
             if frame is None:
                 raise ValueError("JPEG scan before its frame header")
             _check_scans(data, i)
-            return Header(*frame, exif.orientation(bytes(joined), xmp) if joined or xmp else 1), bytes(data[:i + length]), i
+            turned = exif.orientation(b"".join(joined), xmp) if joined or xmp else 1
+            return Header(*frame, turned), bytes(data[:i + length]), i
         i += length
 
 

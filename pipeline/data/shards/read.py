@@ -211,7 +211,7 @@ def _members(stream, want, max_member, chunk, oversized=None):
 
 
 def _ext(raw, want):
-    ext = raw.decode("utf-8", "replace").lower()
+    ext = key_text(raw).lower()  # the keys' rule: two extensions that differ only in bytes not UTF-8 stay two
     return ext, want is None or ext in want
 
 
