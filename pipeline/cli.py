@@ -39,8 +39,12 @@ class Parser(argparse.ArgumentParser):
             return ""
         options = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
         for word in message.split(": ", 1)[1].split():
+            if word == "--":  # what follows is a value, not a flag
+                return ""
+            if not word.startswith("--") or word.startswith("--no-"):  # --no-verify is no typo of --verify
+                continue
             close = difflib.get_close_matches(word.split("=", 1)[0], options, n=1, cutoff=0.75)
-            if word.startswith("--") and close:
+            if close:
                 return f"; did you mean {close[0]}?"
         return ""
 

@@ -130,6 +130,15 @@ def test_workers_given_after_the_load_that_cannot_take_it_are_refused_and_the_st
     assert len(stream) == EPOCH // 2 - 4 and stream.state_dict()["done"] == 4
 
 
+def test_a_re_deal_mid_epoch_on_two_ranks_is_refused_naming_the_workers_asked(sources):
+    """On 2 ranks, 0 workers asked mid-epoch was refused as "going on with 1" (hostileJ)."""
+    stream = new_stream(sources, Topology(0, 2))
+    stream.set_workers(2)
+    read_pass(stream, 3)
+    refused(stream, lambda: stream.set_workers(0), r"going on with 1 \(0 workers read as 1\) re-deals")
+    refused(stream, lambda: stream.set_workers(3), r"going on with 3 re-deals")
+
+
 # ---------------------------------------------------------------- StatefulLoader
 
 

@@ -311,6 +311,9 @@ def test_the_trainers_error_line_keeps_a_whole_message_and_a_tracebacks_last_lin
     worker = ShardError("Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
                         "pipeline.errors.ShardError: shard s.tar: damaged, and the next pass starts the workers again")
     assert error_line(worker) == "shard s.tar: damaged"
+    stage = OSError("sample stage jstage:tb raised OSError: Traceback (most recent call last):\n  File \"t.py\", "
+                    "line 3, in run\nKeyError: 'w' (sample s054)")  # a stage's error quoting a traceback (hostileJ)
+    assert error_line(stage) == "sample stage jstage:tb raised OSError: ... KeyError: 'w' (sample s054)"
 
 
 # ---------------------------------------------------------------- 2. short bodies

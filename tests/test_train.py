@@ -180,6 +180,9 @@ def test_a_misspelt_flag_is_named_before_a_missing_train(tmp_path):
     p = run(["--trian", "mnist=shards/", "--out", str(tmp_path / "o")], nproc=0, check=False)
     assert p.returncode == 2 and "unrecognized arguments: --trian mnist=shards/" in p.stderr, p.stderr
     assert p.stderr.count("\n") == 1 and "did you mean --train?" in p.stderr, p.stderr  # a new user asked
+    for wrong in (["--no-resume"], ["--no-overwrite"], ["--", "--trian"]):  # no hint that turns the meaning round
+        p = run(["--train", "mnist=shards/", *wrong, "--out", str(tmp_path / "o")], nproc=0, check=False)
+        assert p.returncode == 2 and "did you mean" not in p.stderr, (wrong, p.stderr)
     p = run(["--out", str(tmp_path / "o")], nproc=0, check=False)
     assert p.returncode == 2 and "required: --train" in p.stderr and p.stderr.count("\n") == 1, p.stderr
 

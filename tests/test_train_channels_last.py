@@ -78,6 +78,19 @@ USER = textwrap.dedent("""
 
     def with_conv3d(num_classes, shape):
         return WithConv3d(shape[0], num_classes)
+
+    class Locked(ConvThenView):
+        def __init__(self, *a):
+            import threading
+            super().__init__(*a)
+            self.lock = threading.Lock()  # copy.deepcopy refuses it
+
+    def locked(num_classes, shape):
+        return Locked(*shape, num_classes)
+
+    def lazy(num_classes, shape):
+        return nn.Sequential(nn.LazyConv2d(4, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                             nn.LazyLinear(num_classes))
 """)
 
 
@@ -235,6 +248,15 @@ def test_weights_of_other_than_4_dimensions_stay_as_they_are(user_file):
     made = build_model("mymodule:with_conv3d", 10, (3, 8, 8), 64, channels_last=True)
     assert made.conv.weight.is_contiguous(memory_format=torch.channels_last) and not made.conv.weight.is_contiguous()
     assert made.video.weight.dim() == 5 and made.video.weight.is_contiguous()
+
+
+def test_a_model_no_copy_can_be_made_of_is_refused_in_one_line_and_a_lazy_one_is_laid_out(user_file):
+    """The layout check copied the model: one holding a lock raised "cannot pickle" as a traceback;
+    a lazy module's parameters had no dims to ask before their first forward (hostileJ)."""
+    with pytest.raises(InputError, match=r"\.reshape its input rather than \.view"):
+        build_model("mymodule:locked", 10, (3, 8, 8), 64, channels_last=True)
+    made = build_model("mymodule:lazy", 10, (3, 8, 8), 64, channels_last=True)
+    assert made[0].weight.is_contiguous(memory_format=torch.channels_last) and not made[0].weight.is_contiguous()
 
 
 def launch_in(folder, args, nproc):

@@ -161,12 +161,19 @@ def train(args, topo, device, stopper=None):
 
 
 def error_line(e):
-    """The one line a failed run prints: the last line of a message that carries a traceback
-    (an error re-raised from a loader worker), without its "pkg.Class: "; any other message
-    whole, its lines joined (urllib's redirect loop says what and where in three)."""
-    lines = str(e).strip().splitlines() or [""]
-    line = lines[-1] if "Traceback (most recent call last)" in str(e) else " ".join(x.strip() for x in lines)
-    line = re.sub(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): ", "", line)
+    """The one line a failed run prints. A message that carries a traceback (an error re-raised
+    from a loader worker, a stage's error quoting another tool's): its first line (what failed,
+    where) and its last (how; alone, without its "pkg.Class: "); any other message whole, its lines joined
+    (urllib's redirect loop says what and where in three)."""
+    lines = [x.strip() for x in str(e).strip().splitlines()] or [""]
+    if any("Traceback (most recent call last):" in x for x in lines):
+        # what failed and where (the first line, unless the traceback starts the text) and how (the last)
+        first = lines[0].replace("Traceback (most recent call last):", "").strip()
+        last = re.sub(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): ", "", lines[-1])
+        line = f"{first} ... {lines[-1]}" if first and first != lines[-1] else last
+    else:
+        line = " ".join(lines)
+        line = re.sub(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): ", "", line)
     return line.replace(", and the next pass starts the workers again", "")  # this run makes no next pass
 
 

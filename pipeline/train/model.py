@@ -6,12 +6,12 @@ Every parameter of the CNN takes part in every step, so DDP never meets unused p
 even when a batch happens to hold only one source.
 """
 import contextlib
-import copy
 import itertools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from pipeline.errors import InputError
 from pipeline.train.options import DEFAULT_MODEL as DEFAULT
@@ -82,16 +82,21 @@ def build_model(spec, num_classes, shape, width, channels_last=False):
     if channels_last:
         made = to_channels_last(made)
     check_fits(made, spec, num_classes, shape, channels_last)
-    return made
+    return to_channels_last(made) if channels_last else made  # a lazy module's weights exist now
 
 
 def to_channels_last(model):
     """The model's 4-d weights and buffers (2-d convolutions') in torch.channels_last, the others as
-    they are: `Module.to(memory_format=...)` raises on any other (a Conv3d's 5-d weight)."""
+    they are: `Module.to(memory_format=...)` raises on any other (a Conv3d's 5-d weight) and on a
+    lazy module's parameters before their first forward (they are laid out as they come)."""
+    return _lay_out(model, torch.channels_last)
+
+
+def _lay_out(model, memory_format):
     with torch.no_grad():
         for t in itertools.chain(model.parameters(), model.buffers()):
-            if t.dim() == 4:
-                t.data = t.data.contiguous(memory_format=torch.channels_last)
+            if not is_lazy(t) and t.dim() == 4:
+                t.data = t.data.contiguous(memory_format=memory_format)
     return model
 
 
@@ -125,18 +130,19 @@ def check_fits(model, spec, num_classes, shape, channels_last=False):
 
 def _takes(model, blank):
     """Whether `model`, its weights contiguous as without the flag, takes the contiguous blank batch:
-    the layout, not the size, is what it refused. A copy: with its channels-last weights the
-    convolutions' outputs came channels-last again, and a .view after one was blamed on the size."""
-    plain = copy.deepcopy(model)
-    with torch.no_grad():
-        for t in itertools.chain(plain.parameters(), plain.buffers()):
-            t.data = t.data.contiguous()
+    the layout, not the size, is what it refused. Its weights are laid out contiguous for the try
+    and channels-last again after (with them channels-last the convolutions' outputs came
+    channels-last again, and a .view after one was blamed on the size; a copy of the model fails
+    for a model holding a lock)."""
+    _lay_out(model, torch.contiguous_format)
     try:
-        with leaving_no_trace(plain), torch.no_grad():  # the global random state untouched
-            plain(blank)
+        with leaving_no_trace(model), torch.no_grad():  # the global random state untouched
+            model(blank)
         return True
     except Exception:  # noqa: BLE001 - refused either way; check_fits says why
         return False
+    finally:
+        to_channels_last(model)
 
 
 def unused_parameters(model, shape):

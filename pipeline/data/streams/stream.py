@@ -275,7 +275,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         several, the workers change only where the epoch has not begun on this rank. 0 (a
         loader with no worker processes) is 1. A loaded state these workers cannot be dealt (this
         rank's alone, from other workers) is refused now, the stream as it was."""
-        workers = workers_number(workers)
+        asked, workers = workers, workers_number(workers)
         cur = self.cursor
         if workers == cur.workers:
             self._move(self._dealable(dataclasses.replace(cur, workers_given=True)))
@@ -286,9 +286,9 @@ class MixedStream(torch.utils.data.IterableDataset):
             return
         if self.topo.world > 1:
             raise ValueError(f"this rank read {made} batches of epoch {cur.epoch} with {cur.workers} worker(s); "
-                             f"going on with {workers} re-deals what every rank left: load every rank's "
-                             f"state_dict() (a list) into streams made for {workers} workers, or change workers at "
-                             f"an epoch's start")
+                             f"going on with {workers}{' (0 workers read as 1)' * (asked == 0)} re-deals what "
+                             f"every rank left: load every rank's state_dict() (a list) into streams made for "
+                             f"{workers} workers, or change workers at an epoch's start")
         new = self._adopt(self.state_dict())  # the rest of the epoch, dealt again when the plan is made
         self._move(dataclasses.replace(new, workers=workers, workers_given=True))
 
