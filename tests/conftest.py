@@ -37,6 +37,20 @@ def decode(data, encoding, shape):
 
 
 @pytest.fixture
+def without_simplejpeg(monkeypatch):
+    """simplejpeg not installed (`import simplejpeg` fails): JPEGs go torchvision's and PIL's way."""
+    import sys
+
+    from pipeline.data.decoding import turbo
+
+    monkeypatch.setitem(sys.modules, "simplejpeg", None)
+    turbo._module.cache_clear()
+    yield
+    monkeypatch.undo()
+    turbo._module.cache_clear()
+
+
+@pytest.fixture
 def read_tar():
     return tar_samples
 

@@ -20,16 +20,6 @@ from pipeline.data.decoding.decode import Target
 SHAPES = [(1, 28, 28), (3, 32, 32), (3, 5, 7)]
 
 
-@pytest.fixture
-def without_simplejpeg(monkeypatch):
-    """simplejpeg not installed (`import simplejpeg` fails): JPEGs go torchvision's and PIL's way."""
-    monkeypatch.setitem(sys.modules, "simplejpeg", None)
-    turbo._module.cache_clear()
-    yield
-    monkeypatch.undo()
-    turbo._module.cache_clear()
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 def test_pngs_written_by_others_decode_identically(shape):
     a = pixels(shape, seed=1)

@@ -4,7 +4,6 @@ strict mode refuses, decode="device" on the CPU) and PIL all turn by that readin
 comes out as PIL's ImageOps.exif_transpose gives it whichever decoder runs."""
 import io
 import struct
-import sys
 import warnings
 
 import numpy as np
@@ -78,15 +77,6 @@ def cases(kind, h, w):
             data = layout(stored, o)
             out.append((name, o, data, reference(data)))
     return out
-
-
-@pytest.fixture
-def without_simplejpeg(monkeypatch):
-    monkeypatch.setitem(sys.modules, "simplejpeg", None)
-    turbo._module.cache_clear()
-    yield
-    monkeypatch.undo()
-    turbo._module.cache_clear()
 
 
 def assert_as_pil(all_cases, tolerance=0, shrink=1):
