@@ -363,6 +363,8 @@ def test_a_stream_iterated_directly_gives_the_loaders_batches_field_by_field(sou
 
     direct, loaded = list(stream()), list(make_loader(stream(), 0, memory_format=memory_format))
     assert len(direct) == len(loaded) == EPOCH
+    direct += list(stream().eval_stream(sources[1]))  # the eval stream's doors too
+    loaded += list(make_loader(stream().eval_stream(sources[1]), 0, memory_format=memory_format))
     for d, b in zip(direct, loaded):
         assert set(d) == set(b), (sorted(d), sorted(b))
         for name, v in b.items():

@@ -113,6 +113,12 @@ class Spec:
             out[f.name] = view.clone() if f.small else view  # clone keeps the strides (preserve_format)
         return out
 
+    def lend_new(self, n):
+        """(None, {name: numpy array}) in new memory laid out as a slot: what a producer without a
+        ring's slots writes a batch into (Layout.collate then normalises into a float32 `image` as
+        into a slot; the layout's own fields would be uint8, unnormalised)."""
+        return None, self.arrays(self.own(False)[1], n)
+
     def own(self, pin):
         """(a new uint8 tensor of slot_bytes, pinned if asked, and a numpy view of it to write into)."""
         base = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=pin)

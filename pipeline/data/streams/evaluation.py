@@ -72,7 +72,7 @@ class EvalStream(torch.utils.data.IterableDataset):
     def batches(self, worker=None, borrow=None, plan=None):
         """This worker's share of the test batches, as a producer makes them (see
         MixedStream.batches; an evaluation pass has no plan)."""
-        worker = worker or Worker.current()
+        worker, borrow = worker or Worker.current(), borrow or self.batch_spec().lend_new
         errors = Errors(self.on_error)
         reader = reading.Reader(self.source, errors, policy=self.policy, cache_dir=self.cache_dir)
         stream = stages.SourceStream(plans.OncePlan(plans.split(self.source.urls, self.topo, worker)), reader,
@@ -85,7 +85,7 @@ class EvalStream(torch.utils.data.IterableDataset):
                 if not keys and errors.skipped == reported:
                     return
                 parts[self.index] = (keys, pixels, labels)
-                handle, out = borrow(len(keys)) if borrow else (None, None)
+                handle, out = borrow(len(keys))
                 batch = self.layout.collate(np.full(len(keys), self.index), parts, errors.skipped - reported, out)
                 reported = errors.skipped
                 if handle is not None:
@@ -106,16 +106,8 @@ def in_process(stream):
     is also what a DataLoader of the user's own runs in each of its workers. It lives with the
     stream, not the loader, so the stream needs no loader to be iterated."""
     plan = stream.plan() if hasattr(stream, "plan") else None
-    spec = stream.batch_spec()
-    names = spec.names
-
-    def borrow(n):
-        """Each batch's fields in new memory laid out as a loader's slot is: the spec's `image` is
-        float32 where the stream normalises (arrays of the layout's own fields were uint8: a stream
-        iterated directly gave its pixels unnormalised, the loader normalised ones)."""
-        return None, spec.arrays(spec.own(False)[1], n)
-
-    for batch in stream.batches(None, borrow, plan):
+    names = stream.batch_spec().names
+    for batch in stream.batches(None, None, plan):  # each batch in new memory, laid out as a slot
         for name in names:
             batch[name] = torch.from_numpy(batch[name])
         if type(batch.get("key")) is list:  # the type the loader's batches have (loader._here, workers.unpack)

@@ -334,10 +334,10 @@ class MixedStream(torch.utils.data.IterableDataset):
     def batches(self, worker=None, borrow=None, plan=None):
         """One pass's batches for the calling rank and worker, as a producer makes them: numpy
         images (float32 if the stream normalises, else uint8), labels and sources, written
-        into the arrays `borrow(n)` lends when given, and the worker's `state` after the batch.
-        `plan`: the pass's Plan (the loader sends it to its workers), else `plan()`, taken now:
-        the producers of one pass (one call per worker) share it."""
-        return self._batches(worker, borrow, plan or self.plan(shared=True))
+        into the arrays `borrow(n)` lends when given (else new ones, `Spec.lend_new`), and the
+        worker's `state` after the batch. `plan`: the pass's Plan (the loader sends it to its
+        workers), else `plan()`, taken now: the producers of one pass (one call per worker) share it."""
+        return self._batches(worker, borrow or self.batch_spec().lend_new, plan or self.plan(shared=True))
 
     def _batches(self, worker, borrow, plan):
         seg, start = plan.segment, plan.start
