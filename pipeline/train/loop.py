@@ -160,6 +160,9 @@ def train(args, topo, device, stopper=None):
     return write_summary(run, evals, t_start, resumed_from, finished, train_sources)
 
 
+_CLASS = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): ")  # a worker's "pkg.Class: "
+
+
 def error_line(e):
     """The one line a failed run prints. A message that carries a traceback (an error re-raised
     from a loader worker, a stage's error quoting another tool's): its first line (what failed,
@@ -169,11 +172,11 @@ def error_line(e):
     if any("Traceback (most recent call last):" in x for x in lines):
         # what failed and where (the first line, unless the traceback starts the text) and how (the last)
         first = lines[0].replace("Traceback (most recent call last):", "").strip()
-        last = re.sub(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): ", "", lines[-1])
+        last = _CLASS.sub("", lines[-1])
         line = f"{first} ... {lines[-1]}" if first and first != lines[-1] else last
     else:
         line = " ".join(lines)
-        line = re.sub(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): ", "", line)
+        line = _CLASS.sub("", line)
     return line.replace(", and the next pass starts the workers again", "")  # this run makes no next pass
 
 

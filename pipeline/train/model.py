@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parameter import is_lazy
 
+from pipeline.data.fields.spec import channels_last as is_channels_last  # a batch's layout (the flag shadows the name)
 from pipeline.errors import InputError
 from pipeline.train.options import DEFAULT_MODEL as DEFAULT
 from pipeline.train.usercode import user_function
@@ -229,7 +230,7 @@ def augment(x, source, flip_sources, generator, pad=2):
     rows = (dy[:, None] + torch.arange(h, device=dev))[:, None, :, None]
     cols = (dx[:, None] + torch.arange(w, device=dev))[:, None, None, :]
     batch, channels = torch.arange(b, device=dev)[:, None, None, None], torch.arange(c, device=dev)
-    if channels_last(x):  # gathered as (B, H, W, C), so the batch keeps its layout (--channels-last)
+    if is_channels_last(x):  # gathered as (B, H, W, C), so the batch keeps its layout (--channels-last)
         hwc = (0, 2, 3, 1)
         out = padded.permute(hwc)[batch, rows.permute(hwc), cols.permute(hwc), channels].permute(0, 3, 1, 2)
     else:
@@ -238,12 +239,6 @@ def augment(x, source, flip_sources, generator, pad=2):
         flip = draws[2].bool() & torch.isin(source, flip_sources)
         out = torch.where(flip[:, None, None, None], out.flip(3), out)
     return out
-
-
-def channels_last(x):
-    """Whether a (B, C, H, W) batch has channels-last strides and not also the contiguous ones
-    (one channel, or 1x1 images, have both)."""
-    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
 
 
 def _to_device(t, device):

@@ -26,7 +26,7 @@ import torch
 
 from pipeline.data.fields.columns import canvas, default_columns, fields_of, form, put, said
 from pipeline.data.decoding.gpujpeg import SIZES
-from pipeline.data.fields.spec import Field, Spec
+from pipeline.data.fields.spec import Field, Spec, channels_last
 from pipeline.errors import InputError
 
 
@@ -289,10 +289,8 @@ class Layout:
         source = source.long()  # a uint8 tensor would index as a mask
         if image.device.type == "cpu":
             pin = image.is_pinned() if pin_memory is None else pin_memory
-            last = image.dim() == 4 and not image.is_contiguous() and image.is_contiguous(
-                memory_format=torch.channels_last)  # kept so, as on a GPU below
-            out = torch.empty(image.shape, dtype=torch.float32, pin_memory=pin,
-                              memory_format=torch.channels_last if last else torch.contiguous_format)
+            out = torch.empty(image.shape, dtype=torch.float32, pin_memory=pin,  # the layout kept, as on a GPU below
+                              memory_format=torch.channels_last if channels_last(image) else torch.contiguous_format)
             return self._normalize_cpu(out, image, source)
         if image.device not in self._on_device:  # copy the stats to a GPU once, not every step
             self._on_device[image.device] = (self.scale.to(image.device), self.shift.to(image.device))

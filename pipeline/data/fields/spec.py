@@ -14,6 +14,13 @@ ALIGN = 64  # bytes: every field of a slot starts on a cache line (and any dtype
 SMALL_BYTES = 64  # a field of at most this many bytes a sample is copied out of its slot, not viewed
 
 
+
+def channels_last(t):
+    """Whether a (B, C, H, W) tensor has channels-last strides and not also the contiguous ones
+    (one channel, or 1x1 images, have both): a batch laid out so is kept so (normalisation, the
+    trainer's augmentation)."""
+    return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+
 class Field:
     """One fixed-shape field of a batch: `shape` per sample, `dtype` a numpy dtype. An image field
     (shape C, H, W) may be `channels_last`: its bytes hold H, W, C per sample (what a JPEG
