@@ -57,12 +57,12 @@ def scan_fields(sample, scan, url):
                 if col.kind == "class":  # the classes: 0 to the largest index seen, or the names seen
                     labels.append(value)
             else:  # every image field's pixels decoded (the damage rule); the first's give the mean and std
-                got = decoded(scan, key, ext, lambda: _stat_pixels(col, ext, data))
+                got = decoded(scan, key, ext, lambda: stat_pixels(data, ext, (col.channels, *col.size)))
                 if got is None:
                     return
-                (h, w), fmt = got[1], image_format(ext)  # decodable, but is it within the field's size?
+                (h, w), fmt = got[0], image_format(ext)  # decodable, but is it within the field's size?
                 image_caps.check(w, h, (col.channels, *col.size), fmt)
-                stats = stats or got
+                stats = stats or (ext, *got)
     except ValueError as e:
         raise ShardError(f"{url}: sample {key}: {e}") from None
     except (Image.DecompressionBombError, *CONTENT_ERRORS) as e:
@@ -81,20 +81,21 @@ def scan_fields(sample, scan, url):
         scan["grey"] += [len(g), g.sum(), (g * g).sum()]
 
 
-def _stat_pixels(col, ext, data):
-    """(ext, (H, W), grey?, RGB and grey pixels at about STAT_SIDE) of an image field's member,
-    its pixel count capped; its size against the field's is checked apart (an image that decodes
-    but the field's size refuses is a refusal naming the sample, not damage)."""
+def stat_pixels(data, ext, shape=None):
+    """((H, W) upright, grey?, RGB and grey pixels at about STAT_SIDE) of an image member, its
+    pixel count capped, for both index paths (`shape`: a raw member's (C, H, W)); its size against
+    a field's is checked apart (an image that decodes but the field's size refuses is a refusal
+    naming the sample, not damage)."""
     fmt = image_format(ext)
     if fmt == "raw":
-        img = decode.decode_image(bytes(data), "raw", (col.channels, *col.size)).transpose(1, 2, 0)
-        size = tuple(col.size)
+        img = decode.decode_image(bytes(data), "raw", shape).transpose(1, 2, 0)
+        size = tuple(shape[1:])
     else:
         img, orientation = open_image(bytes(data), fmt)
         size = img.size[::-1] if orientation < 5 else img.size
         img = stat_thumbnail(img, fmt)
     grey = isinstance(img, np.ndarray) and img.shape[2] == 1 or getattr(img, "mode", "RGB") in GREY_MODES
-    return ext, size, grey, _pixels(img, 3).reshape(-1, 3) / 255.0, _pixels(img, 1).ravel() / 255.0
+    return size, grey, _pixels(img, 3).reshape(-1, 3) / 255.0, _pixels(img, 1).ravel() / 255.0
 
 
 def stat_thumbnail(img, fmt):

@@ -31,7 +31,7 @@ import numpy as np
 from pipeline import cli
 from pipeline.data.decoding import image_caps
 from pipeline.data.store import listings, remote, storage
-from pipeline.data.decoding.decode import IMAGE_EXTS, image_format, open_image, pixels_of
+from pipeline.data.decoding.decode import IMAGE_EXTS, image_format
 from pipeline.data.decoding.labelling import (LABEL_EXTS, Unlabelled, class_value, default_label,
                                               describe_label, label_hint, label_member, parse_label_key, raw_label)
 from pipeline.errors import ShardError, redact
@@ -43,7 +43,7 @@ from pipeline.data.manifests.patterns import expand_shards
 from pipeline.data.shards.read import MAX_MEMBER, is_meta, iter_samples
 from pipeline.data.fields.schema import Oversized
 from pipeline.writers import damage
-from pipeline.writers.fields import GREY_MODES, scan_fields, stat_thumbnail, summarise_fields, totals
+from pipeline.writers.fields import scan_fields, stat_pixels, summarise_fields, totals
 from pipeline.writers.classes import resolve_classes
 from pipeline.writers import publish
 from pipeline.writers.shards import forked_imap, writing
@@ -157,8 +157,8 @@ def _scan_sample(sample, scan, url):
     if scan["label"] is None:  # the first sample decides
         scan["label"] = default_label(sample)
         if scan["label"] is None:
-            none = ("no .cls, .txt or .index member, no \"label\", \"class\" or \"cls\" field in its .json" if "json" in sample else
-                    "no .cls, .txt, .index or .json label member")
+            none = ("no .cls, .txt or .index member, no \"label\", \"class\" or \"cls\" field in its .json"
+                    if "json" in sample else "no .cls, .txt, .index or .json label member")
             raise ShardError(f"{url}: {none} and no folder in its key: {label_hint(sample)}; name the label with "
                              f"--label-key")
     images = [e for e in sample if not e.startswith("__") and image_format(e) in FOREIGN_EXTS and sample[e] is not None]
@@ -189,13 +189,13 @@ def _scan_sample(sample, scan, url):
         wanted = f".{scan['image_key']}" if scan["image_key"] else f"image member (.{', .'.join(FOREIGN_EXTS)})"
         raise ShardError(f"{url}: sample {key}: no {wanted} (has {have or 'nothing'})")
     ext = images[0]
-    got = damage.decoded(scan, key, ext, lambda: _stat_pixels(sample[ext], ext))  # None: a damaged sample, counted
+    got = damage.decoded(scan, key, ext, lambda: stat_pixels(sample[ext], ext))  # None: a damaged sample, counted
     if got is None:
         return
-    mode, w, h, rgb, grey = got
+    (h, w), is_grey, rgb, grey = got
     scan["samples"] += 1
     scan["exts"][ext] += 1
-    scan["shapes"][(1 if mode in GREY_MODES else 3, h, w)] += 1
+    scan["shapes"][(1 if is_grey else 3, h, w)] += 1
     scan["labels"][value] += 1
     scan["first"].setdefault(value, key)
     scan["rgb"] += [len(rgb), *rgb.sum(0), *(rgb * rgb).sum(0)]
@@ -205,16 +205,6 @@ def _scan_sample(sample, scan, url):
     for side, ratio in (("wide", w / h), ("tall", h / w), ("large", decoded)):  # checked against the shape
         if ratio > scan[side][0]:  # the most elongated images, the one of most pixels as decoded
             scan[side] = (ratio, key, w, h, image_format(ext))
-
-
-def _stat_pixels(data, ext):
-    """(mode, width, height, RGB and grey pixels at about fields.STAT_SIDE) of an image member: the
-    pixel cap now, the aspect once the shape is known."""
-    img, orientation = open_image(data, image_format(ext))
-    mode = img.mode  # before draft mode may change it
-    w, h = img.size if orientation < 5 else img.size[::-1]
-    img = stat_thumbnail(img, image_format(ext))
-    return mode, w, h, pixels_of(img, 3).reshape(-1, 3) / 255.0, pixels_of(img, 1).ravel() / 255.0
 
 
 def wrong_label_key(url, sample, label, member):
