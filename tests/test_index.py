@@ -600,3 +600,25 @@ def test_classes_from_a_manifest_of_too_many_classes_says_the_limit_and_why(tmp_
     assert (f"{tmp_path}/many.json: field classes: 6 classes, more than the 5 a manifest may hold "
             f"(pipeline.data.manifests.manifest.MAX_CLASSES): the model has an output per class and every worker keeps the "
             f"class list") in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("fields", [False, True])
+def test_grey_images_index_as_one_channel_and_colour_as_three(tmp_path, fields):
+    """The image statistics' grey test (writers/fields.stat_pixels, both index paths): a set of grey
+    PNGs records 1 channel, a set of RGB ones 3 (no test failed when every image read as colour)."""
+    from helpers import encode_pil, foreign_image, write_foreign
+
+    for mode, want in (("L", 1), ("RGB", 3)):
+        folder = tmp_path / mode
+
+        def sample(i, mode=mode):
+            png = encode_pil(foreign_image(i % 2, (12, 12), i, mode), "PNG")
+            return f"s{i:03d}", [(f"s{i:03d}.png", png), (f"s{i:03d}.cls", str(i % 2).encode())]
+
+        write_foreign(folder, 8, 4, "g-{:02d}.tar", sample)
+        more = ["--fields", "image:image=png,size=12x12 label:class=cls"] if fields else []
+        p = make_shards("--index", f"g{mode}:train={folder}", *more, "--out", tmp_path / "out")
+        assert p.returncode == 0, p.stderr
+        m = json.loads((tmp_path / "out" / f"g{mode}-train.json").read_text())
+        got = m["origin"]["most_common_shape"] if fields else m["shape"]
+        assert got == [want, 12, 12], (mode, m)
