@@ -76,22 +76,28 @@ def step_times(args, folder):
     return {last: times[2:] for last, (_, _, _, times) in runs.items()}
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    import torch
-
+def medians(args):
+    """(median seconds a contiguous step, a channels-last one, steps timed of each) over synthetic
+    3-channel raw shards of 4 batches built in a temporary folder (also make gpu-check's case)."""
     from pipeline.writers import shards
     from pipeline.writers.sources import SyntheticSource
 
-    torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as folder:
         n = args.batch_size * 4
         shards.build(SyntheticSource("cifar10", "train", n, (3, args.side, args.side)), folder, encoding="raw",
                      maxcount=args.batch_size, progress=False)
         times = step_times(args, folder)
-    plain, last = statistics.median(times[False]), statistics.median(times[True])
+    return statistics.median(times[False]), statistics.median(times[True]), len(times[False])
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    plain, last, steps = medians(args)
     print(json.dumps({"model": args.model, "width": args.width, "batch_size": args.batch_size, "side": args.side,
-                      "device": args.device, "steps": len(times[False]), "contiguous_s": round(plain, 5),
+                      "device": args.device, "steps": steps, "contiguous_s": round(plain, 5),
                       "channels_last_s": round(last, 5), "ratio": round(last / plain, 3)}))
     return 0
 

@@ -260,21 +260,13 @@ def channels_last_check(device, cases=(("cnn", 64, 256), ("resnet18", 0, 128)), 
     (tools/bench_channels_last.py): the figure that says whether the flag should be the default
     on GPUs, where PyTorch recommends that layout for convolutions under mixed precision."""
     import argparse
-    import tempfile
 
     import bench_channels_last as bench
-    from pipeline.writers import shards
-    from pipeline.writers.sources import SyntheticSource
 
     figures, said = {}, []
     for model, width, batch in cases:
-        args = argparse.Namespace(model=model, width=width or 16, batch_size=batch, side=side, rounds=rounds,
-                                  device=device)
-        with tempfile.TemporaryDirectory() as folder:
-            shards.build(SyntheticSource("cifar10", "train", batch * 4, (3, side, side)), folder, encoding="raw",
-                         maxcount=batch, progress=False)
-            times = bench.step_times(args, folder)
-        plain, last = statistics.median(times[False]), statistics.median(times[True])
+        plain, last, _ = bench.medians(argparse.Namespace(model=model, width=width or 16, batch_size=batch, side=side,
+                                                          rounds=rounds, device=device))
         figures[model] = {"contiguous_s": round(plain, 6), "channels_last_s": round(last, 6),
                           "ratio": round(last / plain, 3)}
         said.append(f"{model} {last / plain:.2f}x")
