@@ -26,6 +26,7 @@ import torch
 
 from pipeline.data.fields.columns import canvas, default_columns, fields_of, form, put, said
 from pipeline.data.decoding.gpujpeg import SIZES
+from pipeline.data.fields.keys import Keys
 from pipeline.data.fields.spec import Field, Spec, channels_last
 from pipeline.errors import InputError
 
@@ -260,7 +261,7 @@ class Layout:
                                 torch.from_numpy(arrays["source"]))
             arrays["image"] = image
         arrays.pop(SIZES, None)  # in the slot for the hand-over to decode by (gpujpeg.unpack), never in a batch
-        return dict(arrays, **lists, key=keys.tolist(), skipped=skipped)
+        return dict(arrays, **lists, key=Keys.of(keys.tolist()), skipped=skipped)  # one type through every door
 
     def _canvas(self, b):
         """A uint8 `image` canvas of b images, in the field's memory format, made once per process and reused."""

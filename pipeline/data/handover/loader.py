@@ -19,7 +19,6 @@ import torch
 
 from pipeline.data.handover.budget import PREFETCH
 from pipeline.data.handover.device import REFUSED, ToDevice, decoding, parse_device
-from pipeline.data.fields.keys import Keys
 from pipeline.data.handover.ring import Ring
 from pipeline.ordering.topology import Worker
 from pipeline.data.handover.workers import BATCH, END, Workers, raise_error, unpack
@@ -201,8 +200,6 @@ class Loader:
                     batch = next(batches, None)
                     if batch is None:
                         return
-                    if type(batch.get("key")) is list:  # one type whatever the workers (code written at 0 runs at 2)
-                        batch["key"] = Keys.of(batch["key"])
                     kind, k, n = batch.pop("slot")
                     if kind == "slot":
                         batch.update(self._hand_over(0, k, n))

@@ -414,15 +414,16 @@ def pack(batch, fixed):
     256 strings cost it about twice what splitting one does, and most loops never read them."""
     small = {k: v for k, v in batch.items() if k not in fixed}
     keys = small.get("key")
-    if isinstance(keys, list) and not any(SEP in k for k in keys):
+    if isinstance(keys, (list, Keys)) and not any(SEP in k for k in keys):  # Layout.collate's Keys, or a list
         small["key"] = SEP.join(keys)
     return pickle.dumps(small, protocol=5)
 
 
 def unpack(payload, n):
     small = pickle.loads(payload)
-    if isinstance(small.get("key"), str):
-        small["key"] = Keys(small["key"], n)
+    keys = small.get("key")
+    if isinstance(keys, (str, list)):  # joined, or a list where a key holds SEP (a Keys pickles as its list)
+        small["key"] = Keys(keys, n) if isinstance(keys, str) else Keys.of(keys)
     return small
 
 

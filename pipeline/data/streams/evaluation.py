@@ -11,7 +11,6 @@ from pipeline.data.streams import stages
 from pipeline.data.streams import reading
 from pipeline.data.streams import plans
 from pipeline.data.fields.batch import NOTHING, Layout
-from pipeline.data.fields.keys import Keys
 from pipeline.data.fields.schema import Schema
 from pipeline.errors import Errors, ShardError
 from pipeline.ordering.topology import Topology, Worker
@@ -110,8 +109,6 @@ def in_process(stream):
     for batch in stream.batches(None, None, plan):  # each batch in new memory, laid out as a slot
         for name in names:
             batch[name] = torch.from_numpy(batch[name])
-        if type(batch.get("key")) is list:  # the type the loader's batches have (loader._here, workers.unpack)
-            batch["key"] = Keys.of(batch["key"])
         if "state" in batch:
             stream.arrive(batch["state"])  # a loader's pass begun on the stream since ends this one
         yield batch
