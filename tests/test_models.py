@@ -10,11 +10,13 @@ import textwrap
 import pytest
 import torch
 
-from helpers import _launch_env, finish, free_port, launchers
+from helpers import _launch_env, finish, free_port, launchers, run_capture
 from pipeline.errors import InputError
 from pipeline.train import checkpoint, options
 from pipeline.train.model import build_model, check_name
 from pipeline.train.metrics import read_keys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the user's file of the tests: a model without BatchNorm (no buffers at all), one with
 # BatchNorm and dropout, one fixed to 64x64 inputs, one that returns two outputs, one no model
@@ -100,6 +102,28 @@ def test_a_misspelt_name_is_one_line_naming_valid_ones():
     assert "--model resnet17" in str(e.value) and "resnet18" in str(e.value) and "\n" not in str(e.value)
     check_name("mobilenet_v3_small")
     check_name("anything:at_all")  # the user's: imported when the model is built
+
+
+def test_the_names_read_from_torchvisions_files_are_those_it_registers():
+    """Every name torchvision builds is taken (modelnames reads them from its files, unrun)."""
+    import torchvision
+
+    from pipeline.train import modelnames
+
+    assert modelnames.torchvision_names() == torchvision.models.list_models(module=torchvision.models)
+
+
+def test_a_misspelt_name_is_refused_by_the_option_parser_before_torch_loads():
+    """--model resnet19 took about 4.5 s to be refused: the check imported torchvision (and torch)."""
+    code = ("import sys\nfrom pipeline.train import options\ntry:\n"
+            "    options.parse(['--train', 'a=x/', '--model', 'resnet19'])\nexcept SystemExit as e:\n"
+            "    print(e.code, sorted(m for m in ('torch', 'torchvision') if m in sys.modules))\n")
+    p = run_capture([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                    capture_output=True, text=True)
+    assert p.stdout.strip() == "2 []", p.stdout + p.stderr
+    assert p.stderr.startswith("pipeline-train: error: --model resnet19: not a torchvision classification model; "
+                               "e.g. resnet18, "), p.stderr
+    assert p.stderr.endswith("; did you mean resnet18? (see --help)\n") and p.stderr.count("\n") == 1, p.stderr
 
 
 def test_a_users_function_is_called_with_classes_and_shape_from_the_current_folder(user_file):
