@@ -66,6 +66,19 @@ USER = textwrap.dedent("""
 
     def no_params(num_classes, shape):
         return nn.Sequential(nn.Flatten(), nn.AdaptiveAvgPool1d(num_classes))
+
+    class Note:
+        pass
+
+    class Noted(nn.Sequential):
+        def get_extra_state(self):
+            return Note()
+
+        def set_extra_state(self, state):
+            pass
+
+    def noted(num_classes, shape):
+        return Noted(nn.Flatten(), nn.Linear(shape[0] * shape[1] * shape[2], num_classes))
 """)
 
 
@@ -138,6 +151,8 @@ def test_a_users_function_is_called_with_classes_and_shape_from_the_current_fold
     ("mymodule:missing", "--model mymodule:missing: AttributeError"),
     ("mymodule:one_argument", "--model mymodule:one_argument: raised TypeError"),
     ("no_such_module_h2:make", "--model no_such_module_h2:make: ModuleNotFoundError"),
+    ("mymodule:noted", "--model mymodule:noted: its state_dict's _extra_state is an object that torch.load(..., "
+                       "weights_only=True) refuses, so no checkpoint could hold it"),  # said before, not at a save
 ])
 def test_a_model_that_cannot_train_on_the_data_is_refused_in_one_line(user_file, spec, needle):
     with pytest.raises(InputError) as e:

@@ -16,6 +16,7 @@ from torch.nn.parameter import is_lazy
 from pipeline.data.fields.spec import channels_last as is_channels_last  # a batch's layout (the flag shadows the name)
 from pipeline.errors import InputError
 from pipeline.train.options import DEFAULT_MODEL as DEFAULT
+from pipeline.train.checkpoint import refused_at
 from pipeline.train.modelnames import check_name
 from pipeline.train.usercode import user_function
 
@@ -60,6 +61,12 @@ def build_model(spec, num_classes, shape, width, channels_last=False):
                              f"{spec.partition(':')[2]}(num_classes, (C, H, W)))") from None
         if not isinstance(made, nn.Module):
             raise InputError(f"--model {spec}: returned {type(made).__name__}, not a torch.nn.Module")
+        other = {k: v for k, v in made.state_dict().items() if not isinstance(v, torch.Tensor)}  # extra state
+        where = refused_at(other)
+        if where:  # found now, not when the first checkpoint is written
+            raise InputError(f"--model {spec}: its state_dict's {where} is an object that torch.load(..., "
+                             f"weights_only=True) refuses, so no checkpoint could hold it; keep tensors and plain "
+                             f"types there")
     else:
         check_name(spec)
         import torchvision
