@@ -31,9 +31,10 @@ def settings_line(args, world, device):
     model, the batch per rank and per step, the loader workers, --channels-last and the device
     (summary.json's config holds every option, but a log is what is read first)."""
     model = f"{args.model} (width {args.width})" if args.model == DEFAULT_MODEL else args.model
-    return (f"training {model} on {device}: batch {args.batch_size} a rank x {world} rank{'s' if world != 1 else ''} "
-            f"= {args.batch_size * world} samples a step, {args.workers} loader worker{'s' if args.workers != 1 else ''}"
-            f" a rank, channels-last {'on' if args.channels_last else 'off'}")
+    ranks, workers = "rank" + "s" * (world != 1), "worker" + "s" * (args.workers != 1)
+    return (f"training {model} on {device}: batch {args.batch_size} a rank x {world} {ranks} = "
+            f"{args.batch_size * world} samples a step, {args.workers} loader {workers} a rank, "
+            f"channels-last {'on' if args.channels_last else 'off'}")
 
 
 def one_line(text):
