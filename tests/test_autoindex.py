@@ -224,6 +224,22 @@ def test_a_changed_local_shard_is_indexed_again(tmp_path, capsys):
     assert "indexed on first use: 2 shards, 25 samples" in capsys.readouterr().err
 
 
+def test_a_reused_index_says_where_it_is_and_how_to_index_again(tmp_path, capsys):
+    """A second use read no shard and said nothing: a new user wondered whether their new files were read."""
+    write_captioned(tmp_path / "set", 40)
+    first = resolve("web", str(tmp_path / "set"), "train")
+    assert "indexed on first use" in capsys.readouterr().err
+    assert resolve("web", str(tmp_path / "set"), "train").manifest == first.manifest
+    assert capsys.readouterr().err == (f"web-train: reused the index made on first use, {first.manifest}: the same 2 "
+                                       f"shard files, of the same sizes and times as when it was made; delete that "
+                                       f"file to index them again\n")
+    resolve("web", str(tmp_path / "set"), "train", progress=False)  # the other ranks of a job
+    assert capsys.readouterr().err == ""
+    os.remove(first.manifest)  # as the line says
+    assert resolve("web", str(tmp_path / "set"), "train").total == 40
+    assert "indexed on first use: 2 shards, 40 samples" in capsys.readouterr().err
+
+
 def test_a_set_indexed_again_leaves_one_index_and_another_set_of_the_same_name_keeps_its_own(tmp_path):
     """A changed set's old index is stale for good: it goes when the new one is made (a new
     user's cache grew a folder a change, F11 of the hostile pass); another set under the same
@@ -339,7 +355,10 @@ def test_a_store_prefix_is_indexed_on_first_use_into_the_cache_folder(s3_server,
     assert src.manifest.startswith(str(tmp_path / "cache" / "index"))
     assert "web-train: indexed on first use: 2 shards, 40 samples" in capsys.readouterr().err
     assert resolve("web", f"s3://{bucket}/web/", "train", cache_dir=str(tmp_path / "cache")).manifest == src.manifest
-    assert "indexed" not in capsys.readouterr().err
+    err = capsys.readouterr().err  # (the folder's name holds "indexed": the test's)
+    assert "indexed on first use" not in err and err.endswith(
+        ": the same 2 shard names as when it was made (a shard rewritten under its name is not noticed); delete that "
+        "file to index them again\n"), err
 
 
 @pytest.mark.slow

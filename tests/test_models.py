@@ -10,11 +10,13 @@ import textwrap
 import pytest
 import torch
 
-from helpers import _launch_env, finish, free_port, launchers
+from helpers import _launch_env, finish, free_port, launchers, run_capture
 from pipeline.errors import InputError
 from pipeline.train import checkpoint, options
 from pipeline.train.model import build_model, check_name
 from pipeline.train.metrics import read_keys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the user's file of the tests: a model without BatchNorm (no buffers at all), one with
 # BatchNorm and dropout, one fixed to 64x64 inputs, one that returns two outputs, one no model
@@ -64,6 +66,19 @@ USER = textwrap.dedent("""
 
     def no_params(num_classes, shape):
         return nn.Sequential(nn.Flatten(), nn.AdaptiveAvgPool1d(num_classes))
+
+    class Note:
+        pass
+
+    class Noted(nn.Sequential):
+        def get_extra_state(self):
+            return Note()
+
+        def set_extra_state(self, state):
+            pass
+
+    def noted(num_classes, shape):
+        return Noted(nn.Flatten(), nn.Linear(shape[0] * shape[1] * shape[2], num_classes))
 """)
 
 
@@ -102,6 +117,28 @@ def test_a_misspelt_name_is_one_line_naming_valid_ones():
     check_name("anything:at_all")  # the user's: imported when the model is built
 
 
+def test_the_names_read_from_torchvisions_files_are_those_it_registers():
+    """Every name torchvision builds is taken (modelnames reads them from its files, unrun)."""
+    import torchvision
+
+    from pipeline.train import modelnames
+
+    assert modelnames.torchvision_names() == torchvision.models.list_models(module=torchvision.models)
+
+
+def test_a_misspelt_name_is_refused_by_the_option_parser_before_torch_loads():
+    """--model resnet19 took about 4.5 s to be refused: the check imported torchvision (and torch)."""
+    code = ("import sys\nfrom pipeline.train import options\ntry:\n"
+            "    options.parse(['--train', 'a=x/', '--model', 'resnet19'])\nexcept SystemExit as e:\n"
+            "    print(e.code, sorted(m for m in ('torch', 'torchvision') if m in sys.modules))\n")
+    p = run_capture([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                    capture_output=True, text=True)
+    assert p.stdout.strip() == "2 []", p.stdout + p.stderr
+    assert p.stderr.startswith("pipeline-train: error: --model resnet19: not a torchvision classification model; "
+                               "e.g. resnet18, "), p.stderr
+    assert p.stderr.endswith("; did you mean resnet18? (see --help)\n") and p.stderr.count("\n") == 1, p.stderr
+
+
 def test_a_users_function_is_called_with_classes_and_shape_from_the_current_folder(user_file):
     model = build_model("mymodule:make_model", 12, (3, 6, 5), 64)
     assert model[1].in_features == 3 * 6 * 5 and model[-1].out_features == 12
@@ -114,6 +151,8 @@ def test_a_users_function_is_called_with_classes_and_shape_from_the_current_fold
     ("mymodule:missing", "--model mymodule:missing: AttributeError"),
     ("mymodule:one_argument", "--model mymodule:one_argument: raised TypeError"),
     ("no_such_module_h2:make", "--model no_such_module_h2:make: ModuleNotFoundError"),
+    ("mymodule:noted", "--model mymodule:noted: its state_dict's _extra_state is an object that torch.load(..., "
+                       "weights_only=True) refuses, so no checkpoint could hold it"),  # said before, not at a save
 ])
 def test_a_model_that_cannot_train_on_the_data_is_refused_in_one_line(user_file, spec, needle):
     with pytest.raises(InputError) as e:

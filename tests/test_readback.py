@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import HANG, build_shards, finish, free_port
+from helpers import HANG, build_shards, finish, free_port, run_capture
 from pipeline.train import checkpoint, options, loop as train
 from pipeline.train.run import Run
 from pipeline.data.manifests import manifest
 from pipeline.data.manifests import locations
 from pipeline.data.store import remote
-from pipeline.errors import ShardError
+from pipeline.errors import InputError, ShardError
 from pipeline.train.metrics import Metrics
 from pipeline.data.streams.stream import resolve
 from pipeline.data.handover.loader import make_loader
@@ -878,3 +878,30 @@ def test_a_fifo_in_the_run_folder_is_one_line_not_a_hang(data, runs, tmp_path, c
         os.remove(out / name)
     os.mkfifo(out / name)
     one_line(small(data, out, "--resume", "--record-keys"), capsys, name, "not a regular file")
+
+
+# ---------------------------------------------------------------- 8. loadable by anyone's torch.load
+
+
+def test_the_trainers_checkpoints_load_with_plain_weights_only_in_a_fresh_process(runs):
+    """torch.load(path, weights_only=True) in a new user's own Python, no allowlist of ours: every
+    field is a tensor or a plain type, inside an epoch (the stream states) and at its end."""
+    code = "import sys, torch\nfor p in sys.argv[1:]:\n    print(sorted(torch.load(p, weights_only=True)))\n"
+    p = run_capture([sys.executable, "-c", code, *(str(runs[k] / "checkpoint.pt") for k in ("mid", "end"))],
+                    capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.count("'model', 'nonfinite', 'optimizer'") == 2, p.stdout + p.stderr
+
+
+def test_a_state_weights_only_would_refuse_is_one_line_naming_its_field_and_leaves_no_file(tmp_path):
+    """A batch's Keys pickles as builtins.list, a global weights_only refuses ('GLOBAL list'): the
+    check in save() raised torch's UnpicklingError with a traceback and left checkpoint.pt.tmp."""
+    from pipeline.data.fields.keys import Keys
+
+    path = str(tmp_path / "checkpoint.pt")
+    checkpoint.save(path, {"version": checkpoint.VERSION, "n": 1})
+    with pytest.raises(InputError) as e:
+        checkpoint.save(path, {"version": checkpoint.VERSION, "n": 2, "keys": Keys.of(["a-0"])})
+    said = str(e.value)
+    assert said.startswith(f"could not write the checkpoint {path}: keys holds an object that torch.load(..., "
+                           f"weights_only=True) refuses (Unsupported global: GLOBAL list ") and "\n" not in said, said
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.pt"] and checkpoint.load(path)["n"] == 1

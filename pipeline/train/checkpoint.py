@@ -13,14 +13,16 @@ it is used, and the counts against each other (the samples seen are what the epo
 and the ranks' tallies add up to; a rank's key log holds at most a line per sample it
 consumed), each failure one line naming the field.
 """
+import io
 import json
 import math
 import os
+import pickle
 from dataclasses import dataclass
 
 import torch
 
-from pipeline.errors import ShardError, short
+from pipeline.errors import InputError, ShardError, short
 from pipeline.ordering import order, state_format
 from pipeline.files import open_regular
 from pipeline.train.options import DEFAULT_MODEL
@@ -386,20 +388,54 @@ def _first_line(e):
 
 
 def save(path, state):
-    """Write to a temporary name, load it back, then rename: a kill or a full disk mid-save
-    leaves the previous checkpoint as it was. Raises OSError in one line on failure."""
+    """Write to a temporary name, load it back as any reader may (torch.load with weights_only=True:
+    tensors and plain types only), then rename: a kill or a full disk mid-save leaves the previous
+    checkpoint as it was, and no file is kept that such a load refuses. Raises OSError in one line
+    on failure; InputError naming the field where the state holds an object weights_only refuses
+    (a --model of the user's whose state_dict holds one)."""
     tmp = path + ".tmp"
     try:
         torch.save(state, tmp)
         torch.load(tmp, map_location="cpu", weights_only=True)  # readable back, without a second copy on a GPU
         os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, pickle.UnpicklingError) as e:
         try:
             os.remove(tmp)
         except OSError:
             pass
+        where = refused_at(state) if isinstance(e, pickle.UnpicklingError) else None
+        if where:
+            raise InputError(f"could not write the checkpoint {path}: {where} holds an object that torch.load(..., "
+                             f"weights_only=True) refuses ({_refusal(e)}); a checkpoint keeps tensors and plain types "
+                             f"only (a --model of your own: keep other objects out of its state_dict); the previous "
+                             f"checkpoint is kept") from None
         reason = " ".join(str(e).split()) or e.__class__.__name__
         raise OSError(f"could not write the checkpoint {path} ({reason}); the previous checkpoint is kept") from None
+
+
+def refused_at(value, where=""):
+    """The dotted place in `value` (a checkpoint's state, a model's extra state) of the first object
+    that torch.load's weights_only refuses, or None: what save() and the model's check name."""
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    buf.seek(0)
+    try:
+        torch.load(buf, weights_only=True)
+        return None
+    except pickle.UnpicklingError:
+        pass
+    for k, v in value.items() if isinstance(value, dict) else ():
+        inner = refused_at(v, f"{where}.{k}" if where else str(k))
+        if inner:
+            return inner
+    return where or None
+
+
+def _refusal(e):
+    """torch's reason in its weights_only message (`Unsupported global: GLOBAL list was not an allowed global
+    by default`), without the paragraphs around it."""
+    lines = [ln.strip() for ln in str(e).splitlines() if "WeightsUnpickler error:" in ln]
+    return lines[0].split("WeightsUnpickler error:", 1)[1].split(". ")[0].strip() if lines else short(str(e))
 
 
 def load(path, device="cpu"):

@@ -7,6 +7,7 @@ characters (cli.printable).
 import sys
 
 from pipeline import cli
+from pipeline.train.options import DEFAULT_MODEL
 
 
 def progress_bar(topo, total, desc, initial=0):
@@ -23,6 +24,17 @@ def progress_bar(topo, total, desc, initial=0):
 
     tqdm.monitor_interval = 0
     return cli.progress(total=total, initial=initial, desc=desc, unit="batch")
+
+
+def settings_line(args, world, device):
+    """The run's settings as its log should show them, printed once as training starts: the
+    model, the batch per rank and per step, the loader workers, --channels-last and the device
+    (summary.json's config holds every option, but a log is what is read first)."""
+    model = f"{args.model} (width {args.width})" if args.model == DEFAULT_MODEL else args.model
+    ranks, workers = "rank" + "s" * (world != 1), "worker" + "s" * (args.workers != 1)
+    return (f"training {model} on {device}: batch {args.batch_size} a rank x {world} {ranks} = "
+            f"{args.batch_size * world} samples a step, {args.workers} loader {workers} a rank, "
+            f"channels-last {'on' if args.channels_last else 'off'}")
 
 
 def one_line(text):

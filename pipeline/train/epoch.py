@@ -44,75 +44,71 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
     votes = dist.Votes()
     t0 = time.perf_counter()
     got = 0
-    for batch in loader:  # on run.device already (make_loader's device); workers persist and pick up set_epoch
-        run.stream.record(batch["state"])  # this batch is trained now: the stream's place is after it
-        t1 = time.perf_counter()
-        run.startup.setdefault("first_batch_s", round(t1 - run.t0, 3))
-        run.tally["wait"] += t1 - t0
-        # augmentation keyed by the batch's place, as the data's order is: a resume on the same world
-        # draws the same, and no two ranks or batches share a key
-        gen.manual_seed(order.seed_of((order.AUGMENT, args.seed, epoch, segment.generation, topo.rank, made + got)))
-        losses, source, found = run.step_once(batch, gen)
-        got += 1
-        run.tally["batches"] += 1
-        run.tally["skipped"] += batch["skipped"]
-        per_source.index_add_(0, batch["source"], torch.ones_like(batch["source"]))  # bincount on CUDA reads its max
-        log.add(run.step, losses, source, found)
-        log.skipped += batch["skipped"]
-        if args.record_keys:
-            keys.add(epoch + 1, batch["key"])
-            if "keys" in run.tally:  # (a tally from a checkpoint written before it counted them: unknown)
-                run.tally["keys"] += len(batch["key"])
-        if bar is not None:
-            bar.update(1)
-        if run.stopper is not None and run.stopping is None:  # a step late, without waiting (dist.Votes)
-            run.stopping = run.stopper.agreed(votes.cast(run.stopper.vector()) or [])
-        last = got == left
-        logged = run.step % args.log_every == 0 or last
-        ending = budget(run.step) or run.stopping is not None
-        saving = not last and (bool(args.checkpoint_every) and run.step % args.checkpoint_every == 0 or ending)
-        if logged or saving:
-            sums = settle(run, log, metrics, epoch, bar)
-            if logged:
-                line = log.line(sums)
-                if bar is not None:
-                    bar.set_postfix(loss=f"{sum(line['loss'][k] * line['share'][k] for k in run.names):.3f}",
-                                    refresh=False)  # drawn with the next update, at the bar's own pace
-                metrics.log(kind="train", epoch=epoch + 1, step=run.step, lr=run.opt.param_groups[0]["lr"],
-                            weights=weights, **line)
-                sums = None
-            if saving:
-                run.tally["samples"] = [a + b for a, b in zip(run.tally["samples"], per_source.tolist())]
-                per_source.zero_()
-                run.save(keys, sums)
-                if ending:
-                    votes.drain()
+    try:  # the bar closes however the epoch ends: an error line after it must be the last line
+        for batch in loader:  # on run.device already (make_loader's device); workers persist and pick up set_epoch
+            run.stream.record(batch["state"])  # this batch is trained now: the stream's place is after it
+            t1 = time.perf_counter()
+            run.startup.setdefault("first_batch_s", round(t1 - run.t0, 3))
+            run.tally["wait"] += t1 - t0
+            # augmentation keyed by the batch's place, as the data's order is: a resume on the same world
+            # draws the same, and no two ranks or batches share a key
+            gen.manual_seed(order.seed_of((order.AUGMENT, args.seed, epoch, segment.generation, topo.rank, made + got)))
+            losses, source, found = run.step_once(batch, gen)
+            got += 1
+            run.tally["batches"] += 1
+            run.tally["skipped"] += batch["skipped"]
+            # bincount on CUDA reads its max
+            per_source.index_add_(0, batch["source"], torch.ones_like(batch["source"]))
+            log.add(run.step, losses, source, found)
+            log.skipped += batch["skipped"]
+            if args.record_keys:
+                keys.add(epoch + 1, batch["key"])
+                if "keys" in run.tally:  # (a tally from a checkpoint written before it counted them: unknown)
+                    run.tally["keys"] += len(batch["key"])
+            if bar is not None:
+                bar.update(1)
+            if run.stopper is not None and run.stopping is None:  # a step late, without waiting (dist.Votes)
+                run.stopping = run.stopper.agreed(votes.cast(run.stopper.vector()) or [])
+            last = got == left
+            logged = run.step % args.log_every == 0 or last
+            ending = budget(run.step) or run.stopping is not None
+            saving = not last and (bool(args.checkpoint_every) and run.step % args.checkpoint_every == 0 or ending)
+            if logged or saving:
+                sums = settle(run, log, metrics, epoch)
+                if logged:
+                    line = log.line(sums)
                     if bar is not None:
-                        bar.close()
-                    return False
-        t0 = time.perf_counter()
-        run.tally["busy"] += t0 - t1
-    votes.drain()
-    if bar is not None:
-        bar.close()
+                        bar.set_postfix(loss=f"{sum(line['loss'][k] * line['share'][k] for k in run.names):.3f}",
+                                        refresh=False)  # drawn with the next update, at the bar's own pace
+                    metrics.log(kind="train", epoch=epoch + 1, step=run.step, lr=run.opt.param_groups[0]["lr"],
+                                weights=weights, **line)
+                    sums = None
+                if saving:
+                    run.tally["samples"] = [a + b for a, b in zip(run.tally["samples"], per_source.tolist())]
+                    per_source.zero_()
+                    run.save(keys, sums)
+                    if ending:
+                        votes.drain()
+                        return False
+            t0 = time.perf_counter()
+            run.tally["busy"] += t0 - t1
+        votes.drain()
+    finally:
+        if bar is not None:
+            bar.close()
     run.tally["samples"] = [a + b for a, b in zip(run.tally["samples"], per_source.tolist())]
     gather_epoch(run, epoch)
     run.in_epoch = False
     return True
 
 
-def settle(run, log, metrics, epoch, bar):
+def settle(run, log, metrics, epoch):
     """Read what the steps since the last read left on the device (StepLog.reduce, one wait):
     the steps skipped for a non-finite loss are recorded (the run ends once more than
     --max-nonfinite were). Returns the reduced sums."""
     sums, skipped_steps, _ = log.reduce()
-    try:
-        for step, where in skipped_steps:
-            skip_nonfinite(run, metrics, epoch, step, where)
-    except NonFiniteLoss:
-        if bar is not None:
-            bar.close()  # the error line starts a line of its own
-        raise
+    for step, where in skipped_steps:
+        skip_nonfinite(run, metrics, epoch, step, where)
     return sums
 
 

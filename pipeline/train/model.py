@@ -16,6 +16,8 @@ from torch.nn.parameter import is_lazy
 from pipeline.data.fields.spec import channels_last as is_channels_last  # a batch's layout (the flag shadows the name)
 from pipeline.errors import InputError
 from pipeline.train.options import DEFAULT_MODEL as DEFAULT
+from pipeline.train.checkpoint import refused_at
+from pipeline.train.modelnames import check_name
 from pipeline.train.usercode import user_function
 
 MIN_SIDE = 4  # two 2x2 max-pools: a smaller input has nothing left to pool
@@ -35,22 +37,6 @@ def step_bytes(batch_size, height, width, model_width):
     a manifest's shape alone can make a step of a few images need tens of GB."""
     return batch_size * max(height, MIN_SIDE) * max(width, MIN_SIDE) * (STEP_PIXEL_BYTES +
                                                                        STEP_WIDTH_BYTES * model_width)
-
-
-def check_name(spec):
-    """InputError (one line with a few valid names) unless `spec` is the default, MODULE:FUNCTION
-    or a torchvision classification model: checked before any data is read."""
-    if spec == DEFAULT or ":" in spec:
-        return
-    import torchvision
-
-    names = torchvision.models.list_models(module=torchvision.models)
-    if spec not in names:
-        some = [n for n in ("resnet18", "resnet50", "mobilenet_v3_small", "efficientnet_b0", "convnext_tiny")
-                if n in names]
-        raise InputError(f"--model {spec}: not a torchvision classification model; e.g. {', '.join(some)} "
-                         f"({len(names)} in all: torchvision.models.list_models(module=torchvision.models)), "
-                         f"{DEFAULT} (the default) or MODULE:FUNCTION of your own")
 
 
 def build_model(spec, num_classes, shape, width, channels_last=False):
@@ -75,6 +61,12 @@ def build_model(spec, num_classes, shape, width, channels_last=False):
                              f"{spec.partition(':')[2]}(num_classes, (C, H, W)))") from None
         if not isinstance(made, nn.Module):
             raise InputError(f"--model {spec}: returned {type(made).__name__}, not a torch.nn.Module")
+        other = {k: v for k, v in made.state_dict().items() if not isinstance(v, torch.Tensor)}  # extra state
+        where = refused_at(other)
+        if where:  # found now, not when the first checkpoint is written
+            raise InputError(f"--model {spec}: its state_dict's {where} is an object that torch.load(..., "
+                             f"weights_only=True) refuses, so no checkpoint could hold it; keep tensors and plain "
+                             f"types there")
     else:
         check_name(spec)
         import torchvision

@@ -12,11 +12,13 @@ import sys
 from pipeline.cli import Parser, add_io_options, byte_size, check_io
 from pipeline.files import missing_folder
 from pipeline.ordering.weights import check_weights, parse_weights
+from pipeline.errors import InputError
 from pipeline.train import stop
+from pipeline.train.modelnames import DEFAULT, check_name
 
 MAX_TIMEOUT = 7 * 24 * 3600  # a week: more overflows torch's timeout deep in the process group set-up
 DEFAULT_BATCH = 256  # --batch-size
-DEFAULT_MODEL = "cnn"  # --model: pipeline.train.model.Net
+DEFAULT_MODEL = DEFAULT  # --model: pipeline.train.model.Net
 
 DESCRIPTION = """Train one model with DDP on the weighted mix of several shard streams.
 
@@ -243,6 +245,10 @@ def check(p, args):
     if sep and not (module and function) or not args.model.strip() or any(c.isspace() for c in args.model):
         p.error(f"--model {args.model!r}: expected a torchvision model's name (e.g. resnet18) or MODULE:FUNCTION, "
                 f"e.g. my_models:make_model")
+    try:
+        check_name(args.model)  # here, before torch: a misspelt name answers at once
+    except InputError as e:
+        p.error(str(e))
     for stage in args.sample_stage:
         module, sep, function = stage.partition(":")
         if not (sep and module and function):

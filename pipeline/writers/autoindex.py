@@ -17,7 +17,8 @@ $PIPELINE_CACHE, else $XDG_CACHE_HOME/pipeline or ~/.cache/pipeline). Keyed by t
 each shard's name with its size and mtime (local), its Content-Length and ETag or
 Last-Modified (http, one HEAD each), or its name alone (stores: a rewritten object under
 the same name is not noticed; index it with --index). A changed set gets a new key, so it
-is indexed again; an unchanged one is reused and no shard is read, unless its index was
+is indexed again; an unchanged one is reused (a line says where, and how to index again) and no
+shard is read, unless its index was
 inferred by other rules than this version's (INFERENCE): it is made again. Several processes (the
 ranks of a torchrun job) take a file lock on the key (pipeline.files.locked): the first
 indexes, the others wait for it and read its result.
@@ -120,6 +121,9 @@ def ensure(name, split, spec, urls, *, policy=remote.Policy(), cache_dir=None, f
     folder = os.path.join(home(urls, cache_dir), set_prefix + key)
     path = os.path.join(folder, manifest.manifest_name(name, split))
     if _current(path):
+        if progress:  # one line a job (rank 0's): its new files were read or there are none
+            print(f"{name}-{split}: reused the index made on first use, {path}: {_unchanged(urls)}; delete that "
+                  f"file to index them again", file=sys.stderr, flush=True)
         return folder
     with contextlib.ExitStack() as held:
         try:
@@ -143,6 +147,17 @@ def ensure(name, split, spec, urls, *, policy=remote.Policy(), cache_dir=None, f
         _prune(os.path.dirname(folder), set_prefix, os.path.basename(folder),
                current=lambda: listing_key(name, split, _listed(spec, policy), policy, fields, classes) == key)
     return folder
+
+
+def _unchanged(urls):
+    """What a reused index's key found unchanged (`stamps`): local files by size and time, http(s)
+    shards by size and version, the rest by name alone."""
+    kinds, n = {remote.kind(u) for u in urls}, len(urls)
+    if kinds == {"file"}:
+        return f"the same {n} shard files, of the same sizes and times as when it was made"
+    if kinds <= {"file", "http"}:
+        return f"the same {n} shards, of the same sizes and versions as when it was made"
+    return f"the same {n} shard names as when it was made (a shard rewritten under its name is not noticed)"
 
 
 def _set_digest(name, split, urls, fields, classes):

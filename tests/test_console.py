@@ -1,0 +1,52 @@
+"""What the trainer prints as it runs (pipeline.train.console): a fatal error's line is the
+last one, after the epoch's bar, and the run's settings are one line of its log."""
+import sys
+
+import pytest
+
+from helpers import build_shards, train_in_process
+
+# a --sample-stage that refuses every sample: the run ends with an input error inside its first epoch
+REFUSE = '''
+from pipeline.errors import InputError
+
+
+def refuse(sample):
+    raise InputError("this stage refuses every sample")
+'''
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    build_shards(tmp_path / "data", "mnist", "train", 40, shape=(1, 8, 8))
+    return tmp_path / "data" / "mnist-train.json"
+
+
+def args(tiny, out, *more):
+    return ["--train", f"mnist={tiny}", "--epochs", "1", "--batch-size", "4", "--workers", "0", "--width", "4",
+            "--out", out, *more]
+
+
+@pytest.mark.slow
+def test_an_error_inside_an_epoch_is_the_last_line_after_the_bar(tiny, tmp_path, monkeypatch):
+    """The epoch's bar was left open when an error ended the run: closed once the exception's
+    frames went, after the error line, it drew itself again below it (a new user's log)."""
+    (tmp_path / "n1_refusing_stage.py").write_text(REFUSE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "n1_refusing_stage", raising=False)
+    p = train_in_process(args(tiny, tmp_path / "run", "--sample-stage", "n1_refusing_stage:refuse"))
+    lines = p.stderr.splitlines()
+    assert p.returncode == 2 and any(ln.startswith("epoch 1/1: ") for ln in lines), p.stderr  # the bar was up
+    assert lines[-1].startswith("pipeline-train: error: sample stage n1_refusing_stage:refuse raised InputError: "
+                                "this stage refuses every sample"), p.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", [[], ["--channels-last"]])
+def test_the_runs_settings_line_says_channels_last(tiny, tmp_path, flag):
+    """--channels-last showed nowhere on the console: a log could not tell which layout a run trained in."""
+    p = train_in_process(args(tiny, tmp_path / "run", *flag))
+    said = [ln for ln in p.stdout.splitlines() if ln.startswith("training ")]
+    assert p.returncode == 0 and said == [f"training cnn (width 4) on cpu: batch 4 a rank x 1 rank = 4 samples a "
+                                          f"step, 0 loader workers a rank, channels-last {'on' if flag else 'off'}"], \
+        p.stdout + p.stderr[-2000:]
