@@ -126,6 +126,17 @@ def test_the_names_read_from_torchvisions_files_are_those_it_registers():
     assert modelnames.torchvision_names() == torchvision.models.list_models(module=torchvision.models)
 
 
+def test_a_name_the_files_reading_misses_is_asked_of_torchvision_not_refused(monkeypatch):
+    """A later torchvision could register a model in a way the files' reading does not see: a name
+    missing from that reading but written in the files is checked by torchvision itself."""
+    from pipeline.train import modelnames
+
+    monkeypatch.setattr(modelnames, "torchvision_names", lambda: ["alexnet", "resnet50"])  # resnet18 unseen
+    modelnames.check_name("resnet18")  # torchvision builds it: taken
+    with pytest.raises(InputError, match="resnet19: not a torchvision classification model"):
+        modelnames.check_name("resnet19")  # in no file: refused from the reading alone
+
+
 def test_a_misspelt_name_is_refused_by_the_option_parser_before_torch_loads():
     """--model resnet19 took about 4.5 s to be refused: the check imported torchvision (and torch)."""
     code = ("import sys\nfrom pipeline.train import options\ntry:\n"

@@ -4,13 +4,16 @@ name at once (`options.check`), not after the seconds that importing torchvision
 torchvision's classification models are the functions its `torchvision/models/*.py` files
 decorate with `@register_model()` (`torchvision.models.list_models(module=torchvision.models)`
 lists exactly those); reading those files' syntax trees finds the same names without running
-them. Where the files hold none (another layout), torchvision itself is asked.
+them. Where the files hold none (another layout), or a name they do not register still stands in
+them as a word (a later torchvision registering some other way), torchvision itself is asked:
+the files' reading may refuse a misspelt name quickly, never a name torchvision builds.
 """
 import ast
 import difflib
 import functools
 import importlib.util
 import os
+import re
 
 from pipeline.errors import InputError
 
@@ -24,6 +27,10 @@ def check_name(spec):
     if spec == DEFAULT or ":" in spec:
         return
     names = torchvision_names()
+    if spec not in names and _mentioned(spec):
+        import torchvision
+
+        names = torchvision.models.list_models(module=torchvision.models)
     if spec not in names:
         some = [n for n in EXAMPLES if n in names]
         close = difflib.get_close_matches(spec, names, n=1, cutoff=0.75)
@@ -33,12 +40,32 @@ def check_name(spec):
                          + (f"; did you mean {close[0]}?" if close else ""))
 
 
+def _mentioned(name):
+    """Whether `name` stands as a word in torchvision's model files (or they cannot be read)."""
+    folder = _models_folder()
+    if folder is None:
+        return True
+    word = re.compile(rf"\b{re.escape(name)}\b")
+    for entry in os.listdir(folder):
+        if entry.endswith(".py"):
+            with open(os.path.join(folder, entry), encoding="utf-8") as f:
+                if word.search(f.read()):
+                    return True
+    return False
+
+
+def _models_folder():
+    """torchvision/models, found without importing torchvision; None where it is not a folder."""
+    found = importlib.util.find_spec("torchvision")
+    folder = os.path.join(os.path.dirname(found.origin), "models") if found and found.origin else None
+    return folder if folder and os.path.isdir(folder) else None
+
+
 @functools.lru_cache(maxsize=None)
 def torchvision_names():
     """torchvision's classification model names, sorted as list_models gives them."""
-    found = importlib.util.find_spec("torchvision")  # finds the package without importing it
-    folder = os.path.join(os.path.dirname(found.origin), "models") if found and found.origin else None
-    names = registered(folder) if folder and os.path.isdir(folder) else []
+    folder = _models_folder()
+    names = registered(folder) if folder else []
     if names:
         return names
     import torchvision
