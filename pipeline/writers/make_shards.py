@@ -58,7 +58,8 @@ def parse_args(argv):
            "(default: from the first sample: .cls, .index, .json's label field, .txt, then the key's folder)")
     a("--image-key", metavar="EXT", help="with --index: the image member (jpg, rgb.png, input.jpg; default: the "
                                          "sample's one image member)")
-    a("--shape", metavar="C,H,W", help="with --index: the shape images are brought to (default: the most common)")
+    a("--shape", metavar="C,H,W", help="with --index or --imagefolder: the shape images are brought to (default "
+      "with --index: the most common; with --imagefolder: the first image's, which every image must then match)")
     a("--classes", metavar="FILE", help="with --index: class names, one a line, in index order: the names the "
                                         "labels may hold, or the names of integer labels 0..N-1 "
                                         "(default: the sorted distinct labels)")
@@ -122,11 +123,13 @@ def check(p, args):
         p.error(f"--{' and --'.join(modes)} exclude each other")
     if args.holdout is not None and not args.imagefolder:
         p.error("--holdout applies to --imagefolder sources only")
-    index_only = ("label_key", "image_key", "shape", "classes", "classes_from", "skip_unlabelled", "base_url",
+    index_only = ("label_key", "image_key", "classes", "classes_from", "skip_unlabelled", "base_url",
                   "fields", "max_damaged")
     if any(getattr(args, k) for k in index_only) and not args.index:
         p.error(f"{', '.join('--' + k.replace('_', '-') for k in index_only)} apply to --index only")
-    fields.check_options(p, args, index_only[:6])
+    if args.shape is not None and not (args.index or args.imagefolder or args.cifar10_dir):
+        p.error("--shape applies to --index and --imagefolder only")
+    fields.check_options(p, args, index_only[:2] + ("shape",) + index_only[2:5])
     if args.classes and args.classes_from:
         p.error("--classes and --classes-from exclude each other: give one")
     if args.index and (args.merge or args.part != (0, 1)):
@@ -156,6 +159,8 @@ def check(p, args):
             args.shape = None
         if not args.shape or len(args.shape) != 3:
             p.error("--shape: expected C,H,W, e.g. 3,64,64")
+        if args.shape[0] not in (1, 3) or not all(1 <= x <= manifest.MAX_SIDE for x in args.shape[1:]):
+            p.error(f"--shape {','.join(map(str, args.shape))}: C must be 1 or 3 and each side 1..{manifest.MAX_SIDE}")
     for flag, path, what in (("--classes", args.classes, "file"), ("--classes-from", args.classes_from, "manifest")):
         if path is not None and out_kind(p, path) != "file":
             continue  # a URL: read (with the job's deadlines) when it is used
@@ -211,36 +216,15 @@ def load_sources(args):
                 if not said:
                     why = printable(str(e)) if args.download else f"{name}: no real data under {args.root}/"
                     print(f"make-shards: {why}, writing SYNTHETIC look-alike data; for real data "
-                          f"{real_data_hint(name, args.download)}", file=sys.stderr)
+                          f"{sources.real_data_hint(name, args.download)}", file=sys.stderr)
                     said = True
                 yield sources.synthetic_source(name, split, seed=args.seed)
     for name, split, folder in args.imagefolder:
-        src = sources.ImageFolderSource(name, split, folder, captions=args.captions)
+        src = sources.ImageFolderSource(name, split, folder, captions=args.captions, shape=args.shape)
         if args.holdout:
             yield from sources.holdout(src, args.holdout, args.seed)
         else:
             yield src
-
-
-def real_data_hint(name, downloading=False):
-    fetch = "" if downloading else ", or pass --download (make demo DOWNLOAD=1)"
-    if name == "mnist":
-        return f"put MNIST/raw/ under --root (make demo DATA=DIR){fetch}"
-    return f"put cifar-10-batches-py/ under --root (make demo DATA=DIR){fetch}, or give --cifar10-dir DIR with " \
-           "train/ and test/ class folders of images (make demo CIFAR10_DIR=DIR)"
-
-
-def describe(origin):
-    """One line saying where a split's data came from."""
-    kind = origin.get("kind")
-    if kind == "synthetic":
-        return "SYNTHETIC look-alike data, not real images"
-    if kind == "torchvision":
-        return f"real {origin['dataset']} from torchvision files under {origin['root']}"
-    if kind == "imagefolder":
-        return f"real images from the ImageFolder {origin['root']}" + (f" ({origin['subset']})" if "subset" in
-                                                                       origin else "")
-    return origin.get("note", "origin not recorded")
 
 
 def check_writable(out):
@@ -421,8 +405,24 @@ def write(args, stage=None):
                 print(f"merged {name}-{split}: {counted(len(m['shards']), 'shard')}, {m['total']} samples")
         return 0
     rows, t_all = [], time.perf_counter()
+    try:
+        _build_all(args, stage, rows)
+    except BaseException:
+        if rows:  # the splits before the failure were written whole: say so, or the set looks untouched
+            print(f"make-shards: before the error below, wrote {', '.join(r[0] + '.json' for r in rows)} in "
+                  f"{args.out}; the split(s) after them were not written", file=sys.stderr, flush=True)
+        raise
+    print(f"{'split':<20}{'shards':>8}{'samples':>10}{'MB':>9}{'seconds':>9}{'samples/s':>11}  data")
+    for name, n, total, size, dt, kind in rows:
+        print(f"{name:<20}{n:>8}{total:>10}{size / 1e6:>9.1f}{dt:>9.1f}{total / dt:>11.0f}  {kind}")
+    print(done_line(rows, args.out, time.perf_counter() - t_all))
+    return 0
+
+
+def _build_all(args, stage, rows):
+    """Each source's split built (and, for a store, published) in turn, a row of the table each."""
     for src in load_sources(args):
-        print(f"{src.name}-{src.split}: {describe(src.origin)}", flush=True)
+        print(f"{src.name}-{src.split}: {sources.describe(src.origin)}", flush=True)
         t0 = time.perf_counter()
         say = lambda line: print(line, flush=True)  # noqa: E731
         m = shards.build(src, stage or args.out, encoding=args.encoding, maxcount=args.maxcount, seed=args.seed,
@@ -435,11 +435,6 @@ def write(args, stage=None):
         dt = time.perf_counter() - t0
         rows.append((f"{src.name}-{src.split}", len(m["shards"]), m["total"],
                      sum(s["bytes"] for s in m["shards"]), dt, src.origin.get("kind")))
-    print(f"{'split':<20}{'shards':>8}{'samples':>10}{'MB':>9}{'seconds':>9}{'samples/s':>11}  data")
-    for name, n, total, size, dt, kind in rows:
-        print(f"{name:<20}{n:>8}{total:>10}{size / 1e6:>9.1f}{dt:>9.1f}{total / dt:>11.0f}  {kind}")
-    print(done_line(rows, args.out, time.perf_counter() - t_all))
-    return 0
 
 
 def done_line(rows, out, seconds):

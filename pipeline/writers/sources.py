@@ -76,11 +76,14 @@ def _gist(error):
 
 
 class ImageFolderSource:
-    """A torchvision ImageFolder tree; every image must match the first in size and mode. With
+    """A torchvision ImageFolder tree. With `shape` (C, H, W) every image is decoded to it as the
+    stream decodes an indexed image (`decode.decode_image`: upright by its EXIF orientation, grey,
+    CMYK or palette brought to C channels, the shorter side resized and centre-cropped); without,
+    every image must match the first in size and mode, L or RGB, and is stored as it is. With
     captions, each image's caption is the .txt file beside it, and the folder may also be a flat
     one of image + .txt pairs (one class, "0")."""
 
-    def __init__(self, name, split, root, captions=False):
+    def __init__(self, name, split, root, captions=False, shape=None):
         import torchvision
 
         if not os.path.isdir(root):
@@ -104,10 +107,16 @@ class ImageFolderSource:
         self.captions = captions  # each image's caption, the .txt file beside it (`caption`)
         self.origin = {"kind": "imagefolder", "root": os.path.abspath(root),
                        "note": f"images from an ImageFolder tree of {len(self.samples)} files"}
+        self.target = None if shape is None else tuple(shape)  # each image decoded to it (`_open`)
+        if self.target is not None:
+            self.shape = self.target
+            return
         first = self._open(0)
         self.mode, self.size = first.mode, first.size
         if self.mode not in ("L", "RGB"):
-            raise SourceError(f"{self.samples[0][0]}: image mode {self.mode}; only L (grey) and RGB are supported")
+            raise SourceError(f"{self.samples[0][0]}: image mode {self.mode}; without --shape only L (grey) and "
+                              f"RGB images are stored as they are: give --shape C,H,W to bring every image to C "
+                              f"channels (1 or 3) and one size")
         self.shape = (1 if self.mode == "L" else 3, self.size[1], self.size[0])
 
     def _open(self, i):
@@ -118,7 +127,7 @@ class ImageFolderSource:
         from PIL import Image
 
         from pipeline.data.store import remote
-        from pipeline.data.decoding.decode import open_image
+        from pipeline.data.decoding.decode import decode_image, open_image
         from pipeline.data.shards.read import MAX_MEMBER
 
         path = self.samples[i][0]
@@ -128,6 +137,8 @@ class ImageFolderSource:
                 data = f.read(MAX_MEMBER + 1)
             if len(data) > MAX_MEMBER:
                 raise ValueError(f"more than {MAX_MEMBER} bytes")
+            if self.target is not None:  # --shape: decoded to it, as the stream decodes an indexed image
+                return decode_image(data, ext, self.target)
             img, _ = open_image(data, ext)
             img.load()
         except (OSError, ValueError, Image.DecompressionBombError) as e:
@@ -139,10 +150,14 @@ class ImageFolderSource:
 
     def image(self, i):
         img = self._open(i)
+        if self.target is not None:
+            return img  # CHW of the target shape already
         if img.mode != self.mode or img.size != self.size:
+            c, (w, h) = 1 if self.mode == "L" else 3, self.size
             raise SourceError(
-                f"{self.samples[i][0]}: {img.mode} {img.size[0]}x{img.size[1]}, expected "
-                f"{self.mode} {self.size[0]}x{self.size[1]} like the rest of {self.name} {self.split}")
+                f"{self.samples[i][0]}: {img.mode} {img.size[0]}x{img.size[1]}, where the first image, "
+                f"{self.samples[0][0]}, is {self.mode} {w}x{h}: without --shape every image is stored as it is "
+                f"and must match it; give --shape C,H,W (e.g. --shape {c},{h},{w}) to bring every image to one")
         a = np.asarray(img, dtype=np.uint8)
         return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
 
@@ -237,3 +252,24 @@ def holdout(source, n, seed=0):
         raise SourceError(f"--holdout {n}: must be between 1 and {len(source) - 1} for {source.name}")
     order = np.random.default_rng((seed, 1)).permutation(len(source))
     return Subset(source, sorted(order[n:]), "train"), Subset(source, sorted(order[:n]), "test")
+
+
+def real_data_hint(name, downloading=False):
+    fetch = "" if downloading else ", or pass --download (make demo DOWNLOAD=1)"
+    if name == "mnist":
+        return f"put MNIST/raw/ under --root (make demo DATA=DIR){fetch}"
+    return f"put cifar-10-batches-py/ under --root (make demo DATA=DIR){fetch}, or give --cifar10-dir DIR with " \
+           "train/ and test/ class folders of images (make demo CIFAR10_DIR=DIR)"
+
+
+def describe(origin):
+    """One line saying where a split's data came from."""
+    kind = origin.get("kind")
+    if kind == "synthetic":
+        return "SYNTHETIC look-alike data, not real images"
+    if kind == "torchvision":
+        return f"real {origin['dataset']} from torchvision files under {origin['root']}"
+    if kind == "imagefolder":
+        return f"real images from the ImageFolder {origin['root']}" + (f" ({origin['subset']})" if "subset" in
+                                                                       origin else "")
+    return origin.get("note", "origin not recorded")
