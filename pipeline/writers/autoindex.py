@@ -144,6 +144,11 @@ def ensure(name, split, spec, urls, *, policy=remote.Policy(), cache_dir=None, f
               f"{time.monotonic() - t0:.1f} s; cached in {path} (reused until the shards change)",
               file=sys.stderr, flush=True)
         print(f"{name}-{split}: {line}", file=sys.stderr, flush=True)
+        from pipeline.writers.index import sizes_warning
+
+        sizes = sizes_warning(m, "index them ahead with make-shards --index ... --shape C,H,W to choose it")
+        if sizes:
+            print(f"{name}-{split}: {sizes}", file=sys.stderr, flush=True)
         _prune(os.path.dirname(folder), set_prefix, os.path.basename(folder),
                current=lambda: listing_key(name, split, _listed(spec, policy), policy, fields, classes) == key)
     return folder

@@ -364,6 +364,18 @@ def shard_location(url, out):
 FREE_TEXT_WORDS, FREE_TEXT_CHARS = 5, 40  # a median class name this long reads as a sentence, not a class
 
 
+def sizes_warning(m, flag="give the size to train at with --shape C,H,W"):
+    """A warning line when no image size is most of an indexed set's images: every image is then
+    resized to the most common one, which may be a size few of them have (None otherwise)."""
+    origin = m.get("origin", {})
+    if origin.get("most_common_images", 0) * 2 >= origin.get("images", 0):
+        return None
+    return (f"warning: images of {origin['image_shapes']} sizes, and the most common "
+            f"({'x'.join(map(str, m['shape']))}) only {origin['most_common_images']} of {origin['images']}: every "
+            f"image is resized to it; {flag}, or read the images at their own sizes with --fields "
+            f"(docs/data.md, Fields)")
+
+
 def free_text(m):
     """A warning line when an indexed set's labels look like free text, not classes: names
     most of them distinct (as many as half the samples), or long (a median of FREE_TEXT_WORDS

@@ -290,13 +290,9 @@ def run_index(args, stage=None):
         text = index.free_text(m)
         if text:
             print(printable(text))
-        origin = m.get("origin", {})
-        if args.shape is None and origin.get("most_common_images", 0) * 2 < origin.get("images", 0):
-            most = "x".join(map(str, m["shape"]))
-            print(f"  warning: images of {origin['image_shapes']} sizes, and the most common ({most}) only "
-                  f"{origin['most_common_images']} of {origin['images']}: every image is resized to it; give the "
-                  f"size to train at with --shape C,H,W, or read the images at their own sizes with --fields "
-                  f"(docs/data.md, Fields)")
+        sizes = index.sizes_warning(m) if args.shape is None else None
+        if sizes:
+            print(f"  {sizes}")
         if split != "train" and not classes_from:
             mismatch = classes_hint(args.out, name, m)
             if mismatch:
