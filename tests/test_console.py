@@ -50,3 +50,16 @@ def test_the_runs_settings_line_says_channels_last(tiny, tmp_path, flag):
     assert p.returncode == 0 and said == [f"training cnn (width 4) on cpu: batch 4 a rank x 1 rank = 4 samples a "
                                           f"step, 0 loader workers a rank, channels-last {'on' if flag else 'off'}"], \
         p.stdout + p.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_the_epoch_line_says_how_often_each_source_is_read(tiny, tmp_path):
+    """Equal weights over sources of 40 and 12 samples read the small one twice an epoch, which only
+    metrics.jsonl showed (newuser4): the line under the settings says it, with the epoch's size."""
+    build_shards(tmp_path / "data", "small", "train", 12, shape=(1, 8, 8))
+    p = train_in_process(args(tiny, tmp_path / "run", "--train", f"small={tmp_path / 'data' / 'small-train.json'}"))
+    lines = p.stdout.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("training "))
+    assert p.returncode == 0 and lines[at + 1] == ("1 epochs of 52 samples (13 steps), lr 0.1; mix mnist 0.50 (26 "
+                                                   "samples of its 40), small 0.50 (26 samples of its 12, read 2.2 "
+                                                   "times)"), p.stdout + p.stderr[-2000:]

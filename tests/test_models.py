@@ -161,7 +161,9 @@ def test_a_users_function_is_called_with_classes_and_shape_from_the_current_fold
     ("mymodule:not_a_model", "returned str, not a torch.nn.Module"),
     ("mymodule:missing", "--model mymodule:missing: AttributeError"),
     ("mymodule:one_argument", "--model mymodule:one_argument: raised TypeError"),
-    ("no_such_module_h2:make", "--model no_such_module_h2:make: ModuleNotFoundError"),
+    ("no_such_module_h2:make", "--model no_such_module_h2:make: ModuleNotFoundError: No module named "
+                               "'no_such_module_h2'; MODULE is a file of yours, no_such_module_h2.py in the current "
+                               "folder"),
     ("mymodule:noted", "--model mymodule:noted: its state_dict's _extra_state is an object that torch.load(..., "
                        "weights_only=True) refuses, so no checkpoint could hold it"),  # said before, not at a save
 ])

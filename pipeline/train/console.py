@@ -37,6 +37,25 @@ def settings_line(args, world, device):
             f"channels-last {'on' if args.channels_last else 'off'}")
 
 
+def mix_line(args, run):
+    """The epoch as the run will read it, printed under the settings line: how many epochs of how
+    many samples and steps, the learning rate, and each source's weight with the samples it gives
+    an epoch against those it has (equal weights over sources of unequal sizes read the smaller
+    ones more than once an epoch, which only metrics.jsonl showed)."""
+    from pipeline.ordering.order import apportion
+    from pipeline.train.options import weights_at
+
+    weights = weights_at(args, run.epoch)
+    total = sum(weights.values())
+    taken = apportion(run.stream.epoch_samples, [weights[s.name] for s in run.sources])
+    mix = []
+    for src, n in zip(run.sources, taken.tolist()):
+        again = f", read {n / src.total:.1f} times" if n > src.total else ""
+        mix.append(f"{src.name} {weights[src.name] / total:.2f} ({n:,} samples of its {src.total:,}{again})")
+    return (f"{args.epochs} epochs of {run.stream.epoch_samples:,} samples ({run.stream.batches_per_epoch:,} steps), "
+            f"lr {args.lr:g}; mix {', '.join(mix)}")
+
+
 def one_line(text):
     """An error line in one write, so that the lines of ranks failing together under torchrun
     do not run into each other."""

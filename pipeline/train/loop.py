@@ -27,7 +27,7 @@ from pipeline.train import dist, guard, options, stop
 from pipeline import cli
 from pipeline.data.handover.workers import WorkerDied
 from pipeline.errors import InputError
-from pipeline.train.console import one_line, settings_line
+from pipeline.train.console import mix_line, one_line, settings_line
 from pipeline.train.epoch import train_epoch
 from pipeline.train.evaluate import epoch_line, eval_loaders, evaluate, evaluate_only, memory_format
 from pipeline.train.metrics import KeyLog, Metrics
@@ -103,6 +103,7 @@ def train(args, topo, device, stopper=None):
         print(f"resumed from {where(run)} (saved at {saved})", flush=True)
     if topo.is_main:
         print(settings_line(args, topo.world, device), flush=True)
+        print(mix_line(args, run), flush=True)
     metrics = Metrics(os.path.join(args.out, "metrics.jsonl"), topo.is_main, resume_step=run.step if ckpt else None)
     if ckpt:  # where a resume began, on which world (the report marks it)
         metrics.log(kind="resumed", epoch=run.epoch + 1, step=run.step, world=topo.world, workers=args.workers,

@@ -19,6 +19,10 @@ def user_function(flag, item):
         sys.path.insert(0, os.getcwd())
     try:
         fn = getattr(importlib.import_module(module), function)
+    except ModuleNotFoundError as e:
+        hint = (f"; MODULE is a file of yours, {module.replace('.', os.sep)}.py in the current folder "
+                f"({os.getcwd()}), or a module on PYTHONPATH") if e.name == module.split(".")[0] else ""
+        raise InputError(f"{flag} {item}: {e.__class__.__name__}: {e}{hint}") from None
     except Exception as e:  # noqa: BLE001 - whatever a user's module raises on import, in one line
         raise InputError(f"{flag} {item}: {e.__class__.__name__}: {e}") from None
     if not callable(fn):

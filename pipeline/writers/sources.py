@@ -84,10 +84,10 @@ class ImageFolderSource:
     one of image + .txt pairs (one class, "0")."""
 
     def __init__(self, name, split, root, captions=False, shape=None):
+        if not os.path.isdir(root):  # before torchvision's import, which takes seconds
+            raise SourceError(f"{name} {split}: {root!r} is not a directory")
         import torchvision
 
-        if not os.path.isdir(root):
-            raise SourceError(f"{name} {split}: {root!r} is not a directory")
         flat = captions and not any(e.is_dir() for e in os.scandir(root))
         try:
             if flat:  # a folder of image + .txt pairs: one class, the captions are what it holds
