@@ -63,3 +63,30 @@ def test_the_epoch_line_says_how_often_each_source_is_read(tiny, tmp_path):
     assert p.returncode == 0 and lines[at + 1] == ("1 epochs of 52 samples (13 steps), lr 0.1; mix mnist 0.50 (26 "
                                                    "samples of its 40), small 0.50 (26 samples of its 12, read 2.2 "
                                                    "times)"), p.stdout + p.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_an_evaluation_that_fails_keeps_the_epochs_checkpoint_and_the_resume_is_exact(tiny, tmp_path, monkeypatch):
+    """The end-of-epoch checkpoint was written after the evaluation, so a test shard failing
+    (hostileK: a 503) threw the whole epoch away. Saved first, the epoch is kept: --resume goes on
+    with the next epoch and reads what an uninterrupted run reads."""
+    from pipeline.train import loop
+
+    build_shards(tmp_path / "data", "mnist", "test", 8, shape=(1, 8, 8))
+    common = ["--train", f"mnist={tiny}", "--eval", f"mnist={tmp_path / 'data' / 'mnist-test.json'}", "--epochs", "2",
+              "--batch-size", "4", "--workers", "0", "--width", "4", "--record-keys"]
+    whole = train_in_process([*common, "--out", tmp_path / "whole"])
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    real = loop.evaluate
+
+    def failing(run, evals_from):
+        raise OSError("mnist-test-000000.tar: HTTP 503")
+
+    monkeypatch.setattr(loop, "evaluate", failing)
+    p = train_in_process([*common, "--out", tmp_path / "cut"])
+    assert p.returncode != 0 and "HTTP 503" in p.stderr
+    assert (tmp_path / "cut" / "checkpoint.pt").exists()
+    monkeypatch.setattr(loop, "evaluate", real)
+    p = train_in_process([*common, "--out", tmp_path / "cut", "--resume"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (tmp_path / "cut" / "keys-rank0.txt").read_text() == (tmp_path / "whole" / "keys-rank0.txt").read_text()

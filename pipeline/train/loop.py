@@ -144,13 +144,13 @@ def train(args, topo, device, stopper=None):
                         **({"signal": run.stopping.name} if run.stopping else {}))
             break
         keys.flush()
+        run.epoch = epoch + 1
+        run.save(keys)  # before the evaluation: one that fails (a test shard gone) keeps the epoch's training
         if run.evals:
             evals = evaluate(run, evals_from)
             metrics.log(kind="eval", epoch=epoch + 1, step=run.step, eval=evals)
             if topo.is_main:
                 print(epoch_line(epoch, args.epochs, evals), flush=True)
-        run.epoch = epoch + 1
-        run.save(keys)
         if stopper and run.stopping is None:  # a signal during the epoch's last step, evaluation or save
             run.stopping = stopper.agreed(dist.all_reduce_sum(torch.tensor(stopper.vector(), dtype=torch.float64)))
         if run.stopping is not None and run.epoch < args.epochs:
