@@ -664,3 +664,19 @@ def test_a_failed_run_takes_back_the_out_folders_it_made(main, tmp_path, how):
     (tmp_path / "kept").mkdir()
     code, said, err = main(*source, "--out", tmp_path / "kept")
     assert code == 2 and sorted(os.listdir(tmp_path)) == ["kept"]
+
+
+@pytest.mark.slow
+def test_a_file_size_limit_reached_says_where_it_was_writing(tmp_path):
+    """A full disk or a file size limit gave "[Errno 27] File too large" and nothing else (hostileK):
+    the line now says where it was writing. Real limit: RLIMIT_FSIZE, as `ulimit -f` sets it."""
+    import resource
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    p = run_capture([sys.executable, str(TOOL), "--synthetic", "--datasets", "mnist", "--limit", "400", "--maxcount",
+                     "400", "--workers", "1", "--quiet", "--out", "out"], cwd=tmp_path, preexec_fn=limited)
+    lines = p.stderr.splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert "File too large" in lines[0] and lines[0].endswith(" (writing in out)"), p.stderr

@@ -9,6 +9,7 @@ See docs/data.md for the sample format and every option.
 """
 import argparse
 import collections
+import errno
 import os
 import shutil
 import signal
@@ -441,6 +442,9 @@ def done_line(rows, out, seconds):
             f"({counted(n, 'shard')}, {total} samples, {size / 1e6:.1f} MB); manifests: {names or 'none'}")
 
 
+FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS)  # a write refused for room or rights: say where
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM (a scheduler's stop, `kill`), raised in the main process as Ctrl-C is, so that
     what a build holds is let go on the way out: a store --out's temporary keys and lock."""
@@ -468,7 +472,8 @@ def main(argv=None):
     try:
         return run(args)
     except (sources.SourceError, ShardError, OSError) as e:
-        print(f"make-shards: error: {printable(e)}", file=sys.stderr)  # it may quote a key from a shard
+        where = f" (writing in {args.out})" if isinstance(e, OSError) and not e.filename and e.errno in FULL else ""
+        print(f"make-shards: error: {printable(e)}{where}", file=sys.stderr)  # it may quote a key from a shard
         return 2
     except KeyboardInterrupt as e:
         print(f"make-shards: {'stopped by SIGTERM' if isinstance(e, Terminated) else 'interrupted'}; no manifest "
