@@ -306,3 +306,34 @@ def test_python_m_pipeline_train_sets_its_threads(shards, tmp_path):
         code, err = finish(proc)
         assert code == 0, err[-2000:]
         assert json.loads((out / "summary.json").read_text())["startup"]["torch_threads"] == expected
+
+
+@pytest.mark.parametrize("loader_timeout, workers, warned", [(5, 1, True), (600, 1, False), (0, 1, False),
+                                                             (5, 0, False)])
+def test_a_loader_timeout_shorter_than_a_shards_read_is_warned(tmp_path, capsys, loader_timeout, workers, warned):
+    """--io-timeout 20 let a 12 s stall through and --loader-timeout 5 ended the run (hostileK): a
+    loader timeout under the longest read the I/O flags allow a shard is said at the start."""
+    import argparse
+
+    from pipeline import cli
+    from pipeline.data.store import remote
+
+    build_shards(tmp_path / "d", "mnist", "train", 20, shape=(1, 8, 8))
+    src = resolve("mnist", str(tmp_path / "d"), "train")
+    args = argparse.Namespace(loader_timeout=loader_timeout, workers=workers, io_timeout=20.0, min_rate=1.0,
+                              retries=3, max_shard_bytes=1 << 30)
+    guard.warn_loader_timeout(args, remote.Policy(**cli.io_limits(args)), [src])
+    err = capsys.readouterr().err
+    largest = max(src.sizes)
+    assert err == (f"pipeline-train: warning: --loader-timeout 5 s is shorter than a shard's read may take (20 s for "
+                   f"the largest, {largest:,} bytes, under --io-timeout 20 s and --min-rate 1 MB/s): a slow read "
+                   f"within its deadline would end the run; raise --loader-timeout\n" if warned else "")
+
+
+@pytest.mark.slow
+def test_the_trainer_says_a_short_loader_timeout_at_its_start(tmp_path):
+    build_shards(tmp_path / "d", "mnist", "train", 40, shape=(1, 8, 8))
+    p = train_in_process(["--train", f"mnist={tmp_path / 'd'}", "--epochs", "1", "--batch-size", "8", "--workers",
+                          "1", "--width", "4", "--loader-timeout", "25", "--out", tmp_path / "run"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "pipeline-train: warning: --loader-timeout 25 s is shorter than a shard's read may take (30 s" in p.stderr

@@ -6,6 +6,7 @@ writing one folder; data that would make "test accuracy" mean something else (th
 shards in training and evaluation, a manifest of the other split) is a warning naming both.
 """
 import contextlib
+import sys
 import os
 import re
 import warnings
@@ -153,3 +154,20 @@ def _shared(a, b):
             if _where(u) in places or (d and d in digests)]
 
 
+
+
+def warn_loader_timeout(args, policy, sources):
+    """A --loader-timeout shorter than a shard's read may take under the I/O flags ends a run whose
+    read is slow but within its deadline: the worker sends no batch meanwhile and is killed for it
+    (hostileK: --io-timeout 20 let a 12 s stall through, --loader-timeout 5 ended the run). One line
+    at the start, naming both, so the two deadlines do not disagree unseen."""
+    if not args.loader_timeout or not args.workers:
+        return
+    largest = max((n for src in sources for n in (src.sizes or ()) if n), default=None)
+    longest = policy.deadline(largest)
+    if args.loader_timeout < longest:
+        size = f"{largest:,} bytes" if largest is not None else "of a size no manifest gives"
+        print(f"pipeline-train: warning: --loader-timeout {args.loader_timeout:g} s is shorter than a shard's read "
+              f"may take ({longest:.0f} s for the largest, {size}, under --io-timeout {args.io_timeout:g} s and "
+              f"--min-rate {args.min_rate:g} MB/s): a slow read within its deadline would end the run; raise "
+              f"--loader-timeout", file=sys.stderr, flush=True)

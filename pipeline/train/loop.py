@@ -69,6 +69,7 @@ def train(args, topo, device, stopper=None):
         print(f"pipeline-train: note: {busy}", file=sys.stderr, flush=True)
     if topo.is_main:
         guard.warn_data(train_sources, eval_sources)
+        guard.warn_loader_timeout(args, policy, train_sources + eval_sources)
     if args.decode_on == "device" and device.type != "cuda":  # what ran, in summary.json's config too
         if topo.is_main:
             print("pipeline-train: note: --decode-on device needs a GPU; this CPU run decodes on the host",

@@ -208,8 +208,9 @@ class Workers:
         p = self.procs[w]
         p.kill()
         p.join(5)
-        return TimeoutError(f"loader worker {w} (pid {p.pid}) sent nothing for {self.timeout:g} s (make_loader's "
-                            f"timeout): it was killed, and the next pass starts the workers again")
+        return TimeoutError(f"loader worker {w} (pid {p.pid}) sent nothing for {self.timeout:g} s (the loader's "
+                            f"timeout: make_loader's, the trainer's --loader-timeout): it was killed, and the next "
+                            f"pass starts the workers again")
 
     def _died(self, w):
         p = self.procs[w]
