@@ -292,9 +292,11 @@ def test_the_epoch_line_names_the_data_each_accuracy_was_measured_on():
 
     evals = {"mnist": {"accuracy": 0.98125, "manifest": "shards/mnist-test.json",
                        "data": "real data, torchvision files"},
-             "web": {"accuracy": 0.5, "manifest": "http://h/web-test.json", "data": "an indexed WebDataset"}}
+             "web": {"accuracy": 0.5, "manifest": "http://h/web-test.json", "data": "an indexed WebDataset",
+                     "count": 578, "skipped": 22}}
     assert evaluate.epoch_line(0, 2, evals) == ("epoch 1/2: mnist 0.9812 (shards/mnist-test.json, real data, torchvision "
-                                                "files), web 0.5000 (http://h/web-test.json, an indexed WebDataset)")
+                                                "files), web 0.5000 (http://h/web-test.json, an indexed WebDataset, "
+                                                "over 578 samples, 22 skipped)")
 
 
 def test_the_trainers_error_and_warning_lines_escape_control_characters(capsys):

@@ -95,9 +95,14 @@ def per_class_lines(evals, digits=3):
 
 def epoch_line(epoch, epochs, evals):
     """'epoch 1/2: mnist 0.9812 (shards/mnist-test.json, real data, torchvision files), ...': each
-    accuracy says which data it was measured on, so a log read later needs no other file."""
-    return f"epoch {epoch + 1}/{epochs}: " + ", ".join(f"{k} {v['accuracy']:.4f} ({v['manifest']}, {v['data']})"
-                                                       for k, v in evals.items())
+    accuracy says which data it was measured on, and over how many samples where some were skipped
+    (damaged), so a log read later needs no other file."""
+    def over(v):
+        skipped = v.get("skipped", 0)
+        return f", over {v['count']:,} samples, {skipped:,} skipped" if skipped else ""
+
+    return f"epoch {epoch + 1}/{epochs}: " + ", ".join(
+        f"{k} {v['accuracy']:.4f} ({v['manifest']}, {v['data']}{over(v)})" for k, v in evals.items())
 
 
 def eval_loaders(run):
