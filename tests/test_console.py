@@ -90,3 +90,18 @@ def test_an_evaluation_that_fails_keeps_the_epochs_checkpoint_and_the_resume_is_
     p = train_in_process([*common, "--out", tmp_path / "cut", "--resume"])
     assert p.returncode == 0, p.stderr[-2000:]
     assert (tmp_path / "cut" / "keys-rank0.txt").read_text() == (tmp_path / "whole" / "keys-rank0.txt").read_text()
+
+
+@pytest.mark.slow
+def test_the_last_line_gives_the_training_time_the_whole_time_and_the_skipped(tiny, tmp_path):
+    """'done in 0 s' for a 9 s run (newuser4: the time of the epochs alone), and 109 skipped training
+    samples nowhere on the console (hostileK): the last line says both times and the skipped."""
+    import re
+
+    shard = tmp_path / "data" / "mnist-train-000000.tar"
+    shard.write_bytes(bytes(len(shard.read_bytes())))  # zeros: the shard's samples are skipped
+    p = train_in_process(args(tiny, tmp_path / "run", "--epochs", "2"))
+    done = [ln for ln in p.stdout.splitlines() if ln.startswith("done")]
+    assert p.returncode == 0 and len(done) == 1, p.stdout + p.stderr[-2000:]
+    assert re.fullmatch(r"done: \d+\.\d s of training \(\d+\.\d s in all\); \d+ training samples skipped \(damaged: "
+                        r"see metrics\.jsonl\); no --eval sources", done[0]), done[0]

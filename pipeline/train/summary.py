@@ -67,7 +67,10 @@ def write_summary(run, evals, t_start, resumed_from, finished, sources):
             f"stopped at step {run.step}, epoch {run.epoch + (1 if run.in_epoch else 0)} of {args.epochs} " \
             f"(continue with --resume)"
         tested = f"test accuracy {acc}" if evals else acc
-        print(f"{state} in {summary['wall_time_s']:.0f} s; {tested}\n" +
+        skipped = summary["skipped_samples"]
+        left = f"; {skipped:,} training samples skipped (damaged: see metrics.jsonl)" if skipped else ""
+        print(f"{state}: {summary['wall_time_s']:.1f} s of training ({time.perf_counter() - run.t0:.1f} s in all)"
+              f"{left}; {tested}\n" +
               "".join(line + "\n" for line in per_class_lines(evals)) +
               f"metrics.jsonl, summary.json and checkpoint.pt are in {args.out}/; "
               f"pictures: {report_command(args.out)}", flush=True)
