@@ -19,43 +19,8 @@ from pipeline.errors import DigestError, Errors, ShardError, cut
 from pipeline.data.shards.readbuffer import Arena, Rows
 from pipeline.data.shards.read import MAX_MEMBER, is_meta, iter_samples
 from pipeline.data.shards.regular import regular_members
+from pipeline.data.streams.windowdata import WindowData
 from pipeline.data.fields.schema import Oversized
-
-
-class WindowData:
-    """The samples of one window as columns: keys, labels (class indices), the shard each
-    came from, and images: `arena.Rows` (raw pixels where the window's shards were read)
-    when every shard was read by `read.regular_members` with raw pixels, else a list of
-    encoded images with their extensions."""
-
-    def __init__(self):
-        self.keys, self.labels, self.urls, self.chunks = [], [], [], []
-        self.refused = []  # (url, key, error) of a training window's samples refused while read, in row order
-        self.places = 0  # the window's samples as its manifest counts them: its rows, refused and lost ones too
-
-    def add(self, keys, images, exts, labels, url):
-        """One shard's samples: images `Rows` (exts "raw") or a list (exts a list)."""
-        self.keys += keys
-        self.labels.append(np.asarray(labels, np.int64))
-        self.urls += [url] * len(keys)
-        self.chunks.append((images, exts))
-
-    def seal(self):
-        self.labels = np.concatenate(self.labels) if self.labels else np.zeros(0, np.int64)
-        self.key_column = np.array(self.keys, dtype=object)  # taken by index arrays, as the other columns
-        if self.chunks and all(isinstance(images, Rows) for images, _ in self.chunks):
-            self.images, self.exts = Rows.join([images for images, _ in self.chunks]), "raw"
-        else:
-            self.images, self.exts = [], []
-            for images, exts in self.chunks:
-                dense = isinstance(images, Rows)
-                self.images += images.tobytes() if dense else images
-                self.exts += [exts] * len(images) if dense else exts
-        del self.chunks
-        return self
-
-    def __len__(self):
-        return len(self.keys)
 
 
 WHOLE_SHARD = 64 << 20  # shards up to this size are read into memory at once (see read.regular)
@@ -410,6 +375,7 @@ class Reader:
             self.errors(f"{url}: {error}", counted, said=f"{url}: {error}; skipped {lost} sample(s)")
         elif lost:  # a tar that ends early: named once when read (see _read_shard)
             self.errors.skipped += counted
+        base = out.places - lo  # the window's place of the shard's position 0 (as its manifest counts)
         for at, key, e in bad:
             if not lo <= at < end:
                 continue
@@ -417,16 +383,17 @@ class Reader:
                 self.bad(url, key, e)
             else:  # training: named and counted by the chain that passes the place it leaves empty
                 out.refused.append((url, key, str(e)))  # a string: an exception would keep its frames
+                out.refused_at.append(base + at)
         out.places += max(end - lo, 0)
-        self._add(url, cols, lo, end, got, out)
+        self._add(url, cols, lo, end, got, out, base)
 
     @staticmethod
-    def _add(url, cols, lo, end, got, out):
-        """The good samples of a read shard at positions [lo, end) into `out`."""
+    def _add(url, cols, lo, end, got, out, base):
+        """The good samples of a read shard at positions [lo, end) into `out`, at places base + position."""
         if cols is None or not len(cols[0]):
             return
         keys, images, exts, labels, where = cols
-        where = np.asarray(where)
+        where = np.asarray(where, np.int64)
         if lo > 0 or end < got:
             keep = np.flatnonzero((where >= lo) & (where < end))
             if not len(keep):
@@ -434,8 +401,8 @@ class Reader:
             keys = [keys[i] for i in keep.tolist()]
             images = images[keep] if isinstance(images, Rows) else [images[i] for i in keep.tolist()]
             exts = exts if isinstance(exts, str) else [exts[i] for i in keep.tolist()]
-            labels = np.asarray(labels)[keep]
-        out.add(keys, images, exts, labels, url)
+            labels, where = np.asarray(labels)[keep], where[keep]
+        out.add(keys, images, exts, labels, url, base + where)
 
     @staticmethod
     def _images(found, buf, arena=None, start=0):

@@ -40,7 +40,7 @@ from pipeline.errors import InputError, ShardError
 from pipeline.data.shards.readbuffer import Rows
 from pipeline.data.fields.member_values import user_stage
 from pipeline.data.streams.plans import Window
-from pipeline.data.streams.reading import WindowData
+from pipeline.data.streams.windowdata import WindowData
 
 
 @dataclass
@@ -123,18 +123,23 @@ class Shuffle:
         chunk = self.upstream.next(n)
         w = chunk.window
         if not w.same(self.window):
-            # a training window is shuffled over all its places, those of the samples it lacks
-            # (refused or lost while read: rows past its samples) among them, so that they fall at
-            # random places, as an undecodable image does, not all at the window's end (where one
-            # pair's whole run, and its reserve in every pass, could hold nothing but them)
-            k = len(chunk.data) if w.size is None else chunk.data.places
+            # a training window is shuffled over all its places as its manifest counts them, those
+            # of the samples it lacks (refused or lost while read) among them, each at its own place
+            # (WindowData.slots): damage empties the places its samples had, at random as an
+            # undecodable image does, and every other sample keeps its place, so that the positions
+            # an epoch passes hold the damaged samples an undamaged read puts there (`skipped`)
+            d = chunk.data
+            k = len(d) if w.size is None else d.places
             if self.shuffle and w.key is not None:
                 rng = order.generator(*w.key)
                 self.order = rng.permutation(k)
                 # crops place random crops of decoded images; raw pixels have none to place
-                self.crops = None if chunk.data.exts == "raw" else rng.random((k, 2))
+                self.crops = None if d.exts == "raw" else rng.random((k, 2))
             else:
                 self.order, self.crops = np.arange(k), None
+            if d.slots is not None and w.size is not None:  # the order's places as rows (past them: none)
+                self.order = d.slots[self.order]
+                self.crops = None if self.crops is None else self.crops[d.where]  # each row its place's crop
             self.seed0 = order.seed_of(w.key) if w.key is not None else 0
         self.window = w
         idx, chunk.crops, chunk.seed0 = self.order[chunk.lo:chunk.hi], self.crops, self.seed0 + chunk.lo
