@@ -153,7 +153,9 @@ def test_a_restart_does_not_take_over_another_jobs_run(shards, tmp_path, launche
     takes over only a run its own job started or resumed; a refusal stays a refusal."""
     out = tmp_path / "run"
     args = ["--train", f"mnist={shards}/", "--epochs", "2", *SMALL, "--out", out]
-    assert train_in_process([*args, "--stop-after-steps", "2"]).returncode == 0  # job 1, another job
+    job1 = launch_train([*args, "--stop-after-steps", "2"], 2, extra_launcher=launcher, fork_ranks=False)
+    rc, err = finish(job1, timeout=HANG)  # another job, the same launcher: under "static" the same run id 'none'
+    assert rc == 0 and (out / outdir.JOB).exists(), err[-3000:]
     before = snapshot(out)
     proc = launch_train([*args, "--lr", "0.05"], 2, extra_launcher=[*launcher, "--max-restarts=1"],
                         fork_ranks=False)
