@@ -9,7 +9,6 @@ import shlex
 import pytest
 
 from helpers import HANG, build_shards, finish, launch_train, train_in_process
-from pipeline.errors import InputError
 from pipeline.train import checkpoint, outdir
 
 SMALL = ["--batch-size", "8", "--workers", "0", "--width", "4", "--log-every", "1"]
@@ -44,8 +43,8 @@ def advice(p, lead):
 
 
 @pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
-                                   InputError("mnist-train-000001.tar: damaged (--strict)")],
-                         ids=["environment", "data"])
+                                   FileNotFoundError(errno.ENOENT, "No such file or directory")],
+                         ids=["disk", "missing"])
 def test_the_advice_after_a_failure_before_the_first_checkpoint_starts_the_run_again(shards, tmp_path, monkeypatch,
                                                                                      error):
     """hostileK 5: a failure before the first checkpoint (here its save: the epoch's training and

@@ -205,7 +205,7 @@ def main(argv=None, args=None):
             summary = train(args, topo, device, stopper, progress)
     except (InputError, OSError) as e:
         one_line(f"pipeline-train: error: {error_line(e)}")  # bad input or the environment (disk, network)
-        if (isinstance(e, OSError) or progress["began"]) and not args.eval_only:
+        if isinstance(e, OSError) and not args.eval_only:  # bad input is fixed first: no command to repeat
             say_resume(args.out, argv, start_again=progress["began"])
         return 2
     except WorkerDied as e:  # killed (the OOM killer), or a crash in C: this run makes no next pass
@@ -228,7 +228,7 @@ def main(argv=None, args=None):
 
 def say_resume(out, argv, start_again=False):
     """After the environment failed (a store or a disk out, retries used up, a loader worker
-    stuck or killed, a shard found damaged under --strict) the run's last checkpoint goes on once
+    stuck or killed) the run's last checkpoint goes on once
     it is back, as after a scheduler's signal: say how, beside the error line (on each rank that
     failed: the others may be ended before they could say it). start_again: the run had begun
     (this job wrote into --out); where it wrote no checkpoint yet, say the command that starts
