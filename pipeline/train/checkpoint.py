@@ -395,7 +395,10 @@ def save(path, state):
     (a --model of the user's whose state_dict holds one)."""
     tmp = path + ".tmp"
     try:
-        torch.save(state, tmp)
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename: a power cut leaves no empty checkpoint.pt
         torch.load(tmp, map_location="cpu", weights_only=True)  # readable back, without a second copy on a GPU
         os.replace(tmp, path)
     except (OSError, RuntimeError, pickle.UnpicklingError) as e:

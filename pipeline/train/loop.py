@@ -32,7 +32,7 @@ from pipeline.train.epoch import train_epoch
 from pipeline.train.evaluate import epoch_line, eval_loaders, evaluate, evaluate_only, memory_format
 from pipeline.train.metrics import KeyLog, Metrics
 from pipeline.train.model import check_name
-from pipeline.train.outdir import prepare_out
+from pipeline.train.outdir import prepare_out, record_job
 from pipeline.train.run import NonFiniteLoss, Run, where
 from pipeline.train.summary import write_summary
 
@@ -47,8 +47,10 @@ def http_check(topo, policy):
     return check
 
 
-def train(args, topo, device, stopper=None):
-    """The run; `stopper`: the stop signals' StopRequest (None: no stop on a signal)."""
+def train(args, topo, device, stopper=None, progress=None):
+    """The run; `stopper`: the stop signals' StopRequest (None: no stop on a signal); `progress`:
+    a dict where "began" is set once the job writes into --out (a failure after it is one to
+    continue or start again from: main's say_resume)."""
     t0 = time.perf_counter()
     try:
         options.per_rank_batch(args, topo.world)  # --global-batch: each rank's share, now that the world is known
@@ -105,6 +107,16 @@ def train(args, topo, device, stopper=None):
     if topo.is_main:
         print(settings_line(args, topo.world, device), flush=True)
         print(mix_line(args, run), flush=True)
+    if ckpt and run.epoch >= args.epochs and not run.in_epoch:  # before anything in --out is written
+        if topo.is_main:
+            epochs = f"{args.epochs} epoch{'s' if args.epochs != 1 else ''}"
+            print(f"nothing to do: the checkpoint in {args.out}/ has finished all {epochs}; raise "
+                  f"--epochs to train further (its files are left as they were)", flush=True)
+        return None
+    if topo.is_main:
+        record_job(args.out)  # a torchrun restart of this job takes the run over (outdir.prepare_out)
+    if progress is not None:
+        progress["began"] = True
     metrics = Metrics(os.path.join(args.out, "metrics.jsonl"), topo.is_main, resume_step=run.step if ckpt else None)
     if ckpt:  # where a resume began, on which world (the report marks it)
         metrics.log(kind="resumed", epoch=run.epoch + 1, step=run.step, world=topo.world, workers=args.workers,
@@ -129,12 +141,6 @@ def train(args, topo, device, stopper=None):
         return args.stop_after_steps is not None and step - started >= args.stop_after_steps
 
     t_start, evals = time.time(), {}
-    if ckpt and run.epoch >= args.epochs and not run.in_epoch:
-        if topo.is_main:
-            epochs = f"{args.epochs} epoch{'s' if args.epochs != 1 else ''}"
-            print(f"nothing to do: the checkpoint in {args.out}/ has finished all {epochs}; raise "
-                  f"--epochs to train further (summary.json is left as it was)", flush=True)
-        return None
     last_epoch = args.epochs if args.stop_after is None else min(args.epochs, run.epoch + args.stop_after)
     finished = True
     while run.epoch < last_epoch:
@@ -194,17 +200,18 @@ def main(argv=None, args=None):
         args = options.parse(argv)
     dist.exit_with_launcher()
     stopper = stop.StopRequest([] if args.eval_only else stop.parse_signals(args.stop_signals), argv)
+    progress = {"began": False}
     try:
         with stopper, dist.distributed(timeout_s=args.timeout) as (topo, device), guard.out_lock(args.out, topo):
-            summary = train(args, topo, device, stopper)
+            summary = train(args, topo, device, stopper, progress)
     except (InputError, OSError) as e:
         one_line(f"pipeline-train: error: {error_line(e)}")  # bad input or the environment (disk, network)
-        if isinstance(e, OSError) and not args.eval_only:
-            say_resume(args.out, argv, start_again=isinstance(e, TimeoutError))
+        if isinstance(e, OSError) and not args.eval_only:  # bad input is fixed first: no command to repeat
+            say_resume(args.out, argv, start_again=progress["began"])
         return 2
     except WorkerDied as e:  # killed (the OOM killer), or a crash in C: this run makes no next pass
         one_line(f"pipeline-train: error: {str(e).split('; the next pass')[0]}")
-        say_resume(args.out, argv, start_again=not args.eval_only)
+        say_resume(args.out, argv, start_again=progress["began"] and not args.eval_only)
         return 2
     except NonFiniteLoss as e:
         one_line(f"pipeline-train: error: {e}")
@@ -222,10 +229,12 @@ def main(argv=None, args=None):
 
 def say_resume(out, argv, start_again=False):
     """After the environment failed (a store or a disk out, retries used up, a loader worker
-    stuck or killed) the run's last checkpoint goes on once it is back, as after a scheduler's
-    signal: say how, beside the error line (on each rank that failed: the others may be ended
-    before they could say it). start_again: where no checkpoint was written yet, say that the
-    same command starts the run again."""
+    stuck or killed) the run's last checkpoint goes on once
+    it is back, as after a scheduler's signal: say how, beside the error line (on each rank that
+    failed: the others may be ended before they could say it). start_again: the run had begun
+    (this job wrote into --out); where it wrote no checkpoint yet, say the command that starts
+    it again: --resume-or-start, which starts over in a folder of a run that never saved one
+    (outdir.never_saved)."""
     if os.path.isfile(os.path.join(out, "checkpoint.pt")):
         print(f"pipeline-train: the last checkpoint stays in {out}/; resume with: {stop.resume_command(argv)}",
               file=sys.stderr, flush=True)

@@ -64,6 +64,9 @@ class KeyLog:
         self.path = os.path.join(folder, f"keys-rank{rank}.txt")
         self.count, self.pending = 0, []
         if keep is not None:
+            if keep and not os.path.exists(self.path):  # deleted since the checkpoint: say so, go on
+                warnings.warn(f"{self.path}: not there, though the checkpoint counts {keep} key line(s) in it; the "
+                              f"key log starts again here and lacks the keys trained before", stacklevel=2)
             truncate_keys(self.path, keep)
             self.count = keep
 

@@ -4,30 +4,44 @@ Apart from the training so that the one rule that deletes files (a run clears on
 folder that holds nothing but a run's files) sits in one place, next to the list of
 the files a run writes.
 """
+import contextlib
+import json
 import os
 import re
+import socket
 
 from pipeline.errors import InputError
+from pipeline.files import write_atomic
 from pipeline.train import dist, guard, options
+
+JOB = "torchrun-job.txt"  # the torchrun job that last started or resumed the run in --out (record_job)
 
 
 def prepare_out(args, topo):
     """Refuse to overwrite a previous run unless told; returns the checkpoint to resume, if any.
 
-    After torchrun restarts a failed job (--max-restarts), the run in --out is this
-    job's own: continue from its checkpoint, or start over if it never wrote one.
+    After torchrun restarts a failed job (--max-restarts), the run in --out is this job's own
+    if this job started or resumed it (JOB names it): continue from its checkpoint, or start
+    over if it never wrote one. A run another job left there is refused as on the first attempt.
     """
     ckpt = os.path.join(args.out, "checkpoint.pt")
     previous = os.path.exists(os.path.join(args.out, "metrics.jsonl")) or os.path.exists(ckpt)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    if restarted:  # rank 0's verdict: on another node the job's identity reads otherwise (job_id)
+        restarted = dist.all_gather(_recorded_job(args.out) == job_id() if topo.is_main else None)[0]
     either = getattr(args, "resume_or_start", False)
     if args.resume or ((restarted or either) and os.path.exists(ckpt)):
         if not os.path.exists(ckpt):
             raise InputError(options.resume_error(args))
         return ckpt
-    if previous and either and not (args.overwrite or restarted):  # an earlier run's files, not this job's
+    fresh = previous and never_saved(args.out)  # a run that died before its first checkpoint
+    if previous and either and not (args.overwrite or restarted or fresh):  # an earlier run's files, not this job's
         raise InputError(guard.earlier_run(args.out, run_files(args.out, "--resume-or-start")))
     if previous and not (args.overwrite or restarted or either):
+        if not os.path.exists(ckpt):  # --resume would be refused
+            fix = ("pass --resume-or-start to start afresh there (it deletes them) or --overwrite"
+                   if fresh else "pass --overwrite to replace it")
+            raise InputError(f"{args.out} holds a previous run that saved no checkpoint.pt; {fix}")
         raise InputError(f"{args.out} holds a previous run; pass --resume to continue it or --overwrite to replace it")
     why = ("--overwrite" if args.overwrite else "restarted without a checkpoint" if restarted else
            "--resume-or-start without a checkpoint" if either else "--out")
@@ -46,7 +60,8 @@ def prepare_out(args, topo):
     return None
 
 
-RUN_FILE = re.compile(r"(metrics\.jsonl|summary\.json|checkpoint\.pt|eval\.json|report\.png|keys-rank\d+\.txt)"
+RUN_FILE = re.compile(r"(metrics\.jsonl|summary\.json|checkpoint\.pt|eval\.json|report\.png|keys-rank\d+\.txt|"
+                      r"torchrun-job\.txt)"
                       r"(\.tmp)?\Z")  # what train, --eval-only and tools/report.py write into --out
 
 
@@ -61,3 +76,71 @@ def run_files(folder, why="--overwrite"):
             raise InputError(f"{why}: {folder} holds {name!r}, which no run of pipeline.train writes; "
                              f"nothing deleted (choose another --out, or empty the folder yourself)")
     return names
+
+
+def never_saved(folder):
+    """Whether `folder` holds only what a run leaves that ended before its first checkpoint:
+    metrics.jsonl with lines of epoch 1 alone, training and evaluation (the first checkpoint is
+    written after them: its save may be what failed); no stop, resume or second epoch, each of
+    which comes after a checkpoint; key logs, temporary files, JOB; no summary.json, eval.json
+    or report.png. --resume-or-start starts over in such a folder, as the trainer's advice after
+    such a failure says."""
+    try:
+        names = run_files(folder)
+        with open(os.path.join(folder, "metrics.jsonl"), encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except (InputError, OSError, UnicodeDecodeError):
+        return False
+    if any(re.fullmatch(r"(summary\.json|eval\.json|report\.png|checkpoint\.pt)", n) for n in names):
+        return False
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if i >= len(lines) - 2:  # the last line, torn by the failure, or the empty rest after it
+                continue
+            return False
+        if not (isinstance(record, dict) and record.get("kind") in ("train", "nonfinite", "eval")
+                and record.get("epoch") == 1):
+            return False
+    return True
+
+
+def job_id(environ=None):
+    """This torchrun job's identity, the same in each attempt (--max-restarts) and another in
+    each job; None outside torchrun. torchrun's run id is --rdzv-id, a new uuid under --standalone
+    (or a single node without --master-port); where it is the default 'none' (static rendezvous,
+    where each node keeps its place over restarts), rank 0's launcher process (host, pid and its
+    start time) tells one job from the next."""
+    environ = os.environ if environ is None else environ
+    run = environ.get("TORCHELASTIC_RUN_ID")
+    if run is None:
+        return None
+    if run != "none":
+        return run
+    agent = os.getppid()
+    try:
+        with open(f"/proc/{agent}/stat", encoding="ascii") as f:
+            started = f.read().rsplit(")", 1)[1].split()[19]  # field 22, starttime
+    except (OSError, IndexError):
+        started = "?"
+    return f"none@{socket.gethostname()}:{agent}:{started}"
+
+
+def _recorded_job(folder):
+    try:
+        with open(os.path.join(folder, JOB), encoding="utf-8") as f:
+            return f.read().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def record_job(folder):
+    """Rank 0, once the job has started or resumed the run in `folder`: note the torchrun job
+    (job_id) that a restart of this job takes the run over from; outside torchrun, no job."""
+    job = job_id()
+    if job is None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, JOB))
+        return
+    write_atomic(os.path.join(folder, JOB), (job + "\n").encode())

@@ -1,0 +1,165 @@
+"""The run folder's life cycle (pipeline.train.outdir, and the lines around it in loop.py):
+the advice after a failure works when followed literally, a finished run is left as it was,
+a torchrun restart takes over only a run its own job started, checkpoints reach the disk
+before their rename, a deleted key log is named."""
+import errno
+import os
+import shlex
+
+import pytest
+
+from helpers import HANG, build_shards, finish, launch_train, train_in_process
+from pipeline.train import checkpoint, outdir
+
+SMALL = ["--batch-size", "8", "--workers", "0", "--width", "4", "--log-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    base = tmp_path_factory.mktemp("outdir") / "d"
+    build_shards(base, "mnist", "train", 60, maxcount=20)
+    build_shards(base, "mnist", "test", 20, maxcount=10, seed=1)
+    return base
+
+
+def args_for(shards, out, *extra):
+    return ["--train", f"mnist={shards}/", "--eval", f"mnist={shards}/", "--epochs", "2", *SMALL, "--out", out,
+            "--record-keys", *extra]
+
+
+def snapshot(folder):
+    return {n: ((folder / n).read_bytes(), (folder / n).stat().st_mtime_ns) for n in sorted(os.listdir(folder))}
+
+
+def advice(p, lead):
+    """The trainer's own arguments in the advice line starting `lead`."""
+    lines = [ln for ln in p.stderr.splitlines() if lead in ln]
+    assert len(lines) == 1, p.stderr[-2000:]
+    words = shlex.split(lines[0].split(lead, 1)[1])
+    return words[words.index("pipeline.train") + 1:]
+
+
+# ---------------------------------------------------------------- a failure before the first checkpoint
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   FileNotFoundError(errno.ENOENT, "No such file or directory")],
+                         ids=["disk", "missing"])
+def test_the_advice_after_a_failure_before_the_first_checkpoint_starts_the_run_again(shards, tmp_path, monkeypatch,
+                                                                                     error):
+    """hostileK 5: a failure before the first checkpoint (here its save: the epoch's training and
+    evaluation lines are written) printed advice that was refused, or none; followed literally,
+    the advice now starts the run over and says which files it deleted."""
+    out = tmp_path / "run"
+
+    def fail(path, state):
+        raise error
+
+    monkeypatch.setattr(checkpoint, "save", fail)
+    p = train_in_process(args_for(shards, out))
+    assert p.returncode == 2 and not (out / "checkpoint.pt").exists(), p.stderr[-2000:]
+    again = advice(p, f"no checkpoint yet in {out}/; start again with: ")
+    assert again[-1] == "--resume-or-start", again
+    monkeypatch.undo()
+
+    plain = train_in_process(args_for(shards, out))  # the obvious rerun points at the same advice, not --resume
+    assert plain.returncode == 2 and "saved no checkpoint.pt; pass --resume-or-start" in plain.stderr, plain.stderr
+    p = train_in_process(again)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert f"--resume-or-start without a checkpoint: deleting the previous run in {out}/: " \
+           f"keys-rank0.txt, metrics.jsonl" in p.stdout, p.stdout[-2000:]
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert sum('"kind": "eval"' in ln for ln in lines) == 2  # one run's lines, not two runs' mixed
+
+
+def test_resume_or_start_still_refuses_a_run_that_went_past_a_checkpoint(shards, tmp_path):
+    """Only a folder of a run that never saved a checkpoint is started over: a later epoch's
+    line, or a summary, means a checkpoint was there and is gone: refused, nothing touched."""
+    for name, files in {"epoch2": {"metrics.jsonl": '{"kind": "train", "epoch": 2, "step": 9}\n'},
+                        "summary": {"metrics.jsonl": '{"kind": "train", "epoch": 1, "step": 1}\n',
+                                    "summary.json": "{}\n"}}.items():
+        out = tmp_path / name
+        out.mkdir()
+        for n, text in files.items():
+            (out / n).write_text(text)
+        assert not outdir.never_saved(out)
+        before = snapshot(out)
+        p = train_in_process(args_for(shards, out, "--resume-or-start"))
+        assert p.returncode == 2 and "no checkpoint.pt to continue from" in p.stderr, p.stderr[-2000:]
+        assert snapshot(out) == before
+
+
+# ---------------------------------------------------------------- a finished run
+
+
+def test_resuming_a_finished_run_leaves_its_files_as_they_are(shards, tmp_path):
+    """hostileK 9: each --resume of a finished run appended a "resumed" line to metrics.jsonl."""
+    out = tmp_path / "run"
+    assert train_in_process(args_for(shards, out, "--epochs", "1")).returncode == 0
+    before = snapshot(out)
+    for flag in ("--resume", "--resume-or-start"):
+        p = train_in_process(args_for(shards, out, "--epochs", "1", flag))
+        assert p.returncode == 0 and "nothing to do" in p.stdout, p.stderr[-2000:]
+        assert snapshot(out) == before, flag
+
+
+# ---------------------------------------------------------------- checkpoint and key log
+
+
+def test_a_checkpoint_is_on_disk_before_its_rename(tmp_path, monkeypatch):
+    """hostileK 10: the rename without an fsync could leave an empty checkpoint.pt after a power cut."""
+    synced, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        assert str(src) in synced, f"{src} renamed before an fsync"
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    checkpoint.save(str(tmp_path / "checkpoint.pt"), {"a": 1})
+    assert (tmp_path / "checkpoint.pt").exists() and synced == [str(tmp_path / "checkpoint.pt.tmp")]
+
+
+def test_a_deleted_key_log_is_named_on_resume(shards, tmp_path):
+    """hostileK 10: a resume over a key log deleted since the checkpoint went on without a word."""
+    out = tmp_path / "run"
+    assert train_in_process(args_for(shards, out, "--stop-after-steps", "3")).returncode == 0
+    os.remove(out / "keys-rank0.txt")
+    with pytest.warns(UserWarning, match=r"keys-rank0.txt: not there, though the checkpoint counts 24 key line"):
+        p = train_in_process(args_for(shards, out, "--resume"))
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- torchrun restarts
+
+
+def test_job_ids_tell_jobs_apart():
+    assert outdir.job_id({}) is None
+    assert outdir.job_id({"TORCHELASTIC_RUN_ID": "5e78d7f0"}) == "5e78d7f0"  # --standalone's uuid, or --rdzv-id
+    default = outdir.job_id({"TORCHELASTIC_RUN_ID": "none"})  # static rendezvous: the launcher process
+    assert default.startswith("none@") and f":{os.getppid()}:" in default and not default.endswith(":?")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", [["--standalone"], []], ids=["standalone", "static"])
+def test_a_restart_does_not_take_over_another_jobs_run(shards, tmp_path, launcher):
+    """hostileK 1: a job refused on an --out holding another run was restarted by torchrun
+    (--max-restarts) and the restart resumed that run with the new job's options. A restart
+    takes over only a run its own job started or resumed; a refusal stays a refusal."""
+    out = tmp_path / "run"
+    args = ["--train", f"mnist={shards}/", "--epochs", "2", *SMALL, "--out", out]
+    job1 = launch_train([*args, "--stop-after-steps", "2"], 2, extra_launcher=launcher, fork_ranks=False)
+    rc, err = finish(job1, timeout=HANG)  # another job, the same launcher: under "static" the same run id 'none'
+    assert rc == 0 and (out / outdir.JOB).exists(), err[-3000:]
+    before = snapshot(out)
+    proc = launch_train([*args, "--lr", "0.05"], 2, extra_launcher=[*launcher, "--max-restarts=1"],
+                        fork_ranks=False)
+    rc, err = finish(proc, timeout=HANG)
+    assert rc != 0, err[-3000:]
+    refusals = [ln for ln in err.splitlines() if "holds a previous run; pass --resume" in ln]
+    assert len(refusals) == 4 and "resumed from" not in err, err[-3000:]  # 2 ranks, 2 attempts
+    assert snapshot(out) == before
