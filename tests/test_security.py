@@ -392,8 +392,7 @@ def test_a_checkpoint_that_cannot_be_written_keeps_the_previous_one(tmp_path, mo
     checkpoint.save(path, {"version": checkpoint.VERSION, "n": 1})
 
     def full(obj, f, *a, **k):
-        with open(f, "wb") as out:
-            out.write(b"half a checkpoint")
+        f.write(b"half a checkpoint")
         raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file "
                            "data/0: file write failed")
 
@@ -404,6 +403,24 @@ def test_a_checkpoint_that_cannot_be_written_keeps_the_previous_one(tmp_path, mo
     monkeypatch.undo()
     assert not os.path.exists(path + ".tmp")
     assert checkpoint.load(path)["n"] == 1
+
+
+def test_a_checkpoint_over_a_file_size_limit_says_so_and_that_none_was_kept(tmp_path):
+    """Under `ulimit -f` torch said only "[enforce fail at inline_container.cc:672] . unexpected pos", and
+    "the previous checkpoint is kept" where there was none (hostileK): the file's own error, and the truth."""
+    import subprocess
+    import sys
+
+    code = ("import resource, torch\nfrom pipeline.train import checkpoint\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (100000, 100000))\n"
+            "try:\n    checkpoint.save(%r, {'w': torch.zeros(100000)})\nexcept OSError as e:\n    print(e)\n"
+            % str(tmp_path / "checkpoint.pt"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=root))
+    assert p.stdout.strip() == (f"could not write the checkpoint {tmp_path / 'checkpoint.pt'} ([Errno 27] File too "
+                                f"large); there is no earlier checkpoint"), p.stdout + p.stderr
+    assert os.listdir(tmp_path) == []
 
 
 # ---------------------------------------------------------------- 8. sizes that would eat memory

@@ -406,14 +406,15 @@ def save(path, state):
             os.remove(tmp)
         except OSError:
             pass
+        kept = "the previous checkpoint is kept" if os.path.exists(path) else "there is no earlier checkpoint"
         where = refused_at(state) if isinstance(e, pickle.UnpicklingError) else None
         if where:
             raise InputError(f"could not write the checkpoint {path}: {where} holds an object that torch.load(..., "
                              f"weights_only=True) refuses ({_refusal(e)}); a checkpoint keeps tensors and plain types "
-                             f"only (a --model of your own: keep other objects out of its state_dict); the previous "
-                             f"checkpoint is kept") from None
-        reason = " ".join(str(e).split()) or e.__class__.__name__
-        raise OSError(f"could not write the checkpoint {path} ({reason}); the previous checkpoint is kept") from None
+                             f"only (a --model of your own: keep other objects out of its state_dict); {kept}") from None
+        cause = e.__context__ if isinstance(e, RuntimeError) and isinstance(e.__context__, OSError) else e
+        reason = " ".join(str(cause).split()) or cause.__class__.__name__  # torch's "unexpected pos" hides the file's
+        raise OSError(f"could not write the checkpoint {path} ({reason}); {kept}") from None
 
 
 def refused_at(value, where=""):
