@@ -83,16 +83,18 @@ def parse_json(data, where):
 
 
 def append_line(path, text):
-    """Append one line whole, or nothing: a failed write (disk full) is cut back off."""
-    data = (text.rstrip("\n") + "\n").encode()
-    with open(path, "ab") as f:
+    """Append one line (or lines: `text` ending where the last ends) whole, or nothing: a failed
+    write (disk full, a file size limit) is cut back off, and its error names the file (the
+    write's own names none). Unbuffered, so that closing the file does not write the rest again."""
+    data = memoryview((text.rstrip("\n") + "\n").encode())
+    with open(path, "ab", buffering=0) as f:
         start = f.tell()
         try:
-            f.write(data)
-            f.flush()
-        except OSError:
+            while data:
+                data = data[f.write(data):]
+        except OSError as e:
             f.truncate(start)
-            raise
+            raise OSError(e.errno, e.strerror, path) from None
 
 
 def cut_to_complete_lines(path):

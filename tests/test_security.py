@@ -381,10 +381,30 @@ def test_a_failed_line_write_leaves_the_file_whole(tmp_path, monkeypatch):
 
     real_open = open
     monkeypatch.setattr(files, "open", lambda *a, **k: Full(real_open(*a, **k)), raising=False)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError) as e:
         files.append_line(str(path), '{"b": 2}')
     monkeypatch.undo()
     assert path.read_text() == '{"a": 1}\n'
+    assert str(e.value) == f"[Errno 28] No space left on device: '{path}'"  # which file (hostileK 6)
+
+
+def test_a_key_log_over_a_file_size_limit_is_cut_back_whole_and_named(tmp_path):
+    """A full disk mid-run said "[Errno 28] No space left on device" and nothing of the key log, and
+    left half a line in it (hostileK 6): the lines are written whole or not at all, the file named."""
+    import subprocess
+    import sys
+
+    code = ("import resource\nfrom pipeline.train.metrics import KeyLog\n"
+            "log = KeyLog(%r, 0)\nlog.add(1, ['a' * 10] * 10)\nlog.flush()\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (300, 300))\n"
+            "log.add(1, ['b' * 50] * 10)\ntry:\n    log.flush()\nexcept OSError as e:\n    print(e)\n"
+            % str(tmp_path))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=root))
+    log = tmp_path / "keys-rank0.txt"
+    assert p.stdout.strip() == f"[Errno 27] File too large: '{log}'", p.stdout + p.stderr
+    assert log.read_text().count("\n") == 10 and "b" not in log.read_text()
 
 
 def test_a_checkpoint_that_cannot_be_written_keeps_the_previous_one(tmp_path, monkeypatch):

@@ -75,9 +75,9 @@ class KeyLog:
         self.count += len(keys)
 
     def flush(self):
+        """The pending lines appended whole, or none of them (files.append_line: a full disk named)."""
         if self.pending:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.writelines(self.pending)
+            append_line(self.path, "".join(self.pending))
             self.pending = []
 
 
