@@ -470,6 +470,29 @@ def test_imagefolder_with_shape_decodes_every_image_to_it_as_the_stream_does(tmp
         assert label == want
 
 
+def test_imagefolder_without_shape_stores_photos_upright(tmp_path, main, read_tar, decode_image):
+    """Phone photos stored turned (EXIF orientation 6, 3) were kept as their raw pixels, sideways,
+    where --shape and the stream turn them upright (hostileL): upright on both paths."""
+    rng = np.random.default_rng(6)
+    (tmp_path / "pets" / "a").mkdir(parents=True)
+    for i, orientation in enumerate((6, 3, 1)):
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        stored = rng.integers(0, 256, (20, 36, 3) if orientation == 6 else (36, 20, 3), dtype=np.uint8)
+        Image.fromarray(stored).save(tmp_path / "pets" / "a" / f"{i}.jpg", exif=exif, quality=95)
+    code, _, err = main("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--encoding", "png", "--out",
+                        tmp_path / "out", "--workers", 1, "--quiet")
+    assert code == 0, err
+    m = manifests(tmp_path / "out")["pets-train"]
+    assert m["shape"] == [3, 36, 20]
+    from PIL import ImageOps
+
+    folder = sources.ImageFolderSource("pets", "train", str(tmp_path / "pets"))
+    for i, (image, _) in decoded_samples(tmp_path / "out", m, read_tar, decode_image).items():
+        want = np.asarray(ImageOps.exif_transpose(Image.open(folder.samples[i][0])).convert("RGB"))
+        np.testing.assert_array_equal(image, want.transpose(2, 0, 1))
+
+
 @pytest.mark.parametrize("flags,fragment", [
     (["--imagefolder", "pets:train=DIR", "--shape", "2,5,6"], "C must be 1 or 3"),
     (["--imagefolder", "pets:train=DIR", "--shape", "3,0,6"], "each side 1.."),

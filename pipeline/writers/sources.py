@@ -79,7 +79,8 @@ class ImageFolderSource:
     """A torchvision ImageFolder tree. With `shape` (C, H, W) every image is decoded to it as the
     stream decodes an indexed image (`decode.decode_image`: upright by its EXIF orientation, grey,
     CMYK or palette brought to C channels, the shorter side resized and centre-cropped); without,
-    every image must match the first in size and mode, L or RGB, and is stored as it is. With
+    every image, turned upright by its EXIF orientation, must match the first in size and mode, L
+    or RGB, and is stored as it is. With
     captions, each image's caption is the .txt file beside it, and the folder may also be a flat
     one of image + .txt pairs (one class, "0")."""
 
@@ -128,6 +129,7 @@ class ImageFolderSource:
 
         from pipeline.data.store import remote
         from pipeline.data.decoding.decode import decode_image, open_image
+        from pipeline.data.decoding.pil_images import upright
         from pipeline.data.shards.read import MAX_MEMBER
 
         path = self.samples[i][0]
@@ -139,11 +141,11 @@ class ImageFolderSource:
                 raise ValueError(f"more than {MAX_MEMBER} bytes")
             if self.target is not None:  # --shape: decoded to it, as the stream decodes an indexed image
                 return decode_image(data, ext, self.target)
-            img, _ = open_image(data, ext)
+            img, orientation = open_image(data, ext)
             img.load()
         except (OSError, ValueError, Image.DecompressionBombError) as e:
             raise SourceError(f"{path}: not a readable image: {e}") from None
-        return img
+        return upright(img, orientation)  # as a viewer shows it, and as the stream and --shape decode it
 
     def __len__(self):
         return len(self.samples)
