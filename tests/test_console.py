@@ -85,6 +85,8 @@ def test_an_evaluation_that_fails_keeps_the_epochs_checkpoint_and_the_resume_is_
     monkeypatch.setattr(loop, "evaluate", failing)
     p = train_in_process([*common, "--out", tmp_path / "cut"])
     assert p.returncode != 0 and "HTTP 503" in p.stderr
+    assert ("pipeline-train: note: epoch 1 is saved, its evaluation failed: --resume goes on with epoch 2, and epoch 1 "
+            "has no test accuracy") in p.stderr
     assert (tmp_path / "cut" / "checkpoint.pt").exists()
     monkeypatch.setattr(loop, "evaluate", real)
     p = train_in_process([*common, "--out", tmp_path / "cut", "--resume"])
@@ -105,3 +107,30 @@ def test_the_last_line_gives_the_training_time_the_whole_time_and_the_skipped(ti
     assert p.returncode == 0 and len(done) == 1, p.stdout + p.stderr[-2000:]
     assert re.fullmatch(r"done: \d+\.\d s of training \(\d+\.\d s in all\); \d+ training samples skipped \(damaged: "
                         r"see metrics\.jsonl\); no --eval sources", done[0]), done[0]
+
+
+@pytest.mark.slow
+def test_a_resume_after_the_last_evaluation_failed_evaluates_and_writes_the_summary(tiny, tmp_path, monkeypatch):
+    """The last epoch saved, its evaluation failed: --resume, as the failure's line says, answered
+    "nothing to do" and left the run without its summary or its last accuracy (hostileL)."""
+    import json
+
+    from pipeline.train import loop
+
+    build_shards(tmp_path / "data", "mnist", "test", 8, shape=(1, 8, 8))
+    common = ["--train", f"mnist={tiny}", "--eval", f"mnist={tmp_path / 'data' / 'mnist-test.json'}", "--epochs", "1",
+              "--batch-size", "4", "--workers", "0", "--width", "4", "--out", tmp_path / "run"]
+    real = loop.evaluate
+    monkeypatch.setattr(loop, "evaluate", lambda run, evals_from: (_ for _ in ()).throw(OSError("HTTP 503")))
+    p = train_in_process(common)
+    assert p.returncode != 0 and "epoch 1 is saved, its evaluation failed: --resume evaluates it" in p.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()
+    monkeypatch.setattr(loop, "evaluate", real)
+    p = train_in_process([*common, "--resume"])
+    assert p.returncode == 0 and "nothing to do" not in p.stdout, p.stdout + p.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["finished"] and 0 <= summary["accuracy"]["mnist"] <= 1
+    lines = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [ln["epoch"] for ln in lines if ln.get("kind") == "eval"] == [1]
+    p = train_in_process([*common, "--resume"])  # finished now: nothing more to do, nothing written
+    assert p.returncode == 0 and "nothing to do" in p.stdout

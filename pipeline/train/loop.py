@@ -107,7 +107,11 @@ def train(args, topo, device, stopper=None, progress=None):
     if topo.is_main:
         print(settings_line(args, topo.world, device), flush=True)
         print(mix_line(args, run), flush=True)
-    if ckpt and run.epoch >= args.epochs and not run.in_epoch:  # before anything in --out is written
+    done = ckpt and run.epoch >= args.epochs and not run.in_epoch
+    # a run whose every epoch is saved but which has no summary.json stopped in its last evaluation (or
+    # its summary): the resume finishes that, as rank 0 sees the folder (one answer for every rank)
+    unfinished = done and not dist.all_gather(os.path.exists(os.path.join(args.out, "summary.json")))[0]
+    if done and not unfinished:  # before anything in --out is written
         if topo.is_main:
             epochs = f"{args.epochs} epoch{'s' if args.epochs != 1 else ''}"
             print(f"nothing to do: the checkpoint in {args.out}/ has finished all {epochs}; raise "
@@ -141,6 +145,11 @@ def train(args, topo, device, stopper=None, progress=None):
         return args.stop_after_steps is not None and step - started >= args.stop_after_steps
 
     t_start, evals = time.time(), {}
+    if unfinished and run.evals:  # the last epoch's evaluation, which failed before the summary
+        evals = evaluate(run, evals_from)
+        metrics.log(kind="eval", epoch=run.epoch, step=run.step, eval=evals)
+        if topo.is_main:
+            print(epoch_line(run.epoch - 1, args.epochs, evals), flush=True)
     last_epoch = args.epochs if args.stop_after is None else min(args.epochs, run.epoch + args.stop_after)
     finished = True
     while run.epoch < last_epoch:
@@ -154,7 +163,14 @@ def train(args, topo, device, stopper=None, progress=None):
         run.epoch = epoch + 1
         run.save(keys)  # before the evaluation: one that fails (a test shard gone) keeps the epoch's training
         if run.evals:
-            evals = evaluate(run, evals_from)
+            try:
+                evals = evaluate(run, evals_from)
+            except Exception:
+                if topo.is_main:  # else a resume goes on with no word of the missing accuracy
+                    one_line(f"pipeline-train: note: epoch {epoch + 1} is saved, its evaluation failed: "
+                             + ("--resume evaluates it" if run.epoch >= args.epochs else
+                                f"--resume goes on with epoch {epoch + 2}, and epoch {epoch + 1} has no test accuracy"))
+                raise
             metrics.log(kind="eval", epoch=epoch + 1, step=run.step, eval=evals)
             if topo.is_main:
                 print(epoch_line(epoch, args.epochs, evals), flush=True)
