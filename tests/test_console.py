@@ -134,3 +134,15 @@ def test_a_resume_after_the_last_evaluation_failed_evaluates_and_writes_the_summ
     assert [ln["epoch"] for ln in lines if ln.get("kind") == "eval"] == [1]
     p = train_in_process([*common, "--resume"])  # finished now: nothing more to do, nothing written
     assert p.returncode == 0 and "nothing to do" in p.stdout
+
+
+@pytest.mark.slow
+def test_the_mix_line_says_where_final_weights_take_the_mix(tiny, tmp_path):
+    """With --final-weights the line gave the first epoch's mix alone (hostileL)."""
+    build_shards(tmp_path / "data", "small", "train", 12, shape=(1, 8, 8))
+    p = train_in_process(args(tiny, tmp_path / "run", "--train", f"small={tmp_path / 'data' / 'small-train.json'}",
+                              "--weights", "mnist=0.8,small=0.2", "--final-weights", "mnist=0.1,small=0.9",
+                              "--epochs", "3", "--epoch-samples", "20"))
+    said = [ln for ln in p.stdout.splitlines() if ln.startswith("3 epochs of 20 samples")]
+    assert p.returncode == 0 and len(said) == 1, p.stdout + p.stderr[-2000:]
+    assert said[0].endswith("; moving to mnist 0.10, small 0.90 by epoch 3"), said[0]

@@ -325,8 +325,8 @@ def test_a_loader_timeout_shorter_than_a_shards_read_is_warned(tmp_path, capsys,
     guard.warn_loader_timeout(args, remote.Policy(**cli.io_limits(args)), [src])
     err = capsys.readouterr().err
     largest = max(src.sizes)
-    assert err == (f"pipeline-train: warning: --loader-timeout 5 s is shorter than a shard's read may take (20 s for "
-                   f"the largest, {largest:,} bytes, under --io-timeout 20 s and --min-rate 1 MB/s): a slow read "
+    assert err == (f"pipeline-train: warning: --loader-timeout 5 s is shorter than a shard's read may take "
+                   f"({20 + largest / 1e6:.1f} s for the largest, {largest:,} bytes, under --io-timeout 20 s and --min-rate 1 MB/s): a slow read "
                    f"within its deadline would end the run; raise --loader-timeout\n" if warned else "")
 
 
@@ -336,4 +336,4 @@ def test_the_trainer_says_a_short_loader_timeout_at_its_start(tmp_path):
     p = train_in_process(["--train", f"mnist={tmp_path / 'd'}", "--epochs", "1", "--batch-size", "8", "--workers",
                           "1", "--width", "4", "--loader-timeout", "25", "--out", tmp_path / "run"])
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "pipeline-train: warning: --loader-timeout 25 s is shorter than a shard's read may take (30 s" in p.stderr
+    assert "pipeline-train: warning: --loader-timeout 25 s is shorter than a shard's read may take (30.1 s" in p.stderr

@@ -281,7 +281,8 @@ def test_the_table_names_each_sources_origin_and_manifests(tmp_path):
     assert r.returncode == 0, r.stderr
     out = r.stdout.splitlines()
     at = out.index("data:")
-    assert out[at - 1].startswith("loss NAME: the mean training loss")  # "loss" beside "acc" read as a test loss
+    assert out[at - 1].startswith("loss NAME: the mean training loss over the epoch's samples of NAME; acc NAME: "
+                                  "the test accuracy after the epoch; samples/s: training samples a second")
     assert out[at + 1:at + 3] == [
         "  mnist: real data, torchvision files; train /x/mnist-train.json; test /x/mnist-test.json",
         "  cifar10: synthetic look-alike data; train /x/cifar10-train.json; test /x/cifar10-test.json"]

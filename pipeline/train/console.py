@@ -52,8 +52,13 @@ def mix_line(args, run):
     for src, n in zip(run.sources, taken.tolist()):
         again = f", read {n / src.total:.1f} times" if n > src.total else ""
         mix.append(f"{src.name} {weights[src.name] / total:.2f} ({n:,} samples of its {src.total:,}{again})")
-    return (f"{args.epochs} epochs of {run.stream.epoch_samples:,} samples ({run.stream.batches_per_epoch:,} steps), "
+    line = (f"{args.epochs} epochs of {run.stream.epoch_samples:,} samples ({run.stream.batches_per_epoch:,} steps), "
             f"lr {args.lr:g}; mix {', '.join(mix)}")
+    last = weights_at(args, args.epochs - 1)
+    if last != weights:  # --final-weights: the mix moves, epoch by epoch
+        end = sum(last.values())
+        line += f"; moving to {', '.join(f'{n} {w / end:.2f}' for n, w in last.items())} by epoch {args.epochs}"
+    return line
 
 
 def one_line(text):

@@ -168,6 +168,6 @@ def warn_loader_timeout(args, policy, sources):
     if args.loader_timeout < longest:
         size = f"{largest:,} bytes" if largest is not None else "of a size no manifest gives"
         print(f"pipeline-train: warning: --loader-timeout {args.loader_timeout:g} s is shorter than a shard's read "
-              f"may take ({longest:.0f} s for the largest, {size}, under --io-timeout {args.io_timeout:g} s and "
+              f"may take ({longest:.1f} s for the largest, {size}, under --io-timeout {args.io_timeout:g} s and "
               f"--min-rate {args.min_rate:g} MB/s): a slow read within its deadline would end the run; raise "
               f"--loader-timeout", file=sys.stderr, flush=True)

@@ -51,11 +51,12 @@ def table(run):
     widths = [max(len(row[i]) for row in [head] + body) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in [head] + body]
     notes = [ln for ln in (left_out_line(run),) if ln] + [f"run {label}" for _, label in stops_and_resumes(run)]
-    return "\n".join(lines + [COLUMNS] + [printable(ln) for ln in data_lines(run) + notes])
+    columns = COLUMNS + ("; acc NAME: the test accuracy after the epoch" if eval_names(run) else "") + \
+        "; samples/s: training samples a second" + ("; skipped: training samples skipped (damaged)" if skips else "")
+    return "\n".join(lines + [columns] + [printable(ln) for ln in data_lines(run) + notes])
 
 
-COLUMNS = ("loss NAME: the mean training loss over the epoch's samples of NAME; acc NAME: the test accuracy "
-           "after the epoch")  # "loss" beside "acc" read as a test loss (newuser4)
+COLUMNS = "loss NAME: the mean training loss over the epoch's samples of NAME"  # read as a test loss (newuser4)
 
 
 def report(run_dir, out=None):
