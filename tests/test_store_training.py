@@ -190,7 +190,11 @@ def test_a_store_stopped_mid_epoch_fails_in_one_line_and_resume_finishes_the_epo
                                                                  f"resume with: ")]
     assert 1 <= len(said) <= WORLD and all(ln.endswith(" --resume") for ln in said), printed[-3000:]
     stopped_at = position(out)
-    assert stopped_at["mid"] and stopped_at["epoch"] == 0 and 3 <= stopped_at["step"] < SAMPLES // (WORLD * 8)
+    steps = SAMPLES // (WORLD * 8)
+    # the worker fetches the epoch's shards ahead, so the store's loss may first meet the evaluation: the
+    # epoch's checkpoint (written before its evaluation) is then the last; else a mid-epoch one
+    assert (stopped_at["mid"] and stopped_at["epoch"] == 0 and 3 <= stopped_at["step"] < steps) or \
+        (not stopped_at["mid"] and stopped_at["epoch"] == 1 and stopped_at["step"] == steps), stopped_at
 
     store.start()
     try:
