@@ -1177,3 +1177,18 @@ def jpegs_beside_mnist(top):
     assert p.returncode == 0, p.stderr
     build_shards(top / "m", "mnist", "train", 60, maxcount=12)
     return [resolve("web", str(top / "m"), "train"), resolve("mnist", str(top / "m"), "train")]
+
+
+def write_many_sizes(folder, sizes, n=40):
+    """A WebDataset of one shard in `folder` (a Path, made here): n PNGs of `sizes` sizes (8x9 up), a .cls beside each
+    (what the size warnings of make-shards --index and the first use are tested on)."""
+    import numpy as np
+    from PIL import Image
+
+    members = []
+    for i in range(n):
+        side = 8 + i % sizes
+        image = Image.fromarray(np.full((side, side + 1, 3), i, np.uint8))
+        members += [(f"s{i:03d}.png", encode_pil(image, "PNG")), (f"s{i:03d}.cls", b"%d" % (i % 2))]
+    folder.mkdir()
+    write_tar(folder / "train-000000.tar", members)

@@ -566,18 +566,9 @@ def test_a_json_with_label_and_class_keys_gives_its_label_key_in_both_rules():
 def test_images_of_many_sizes_indexed_on_first_use_are_warned_as_make_shards_warns(tmp_path, capsys, sizes):
     """The first use resized 20 sizes to the most common one without a word, where make-shards --index
     warns (newuser4): the same warning, naming how to choose the size; one size says nothing."""
-    import numpy as np
-    from PIL import Image
+    from helpers import write_many_sizes
 
-    from helpers import write_tar
-
-    members = []
-    for i in range(40):
-        side = 8 + i % sizes
-        image = Image.fromarray(np.full((side, side + 1, 3), i, np.uint8))
-        members += [(f"s{i:03d}.png", encode_pil(image, "PNG")), (f"s{i:03d}.cls", b"%d" % (i % 2))]
-    (tmp_path / "w").mkdir()
-    write_tar(tmp_path / "w" / "train-000000.tar", members)
+    write_many_sizes(tmp_path / "w", sizes)
     resolve("w", str(tmp_path / "w"), "train")
     said = [ln for ln in capsys.readouterr().err.splitlines() if "warning: images of" in ln]
     assert said == (["w-train: warning: images of 20 sizes, and the most common (3x8x9) only 2 of 40: every image is "

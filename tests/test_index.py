@@ -532,18 +532,9 @@ def test_images_of_many_sizes_are_warned_where_no_size_is_most_of_them(tmp_path,
     """A set of images of 20 sizes indexed without --shape took one image's size as every image's
     (seen: 3x477x599 for 200 sizes, and a trainer 221 s and 3.8 GB for 1,000 samples): one line says
     so, and how to choose; one size, or a size given, says nothing."""
-    import numpy as np
-    from PIL import Image
+    from helpers import write_many_sizes
 
-    from helpers import encode_pil, write_tar
-
-    members = []
-    for i in range(40):
-        side = 8 + i % sizes
-        image = Image.fromarray(np.full((side, side + 1, 3), i, np.uint8))
-        members += [(f"s{i:03d}.png", encode_pil(image, "PNG")), (f"s{i:03d}.cls", b"%d" % (i % 2))]
-    (tmp_path / "w").mkdir()
-    write_tar(tmp_path / "w" / "train-000000.tar", members)
+    write_many_sizes(tmp_path / "w", sizes)
     given = ["--shape", shape] if shape else []
     p = make_shards("--index", f"w:train={tmp_path}/w", "--out", tmp_path / "out", *given)
     assert p.returncode == 0, p.stderr
