@@ -37,7 +37,7 @@ from pipeline.data.decoding.labelling import (LABEL_EXTS, Unlabelled, class_valu
 from pipeline.errors import ShardError, redact
 from pipeline.files import missing_folder, write_json_atomic
 from pipeline.data.manifests.manifest import (FORMAT, NAME_RE, CLASSES_WHY, MAX_CLASSES, MAX_SIDE, check,
-                                              manifest_name, plain_relative)
+                                              image_shape, manifest_name, plain_relative)
 from pipeline.data.manifests.locations import pipe_shard_name
 from pipeline.data.manifests.patterns import expand_shards
 from pipeline.data.shards.read import MAX_MEMBER, is_meta, iter_samples
@@ -405,7 +405,7 @@ def summarise(name, split, spec, found, names, label, shape, classes_file, class
     if shape is None:
         (c, h, w), _ = shapes.most_common(1)[0]
         shape = [c, h, w]
-    if not (len(shape) == 3 and shape[0] in (1, 3) and all(1 <= x <= MAX_SIDE for x in shape[1:])):
+    if not image_shape(shape):
         raise ShardError(f"--shape {shape}: C,H,W expected with C 1 or 3 and sides 1..{MAX_SIDE}")
     classes, label_values, label_names = resolve_classes(found, classes_file, classes_from)
     if len(classes) > MAX_CLASSES:  # else check() would call the list malformed

@@ -160,7 +160,7 @@ def check(p, args):
             args.shape = None
         if not args.shape or len(args.shape) != 3:
             p.error("--shape: expected C,H,W, e.g. 3,64,64")
-        if args.shape[0] not in (1, 3) or not all(1 <= x <= manifest.MAX_SIDE for x in args.shape[1:]):
+        if not manifest.image_shape(args.shape):
             p.error(f"--shape {','.join(map(str, args.shape))}: C must be 1 or 3 and each side 1..{manifest.MAX_SIDE}")
     for flag, path, what in (("--classes", args.classes, "file"), ("--classes-from", args.classes_from, "manifest")):
         if path is not None and out_kind(p, path) != "file":

@@ -109,6 +109,13 @@ def _absent(error):
 # ---------------------------------------------------------------- checking
 
 
+def image_shape(shape):
+    """Whether `shape` is an image shape a manifest may hold: [C, H, W] integers, C 1 or 3, sides
+    1..MAX_SIDE (the manifest's check, indexing's and make-shards' --shape alike)."""
+    return (len(shape) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in shape)
+            and shape[0] in (1, 3) and all(1 <= x <= MAX_SIDE for x in shape[1:]))
+
+
 def check(m, where):
     """Raise ShardError naming `where` and the field unless `m` is a well-formed manifest."""
     def bad(path, problem):
@@ -150,8 +157,7 @@ def check(m, where):
         if s.get("sha256") is not None and not (isinstance(s["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", s["sha256"])):
             bad(f"shards[{i}].sha256", "64 lowercase hex digits expected")
     shape = m.get("shape")
-    if not (isinstance(shape, list) and len(shape) == 3 and all(integer(x) for x in shape)
-            and shape[0] in (1, 3) and all(1 <= x <= MAX_SIDE for x in shape[1:])):
+    if not (isinstance(shape, list) and image_shape(shape)):
         bad("shape", f"{shape!r}; [C, H, W] expected with C 1 or 3 and sides 1..{MAX_SIDE}")
     classes = m.get("classes")
     if isinstance(classes, list) and len(classes) > MAX_CLASSES:
