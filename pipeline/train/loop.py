@@ -31,7 +31,6 @@ from pipeline.train.console import mix_line, one_line, settings_line
 from pipeline.train.epoch import train_epoch
 from pipeline.train.evaluate import epoch_line, eval_loaders, evaluate, evaluate_only, memory_format
 from pipeline.train.metrics import KeyLog, Metrics
-from pipeline.train.model import check_name
 from pipeline.train.outdir import prepare_out, record_job
 from pipeline.train.run import NonFiniteLoss, Run, where
 from pipeline.train.summary import write_summary
@@ -56,7 +55,6 @@ def train(args, topo, device, stopper=None, progress=None):
         options.per_rank_batch(args, topo.world)  # --global-batch: each rank's share, now that the world is known
     except ValueError as e:
         raise InputError(str(e)) from None
-    check_name(args.model)  # a misspelt --model: one line before any shard is read
     policy = remote.Policy(**cli.io_limits(args))
     check = http_check(topo, policy)
     found = dict(policy=policy, check_http=check, cache_dir=args.cache_dir, progress=topo.is_main)  # shards with no
@@ -104,9 +102,6 @@ def train(args, topo, device, stopper=None, progress=None):
     if ckpt and topo.is_main:
         saved = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(os.path.getmtime(ckpt)))
         print(f"resumed from {where(run)} (saved at {saved})", flush=True)
-    if topo.is_main:
-        print(settings_line(args, topo.world, device), flush=True)
-        print(mix_line(args, run), flush=True)
     done = ckpt and run.epoch >= args.epochs and not run.in_epoch
     # a run whose every epoch is saved but which has no summary.json stopped in its last evaluation (or
     # its summary): the resume finishes that, as rank 0 sees the folder (one answer for every rank)
@@ -119,6 +114,8 @@ def train(args, topo, device, stopper=None, progress=None):
         return None
     if topo.is_main:
         record_job(args.out)  # a torchrun restart of this job takes the run over (outdir.prepare_out)
+        print(settings_line(args, topo.world, device), flush=True)  # not for a run with nothing left to train
+        print(mix_line(args, run), flush=True)
     if progress is not None:
         progress["began"] = True
     metrics = Metrics(os.path.join(args.out, "metrics.jsonl"), topo.is_main, resume_step=run.step if ckpt else None)
