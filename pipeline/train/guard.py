@@ -6,9 +6,9 @@ writing one folder; data that would make "test accuracy" mean something else (th
 shards in training and evaluation, a manifest of the other split) is a warning naming both.
 """
 import contextlib
-import sys
 import os
 import re
+import sys
 import warnings
 
 from pipeline.data.handover import budget
@@ -152,8 +152,6 @@ def _shared(a, b):
     digests = {d for d in (a.digests or []) if d}
     return [u for u, d in zip(b.urls, b.digests or [None] * len(b.urls))
             if _where(u) in places or (d and d in digests)]
-
-
 
 
 def warn_loader_timeout(args, policy, sources):

@@ -121,10 +121,11 @@ class ImageFolderSource:
         self.shape = (1 if self.mode == "L" else 3, self.size[1], self.size[0])
 
     def _open(self, i):
-        """The image, opened by `decode.open_image` as the format its extension names (a .png
-        that is really EPS would make PIL run Ghostscript) and its size checked before it is
-        decoded (a WebP's canvas before libwebp allocates it); a FIFO or device among the
-        files is refused before it is opened."""
+        """The image upright, a PIL image opened by `decode.open_image` as the format its extension
+        names (a .png that is really EPS would make PIL run Ghostscript) and its size checked before
+        it is decoded (a WebP's canvas before libwebp allocates it); with a target shape, the CHW
+        array `decode.decode_image` makes of it. A FIFO or device among the files is refused before
+        it is opened."""
         from PIL import Image
 
         from pipeline.data.store import remote
