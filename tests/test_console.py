@@ -121,7 +121,10 @@ def test_a_resume_after_the_last_evaluation_failed_evaluates_and_writes_the_summ
     common = ["--train", f"mnist={tiny}", "--eval", f"mnist={tmp_path / 'data' / 'mnist-test.json'}", "--epochs", "1",
               "--batch-size", "4", "--workers", "0", "--width", "4", "--out", tmp_path / "run"]
     real = loop.evaluate
-    monkeypatch.setattr(loop, "evaluate", lambda run, evals_from: (_ for _ in ()).throw(OSError("HTTP 503")))
+    def failing(run, evals_from):
+        raise OSError("mnist-test-000000.tar: HTTP 503")
+
+    monkeypatch.setattr(loop, "evaluate", failing)
     p = train_in_process(common)
     assert p.returncode != 0 and "epoch 1 is saved, its evaluation failed: --resume evaluates it" in p.stderr
     assert not (tmp_path / "run" / "summary.json").exists()
