@@ -16,6 +16,11 @@ def refuse(sample):
 '''
 
 
+def failing_evaluation(run, evals_from):
+    """pipeline.train.loop.evaluate as a test shard answering 503 makes it."""
+    raise OSError("mnist-test-000000.tar: HTTP 503")
+
+
 @pytest.fixture
 def tiny(tmp_path):
     build_shards(tmp_path / "data", "mnist", "train", 40, shape=(1, 8, 8))
@@ -79,10 +84,7 @@ def test_an_evaluation_that_fails_keeps_the_epochs_checkpoint_and_the_resume_is_
     assert whole.returncode == 0, whole.stderr[-2000:]
     real = loop.evaluate
 
-    def failing(run, evals_from):
-        raise OSError("mnist-test-000000.tar: HTTP 503")
-
-    monkeypatch.setattr(loop, "evaluate", failing)
+    monkeypatch.setattr(loop, "evaluate", failing_evaluation)
     p = train_in_process([*common, "--out", tmp_path / "cut"])
     assert p.returncode != 0 and "HTTP 503" in p.stderr
     assert ("pipeline-train: note: epoch 1 is saved, its evaluation failed: --resume goes on with epoch 2, and epoch 1 "
@@ -121,10 +123,7 @@ def test_a_resume_after_the_last_evaluation_failed_evaluates_and_writes_the_summ
     common = ["--train", f"mnist={tiny}", "--eval", f"mnist={tmp_path / 'data' / 'mnist-test.json'}", "--epochs", "1",
               "--batch-size", "4", "--workers", "0", "--width", "4", "--out", tmp_path / "run"]
     real = loop.evaluate
-    def failing(run, evals_from):
-        raise OSError("mnist-test-000000.tar: HTTP 503")
-
-    monkeypatch.setattr(loop, "evaluate", failing)
+    monkeypatch.setattr(loop, "evaluate", failing_evaluation)
     p = train_in_process(common)
     assert p.returncode != 0 and "epoch 1 is saved, its evaluation failed: --resume evaluates it" in p.stderr
     assert not (tmp_path / "run" / "summary.json").exists()
