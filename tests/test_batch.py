@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.data.decoding import rgbx
 from pipeline.data.fields import batch as batch_module
 from pipeline.data.fields.batch import Layout
 
@@ -67,22 +68,41 @@ def test_collate_places_every_source_as_the_windowed_assignment_did(canvas, weig
         assert not batch["image"][grey][:, :, :2].any() and not batch["image"][grey][:, :, :, 30:].any()
 
 
+def hwc_view(p):
+    return np.ascontiguousarray(p.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+
+
+def rgbx_view(p):
+    """p as decode_batch's view="rgbx" hands it on (rgbx.joined), its fourth bytes not zero."""
+    n, c, h, w = p.shape
+    if c != 3:
+        return hwc_view(p)
+    four = np.full((n, h, w, 4), 201, np.uint8)
+    four[..., :3] = p.transpose(0, 2, 3, 1)
+    return rgbx.joined(list(four), n, h, w)
+
+
 @pytest.mark.parametrize("weights", [(1, 1, 1), (0, 1, 0)])
-def test_collate_places_chw_views_of_hwc_images_as_their_copies(weights):
-    """The stream's decoded JPEGs come as CHW views of an HWC buffer (decode_batch hwc=True):
+@pytest.mark.parametrize("view", [hwc_view, rgbx_view])
+@pytest.mark.parametrize("memory_format", ["contiguous", "channels_last"])
+def test_collate_places_chw_views_of_decoded_images_as_their_copies(weights, view, memory_format):
+    """The stream's decoded JPEGs come as CHW views of an HWC or RGBX buffer (decode_batch view=):
     collate's copy into the batch, a slice for one source's run of rows, a gather else,
-    gives exactly what contiguous images give, in a C-contiguous batch."""
-    layout, rng = Layout(sources()), np.random.default_rng(4)
+    gives exactly what contiguous images give, in a batch of its memory format."""
+    layout, rng = Layout(sources()).laid_out(memory_format), np.random.default_rng(4)
     choice = rng.choice(3, size=29, p=np.array(weights, float) / sum(weights))
     parts = parts_for(choice, layout, rng)
-    views = [(k, np.ascontiguousarray(p.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2), labels)
-             for k, p, labels in parts]
+    views = [(k, view(p), labels) for k, p, labels in parts]
     assert all(v.shape == p.shape and (not len(v) or not v.flags.c_contiguous) for (_, v, _), (_, p, _)
                in zip(views, parts) if v.shape[1] > 1)
-    given = np.full(layout.batch_shape(29), 77, np.uint8)
+    if view is rgbx_view:  # else the plane-by-plane copy was not taken
+        assert any(len(v) and rgbx.planes(v) is not None for _, v, _ in views)
+    made = layout.collate(choice, parts)["image"]
+    given = np.full_like(made, 77)  # in made's memory format
     batch = layout.collate(choice, views, out={"image": given})
-    assert batch["image"] is given and given.flags.c_contiguous
-    assert np.array_equal(given, layout.collate(choice, parts)["image"])
+    assert batch["image"] is given and given.strides == made.strides
+    assert given.flags.c_contiguous == (memory_format == "contiguous")
+    assert np.array_equal(given, made)
     assert np.array_equal(given, old_collate(layout, choice, parts)[0])
 
 

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from helpers import HANG, encoded, exif_rotated, handmade_png, jpeg_cases, pil_png, pixels, run_capture, smooth
-from pipeline.data.decoding import decode, jpeg, png, turbo
+from pipeline.data.decoding import decode, jpeg, png, rgbx, turbo
 from pipeline.data.decoding import labelling
 from pipeline.data.decoding.decode import Target
 
@@ -384,23 +384,25 @@ def test_a_jpeg_batch_with_simplejpeg_decodes_as_each_image_does_alone(shape):
 
 @pytest.mark.parametrize("shape", [(3, 32, 32), (1, 28, 28), (3, 5, 7)])
 @pytest.mark.parametrize("which", ["exact", "every kind"])
-def test_a_jpeg_batch_left_hwc_holds_the_same_pixels_and_is_contiguous_unless_asked(shape, which):
-    """hwc=True (the stream's Decode stage) may hand the pixels as the CHW view of libjpeg-turbo's
-    HWC buffer, for collate's one copy to make CHW; the pixels are the same, and every other
-    caller (gpujpeg.pack, a schema's fields) still gets a C-contiguous array."""
+@pytest.mark.parametrize("how", ["hwc", "rgbx"])
+def test_a_jpeg_batch_left_as_a_view_holds_the_same_pixels_and_is_contiguous_unless_asked(shape, which, how):
+    """view= (the stream's Decode stage) may hand the pixels as the CHW view of libjpeg-turbo's
+    HWC or RGBX buffer, for collate's one copy to make CHW; the pixels are the same, and every
+    other caller (gpujpeg.pack, a schema's fields) still gets a C-contiguous array."""
     pytest.importorskip("simplejpeg")
     datas = jpeg_cases(shape)
     if which == "exact":  # all of the target's size and upright: the path that leaves the buffer HWC
         datas = [datas[0], datas[-1], datas[0]]
     target, crops = Target(shape, ("jpg",)), np.random.default_rng(2).random((len(datas), 2))
     out, kept, errors = decode.decode_batch(datas, ["jpg"] * len(datas), target, crops)
-    view, view_kept, view_errors = decode.decode_batch(datas, ["jpg"] * len(datas), target, crops, hwc=True)
+    view, view_kept, view_errors = decode.decode_batch(datas, ["jpg"] * len(datas), target, crops, view=how)
     assert out.flags.c_contiguous and out.shape == (len(kept), *shape)
     assert view_kept == kept and view_errors == errors and view.shape == out.shape and (view == out).all()
     alone, alone_kept, _ = decoded_alone(datas, shape, crops)
     assert alone_kept == kept and (out == np.stack(alone)).all()
-    if which == "exact" and shape[0] == 3:
+    if shape[0] == 3:
         assert not view.flags.c_contiguous  # the copy left to collate (else this path was not taken)
+        assert (rgbx.planes(view) is not None) == (how == "rgbx")
 
 
 def test_a_remembered_jpeg_header_is_only_reused_for_the_same_bytes():

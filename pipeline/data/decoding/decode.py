@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.data.decoding import image_caps, jpeg, png, turbo
+from pipeline.data.decoding import image_caps, jpeg, png, rgbx, turbo
 from pipeline.data.decoding.pil_images import (SIXTEEN_BIT, _converted, _hwc, _npy, _pil, open_image,  # noqa: F401
                                                 pil_reason, pixels_of, upright, webp_size)
 from pipeline.errors import cut
@@ -100,15 +100,17 @@ def image_of(sample, target):
     raise ValueError(f"no {'/'.join('.' + e for e in target.image_exts)} member (has {have or 'nothing'})")
 
 
-def decode_batch(images, exts, target, crops=None, hwc=False):
+def decode_batch(images, exts, target, crops=None, view=None):
     """Decode k images to one uint8 array (k', C, H, W) of the target's shape.
 
     `exts` gives each image's extension; `crops` an (k, 2) array of uniform numbers
     placing a random crop, None for centred crops. Returns (pixels, kept, errors):
     kept lists the positions decoded, in order; errors pairs each other position
-    with the reason. `hwc`: JPEGs decoded by libjpeg-turbo may come as the CHW view of
-    their HWC buffer, not contiguous, so that the one copy made of them, into the batch
-    (columns.put), turns them CHW too (the stream's Decode stage; one copy a batch fewer).
+    with the reason. `view`: JPEGs decoded by libjpeg-turbo may come as a CHW view, not
+    contiguous, so that the one copy made of them, into the batch (columns.put), turns
+    them CHW too (the stream's Decode stage; one copy a batch fewer): "hwc", a view of
+    their HWC buffer (a straight copy into channels-last batches), or "rgbx", of an RGBX
+    buffer (`rgbx`: half the cost of the transpose into NCHW batches).
     """
     shape, kinds = tuple(target.shape), set(exts)
     if kinds == {"raw"}:
@@ -117,16 +119,16 @@ def decode_batch(images, exts, target, crops=None, hwc=False):
         return _png_fast(images, exts, target, crops)
     if kinds and kinds <= {"jpg", "jpeg"}:
         if turbo.available():
-            return _turbo_batch(images, exts, target, crops, hwc)
+            return _turbo_batch(images, exts, target, crops, view)
         return _jpeg_batch(images, exts, target, crops)
     return _each(images, exts, target, crops, range(len(images)))
 
 
-def _turbo_batch(images, exts, target, crops, hwc=False):
+def _turbo_batch(images, exts, target, crops, view=None):
     """JPEGs as `decode_image` decodes them, with simplejpeg (`pipeline.data.decoding.turbo`): each
     of exactly the target's size and upright by one bare simplejpeg call, the others through
-    decode_image, then all joined into one HWC array by one bytes.join (made CHW at once, or
-    with `hwc` handed on as its CHW view). Not `buffer=` a row of the batch: simplejpeg then
+    decode_image, then all joined into one HWC (or RGBX) array by one bytes.join (made CHW at once,
+    or handed on as its CHW `view`). Not `buffer=` a row of the batch: simplejpeg then
     wraps the buffer in a new array by two Python calls, which cost more than the join's copy
     (np.stack costs more again: docs/benchmarks.md, "JPEG decoders"). Its headers are read
     first, each checked before its pixels."""
@@ -137,7 +139,9 @@ def _turbo_batch(images, exts, target, crops, hwc=False):
     except ValueError:
         exact = None  # each goes through decode_image, which says why
     kept, errors, decoded = [], [], []  # decoded: HWC pixels of each kept image
-    dec, space, header, size = turbo.decode_into(), turbo.colour_space(c), jpeg.header, (h, w, c)
+    four = c == 3 and view != "hwc"  # RGBX: made CHW by rgbx.assign, here or in the batch
+    dec, header = turbo.decode_into(), jpeg.header
+    space, size = ("RGBX", (h, w, 4)) if four else (turbo.colour_space(c), (h, w, c))
     direct, prefix, short = None, None, 0  # the last header of the target's size seen, as jpeg.known_again says
     for i, data in enumerate(images):
         if len(data) < short and type(data) is bytes and data.startswith(prefix):
@@ -163,12 +167,20 @@ def _turbo_batch(images, exts, target, crops, hwc=False):
                 # of leniently, as PIL does (docs/data.md), and says why it refuses the rest
         try:
             chw = decode_image(data, exts[i], shape, None if crops is None else crops[i], hwc=True)
-            decoded.append(np.ascontiguousarray(chw.transpose(1, 2, 0)))  # mostly HWC already: no copy
+            hwc = chw.transpose(1, 2, 0)
+            decoded.append(rgbx.padded(hwc) if four else np.ascontiguousarray(hwc))  # mostly HWC already: no copy
             kept.append(i)
         except ValueError as e:
             errors.append((i, str(e)))
-    chw = np.frombuffer(b"".join(decoded), np.uint8).reshape(len(kept), h, w, c).transpose(0, 3, 1, 2)
-    return (chw if hwc else np.ascontiguousarray(chw)), kept, errors
+    if four:
+        chw = rgbx.joined(decoded, len(kept), h, w)
+    else:
+        chw = np.frombuffer(b"".join(decoded), np.uint8).reshape(len(kept), h, w, c).transpose(0, 3, 1, 2)
+    if view:
+        return chw, kept, errors
+    out = np.empty(chw.shape, np.uint8)
+    rgbx.assign(out, slice(None), chw)
+    return out, kept, errors
 
 
 def _jpeg_batch(images, exts, target, crops):

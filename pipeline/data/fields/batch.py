@@ -335,6 +335,7 @@ class Collate:
         self.upstream, self.layout, self.errors, self.borrow = upstream, layout, errors, borrow
         self.reported = 0
         for source, encoded in zip(getattr(upstream, "datasets", ()), layout.encoded):
+            source.lay_out_jpegs(layout.channels_last)
             if encoded:  # the layout decodes this source's JPEGs on the device: its chain leaves them encoded
                 source.encode_jpegs()
 

@@ -18,6 +18,7 @@ has the default one (`default_columns`): its image and its class label.
 """
 import numpy as np
 
+from pipeline.data.decoding import rgbx
 from pipeline.data.fields.spec import Field
 from pipeline.data.fields.schema import Column
 
@@ -83,10 +84,8 @@ def put(col, arrays, lists, rows, vals, masked, offset=0):
     a = arrays[name]
     if col.kind == "image" and not col.padded:
         vals = to_canvas(vals if isinstance(vals, np.ndarray) else np.stack(vals), *a.shape[2:])
-        if rows[-1] - rows[0] == len(rows) - 1:  # a run of rows (one source's batch): a slice, not a gather
-            a[rows[0]:rows[0] + len(rows)] = vals
-        else:
-            a[rows] = vals
+        run = rows[-1] - rows[0] == len(rows) - 1  # a run of rows (one source's batch): a slice, not a gather
+        rgbx.assign(a, slice(rows[0], rows[0] + len(rows)) if run else rows, vals)
         return
     if col.kind == "class":
         a[rows] = np.asarray(vals, np.int64) + offset

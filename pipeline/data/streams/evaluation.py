@@ -76,6 +76,7 @@ class EvalStream(torch.utils.data.IterableDataset):
         reader = reading.Reader(self.source, errors, policy=self.policy, cache_dir=self.cache_dir)
         stream = stages.SourceStream(plans.OncePlan(plans.split(self.source.urls, self.topo, worker)), reader,
                                      shuffle=False)
+        stream.lay_out_jpegs(self.layout.channels_last)
         parts = [NOTHING] * len(self.layout.sources)
         reported = 0
         try:

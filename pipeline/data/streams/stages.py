@@ -160,6 +160,7 @@ class Decode:
         self.reader, self.target = reader, reader.target
         self.schema = getattr(reader, "schema", None)
         self.encoded = False  # exact JPEGs left as bytes for the device (SourceStream.encode_jpegs)
+        self.view = "rgbx"  # JPEGs as a CHW view for the batch's copy to make CHW (SourceStream.lay_out_jpegs)
 
     def next(self, n):
         chunk = self.upstream.next(n)
@@ -171,7 +172,7 @@ class Decode:
             chunk.sizes = np.zeros(len(idx), np.int32) if self.encoded else None
         else:
             rows = idx.tolist()
-            how = gpujpeg.pack if self.encoded else _decode_hwc
+            how = gpujpeg.pack if self.encoded else functools.partial(decode_batch, view=self.view)
             pixels, kept, errors, *sizes = how([d.images[i] for i in rows], [d.exts[i] for i in rows], self.target,
                                                None if chunk.crops is None else chunk.crops[idx])
             chunk.sizes = sizes[0] if sizes else None
@@ -322,6 +323,11 @@ class SourceStream:
         sample's JPEG length too. The layout says which sources (batch.Layout.decoded_on)."""
         dict(self.stages)["decode"].encoded = True
 
+    def lay_out_jpegs(self, channels_last):
+        """Hand decoded JPEGs on as the view the batch copies fastest (decode.decode_batch's `view`):
+        HWC into channels-last batches, RGBX into NCHW ones."""
+        dict(self.stages)["decode"].view = "hwc" if channels_last else "rgbx"
+
     def position(self):
         """Positions of the run read (the positions stage's): what a worker's batch carries, and
         where a chain rebuilt for a resume starts (`RunPlan(..., at)`)."""
@@ -390,12 +396,6 @@ class SourceStream:
                              f"(e.g. {self.reader.source.urls[0]}): {self.empty} windows in a row, every "
                              f"sample in them refused or damaged{why}{self.reader.none_readable()}")
         self.window, self.window_good = window, False
-
-
-def _decode_hwc(images, exts, target, crops):
-    """decode_batch whose JPEGs may stay a CHW view of their HWC buffer: collate's copy into the
-    batch then turns them CHW, where a transposed copy before it cost a copy a batch more."""
-    return decode_batch(images, exts, target, crops, hwc=True)
 
 
 MORE_WINDOWS = 64  # windows in a row without a usable sample, past SourceStream.limit, once samples were read

@@ -1,0 +1,59 @@
+"""Colour JPEGs of a batch as four bytes a pixel (RGBX), so that turning them CHW costs half.
+
+The batch is NCHW; libjpeg-turbo writes pixels interleaved. numpy's copy of an HWC view into
+CHW moves one byte at a time (1.3-1.6 us a 32x32 image here). Decoded as RGBX instead (0.1 us
+more a decode), each channel plane is a run of little-endian uint32 starting at that channel's
+byte, and casting it to uint8 keeps exactly that byte: numpy's vectorised cast does the three
+planes in 0.5 us (`python tools/bench/rgbx.py`; docs/benchmarks.md, "JPEG decoders").
+
+The pixels still travel as an ordinary uint8 (n, 3, H, W) view of the RGBX buffer, so every
+stage that indexes, concatenates or copies them gets the right bytes; only `assign` (the one copy
+into the batch) knows the faster way, and falls back to numpy's where the view is not one."""
+import numpy as np
+
+PAD = bytes(4)  # after the last pixel: its last channel's uint32 reads 3 bytes past it
+
+
+def joined(pixels, n, h, w):
+    """The (n, 3, h, w) uint8 view of n RGBX (h, w, 4) images, joined into one buffer."""
+    whole = np.frombuffer(b"".join(pixels + [PAD]), np.uint8)
+    return whole[:n * h * w * 4].reshape(n, h, w, 4).transpose(0, 3, 1, 2)[:, :3]
+
+
+def padded(hwc):
+    """An (h, w, 3) image as (h, w, 4), to join with libjpeg-turbo's RGBX images."""
+    out = np.zeros((*hwc.shape[:2], 4), np.uint8)
+    out[..., :3] = hwc
+    return out
+
+
+def planes(view):
+    """The three uint32 planes whose low bytes are `view`'s channels, or None where `view` is
+    not the CHW view of an RGBX buffer that `joined` made (or a slice of one)."""
+    if view.dtype != np.uint8 or view.ndim != 4 or view.shape[1] != 3 or not view.size:
+        return None
+    h, w = view.shape[2:]
+    if view.strides[1:] != (1, 4 * w, 4):
+        return None
+    root = view
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if not root.flags.c_contiguous:
+        return None
+    at = view.ctypes.data - root.ctypes.data
+    strides = (view.strides[0], 4 * w, 4)
+    try:  # numpy checks that each plane lies inside `root`: a view without PAD after it is refused here
+        return [np.ndarray(view.shape[:1] + view.shape[2:], "<u4", root, at + c, strides) for c in range(3)]
+    except (ValueError, TypeError):
+        return None
+
+
+def assign(a, index, view):
+    """a[index] = view, plane by plane where `view` is an RGBX view (a uint32 -> uint8 cast keeps
+    each plane's own byte), as numpy copies it else."""
+    found = planes(view)
+    if found is None:
+        a[index] = view
+        return
+    for c, plane in enumerate(found):
+        a[index, c] = plane
