@@ -8,6 +8,7 @@ already-decoded arrays instead of going through PIL one sample at a time.
 """
 import collections
 import os
+import warnings
 
 import numpy as np
 
@@ -152,10 +153,12 @@ class ImageFolderSource:
                 data = f.read(MAX_MEMBER + 1)
             if len(data) > MAX_MEMBER:
                 raise ValueError(f"more than {MAX_MEMBER} bytes")
-            if self.target is not None:  # --shape: decoded to it, as the stream decodes an indexed image
-                return decode_image(data, ext, self.target, caps=image_caps.CONVERSION)
-            img, orientation = open_image(data, ext, caps=image_caps.CONVERSION)
-            img.load()
+            with warnings.catch_warnings():  # PIL warns of what CONVERSION's cap, its own limit, refuses
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                if self.target is not None:  # --shape: decoded to it, as the stream decodes an indexed image
+                    return decode_image(data, ext, self.target, caps=image_caps.CONVERSION)
+                img, orientation = open_image(data, ext, caps=image_caps.CONVERSION)
+                img.load()
         except (OSError, ValueError, Image.DecompressionBombError) as e:
             raise BadImage(f"{path}: not a readable image: {e}") from None
         return upright(img, orientation)  # as a viewer shows it, and as the stream and --shape decode it
