@@ -247,3 +247,24 @@ def test_a_file_name_with_a_tab_stays_one_row(tmp_path):
     assert code == 0, err
     _, rows = table(tmp_path / "out" / "pets-train.files.tsv")
     assert sorted(f for _, f in rows) == ["a/odd\\tname.png", "b/0.png"]
+
+
+def test_the_side_files_go_beside_a_store_manifest_and_a_stale_one_is_removed(s3_bucket, tmp_path):
+    from pipeline.data.store import listings, remote
+
+    with_bad_files(tmp_path / "pets")
+    out = f"s3://{s3_bucket}/p"
+    code, _, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--shape", "3,8,8", "--out", out,
+                        "--workers", 1, "--skip-bad-images", "--quiet")
+    assert code == 0, err
+    names = listings.names(out)
+    assert {"pets-train.json", "pets-train.files.tsv", "pets-train.left-out.tsv"} <= set(names)
+    rows = remote.fetch(f"{out}/pets-train.left-out.tsv").decode().splitlines()[1:]
+    assert [r.split("\t")[0] for r in rows] == ["a/notes.jpg", "b/cut.png"]
+    assert len(remote.fetch(f"{out}/pets-train.files.tsv").decode().splitlines()) == 1 + 6
+    os.remove(tmp_path / "pets" / "a" / "notes.jpg")
+    os.remove(tmp_path / "pets" / "b" / "cut.png")
+    code, _, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--shape", "3,8,8", "--out", out,
+                        "--workers", 1, "--quiet")
+    assert code == 0, err
+    assert "pets-train.left-out.tsv" not in listings.names(out) and "pets-train.files.tsv" in listings.names(out)
