@@ -211,12 +211,12 @@ def _left_out(root, samples, captions):
     """{extension: count} of the files under `root` that are not among `samples` (torchvision's
     ImageFolder takes only its IMG_EXTENSIONS: a .gif, .heic or .avif photo is passed by without
     a word), captions (.txt) aside with `captions`; '' for a file without an extension."""
-    taken = {os.path.normpath(p) for p, _ in samples}
+    taken = {p for p, _ in samples}  # torchvision's paths: os.path.join of root and os.walk's, as here
     counts = collections.Counter()
     for folder, _, files in os.walk(root, followlinks=True):
         for f in files:
             ext = os.path.splitext(f)[1].lower()
-            if os.path.normpath(os.path.join(folder, f)) not in taken and not (captions and ext == ".txt"):
+            if os.path.join(folder, f) not in taken and not (captions and ext == ".txt"):
                 counts[ext] += 1
     return dict(counts)
 
