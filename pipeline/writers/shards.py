@@ -307,7 +307,8 @@ def _write_sides(sides, source, plan, left):
         written.add("files")
     if left:
         _write_table(sides["left-out"] + ".tmp", ("file", "reason"),
-                     ((source.file(i), why.split(": not a readable image: ", 1)[-1]) for i, why in sorted(left.items())))
+                     ((source.file(i), why.split(": not a readable image: ", 1)[-1])
+                      for i, why in sorted(left.items())))
         written.add("left-out")
     return written
 
