@@ -243,6 +243,7 @@ def add_options(a):
 
 
 def check_options(p, args):
+    """--skip-bad-images refused (p.error, one line) where no image folder is converted."""
     if args.skip_bad_images and not (args.imagefolder or args.cifar10_dir):
         p.error("--skip-bad-images applies to --imagefolder (and --cifar10-dir) sources only")
 
