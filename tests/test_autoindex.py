@@ -32,7 +32,7 @@ def test_an_img2dataset_set_infers_image_caption_class_and_the_json_numbers(tmp_
     assert autoindex.trainable(src).schema is None  # the trainer reads it as image and class
     err = capsys.readouterr().err
     assert "web-train: indexed on first use: 2 shards, 40 samples in " in err
-    assert "web-train: fields: image (image .jpg 16x16), caption (text .txt), label (class .cls), " in err
+    assert "web-train: fields: image (image .jpg 3x16x16), caption (text .txt), label (class .cls), " in err
     m = json.loads(open(src.manifest).read())
     assert m["fields"][0]["name"] == "image" and m["origin"]["inferred"] is True  # the schema is in the index
     assert os.path.dirname(os.path.dirname(src.manifest)) == str(tmp_path / "set" / autoindex.INDEX_FOLDER)
@@ -397,7 +397,7 @@ def test_free_text_after_the_first_samples_is_text_not_three_hundred_classes(tmp
     err = capsys.readouterr().err
     assert "web-train: cls looked like a class in the first 256 samples but holds 303 distinct values in 600: " \
            "free text, indexed as text (no class)" in err
-    assert "web-train: fields: image (image .jpg 8x8), caption (text .txt), cls (text .cls)" in err
+    assert "web-train: fields: image (image .jpg 3x8x8), caption (text .txt), cls (text .cls)" in err
 
 
 def test_a_json_nested_past_the_stack_is_not_a_dict_of_fields():
@@ -574,3 +574,7 @@ def test_images_of_many_sizes_indexed_on_first_use_are_warned_as_make_shards_war
     assert said == (["w-train: warning: images of 20 sizes, and the most common (3x8x9) only 2 of 40: every image is "
                      "resized to it; index them ahead with make-shards --index ... --shape C,H,W to choose it, or read "
                      "the images at their own sizes with --fields (docs/data.md, Fields)"] if sizes == 20 else [])
+    resolve("w", str(tmp_path / "w"), "train")  # the index reused: its images are resized all the same
+    err = capsys.readouterr().err
+    assert "reused the index made on first use" in err
+    assert [ln for ln in err.splitlines() if "warning: images of" in ln] == said

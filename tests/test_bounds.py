@@ -630,7 +630,7 @@ def test_imagefolder_images_are_checked_before_they_are_decoded(tmp_path):
     (tmp_path / "cat" / "d.jpg").write_bytes(lying_jpeg())
     src = ImageFolderSource("x", "train", str(tmp_path))
     assert src.image(0).shape == (3, 16, 16)
-    for i, needle in ((1, "a FIFO"), (2, "MAX_PIXELS"), (3, "stray bytes")):
+    for i, needle in ((1, "a FIFO"), (2, "MAX_IMAGE_PIXELS"), (3, "stray bytes")):  # a conversion's cap: PIL's
         with pytest.raises(SourceError, match=needle):
             src.image(i)
 
@@ -655,7 +655,7 @@ def test_imagefolder_opens_only_the_format_an_extension_names(tmp_path, monkeypa
     (tmp_path / "cat" / "c.webp").write_bytes(webp_canvas(10000, 10000))
     (tmp_path / "cat" / "d.tif").write_bytes(EPS)
     src = ImageFolderSource("x", "train", str(tmp_path))
-    for i, needle in ((1, "undecodable image"), (2, "MAX_PIXELS"), (3, "undecodable image")):
+    for i, needle in ((1, "undecodable image"), (2, "MAX_IMAGE_PIXELS"), (3, "undecodable image")):
         with pytest.raises(SourceError, match=needle):
             src.image(i)
     assert not opened, "PIL tried an EPS file named .png as EPS"

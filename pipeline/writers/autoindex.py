@@ -124,6 +124,7 @@ def ensure(name, split, spec, urls, *, policy=remote.Policy(), cache_dir=None, f
         if progress:  # one line a job (rank 0's): its new files were read or there are none
             print(f"{name}-{split}: reused the index made on first use, {path}: {_unchanged(urls)}; delete that "
                   f"file to index them again", file=sys.stderr, flush=True)
+            _warn_sizes(name, split, read_json(path))  # as when it was made: a reused index resizes them as well
         return folder
     with contextlib.ExitStack() as held:
         try:
@@ -144,14 +145,19 @@ def ensure(name, split, spec, urls, *, policy=remote.Policy(), cache_dir=None, f
               f"{time.monotonic() - t0:.1f} s; cached in {path} (reused until the shards change)",
               file=sys.stderr, flush=True)
         print(f"{name}-{split}: {line}", file=sys.stderr, flush=True)
-        from pipeline.writers.index import sizes_warning
-
-        sizes = sizes_warning(m, "index them ahead with make-shards --index ... --shape C,H,W to choose it")
-        if sizes:
-            print(f"{name}-{split}: {sizes}", file=sys.stderr, flush=True)
+        _warn_sizes(name, split, m)
         _prune(os.path.dirname(folder), set_prefix, os.path.basename(folder),
                current=lambda: listing_key(name, split, _listed(spec, policy), policy, fields, classes) == key)
     return folder
+
+
+def _warn_sizes(name, split, m):
+    """The line saying an index's images are of many sizes, each resized to the most common one."""
+    from pipeline.writers.index import sizes_warning
+
+    sizes = sizes_warning(m, "index them ahead with make-shards --index ... --shape C,H,W to choose it")
+    if sizes:
+        print(f"{name}-{split}: {sizes}", file=sys.stderr, flush=True)
 
 
 def _unchanged(urls):

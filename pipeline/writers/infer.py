@@ -248,7 +248,7 @@ def describe(schema, label):
     for c in schema.columns[:FIELDS_SHOWN]:
         what = "class" if label and c.member == label else c.kind
         where = c.member if ":" in c.member else "." + c.member
-        size = f" {c.size[0]}x{c.size[1]}" if c.kind == "image" else f" {'x'.join(map(str, c.shape))}" \
+        size = f" {c.channels}x{c.size[0]}x{c.size[1]}" if c.kind == "image" else f" {'x'.join(map(str, c.shape))}" \
             if c.kind == "array" else ""
         parts.append(f"{c.name} ({what} {where}{size}{', optional' if c.optional else ''})")
     more = len(schema.columns) - FIELDS_SHOWN

@@ -50,6 +50,7 @@ def parse_args(argv):
       help="shard an ImageFolder tree (DIR/<class>/<image>) as data set NAME, split SPLIT (repeatable)")
     a("--holdout", type=int, metavar="N",
       help="split each --imagefolder into train and a test split of N held-out samples")
+    sources.add_options(a)
     a("--index", action="append", default=[], metavar="NAME:SPLIT=SPEC",
       help="write a manifest for existing WebDataset shards without rewriting them; SPEC is a brace pattern "
            "(path, http(s) URL or pipe: command) or a folder of *.tar (repeatable)")
@@ -124,6 +125,7 @@ def check(p, args):
         p.error(f"--{' and --'.join(modes)} exclude each other")
     if args.holdout is not None and not args.imagefolder:
         p.error("--holdout applies to --imagefolder sources only")
+    sources.check_options(p, args)
     index_only = ("label_key", "image_key", "classes", "classes_from", "skip_unlabelled", "base_url",
                   "fields", "max_damaged")
     if any(getattr(args, k) for k in index_only) and not args.index:
@@ -221,7 +223,7 @@ def load_sources(args):
                     said = True
                 yield sources.synthetic_source(name, split, seed=args.seed)
     for name, split, folder in args.imagefolder:
-        src = sources.ImageFolderSource(name, split, folder, captions=args.captions, shape=args.shape)
+        src = sources.ImageFolderSource(name, split, folder, captions=args.captions, shape=args.shape, say=print)
         if args.holdout:
             yield from sources.holdout(src, args.holdout, args.seed)
         else:
@@ -423,7 +425,8 @@ def _build_all(args, stage, rows):
         t0 = time.perf_counter()
         say = lambda line: print(line, flush=True)  # noqa: E731
         m = shards.build(src, stage or args.out, encoding=args.encoding, maxcount=args.maxcount, seed=args.seed,
-                         limit=args.limit, workers=args.workers, part=args.part, progress=not args.quiet, say=say)
+                         limit=args.limit, workers=args.workers, part=args.part, progress=not args.quiet, say=say,
+                         skip_bad=args.skip_bad_images)
         if stage is not None:
             publish.publish(stage, args.out, src.name, src.split, progress=not args.quiet, say=say,
                            policy=remote.Policy(**io_limits(args)))
@@ -473,6 +476,7 @@ def main(argv=None):
         return run(args)
     except (sources.SourceError, ShardError, OSError) as e:
         where = f" (writing in {args.out})" if isinstance(e, OSError) and not e.filename and e.errno in FULL else ""
+        where = "; --skip-bad-images leaves such files out" if isinstance(e, sources.BadImage) else where
         print(f"make-shards: error: {printable(e)}{where}", file=sys.stderr)  # it may quote a key from a shard
         return 2
     except KeyboardInterrupt as e:

@@ -20,6 +20,7 @@ from pipeline import cli
 from pipeline.errors import FetchError, ShardError
 from pipeline.files import MAX_JSON, parse_json, read_json
 from pipeline.data.manifests.manifest import manifest_name
+from pipeline.writers.shards import SIDE_FILES, side_file
 
 
 MOVING = ".moving"  # NAME-SPLIT.json.moving: the shards a store build moves into place, written before the first
@@ -131,6 +132,12 @@ def publish(stage, out, name, split, *, progress=True, say=None, policy=None):
             moved.append(pending.pop(0)[:-len(tag)])
         store.put(os.path.join(stage, mname), mname)  # last: an object is written whole or not at all
         store.remove(mname + MOVING)
+        for kind in SIDE_FILES:  # the key -> file table, the images left out: beside the manifest, or none
+            side = os.path.basename(side_file(mname, kind))
+            if os.path.exists(os.path.join(stage, side)):
+                store.put(os.path.join(stage, side), side)
+            elif side in present:
+                store.remove(side)
     except BaseException as e:
         bar.close()
         for t in pending:

@@ -3,6 +3,12 @@
 A sample is two tar members, `<key>.png` (or `<key>.raw`, uint8 CHW pixels whose
 shape the manifest records) and `<key>.cls` (the label as ASCII digits). Keys are
 `<dataset>-<split>-<index>` with no dots: webdataset splits keys at the first dot.
+A source of files (an image folder) also gets `NAME-SPLIT.files.tsv` beside the manifest,
+each key and the file it was made from (`side_file`): the keys stay short, fixed-width and
+tar-safe whatever the file names hold (no USTAR name limit, no dots, no escaping), and the
+code that parses keys is untouched. With `skip_bad`, an image the source cannot read
+(sources.BadImage) is left out and listed with its reason in `NAME-SPLIT.left-out.tsv`;
+the manifest counts only what was written.
 
 Shards are plain USTAR with integer mtimes. webdataset's own TarWriter writes a PAX
 header per member because it passes float mtimes; every member then costs an extra
@@ -39,6 +45,7 @@ from pipeline.errors import ShardError
 from pipeline.files import Busy, locked, open_regular, read_json, write_json_atomic
 from pipeline.data.manifests.manifest import FORMAT, NAME_RE, manifest_name, shard_name
 from pipeline.writers.fields import captioned_fields
+from pipeline.writers.sources import BadImage
 
 ENCODINGS = ("png", "raw")
 LOCK = ".make_shards.lock"  # held while a folder's shards or manifests are written; removed after
@@ -74,16 +81,22 @@ def _add_member(tar, name, data):
     tar.addfile(info, io.BytesIO(data))
 
 
-def write_shard(path, source, indices, encoding, rename=True):
+def sample_key(name, split, i):
+    """The key of source sample i: `<dataset>-<split>-<index>` (no dots, fixed width)."""
+    return f"{name}-{split}-{i:07d}"
+
+
+def write_shard(path, source, indices, encoding, rename=True, skip_bad=False):
     """Write one shard under a temporary name (`path`.tmp) and rename it when complete; with
     rename=False it stays under the temporary name (a build renames all at once).
 
-    Returns its manifest entry (name, samples, bytes, sha256, per-channel pixel sums).
-    On any error the temporary file is removed.
+    Returns its manifest entry (name, samples, bytes, sha256, per-channel pixel sums); with
+    `skip_bad`, also `left_out`: [index, reason] of each image the source could not read,
+    which is not written. On any error the temporary file is removed.
     """
     tmp = path + ".tmp"
     try:
-        entry = _write_tar(tmp, source, indices, encoding)
+        entry = _write_tar(tmp, source, indices, encoding, skip_bad)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)
@@ -93,18 +106,25 @@ def write_shard(path, source, indices, encoding, rename=True):
     return dict(entry, name=os.path.basename(path))
 
 
-def _write_tar(tmp, source, indices, encoding):
+def _write_tar(tmp, source, indices, encoding, skip_bad=False):
     c = source.shape[0]
     pix_sum, pix_sumsq = np.zeros(c), np.zeros(c)
-    captions, longest = getattr(source, "captions", False), 0
+    captions, longest, left_out = getattr(source, "captions", False), 0, []
     with open(tmp, "wb") as f:
         with tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             for i in indices:
-                image, label = source.image(i), source.label(i)
+                try:
+                    image = source.image(i)
+                except BadImage as e:
+                    if not skip_bad:
+                        raise
+                    left_out.append([i, str(e)])
+                    continue
+                label = source.label(i)
                 if tuple(image.shape) != tuple(source.shape):
                     raise ShardError(f"{source.name} {source.split} sample {i}: shape {image.shape}, "
                                      f"expected {source.shape}")
-                key = f"{source.name}-{source.split}-{i:07d}"
+                key = sample_key(source.name, source.split, i)
                 _add_member(tar, f"{key}.{encoding}", encode_image(image, encoding))
                 _add_member(tar, f"{key}.cls", str(label).encode())
                 if captions:
@@ -115,9 +135,9 @@ def _write_tar(tmp, source, indices, encoding):
                 pix_sum += x.sum(1)
                 pix_sumsq += (x * x).sum(1)
     digest, size = file_sha256(tmp), os.path.getsize(tmp)
-    return dict({"name": None, "samples": len(indices), "bytes": size, "sha256": digest,
+    return dict({"name": None, "samples": len(indices) - len(left_out), "bytes": size, "sha256": digest,
                  "pixel_sum": pix_sum.round(6).tolist(), "pixel_sumsq": pix_sumsq.round(6).tolist()},
-                **({"caption_bytes": longest} if captions else {}))
+                **({"caption_bytes": longest} if captions else {}), **({"left_out": left_out} if skip_bad else {}))
 
 
 def file_sha256(path):
@@ -132,8 +152,8 @@ _SOURCE = None  # the source being written, inherited by forked writer processes
 
 
 def _write_task(task):
-    path, indices, encoding = task
-    return write_shard(path, _SOURCE, indices, encoding, rename=False)
+    path, indices, encoding, skip_bad = task
+    return write_shard(path, _SOURCE, indices, encoding, rename=False, skip_bad=skip_bad)
 
 
 def plan_shards(n, maxcount, seed, limit=None, part=(0, 1)):
@@ -167,15 +187,17 @@ def forked_imap(fn, tasks, workers):
 
 
 def build(source, out, *, encoding="png", maxcount=500, seed=0, limit=None, workers=1, part=(0, 1),
-          progress=True, say=None):
+          progress=True, say=None, skip_bad=False):
     """Write `source` as shards plus manifest under `out`; returns the manifest dict.
 
     With part=(i, n) only every n-th shard starting at i is written, under the same
     global names a whole build would use, and the manifest is a part manifest for
     `merge_parts`. A rebuild is atomic for readers and touches only files that a
     make_shards manifest of this split names (see the module's docstring); `say` gets
-    one line saying what was replaced. Raises ShardError for a needed name that holds
-    a file no such manifest names, OSError when a write fails (nothing then changed).
+    one line saying what was replaced. `skip_bad`: an image the source cannot read is
+    left out (the manifest counts what was written), listed in the left-out file and
+    counted in a line to `say`. Raises ShardError for a needed name that holds a file no
+    such manifest names, OSError when a write fails (nothing then changed).
     """
     if encoding not in ENCODINGS:
         raise ShardError(f"unknown encoding {encoding!r}; choose from {', '.join(ENCODINGS)}")
@@ -187,10 +209,10 @@ def build(source, out, *, encoding="png", maxcount=500, seed=0, limit=None, work
         raise ShardError(f"{source.name} {source.split}: no samples")
     with writing(out):
         return _build(source, out, encoding, maxcount, seed, limit, workers, part, progress,
-                      say or (lambda line: None))
+                      say or (lambda line: None), skip_bad)
 
 
-def _build(source, out, encoding, maxcount, seed, limit, workers, part, progress, say):
+def _build(source, out, encoding, maxcount, seed, limit, workers, part, progress, say, skip_bad=False):
     name, split = source.name, source.split
     final = os.path.join(out, _manifest_file(name, split, part))
     whole = os.path.join(out, manifest_name(name, split))
@@ -204,10 +226,13 @@ def _build(source, out, encoding, maxcount, seed, limit, workers, part, progress
             raise ShardError(f"{os.path.join(out, f)} exists and no make-shards manifest of {name}-{split} in {out} "
                              f"names it: refusing to overwrite a file this tool did not write; move it away or "
                              f"choose another --out")
-    tasks = [(os.path.join(out, f), idx, encoding) for f, (_, idx) in zip(mine, plan)]
-    temporaries = [t[0] + ".tmp" for t in tasks] + [final + ".tmp"]
+    tasks = [(os.path.join(out, f), idx, encoding, skip_bad) for f, (_, idx) in zip(mine, plan)]
+    sides = {kind: side_file(final, kind) for kind in SIDE_FILES}
+    temporaries = [t[0] + ".tmp" for t in tasks] + [final + ".tmp"] + [p + ".tmp" for p in sides.values()]
     try:
         entries = _run_tasks(source, tasks, workers, progress, f"{name}-{split}")
+        left = {i: why for e in entries for i, why in e.pop("left_out", [])}
+        mine, entries = _written(out, mine, entries, f"{name} {split}", len(left))
         manifest = {
             "format": FORMAT, "dataset": name, "split": split, "encoding": encoding,
             "image_exts": [encoding], "label": "cls", "origin": _origin(source, limit),
@@ -221,6 +246,7 @@ def _build(source, out, encoding, maxcount, seed, limit, workers, part, progress
         manifest = finish_manifest(manifest)
         if part[1] > 1:  # names of the replaced set that the other parts will write: still ours when they do
             manifest["replaces"] = sorted((owned & every) - set(mine))
+        written = _write_sides(sides, source, plan, left)
         write_json_atomic(final + ".tmp", manifest)  # the disk is full here, or never
     except BaseException:
         for t in temporaries:
@@ -232,12 +258,72 @@ def _build(source, out, encoding, maxcount, seed, limit, workers, part, progress
             os.remove(m)
     for f in mine:
         os.replace(os.path.join(out, f + ".tmp"), os.path.join(out, f))
+    for kind, path in sides.items():  # this build's, or none: an old one would name other samples
+        if kind in written:
+            os.replace(path + ".tmp", path)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
     os.replace(final + ".tmp", final)
     gone = remove_stale(out, owned - (every if part[1] > 1 else set(mine)))
     if old:
         say(f"  replaced {', '.join(os.path.basename(m) for m in old)} in {out}/: {len(owned & set(mine))} of its "
             f"shards rewritten, {len(gone)} no longer listed removed; no other file touched")
+    if left:
+        say(f"  left out {len(left)} unreadable image(s) of {len(left) + manifest['total']} (--skip-bad-images); "
+            f"each file and why: {sides['left-out']}")
     return manifest
+
+
+SIDE_FILES = ("files", "left-out")  # NAME-SPLIT.files.tsv: key -> file; NAME-SPLIT.left-out.tsv: file, reason
+
+
+def side_file(manifest_path, kind):
+    """NAME-SPLIT.KIND.tsv beside the manifest NAME-SPLIT.json (or a part manifest's)."""
+    return manifest_path[:-len(".json")] + f".{kind}.tsv"
+
+
+def _written(out, names, entries, what, left):
+    """The shards and entries that hold a sample: a shard all of whose images were left out is
+    removed (a manifest lists no empty shard). ShardError when none is left."""
+    kept = [(f, e) for f, e in zip(names, entries) if e["samples"]]
+    for f, e in zip(names, entries):
+        if not e["samples"]:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(out, f + ".tmp"))
+    if not kept:
+        raise ShardError(f"{what}: none of its {left} image(s) could be read; nothing written")
+    return [f for f, _ in kept], [e for _, e in kept]
+
+
+def _write_sides(sides, source, plan, left):
+    """The side files of this build, under temporary names: the key -> file table of a source of
+    files, and the images left out with why. Returns the kinds written."""
+    written = set()
+    if hasattr(source, "file"):
+        keys = sorted(i for _, idx in plan for i in idx if i not in left)
+        _write_table(sides["files"] + ".tmp", ("key", "file"),
+                     ((sample_key(source.name, source.split, i), source.file(i)) for i in keys))
+        written.add("files")
+    if left:
+        _write_table(sides["left-out"] + ".tmp", ("file", "reason"),
+                     ((source.file(i), why.split(": not a readable image: ", 1)[-1])
+                      for i, why in sorted(left.items())))
+        written.add("left-out")
+    return written
+
+
+def _write_table(path, header, rows):
+    """Tab-separated rows under a header line; a tab, newline or backslash in a field is written
+    as \\t, \\n, \\\\ (one row a line whatever a file name holds), a name that is not UTF-8
+    as its own bytes."""
+    def field(text):
+        return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
+
+    with open(path, "w", encoding="utf-8", errors="surrogateescape", newline="\n") as f:
+        f.write("\t".join(header) + "\n")
+        for row in rows:
+            f.write("\t".join(map(field, row)) + "\n")
 
 
 def owned_shards(out, name, split):
@@ -264,7 +350,8 @@ def owned_shards(out, name, split):
 
 def remove_own_temporaries(out, name, split):
     """The `.tmp` shards a killed build of this split left behind (make_shards' own names)."""
-    pat = re.compile(rf"^{re.escape(name)}-{re.escape(split)}(-\d+\.tar|(\.part\d+of\d+)?\.json)\.tmp$")
+    sides = "|".join(re.escape(f"{k}.tsv") for k in SIDE_FILES)
+    pat = re.compile(rf"^{re.escape(name)}-{re.escape(split)}(-\d+\.tar|(\.part\d+of\d+)?\.(json|{sides}))\.tmp$")
     for f in os.listdir(out):
         if pat.match(f):
             with contextlib.suppress(OSError):
@@ -292,11 +379,11 @@ def _run_tasks(source, tasks, workers, progress, desc):
         if workers > 1 and len(tasks) > 1:
             for entry in forked_imap(_write_task, tasks, workers):
                 entries.append(entry)
-                bar.update(entry["samples"])
+                bar.update(entry["samples"] + len(entry.get("left_out", ())))
         else:
             for task in tasks:
                 entries.append(_write_task(task))
-                bar.update(entries[-1]["samples"])
+                bar.update(len(task[1]))
     finally:
         bar.close()
         _SOURCE = None
@@ -346,11 +433,33 @@ def _merge_parts(out, dataset, split):
     merged.pop("replaces", None)
     merged["shards"] = sorted((e for m in loaded for e in m["shards"]), key=lambda e: e["name"])
     merged = finish_manifest({k: v for k, v in merged.items() if k not in ("total", "mean", "std")})
-    write_json_atomic(os.path.join(out, manifest_name(dataset, split)), merged)
+    whole = os.path.join(out, manifest_name(dataset, split))
+    _merge_sides(whole, [os.path.join(out, p[2]) for p in parts])
+    write_json_atomic(whole, merged)
     for p in parts:
         os.remove(os.path.join(out, p[2]))
+        for kind in SIDE_FILES:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(side_file(os.path.join(out, p[2]), kind))
     remove_stale(out, mine - {s["name"] for s in merged["shards"]})
     return merged
+
+
+def _merge_sides(whole, part_manifests):
+    """Each side file of the whole split: its parts' rows under one header (none if no part has one)."""
+    for kind in SIDE_FILES:
+        found = [side_file(m, kind) for m in part_manifests if os.path.exists(side_file(m, kind))]
+        target = side_file(whole, kind)
+        if not found:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(target)
+            continue
+        with open(target + ".tmp", "wb") as f:
+            for n, path in enumerate(found):
+                with open(path, "rb") as part:
+                    lines = part.readlines()
+                f.writelines(lines if n == 0 else lines[1:])
+        os.replace(target + ".tmp", target)
 
 
 def remove_stale(out, names):

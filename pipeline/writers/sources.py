@@ -6,7 +6,9 @@ Every source is a small object with `name`, `split`, `classes`, `shape` (C, H, W
 The torchvision data sets are loaded by torchvision itself; we only read its
 already-decoded arrays instead of going through PIL one sample at a time.
 """
+import collections
 import os
+import warnings
 
 import numpy as np
 
@@ -20,6 +22,11 @@ CLASSES = {
 
 class SourceError(ValueError):
     """Bad input data: the message says what is wrong and how to fix it."""
+
+
+class BadImage(SourceError):
+    """One file of an image folder that cannot be read as an image (damaged, not an image, too
+    large): make-shards --skip-bad-images leaves it out, where every other SourceError stops."""
 
 
 class ArraySource:
@@ -82,9 +89,11 @@ class ImageFolderSource:
     every image, turned upright by its EXIF orientation, must match the first in size and mode, L
     or RGB, and is stored as it is. With
     captions, each image's caption is the .txt file beside it, and the folder may also be a flat
-    one of image + .txt pairs (one class, "0")."""
+    one of image + .txt pairs (one class, "0"). Images are held to image_caps.CONVERSION: the
+    user's own files, converted offline, not the stream's caps relative to the target.
+    `left_out` counts, by extension, the files of the tree that ImageFolder does not take."""
 
-    def __init__(self, name, split, root, captions=False, shape=None):
+    def __init__(self, name, split, root, captions=False, shape=None, say=None):
         if not os.path.isdir(root):  # before torchvision's import, which takes seconds
             raise SourceError(f"{name} {split}: {root!r} is not a directory")
         import torchvision
@@ -104,7 +113,10 @@ class ImageFolderSource:
             raise SourceError(f"{name} {split}: {root!r} holds no images in ImageFolder layout"
                               f"{' nor image + .txt pairs' if captions else ''}: {e}") from None
         self.name, self.split, self.classes = name, split, list(classes)
-        self.samples = samples
+        self.samples, self.root = samples, root
+        self.left_out = _left_out(root, samples, captions)
+        if self.left_out and say:
+            say(left_out_line(self))
         self.captions = captions  # each image's caption, the .txt file beside it (`caption`)
         self.origin = {"kind": "imagefolder", "root": os.path.abspath(root),
                        "note": f"images from an ImageFolder tree of {len(self.samples)} files"}
@@ -129,6 +141,7 @@ class ImageFolderSource:
         from PIL import Image
 
         from pipeline.data.store import remote
+        from pipeline.data.decoding import image_caps
         from pipeline.data.decoding.decode import decode_image, open_image
         from pipeline.data.decoding.pil_images import upright
         from pipeline.data.shards.read import MAX_MEMBER
@@ -140,12 +153,14 @@ class ImageFolderSource:
                 data = f.read(MAX_MEMBER + 1)
             if len(data) > MAX_MEMBER:
                 raise ValueError(f"more than {MAX_MEMBER} bytes")
-            if self.target is not None:  # --shape: decoded to it, as the stream decodes an indexed image
-                return decode_image(data, ext, self.target)
-            img, orientation = open_image(data, ext)
-            img.load()
+            with warnings.catch_warnings():  # PIL warns of what CONVERSION's cap, its own limit, refuses
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                if self.target is not None:  # --shape: decoded to it, as the stream decodes an indexed image
+                    return decode_image(data, ext, self.target, caps=image_caps.CONVERSION)
+                img, orientation = open_image(data, ext, caps=image_caps.CONVERSION)
+                img.load()
         except (OSError, ValueError, Image.DecompressionBombError) as e:
-            raise SourceError(f"{path}: not a readable image: {e}") from None
+            raise BadImage(f"{path}: not a readable image: {e}") from None
         return upright(img, orientation)  # as a viewer shows it, and as the stream and --shape decode it
 
     def __len__(self):
@@ -167,6 +182,10 @@ class ImageFolderSource:
     def label(self, i):
         return self.samples[i][1]
 
+    def file(self, i):
+        """Sample i's file, relative to the folder (the manifest's origin root)."""
+        return os.path.relpath(self.samples[i][0], self.root)
+
     def caption(self, i):
         """The text of IMAGE.txt beside IMAGE.jpg (UTF-8, at most schema.MAX_TEXT bytes); one line
         naming the file when it is missing, too long or not text."""
@@ -186,6 +205,47 @@ class ImageFolderSource:
             return data.decode("utf-8")
         except UnicodeDecodeError as e:
             raise SourceError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _left_out(root, samples, captions):
+    """{extension: count} of the files under `root` that are not among `samples` (torchvision's
+    ImageFolder takes only its IMG_EXTENSIONS: a .gif, .heic or .avif photo is passed by without
+    a word), captions (.txt) aside with `captions`; '' for a file without an extension."""
+    taken = {p for p, _ in samples}  # torchvision's paths: os.path.join of root and os.walk's, as here
+    counts = collections.Counter()
+    for folder, _, files in os.walk(root, followlinks=True):
+        for f in files:
+            ext = os.path.splitext(f)[1].lower()
+            if os.path.join(folder, f) not in taken and not (captions and ext == ".txt"):
+                counts[ext] += 1
+    return dict(counts)
+
+
+def left_out_line(source):
+    """One line naming the files of an image folder ImageFolder left out, by extension."""
+    import torchvision
+
+    from pipeline.cli import printable
+
+    counts = source.left_out
+    n = sum(counts.values())
+    by_ext = ", ".join(f"{e or '(no extension)'} {k}" for e, k in sorted(counts.items(), key=lambda x: (-x[1], x[0])))
+    return printable(f"{source.name}-{source.split}: warning: {n} file(s) in {source.root} left out ({by_ext}): "
+                     f"ImageFolder takes only {' '.join(torchvision.datasets.folder.IMG_EXTENSIONS)}; convert such "
+                     f"photos to one of those first (e.g. .png) to include them")
+
+
+def add_options(a):
+    """make_shards' --skip-bad-images."""
+    a("--skip-bad-images", action="store_true",
+      help="with --imagefolder: leave out images that cannot be read (damaged, not an image, too large), counted "
+           "and listed with their reasons in NAME-SPLIT.left-out.tsv beside the manifest, instead of stopping")
+
+
+def check_options(p, args):
+    """--skip-bad-images refused (p.error, one line) where no image folder is converted."""
+    if args.skip_bad_images and not (args.imagefolder or args.cifar10_dir):
+        p.error("--skip-bad-images applies to --imagefolder (and --cifar10-dir) sources only")
 
 
 class SyntheticSource:
@@ -247,6 +307,9 @@ class Subset:
 
     def caption(self, i):
         return self.base.caption(self.indices[i])
+
+    def file(self, i):
+        return self.base.file(self.indices[i])
 
 
 def holdout(source, n, seed=0):

@@ -302,20 +302,21 @@ def _each(images, exts, target, crops, positions):
     return (np.stack(out) if out else np.zeros((0, c, h, w), np.uint8)), kept, errors
 
 
-def decode_image(data, ext, shape, crop=None, hwc=False):
+def decode_image(data, ext, shape, crop=None, hwc=False, caps=image_caps.STREAM):
     """One image member -> uint8 array of exactly `shape` (C, H, W); ValueError otherwise,
     whatever the member holds (a decoder's other errors become ValueErrors naming them).
     `hwc`: the array may be a CHW view of HWC pixels, not contiguous (for a caller that
-    stores HWC: one transpose fewer)."""
+    stores HWC: one transpose fewer). `caps`: the image_caps its size is held to (the
+    stream's; make-shards converting a photo folder passes image_caps.CONVERSION)."""
     try:
-        return _decode_image(data, ext, shape, crop, hwc)
+        return _decode_image(data, ext, shape, crop, hwc, caps)
     except ValueError:
         raise
     except CONTENT_ERRORS as e:
         raise ValueError(f"undecodable .{ext} image ({type(e).__name__}: {cut(pil_reason(e), 80)})") from None
 
 
-def _decode_image(data, ext, shape, crop, hwc=False):
+def _decode_image(data, ext, shape, crop, hwc=False, caps=image_caps.STREAM):
     c, h, w = shape
     if ext == "raw":
         if len(data) != c * h * w:
@@ -328,7 +329,7 @@ def _decode_image(data, ext, shape, crop, hwc=False):
     if ext in ("jpg", "jpeg"):
         head = jpeg.header(data)
         ih, iw = head.upright
-        image_caps.check(iw, ih, shape, ext)
+        image_caps.check(iw, ih, shape, ext, caps)
         if turbo.available() and head.components in turbo.COLOUR:
             pixels = turbo.decode(data, head, shape)
             if pixels is not None:
@@ -337,8 +338,8 @@ def _decode_image(data, ext, shape, crop, hwc=False):
             pixels = _torchvision_jpeg(data, c, head)
             if pixels is not None:
                 return fit(pixels, shape, crop, hwc)
-        return fit(_pil(data, ext, shape, head), shape, crop, hwc)
-    return fit(_pil(data, ext, shape), shape, crop, hwc)
+        return fit(_pil(data, ext, shape, head, caps), shape, crop, hwc)
+    return fit(_pil(data, ext, shape, caps=caps), shape, crop, hwc)
 
 
 def _torchvision_jpeg(data, c, head):

@@ -18,22 +18,22 @@ def pil_reason(error):
     return re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", str(error)) or type(error).__name__
 
 
-def open_image(data, ext, shape=None, head=None):
+def open_image(data, ext, shape=None, head=None, caps=image_caps.STREAM):
     """(PIL image, EXIF orientation) of an image member, opened as the format its extension
     names, its size checked by `image_caps.check` for `shape` before any pixel is decoded: the
     image comes back unloaded. A JPEG's size is libjpeg's (`jpeg.header`, or `head` if read
     already) and PIL must agree with it; a GIF is its first frame. A `.npy` member's size is
-    its header's, checked before np.load (without pickles) makes the array. ValueError for
-    an image refused or unreadable."""
+    its header's, checked before np.load (without pickles) makes the array. `caps`: the
+    image_caps.Caps it is checked against. ValueError for an image refused or unreadable."""
     from PIL import Image
 
     if ext == "npy":
-        return Image.fromarray(_npy(data, shape)), 1
+        return Image.fromarray(_npy(data, shape, caps)), 1
     is_jpeg = ext in ("jpg", "jpeg")
     if is_jpeg and head is None:
         head = jpeg.header(data)
     if ext == "webp" and webp_size(data):  # libwebp allocates its canvas on opening, before PIL's size is known
-        image_caps.check(*webp_size(data), shape, ext)
+        image_caps.check(*webp_size(data), shape, ext, caps)
     try:
         img = Image.open(io.BytesIO(data), formats=[_PIL_FORMATS[ext]])
     except (OSError, SyntaxError, Image.DecompressionBombError, KeyError) as e:
@@ -45,7 +45,7 @@ def open_image(data, ext, shape=None, head=None):
             raise ValueError(f"JPEG headers disagree: PIL reads {w}x{h}, the frame is {head.width}x{head.height}")
         orientation = head.orientation
         h, w = head.upright
-    image_caps.check(w, h, shape, ext)
+    image_caps.check(w, h, shape, ext, caps)
     if img.format == "TIFF":
         _check_tiles(img)
     return img, orientation
@@ -65,13 +65,13 @@ def _check_tiles(img):
         raise ValueError(f"TIFF of {w}x{h} in tiles of {tw}x{tl}, larger than the image needs")
 
 
-def _pil(data, ext, shape, head=None):
+def _pil(data, ext, shape, head=None, caps=image_caps.STREAM):
     """The image through PIL, opening only the format the extension names: a PIL image of
     the target's mode (`fit` resizes it without a copy into numpy first), or HWC uint8."""
     from PIL import Image
 
     c, h, w = shape
-    img, orientation = open_image(data, ext, shape, head)
+    img, orientation = open_image(data, ext, shape, head, caps)
     try:
         if ext in ("jpg", "jpeg"):  # DCT scaling: decode at 1/2..1/8 size, still >= the target
             img.draft("L" if c == 1 else "RGB", (h, w) if orientation >= 5 else (w, h))
@@ -80,7 +80,7 @@ def _pil(data, ext, shape, head=None):
         raise ValueError(f"undecodable image: {pil_reason(e)}") from None
 
 
-def _npy(data, target=None):
+def _npy(data, target=None, caps=image_caps.STREAM):
     """An HxW or HxWxC (C 1, 3 or 4) uint8 array from .npy bytes; its header is read and its
     size checked (`image_caps.check` for the target shape) first, so a claimed shape costs nothing."""
     import tokenize
@@ -96,7 +96,7 @@ def _npy(data, target=None):
         raise ValueError(f"undecodable .npy: {e}") from None
     if dtype != np.uint8 or not (len(shape) == 2 or (len(shape) == 3 and shape[2] in (1, 3, 4))):
         raise ValueError(f".npy holds a {dtype} array of shape {shape}; an image is uint8 HxW or HxWxC (C 1, 3 or 4)")
-    image_caps.check(shape[1], shape[0], target, "npy")
+    image_caps.check(shape[1], shape[0], target, "npy", caps)
     if len(data) - f.tell() < int(np.prod(shape)):  # np.load would make the whole array before finding out
         raise ValueError(f".npy header claims {'x'.join(map(str, shape))} bytes of pixels, the member holds "
                          f"{len(data) - f.tell()}")
