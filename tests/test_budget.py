@@ -40,12 +40,12 @@ def with_shape(shards, folder, shape):
 
 def test_the_sums_follow_the_loader():
     # 8 x 3 x 4096 x 4096 bytes a batch; 8 workers x (4 + 2) ring slots; the trainer's float32 copy;
-    # each worker decodes a batch (decoded, stacked, padded: 3 batches) and resizes an image (3 images of the
+    # each worker decodes a batch (decoded, joined as RGBX, padded: 4 batches) and resizes an image (3 images of the
     # target, and the source image at RGBA, here at most MAX_PIXELS)
     parts = budget.needed(8, [(1, 4096, 4096)], 8, prefetch_factor=4)
     batch = 8 * 3 * 4096 * 4096
     assert parts["batch"] == batch and parts["ring"] == 48 * batch and parts["trainer"] == 4 * batch
-    assert parts["decode"] == 8 * (3 * batch + 3 * batch // 8 + 4 * 4096 * 4096) and parts["step"] == 0
+    assert parts["decode"] == 8 * (4 * batch + 3 * batch // 8 + 4 * 4096 * 4096) and parts["step"] == 0
     assert parts["total"] == 52 * batch + parts["decode"] > 20e9  # the 20.7 GB the trainer grew to
     # the largest H and W over the sources, 3 channels; no workers: the loader's own ring of 6 slots, and
     # one for each evaluation loader, the trainer decodes;
@@ -54,11 +54,11 @@ def test_the_sums_follow_the_loader():
     assert parts["batch"] == 2 * 3 * 32 * 28 and parts["ring"] == 6 * parts["batch"]
     assert parts["eval_ring"] == 2 * 6 * parts["batch"]
     source = 4 * 256 * 32 * 28  # an image of bounds.MAX_DECODE_RATIO times the target's pixels, RGBA
-    assert parts["windows"] == 2 * 1000 and parts["decode"] == 3 * parts["batch"] + 3 * 3 * 32 * 28 + source
-    assert parts["step"] == 7 and parts["total"] == 25 * parts["batch"] + 3 * 3 * 32 * 28 + source + 2000 + 7
+    assert parts["windows"] == 2 * 1000 and parts["decode"] == 4 * parts["batch"] + 3 * 3 * 32 * 28 + source
+    assert parts["step"] == 7 and parts["total"] == 26 * parts["batch"] + 3 * 3 * 32 * 28 + source + 2000 + 7
     parts = budget.needed(2, [(1, 28, 28), (3, 32, 16)], 3, window_bytes=1000, eval_sources=2)
     assert parts["windows"] == 2 * 3 * 1000 and parts["eval_ring"] == 2 * 2 * 6 * parts["batch"]
-    assert parts["decode"] == (3 + 2 * 2) * (3 * parts["batch"] + 3 * 3 * 32 * 28 + source)  # the eval loaders' too
+    assert parts["decode"] == (3 + 2 * 2) * (4 * parts["batch"] + 3 * 3 * 32 * 28 + source)  # the eval loaders' too
 
 
 def test_over_the_cap_is_one_line_naming_numbers_and_flags():
@@ -67,7 +67,7 @@ def test_over_the_cap_is_one_line_naming_numbers_and_flags():
     line = str(e.value)
     assert "\n" not in line
     for needle in ("--batch-size 8", "3x4096x4096", "[1, 4096, 4096]", "384.0 MiB a batch", "8 worker(s)",
-                   "queued, decoding and the float copy a rank needs 30.1 GiB", "--max-batch-memory 1.0 GiB",
+                   "queued, decoding and the float copy a rank needs 33.1 GiB", "--max-batch-memory 1.0 GiB",
                    "lower --batch-size or --workers, or raise"):
         assert needle in line, line
     assert budget.check_budget(8, {"mnist": (1, 28, 28)}, 8, 1 << 30)["total"] < 1 << 30

@@ -94,3 +94,51 @@ def test_a_channels_last_field_lies_hwc_in_the_slot():
         assert torch.equal(x, torch.from_numpy(hwc).permute(0, 3, 1, 2))
     with pytest.raises(ValueError, match="cannot be channels_last"):
         Field("label", np.int64, (), channels_last=True)
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory):
+    """jpegs_beside_mnist's JPEG source with one JPEG's first bytes overwritten after indexing: its
+    sample is refused, and the batch it was in takes its last place from the next chunk."""
+    import tarfile
+
+    web = jpegs_beside_mnist(tmp_path_factory.mktemp("damaged"))[0]
+    shard = web.urls[0]
+    with tarfile.open(shard) as tar:
+        at = next(m for m in tar.getmembers() if m.name.endswith(".jpg")).offset_data
+    with open(shard, "r+b") as f:
+        f.seek(at)
+        f.write(b"\0\0")
+    return web
+
+
+@pytest.mark.parametrize("memory_format", ["contiguous", "channels_last"])
+def test_each_memory_format_gets_the_jpeg_view_it_copies_fastest(damaged, monkeypatch, memory_format):
+    """The Decode stage hands colour JPEGs on as the view the batch's copy takes fastest
+    (SourceStream.lay_out_jpegs): RGBX planes into NCHW batches (rgbx.assign's casts), HWC into
+    channels-last ones (a straight copy). Every copy into the batch goes through rgbx.assign."""
+    from pipeline.data.decoding import rgbx
+
+    seen, assign = [], rgbx.assign
+
+    def spy(a, index, view):
+        if view.ndim == 4 and view.shape[1] == 3 and len(view):
+            seen.append("rgbx" if rgbx.planes(view) is not None else
+                        "hwc" if view.strides[1] == 1 and view.strides[3] == 3 else "planar")
+        return assign(a, index, view)
+
+    joined, concatenate = [], rgbx.concatenate
+
+    def spy_joins(parts):  # a source's share of a batch from two chunks (here: a window's end)
+        joined.append(any(rgbx.planes(p) is not None for p in parts))
+        return concatenate(parts)
+
+    monkeypatch.setattr(rgbx, "assign", spy)
+    monkeypatch.setattr(rgbx, "concatenate", spy_joins)
+    stream = MixedStream([damaged], {damaged.name: 1}, BATCH, epoch_samples=72, normalize=False)  # every sample
+    with pytest.warns(UserWarning, match="no SOI marker"):
+        skipped = sum(b["skipped"] for b in make_loader(stream, 0, memory_format=memory_format))
+    assert skipped == 1
+    want = "rgbx" if memory_format == "contiguous" else "hwc"
+    assert want in seen and not set(seen) - {want, "planar"}, seen
+    assert joined and any(joined) == (memory_format == "contiguous")

@@ -100,6 +100,9 @@ def image_of(sample, target):
     raise ValueError(f"no {'/'.join('.' + e for e in target.image_exts)} member (has {have or 'nothing'})")
 
 
+VIEWS = (None, "hwc", "rgbx")  # decode_batch's `view`: a contiguous array, or the CHW view of which buffer
+
+
 def decode_batch(images, exts, target, crops=None, view=None):
     """Decode k images to one uint8 array (k', C, H, W) of the target's shape.
 
@@ -112,6 +115,8 @@ def decode_batch(images, exts, target, crops=None, view=None):
     their HWC buffer (a straight copy into channels-last batches), or "rgbx", of an RGBX
     buffer (`rgbx`: half the cost of the transpose into NCHW batches).
     """
+    if view not in VIEWS:
+        raise ValueError(f"view must be one of {VIEWS}, got {view!r}")
     shape, kinds = tuple(target.shape), set(exts)
     if kinds == {"raw"}:
         return _raw(images, shape)

@@ -49,11 +49,26 @@ def planes(view):
 
 
 def assign(a, index, view):
-    """a[index] = view, plane by plane where `view` is an RGBX view (a uint32 -> uint8 cast keeps
-    each plane's own byte), as numpy copies it else."""
-    found = planes(view)
+    """a[index] = view, plane by plane where `view` is an RGBX view and `a` a uint8 array (a
+    uint32 -> uint8 cast keeps each plane's own byte), as numpy copies it else."""
+    found = planes(view) if isinstance(a, np.ndarray) and a.dtype == np.uint8 else None
     if found is None:
         a[index] = view
         return
     for c, plane in enumerate(found):
         a[index, c] = plane
+
+
+def concatenate(parts):
+    """np.concatenate of (n, C, H, W) uint8 parts, each placed by `assign`: numpy's own would copy
+    RGBX views three bytes at a time, and its result would then be copied into the batch again
+    the slow way (a batch of one source from two chunks: a damaged sample, a window's end).
+    Parts without an RGBX view among them (object arrays of fields, too) go to numpy's."""
+    if all(planes(p) is None for p in parts):
+        return np.concatenate(parts)
+    out = np.empty((sum(len(p) for p in parts), *parts[0].shape[1:]), np.uint8)
+    at = 0
+    for p in parts:
+        assign(out, slice(at, at + len(p)), p)
+        at += len(p)
+    return out

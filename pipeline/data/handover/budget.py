@@ -32,8 +32,9 @@ def needed(batch_size, shapes, workers, *, prefetch_factor=PREFETCH, window_byte
     (prefetch_factor + 2) batches; eval_ring: the same for each evaluation loader, which keeps
     min(workers, 2) workers;
     decode: in each process that decodes (every worker, or the trainer itself without workers),
-    a batch's images as decoded, stacked into one array and padded to the batch's height and
-    width (decode.decode_batch, columns.to_canvas: three arrays of at most a batch's bytes), and
+    a batch's images as decoded, joined into one array and padded to the batch's height and
+    width (decode.decode_batch, columns.to_canvas: four arrays' worth of a batch's bytes, as colour
+    JPEGs decode as RGBX, 4/3 of their batch, in the first two: decoding.rgbx), and
     one image being resized: the source image as decoded (at most image_caps.MAX_DECODE_RATIO
     times the target's pixels, 4 bytes each), the resized image, its array and its CHW copy
     (3 images of the target's size); trainer: the uint8 batch copied out and its float32 copy
@@ -50,7 +51,7 @@ def needed(batch_size, shapes, workers, *, prefetch_factor=PREFETCH, window_byte
     source = 4 * min(image_caps.MAX_PIXELS, image_caps.MAX_DECODE_RATIO * image // 3)
     parts = {"batch": batch, "ring": max(workers, 1) * depth * batch,
              "eval_ring": eval_sources * max(min(workers, 2), 1) * depth * batch,
-             "decode": decoders * (3 * batch + 3 * image + source),
+             "decode": decoders * (4 * batch + 3 * image + source),
              "trainer": 4 * batch, "windows": window_bytes * len(shapes) * max(workers, 1), "step": step_bytes}
     parts["total"] = sum(v for k, v in parts.items() if k != "batch")
     return parts

@@ -33,7 +33,7 @@ import numpy as np
 
 from pipeline.ordering import order
 from pipeline.data.fields import member_values
-from pipeline.data.decoding import gpujpeg
+from pipeline.data.decoding import gpujpeg, rgbx
 from pipeline.data.decoding.decode import decode_batch
 from pipeline.data.decoding.labelling import class_of
 from pipeline.errors import InputError, ShardError
@@ -363,7 +363,7 @@ class SourceStream:
         more = (np.concatenate(sizes or [np.zeros(0, np.int32)]),) if dict(self.stages)["decode"].encoded else ()
         if not parts:
             return ([], np.zeros((0, c, h, w), np.uint8), np.zeros(0, np.int64)) + more
-        return (keys, parts[0] if len(parts) == 1 else np.concatenate(parts), np.concatenate(labels)) + more
+        return (keys, parts[0] if len(parts) == 1 else rgbx.concatenate(parts), np.concatenate(labels)) + more
 
     def _passed(self, chunk, beyond=0):
         """Name and count the places of a training window's chunk that hold no sample (`chunk.empty`,
