@@ -8,6 +8,8 @@ Jobs, over batches of 128:
   decode        simplejpeg.decode_jpeg of each JPEG (colorspace RGB or RGBX), nothing else
   slice copy    the decoded batch joined and copied into rows 0..127 of a batch (one source's rows)
   gather copy   the same into every other row of a 256-row batch (two sources mixed)
+  two chunks    each decoded batch as two views joined (rgbx.concatenate: a damaged sample or a window's
+                end splits one source's share of a batch), then the slice copy
   whole         decode, join and slice copy: what the stream's Decode stage and collate do
 With --work-dir, the JPEGs of the set `tools/bench_loader.py --jpeg` built there; else 4,096
 synthetic 32x32 photos-like JPEGs (smooth gradients and noise, quality 90) made here.
@@ -70,12 +72,17 @@ def jobs(datas):
         for pixels in decoded[space]:
             rgbx.assign(into, rows, view(space, pixels))
 
+    def two_chunks(space):
+        for pixels in decoded[space]:
+            half = len(pixels) // 2
+            rgbx.assign(one, slice(0, BATCH), rgbx.concatenate([view(space, pixels[:half]), view(space, pixels[half:])]))
+
     def whole(space):
         for b in batches:
             rgbx.assign(one, slice(0, BATCH), view(space, [dec(d, colorspace=space, strict=True) for d in b]))
 
     table = {"decode": decode, "slice copy": lambda s: copy(s, one, slice(0, BATCH)),
-             "gather copy": lambda s: copy(s, two, every_other), "whole": whole}
+             "gather copy": lambda s: copy(s, two, every_other), "two chunks": two_chunks, "whole": whole}
     return n, table
 
 
