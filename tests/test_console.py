@@ -65,7 +65,8 @@ def test_the_epoch_line_says_how_often_each_source_is_read(tiny, tmp_path):
     p = train_in_process(args(tiny, tmp_path / "run", "--train", f"small={tmp_path / 'data' / 'small-train.json'}"))
     lines = p.stdout.splitlines()
     at = next(i for i, ln in enumerate(lines) if ln.startswith("training "))
-    assert p.returncode == 0 and lines[at + 1] == ("1 epochs of 52 samples (13 steps), lr 0.1; mix mnist 0.50 (26 "
+    assert p.returncode == 0 and lines[at + 1] == ("1 epoch of 52 samples (13 steps an epoch), peak lr 0.00156 (--lr 0.1 x 4 samples a "
+                                                   "step / 256); mix mnist 0.50 (26 "
                                                    "samples of its 40), small 0.50 (26 samples of its 12, read 2.2 "
                                                    "times)"), p.stdout + p.stderr[-2000:]
 

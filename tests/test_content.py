@@ -70,7 +70,7 @@ def test_other_label_and_image_content_is_a_value_error(monkeypatch):
         labelling.label_of({"__key__": "k", "txt": b"x" * 100_000}, names, names.lookup())
     assert len(str(e.value)) < 300
 
-    def broken(*args):  # a decoder failing in a way of its own
+    def broken(*args, **kwargs):  # a decoder failing in a way of its own
         raise struct.error("unpack requires a buffer of 4 bytes")
     monkeypatch.setattr(decode, "_pil", broken)
     with pytest.raises(ValueError, match=r"undecodable .bmp image \(error: unpack requires"):

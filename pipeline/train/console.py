@@ -8,6 +8,7 @@ import sys
 
 from pipeline import cli
 from pipeline.train.options import DEFAULT_MODEL
+from pipeline.train.schedule import BASE_BATCH
 
 
 def progress_bar(topo, total, desc, initial=0):
@@ -37,9 +38,10 @@ def settings_line(args, world, device):
             f"channels-last {'on' if args.channels_last else 'off'}")
 
 
-def mix_line(args, run):
+def mix_line(args, run, world):
     """The epoch as the run will read it, printed under the settings line: how many epochs of how
-    many samples and steps, the learning rate, and each source's weight with the samples it gives
+    many samples and steps, the peak learning rate as scaled to the step's samples (--lr is the
+    rate for BASE_BATCH; newuser5 read the unscaled one as the rate used), and each source's weight with the samples it gives
     an epoch against those it has (equal weights over sources of unequal sizes read the smaller
     ones more than once an epoch, which only metrics.jsonl showed)."""
     from pipeline.ordering.order import apportion
@@ -52,8 +54,10 @@ def mix_line(args, run):
     for src, n in zip(run.sources, taken.tolist()):
         again = f", read {n / src.total:.1f} times" if n > src.total else ""
         mix.append(f"{src.name} {weights[src.name] / total:.2f} ({n:,} samples of its {src.total:,}{again})")
-    line = (f"{args.epochs} epochs of {run.stream.epoch_samples:,} samples ({run.stream.batches_per_epoch:,} steps), "
-            f"lr {args.lr:g}; mix {', '.join(mix)}")
+    step = args.batch_size * world
+    line = (f"{args.epochs} epoch{'s' * (args.epochs != 1)} of {run.stream.epoch_samples:,} samples "
+            f"({run.stream.batches_per_epoch:,} steps an epoch), peak lr {args.lr * step / BASE_BATCH:.3g} "
+            f"(--lr {args.lr:g} x {step} samples a step / {BASE_BATCH}); mix {', '.join(mix)}")
     last = weights_at(args, args.epochs - 1)
     if last != weights:  # --final-weights: the mix moves, epoch by epoch
         end = sum(last.values())

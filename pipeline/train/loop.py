@@ -115,7 +115,7 @@ def train(args, topo, device, stopper=None, progress=None):
     if topo.is_main:
         record_job(args.out)  # a torchrun restart of this job takes the run over (outdir.prepare_out)
         print(settings_line(args, topo.world, device), flush=True)  # not for a run with nothing left to train
-        print(mix_line(args, run), flush=True)
+        print(mix_line(args, run, topo.world), flush=True)
     if progress is not None:
         progress["began"] = True
     metrics = Metrics(os.path.join(args.out, "metrics.jsonl"), topo.is_main, resume_step=run.step if ckpt else None)
