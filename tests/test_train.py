@@ -295,6 +295,18 @@ def test_a_class_with_no_test_samples_is_not_measured_not_zero():
     assert evaluate.per_class_lines(hostile) == ["  pets per class: cat\\x1b[2J 0.500"]
 
 
+def test_a_source_whose_test_samples_go_to_another_sources_classes_is_told_so():
+    """newuser5 3: 'mine per class: bird 0.000, ...' after one epoch, and only metrics.jsonl's
+    confusion matrix showed every test sample predicted as another source's class."""
+    from pipeline.train import evaluate
+
+    lost = {"per_class": {"bird": 0.0, "cat": 0.0}, "confusion": [[0, 0, 7], [0, 0, 5]]}
+    assert evaluate.per_class_lines({"mine": lost}) == [
+        "  mine per class: bird 0.000, cat 0.000 (12 of 12 predicted as another source's class)"]
+    half = {"per_class": {"bird": 0.5, "cat": 1.0}, "confusion": [[2, 0, 2], [0, 4, 0]]}  # 2 of 8: not most
+    assert evaluate.per_class_lines({"mine": half}) == ["  mine per class: bird 0.500, cat 1.000"]
+
+
 def test_the_epoch_line_names_the_data_each_accuracy_was_measured_on():
     from pipeline.train import evaluate
 
