@@ -210,7 +210,8 @@ def test_the_trainer_says_when_its_threads_exceed_the_free_cores(data, tmp_path,
     notes = [ln for ln in p.stderr.splitlines() if ln.startswith("pipeline-train: note: 2 torch threads")]
     assert len(notes) == 1 and "OMP_NUM_THREADS=1" in notes[0], p.stderr[-2000:]
     for refused, why in ((["--epoch-samples", "64", "--out", str(tmp_path / "o")], "holds a previous run"),
-                         (["--epoch-samples", "8", "--out", str(tmp_path / "o2")], "less than one batch")):
+                         (["--epoch-samples", "8", "--out", str(tmp_path / "o2")],
+                          "less than one batch on every rank (1 x 16); lower --batch-size or raise --epoch-samples")):
         p = run([*sources(data)[:4], "--epochs", "1", "--batch-size", "16", "--workers", "0", "--width", "4",
                  *refused], nproc=0, check=False)  # newuser5 2: a refusal comes without the note
         assert p.returncode == 2 and why in p.stderr and "torch threads" not in p.stderr, p.stderr[-2000:]
