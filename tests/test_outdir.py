@@ -186,3 +186,15 @@ def test_a_previous_run_in_out_is_refused_before_new_shards_are_indexed(tmp_path
     assert p.returncode == 2 and "holds a previous run" in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "set" / autoindex.INDEX_FOLDER).exists() and "indexed" not in p.stderr
     assert snapshot(out) == before
+
+
+def test_overwrite_refused_by_a_later_check_leaves_the_previous_run(shards, tmp_path):
+    """check_out runs first but deletes nothing: --overwrite clears the previous run only once the
+    other checks (here an epoch shorter than one batch) have passed."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"kind": "train", "epoch": 2}\n')
+    before = snapshot(out)
+    p = train_in_process(args_for(shards, out, "--overwrite", "--epoch-samples", "4"))
+    assert p.returncode == 2 and "less than one batch" in p.stderr, p.stderr[-2000:]
+    assert snapshot(out) == before
