@@ -167,6 +167,27 @@ def missing_folder(spec):
     return not (os.path.isdir(spec) if spec.endswith("/") else os.path.exists(spec))
 
 
+def no_manifest(path):
+    """The line for a local manifest that is not there (manifest.load, missing_line)."""
+    return (f"no manifest at {path} (build one with make-shards, or index existing shards with "
+            f"make-shards --index)")
+
+
+def missing_line(name, spec):
+    """The one line for a local NAME=SPEC that missing_folder found missing. A path ending in a
+    file name in a folder that is there (`.../mine-train.jsn`, a mistyped manifest) gets the
+    missing manifest's line, naming the closest .json of that folder, if any; else no such folder."""
+    import difflib
+
+    folder, base = os.path.split(spec)
+    ext = os.path.splitext(base)[1][1:]
+    if spec.endswith("/") or not (ext.isalpha() and len(ext) <= 5) or not os.path.isdir(folder or "."):
+        return f"{name}={spec}: no such folder"
+    jsons = [n for n in os.listdir(folder or ".") if n.endswith(".json")]
+    closest = difflib.get_close_matches(base, jsons, n=1, cutoff=0)
+    return no_manifest(spec) + (f"; did you mean {os.path.join(folder, closest[0])}?" if closest else "")
+
+
 def new_folders(out):
     """The folders that making `out` (os.makedirs) will create, the deepest last."""
     made, path = [], os.path.abspath(out)

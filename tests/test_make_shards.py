@@ -604,9 +604,11 @@ def test_a_rebuild_removes_only_the_shards_its_old_manifest_listed(main, tmp_pat
     (tmp_path / "out" / "mnist-train-000042.tar").write_bytes(b"mine")
     code, out, err = main(*SMALL)  # 3 shards: 3 old ones go, the user's stays
     assert code == 0, err
-    assert "3 of its shards rewritten, 3 no longer listed removed" in out
+    assert "3 shards rewritten, 3 shards deleted (no longer listed); no other file touched" in out
     assert sorted(os.listdir(tmp_path / "out")) == ["mnist-train-00000%d.tar" % i for i in range(3)] + [
         "mnist-train-000042.tar", "mnist-train.json"]
+    code, out, err = main(*SMALL)  # newuser5 5: "0 no longer listed removed" said nothing
+    assert code == 0 and "3 shards rewritten; no other file touched" in out and "deleted" not in out, out + err
 
 
 def test_a_rebuild_on_a_full_disk_keeps_the_old_set_usable(main, tmp_path, monkeypatch):

@@ -130,6 +130,12 @@ def test_a_folder_of_tars_without_a_manifest_gets_the_index_command(tmp_path):
         resolve("web", str(tmp_path / "gone"), "train")
     with pytest.raises(ShardError, match="no such folder"):
         resolve("web", str(tmp_path / "gone") + "/", "train")
+    # newuser5 5: a mistyped manifest file name in a folder that is there is a missing manifest, not a folder
+    with pytest.raises(ShardError, match=r"no manifest at .+/web-train\.jsn \(build one with make-shards.*; did you "
+                                         r"mean .+/web-train\.json\?\Z"):
+        resolve("web", str(folder / "web-train.jsn"), "train")
+    with pytest.raises(ShardError, match=r"web=\S+/gone/web-train\.jsn: no such folder\Z"):
+        resolve("web", str(tmp_path / "gone" / "web-train.jsn"), "train")
 
 
 @pytest.mark.parametrize("command, name", [("pipe:cat /d/x.tar.gz", "x.tar.gz"), ('pipe:cat "/d/x.tar"', "x.tar"),

@@ -163,3 +163,38 @@ def test_a_restart_does_not_take_over_another_jobs_run(shards, tmp_path, launche
     refusals = [ln for ln in err.splitlines() if "holds a previous run; pass --resume" in ln]
     assert len(refusals) == 4 and "resumed from" not in err, err[-3000:]  # 2 ranks, 2 attempts
     assert snapshot(out) == before
+
+
+# ---------------------------------------------------------------- --out checked before any indexing
+
+
+@pytest.mark.parametrize("saved", [True, False], ids=["checkpoint", "no-checkpoint"])
+def test_a_previous_run_in_out_is_refused_before_new_shards_are_indexed(tmp_path, saved):
+    """newuser5 1: on shards with no manifest the trainer indexed the whole set on first use, then
+    refused the --out holding a previous run; the refusal comes first and nothing is indexed."""
+    from helpers import write_shardwriter
+    from pipeline.writers import autoindex
+
+    write_shardwriter(tmp_path / "set", 40)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"kind": "train", "epoch": 2}\n')
+    if saved:
+        (out / "checkpoint.pt").write_bytes(b"x")
+    before = snapshot(out)
+    p = train_in_process(["--train", f"web={tmp_path / 'set'}", *SMALL, "--out", str(out)])
+    assert p.returncode == 2 and "holds a previous run" in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "set" / autoindex.INDEX_FOLDER).exists() and "indexed" not in p.stderr
+    assert snapshot(out) == before
+
+
+def test_overwrite_refused_by_a_later_check_leaves_the_previous_run(shards, tmp_path):
+    """check_out runs first but deletes nothing: --overwrite clears the previous run only once the
+    other checks (here an epoch shorter than one batch) have passed."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"kind": "train", "epoch": 2}\n')
+    before = snapshot(out)
+    p = train_in_process(args_for(shards, out, "--overwrite", "--epoch-samples", "4"))
+    assert p.returncode == 2 and "less than one batch" in p.stderr, p.stderr[-2000:]
+    assert snapshot(out) == before

@@ -166,6 +166,20 @@ def test_skip_bad_images_still_stops_at_an_image_of_another_size_without_shape(t
     assert code == 2 and "9.png" in err and "--shape" in err, err
 
 
+@pytest.mark.parametrize("other, hint", [("RGB", "--shape 3,40,36"), ("L", "--shape 1,40,36")])
+def test_the_shape_hint_is_grey_only_where_both_images_are(tmp_path, other, hint):
+    """newuser5 4: a grey first image among colour ones gave '(e.g. --shape 1,40,40)', and copying
+    it turned every image grey."""
+    small_folder(tmp_path / "pets")
+    for path in sorted((tmp_path / "pets").glob("*/*.png")):  # the first grey; the rest too where other is L
+        if other == "L" or path.name == "0.png" and path.parent.name == "a":
+            Image.fromarray(photo(40, 36)[..., 0]).save(path)
+    second = photo(20, 20) if other == "RGB" else photo(20, 20)[..., 0]
+    Image.fromarray(second).save(tmp_path / "pets" / "a" / "1.png")
+    code, _, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--out", tmp_path / "out", "--quiet")
+    assert code == 2 and len(err.splitlines()) == 1 and f"(e.g. {hint})" in err, err
+
+
 def test_skip_bad_images_applies_to_image_folders_only(tmp_path):
     code, _, err = make("--synthetic", "--skip-bad-images", "--out", tmp_path / "out")
     assert code == 2 and "--skip-bad-images applies to --imagefolder" in err

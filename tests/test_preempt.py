@@ -74,6 +74,11 @@ def test_a_local_folder_that_is_not_there_is_one_line_and_needs_no_torch(tmp_pat
     p = python("import sys; from pipeline.train import options\n"
                "options.check_out(options.parse(sys.argv[1:]))", "--train", f"a={tmp_path}/nowhere")
     assert p.returncode == 2 and "no such folder" in p.stderr  # from check_out, which runs before torch
+    (tmp_path / "mine-test.json").write_text("{}")  # newuser5 5: a mistyped manifest name gets the manifest line
+    p = trainer("--train", f"mine={tmp_path}/mine-train.jsn", "--out", tmp_path / "run")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert f"no manifest at {tmp_path}/mine-train.jsn (build one with make-shards" in p.stderr
+    assert f"did you mean {tmp_path}/mine-test.json?" in p.stderr and "no such folder" not in p.stderr
 
 
 @pytest.mark.parametrize("bad, needle", [("KILL", "'KILL'"), ("TERM,NOPE", "'NOPE'"), ("9", "'9'"),

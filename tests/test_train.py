@@ -192,9 +192,13 @@ def test_threads_beyond_the_free_cores_are_said_once():
     from pipeline.train.dist import busy_line
 
     line = busy_line(2, 8, cores=2, load=6.3)
-    assert "2 torch threads and 8 loader worker(s)" in line and "1 of 2 cores free (load average 6.3)" in line
+    assert "2 torch threads and 8 loader workers in this process" in line
+    assert "1 of 2 cores free (load average 6.3)" in line
     assert "OMP_NUM_THREADS=1" in line
     assert busy_line(2, 0, cores=16, load=0.5) is None and busy_line(1, 0, cores=2, load=9) is None
+    alone = busy_line(2, 0, cores=2, load=6.3)  # newuser5 2: with no workers, fewer is no advice
+    assert alone.startswith("2 torch threads in this process, 1 of 2 cores free") and "worker" not in alone
+    assert "1 loader worker in" in busy_line(2, 1, cores=2, load=6.3)
 
 
 def test_the_trainer_says_when_its_threads_exceed_the_free_cores(data, tmp_path, monkeypatch):
@@ -206,6 +210,12 @@ def test_the_trainer_says_when_its_threads_exceed_the_free_cores(data, tmp_path,
              "--width", "4", "--out", str(tmp_path / "o")], nproc=0)
     notes = [ln for ln in p.stderr.splitlines() if ln.startswith("pipeline-train: note: 2 torch threads")]
     assert len(notes) == 1 and "OMP_NUM_THREADS=1" in notes[0], p.stderr[-2000:]
+    for refused, why in ((["--epoch-samples", "64", "--out", str(tmp_path / "o")], "holds a previous run"),
+                         (["--epoch-samples", "8", "--out", str(tmp_path / "o2")],
+                          "less than one batch on every rank (1 x 16); lower --batch-size or raise --epoch-samples")):
+        p = run([*sources(data)[:4], "--epochs", "1", "--batch-size", "16", "--workers", "0", "--width", "4",
+                 *refused], nproc=0, check=False)  # newuser5 2: a refusal comes without the note
+        assert p.returncode == 2 and why in p.stderr and "torch threads" not in p.stderr, p.stderr[-2000:]
 
 
 def test_missing_test_shards_fail_before_training(data, tmp_path):
@@ -285,6 +295,18 @@ def test_a_class_with_no_test_samples_is_not_measured_not_zero():
     assert evaluate.per_class_lines({"pets": {"per_class": got}}) == ["  pets per class: cat 0.750, dog n/a, emu 0.250"]
     hostile = {"pets": {"per_class": {"cat\x1b[2J": 0.5}}}  # a class name from someone's manifest
     assert evaluate.per_class_lines(hostile) == ["  pets per class: cat\\x1b[2J 0.500"]
+
+
+def test_a_source_whose_test_samples_go_to_another_sources_classes_is_told_so():
+    """newuser5 3: 'mine per class: bird 0.000, ...' after one epoch, and only metrics.jsonl's
+    confusion matrix showed every test sample predicted as another source's class."""
+    from pipeline.train import evaluate
+
+    lost = {"per_class": {"bird": 0.0, "cat": 0.0}, "confusion": [[0, 0, 7], [0, 0, 5]]}
+    assert evaluate.per_class_lines({"mine": lost}) == [
+        "  mine per class: bird 0.000, cat 0.000 (12 of 12 predicted as another source's class)"]
+    half = {"per_class": {"bird": 0.5, "cat": 1.0}, "confusion": [[2, 0, 2], [0, 4, 0]]}  # 2 of 8: not most
+    assert evaluate.per_class_lines({"mine": half}) == ["  mine per class: bird 0.500, cat 1.000"]
 
 
 def test_the_epoch_line_names_the_data_each_accuracy_was_measured_on():

@@ -46,9 +46,11 @@ def busy_line(threads, workers, cores=None, load=None):
     free = max(1.0, cores - load)
     if threads <= 1 or threads + workers <= free:
         return None
-    return (f"{threads} torch threads and {workers} loader worker(s) in this process, {free:.0f} of {cores} cores free "
+    loaders = f" and {workers} loader worker{'s' if workers != 1 else ''}" if workers else ""
+    fewer = " (or fewer --workers)" if workers else ""  # with none, fewer is no advice
+    return (f"{threads} torch threads{loaders} in this process, {free:.0f} of {cores} cores free "
             f"(load average {load:.1f}): threads that wait for busy cores run slower than one; set "
-            f"OMP_NUM_THREADS=1 (or fewer --workers) on a busy machine")
+            f"OMP_NUM_THREADS=1{fewer} on a busy machine")
 
 
 def device_for(topo):

@@ -87,10 +87,20 @@ def class_accuracies(classes, confusion):
 
 def per_class_lines(evals, digits=3):
     """'  NAME per class: airplane 0.950, cat n/a, ...' for each source evaluated per class
-    (n/a: no test samples of that class)."""
+    (n/a: no test samples of that class), and where most of its test samples were predicted as
+    another source's classes, how many: a small source's 0.000 after one epoch was that, and
+    only metrics.jsonl's confusion matrix said so."""
     return [f"  {k} per class: " + ", ".join(f"{cli.printable(c)} {'n/a' if a is None else f'{a:.{digits}f}'}"
-                                             for c, a in v["per_class"].items())
+                                             for c, a in v["per_class"].items()) + elsewhere(v.get("confusion"))
             for k, v in evals.items() if "per_class" in v]
+
+
+def elsewhere(confusion):
+    """' (12 of 12 predicted as another source's class)' where most of a source's test samples were
+    (the confusion matrix's last column), else ''."""
+    total = sum(map(sum, confusion or []))
+    other = sum(row[-1] for row in confusion or [])
+    return f" ({other:,} of {total:,} predicted as another source's class)" if total and 2 * other > total else ""
 
 
 def epoch_line(epoch, epochs, evals):

@@ -31,7 +31,7 @@ from pipeline.train.console import mix_line, one_line, settings_line
 from pipeline.train.epoch import train_epoch
 from pipeline.train.evaluate import epoch_line, eval_loaders, evaluate, evaluate_only, memory_format
 from pipeline.train.metrics import KeyLog, Metrics
-from pipeline.train.outdir import prepare_out, record_job
+from pipeline.train.outdir import check_out, prepare_out, record_job
 from pipeline.train.run import NonFiniteLoss, Run, where
 from pipeline.train.summary import write_summary
 
@@ -55,6 +55,7 @@ def train(args, topo, device, stopper=None, progress=None):
         options.per_rank_batch(args, topo.world)  # --global-batch: each rank's share, now that the world is known
     except ValueError as e:
         raise InputError(str(e)) from None
+    plan = None if args.eval_only else check_out(args, topo)  # before any shard is indexed or read
     policy = remote.Policy(**cli.io_limits(args))
     check = http_check(topo, policy)
     found = dict(policy=policy, check_http=check, cache_dir=args.cache_dir, progress=topo.is_main)  # shards with no
@@ -64,9 +65,8 @@ def train(args, topo, device, stopper=None, progress=None):
     eval_sources = [autoindex.trainable(stream.resolve(n, spec, "test", classes_from=trained.get(n), **found))
                     for n, spec in args.eval.items()]
     startup = {"resolve_s": round(time.perf_counter() - t0, 3), "torch_threads": torch.get_num_threads()}
-    busy = dist.busy_line(torch.get_num_threads(), 0 if args.eval_only else args.workers)
-    if busy and topo.local_rank == 0:  # once a machine
-        print(f"pipeline-train: note: {busy}", file=sys.stderr, flush=True)
+    busy = dist.busy_line(torch.get_num_threads(), 0 if args.eval_only else args.workers)  # said once the run
+    # will train or evaluate, as the settings line: not before a refusal that has nothing to do with it
     if topo.is_main:
         guard.warn_data(train_sources, eval_sources)
         guard.warn_loader_timeout(args, policy, train_sources + eval_sources)
@@ -95,9 +95,10 @@ def train(args, topo, device, stopper=None, progress=None):
     except ValueError as e:  # the stream's checks of the options against the data (an epoch too short, ...)
         raise InputError(str(e)) from e
     if args.eval_only:
+        note_busy(busy, topo)
         return evaluate_only(run)
     run.stopper = stopper
-    ckpt = prepare_out(args, topo)
+    ckpt = prepare_out(args, topo, plan)
     changed = run.resume(ckpt) if ckpt else {}
     if ckpt and topo.is_main:
         saved = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(os.path.getmtime(ckpt)))
@@ -116,6 +117,7 @@ def train(args, topo, device, stopper=None, progress=None):
         record_job(args.out)  # a torchrun restart of this job takes the run over (outdir.prepare_out)
         print(settings_line(args, topo.world, device), flush=True)  # not for a run with nothing left to train
         print(mix_line(args, run, topo.world), flush=True)
+    note_busy(busy, topo)
     if progress is not None:
         progress["began"] = True
     metrics = Metrics(os.path.join(args.out, "metrics.jsonl"), topo.is_main, resume_step=run.step if ckpt else None)
@@ -181,6 +183,12 @@ def train(args, topo, device, stopper=None, progress=None):
             break
     finished = finished and run.epoch >= args.epochs
     return write_summary(run, evals, t_start, resumed_from, finished, train_sources)
+
+
+def note_busy(busy, topo):
+    """dist.busy_line's note, once a machine (local rank 0)."""
+    if busy and topo.local_rank == 0:
+        print(f"pipeline-train: note: {busy}", file=sys.stderr, flush=True)
 
 
 _CLASS = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception): ")  # a worker's "pkg.Class: "

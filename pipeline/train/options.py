@@ -10,7 +10,7 @@ import os
 import sys
 
 from pipeline.cli import Parser, add_io_options, byte_size, check_io
-from pipeline.files import missing_folder
+from pipeline.files import missing_folder, missing_line
 from pipeline.ordering.weights import check_weights, parse_weights
 from pipeline.errors import InputError
 from pipeline.train import stop
@@ -324,7 +324,7 @@ def resume_error(args):
 def check_out(args):
     """Before torch is imported: --resume on a folder without a checkpoint, and a local folder
     SPEC that is not there (manifest.resolve says the same, 2 s later), end in one line, exit code 2."""
-    message = resume_error(args) or next((f"{name}={spec}: no such folder" for name, spec in
+    message = resume_error(args) or next((missing_line(name, spec) for name, spec in
                                           [*args.train.items(), *args.eval.items()] if missing_folder(spec)), None)
     if message:
         Parser(prog="pipeline.train").error(message)

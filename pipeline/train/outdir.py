@@ -4,6 +4,7 @@ Apart from the training so that the one rule that deletes files (a run clears on
 folder that holds nothing but a run's files) sits in one place, next to the list of
 the files a run writes.
 """
+import collections
 import contextlib
 import json
 import os
@@ -15,10 +16,15 @@ from pipeline.files import write_atomic
 from pipeline.train import dist, guard, options
 
 JOB = "torchrun-job.txt"  # the torchrun job that last started or resumed the run in --out (record_job)
+OutPlan = collections.namedtuple("OutPlan", "ckpt why doomed")  # check_out's verdict, prepare_out's to carry out
 
 
-def prepare_out(args, topo):
-    """Refuse to overwrite a previous run unless told; returns the checkpoint to resume, if any.
+def check_out(args, topo):
+    """Refuse to overwrite a previous run unless told (InputError); returns the plan for
+    prepare_out: the checkpoint to resume, or what a fresh start deletes. Every rank calls it
+    before any shard is indexed or read: a mistaken --out is a one-line error at once, not after
+    indexing a large set on first use. It deletes nothing: a run refused later (a batch too big)
+    leaves the previous run as it was.
 
     After torchrun restarts a failed job (--max-restarts), the run in --out is this job's own
     if this job started or resumed it (JOB names it): continue from its checkpoint, or start
@@ -33,7 +39,7 @@ def prepare_out(args, topo):
     if args.resume or ((restarted or either) and os.path.exists(ckpt)):
         if not os.path.exists(ckpt):
             raise InputError(options.resume_error(args))
-        return ckpt
+        return OutPlan(ckpt, None, [])
     fresh = previous and never_saved(args.out)  # a run that died before its first checkpoint
     if previous and either and not (args.overwrite or restarted or fresh):  # an earlier run's files, not this job's
         raise InputError(guard.earlier_run(args.out, run_files(args.out, "--resume-or-start")))
@@ -48,7 +54,17 @@ def prepare_out(args, topo):
     # a run starts only in a folder that holds nothing but a run's files, so --overwrite can always clear it;
     # without a previous run or --overwrite, a run's stray files (a keys-rank0.txt) are left alone
     found = run_files(args.out, why) if os.path.isdir(args.out) else []
-    doomed = found if previous or args.overwrite else []
+    return OutPlan(None, why, found if previous or args.overwrite else [])
+
+
+def prepare_out(args, topo, plan=None):
+    """Carry out check_out's `plan` (made here when None) once the run will train: every rank
+    has looked before rank 0 deletes the previous run's files and makes --out. Returns the
+    checkpoint to resume, if any."""
+    plan = check_out(args, topo) if plan is None else plan
+    if plan.ckpt:
+        return plan.ckpt
+    why, doomed = plan.why, plan.doomed
     dist.barrier()  # every rank has looked before rank 0 clears the folder
     if topo.is_main:
         if doomed:

@@ -20,7 +20,7 @@ from pipeline import cli
 from pipeline.errors import FetchError, ShardError
 from pipeline.files import MAX_JSON, parse_json, read_json
 from pipeline.data.manifests.manifest import manifest_name
-from pipeline.writers.shards import SIDE_FILES, side_file
+from pipeline.writers.shards import SIDE_FILES, shard_counts, side_file
 
 
 MOVING = ".moving"  # NAME-SPLIT.json.moving: the shards a store build moves into place, written before the first
@@ -151,7 +151,7 @@ def publish(stage, out, name, split, *, progress=True, say=None, policy=None):
     for f in gone:
         store.remove(f)
     if old:
-        say(f"  replaced {mname} in {out}/: {len([s for s in todo if s['name'] in owned])} of its shards rewritten, "
-            f"{len(manifest['shards']) - len(todo)} unchanged kept, {len(gone)} no longer listed removed; no other "
-            f"key touched")
+        counts = shard_counts(rewritten=len([s for s in todo if s["name"] in owned]),
+                              kept=len(manifest["shards"]) - len(todo), removed=len(gone))
+        say(f"  replaced {mname} in {out}/: {counts}; no other key touched")
     return manifest

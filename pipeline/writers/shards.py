@@ -267,8 +267,8 @@ def _build(source, out, encoding, maxcount, seed, limit, workers, part, progress
     os.replace(final + ".tmp", final)
     gone = remove_stale(out, owned - (every if part[1] > 1 else set(mine)))
     if old:
-        say(f"  replaced {', '.join(os.path.basename(m) for m in old)} in {out}/: {len(owned & set(mine))} of its "
-            f"shards rewritten, {len(gone)} no longer listed removed; no other file touched")
+        say(f"  replaced {', '.join(os.path.basename(m) for m in old)} in {out}/: "
+            f"{shard_counts(rewritten=len(owned & set(mine)), removed=len(gone))}; no other file touched")
     if left:
         say(f"  left out {len(left)} unreadable image(s) of {len(left) + manifest['total']} (--skip-bad-images); "
             f"each file and why: {sides['left-out']}")
@@ -473,3 +473,9 @@ def remove_stale(out, names):
     return gone
 
 
+def shard_counts(rewritten, kept=0, removed=0):
+    """'3 shards rewritten, 2 shards deleted (no longer listed)': what a rebuild did to the shards
+    of the set it replaced, its zero parts left out."""
+    parts = [(rewritten, "rewritten"), (kept, "kept as they were"), (removed, "deleted (no longer listed)")]
+    said = [f"{n} shard{'s' if n != 1 else ''} {what}" for n, what in parts if n]
+    return ", ".join(said) or "no shard changed"

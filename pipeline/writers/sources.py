@@ -171,7 +171,9 @@ class ImageFolderSource:
         if self.target is not None:
             return img  # CHW of the target shape already
         if img.mode != self.mode or img.size != self.size:
-            c, (w, h) = 1 if self.mode == "L" else 3, self.size
+            # grey only if both images named here are: a grey first image among colour ones is no reason to
+            # turn every image grey (newuser5 4)
+            c, (w, h) = 1 if self.mode == img.mode == "L" else 3, self.size
             raise SourceError(
                 f"{self.samples[i][0]}: {img.mode} {img.size[0]}x{img.size[1]}, where the first image, "
                 f"{self.samples[0][0]}, is {self.mode} {w}x{h}: without --shape every image is stored as it is "

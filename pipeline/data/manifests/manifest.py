@@ -36,7 +36,7 @@ from pipeline.data.decoding.decode import IMAGE_EXTS, Target, image_format
 from pipeline.data.decoding.labelling import parse_label_key
 from pipeline.data.fields.schema import Schema
 from pipeline.errors import ShardError, redact
-from pipeline.files import MAX_JSON, missing_folder, parse_json, read_json
+from pipeline.files import MAX_JSON, missing_folder, missing_line, no_manifest, parse_json, read_json
 from pipeline.data.shards.read import INFLATE_RATIO, INFLATE_SLACK
 from pipeline.data.manifests.patterns import expand_shards
 from pipeline.data.manifests.locations import _beside, _normal, _once, listing_digest
@@ -284,8 +284,7 @@ def load(url, policy=remote.Policy()):
     """Read and check the manifest at a path, URL or pipe: command."""
     if remote.kind(url) == "file":
         if not os.path.exists(url):
-            raise NoManifest(f"no manifest at {url} (build one with make-shards, or index existing "
-                             f"shards with make-shards --index)")
+            raise NoManifest(no_manifest(url))
         m = read_json(url)
     else:
         try:
@@ -335,7 +334,7 @@ def resolve(name, spec, split, *, policy=remote.Policy(), check_http=None):
             _check_folder(name, split, spec, url)
     else:
         if remote.kind(spec) == "file" and missing_folder(spec):  # neither a manifest nor a shard pattern
-            raise ShardError(f"{name}={spec}: no such folder")
+            raise ShardError(missing_line(name, spec))
         pattern = expand_shards(spec)
         url = _beside(pattern[0], manifest_name(name, split))
         if remote.kind(url) == "file" and not os.path.exists(url):

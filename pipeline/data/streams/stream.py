@@ -103,7 +103,7 @@ class MixedStream(torch.utils.data.IterableDataset):
         self.epoch_samples = epoch_samples or sum(s.total for s in sources)
         if self.epoch_samples < topo.world * batch_size:
             raise ValueError(f"an epoch of {self.epoch_samples} samples is less than one batch on every rank "
-                             f"({topo.world} x {batch_size}); lower the batch size or raise the epoch samples")
+                             f"({topo.world} x {batch_size}); lower --batch-size or raise --epoch-samples")
         self.resample, self.cache_dir, self.policy = resample, cache_dir, policy
         self.on_error = _error_mode(on_error, strict)
         Errors(self.on_error)  # checked now, not in a worker
