@@ -20,7 +20,7 @@ def command():
     set_threads()  # this process's share of the cores (main() called from Python leaves its caller's setting)
 
     warnings.formatwarning = one_line_warning  # the command's warnings read as its other lines; workers fork with it
-    sys.exit(main(sys.argv[1:], args=args))
+    sys.exit(main(sys.argv[1:], args=args, process=True))
 
 
 if __name__ == "__main__":
