@@ -7,6 +7,7 @@ import functools
 import http.server
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -38,6 +39,8 @@ class _Stalling(Quiet, http.server.SimpleHTTPRequestHandler):
                 t0 = time.monotonic()
                 while time.monotonic() - t0 < self.server.stall and not self.server.stopping:
                     time.sleep(0.05)
+                if self.server.stopping:  # the test is over; its client has gone
+                    return
         super().do_GET()
 
 
@@ -58,9 +61,9 @@ def served(tmp_path_factory):
 PASS = 10  # batches in a pass
 
 
-def args(url, out, *extra):
+def args(url, out, *extra, workers=0):
     return ["--train", f"mnist={url}", "--epochs", "1", "--epoch-samples", str(2 * PASS * 8), "--batch-size", "8",
-            "--workers", "0", "--width", "4", "--log-every", "1", "--record-keys", "--io-timeout", "60",
+            "--workers", str(workers), "--width", "4", "--log-every", "1", "--record-keys", "--io-timeout", "60",
             "--out", str(out), *extra]
 
 
@@ -74,11 +77,27 @@ def start(argv, code=None):
 
 def trained(out):
     """What a run trained on and logged: its key log and metrics lines, without timings and the
-    lines that say where it stopped and resumed."""
+    lines that say where it resumed."""
     lines = [json.loads(ln) for ln in open(os.path.join(out, "metrics.jsonl"))]
     for ln in lines:
         ln.pop("samples_per_s", None)
     return read_keys(os.path.join(out, "keys-rank0.txt")), [ln for ln in lines if ln["kind"] != "resumed"]
+
+
+@pytest.fixture(scope="module")
+def whole(served, tmp_path_factory):
+    """workers -> what an uninterrupted run at that many workers trained and logged."""
+    runs = {}
+
+    def of(workers):
+        if workers not in runs:
+            out = tmp_path_factory.mktemp("whole") / "run"
+            with stalling(served, first=10 ** 6) as server:  # never stalls
+                p = completed(start(args(server.url, out, workers=workers)))
+            assert p.returncode == 0, p.stderr[-3000:]
+            runs[workers] = trained(out)
+        return runs[workers]
+    return of
 
 
 def wait_for(proc, ready, what):
@@ -91,52 +110,82 @@ def wait_for(proc, ready, what):
         time.sleep(0.05)
 
 
+def waiting(server, out, still=1.0):
+    """A test of: a read stalls, a pass was trained, and no step was logged for `still` seconds
+    (on a loaded machine a slow step may pass for a wait: the stop is then a step's, as fast)."""
+    last = {"steps": None, "since": time.monotonic()}
+
+    def ready():
+        steps = steps_logged(out)
+        if steps != last["steps"]:
+            last.update(steps=steps, since=time.monotonic())
+        return server.stalled.is_set() and PASS in steps and time.monotonic() - last["since"] > still
+    return ready
+
+
 @pytest.mark.slow
-def test_sigterm_while_a_read_stalls_at_workers_0_stops_within_seconds_and_the_resume_matches(served, tmp_path):
-    whole, out = tmp_path / "whole", tmp_path / "run"
-    with stalling(served, first=10 ** 6) as server:  # never stalls
-        p = completed(start(args(server.url, whole)))
-    assert p.returncode == 0, p.stderr[-3000:]
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_while_a_read_stalls_stops_within_seconds_and_the_resume_matches(served, whole, tmp_path, sig):
+    workers = 0  # the trainer reads its batches itself, inside the stalled read
+    out = tmp_path / "run"
     with stalling(served, first=4) as server:  # the second pass's reads stall
-        proc = start(args(server.url, out))
-        # the first pass trained and logged, and the next batch's read stalls
-        wait_for(proc, lambda: server.stalled.is_set() and PASS in steps_logged(out), "the stall")
+        proc = start(args(server.url, out, workers=workers))
+        # the first pass trained, a read stalls, and no step came for a second: the trainer waits for a batch
+        wait_for(proc, waiting(server, out), "the stall")
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         try:
             proc.wait(HANG)
         finally:
             took = time.monotonic() - t0
         p = completed(proc)
-    assert p.returncode == 128 + signal.SIGTERM, p.stderr[-3000:]
-    assert took < BOUND, f"the stop took {took:.1f} s of a {STALL:g} s stall"
-    assert f"stopped at epoch 1, step {PASS}; checkpoint saved" in p.stdout, p.stdout[-3000:]
+    assert p.returncode == 128 + sig, p.stderr[-3000:]
+    print(f"STOP {sig.name}: {took:.2f} s"); assert took < BOUND, f"the stop took {took:.1f} s of a {STALL:g} s stall"
+    stops = re.findall(r"stopped at epoch 1, step (\d+); checkpoint saved", p.stdout)
+    assert stops == [str(PASS)], p.stdout[-3000:]  # after the last step trained: the stalled batch is not
     with stalling(served, first=10 ** 6) as server:
-        p = completed(start(args(server.url, out, "--resume")))
-    assert p.returncode == 0 and f"resumed from epoch 1, step {PASS}" in p.stdout, p.stderr[-3000:]
-    assert trained(out) == trained(whole)
+        p = completed(start(args(server.url, out, "--resume", workers=workers)))
+    assert p.returncode == 0 and f"resumed from epoch 1, step {stops[0]}" in p.stdout, p.stderr[-3000:]
+    assert trained(out) == whole(workers)
 
 
-ATEXIT = r"""
-import atexit, sys, time
+LATE = r"""
+import os, sys, time
 sys.argv = ["pipeline-train", *sys.argv[1:]]
-atexit.register(lambda: (print("exiting", flush=True), time.sleep(2)))  # the end of a process, made long
+from pipeline.train import stop
+
+def late(then=lambda: None):
+    print("exiting", flush=True)  # the run is over and saved; the process has not ended yet
+    time.sleep(2)
+    then()
+
+if os.environ["PHASE"] == "ending":  # main() ends the loader's workers after its stop handlers are put away
+    ends = stop.end_children
+    stop.end_children = lambda: late(ends)
+else:  # Python's teardown, after every atexit hook: the default actions are back
+    class Last:
+        def __del__(self):
+            late()
+    last = Last()
 from pipeline.train.__main__ import command
 command()
 """
 
 
 @pytest.mark.slow
-def test_a_signal_after_the_run_ended_leaves_its_exit_code(served, tmp_path):
-    """The stop handlers were put back before the process ended: a SIGTERM just after "done"
-    (torchrun's, a scheduler's) ended a finished, saved run with rc -15."""
+@pytest.mark.parametrize("phase", ["ending", "teardown"])
+def test_a_signal_after_the_run_ended_leaves_its_exit_code(served, tmp_path, monkeypatch, phase):
+    """The stop handlers were put back before the process ended, and Python puts the default
+    action back as it tears itself down: a SIGTERM just after "done" (torchrun's, a
+    scheduler's) ended a finished, saved run with rc -15."""
+    monkeypatch.setenv("PHASE", phase)
     with stalling(served, first=10 ** 6) as server:
-        proc = start(args(server.url, tmp_path / "run"), code=ATEXIT)
-        pending = ""
-        while "exiting\n" not in pending:  # the run is over and saved; the process has not ended yet
+        proc = start(args(server.url, tmp_path / "run"), code=LATE)
+        said = ""
+        while "exiting\n" not in said:
             line = proc.stdout.readline()
             assert line, completed(proc).stderr[-3000:]
-            pending += line
+            said += line
         proc.send_signal(signal.SIGTERM)
         p = completed(proc)
-    assert "done: " in pending and p.returncode == 0, (p.returncode, p.stderr[-3000:])
+    assert "done: " in said and p.returncode == 0, (p.returncode, p.stderr[-3000:])

@@ -6,12 +6,14 @@ The command line is parsed and checked before torch and the data path are import
 import sys
 import warnings
 
-from pipeline.train import options
+from pipeline.train import options, stop
 
 
 def command():
     args = options.parse()
     options.check_out(args)
+    if not args.eval_only:  # registered before torch's and multiprocessing's hooks, so it runs after them
+        stop.ignore_at_exit(stop.parse_signals(args.stop_signals))
 
     from pipeline.train.loop import main  # torch: only for a good command line
     from pipeline.train.console import one_line_warning

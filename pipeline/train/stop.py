@@ -176,6 +176,17 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_block_in_child)
 
 
+def ignore_at_exit(signals):
+    """At the process's exit (its first atexit hook, which runs last): the stop signals ignored.
+    Python puts the default action back as it tears itself down, after every atexit hook, and a
+    signal then (torchrun's, a scheduler's, just after the run's "done" line) ended a finished,
+    saved run by the signal (rc -15). Until then StopRequest(keep=True)'s handler stays: a first
+    signal changes nothing, a second ends a stuck exit."""
+    import atexit
+
+    atexit.register(lambda: [signal.signal(sig, signal.SIG_IGN) for sig in signals])
+
+
 def exit_code(sig):
     """128 + the signal's number, as for a process the signal ended (see the module's docstring)."""
     return 128 + int(sig)
