@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from helpers import HANG, Quiet, build_shards, completed, serving, steps_logged
+from helpers import HANG, Quiet, build_shards, completed, launch_train, serving, steps_logged
 from pipeline.train.metrics import read_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,7 +30,7 @@ class _Stalling(Quiet, http.server.SimpleHTTPRequestHandler):
     within the job's deadlines. `server.stalled` is set when a request starts waiting."""
 
     def do_GET(self):
-        if self.path.endswith(".tar"):
+        if self.path.endswith(getattr(self.server, "shard", ".tar")):  # (`server.shard`: that shard's requests only)
             with self.server.lock:
                 self.server.gets += 1
                 late = self.server.gets > self.server.first
@@ -44,9 +44,10 @@ class _Stalling(Quiet, http.server.SimpleHTTPRequestHandler):
         super().do_GET()
 
 
-def stalling(folder, first):
-    return serving(functools.partial(_Stalling, directory=str(folder)), first=first, gets=0, stall=STALL,
-                   lock=threading.Lock(), stalled=threading.Event())
+def stalling(folder, first, **attrs):
+    attrs = dict(dict(stall=STALL), **attrs)
+    return serving(functools.partial(_Stalling, directory=str(folder)), first=first, gets=0,
+                   lock=threading.Lock(), stalled=threading.Event(), **attrs)
 
 
 @pytest.fixture(scope="module")
@@ -75,13 +76,14 @@ def start(argv, code=None):
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def trained(out):
-    """What a run trained on and logged: its key log and metrics lines, without timings and the
+def trained(out, world=1):
+    """What a run trained on and logged: its key logs and metrics lines, without timings and the
     lines that say where it resumed."""
     lines = [json.loads(ln) for ln in open(os.path.join(out, "metrics.jsonl"))]
     for ln in lines:
         ln.pop("samples_per_s", None)
-    return read_keys(os.path.join(out, "keys-rank0.txt")), [ln for ln in lines if ln["kind"] != "resumed"]
+    keys = [read_keys(os.path.join(out, f"keys-rank{r}.txt")) for r in range(world)]
+    return keys, [ln for ln in lines if ln["kind"] != "resumed"]
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +150,36 @@ def test_a_stop_signal_while_a_read_stalls_stops_within_seconds_and_the_resume_m
         p = completed(start(args(server.url, out, "--resume", workers=workers)))
     assert p.returncode == 0 and f"resumed from epoch 1, step {stops[0]}" in p.stdout, p.stderr[-3000:]
     assert trained(out) == whole(workers)
+
+
+SHORT = 10.0  # s: the stall a 2-rank stop waits out
+
+
+@pytest.mark.slow
+def test_two_ranks_wait_for_a_stalled_read_and_stop_together(served, tmp_path):
+    """One rank's read stalls; the other rank is in the step's gradient all-reduce, waiting for
+    it. The signal (to torchrun, which forwards it to both) cannot drop that rank's batch: the
+    other would be left in the all-reduce. Both stop together once the read ends, a step or two
+    later, and the resume reads what an uninterrupted run reads."""
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    # 4 passes of 5 steps a rank; each rank fetches its first two passes' shards at its start, the
+    # next two at its third: the third request for shard 0 (one rank's) stalls after step 10
+    more = ["--epoch-samples", str(4 * PASS * 8), "--timeout", "120"]
+    with stalling(served, first=10 ** 6) as server:
+        p = completed(launch_train(args(server.url, whole, *more), 2))
+    assert p.returncode == 0, p.stderr[-3000:]
+    with stalling(served, first=2, shard="mnist-train-000000.tar", stall=SHORT) as server:
+        proc = launch_train(args(server.url, out, *more), 2)
+        wait_for(proc, waiting(server, out), "the stall")
+        proc.send_signal(signal.SIGTERM)
+        p = completed(proc, 4 * SHORT + 60)  # a hang guard: ranks left in a collective would wait --timeout
+    said = p.stdout + p.stderr
+    stops = re.findall(r"stopped at epoch 1, step (\d+); checkpoint saved", said)
+    assert len(stops) == 1 and PASS <= int(stops[0]) < 2 * PASS, said[-3000:]
+    with stalling(served, first=10 ** 6) as server:
+        p = completed(launch_train(args(server.url, out, *more, "--resume"), 2))
+    assert p.returncode == 0 and f"resumed from epoch 1, step {stops[0]}" in p.stdout + p.stderr, p.stderr[-3000:]
+    assert trained(out, 2) == trained(whole, 2)
 
 
 LATE = r"""
