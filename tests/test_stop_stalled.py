@@ -25,15 +25,15 @@ BOUND = 15.0  # s the stop may take after the signal: generous for a loaded mach
 
 
 class _Stalling(Quiet, http.server.SimpleHTTPRequestHandler):
-    """Serves a folder; every shard request after the first `server.first` waits silently
-    `server.stall` seconds (or until the server stops), then is answered: a server that hangs
-    within the job's deadlines. `server.stalled` is set when a request starts waiting."""
+    """Serves a folder; the shard requests after the first `server.first` (`server.stalls` of
+    them) wait silently `server.stall` seconds (or until the server stops), then are answered: a
+    server that hangs within the job's deadlines. `server.stalled` is set when one starts waiting."""
 
     def do_GET(self):
         if self.path.endswith(getattr(self.server, "shard", ".tar")):  # (`server.shard`: that shard's requests only)
             with self.server.lock:
                 self.server.gets += 1
-                late = self.server.gets > self.server.first
+                late = self.server.first < self.server.gets <= self.server.first + self.server.stalls
             if late:
                 self.server.stalled.set()
                 t0 = time.monotonic()
@@ -45,7 +45,7 @@ class _Stalling(Quiet, http.server.SimpleHTTPRequestHandler):
 
 
 def stalling(folder, first, **attrs):
-    attrs = dict(dict(stall=STALL), **attrs)
+    attrs = dict(dict(stall=STALL, stalls=10 ** 6), **attrs)
     return serving(functools.partial(_Stalling, directory=str(folder)), first=first, gets=0,
                    lock=threading.Lock(), stalled=threading.Event(), **attrs)
 
@@ -162,13 +162,14 @@ def test_two_ranks_wait_for_a_stalled_read_and_stop_together(served, tmp_path):
     other would be left in the all-reduce. Both stop together once the read ends, a step or two
     later, and the resume reads what an uninterrupted run reads."""
     whole, out = tmp_path / "whole", tmp_path / "run"
-    # 4 passes of 5 steps a rank; each rank fetches its first two passes' shards at its start, the
-    # next two at its third: the third request for shard 0 (one rank's) stalls after step 10
+    # 4 passes of 5 steps a rank; each rank reads a part of every shard, fetching its first two
+    # passes' at its start, the next two at its third: the third request for shard 0, one rank's,
+    # stalls after step 10, and the other rank's is answered
     more = ["--epoch-samples", str(4 * PASS * 8), "--timeout", "120"]
     with stalling(served, first=10 ** 6) as server:
         p = completed(launch_train(args(server.url, whole, *more), 2))
     assert p.returncode == 0, p.stderr[-3000:]
-    with stalling(served, first=2, shard="mnist-train-000000.tar", stall=SHORT) as server:
+    with stalling(served, first=2, stalls=1, shard="mnist-train-000000.tar", stall=SHORT) as server:
         proc = launch_train(args(server.url, out, *more), 2)
         wait_for(proc, waiting(server, out), "the stall")
         proc.send_signal(signal.SIGTERM)
