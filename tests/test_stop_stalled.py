@@ -152,6 +152,33 @@ def test_a_stop_signal_while_a_read_stalls_stops_within_seconds_and_the_resume_m
     assert trained(out) == whole(workers)
 
 
+@pytest.mark.slow
+def test_a_single_process_waiting_for_its_workers_stalled_reads_stops_within_seconds(served, whole, tmp_path):
+    """At 2 workers the trainer waits for workers whose reads stall, from the first batch on: the
+    stop is before step 1, and the resume reads the whole epoch as an uninterrupted run does.
+    (The workers, stuck in their reads, are given 5 s to stop before they are killed.)"""
+    out = tmp_path / "run"
+    with stalling(served, first=0) as server:
+        proc = start(args(server.url, out, workers=2))
+        wait_for(proc, lambda: server.stalled.is_set(), "the stall")
+        time.sleep(1)  # the trainer's start done, and the wait for the first batch begun (else: a step's stop)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(HANG)
+        finally:
+            took = time.monotonic() - t0
+        p = completed(proc)
+    assert p.returncode == 128 + signal.SIGTERM, p.stderr[-3000:]
+    print(f"2 workers, SIGTERM during a {STALL:g} s stall: stopped in {took:.2f} s")
+    assert took < BOUND, f"the stop took {took:.1f} s of a {STALL:g} s stall"
+    assert "stopped at epoch 1, step 0; checkpoint saved" in p.stdout, p.stdout[-3000:]
+    with stalling(served, first=10 ** 6) as server:
+        p = completed(start(args(server.url, out, "--resume", workers=2)))
+    assert p.returncode == 0 and "resumed from epoch 1, step 0" in p.stdout, p.stderr[-3000:]
+    assert trained(out) == whole(2)
+
+
 SHORT = 10.0  # s: the stall a 2-rank stop waits out
 
 
