@@ -95,7 +95,8 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
             t0 = time.perf_counter()
             run.tally["busy"] += t0 - t1
         votes.drain()
-        if run.stopping is not None and got < left:  # a stop signal while the next batch was read: saved after the last step trained
+        if run.stopping is not None and got < left:  # a stop signal while the next batch was read (next_batch):
+            # the checkpoint is after the last step trained, as a stop at that step writes it
             sums = settle(run, log, metrics, epoch)
             run.tally["samples"] = [a + b for a, b in zip(run.tally["samples"], per_source.tolist())]
             run.save(keys, sums)
