@@ -14,6 +14,7 @@ from pipeline.train import dist, options
 from pipeline.train.console import progress_bar
 from pipeline.train.metrics import StepLog
 from pipeline.train.run import NonFiniteLoss
+from pipeline.train.stop import Interrupted
 
 
 def train_epoch(run, loader, epoch, metrics, keys, budget):
@@ -44,8 +45,9 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
     votes = dist.Votes()
     t0 = time.perf_counter()
     got = 0
+    batches = iter(loader)  # on run.device already (make_loader's device); workers persist and pick up set_epoch
     try:  # the bar closes however the epoch ends: an error line after it must be the last line
-        for batch in loader:  # on run.device already (make_loader's device); workers persist and pick up set_epoch
+        while (batch := next_batch(run, batches, due=got < left)) is not None:
             run.stream.record(batch["state"])  # this batch is trained now: the stream's place is after it
             t1 = time.perf_counter()
             run.startup.setdefault("first_batch_s", round(t1 - run.t0, 3))
@@ -93,6 +95,12 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
             t0 = time.perf_counter()
             run.tally["busy"] += t0 - t1
         votes.drain()
+        if run.stopping is not None and got < left:  # a stop signal while the next batch was read (next_batch):
+            # the checkpoint is after the last step trained, as a stop at that step writes it
+            sums = settle(run, log, metrics, epoch)
+            run.tally["samples"] = [a + b for a, b in zip(run.tally["samples"], per_source.tolist())]
+            run.save(keys, sums)
+            return False
     finally:
         if bar is not None:
             bar.close()
@@ -100,6 +108,22 @@ def train_epoch(run, loader, epoch, metrics, keys, budget):
     gather_epoch(run, epoch)
     run.in_epoch = False
     return True
+
+
+def next_batch(run, batches, due):
+    """The loader's next batch, or None at its end or, when a stop signal came while a single
+    process waited for it (run.stopping is then set), None at once: a read stalled within its
+    deadline no longer holds the stop (pipeline.train.stop). `due`: a batch is expected, so one
+    being read is abandoned untrained; the pass's end is waited for."""
+    stopper = run.stopper
+    if stopper is None or not due or run.topo.world > 1:
+        return next(batches, None)
+    try:
+        with stopper.interruptible():
+            return next(batches, None)
+    except Interrupted as e:
+        run.stopping = e.signal
+        return None
 
 
 def settle(run, log, metrics, epoch):

@@ -211,16 +211,18 @@ def error_line(e):
     return line.replace(", and the next pass starts the workers again", "")  # this run makes no next pass
 
 
-def main(argv=None, args=None):
+def main(argv=None, args=None, process=False):
     """The trainer's entry point; returns the exit code: 0 done (or stopped by
     --stop-after/--stop-after-steps), 2 bad input (one line), 3 a non-finite loss, 128 + N
     stopped by signal N with a checkpoint (pipeline.train.stop). Any other exception is a
-    bug and keeps its traceback. `args`: already parsed from `argv` (python -m pipeline.train)."""
+    bug and keeps its traceback. `args`: already parsed from `argv` (python -m pipeline.train).
+    process: the process ends with this run (its entry point), so the stop signals' handlers
+    stay: a signal after the run, until the process ends, leaves its exit code as it is."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if args is None:
         args = options.parse(argv)
     dist.exit_with_launcher()
-    stopper = stop.StopRequest([] if args.eval_only else stop.parse_signals(args.stop_signals), argv)
+    stopper = stop.StopRequest([] if args.eval_only else stop.parse_signals(args.stop_signals), argv, keep=process)
     progress = {"began": False}
     try:
         with stopper, dist.distributed(timeout_s=args.timeout) as (topo, device), guard.out_lock(args.out, topo):

@@ -19,8 +19,19 @@ SLURM and Kubernetes report for a process ended by that signal, so a requeue scr
 keys on 143 treats a clean stop and a hard kill (a second signal, the grace period over)
 alike; both leave a complete checkpoint to resume from.
 
+A stop that waits for a step can wait long: in a single process at `--workers 0` the step's
+next batch is read in the trainer itself, and a read stalled inside its deadline (`--io-timeout`)
+held a SIGTERM for 40 s, past torchrun's 30 s (hostileK 7). So while a single process waits for
+its next batch (`interruptible`), the signal raises `Interrupted` there (PEP 475: a handler that
+raises ends a blocking recv or lock wait), a BaseException that no `except Exception` on the way
+takes for a read's failure; the batch not yet trained is dropped, and the stop checkpoints after
+the last step trained. With several ranks it only notes the signal: another rank may already be
+in the gradient all-reduce of the step that batch belongs to, and a rank that left it there would
+leave it waiting.
+
 Stdlib only: the command line checks `--stop-signals` before torch is imported.
 """
+import contextlib
 import os
 import shlex
 import signal
@@ -50,16 +61,30 @@ def parse_signals(text):
     return out
 
 
+class Interrupted(BaseException):
+    """A stop signal that came while the trainer waited for its next batch
+    (`StopRequest.interruptible`). A BaseException, as KeyboardInterrupt is: the reads' retry
+    loops and every `except Exception` let it through."""
+
+    def __init__(self, sig):
+        super().__init__(sig.name)
+        self.signal = sig
+
+
 class StopRequest:
     """The stop signals' handlers while a training runs (a context manager that puts the
-    previous ones back). `vector()` is this process's vote, one slot per stop signal;
-    `agreed(sums)` reads the ranks' summed votes: the signal all stop for, or None."""
+    previous ones back, or with `keep` leaves its own: the process's entry point, whose run is
+    over and saved once it exits, so that a signal before the process ends is the first one
+    and changes nothing, where the default action gave a finished run a death by signal).
+    `vector()` is this process's vote, one slot per stop signal; `agreed(sums)` reads the
+    ranks' summed votes: the signal all stop for, or None."""
 
-    def __init__(self, signals, argv):
-        self.signals, self.argv = list(signals), list(argv)
+    def __init__(self, signals, argv, keep=False):
+        self.signals, self.argv, self.keep = list(signals), list(argv), keep
         self.got = None  # the first signal this process received
         self.pid = os.getpid()
         self.previous = {}
+        self.waiting = False  # inside `interruptible`: the first signal raises Interrupted
 
     def __enter__(self):
         global _ACTIVE
@@ -71,6 +96,9 @@ class StopRequest:
     def __exit__(self, *exc):
         global _ACTIVE
         _ACTIVE = None
+        self.waiting = False
+        if self.keep:
+            return False
         for sig, old in self.previous.items():
             signal.signal(sig, old)
         return False
@@ -80,12 +108,27 @@ class StopRequest:
             return
         if self.got is None:
             self.got, self.at = signal.Signals(signum), time.monotonic()
+            if self.waiting:
+                self.waiting = False
+                raise Interrupted(self.got)
             return
         if signum == self.got and time.monotonic() - self.at <= TWICE:  # the group's copy of the first
             return
         for sig in self.signals:  # a second signal ends the process at once
             signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
+
+    @contextlib.contextmanager
+    def interruptible(self):
+        """Wait here for the next batch: a stop signal raises `Interrupted` (one already noted
+        too). Only where dropping what is being read loses nothing: a batch not yet trained."""
+        self.waiting = True
+        try:
+            if self.got is not None:
+                raise Interrupted(self.got)
+            yield
+        finally:
+            self.waiting = False
 
     def vector(self):
         return [1.0 if self.got == sig else 0.0 for sig in self.signals]
@@ -131,6 +174,17 @@ def end_children():
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_block_in_child)
+
+
+def ignore_at_exit(signals):
+    """At the process's exit (its first atexit hook, which runs last): the stop signals ignored.
+    Python puts the default action back as it tears itself down, after every atexit hook, and a
+    signal then (torchrun's, a scheduler's, just after the run's "done" line) ended a finished,
+    saved run by the signal (rc -15). Until then StopRequest(keep=True)'s handler stays: a first
+    signal changes nothing, a second ends a stuck exit."""
+    import atexit
+
+    atexit.register(lambda: [signal.signal(sig, signal.SIG_IGN) for sig in signals])
 
 
 def exit_code(sig):
