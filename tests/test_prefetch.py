@@ -429,3 +429,22 @@ def test_a_budget_passed_by_fetching_ahead_names_the_flag(slow_server):
     with pytest.raises(ValueError) as e:
         guard.check_memory(SimpleNamespace(batch_size=8, workers=2, max_batch_memory=1 << 10), local)
     assert "--fetch-ahead" not in str(e.value) and "--shuffle-window" in str(e.value), str(e.value)
+
+
+def test_the_fetch_threads_leave_stop_signals_to_the_trainers_thread(monkeypatch):
+    """A stop signal taken by a fetch thread would leave the trainer's thread waiting out a stalled read
+    (stop.StopRequest.interruptible raises only where the signal interrupts the wait): the threads
+    block every stop signal, so that the kernel hands it to a thread that does not."""
+    import signal
+
+    monkeypatch.setattr(reading, "_fetch", lambda *args: signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    fetcher = reading._Fetcher(1)
+    try:
+        blocked = fetcher.submit("u", None, None, None, None).result(timeout=30)
+    finally:
+        fetcher.stop()
+    assert reading.STOP_SIGNALS <= blocked
+    from pipeline.train.stop import ALLOWED
+
+    assert reading.STOP_SIGNALS == {getattr(signal, "SIG" + name) for name in ALLOWED}  # any --stop-signals
+    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # this thread's own mask untouched

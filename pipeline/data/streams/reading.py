@@ -5,6 +5,7 @@ import collections
 import io
 import os
 import queue
+import signal
 import threading
 import weakref
 from concurrent.futures import Future
@@ -59,7 +60,15 @@ def _take(fetched, consume):
     raise error
 
 
+# What people and schedulers send to stop a run (pipeline.train.stop.ALLOWED): blocked in the fetch
+# threads, so that the kernel hands it to the trainer's own thread, whose wait for this thread's shard
+# it must interrupt (stop.StopRequest.interruptible); a signal taken by this thread would wait out the read.
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT,
+                signal.SIGXCPU}
+
+
 def _work(jobs, stopped):
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     while not stopped.is_set():
         job = jobs.get()
         if job is None:
