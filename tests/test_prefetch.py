@@ -15,7 +15,6 @@ import pytest
 
 from helpers import Quiet, build_shards, serving, shard_keys
 from pipeline.data.store import remote
-from pipeline.data.streams import stages
 from pipeline.data.streams import reading
 from pipeline.data.streams import plans
 from pipeline.data.manifests.manifest import resolve

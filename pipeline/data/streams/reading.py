@@ -12,7 +12,6 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from pipeline.ordering import order
 from pipeline.data.store import remote
 from pipeline.data.decoding.decode import image_format, image_of
 from pipeline.data.decoding.labelling import Unlabelled, class_index, label_of, parse_label_key
