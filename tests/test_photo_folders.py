@@ -210,6 +210,41 @@ def test_files_imagefolder_leaves_out_are_counted_by_extension(tmp_path):
     assert [ln for ln in out.splitlines() if "left out" in ln] == said
 
 
+def test_hidden_folders_are_no_classes_and_files_outside_classes_are_said_apart(tmp_path):
+    """.git/ and .ipynb_checkpoints/ holding a .jpg are no classes (nor part of one), said in one
+    line naming them; a photo beside the class folders is "outside any class folder", not a type
+    to convert; a file manager's files (.DS_Store, Thumbs.db, desktop.ini) are not counted."""
+    root = tmp_path / "pets"
+    small_folder(root, n=1)
+    for hidden in (root / ".git" / "objects", root / "a" / ".ipynb_checkpoints"):
+        hidden.mkdir(parents=True)
+        Image.fromarray(photo(8, 8)).save(hidden / "x.jpg")
+    Image.fromarray(photo(8, 8)).save(root / "stray.jpg")
+    for junk in (root / "a" / ".DS_Store", root / "b" / "Thumbs.db", root / "desktop.ini"):
+        junk.write_bytes(b"x")
+    code, out, err = make("--imagefolder", f"pets:train={root}", "--shape", "3,8,8", "--out", tmp_path / "out",
+                          "--workers", 1, "--quiet")
+    assert code == 0, err
+    m = manifest(tmp_path / "out")
+    assert m["classes"] == ["a", "b"] and m["total"] == 2
+    said = [ln for ln in out.splitlines() if "left out" in ln]
+    assert said == [f"pets-train: note: left out 2 hidden folder(s) in {root} (.git, a/.ipynb_checkpoints): a "
+                    f'folder whose name starts with "." is a tool\'s, not a class',
+                    f"pets-train: warning: 1 file(s) in {root} outside any class folder left out (ImageFolder "
+                    f"layout: DIR/<class>/<image>)"], out
+
+
+def test_an_empty_class_folder_is_named(tmp_path):
+    root = tmp_path / "pets"
+    small_folder(root, n=1)
+    (root / "empty").mkdir()
+    (root / "empty" / "readme.md").write_text("x")
+    code, _, err = make("--imagefolder", f"pets:train={root}", "--shape", "3,8,8", "--out", tmp_path / "out",
+                        "--workers", 1, "--quiet")
+    assert code == 2 and len(err.splitlines()) == 1 and "class folder(s) empty in" in err, err
+    assert "holds no images in ImageFolder layout" not in err
+
+
 def test_a_folder_imagefolder_takes_whole_says_nothing(tmp_path):
     small_folder(tmp_path / "pets", n=1)
     code, out, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--shape", "3,8,8", "--out",
