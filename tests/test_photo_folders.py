@@ -142,10 +142,12 @@ def test_skip_bad_images_leaves_them_out_counted_and_listed(tmp_path, workers):
     # fixed and built again: the old list of left-out files goes with the set it described
     for f in ("a/notes.jpg", "b/cut.png"):
         os.remove(tmp_path / "pets" / f)
-    code, _, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--shape", "3,16,16", "--out",
-                        tmp_path / "out", "--workers", 1, "--skip-bad-images", "--quiet")
+    code, out, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--shape", "3,16,16", "--out",
+                          tmp_path / "out", "--workers", 1, "--skip-bad-images", "--quiet")
     assert code == 0, err
     assert not (tmp_path / "out" / "pets-train.left-out.tsv").exists()
+    assert ": 1 shard rewritten, 5 shards deleted (no longer listed); pets-train.files.tsv rewritten, " \
+           "pets-train.left-out.tsv deleted; no other file touched" in out, out  # hostileN: the .tsv went unsaid
 
 
 def test_skip_bad_images_with_none_readable_is_one_line(tmp_path):
@@ -313,7 +315,8 @@ def test_the_side_files_go_beside_a_store_manifest_and_a_stale_one_is_removed(s3
     assert len(remote.fetch(f"{out}/pets-train.files.tsv").decode().splitlines()) == 1 + 6
     os.remove(tmp_path / "pets" / "a" / "notes.jpg")
     os.remove(tmp_path / "pets" / "b" / "cut.png")
-    code, _, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--shape", "3,8,8", "--out", out,
-                        "--workers", 1, "--quiet")
+    code, said, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--shape", "3,8,8", "--out", out,
+                           "--workers", 1, "--quiet")
     assert code == 0, err
+    assert "; pets-train.files.tsv rewritten, pets-train.left-out.tsv deleted; no other key touched" in said, said
     assert "pets-train.left-out.tsv" not in listings.names(out) and "pets-train.files.tsv" in listings.names(out)

@@ -258,6 +258,7 @@ def _build(source, out, encoding, maxcount, seed, limit, workers, part, progress
             os.remove(m)
     for f in mine:
         os.replace(os.path.join(out, f + ".tmp"), os.path.join(out, f))
+    before = {kind for kind, path in sides.items() if os.path.exists(path)}
     for kind, path in sides.items():  # this build's, or none: an old one would name other samples
         if kind in written:
             os.replace(path + ".tmp", path)
@@ -267,8 +268,9 @@ def _build(source, out, encoding, maxcount, seed, limit, workers, part, progress
     os.replace(final + ".tmp", final)
     gone = remove_stale(out, owned - (every if part[1] > 1 else set(mine)))
     if old:
-        say(f"  replaced {', '.join(os.path.basename(m) for m in old)} in {out}/: "
-            f"{shard_counts(rewritten=len(owned & set(mine)), removed=len(gone))}; no other file touched")
+        counts = shard_counts(rewritten=len(owned & set(mine)), added=len(set(mine) - owned), removed=len(gone))
+        side = side_changes({os.path.basename(p): k for k, p in sides.items()}, before, written)
+        say(f"  replaced {', '.join(os.path.basename(m) for m in old)} in {out}/: {counts}{side}; no other file touched")
     if left:
         say(f"  left out {len(left)} unreadable image(s) of {len(left) + manifest['total']} (--skip-bad-images); "
             f"each file and why: {sides['left-out']}")
@@ -473,9 +475,18 @@ def remove_stale(out, names):
     return gone
 
 
-def shard_counts(rewritten, kept=0, removed=0):
-    """'3 shards rewritten, 2 shards deleted (no longer listed)': what a rebuild did to the shards
-    of the set it replaced, its zero parts left out."""
-    parts = [(rewritten, "rewritten"), (kept, "kept as they were"), (removed, "deleted (no longer listed)")]
+def shard_counts(rewritten, kept=0, removed=0, added=0):
+    """'3 shards rewritten, 1 shard added, 2 shards deleted (no longer listed)': what a rebuild did
+    to the shards of the set it replaced, its zero parts left out."""
+    parts = [(rewritten, "rewritten"), (kept, "kept as they were"), (added, "added"),
+             (removed, "deleted (no longer listed)")]
     said = [f"{n} shard{'s' if n != 1 else ''} {what}" for n, what in parts if n]
     return ", ".join(said) or "no shard changed"
+
+
+def side_changes(names, before, written):
+    """'; p-train.files.tsv rewritten, p-train.left-out.tsv deleted': what a rebuild did to the side
+    files (`names`: file name -> kind) that were there (`before`) or that it wrote (`written`)."""
+    said = [f"{n} {'rewritten' if k in before else 'written'}" if k in written else f"{n} deleted"
+            for n, k in names.items() if k in written or k in before]
+    return "; " + ", ".join(said) if said else ""
