@@ -150,6 +150,18 @@ def test_skip_bad_images_leaves_them_out_counted_and_listed(tmp_path, workers):
            "pets-train.left-out.tsv deleted; no other file touched" in out, out  # hostileN: the .tsv went unsaid
 
 
+def test_a_held_out_split_short_of_its_unreadable_images_says_so(tmp_path):
+    """--holdout draws the held-out files before they are read: with --skip-bad-images the test
+    split can hold fewer than N, which its left-out line says."""
+    with_bad_files(tmp_path / "pets")
+    code, out, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--shape", "3,8,8", "--holdout", 7,
+                          "--out", tmp_path / "out", "--workers", 1, "--skip-bad-images", "--quiet")
+    assert code == 0, err
+    test = manifest(tmp_path / "out", "pets-test")["total"]
+    assert test < 7, out  # 7 of the 8 files held out: at least one bad one among them
+    assert f"(--skip-bad-images), so pets-test holds {test} (--holdout drew its files before they were read)" in out
+
+
 def test_skip_bad_images_with_none_readable_is_one_line(tmp_path):
     (tmp_path / "pets" / "a").mkdir(parents=True)
     (tmp_path / "pets" / "a" / "x.jpg").write_bytes(b"no")
@@ -278,12 +290,14 @@ def test_every_key_leads_back_to_its_file_also_in_a_held_out_split(tmp_path):
 def test_the_key_table_of_a_build_in_parts_is_merged(tmp_path):
     small_folder(tmp_path / "pets", n=4)
     for part in ("0/2", "1/2"):
-        code, _, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--shape", "3,8,8", "--maxcount",
-                            2, "--part", part, "--out", tmp_path / "out", "--workers", 1, "--quiet")
+        code, out, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--shape", "3,8,8", "--maxcount",
+                              2, "--part", part, "--out", tmp_path / "out", "--workers", 1, "--quiet")
         assert code == 0, err
-    code, _, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--merge", "--splits", "train",
-                        "--out", tmp_path / "out")
-    assert code == 0, err
+        name = f"pets-train.part{part[0]}of2.json"
+        assert out.splitlines()[-1].endswith(f"manifests: {name}") and (tmp_path / "out" / name).exists(), out
+    # the image folder's split is merged, not those of --splits (train test): test was "no part manifests"
+    code, out, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--merge", "--out", tmp_path / "out")
+    assert code == 0 and out.splitlines() == ["merged pets-train: 4 shards, 8 samples"], out + err
     header, rows = table(tmp_path / "out" / "pets-train.files.tsv")
     assert header == ["key", "file"] and sorted(f for _, f in rows) == sorted(
         f"{c}/{i}.png" for c in "ab" for i in range(4))
@@ -293,11 +307,12 @@ def test_the_key_table_of_a_build_in_parts_is_merged(tmp_path):
 def test_a_file_name_with_a_tab_stays_one_row(tmp_path):
     small_folder(tmp_path / "pets", n=1)
     os.rename(tmp_path / "pets" / "a" / "0.png", tmp_path / "pets" / "a" / "odd\tname.png")
+    os.rename(tmp_path / "pets" / "b" / "0.png", tmp_path / "pets" / "b" / "odd\rname.png")
     code, _, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--shape", "3,8,8", "--out",
                         tmp_path / "out", "--workers", 1, "--quiet")
     assert code == 0, err
     _, rows = table(tmp_path / "out" / "pets-train.files.tsv")
-    assert sorted(f for _, f in rows) == ["a/odd\\tname.png", "b/0.png"]
+    assert sorted(f for _, f in rows) == ["a/odd\\tname.png", "b/odd\\rname.png"]
 
 
 def test_the_side_files_go_beside_a_store_manifest_and_a_stale_one_is_removed(s3_bucket, tmp_path):

@@ -214,7 +214,7 @@ def build(source, out, *, encoding="png", maxcount=500, seed=0, limit=None, work
 
 def _build(source, out, encoding, maxcount, seed, limit, workers, part, progress, say, skip_bad=False):
     name, split = source.name, source.split
-    final = os.path.join(out, _manifest_file(name, split, part))
+    final = os.path.join(out, manifest_file(name, split, part))
     whole = os.path.join(out, manifest_name(name, split))
     owned, old = owned_shards(out, name, split)
     remove_own_temporaries(out, name, split)
@@ -272,8 +272,10 @@ def _build(source, out, encoding, maxcount, seed, limit, workers, part, progress
         side = side_changes({os.path.basename(p): k for k, p in sides.items()}, before, written)
         say(f"  replaced {', '.join(os.path.basename(m) for m in old)} in {out}/: {counts}{side}; no other file touched")
     if left:
-        say(f"  left out {len(left)} unreadable image(s) of {len(left) + manifest['total']} (--skip-bad-images); "
-            f"each file and why: {sides['left-out']}")
+        held = f", so {name}-{split} holds {manifest['total']} (--holdout drew its files before they were read)" \
+            if "subset" in source.origin else ""
+        say(f"  left out {len(left)} unreadable image(s) of {len(left) + manifest['total']} (--skip-bad-images)"
+            f"{held}; each file and why: {sides['left-out']}")
     return manifest
 
 
@@ -316,9 +318,9 @@ def _write_sides(sides, source, plan, left):
 
 
 def _write_table(path, header, rows):
-    """Tab-separated rows under a header line; a tab, newline or backslash in a field is written
-    as \\t, \\n, \\\\ (one row a line whatever a file name holds), a name that is not UTF-8
-    as its own bytes."""
+    """Tab-separated rows under a header line; a tab, newline, carriage return or backslash in a
+    field is written as \\t, \\n, \\r, \\\\ (one row a line whatever a file name holds), a name that
+    is not UTF-8 as its own bytes."""
     def field(text):
         return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
 
@@ -367,7 +369,8 @@ def _origin(source, limit):
     return origin
 
 
-def _manifest_file(dataset, split, part):
+def manifest_file(dataset, split, part):
+    """NAME-SPLIT.json, or a part's NAME-SPLIT.partIofN.json."""
     i, n = part
     return manifest_name(dataset, split) if n == 1 else f"{dataset}-{split}.part{i}of{n}.json"
 
