@@ -505,6 +505,24 @@ def test_sixteen_bit_grey_pngs_are_scaled_not_saturated():
     assert (decode.decode_image(ppm, "pgm", (1, 16, 16))[0] == (a >> 8)).all()
 
 
+def test_sixteen_bit_tiffs_are_scaled_and_grey_of_unknown_range_is_refused():
+    """16-bit TIFFs (PIL's I;16 and I;16B) keep their top 8 bits as PNGs do; a TIFF of mode I
+    (32-bit) or F holds values of no known range: refused naming its mode, not shifted to black."""
+    a = np.arange(16 * 16, dtype=np.uint16).reshape(16, 16) * 257
+    for img in (Image.fromarray(a), Image.frombytes("I;16B", (16, 16), a.astype(">u2").tobytes())):
+        buf = io.BytesIO()
+        img.save(buf, format="TIFF")
+        assert Image.open(io.BytesIO(buf.getvalue())).mode == img.mode
+        assert (decode.decode_image(buf.getvalue(), "tiff", (1, 16, 16))[0] == (a >> 8)).all()
+    small = np.random.default_rng(0).integers(3, 254, (16, 16))
+    for img, mode in ((Image.fromarray(small.astype(np.int32), "I"), "I"),
+                      (Image.fromarray(small.astype(np.float32), "F"), "F")):
+        buf = io.BytesIO()
+        img.save(buf, format="TIFF")
+        with pytest.raises(ValueError, match=f"TIFF of mode {mode} .* convert it to 8-bit grey"):
+            decode.decode_image(buf.getvalue(), "tiff", (1, 16, 16))
+
+
 def test_index_takes_the_mean_of_sixteen_bit_pngs_scaled(tmp_path):
     from pipeline.writers.index import index
 

@@ -609,6 +609,8 @@ def test_a_rebuild_removes_only_the_shards_its_old_manifest_listed(main, tmp_pat
         "mnist-train-000042.tar", "mnist-train.json"]
     code, out, err = main(*SMALL)  # newuser5 5: "0 no longer listed removed" said nothing
     assert code == 0 and "3 shards rewritten; no other file touched" in out and "deleted" not in out, out + err
+    code, out, err = main(*SMALL[:-2], "--limit", 30, "--out", "out")  # 6 shards again: 3 of them new
+    assert code == 0 and "3 shards rewritten, 3 shards added; no other file touched" in out, out + err
 
 
 def test_a_rebuild_on_a_full_disk_keeps_the_old_set_usable(main, tmp_path, monkeypatch):

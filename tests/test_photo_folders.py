@@ -142,10 +142,24 @@ def test_skip_bad_images_leaves_them_out_counted_and_listed(tmp_path, workers):
     # fixed and built again: the old list of left-out files goes with the set it described
     for f in ("a/notes.jpg", "b/cut.png"):
         os.remove(tmp_path / "pets" / f)
-    code, _, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--shape", "3,16,16", "--out",
-                        tmp_path / "out", "--workers", 1, "--skip-bad-images", "--quiet")
+    code, out, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--shape", "3,16,16", "--out",
+                          tmp_path / "out", "--workers", 1, "--skip-bad-images", "--quiet")
     assert code == 0, err
     assert not (tmp_path / "out" / "pets-train.left-out.tsv").exists()
+    assert ": 1 shard rewritten, 5 shards deleted (no longer listed); pets-train.files.tsv rewritten, " \
+           "pets-train.left-out.tsv deleted; no other file touched" in out, out  # hostileN: the .tsv went unsaid
+
+
+def test_a_held_out_split_short_of_its_unreadable_images_says_so(tmp_path):
+    """--holdout draws the held-out files before they are read: with --skip-bad-images the test
+    split can hold fewer than N, which its left-out line says."""
+    with_bad_files(tmp_path / "pets")
+    code, out, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--shape", "3,8,8", "--holdout", 7,
+                          "--out", tmp_path / "out", "--workers", 1, "--skip-bad-images", "--quiet")
+    assert code == 0, err
+    test = manifest(tmp_path / "out", "pets-test")["total"]
+    assert test < 7, out  # 7 of the 8 files held out: at least one bad one among them
+    assert f"(--skip-bad-images), so pets-test holds {test} (--holdout drew its files before they were read)" in out
 
 
 def test_skip_bad_images_with_none_readable_is_one_line(tmp_path):
@@ -210,6 +224,41 @@ def test_files_imagefolder_leaves_out_are_counted_by_extension(tmp_path):
     assert [ln for ln in out.splitlines() if "left out" in ln] == said
 
 
+def test_hidden_folders_are_no_classes_and_files_outside_classes_are_said_apart(tmp_path):
+    """.git/ and .ipynb_checkpoints/ holding a .jpg are no classes (nor part of one), said in one
+    line naming them; a photo beside the class folders is "outside any class folder", not a type
+    to convert; a file manager's files (.DS_Store, Thumbs.db, desktop.ini) are not counted."""
+    root = tmp_path / "pets"
+    small_folder(root, n=1)
+    for hidden in (root / ".git" / "objects", root / "a" / ".ipynb_checkpoints"):
+        hidden.mkdir(parents=True)
+        Image.fromarray(photo(8, 8)).save(hidden / "x.jpg")
+    Image.fromarray(photo(8, 8)).save(root / "stray.jpg")
+    for junk in (root / "a" / ".DS_Store", root / "b" / "Thumbs.db", root / "desktop.ini"):
+        junk.write_bytes(b"x")
+    code, out, err = make("--imagefolder", f"pets:train={root}", "--shape", "3,8,8", "--out", tmp_path / "out",
+                          "--workers", 1, "--quiet")
+    assert code == 0, err
+    m = manifest(tmp_path / "out")
+    assert m["classes"] == ["a", "b"] and m["total"] == 2
+    said = [ln for ln in out.splitlines() if "left out" in ln]
+    assert said == [f"pets-train: note: left out 2 hidden folder(s) in {root} (.git, a/.ipynb_checkpoints): a "
+                    f'folder whose name starts with "." is a tool\'s, not a class',
+                    f"pets-train: warning: 1 file(s) in {root} outside any class folder left out (ImageFolder "
+                    f"layout: DIR/<class>/<image>)"], out
+
+
+def test_an_empty_class_folder_is_named(tmp_path):
+    root = tmp_path / "pets"
+    small_folder(root, n=1)
+    (root / "empty").mkdir()
+    (root / "empty" / "readme.md").write_text("x")
+    code, _, err = make("--imagefolder", f"pets:train={root}", "--shape", "3,8,8", "--out", tmp_path / "out",
+                        "--workers", 1, "--quiet")
+    assert code == 2 and len(err.splitlines()) == 1 and "class folder(s) empty in" in err, err
+    assert "holds no images in ImageFolder layout" not in err
+
+
 def test_a_folder_imagefolder_takes_whole_says_nothing(tmp_path):
     small_folder(tmp_path / "pets", n=1)
     code, out, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--shape", "3,8,8", "--out",
@@ -241,12 +290,14 @@ def test_every_key_leads_back_to_its_file_also_in_a_held_out_split(tmp_path):
 def test_the_key_table_of_a_build_in_parts_is_merged(tmp_path):
     small_folder(tmp_path / "pets", n=4)
     for part in ("0/2", "1/2"):
-        code, _, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--shape", "3,8,8", "--maxcount",
-                            2, "--part", part, "--out", tmp_path / "out", "--workers", 1, "--quiet")
+        code, out, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--shape", "3,8,8", "--maxcount",
+                              2, "--part", part, "--out", tmp_path / "out", "--workers", 1, "--quiet")
         assert code == 0, err
-    code, _, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--merge", "--splits", "train",
-                        "--out", tmp_path / "out")
-    assert code == 0, err
+        name = f"pets-train.part{part[0]}of2.json"
+        assert out.splitlines()[-1].endswith(f"manifests: {name}") and (tmp_path / "out" / name).exists(), out
+    # the image folder's split is merged, not those of --splits (train test): test was "no part manifests"
+    code, out, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--merge", "--out", tmp_path / "out")
+    assert code == 0 and out.splitlines() == ["merged pets-train: 4 shards, 8 samples"], out + err
     header, rows = table(tmp_path / "out" / "pets-train.files.tsv")
     assert header == ["key", "file"] and sorted(f for _, f in rows) == sorted(
         f"{c}/{i}.png" for c in "ab" for i in range(4))
@@ -256,11 +307,12 @@ def test_the_key_table_of_a_build_in_parts_is_merged(tmp_path):
 def test_a_file_name_with_a_tab_stays_one_row(tmp_path):
     small_folder(tmp_path / "pets", n=1)
     os.rename(tmp_path / "pets" / "a" / "0.png", tmp_path / "pets" / "a" / "odd\tname.png")
+    os.rename(tmp_path / "pets" / "b" / "0.png", tmp_path / "pets" / "b" / "odd\rname.png")
     code, _, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--shape", "3,8,8", "--out",
                         tmp_path / "out", "--workers", 1, "--quiet")
     assert code == 0, err
     _, rows = table(tmp_path / "out" / "pets-train.files.tsv")
-    assert sorted(f for _, f in rows) == ["a/odd\\tname.png", "b/0.png"]
+    assert sorted(f for _, f in rows) == ["a/odd\\tname.png", "b/odd\\rname.png"]
 
 
 def test_the_side_files_go_beside_a_store_manifest_and_a_stale_one_is_removed(s3_bucket, tmp_path):
@@ -278,7 +330,8 @@ def test_the_side_files_go_beside_a_store_manifest_and_a_stale_one_is_removed(s3
     assert len(remote.fetch(f"{out}/pets-train.files.tsv").decode().splitlines()) == 1 + 6
     os.remove(tmp_path / "pets" / "a" / "notes.jpg")
     os.remove(tmp_path / "pets" / "b" / "cut.png")
-    code, _, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--shape", "3,8,8", "--out", out,
-                        "--workers", 1, "--quiet")
+    code, said, err = make("--imagefolder", f"pets:train={tmp_path / 'pets'}", "--shape", "3,8,8", "--out", out,
+                           "--workers", 1, "--quiet")
     assert code == 0, err
+    assert "; pets-train.files.tsv rewritten, pets-train.left-out.tsv deleted; no other key touched" in said, said
     assert "pets-train.left-out.tsv" not in listings.names(out) and "pets-train.files.tsv" in listings.names(out)

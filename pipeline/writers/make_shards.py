@@ -398,21 +398,21 @@ def write(args, stage=None):
         if not args.datasets and not args.imagefolder:
             return 0
     if args.merge:
-        for name in args.datasets + [f[0] for f in args.imagefolder]:
-            for split in args.splits:
-                m = shards.merge_parts(args.out, name, split)
-                print(f"merged {name}-{split}: {counted(len(m['shards']), 'shard')}, {m['total']} samples")
+        for name, split in [(n, s) for n in args.datasets for s in args.splits] + [  # an image folder's own split(s)
+                (n, s) for n, given, _ in args.imagefolder for s in (("train", "test") if args.holdout else (given,))]:
+            m = shards.merge_parts(args.out, name, split)
+            print(f"merged {name}-{split}: {counted(len(m['shards']), 'shard')}, {m['total']} samples")
         return 0
     rows, t_all = [], time.perf_counter()
     try:
         _build_all(args, stage, rows)
     except BaseException:
         if rows:  # the splits before the failure were written whole: say so, or the set looks untouched
-            print(f"make-shards: before the error below, wrote {', '.join(r[0] + '.json' for r in rows)} in "
+            print(f"make-shards: before the error below, wrote {', '.join(r[6] for r in rows)} in "
                   f"{args.out}; the split(s) after them were not written", file=sys.stderr, flush=True)
         raise
     print(f"{'split':<20}{'shards':>8}{'samples':>10}{'MB':>9}{'seconds':>9}{'samples/s':>11}  data")
-    for name, n, total, size, dt, kind in rows:
+    for name, n, total, size, dt, kind, _ in rows:
         print(f"{name:<20}{n:>8}{total:>10}{size / 1e6:>9.1f}{dt:>9.1f}{total / dt:>11.0f}  {kind}")
     print(done_line(rows, args.out, time.perf_counter() - t_all))
     return 0
@@ -434,13 +434,14 @@ def _build_all(args, stage, rows):
                 os.remove(os.path.join(stage, s["name"]))
         dt = time.perf_counter() - t0
         rows.append((f"{src.name}-{src.split}", len(m["shards"]), m["total"],
-                     sum(s["bytes"] for s in m["shards"]), dt, src.origin.get("kind")))
+                     sum(s["bytes"] for s in m["shards"]), dt, src.origin.get("kind"),
+                     shards.manifest_file(src.name, src.split, args.part)))
 
 
 def done_line(rows, out, seconds):
     """The last line: what was written, where, and how long it all took."""
     n, total, size = sum(r[1] for r in rows), sum(r[2] for r in rows), sum(r[3] for r in rows)
-    names = ", ".join(f"{r[0]}.json" for r in rows)
+    names = ", ".join(r[6] for r in rows)
     return (f"done in {seconds:.1f} s: wrote manifests and shards of {len(rows)} split(s) to {out}/ "
             f"({counted(n, 'shard')}, {total} samples, {size / 1e6:.1f} MB); manifests: {names or 'none'}")
 

@@ -20,7 +20,7 @@ from pipeline import cli
 from pipeline.errors import FetchError, ShardError
 from pipeline.files import MAX_JSON, parse_json, read_json
 from pipeline.data.manifests.manifest import manifest_name
-from pipeline.writers.shards import SIDE_FILES, shard_counts, side_file
+from pipeline.writers.shards import SIDE_FILES, shard_counts, side_changes, side_file
 
 
 MOVING = ".moving"  # NAME-SPLIT.json.moving: the shards a store build moves into place, written before the first
@@ -132,9 +132,10 @@ def publish(stage, out, name, split, *, progress=True, say=None, policy=None):
             moved.append(pending.pop(0)[:-len(tag)])
         store.put(os.path.join(stage, mname), mname)  # last: an object is written whole or not at all
         store.remove(mname + MOVING)
-        for kind in SIDE_FILES:  # the key -> file table, the images left out: beside the manifest, or none
-            side = os.path.basename(side_file(mname, kind))
+        sides, written = {os.path.basename(side_file(mname, k)): k for k in SIDE_FILES}, set()
+        for side, kind in sides.items():  # the key -> file table, the images left out: beside the manifest, or none
             if os.path.exists(os.path.join(stage, side)):
+                written.add(kind)
                 store.put(os.path.join(stage, side), side)
             elif side in present:
                 store.remove(side)
@@ -151,7 +152,9 @@ def publish(stage, out, name, split, *, progress=True, say=None, policy=None):
     for f in gone:
         store.remove(f)
     if old:
-        counts = shard_counts(rewritten=len([s for s in todo if s["name"] in owned]),
-                              kept=len(manifest["shards"]) - len(todo), removed=len(gone))
-        say(f"  replaced {mname} in {out}/: {counts}; no other key touched")
+        rewritten = len([s for s in todo if s["name"] in owned])
+        counts = shard_counts(rewritten=rewritten, kept=len(manifest["shards"]) - len(todo),
+                              added=len(todo) - rewritten, removed=len(gone))
+        before = {kind for side, kind in sides.items() if side in present}
+        say(f"  replaced {mname} in {out}/: {counts}{side_changes(sides, before, written)}; no other key touched")
     return manifest

@@ -214,7 +214,7 @@ def build(source, out, *, encoding="png", maxcount=500, seed=0, limit=None, work
 
 def _build(source, out, encoding, maxcount, seed, limit, workers, part, progress, say, skip_bad=False):
     name, split = source.name, source.split
-    final = os.path.join(out, _manifest_file(name, split, part))
+    final = os.path.join(out, manifest_file(name, split, part))
     whole = os.path.join(out, manifest_name(name, split))
     owned, old = owned_shards(out, name, split)
     remove_own_temporaries(out, name, split)
@@ -258,6 +258,7 @@ def _build(source, out, encoding, maxcount, seed, limit, workers, part, progress
             os.remove(m)
     for f in mine:
         os.replace(os.path.join(out, f + ".tmp"), os.path.join(out, f))
+    before = {kind for kind, path in sides.items() if os.path.exists(path)}
     for kind, path in sides.items():  # this build's, or none: an old one would name other samples
         if kind in written:
             os.replace(path + ".tmp", path)
@@ -267,11 +268,14 @@ def _build(source, out, encoding, maxcount, seed, limit, workers, part, progress
     os.replace(final + ".tmp", final)
     gone = remove_stale(out, owned - (every if part[1] > 1 else set(mine)))
     if old:
-        say(f"  replaced {', '.join(os.path.basename(m) for m in old)} in {out}/: "
-            f"{shard_counts(rewritten=len(owned & set(mine)), removed=len(gone))}; no other file touched")
+        counts = shard_counts(rewritten=len(owned & set(mine)), added=len(set(mine) - owned), removed=len(gone))
+        side = side_changes({os.path.basename(p): k for k, p in sides.items()}, before, written)
+        say(f"  replaced {', '.join(os.path.basename(m) for m in old)} in {out}/: {counts}{side}; no other file touched")
     if left:
-        say(f"  left out {len(left)} unreadable image(s) of {len(left) + manifest['total']} (--skip-bad-images); "
-            f"each file and why: {sides['left-out']}")
+        held = f", so {name}-{split} holds {manifest['total']} (--holdout drew its files before they were read)" \
+            if "subset" in source.origin else ""
+        say(f"  left out {len(left)} unreadable image(s) of {len(left) + manifest['total']} (--skip-bad-images)"
+            f"{held}; each file and why: {sides['left-out']}")
     return manifest
 
 
@@ -314,9 +318,9 @@ def _write_sides(sides, source, plan, left):
 
 
 def _write_table(path, header, rows):
-    """Tab-separated rows under a header line; a tab, newline or backslash in a field is written
-    as \\t, \\n, \\\\ (one row a line whatever a file name holds), a name that is not UTF-8
-    as its own bytes."""
+    """Tab-separated rows under a header line; a tab, newline, carriage return or backslash in a
+    field is written as \\t, \\n, \\r, \\\\ (one row a line whatever a file name holds), a name that
+    is not UTF-8 as its own bytes."""
     def field(text):
         return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
 
@@ -365,7 +369,8 @@ def _origin(source, limit):
     return origin
 
 
-def _manifest_file(dataset, split, part):
+def manifest_file(dataset, split, part):
+    """NAME-SPLIT.json, or a part's NAME-SPLIT.partIofN.json."""
     i, n = part
     return manifest_name(dataset, split) if n == 1 else f"{dataset}-{split}.part{i}of{n}.json"
 
@@ -473,9 +478,18 @@ def remove_stale(out, names):
     return gone
 
 
-def shard_counts(rewritten, kept=0, removed=0):
-    """'3 shards rewritten, 2 shards deleted (no longer listed)': what a rebuild did to the shards
-    of the set it replaced, its zero parts left out."""
-    parts = [(rewritten, "rewritten"), (kept, "kept as they were"), (removed, "deleted (no longer listed)")]
+def shard_counts(rewritten, kept=0, removed=0, added=0):
+    """'3 shards rewritten, 1 shard added, 2 shards deleted (no longer listed)': what a rebuild did
+    to the shards of the set it replaced, its zero parts left out."""
+    parts = [(rewritten, "rewritten"), (kept, "kept as they were"), (added, "added"),
+             (removed, "deleted (no longer listed)")]
     said = [f"{n} shard{'s' if n != 1 else ''} {what}" for n, what in parts if n]
     return ", ".join(said) or "no shard changed"
+
+
+def side_changes(names, before, written):
+    """'; p-train.files.tsv rewritten, p-train.left-out.tsv deleted': what a rebuild did to the side
+    files (`names`: file name -> kind) that were there (`before`) or that it wrote (`written`)."""
+    said = [f"{n} {'rewritten' if k in before else 'written'}" if k in written else f"{n} deleted"
+            for n, k in names.items() if k in written or k in before]
+    return "; " + ", ".join(said) if said else ""

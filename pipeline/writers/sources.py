@@ -91,32 +91,28 @@ class ImageFolderSource:
     captions, each image's caption is the .txt file beside it, and the folder may also be a flat
     one of image + .txt pairs (one class, "0"). Images are held to image_caps.CONVERSION: the
     user's own files, converted offline, not the stream's caps relative to the target.
-    `left_out` counts, by extension, the files of the tree that ImageFolder does not take."""
+    Folders whose name starts with "." are not classes (`_listed`); a class folder without an
+    image is refused, naming it. `left_out` counts the files of the tree that are not taken
+    (`_left_out`), each said in a line to `say`."""
 
     def __init__(self, name, split, root, captions=False, shape=None, say=None):
-        if not os.path.isdir(root):  # before torchvision's import, which takes seconds
+        if not os.path.isdir(root):
             raise SourceError(f"{name} {split}: {root!r} is not a directory")
-        import torchvision
-
-        flat = captions and not any(e.is_dir() for e in os.scandir(root))
-        try:
-            if flat:  # a folder of image + .txt pairs: one class, the captions are what it holds
-                classes = ["0"]
-                samples = [(os.path.join(root, f), 0) for f in sorted(os.listdir(root))
-                           if f.lower().endswith(torchvision.datasets.folder.IMG_EXTENSIONS)]
-                if not samples:
-                    raise FileNotFoundError("no image files in it")
-            else:
-                folder = torchvision.datasets.ImageFolder(root)
-                classes, samples = folder.classes, folder.samples
-        except (FileNotFoundError, RuntimeError) as e:
-            raise SourceError(f"{name} {split}: {root!r} holds no images in ImageFolder layout"
-                              f"{' nor image + .txt pairs' if captions else ''}: {e}") from None
+        flat = captions and not any(e.is_dir() and not e.name.startswith(".") for e in os.scandir(root))
+        classes, samples, hidden = _listed(root, flat)
+        if not samples:
+            raise SourceError(f"{name} {split}: {root!r} holds no images in ImageFolder layout (DIR/<class>/<image>)"
+                              f"{' nor image + .txt pairs' if captions else ''}")
+        empty = sorted(set(classes) - {classes[k] for _, k in samples})
+        if empty:
+            raise SourceError(f"{name} {split}: class folder(s) {', '.join(empty)} in {root!r} hold no image "
+                              f"({' '.join(_image_exts())}); put images in them or move them out")
         self.name, self.split, self.classes = name, split, list(classes)
         self.samples, self.root = samples, root
-        self.left_out = _left_out(root, samples, captions)
-        if self.left_out and say:
-            say(left_out_line(self))
+        self.left_out = _left_out(root, samples, captions, flat)
+        if say:
+            for line in ([hidden_line(self, hidden)] if hidden else []) + left_out_lines(self):
+                say(line)
         self.captions = captions  # each image's caption, the .txt file beside it (`caption`)
         self.origin = {"kind": "imagefolder", "root": os.path.abspath(root),
                        "note": f"images from an ImageFolder tree of {len(self.samples)} files"}
@@ -209,32 +205,86 @@ class ImageFolderSource:
             raise SourceError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
-def _left_out(root, samples, captions):
-    """{extension: count} of the files under `root` that are not among `samples` (torchvision's
-    ImageFolder takes only its IMG_EXTENSIONS: a .gif, .heic or .avif photo is passed by without
-    a word), captions (.txt) aside with `captions`; '' for a file without an extension."""
-    taken = {p for p, _ in samples}  # torchvision's paths: os.path.join of root and os.walk's, as here
+SYSTEM_FILES = frozenset({".ds_store", "thumbs.db", "desktop.ini"})  # a file manager's, not the user's data
+
+
+def _image_exts():
+    import torchvision
+
+    return torchvision.datasets.folder.IMG_EXTENSIONS
+
+
+def _listed(root, flat):
+    """(classes, samples, hidden) of an image folder, as torchvision's ImageFolder lists them
+    (classes the sorted folders of `root`, samples (path, class index) in its order) but for
+    folders whose name starts with "." at any depth (.git, .ipynb_checkpoints: a tool's, never a
+    class), listed apart as `hidden`, relative to root. `flat`: the files of root, one class "0"."""
+    hidden = []
+
+    def walk(top):  # os.walk, following links as ImageFolder does, without the hidden folders
+        for folder, dirs, files in os.walk(top, followlinks=True):
+            hidden.extend(os.path.relpath(os.path.join(folder, d), root) for d in dirs if d.startswith("."))
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            yield folder, files
+
+    exts = _image_exts()
+    if flat:
+        hidden.extend(e.name for e in os.scandir(root) if e.is_dir())
+        return ["0"], [(os.path.join(root, f), 0) for f in sorted(os.listdir(root)) if f.lower().endswith(exts)], \
+            sorted(hidden)
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
+    hidden.extend(c for c in classes if c.startswith("."))
+    classes = [c for c in classes if not c.startswith(".")]
+    samples = [(os.path.join(folder, f), k) for k, c in enumerate(classes)
+               for folder, files in sorted(walk(os.path.join(root, c))) for f in sorted(files)
+               if f.lower().endswith(exts)]
+    return classes, samples, sorted(hidden)
+
+
+def _left_out(root, samples, captions, flat=False):
+    """{extension: count} of the files in the class folders of `root` that are not among
+    `samples` (ImageFolder takes only its IMG_EXTENSIONS: a .gif, .heic or .avif photo is passed
+    by without a word), captions (.txt) aside with `captions`, '' for a file without an
+    extension; and under None, the files outside any class folder (in `root` itself). Hidden
+    folders and a file manager's files (SYSTEM_FILES) are not counted."""
+    taken = {p for p, _ in samples}  # the listing's paths: os.path.join of root and os.walk's, as here
     counts = collections.Counter()
-    for folder, _, files in os.walk(root, followlinks=True):
+    for folder, dirs, files in os.walk(root, followlinks=True):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
         for f in files:
             ext = os.path.splitext(f)[1].lower()
-            if os.path.join(folder, f) not in taken and not (captions and ext == ".txt"):
-                counts[ext] += 1
+            if os.path.join(folder, f) in taken or f.lower() in SYSTEM_FILES or captions and ext == ".txt":
+                continue
+            counts[None if folder == root and not flat else ext] += 1
     return dict(counts)
 
 
-def left_out_line(source):
-    """One line naming the files of an image folder ImageFolder left out, by extension."""
-    import torchvision
-
+def hidden_line(source, hidden):
+    """One line naming the hidden folders an image folder's listing passed by."""
     from pipeline.cli import printable
 
-    counts = source.left_out
-    n = sum(counts.values())
-    by_ext = ", ".join(f"{e or '(no extension)'} {k}" for e, k in sorted(counts.items(), key=lambda x: (-x[1], x[0])))
-    return printable(f"{source.name}-{source.split}: warning: {n} file(s) in {source.root} left out ({by_ext}): "
-                     f"ImageFolder takes only {' '.join(torchvision.datasets.folder.IMG_EXTENSIONS)}; convert such "
-                     f"photos to one of those first (e.g. .png) to include them")
+    shown = ", ".join(hidden[:5]) + (f" and {len(hidden) - 5} more" if len(hidden) > 5 else "")
+    return printable(f"{source.name}-{source.split}: note: left out {len(hidden)} hidden folder(s) in {source.root} "
+                     f"({shown}): a folder whose name starts with \".\" is a tool's, not a class")
+
+
+def left_out_lines(source):
+    """The lines naming the files of an image folder its listing left out: those outside any
+    class folder, and the others by extension."""
+    from pipeline.cli import printable
+
+    counts = dict(source.left_out)
+    outside = counts.pop(None, 0)
+    head = f"{source.name}-{source.split}: warning:"
+    lines = [f"{head} {outside} file(s) in {source.root} outside any class folder left out (ImageFolder layout: "
+             f"DIR/<class>/<image>)"] if outside else []
+    if counts:
+        by_ext = ", ".join(f"{e or '(no extension)'} {k}" for e, k in sorted(counts.items(),
+                                                                            key=lambda x: (-x[1], x[0])))
+        lines.append(f"{head} {sum(counts.values())} file(s) in {source.root} left out ({by_ext}): ImageFolder takes "
+                     f"only {' '.join(_image_exts())}; convert such photos to one of those first (e.g. .png) to "
+                     f"include them")
+    return [printable(line) for line in lines]
 
 
 def add_options(a):

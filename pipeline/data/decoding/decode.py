@@ -7,7 +7,8 @@ do both for .pyd/.pickle/.pth), and PIL is only asked to open the one format
 an extension names (an .png member that is really EPS would make PIL run
 Ghostscript). An image's size, as its decoder will produce it, is checked
 against `pipeline.data.decoding.image_caps` before its pixels are decoded (`open_image`), and
-16-bit grey images keep their top 8 bits rather than saturate.
+16-bit grey images keep their top 8 bits rather than saturate; grey of unknown range (a
+TIFF of 32-bit integers or floats) is refused, not guessed.
 
 Images of another size or mode are brought to the source's shape here, inside
 the loader workers: grey/RGB/RGBA to the source's channel count, JPEGs

@@ -121,7 +121,21 @@ def upright(img, orientation):
     return img.transpose(turn)
 
 
-SIXTEEN_BIT = frozenset({"I;16", "I;16B", "I;16L", "I;16N", "I"})  # PIL's modes for 16-bit grey (PNG, PPM)
+SIXTEEN_BIT = frozenset({"I;16", "I;16B", "I;16L", "I;16N"})  # PIL's modes for unsigned 16-bit grey (PNG, TIFF)
+SIXTEEN_BIT_I = frozenset({"PNG", "PPM"})  # formats whose mode "I" is 16-bit: PIL scales a PGM's maxval to 65535
+
+
+def sixteen_bit(img):
+    """True for 16-bit grey, whose top 8 bits are kept; False for a mode PIL converts to L or RGB
+    itself. ValueError for integer or float grey of unknown range (a TIFF's mode "I", 32-bit or
+    signed, or "F"): any scale to 8 bits would be a guess (values 3..253 shifted by 8 were black)."""
+    if img.mode in SIXTEEN_BIT or img.mode == "I" and img.format in SIXTEEN_BIT_I:
+        return True
+    if img.mode in ("I", "F"):
+        kind = "floating-point" if img.mode == "F" else "32-bit or signed integer"
+        raise ValueError(f"{img.format or 'image'} of mode {img.mode} ({kind} grey) has no one mapping to 8 bits; "
+                         f"convert it to 8-bit grey (mode L) or 16-bit unsigned grey first")
+    return False
 
 
 def pixels_of(img, c):
@@ -132,9 +146,8 @@ def pixels_of(img, c):
 
 def _converted(img, c):
     """A PIL image in mode L (c 1) or RGB (c 3), or for 16-bit grey HWC uint8 (see pixels_of)."""
-    if img.mode in SIXTEEN_BIT:
-        a = np.asarray(img)
-        a = ((np.clip(a, 0, 65535) if img.mode == "I" else a) >> 8).astype(np.uint8)[:, :, None]
+    if sixteen_bit(img):
+        a = (np.clip(np.asarray(img), 0, 65535) >> 8).astype(np.uint8)[:, :, None]
         return np.repeat(a, 3, axis=2) if c == 3 else a
     return img.convert("L" if c == 1 else "RGB")
 
