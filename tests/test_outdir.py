@@ -188,6 +188,23 @@ def test_a_previous_run_in_out_is_refused_before_new_shards_are_indexed(tmp_path
     assert snapshot(out) == before
 
 
+def test_eval_only_without_a_checkpoint_is_refused_before_shards_are_indexed(tmp_path, monkeypatch):
+    """hostileN 3: --eval-only on an --out with no checkpoint indexed the training set on first
+    use, printed the busy-cores note, and only then said there was no checkpoint."""
+    from helpers import write_shardwriter
+    from pipeline.train import dist
+    from pipeline.writers import autoindex
+
+    monkeypatch.setattr(dist, "busy_line", lambda *a, **k: "BUSY")  # as on a loaded machine
+    write_shardwriter(tmp_path / "set", 40)
+    out = tmp_path / "run"
+    p = train_in_process(["--train", f"web={tmp_path / 'set'}", "--eval", f"web={tmp_path / 'set'}", *SMALL,
+                          "--out", str(out), "--eval-only"])
+    assert p.returncode == 2 and f"--eval-only: no checkpoint at {out}/checkpoint.pt" in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "set" / autoindex.INDEX_FOLDER).exists() and "indexed" not in p.stderr
+    assert "BUSY" not in p.stderr and not out.exists()
+
+
 def test_overwrite_refused_by_a_later_check_leaves_the_previous_run(shards, tmp_path):
     """check_out runs first but deletes nothing: --overwrite clears the previous run only once the
     other checks (here an epoch shorter than one batch) have passed."""

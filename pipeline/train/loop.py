@@ -55,7 +55,7 @@ def train(args, topo, device, stopper=None, progress=None):
         options.per_rank_batch(args, topo.world)  # --global-batch: each rank's share, now that the world is known
     except ValueError as e:
         raise InputError(str(e)) from None
-    plan = None if args.eval_only else check_out(args, topo)  # before any shard is indexed or read
+    plan = check_out(args, topo)  # before any shard is indexed or read (--eval-only's checkpoint too)
     policy = remote.Policy(**cli.io_limits(args))
     check = http_check(topo, policy)
     found = dict(policy=policy, check_http=check, cache_dir=args.cache_dir, progress=topo.is_main)  # shards with no

@@ -20,8 +20,8 @@ OutPlan = collections.namedtuple("OutPlan", "ckpt why doomed")  # check_out's ve
 
 
 def check_out(args, topo):
-    """Refuse to overwrite a previous run unless told (InputError); returns the plan for
-    prepare_out: the checkpoint to resume, or what a fresh start deletes. Every rank calls it
+    """Refuse to overwrite a previous run unless told, and --eval-only without a checkpoint
+    (InputError); returns the plan for prepare_out: the checkpoint to resume, or what a fresh start deletes. Every rank calls it
     before any shard is indexed or read: a mistaken --out is a one-line error at once, not after
     indexing a large set on first use. It deletes nothing: a run refused later (a batch too big)
     leaves the previous run as it was.
@@ -31,6 +31,10 @@ def check_out(args, topo):
     over if it never wrote one. A run another job left there is refused as on the first attempt.
     """
     ckpt = os.path.join(args.out, "checkpoint.pt")
+    if getattr(args, "eval_only", False):  # it reads the checkpoint and writes eval.json beside it
+        if not os.path.exists(ckpt):
+            raise InputError(f"--eval-only: no checkpoint at {ckpt}")
+        return OutPlan(ckpt, None, [])
     previous = os.path.exists(os.path.join(args.out, "metrics.jsonl")) or os.path.exists(ckpt)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
     if restarted:  # rank 0's verdict: on another node the job's identity reads otherwise (job_id)
