@@ -4,6 +4,7 @@ a torchrun restart takes over only a run its own job started, checkpoints reach 
 before their rename, a deleted key log is named."""
 import errno
 import os
+import re
 import shlex
 
 import pytest
@@ -203,6 +204,61 @@ def test_eval_only_without_a_checkpoint_is_refused_before_shards_are_indexed(tmp
     assert p.returncode == 2 and f"--eval-only: no checkpoint at {out}/checkpoint.pt" in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "set" / autoindex.INDEX_FOLDER).exists() and "indexed" not in p.stderr
     assert "BUSY" not in p.stderr and not out.exists()
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_stop_signal_before_the_run_began_leaves_the_previous_run(shards, tmp_path, monkeypatch, sig):
+    """hostileN 2: Ctrl-C while --overwrite's job indexed its shards on first use was noted and
+    acted on only after a step: the finished run was deleted for a 1-step one. A stop signal
+    that comes before the run changed --out ends the job there (128 + N), --out as it was."""
+    import signal
+
+    from pipeline.train import guard
+
+    out = tmp_path / "run"
+    assert train_in_process(args_for(shards, out, "--epochs", "1")).returncode == 0
+    before = snapshot(out)
+    memory = guard.check_memory
+
+    def signalled(*a, **k):  # while the job gets ready, after its shards are indexed
+        os.kill(os.getpid(), getattr(signal, sig))
+        return memory(*a, **k)
+
+    monkeypatch.setattr(guard, "check_memory", signalled)
+    p = train_in_process(args_for(shards, out, "--overwrite"))
+    assert p.returncode == 128 + getattr(signal, sig), p.stderr[-2000:]
+    assert f"stopped by {sig} before the run began; {out}/ is left as it was" in p.stderr
+    assert "deleting" not in p.stdout and snapshot(out) == before
+
+
+SIGNAL_RANK1 = """
+import os, signal
+if os.environ.get("RANK") == "1":  # a rank of the job, not its launcher: SIGINT to itself as it gets ready
+    from pipeline.train import guard
+    memory = guard.check_memory
+    def signalled(*a, **k):
+        os.kill(os.getpid(), signal.SIGINT)
+        return memory(*a, **k)
+    guard.check_memory = signalled
+"""
+
+
+@pytest.mark.slow
+def test_a_stop_signal_on_one_rank_before_the_run_began_stops_every_rank(shards, tmp_path):
+    """hostileN 2 on 2 ranks: rank 1 alone is signalled before the run began; both ranks end with
+    130 and rank 0 deletes nothing."""
+    out = tmp_path / "run"
+    assert train_in_process(args_for(shards, out, "--epochs", "1")).returncode == 0
+    before = snapshot(out)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SIGNAL_RANK1)
+    proc = launch_train(args_for(shards, out, "--overwrite"), 2, pythonpath=[hook], fork_ranks=False)
+    rc, err = finish(proc, timeout=HANG)
+    assert rc != 0 and err.count("before the run began") == 1, err[-3000:]  # said by rank 0, never signalled
+    codes = re.findall(r"rank\s*: (\d) \(local_rank[^\n]*\n\s*exitcode\s*: (-?\d+)", err)  # torchrun's report
+    assert ("0", "130") in codes, err[-3000:]  # (rank 1 may be ended by torchrun's SIGTERM once rank 0 is out)
+    assert snapshot(out) == before
 
 
 def test_overwrite_refused_by_a_later_check_leaves_the_previous_run(shards, tmp_path):

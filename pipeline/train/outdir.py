@@ -61,15 +61,26 @@ def check_out(args, topo):
     return OutPlan(None, why, found if previous or args.overwrite else [])
 
 
-def prepare_out(args, topo, plan=None):
+class Unstarted(Exception):
+    """A stop signal came before the run changed anything in --out (prepare_out): the job ends
+    there, every rank alike, with the signal's exit code and --out as it was."""
+
+    def __init__(self, sig):
+        super().__init__(sig.name)
+        self.signal = sig
+
+
+def prepare_out(args, topo, plan=None, stopper=None):
     """Carry out check_out's `plan` (made here when None) once the run will train: every rank
-    has looked before rank 0 deletes the previous run's files and makes --out. Returns the
-    checkpoint to resume, if any."""
+    has looked, and none was sent a stop signal (stopper: stop.StopRequest), before rank 0
+    deletes the previous run's files and makes --out. Returns the checkpoint to resume, if any;
+    raises Unstarted where some rank got a stop signal so far (while shards were indexed on
+    first use, say): a Ctrl-C then must not cost the previous run an --overwrite deletes."""
     plan = check_out(args, topo) if plan is None else plan
+    _stop_so_far(stopper)  # a collective: also every rank has looked before rank 0 clears the folder
     if plan.ckpt:
         return plan.ckpt
     why, doomed = plan.why, plan.doomed
-    dist.barrier()  # every rank has looked before rank 0 clears the folder
     if topo.is_main:
         if doomed:
             print(f"{why}: deleting the previous run in {args.out}/: {', '.join(doomed)}", flush=True)
@@ -78,6 +89,19 @@ def prepare_out(args, topo, plan=None):
         os.makedirs(args.out, exist_ok=True)
     dist.barrier()
     return None
+
+
+def _stop_so_far(stopper):
+    """Unstarted(signal) where any rank noted a stop signal (the ranks' votes summed); else a
+    barrier."""
+    if stopper is None or not stopper.signals:
+        dist.barrier()
+        return
+    import torch
+
+    sig = stopper.agreed(dist.all_reduce_sum(torch.tensor(stopper.vector(), dtype=torch.float64)).tolist())
+    if sig is not None:
+        raise Unstarted(sig)
 
 
 RUN_FILE = re.compile(r"(metrics\.jsonl|summary\.json|checkpoint\.pt|eval\.json|report\.png|keys-rank\d+\.txt|"
