@@ -140,17 +140,30 @@ def test_a_deleted_key_log_is_named_on_resume(shards, tmp_path):
 
 def test_job_ids_tell_jobs_apart():
     assert outdir.job_id({}) is None
-    assert outdir.job_id({"TORCHELASTIC_RUN_ID": "5e78d7f0"}) == "5e78d7f0"  # --standalone's uuid, or --rdzv-id
-    default = outdir.job_id({"TORCHELASTIC_RUN_ID": "none"})  # static rendezvous: the launcher process
-    assert default.startswith("none@") and f":{os.getppid()}:" in default and not default.endswith(":?")
+    for run in ("5e78d7f0", "none"):  # --standalone's uuid or --rdzv-id; static rendezvous
+        job = outdir.job_id({"TORCHELASTIC_RUN_ID": run})  # and the launcher process, always (hostileN 1)
+        assert job.startswith(f"{run}@") and f":{os.getppid()}:" in job and not job.endswith(":?")
+    same = outdir.same_job
+    assert same("exp100@h1:42:7", "exp100@h1:42:7")  # a restart by the same launcher
+    assert not same("exp100@h1:42:7", "exp100@h1:43:9")  # a fixed --rdzv-id copied into another job
+    assert same("exp100@h1:42:7", "exp100@h2:51:8")  # an elastic restart put rank 0 on another node
+    assert not same("none@h1:42:7", "none@h2:51:8")  # static: each node keeps its place over restarts
+    assert not same("exp100@h1:42:7", "exp101@h1:42:7") and not same("exp100", "exp100@h1:42:7")
+    assert not same(None, "exp100@h1:42:7") and not same("exp100@h1:42:7", None)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", [["--standalone"], []], ids=["standalone", "static"])
+@pytest.mark.parametrize("launcher", [["--standalone"], [], "fixed"], ids=["standalone", "static", "fixed-rdzv-id"])
 def test_a_restart_does_not_take_over_another_jobs_run(shards, tmp_path, launcher):
     """hostileK 1: a job refused on an --out holding another run was restarted by torchrun
     (--max-restarts) and the restart resumed that run with the new job's options. A restart
-    takes over only a run its own job started or resumed; a refusal stays a refusal."""
+    takes over only a run its own job started or resumed; a refusal stays a refusal. hostileN 1:
+    also where both jobs share a fixed --rdzv-id (copied from an example), the run id torchrun
+    gives both."""
+    from helpers import free_port
+
+    if launcher == "fixed":
+        launcher = ["--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{free_port()}", "--rdzv-id=exp100"]
     out = tmp_path / "run"
     args = ["--train", f"mnist={shards}/", "--epochs", "2", *SMALL, "--out", out]
     job1 = launch_train([*args, "--stop-after-steps", "2"], 2, extra_launcher=launcher, fork_ranks=False)
