@@ -168,24 +168,40 @@ def missing_folder(spec):
 
 
 def no_manifest(path):
-    """The line for a local manifest that is not there (manifest.load, missing_line)."""
+    """The line for a local manifest that is not there (manifest.load, missing_line), naming the
+    .json of its folder that `path` is a typo of, if one is (closest_json)."""
+    closest = closest_json(path)
     return (f"no manifest at {path} (build one with make-shards, or index existing shards with "
-            f"make-shards --index)")
+            f"make-shards --index)" + (f"; did you mean {closest}?" if closest else ""))
+
+
+TYPO = 0.85  # difflib ratio: mnist-trian.json / mnist-train.jsn -> mnist-train.json (0.94, 0.97), not
+# mnist-test.json (0.77: another split, whose data would train or test in the other's place), not package.json
+
+
+def closest_json(path):
+    """The .json file in `path`'s folder whose name `path`'s is a typo of (the closest at TYPO or
+    above), else None; None where the folder is not there."""
+    import difflib
+
+    folder, base = os.path.split(path)
+    try:
+        jsons = [n for n in os.listdir(folder or ".") if n.endswith(".json") and n != base]
+    except OSError:
+        return None
+    closest = difflib.get_close_matches(base, jsons, n=1, cutoff=TYPO)
+    return os.path.join(folder, closest[0]) if closest else None
 
 
 def missing_line(name, spec):
     """The one line for a local NAME=SPEC that missing_folder found missing. A path ending in a
     file name in a folder that is there (`.../mine-train.jsn`, a mistyped manifest) gets the
-    missing manifest's line, naming the closest .json of that folder, if any; else no such folder."""
-    import difflib
-
+    missing manifest's line (with the .json it is a typo of, if any); else no such folder."""
     folder, base = os.path.split(spec)
     ext = os.path.splitext(base)[1][1:]
     if spec.endswith("/") or not (ext.isalpha() and len(ext) <= 5) or not os.path.isdir(folder or "."):
         return f"{name}={spec}: no such folder"
-    jsons = [n for n in os.listdir(folder or ".") if n.endswith(".json")]
-    closest = difflib.get_close_matches(base, jsons, n=1, cutoff=0)
-    return no_manifest(spec) + (f"; did you mean {os.path.join(folder, closest[0])}?" if closest else "")
+    return no_manifest(spec)
 
 
 def new_folders(out):

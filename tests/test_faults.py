@@ -163,12 +163,15 @@ def test_missing_http_shard_is_reported_before_training(data, tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_killed_rank_restarts_from_checkpoint_and_finishes(data, tmp_path):
+@pytest.mark.parametrize("rdzv", ["static", "fixed-rdzv-id"])
+def test_killed_rank_restarts_from_checkpoint_and_finishes(data, tmp_path, rdzv):
     """Before `dist.restart_store`, the restarted attempt read the killed rank's gloo address
-    from torchrun's store and failed with "Connection refused" in most runs."""
+    from torchrun's store and failed with "Connection refused" in most runs. With a fixed
+    --rdzv-id the restart still takes its own run over (outdir.same_job: the same launcher)."""
     out = tmp_path / "run"
-    proc = launch(args_for(data, out, "--epochs", "3", "--epoch-samples", "2000"), extra_launcher=["--max-restarts=1"],
-                  fork_ranks=False)
+    fixed = ["--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{free_port()}", "--rdzv-id=exp100"]
+    proc = launch(args_for(data, out, "--epochs", "3", "--epoch-samples", "2000"),
+                  extra_launcher=["--max-restarts=1", *(fixed if rdzv == "fixed-rdzv-id" else [])], fork_ranks=False)
     wait_for(out / "checkpoint.pt", proc)
     victims = children(proc.pid)
     assert victims, "no trainer processes found"

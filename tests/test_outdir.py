@@ -4,6 +4,7 @@ a torchrun restart takes over only a run its own job started, checkpoints reach 
 before their rename, a deleted key log is named."""
 import errno
 import os
+import re
 import shlex
 
 import pytest
@@ -139,17 +140,30 @@ def test_a_deleted_key_log_is_named_on_resume(shards, tmp_path):
 
 def test_job_ids_tell_jobs_apart():
     assert outdir.job_id({}) is None
-    assert outdir.job_id({"TORCHELASTIC_RUN_ID": "5e78d7f0"}) == "5e78d7f0"  # --standalone's uuid, or --rdzv-id
-    default = outdir.job_id({"TORCHELASTIC_RUN_ID": "none"})  # static rendezvous: the launcher process
-    assert default.startswith("none@") and f":{os.getppid()}:" in default and not default.endswith(":?")
+    for run in ("5e78d7f0", "none"):  # --standalone's uuid or --rdzv-id; static rendezvous
+        job = outdir.job_id({"TORCHELASTIC_RUN_ID": run})  # and the launcher process, always (hostileN 1)
+        assert job.startswith(f"{run}@") and f":{os.getppid()}:" in job and not job.endswith(":?")
+    same = outdir.same_job
+    assert same("exp100@h1:42:7", "exp100@h1:42:7")  # a restart by the same launcher
+    assert not same("exp100@h1:42:7", "exp100@h1:43:9")  # a fixed --rdzv-id copied into another job
+    assert same("exp100@h1:42:7", "exp100@h2:51:8")  # an elastic restart put rank 0 on another node
+    assert not same("none@h1:42:7", "none@h2:51:8")  # static: each node keeps its place over restarts
+    assert not same("exp100@h1:42:7", "exp101@h1:42:7") and not same("exp100", "exp100@h1:42:7")
+    assert not same(None, "exp100@h1:42:7") and not same("exp100@h1:42:7", None)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", [["--standalone"], []], ids=["standalone", "static"])
+@pytest.mark.parametrize("launcher", [["--standalone"], [], "fixed"], ids=["standalone", "static", "fixed-rdzv-id"])
 def test_a_restart_does_not_take_over_another_jobs_run(shards, tmp_path, launcher):
     """hostileK 1: a job refused on an --out holding another run was restarted by torchrun
     (--max-restarts) and the restart resumed that run with the new job's options. A restart
-    takes over only a run its own job started or resumed; a refusal stays a refusal."""
+    takes over only a run its own job started or resumed; a refusal stays a refusal. hostileN 1:
+    also where both jobs share a fixed --rdzv-id (copied from an example), the run id torchrun
+    gives both."""
+    from helpers import free_port
+
+    if launcher == "fixed":
+        launcher = ["--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{free_port()}", "--rdzv-id=exp100"]
     out = tmp_path / "run"
     args = ["--train", f"mnist={shards}/", "--epochs", "2", *SMALL, "--out", out]
     job1 = launch_train([*args, "--stop-after-steps", "2"], 2, extra_launcher=launcher, fork_ranks=False)
@@ -185,6 +199,78 @@ def test_a_previous_run_in_out_is_refused_before_new_shards_are_indexed(tmp_path
     p = train_in_process(["--train", f"web={tmp_path / 'set'}", *SMALL, "--out", str(out)])
     assert p.returncode == 2 and "holds a previous run" in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "set" / autoindex.INDEX_FOLDER).exists() and "indexed" not in p.stderr
+    assert snapshot(out) == before
+
+
+def test_eval_only_without_a_checkpoint_is_refused_before_shards_are_indexed(tmp_path, monkeypatch):
+    """hostileN 3: --eval-only on an --out with no checkpoint indexed the training set on first
+    use, printed the busy-cores note, and only then said there was no checkpoint."""
+    from helpers import write_shardwriter
+    from pipeline.train import dist
+    from pipeline.writers import autoindex
+
+    monkeypatch.setattr(dist, "busy_line", lambda *a, **k: "BUSY")  # as on a loaded machine
+    write_shardwriter(tmp_path / "set", 40)
+    out = tmp_path / "run"
+    p = train_in_process(["--train", f"web={tmp_path / 'set'}", "--eval", f"web={tmp_path / 'set'}", *SMALL,
+                          "--out", str(out), "--eval-only"])
+    assert p.returncode == 2 and f"--eval-only: no checkpoint at {out}/checkpoint.pt" in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "set" / autoindex.INDEX_FOLDER).exists() and "indexed" not in p.stderr
+    assert "BUSY" not in p.stderr and not out.exists()
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_stop_signal_before_the_run_began_leaves_the_previous_run(shards, tmp_path, monkeypatch, sig):
+    """hostileN 2: Ctrl-C while --overwrite's job indexed its shards on first use was noted and
+    acted on only after a step: the finished run was deleted for a 1-step one. A stop signal
+    that comes before the run changed --out ends the job there (128 + N), --out as it was."""
+    import signal
+
+    from pipeline.train import guard
+
+    out = tmp_path / "run"
+    assert train_in_process(args_for(shards, out, "--epochs", "1")).returncode == 0
+    before = snapshot(out)
+    memory = guard.check_memory
+
+    def signalled(*a, **k):  # while the job gets ready, after its shards are indexed
+        os.kill(os.getpid(), getattr(signal, sig))
+        return memory(*a, **k)
+
+    monkeypatch.setattr(guard, "check_memory", signalled)
+    p = train_in_process(args_for(shards, out, "--overwrite"))
+    assert p.returncode == 128 + getattr(signal, sig), p.stderr[-2000:]
+    assert f"stopped by {sig} before the run began; {out}/ is left as it was" in p.stderr
+    assert "deleting" not in p.stdout and snapshot(out) == before
+
+
+SIGNAL_RANK1 = """
+import os, signal
+if os.environ.get("RANK") == "1":  # a rank of the job, not its launcher: SIGINT to itself as it gets ready
+    from pipeline.train import guard
+    memory = guard.check_memory
+    def signalled(*a, **k):
+        os.kill(os.getpid(), signal.SIGINT)
+        return memory(*a, **k)
+    guard.check_memory = signalled
+"""
+
+
+@pytest.mark.slow
+def test_a_stop_signal_on_one_rank_before_the_run_began_stops_every_rank(shards, tmp_path):
+    """hostileN 2 on 2 ranks: rank 1 alone is signalled before the run began; both ranks end with
+    130 and rank 0 deletes nothing."""
+    out = tmp_path / "run"
+    assert train_in_process(args_for(shards, out, "--epochs", "1")).returncode == 0
+    before = snapshot(out)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SIGNAL_RANK1)
+    proc = launch_train(args_for(shards, out, "--overwrite"), 2, pythonpath=[hook], fork_ranks=False)
+    rc, err = finish(proc, timeout=HANG)
+    assert rc != 0 and err.count("before the run began") == 1, err[-3000:]  # said by rank 0, never signalled
+    codes = re.findall(r"rank\s*: (\d) \(local_rank[^\n]*\n\s*exitcode\s*: (-?\d+)", err)  # torchrun's report
+    assert ("0", "130") in codes, err[-3000:]  # (rank 1 may be ended by torchrun's SIGTERM once rank 0 is out)
     assert snapshot(out) == before
 
 

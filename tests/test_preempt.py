@@ -74,11 +74,31 @@ def test_a_local_folder_that_is_not_there_is_one_line_and_needs_no_torch(tmp_pat
     p = python("import sys; from pipeline.train import options\n"
                "options.check_out(options.parse(sys.argv[1:]))", "--train", f"a={tmp_path}/nowhere")
     assert p.returncode == 2 and "no such folder" in p.stderr  # from check_out, which runs before torch
-    (tmp_path / "mine-test.json").write_text("{}")  # newuser5 5: a mistyped manifest name gets the manifest line
+    (tmp_path / "mine-train.json").write_text("{}")  # newuser5 5: a mistyped manifest name gets the manifest line
     p = trainer("--train", f"mine={tmp_path}/mine-train.jsn", "--out", tmp_path / "run")
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
     assert f"no manifest at {tmp_path}/mine-train.jsn (build one with make-shards" in p.stderr
-    assert f"did you mean {tmp_path}/mine-test.json?" in p.stderr and "no such folder" not in p.stderr
+    assert f"did you mean {tmp_path}/mine-train.json?" in p.stderr and "no such folder" not in p.stderr
+
+
+def test_a_mistyped_manifest_gets_the_json_it_is_a_typo_of_and_no_other(tmp_path):
+    """hostileN 5: any .json was offered (package.json for a mistyped folder, the test split's
+    manifest for the train one's), and a typo ending in .json (manifest.load's line) got none."""
+    from pipeline.data.manifests import manifest
+    from pipeline.files import missing_line
+
+    data = tmp_path / "d"
+    data.mkdir()
+    (tmp_path / "package.json").write_text("{}")
+    (data / "mine-test.json").write_text("{}")
+    assert "did you mean" not in missing_line("mine", f"{tmp_path}/shards.new")
+    assert "did you mean" not in missing_line("mine", f"{data}/mine-train.jsn")  # another split is no typo
+    (data / "mine-train.json").write_text("{}")
+    assert missing_line("mine", f"{data}/mine-train.jsn").endswith(f"; did you mean {data}/mine-train.json?")
+    with pytest.raises(manifest.NoManifest) as e:
+        manifest.load(f"{data}/mine-trian.json")
+    assert str(e.value).startswith(f"no manifest at {data}/mine-trian.json (build one")
+    assert str(e.value).endswith(f"; did you mean {data}/mine-train.json?")
 
 
 @pytest.mark.parametrize("bad, needle", [("KILL", "'KILL'"), ("TERM,NOPE", "'NOPE'"), ("9", "'9'"),

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from helpers import HANG, Quiet, build_shards, completed, launch_train, serving, steps_logged
+from helpers import HANG, Quiet, build_shards, completed, launch_train, next_line, serving, steps_logged
 from pipeline.train.metrics import read_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,6 +161,9 @@ def test_a_single_process_waiting_for_its_workers_stalled_reads_stops_within_sec
     with stalling(served, first=0) as server:
         proc = start(args(server.url, out, workers=2))
         wait_for(proc, lambda: server.stalled.is_set(), "the stall")
+        # the run began (its settings line): a signal before it ends the job with --out untouched
+        line, _ = next_line(proc, b"", HANG, "trainer")
+        assert line and line.startswith("training "), line
         time.sleep(1)  # the trainer's start done, and the wait for the first batch begun (else: a step's stop)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)

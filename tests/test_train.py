@@ -193,12 +193,15 @@ def test_threads_beyond_the_free_cores_are_said_once():
 
     line = busy_line(2, 8, cores=2, load=6.3)
     assert "2 torch threads and 8 loader workers in this process" in line
-    assert "1 of 2 cores free (load average 6.3)" in line
+    assert "0.0 of 2 cores free (load average 6.3)" in line
     assert "OMP_NUM_THREADS=1" in line
     assert busy_line(2, 0, cores=16, load=0.5) is None and busy_line(1, 0, cores=2, load=9) is None
     alone = busy_line(2, 0, cores=2, load=6.3)  # newuser5 2: with no workers, fewer is no advice
-    assert alone.startswith("2 torch threads in this process, 1 of 2 cores free") and "worker" not in alone
+    assert alone.startswith("2 torch threads in this process, 0.0 of 2 cores free") and "worker" not in alone
     assert "1 loader worker in" in busy_line(2, 1, cores=2, load=6.3)
+    # hostileN 4: the free cores as compared, not rounded up to "2 of 2 cores free ...: set OMP_NUM_THREADS=1"
+    assert "1.6 of 2 cores free (load average 0.4)" in busy_line(2, 0, cores=2, load=0.4)
+    assert busy_line(2, 0, cores=4, load=1.6) is None  # 2.4 free: room for the 2 threads
 
 
 def test_the_trainer_says_when_its_threads_exceed_the_free_cores(data, tmp_path, monkeypatch):

@@ -43,12 +43,12 @@ def busy_line(threads, workers, cores=None, load=None):
             load = os.getloadavg()[0]
         except OSError:  # no load average on this system: nothing to compare
             return None
-    free = max(1.0, cores - load)
+    free = max(0.0, cores - load)  # shown as compared, to a tenth: "1.6 of 2 free", not "2 of 2 free"
     if threads <= 1 or threads + workers <= free:
         return None
     loaders = f" and {workers} loader worker{'s' if workers != 1 else ''}" if workers else ""
     fewer = " (or fewer --workers)" if workers else ""  # with none, fewer is no advice
-    return (f"{threads} torch threads{loaders} in this process, {free:.0f} of {cores} cores free "
+    return (f"{threads} torch threads{loaders} in this process, {free:.1f} of {cores} cores free "
             f"(load average {load:.1f}): threads that wait for busy cores run slower than one; set "
             f"OMP_NUM_THREADS=1{fewer} on a busy machine")
 

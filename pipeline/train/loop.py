@@ -31,7 +31,7 @@ from pipeline.train.console import mix_line, one_line, settings_line
 from pipeline.train.epoch import train_epoch
 from pipeline.train.evaluate import epoch_line, eval_loaders, evaluate, evaluate_only, memory_format
 from pipeline.train.metrics import KeyLog, Metrics
-from pipeline.train.outdir import check_out, prepare_out, record_job
+from pipeline.train.outdir import Unstarted, check_out, prepare_out, record_job
 from pipeline.train.run import NonFiniteLoss, Run, where
 from pipeline.train.summary import write_summary
 
@@ -55,7 +55,7 @@ def train(args, topo, device, stopper=None, progress=None):
         options.per_rank_batch(args, topo.world)  # --global-batch: each rank's share, now that the world is known
     except ValueError as e:
         raise InputError(str(e)) from None
-    plan = None if args.eval_only else check_out(args, topo)  # before any shard is indexed or read
+    plan = check_out(args, topo)  # before any shard is indexed or read (--eval-only's checkpoint too)
     policy = remote.Policy(**cli.io_limits(args))
     check = http_check(topo, policy)
     found = dict(policy=policy, check_http=check, cache_dir=args.cache_dir, progress=topo.is_main)  # shards with no
@@ -98,7 +98,13 @@ def train(args, topo, device, stopper=None, progress=None):
         note_busy(busy, topo)
         return evaluate_only(run)
     run.stopper = stopper
-    ckpt = prepare_out(args, topo, plan)
+    try:
+        ckpt = prepare_out(args, topo, plan, stopper)
+    except Unstarted as e:  # a stop signal while the run got ready (shards indexed on first use, ...)
+        if topo.is_main:
+            print(f"pipeline-train: stopped by {e.signal.name} before the run began; {args.out}/ is left as it was",
+                  file=sys.stderr, flush=True)
+        return {"stopped_by": e.signal.name}
     changed = run.resume(ckpt) if ckpt else {}
     if ckpt and topo.is_main:
         saved = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(os.path.getmtime(ckpt)))

@@ -20,21 +20,25 @@ OutPlan = collections.namedtuple("OutPlan", "ckpt why doomed")  # check_out's ve
 
 
 def check_out(args, topo):
-    """Refuse to overwrite a previous run unless told (InputError); returns the plan for
-    prepare_out: the checkpoint to resume, or what a fresh start deletes. Every rank calls it
+    """Refuse to overwrite a previous run unless told, and --eval-only without a checkpoint
+    (InputError); returns the plan for prepare_out: the checkpoint to resume, or what a fresh start deletes. Every rank calls it
     before any shard is indexed or read: a mistaken --out is a one-line error at once, not after
     indexing a large set on first use. It deletes nothing: a run refused later (a batch too big)
     leaves the previous run as it was.
 
     After torchrun restarts a failed job (--max-restarts), the run in --out is this job's own
-    if this job started or resumed it (JOB names it): continue from its checkpoint, or start
+    if this job started or resumed it (JOB names it, same_job): continue from its checkpoint, or start
     over if it never wrote one. A run another job left there is refused as on the first attempt.
     """
     ckpt = os.path.join(args.out, "checkpoint.pt")
+    if getattr(args, "eval_only", False):  # it reads the checkpoint and writes eval.json beside it
+        if not os.path.exists(ckpt):
+            raise InputError(f"--eval-only: no checkpoint at {ckpt}")
+        return OutPlan(ckpt, None, [])
     previous = os.path.exists(os.path.join(args.out, "metrics.jsonl")) or os.path.exists(ckpt)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
     if restarted:  # rank 0's verdict: on another node the job's identity reads otherwise (job_id)
-        restarted = dist.all_gather(_recorded_job(args.out) == job_id() if topo.is_main else None)[0]
+        restarted = dist.all_gather(same_job(_recorded_job(args.out), job_id()) if topo.is_main else None)[0]
     either = getattr(args, "resume_or_start", False)
     if args.resume or ((restarted or either) and os.path.exists(ckpt)):
         if not os.path.exists(ckpt):
@@ -57,15 +61,26 @@ def check_out(args, topo):
     return OutPlan(None, why, found if previous or args.overwrite else [])
 
 
-def prepare_out(args, topo, plan=None):
+class Unstarted(Exception):
+    """A stop signal came before the run changed anything in --out (prepare_out): the job ends
+    there, every rank alike, with the signal's exit code and --out as it was."""
+
+    def __init__(self, sig):
+        super().__init__(sig.name)
+        self.signal = sig
+
+
+def prepare_out(args, topo, plan=None, stopper=None):
     """Carry out check_out's `plan` (made here when None) once the run will train: every rank
-    has looked before rank 0 deletes the previous run's files and makes --out. Returns the
-    checkpoint to resume, if any."""
+    has looked, and none was sent a stop signal (stopper: stop.StopRequest), before rank 0
+    deletes the previous run's files and makes --out. Returns the checkpoint to resume, if any;
+    raises Unstarted where some rank got a stop signal so far (while shards were indexed on
+    first use, say): a Ctrl-C then must not cost the previous run an --overwrite deletes."""
     plan = check_out(args, topo) if plan is None else plan
+    _stop_so_far(stopper)  # a collective: also every rank has looked before rank 0 clears the folder
     if plan.ckpt:
         return plan.ckpt
     why, doomed = plan.why, plan.doomed
-    dist.barrier()  # every rank has looked before rank 0 clears the folder
     if topo.is_main:
         if doomed:
             print(f"{why}: deleting the previous run in {args.out}/: {', '.join(doomed)}", flush=True)
@@ -74,6 +89,19 @@ def prepare_out(args, topo, plan=None):
         os.makedirs(args.out, exist_ok=True)
     dist.barrier()
     return None
+
+
+def _stop_so_far(stopper):
+    """Unstarted(signal) where any rank noted a stop signal (the ranks' votes summed); else a
+    barrier."""
+    if stopper is None or not stopper.signals:
+        dist.barrier()
+        return
+    import torch
+
+    sig = stopper.agreed(dist.all_reduce_sum(torch.tensor(stopper.vector(), dtype=torch.float64)).tolist())
+    if sig is not None:
+        raise Unstarted(sig)
 
 
 RUN_FILE = re.compile(r"(metrics\.jsonl|summary\.json|checkpoint\.pt|eval\.json|report\.png|keys-rank\d+\.txt|"
@@ -123,24 +151,40 @@ def never_saved(folder):
 
 
 def job_id(environ=None):
-    """This torchrun job's identity, the same in each attempt (--max-restarts) and another in
-    each job; None outside torchrun. torchrun's run id is --rdzv-id, a new uuid under --standalone
-    (or a single node without --master-port); where it is the default 'none' (static rendezvous,
-    where each node keeps its place over restarts), rank 0's launcher process (host, pid and its
-    start time) tells one job from the next."""
+    """This torchrun job's identity, 'RUN@HOST:PID:START', the same in each attempt
+    (--max-restarts) and another in each job; None outside torchrun. RUN is torchrun's run id:
+    --rdzv-id, a new uuid under --standalone (or a single node without --master-port), 'none'
+    under a static rendezvous; HOST:PID:START is rank 0's launcher (the torchrun agent: its
+    host, pid and start time), which restarts its workers and lives as long as the job on that
+    node. The run id alone is no identity: users copy fixed ids (--rdzv-id=100) from examples,
+    and two jobs that share one took each other's runs over (hostileN 1)."""
     environ = os.environ if environ is None else environ
     run = environ.get("TORCHELASTIC_RUN_ID")
     if run is None:
         return None
-    if run != "none":
-        return run
     agent = os.getppid()
     try:
         with open(f"/proc/{agent}/stat", encoding="ascii") as f:
             started = f.read().rsplit(")", 1)[1].split()[19]  # field 22, starttime
     except (OSError, IndexError):
         started = "?"
-    return f"none@{socket.gethostname()}:{agent}:{started}"
+    return f"{run}@{socket.gethostname()}:{agent}:{started}"
+
+
+def same_job(recorded, now):
+    """Whether the job `recorded` (job_id, as JOB holds it) is this one, `now`: the same run id,
+    and, where rank 0 runs on the host recorded, the same launcher there. After a restart of an
+    elastic job rank 0 may sit on another node, whose launcher is another process of the same
+    job: there the run id decides. A static rendezvous ('none') keeps each node's place over
+    restarts, so its launcher must always match. A record of another form matches only itself."""
+    if recorded is None or now is None:
+        return False
+    run, _, where = recorded.rpartition("@")
+    run_now, _, where_now = now.rpartition("@")
+    if not run or run != run_now or where.count(":") < 2 or where_now.count(":") < 2:
+        return recorded == now
+    host, host_now = where.rsplit(":", 2)[0], where_now.rsplit(":", 2)[0]
+    return where == where_now or (host != host_now and run != "none")
 
 
 def _recorded_job(folder):
