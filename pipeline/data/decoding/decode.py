@@ -146,6 +146,7 @@ def _turbo_batch(images, exts, target, crops, view=None):
         exact = None  # each goes through decode_image, which says why
     kept, errors, decoded = [], [], []  # decoded: HWC pixels of each kept image
     four = c == 3 and view != "hwc"  # RGBX: made CHW by rgbx.assign, here or in the batch
+    resized = []  # positions in `decoded` of images decode_image made (HWC, not RGBX)
     dec, header = turbo.decode_into(), jpeg.header
     space, size = ("RGBX", (h, w, 4)) if four else (turbo.colour_space(c), (h, w, c))
     direct, prefix, short = None, None, 0  # the last header of the target's size seen, as jpeg.known_again says
@@ -173,13 +174,13 @@ def _turbo_batch(images, exts, target, crops, view=None):
                 # of leniently, as PIL does (docs/data.md), and says why it refuses the rest
         try:
             chw = decode_image(data, exts[i], shape, None if crops is None else crops[i], hwc=True)
-            hwc = chw.transpose(1, 2, 0)
-            decoded.append(rgbx.padded(hwc) if four else np.ascontiguousarray(hwc))  # mostly HWC already: no copy
+            resized.append(len(decoded))
+            decoded.append(np.ascontiguousarray(chw.transpose(1, 2, 0)))  # mostly HWC already: no copy
             kept.append(i)
         except ValueError as e:
             errors.append((i, str(e)))
     if four:
-        chw = rgbx.joined(decoded, len(kept), h, w)
+        chw = rgbx.joined_batch(decoded, resized, h, w)
     else:
         chw = np.frombuffer(b"".join(decoded), np.uint8).reshape(len(kept), h, w, c).transpose(0, 3, 1, 2)
     if view:

@@ -20,6 +20,21 @@ def joined(pixels, n, h, w):
     return whole[:n * h * w * 4].reshape(n, h, w, 4).transpose(0, 3, 1, 2)[:, :3]
 
 
+def joined_batch(pixels, resized, h, w):
+    """One CHW view of a batch's decoded images: `pixels` RGBX (h, w, 4) arrays, but for the
+    positions in `resized` (HWC, from decode_image). Where most are RGBX the others are padded and
+    the view is an RGBX one; else the RGBX ones are cut to RGB and the view is an HWC one: padding
+    every image of a set to resize cost more than the planes save (a 500x375 set at 224x224 ran at
+    0.76x the speed; docs/benchmarks.md, "RGBX planes")."""
+    n = len(pixels)
+    if 2 * len(resized) <= n:
+        for j in resized:
+            pixels[j] = padded(pixels[j])
+        return joined(pixels, n, h, w)
+    rgb = [p if p.shape[2] == 3 else np.ascontiguousarray(p[..., :3]) for p in pixels]
+    return np.frombuffer(b"".join(rgb), np.uint8).reshape(n, h, w, 3).transpose(0, 3, 1, 2)
+
+
 def padded(hwc):
     """An (h, w, 3) image as (h, w, 4), to join with libjpeg-turbo's RGBX images."""
     out = np.zeros((*hwc.shape[:2], 4), np.uint8)
