@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from helpers import HANG, Quiet, build_shards, completed, launch_train, next_line, serving, steps_logged
+from helpers import HANG, Quiet, build_shards, completed, kill_tree, launch_train, next_line, serving, steps_logged
 from pipeline.train.metrics import read_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -243,6 +243,47 @@ def test_a_stop_at_2_workers_ends_their_stalled_pipe_commands(served, tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, (err or "")[-3000:]
     assert not left, f"the pipe: commands outlived the trainer: {left}"
     assert err is not None, f"the output stayed open {waited:.1f} s after the trainer ended"
+
+
+CONSUMER = r"""
+import sys
+from pipeline.data.handover.loader import make_loader
+from pipeline.data.streams.stream import MixedStream, resolve
+stream = MixedStream([resolve("mnist", sys.argv[1], "train")], {"mnist": 1.0}, 8, epoch_samples=80,
+                     normalize=False)
+for batch in make_loader(stream, 2):
+    pass
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="the /proc scan is Linux's")
+def test_workers_of_a_killed_consumer_end_their_stalled_pipe_commands(served, tmp_path):
+    """A consumer SIGKILLed (a second signal, the OOM killer, torchrun's grace over) cannot end
+    its workers; each notices within a second that it is gone and exits, and now ends its pipe:
+    commands (sessions of their own) as it goes."""
+    mark = f"p1stall{os.getpid()}x{time.monotonic_ns()}"
+    script = tmp_path / f"stallcat-{mark}"
+    script.write_text(STALLCAT.format(dir=tmp_path, mark=mark, stall=PIPE_STALL))
+    script.chmod(0o755)
+    os.symlink(shutil.which("sleep"), tmp_path / f"nap-{mark}")
+    proc = start([f"pipe:{script} {served}/mnist-train.json"], code=CONSUMER)
+    try:
+        wait_for(proc, (tmp_path / "stalled").exists, "the stall")
+        time.sleep(1)  # both workers' reads begun
+        assert marked(f"nap-{mark}"), "the stall is not a command of its own"
+        proc.kill()
+        proc.wait()
+        t0 = time.monotonic()
+        while marked(mark) and time.monotonic() - t0 < PIPE_STALL / 4:  # a hang guard, not a speed test
+            time.sleep(0.1)
+        left = marked(mark)
+    finally:
+        for pid in marked(mark):  # whatever is left, not to outlive the test
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        kill_tree(proc)
+    assert not left, f"the pipe: commands outlived the consumer's workers: {left}"
 
 
 SHORT = 10.0  # s: the stall a 2-rank stop waits out
