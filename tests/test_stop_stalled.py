@@ -286,6 +286,60 @@ def test_workers_of_a_killed_consumer_end_their_stalled_pipe_commands(served, tm
     assert not left, f"the pipe: commands outlived the consumer's workers: {left}"
 
 
+def _raised(call):
+    try:
+        call()
+    except Exception as e:
+        return e
+
+
+def _stat(pid):
+    """(ppid, pgid) of a process, from /proc (None, None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None, None
+    return int(fields[1]), int(fields[2])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="the /proc scan is Linux's")
+def test_a_worker_killed_for_its_loaders_timeout_ends_its_stalled_pipe_commands(served, tmp_path):
+    """make_loader's timeout kills a worker that sent nothing for that long; its pipe: commands
+    (sessions of their own) end with it."""
+    from pipeline.data.handover.loader import make_loader
+    from pipeline.data.streams.stream import MixedStream, resolve
+
+    mark = f"p1stall{os.getpid()}x{time.monotonic_ns()}"
+    script = tmp_path / f"stallcat-{mark}"
+    script.write_text(STALLCAT.format(dir=tmp_path, mark=mark, stall=PIPE_STALL))
+    script.chmod(0o755)
+    os.symlink(shutil.which("sleep"), tmp_path / f"nap-{mark}")
+    stream = MixedStream([resolve("mnist", f"pipe:{script} {served}/mnist-train.json", "train")], {"mnist": 1.0},
+                         8, epoch_samples=80, normalize=False)
+    loader = make_loader(stream, 2, timeout=6)
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(error=_raised(lambda: next(iter(loader)))), daemon=True)
+    reader.start()
+    try:
+        t0 = time.monotonic()
+        while len(marked(f"nap-{mark}")) < 2 and time.monotonic() - t0 < HANG:  # both workers' reads stall
+            time.sleep(0.05)
+        groups = {_stat(pid)[1]: _stat(_stat(pid)[1])[0] for pid in marked(f"nap-{mark}")}  # group -> its worker
+        reader.join(HANG)
+        assert isinstance(got.get("error"), TimeoutError), got
+        killed = int(re.search(r"\(pid (\d+)\) sent nothing", str(got["error"]))[1])
+        assert killed in groups.values(), (killed, groups)
+        left = [pid for pid in marked(mark) if groups.get(_stat(pid)[1]) == killed]
+    finally:
+        del loader
+        for pid in marked(mark):  # whatever is left, not to outlive the test
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert not left, f"the pipe: commands outlived the worker killed for the timeout: {left}"
+
+
 SHORT = 10.0  # s: the stall a 2-rank stop waits out
 
 
