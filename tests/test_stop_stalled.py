@@ -3,11 +3,13 @@ its next batch itself, and a SIGTERM there waited for the stalled read (40 s of 
 that --io-timeout 60 allows, past torchrun's 30 s: hostileK 7); now it stops within seconds
 with a checkpoint after the last step trained, and the resume reads what an uninterrupted run
 reads. A signal after the run's end left a finished run dead by the signal (rc -15)."""
+import contextlib
 import functools
 import http.server
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +18,7 @@ import time
 
 import pytest
 
-from helpers import HANG, Quiet, build_shards, completed, launch_train, next_line, serving, steps_logged
+from helpers import HANG, Quiet, build_shards, completed, kill_tree, launch_train, next_line, serving, steps_logged
 from pipeline.train.metrics import read_keys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -180,6 +182,162 @@ def test_a_single_process_waiting_for_its_workers_stalled_reads_stops_within_sec
         p = completed(start(args(server.url, out, "--resume", workers=2)))
     assert p.returncode == 0 and "resumed from epoch 1, step 0" in p.stdout, p.stderr[-3000:]
     assert trained(out) == whole(2)
+
+
+PIPE_STALL = 120  # s a pipe: command's shard read sleeps
+STALLCAT = """#!/bin/sh
+# cat $1; a shard's read stalls first (the stall is a second process in the command's group)
+case "$1" in *.tar) touch "{dir}/stalled"; "{dir}/nap-{mark}" {stall};; esac
+exec cat "$1"
+"""
+
+
+def marked(mark):
+    """The pids of the processes whose command line holds `mark` (a /proc scan)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if mark.encode() in f.read():
+                    found.append(int(entry))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="the /proc scan is Linux's")
+def test_a_stop_at_2_workers_ends_their_stalled_pipe_commands(served, tmp_path):
+    """A pipe: command runs in a process group of its own, which the worker's reader kills as it
+    closes; a worker stuck in a stalled read is SIGKILLed at the trainer's end instead, and its
+    commands lived on (hostileO s5c): a caller reading the trainer's output waited for them (58 s).
+    Now they end with the worker, and the caller's communicate() returns with the trainer."""
+    mark = f"p1stall{os.getpid()}x{time.monotonic_ns()}"
+    script = tmp_path / f"stallcat-{mark}"
+    script.write_text(STALLCAT.format(dir=tmp_path, mark=mark, stall=PIPE_STALL))
+    script.chmod(0o755)
+    os.symlink(shutil.which("sleep"), tmp_path / f"nap-{mark}")
+    proc = start(args(f"pipe:{script} {served}/mnist-train.json", tmp_path / "run", workers=2))
+    try:
+        wait_for(proc, (tmp_path / "stalled").exists, "the stall")
+        line, _ = next_line(proc, b"", HANG, "trainer")
+        assert line and line.startswith("training "), line
+        time.sleep(1)  # the trainer's start done, and the wait for the first batch begun
+        assert marked(f"nap-{mark}"), "the stall is not a command of its own"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(HANG)
+        t0 = time.monotonic()
+        try:  # what a caller capturing the output does: it returns once no process holds the pipes
+            _, err = proc.communicate(timeout=PIPE_STALL / 4)
+        except subprocess.TimeoutExpired:
+            err = None
+        waited = time.monotonic() - t0
+        left = marked(mark)
+        print(f"2 workers, pipe: commands stalled: output closed {waited:.2f} s after the trainer ended")
+    finally:
+        for pid in marked(mark):  # whatever is left, not to outlive the test
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            completed(proc, 1)
+    assert proc.returncode == 128 + signal.SIGTERM, (err or "")[-3000:]
+    assert not left, f"the pipe: commands outlived the trainer: {left}"
+    assert err is not None, f"the output stayed open {waited:.1f} s after the trainer ended"
+
+
+CONSUMER = r"""
+import sys
+from pipeline.data.handover.loader import make_loader
+from pipeline.data.streams.stream import MixedStream, resolve
+stream = MixedStream([resolve("mnist", sys.argv[1], "train")], {"mnist": 1.0}, 8, epoch_samples=80,
+                     normalize=False)
+for batch in make_loader(stream, 2):
+    pass
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="the /proc scan is Linux's")
+def test_workers_of_a_killed_consumer_end_their_stalled_pipe_commands(served, tmp_path):
+    """A consumer SIGKILLed (a second signal, the OOM killer, torchrun's grace over) cannot end
+    its workers; each notices within a second that it is gone and exits, and now ends its pipe:
+    commands (sessions of their own) as it goes."""
+    mark = f"p1stall{os.getpid()}x{time.monotonic_ns()}"
+    script = tmp_path / f"stallcat-{mark}"
+    script.write_text(STALLCAT.format(dir=tmp_path, mark=mark, stall=PIPE_STALL))
+    script.chmod(0o755)
+    os.symlink(shutil.which("sleep"), tmp_path / f"nap-{mark}")
+    proc = start([f"pipe:{script} {served}/mnist-train.json"], code=CONSUMER)
+    try:
+        wait_for(proc, (tmp_path / "stalled").exists, "the stall")
+        time.sleep(1)  # both workers' reads begun
+        assert marked(f"nap-{mark}"), "the stall is not a command of its own"
+        proc.kill()
+        proc.wait()
+        t0 = time.monotonic()
+        while marked(mark) and time.monotonic() - t0 < PIPE_STALL / 4:  # a hang guard, not a speed test
+            time.sleep(0.1)
+        left = marked(mark)
+    finally:
+        for pid in marked(mark):  # whatever is left, not to outlive the test
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        kill_tree(proc)
+    assert not left, f"the pipe: commands outlived the consumer's workers: {left}"
+
+
+def _raised(call):
+    try:
+        call()
+    except Exception as e:
+        return e
+
+
+def _stat(pid):
+    """(ppid, pgid) of a process, from /proc (None, None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None, None
+    return int(fields[1]), int(fields[2])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="the /proc scan is Linux's")
+def test_a_worker_killed_for_its_loaders_timeout_ends_its_stalled_pipe_commands(served, tmp_path):
+    """make_loader's timeout kills a worker that sent nothing for that long; its pipe: commands
+    (sessions of their own) end with it."""
+    from pipeline.data.handover.loader import make_loader
+    from pipeline.data.streams.stream import MixedStream, resolve
+
+    mark = f"p1stall{os.getpid()}x{time.monotonic_ns()}"
+    script = tmp_path / f"stallcat-{mark}"
+    script.write_text(STALLCAT.format(dir=tmp_path, mark=mark, stall=PIPE_STALL))
+    script.chmod(0o755)
+    os.symlink(shutil.which("sleep"), tmp_path / f"nap-{mark}")
+    stream = MixedStream([resolve("mnist", f"pipe:{script} {served}/mnist-train.json", "train")], {"mnist": 1.0},
+                         8, epoch_samples=80, normalize=False)
+    loader = make_loader(stream, 2, timeout=6)
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(error=_raised(lambda: next(iter(loader)))), daemon=True)
+    reader.start()
+    try:
+        t0 = time.monotonic()
+        while len(marked(f"nap-{mark}")) < 2 and time.monotonic() - t0 < HANG:  # both workers' reads stall
+            time.sleep(0.05)
+        groups = {_stat(pid)[1]: _stat(_stat(pid)[1])[0] for pid in marked(f"nap-{mark}")}  # group -> its worker
+        reader.join(HANG)
+        assert isinstance(got.get("error"), TimeoutError), got
+        killed = int(re.search(r"\(pid (\d+)\) sent nothing", str(got["error"]))[1])
+        assert killed in groups.values(), (killed, groups)
+        left = [pid for pid in marked(mark) if groups.get(_stat(pid)[1]) == killed]
+    finally:
+        del loader
+        for pid in marked(mark):  # whatever is left, not to outlive the test
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert not left, f"the pipe: commands outlived the worker killed for the timeout: {left}"
 
 
 SHORT = 10.0  # s: the stall a 2-rank stop waits out

@@ -154,10 +154,13 @@ def _block_in_child():
 
 def end_children():
     """Kill the multiprocessing children still alive at the trainer's end (workers that did
-    not stop when their loader asked; SIGTERM is blocked in them), so that Python's exit,
-    which joins them, does not wait forever. SIGCHLD's DataLoader handler goes first: it
+    not stop when their loader asked; SIGTERM is blocked in them) and the pipe: commands they
+    started, so that Python's exit, which joins them, does not wait forever, and no command
+    outlives the trainer. SIGCHLD's DataLoader handler goes first: it
     would report those deaths as a worker failure."""
     import multiprocessing
+
+    from pipeline.data.store.transports import end_process
 
     children = multiprocessing.active_children()
     if not children:
@@ -165,9 +168,7 @@ def end_children():
     previous = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     try:
         for p in children:
-            p.kill()
-        for p in children:
-            p.join(5)
+            end_process(p)
     finally:
         signal.signal(signal.SIGCHLD, previous)
 

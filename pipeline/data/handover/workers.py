@@ -33,6 +33,7 @@ import torch
 from pipeline.data.fields.keys import SEP, Keys
 from pipeline.ordering.topology import Worker
 from pipeline.errors import cut
+from pipeline.data.store.transports import end_commands, end_process
 
 HEADER = struct.Struct("<qiiii")  # pass, kind, slot, samples, payload bytes
 BATCH, END, ERROR = 0, 1, 2
@@ -206,8 +207,7 @@ class Workers:
         """The TimeoutError of worker w, which sent nothing for the timeout: it is killed (a stopped
         process, or one in uninterruptible I/O, would be waited for by the next pass and at exit)."""
         p = self.procs[w]
-        p.kill()
-        p.join(5)
+        end_process(p)  # and its pipe: commands
         return TimeoutError(f"loader worker {w} (pid {p.pid}) sent nothing for {self.timeout:g} s (the loader's "
                             f"timeout: make_loader's, the trainer's --loader-timeout): it was killed, and the next "
                             f"pass starts the workers again")
@@ -252,8 +252,7 @@ class Workers:
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
-                p.kill()
-                p.join(5)
+                end_process(p)  # and its pipe: commands, which would outlive it
         self.fds = []  # before the pipes close: a slot given back from another thread finds no file number
         for conn in self.commands + self.ready + self.free:
             conn.close()
@@ -330,6 +329,7 @@ def _set_up(w, count, parent):
             try:
                 os.kill(parent, 0)
             except ProcessLookupError:
+                end_commands(os.getpid())  # its pipe: commands run in sessions of their own
                 os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="exit-with-consumer").start()
