@@ -343,32 +343,3 @@ def test_a_stop_signal_inside_an_atomic_write_leaves_no_half_made_file(tmp_path,
         files.write_json_atomic(str(path), {"new": 1})
     assert path.read_text() == "old" and os.listdir(tmp_path) == ["shards.json"]
 
-
-LATER = 2.3  # s: past stop.TWICE
-SECOND = r"""
-import os, signal, sys, time
-from pipeline.train import stop
-(first, second), gap = (getattr(signal, n) for n in sys.argv[1:3]), float(sys.argv[3])
-with stop.StopRequest(stop.parse_signals("TERM,INT"), []) as s:
-    os.kill(os.getpid(), first)
-    time.sleep(gap)
-    os.kill(os.getpid(), second)
-    time.sleep(0.2)
-print("stopped cleanly by", s.got.name)
-"""
-
-
-@pytest.mark.parametrize("second,gap,ends", [("SIGINT", 0.05, True), ("SIGTERM", 0.05, False),
-                                             ("SIGTERM", LATER, True)])
-def test_a_second_signal_ends_the_process_at_once_unless_it_is_the_firsts_copy(second, gap, ends):
-    """docs/training.md: another stop signal, or the same one after TWICE s, ends the process by
-    its default action; the same one within TWICE s is the group's copy and changes nothing."""
-    from pipeline.train.stop import TWICE
-    assert LATER > TWICE
-    p = completed(subprocess.Popen([sys.executable, "-c", SECOND, "SIGTERM", second, str(gap)], cwd=ROOT,
-                                   env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True))
-    if ends:
-        assert p.returncode == -getattr(signal, second) and "cleanly" not in p.stdout, (p.returncode, p.stdout)
-    else:
-        assert p.returncode == 0 and "stopped cleanly by SIGTERM" in p.stdout, p.stderr[-2000:]
