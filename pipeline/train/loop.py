@@ -193,7 +193,7 @@ def train(args, topo, device, stopper=None, progress=None):
             except Exception:
                 if topo.is_main:  # else a resume goes on with no word of the missing accuracy
                     one_line(f"pipeline-train: note: epoch {epoch + 1} is saved, its evaluation failed: "
-                             f"--resume evaluates it")
+                             "--resume evaluates it")
                 raise
             metrics.log(kind="eval", epoch=epoch + 1, step=run.step, eval=evals)
             if topo.is_main:
