@@ -13,7 +13,7 @@ from pipeline.errors import ShardError
 def write_atomic(path, data):
     """Write bytes to a temporary name and rename it over `path` when complete.
 
-    On any error (ENOSPC included) the temporary file is removed and `path` keeps
+    On any error (ENOSPC included, or a stop signal) the temporary file is removed and `path` keeps
     its previous content; the OSError propagates with the path in its message.
     """
     tmp = f"{path}.tmp"
@@ -23,12 +23,14 @@ def write_atomic(path, data):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
+    except BaseException as e:  # a stop signal too (pipeline.train.stop.Interrupted): no half-made file left
         try:
             os.remove(tmp)
         except OSError:
             pass
-        raise OSError(e.errno, f"could not write {path}: {e.strerror or e}") from None
+        if isinstance(e, OSError):
+            raise OSError(e.errno, f"could not write {path}: {e.strerror or e}") from None
+        raise
 
 
 def write_json_atomic(path, obj):

@@ -411,3 +411,93 @@ def test_a_signal_after_the_run_ended_leaves_its_exit_code(served, tmp_path, mon
         proc.send_signal(signal.SIGTERM)
         p = completed(proc)
     assert "done: " in said and p.returncode == 0, (p.returncode, p.stderr[-3000:])
+
+
+@pytest.mark.slow
+def test_a_stop_signal_while_the_manifest_read_stalls_ends_the_start_up_at_once(served, tmp_path):
+    """The manifest's request stalls at start-up; a SIGTERM was only noted there and the retries
+    went on (4 min at --io-timeout 60; hostileO). A single process now stops at once, before the
+    run began: 143, --out untouched."""
+    out = tmp_path / "run"
+    with stalling(served, first=0, shard=".json") as server:
+        proc = start(args(server.url, out))
+        wait_for(proc, lambda: server.stalled.is_set(), "the manifest's stall")
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(HANG)
+        finally:
+            took = time.monotonic() - t0
+        p = completed(proc)
+    assert p.returncode == 128 + signal.SIGTERM, p.stderr[-3000:]
+    print(f"SIGTERM during a stalled manifest read: stopped in {took:.2f} s")
+    assert took < BOUND, f"the stop took {took:.1f} s of a {STALL:g} s stall: {p.stderr[-1500:]}"
+    assert f"stopped by SIGTERM before the run began; {out}/ is left as it was" in p.stderr, p.stderr[-3000:]
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def tested(tmp_path_factory):
+    """A test set of 16 tiny mnist samples, served apart from the training shards (its reads stall)."""
+    folder = tmp_path_factory.mktemp("stall") / "test"
+    build_shards(folder, "mnist", "test", 16, shape=(1, 8, 8), maxcount=8)
+    return folder
+
+
+def evals_logged(out):
+    lines = [json.loads(ln) for ln in open(os.path.join(out, "metrics.jsonl"))]
+    return [ln["epoch"] for ln in lines if ln["kind"] == "eval"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stop_during_a_stalled_evaluation_and_the_resume_evaluates_the_saved_epoch(served, tested, tmp_path, sig):
+    """Epoch 1 saved, its evaluation's reads stall: a SIGTERM waited for them (61 s), and after a
+    kill the resume went on to epoch 2 with no accuracy for epoch 1 and no word (hostileO). A
+    single process now stops at once (143, the epoch saved), and the resume evaluates epoch 1
+    first, saying why."""
+    out = tmp_path / "run"
+    more = ["--epochs", "2", "--epoch-samples", str(PASS * 8)]
+    with stalling(served, first=10 ** 6) as train, stalling(tested, first=0) as test:
+        proc = start(args(train.url, out, *more, "--eval", f"mnist={test.url}"))
+        wait_for(proc, lambda: test.stalled.is_set(), "the evaluation's stall")
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        try:
+            proc.wait(HANG)
+        finally:
+            took = time.monotonic() - t0
+        p = completed(proc)
+        assert p.returncode == (-sig if sig == signal.SIGKILL else 128 + sig), p.stderr[-3000:]
+        assert took < BOUND, f"the stop took {took:.1f} s of a {STALL:g} s stall: {p.stdout[-1500:]}"
+        if sig != signal.SIGKILL:
+            print(f"{sig.name} during a stalled evaluation: stopped in {took:.2f} s")
+            assert "checkpoint saved" in p.stdout, p.stdout[-3000:]
+        assert evals_logged(out) == []
+        test.first = 10 ** 6  # no more stalls
+        p = completed(start(args(train.url, out, *more, "--eval", f"mnist={test.url}", "--resume")))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "epoch 1's evaluation is missing (it failed or was stopped after the epoch was saved)" in p.stderr
+    assert "epoch 1/2: mnist" in p.stdout and "epoch 2/2: mnist" in p.stdout, p.stdout[-3000:]
+    assert evals_logged(out) == [1, 2]
+
+
+def test_a_stop_signal_inside_an_atomic_write_leaves_no_half_made_file(tmp_path, monkeypatch):
+    """Start-up is interruptible in a single process, and an index made on first use is written
+    there: a stop signal (Interrupted, a BaseException) inside the write leaves the old file and
+    no .tmp beside it, as an OSError does."""
+    from pipeline import files
+    from pipeline.train.stop import Interrupted
+
+    path = tmp_path / "shards.json"
+    path.write_text("old")
+
+    def signalled(fd):
+        raise Interrupted(signal.SIGTERM)
+    monkeypatch.setattr(files.os, "fsync", signalled)
+    with pytest.raises(Interrupted):
+        files.write_json_atomic(str(path), {"new": 1})
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["shards.json"]
+

@@ -13,6 +13,8 @@ part has a module of its own: schedule (learning rate), run (model, optimiser,
 checkpoint), epoch (the steps of one epoch), evaluate, summary, outdir (--out) and
 console (progress bar, error and warning lines).
 """
+import contextlib
+import json
 import os
 import re
 import sys
@@ -60,10 +62,15 @@ def train(args, topo, device, stopper=None, progress=None):
     check = http_check(topo, policy)
     found = dict(policy=policy, check_http=check, cache_dir=args.cache_dir, progress=topo.is_main)  # shards with no
     # manifest are indexed on first use, by the first rank to take the lock (pipeline.writers.autoindex)
-    train_sources = [autoindex.trainable(stream.resolve(n, spec, "train", **found)) for n, spec in args.train.items()]
-    trained = {s.name: s for s in train_sources}  # an --eval indexed here takes its training source's classes
-    eval_sources = [autoindex.trainable(stream.resolve(n, spec, "test", classes_from=trained.get(n), **found))
-                    for n, spec in args.eval.items()]
+    try:
+        with alone(stopper, topo):  # a stalled manifest read no longer holds a stop signal
+            train_sources = [autoindex.trainable(stream.resolve(n, spec, "train", **found))
+                             for n, spec in args.train.items()]
+            trained = {s.name: s for s in train_sources}  # an --eval indexed here takes its training source's classes
+            eval_sources = [autoindex.trainable(stream.resolve(n, spec, "test", classes_from=trained.get(n), **found))
+                            for n, spec in args.eval.items()]
+    except stop.Interrupted as e:
+        return unstarted(args, topo, e.signal)
     startup = {"resolve_s": round(time.perf_counter() - t0, 3), "torch_threads": torch.get_num_threads()}
     busy = dist.busy_line(torch.get_num_threads(), 0 if args.eval_only else args.workers)  # said once the run
     # will train or evaluate, as the settings line: not before a refusal that has nothing to do with it
@@ -101,10 +108,7 @@ def train(args, topo, device, stopper=None, progress=None):
     try:
         ckpt = prepare_out(args, topo, plan, stopper)
     except Unstarted as e:  # a stop signal while the run got ready (shards indexed on first use, ...)
-        if topo.is_main:
-            print(f"pipeline-train: stopped by {e.signal.name} before the run began; {args.out}/ is left as it was",
-                  file=sys.stderr, flush=True)
-        return {"stopped_by": e.signal.name}
+        return unstarted(args, topo, e.signal)
     changed = run.resume(ckpt) if ckpt else {}
     if ckpt and topo.is_main:
         saved = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(os.path.getmtime(ckpt)))
@@ -112,7 +116,8 @@ def train(args, topo, device, stopper=None, progress=None):
     done = ckpt and run.epoch >= args.epochs and not run.in_epoch
     # a run whose every epoch is saved but which has no summary.json stopped in its last evaluation (or
     # its summary): the resume finishes that, as rank 0 sees the folder (one answer for every rank)
-    unfinished = done and not dist.all_gather(os.path.exists(os.path.join(args.out, "summary.json")))[0]
+    pending = bool(run.evals) and missing_eval(args, topo, run, ckpt)  # its saved epoch's evaluation is missing
+    unfinished = done and (pending or not dist.all_gather(os.path.exists(os.path.join(args.out, "summary.json")))[0])
     if done and not unfinished:  # before anything in --out is written
         if topo.is_main:
             epochs = f"{args.epochs} epoch{'s' if args.epochs != 1 else ''}"
@@ -150,8 +155,18 @@ def train(args, topo, device, stopper=None, progress=None):
         return args.stop_after_steps is not None and step - started >= args.stop_after_steps
 
     t_start, evals = time.time(), {}
-    if unfinished and run.evals:  # the last epoch's evaluation, which failed before the summary
-        evals = evaluate(run, evals_from)
+    if run.evals and (unfinished or pending):  # the saved epoch's evaluation, which failed or was stopped (a
+        # signal, a kill) after its checkpoint, or the summary after it
+        if pending and topo.is_main:
+            print(f"pipeline-train: note: epoch {run.epoch}'s evaluation is missing (it failed or was stopped after "
+                  f"the epoch was saved): evaluating it now", file=sys.stderr, flush=True)
+        try:
+            with alone(stopper, topo):
+                evals = evaluate(run, evals_from)
+        except stop.Interrupted as e:  # still saved; the next --resume evaluates it
+            run.stopping = e.signal
+            metrics.log(kind="stopped", epoch=run.epoch, step=run.step, signal=e.signal.name)
+            return write_summary(run, {}, t_start, resumed_from, False, train_sources)
         metrics.log(kind="eval", epoch=run.epoch, step=run.step, eval=evals)
         if topo.is_main:
             print(epoch_line(run.epoch - 1, args.epochs, evals), flush=True)
@@ -169,12 +184,16 @@ def train(args, topo, device, stopper=None, progress=None):
         run.save(keys)  # before the evaluation: one that fails (a test shard gone) keeps the epoch's training
         if run.evals:
             try:
-                evals = evaluate(run, evals_from)
+                with alone(stopper, topo):  # a stalled test read no longer holds a stop signal
+                    evals = evaluate(run, evals_from)
+            except stop.Interrupted as e:  # the epoch is saved; --resume evaluates it (missing_eval)
+                run.stopping, finished = e.signal, False
+                metrics.log(kind="stopped", epoch=run.epoch, step=run.step, signal=e.signal.name)
+                break
             except Exception:
                 if topo.is_main:  # else a resume goes on with no word of the missing accuracy
                     one_line(f"pipeline-train: note: epoch {epoch + 1} is saved, its evaluation failed: "
-                             + ("--resume evaluates it" if run.epoch >= args.epochs else
-                                f"--resume goes on with epoch {epoch + 2}, and epoch {epoch + 1} has no test accuracy"))
+                             "--resume evaluates it")
                 raise
             metrics.log(kind="eval", epoch=epoch + 1, step=run.step, eval=evals)
             if topo.is_main:
@@ -189,6 +208,38 @@ def train(args, topo, device, stopper=None, progress=None):
             break
     finished = finished and run.epoch >= args.epochs
     return write_summary(run, evals, t_start, resumed_from, finished, train_sources)
+
+
+def missing_eval(args, topo, run, ckpt):
+    """A resume from an epoch's end whose evaluation metrics.jsonl lacks (it failed, or a signal or
+    a kill ended it: the checkpoint is written before it): rank 0's answer, for every rank."""
+    if not ckpt or run.in_epoch or run.epoch < 1:
+        return False
+    found = False
+    if topo.is_main:
+        try:
+            with open(os.path.join(args.out, "metrics.jsonl")) as f:
+                found = any('"kind": "eval"' in ln and json.loads(ln).get("epoch") == run.epoch for ln in f)
+        except (OSError, ValueError):  # no log, or a damaged line: evaluate again, it costs one pass
+            found = False
+    return not dist.all_gather(found)[0]
+
+
+def alone(stopper, topo):
+    """StopRequest.interruptible for a single process (a stop signal there raises Interrupted at
+    once: a read stalled within --io-timeout no longer holds it), else nothing: with several ranks
+    one that left would leave the others waiting in a collective (pipeline.train.stop)."""
+    if stopper is None or not stopper.signals or topo.world > 1:
+        return contextlib.nullcontext()
+    return stopper.interruptible()
+
+
+def unstarted(args, topo, sig):
+    """A stop signal before the run began: --out untouched, said once."""
+    if topo.is_main:
+        print(f"pipeline-train: stopped by {sig.name} before the run began; {args.out}/ is left as it was",
+              file=sys.stderr, flush=True)
+    return {"stopped_by": sig.name}
 
 
 def note_busy(busy, topo):

@@ -22,10 +22,11 @@ alike; both leave a complete checkpoint to resume from.
 A stop that waits for a step can wait long: in a single process at `--workers 0` the step's
 next batch is read in the trainer itself, and a read stalled inside its deadline (`--io-timeout`)
 held a SIGTERM for 40 s, past torchrun's 30 s (hostileK 7). So while a single process waits for
-its next batch (`interruptible`), the signal raises `Interrupted` there (PEP 475: a handler that
+its next batch, its start-up's reads (manifests, indexes made on first use) or its evaluation
+(`interruptible`), the signal raises `Interrupted` there (PEP 475: a handler that
 raises ends a blocking recv or lock wait), a BaseException that no `except Exception` on the way
 takes for a read's failure; the batch not yet trained is dropped, and the stop checkpoints after
-the last step trained. With several ranks it only notes the signal: another rank may already be
+the last step trained (at start-up nothing was begun; an evaluation's epoch is saved before it). With several ranks it only notes the signal: another rank may already be
 in the gradient all-reduce of the step that batch belongs to, and a rank that left it there would
 leave it waiting.
 
