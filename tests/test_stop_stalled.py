@@ -114,6 +114,17 @@ def wait_for(proc, ready, what):
         time.sleep(0.05)
 
 
+def signalled(proc, sig):
+    """(the completed run, seconds from `sig` to its exit): how long a stop took."""
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    try:
+        proc.wait(HANG)
+    finally:
+        took = time.monotonic() - t0
+    return completed(proc), took
+
+
 def waiting(server, out, still=1.0):
     """A test of: a read stalls, a pass was trained, and no step was logged for `still` seconds
     (on a loaded machine a slow step may pass for a wait: the stop is then a step's, as fast)."""
@@ -136,13 +147,7 @@ def test_a_stop_signal_while_a_read_stalls_stops_within_seconds_and_the_resume_m
         proc = start(args(server.url, out, workers=workers))
         # the first pass trained, a read stalls, and no step came for a second: the trainer waits for a batch
         wait_for(proc, waiting(server, out), "the stall")
-        t0 = time.monotonic()
-        proc.send_signal(sig)
-        try:
-            proc.wait(HANG)
-        finally:
-            took = time.monotonic() - t0
-        p = completed(proc)
+        p, took = signalled(proc, sig)
     assert p.returncode == 128 + sig, p.stderr[-3000:]
     print(f"{sig.name} during a {STALL:g} s stall: stopped in {took:.2f} s")  # pytest -s shows it (docs/training.md)
     assert took < BOUND, f"the stop took {took:.1f} s of a {STALL:g} s stall: {p.stdout[-1500:]}"
@@ -167,13 +172,7 @@ def test_a_single_process_waiting_for_its_workers_stalled_reads_stops_within_sec
         line, _ = next_line(proc, b"", HANG, "trainer")
         assert line and line.startswith("training "), line
         time.sleep(1)  # the trainer's start done, and the wait for the first batch begun (else: a step's stop)
-        t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(HANG)
-        finally:
-            took = time.monotonic() - t0
-        p = completed(proc)
+        p, took = signalled(proc, signal.SIGTERM)
     assert p.returncode == 128 + signal.SIGTERM, p.stderr[-3000:]
     print(f"2 workers, SIGTERM during a {STALL:g} s stall: stopped in {took:.2f} s")
     assert took < BOUND + 5, f"the stop took {took:.1f} s of a {STALL:g} s stall: {p.stdout[-1500:]}"
@@ -423,13 +422,7 @@ def test_a_stop_signal_while_the_manifest_read_stalls_ends_the_start_up_at_once(
         proc = start(args(server.url, out))
         wait_for(proc, lambda: server.stalled.is_set(), "the manifest's stall")
         time.sleep(1.0)
-        t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(HANG)
-        finally:
-            took = time.monotonic() - t0
-        p = completed(proc)
+        p, took = signalled(proc, signal.SIGTERM)
     assert p.returncode == 128 + signal.SIGTERM, p.stderr[-3000:]
     print(f"SIGTERM during a stalled manifest read: stopped in {took:.2f} s")
     assert took < BOUND, f"the stop took {took:.1f} s of a {STALL:g} s stall: {p.stderr[-1500:]}"
@@ -463,13 +456,7 @@ def test_a_stop_during_a_stalled_evaluation_and_the_resume_evaluates_the_saved_e
         proc = start(args(train.url, out, *more, "--eval", f"mnist={test.url}"))
         wait_for(proc, lambda: test.stalled.is_set(), "the evaluation's stall")
         time.sleep(1.0)
-        t0 = time.monotonic()
-        proc.send_signal(sig)
-        try:
-            proc.wait(HANG)
-        finally:
-            took = time.monotonic() - t0
-        p = completed(proc)
+        p, took = signalled(proc, sig)
         assert p.returncode == (-sig if sig == signal.SIGKILL else 128 + sig), p.stderr[-3000:]
         assert took < BOUND, f"the stop took {took:.1f} s of a {STALL:g} s stall: {p.stdout[-1500:]}"
         if sig != signal.SIGKILL:
