@@ -533,3 +533,23 @@ def test_skipped_over_a_resume_on_another_world_counts_each_damaged_position_onc
     keys = [k for r in range(2) for _, k in key_log(out, 2).get(r, [])]
     assert len(keys) == 40 and not {f"s{i:02d}" for i in range(0, 40, 4)} & set(keys), sorted(keys)
     assert json.loads((out / "summary.json").read_text())["skipped_samples"] == 10
+
+
+@pytest.mark.parametrize("lines, missing", [
+    (['{"kind": "eval", "epoch": 1, "accuracy": 0.5}'], False),
+    (['{"kind":"eval","epoch":1}'], False),  # compact JSON is the same record (hostileP 3)
+    (['{"kind": "eval", "epoch": 2}'], True),
+    (['[{"kind": "eval", "epoch": 1}]'], True),  # not a record: damaged, evaluated again (hostileP 2)
+    (['{"kind": "eval", "ep'], True),  # cut in half
+    (['{"kind": "train", "epoch": 1}', "garbage", '{"kind": "eval", "epoch": 1}'], False),
+    ([], True),
+])
+def test_a_resume_evaluates_the_saved_epoch_only_where_its_eval_line_is_missing(tmp_path, lines, missing):
+    from types import SimpleNamespace
+
+    from pipeline.train.loop import missing_eval
+
+    (tmp_path / "metrics.jsonl").write_text("".join(ln + "\n" for ln in lines))
+    args, topo = SimpleNamespace(out=str(tmp_path)), SimpleNamespace(is_main=True)
+    run = SimpleNamespace(in_epoch=False, epoch=1)
+    assert missing_eval(args, topo, run, ckpt="ckpt") is missing

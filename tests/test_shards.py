@@ -270,3 +270,29 @@ def test_verify_reports_size_and_empty_folder(tmp_path):
     empty.mkdir()
     assert len(verify.verify(str(empty))) == 1
     assert verify.verify(str(tmp_path / "gone")) == [f"{tmp_path / 'gone'}: no such folder"]
+
+
+def _nap(seconds):
+    import time
+
+    time.sleep(seconds)
+    return seconds
+
+
+class _Stop(BaseException):
+    """Stands in for the trainer's stop (stop.Interrupted): a BaseException, not an Exception."""
+
+
+def test_a_stop_ends_the_forked_pool_without_waiting_for_its_queued_tasks():
+    """An index on first use over HTTP waited, after a stop signal, for every queued shard read,
+    stalled ones and their retries too (hostileP): the pool's join waited for them. A stop now
+    terminates the pool; an ordinary error still closes it, letting the tasks finish."""
+    import time
+
+    gen = shards.forked_imap(_nap, [0, 60, 60, 60], 2)
+    assert next(gen) == 0
+    t0 = time.monotonic()
+    with pytest.raises(_Stop):
+        gen.throw(_Stop())
+    took = time.monotonic() - t0
+    assert took < 30, f"the pool waited {took:.1f} s for tasks of 60 s"  # a hang guard: it takes well under 1 s

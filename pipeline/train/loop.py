@@ -219,10 +219,19 @@ def missing_eval(args, topo, run, ckpt):
     if topo.is_main:
         try:
             with open(os.path.join(args.out, "metrics.jsonl")) as f:
-                found = any('"kind": "eval"' in ln and json.loads(ln).get("epoch") == run.epoch for ln in f)
-        except (OSError, ValueError):  # no log, or a damaged line: evaluate again, it costs one pass
+                found = any(_eval_of(ln, run.epoch) for ln in f)
+        except OSError:  # no log: evaluate again, it costs one pass
             found = False
     return not dist.all_gather(found)[0]
+
+
+def _eval_of(line, epoch):
+    """Whether a metrics.jsonl line is the evaluation of `epoch`; a damaged line (cut, edited) is not."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and record.get("kind") == "eval" and record.get("epoch") == epoch
 
 
 def alone(stopper, topo):

@@ -172,14 +172,17 @@ def plan_shards(n, maxcount, seed, limit=None, part=(0, 1)):
 
 def forked_imap(fn, tasks, workers):
     """fn over tasks in `workers` forked processes, results in order. The pool ends with close() and
-    join(), never terminate() but on Ctrl-C: terminate() can kill a worker while it holds the
-    result queue's lock, or miss one the pool was starting, and then waits for it for good (a hung
-    --imagefolder build in CI; an --index of a test run's that never ended)."""
+    join(), never terminate() but on a stop (Ctrl-C, or the trainer's stop signal: any BaseException
+    but GeneratorExit): terminate() can kill a worker while it holds the result queue's lock, or
+    miss one the pool was starting, and then waits for it for good (a hung --imagefolder build in
+    CI; an --index of a test run's that never ended); but join() after a stop waited for every
+    task queued, stalled reads and their retries too (an index on first use over HTTP, hostileP)."""
     pool = multiprocessing.get_context("fork").Pool(workers)
     try:
         yield from pool.imap(fn, tasks)
-    except KeyboardInterrupt:
-        pool.terminate()
+    except BaseException as e:
+        if not isinstance(e, (Exception, GeneratorExit)):
+            pool.terminate()
         raise
     finally:
         pool.close()
