@@ -29,6 +29,7 @@ from pipeline.train import dist, guard, options, stop
 from pipeline import cli
 from pipeline.data.handover.workers import WorkerDied
 from pipeline.errors import InputError
+from pipeline.files import open_regular
 from pipeline.train.console import mix_line, one_line, settings_line
 from pipeline.train.epoch import train_epoch
 from pipeline.train.evaluate import epoch_line, eval_loaders, evaluate, evaluate_only, memory_format
@@ -217,10 +218,10 @@ def missing_eval(args, topo, run, ckpt):
         return False
     found = False
     if topo.is_main:
-        try:
-            with open(os.path.join(args.out, "metrics.jsonl")) as f:
+        try:  # a FIFO or device in its place is refused in one line, as every file of the run folder is
+            with open_regular(os.path.join(args.out, "metrics.jsonl")) as f:
                 found = any(_eval_of(ln, run.epoch) for ln in f)
-        except OSError:  # no log: evaluate again, it costs one pass
+        except FileNotFoundError:  # no log: evaluate again, it costs one pass
             found = False
     return not dist.all_gather(found)[0]
 
