@@ -183,8 +183,8 @@ def _turbo_batch(images, exts, target, crops, view=None):
         chw = rgbx.joined_batch(decoded, resized, h, w)
     else:
         chw = np.frombuffer(b"".join(decoded), np.uint8).reshape(len(kept), h, w, c).transpose(0, 3, 1, 2)
-    if view:
-        return chw, kept, errors
+    if view or not four:
+        return (chw if view else np.ascontiguousarray(chw)), kept, errors  # grey: contiguous already, no copy
     out = np.empty(chw.shape, np.uint8)
     rgbx.assign(out, slice(None), chw)
     return out, kept, errors
